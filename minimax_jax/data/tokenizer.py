@@ -1,0 +1,202 @@
+"""Train and load byte-level BPE tokenizers (HF ``tokenizers``) carrying the MiniMax special tokens.
+
+The real MiniMax-M2 tokenizer (200,064 ids, special tokens at ids 200000..200053, see
+/work/shared/docs/MODEL_FACTS.md section 1) is only on the model hub. For small models trained
+from scratch this module trains a compatible *kind* of tokenizer:
+
+- byte-level BPE (every byte is in the initial alphabet, so any UTF-8 text round-trips);
+- pre-tokenisation by the GPT-2 style regex of ``tokenizers.pre_tokenizers.ByteLevel`` (the real
+  tokenizer uses an o200k-like regex; ids and merges are NOT compatible with it);
+- the MiniMax special tokens as *added special tokens* that are never split.
+
+Id choice: the special tokens take the FIRST ids, 0..8, in the order of :data:`SPECIAL_TOKENS`
+(pad first, so pad id == 0 matches the pipeline's zero padding). Their ids therefore differ from the
+real tokenizer; use :func:`special_token_ids` to put bos/eos/pad ids into a ModelConfig.
+
+CLI::
+
+    python -m minimax_jax.data.tokenizer train --input DIR_OR_GLOB [...] --vocab_size 8192 --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Iterator, Sequence
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from minimax_jax.data.sources import DocumentSource
+
+PAD = "]!p~["
+BOS = "]~!b["
+EOS = "[e~["
+ROLE_START = "]~b]"
+ROLE_END_D = "]!d~["
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+TOOL_CALL_OPEN = "<minimax:tool_call>"
+TOOL_CALL_CLOSE = "</minimax:tool_call>"
+
+#: MiniMax special tokens, in the id order this module assigns (ids 0..8).
+SPECIAL_TOKENS: tuple[str, ...] = (
+    PAD, BOS, EOS, ROLE_START, ROLE_END_D, THINK_OPEN, THINK_CLOSE, TOOL_CALL_OPEN, TOOL_CALL_CLOSE,
+)
+
+TOKENIZER_FILE = "tokenizer.json"
+_BYTE_ALPHABET = 256
+
+
+class TokenizerError(ValueError):
+    """A tokenizer cannot be trained or loaded as asked."""
+
+
+def _empty_bpe() -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tok
+
+
+def train_tokenizer(
+    texts: Iterator[str] | Sequence[str],
+    vocab_size: int,
+    *,
+    min_frequency: int = 2,
+    length: int | None = None,
+) -> Tokenizer:
+    """Trains a byte-level BPE tokenizer on an iterable of texts.
+
+    Args:
+      texts: documents (str).
+      vocab_size: final vocabulary size including the 256 byte symbols and the
+        ``len(SPECIAL_TOKENS)`` special tokens; must be >= 256 + 9.
+      min_frequency: minimum pair count for a merge.
+      length: number of texts, only for the progress display.
+    Returns:
+      A ``tokenizers.Tokenizer``; special tokens have ids 0..8 (see module docstring).
+    Raises:
+      TokenizerError: vocab_size too small.
+    """
+    minimum = _BYTE_ALPHABET + len(SPECIAL_TOKENS)
+    if vocab_size < minimum:
+        raise TokenizerError(
+            f"vocab_size={vocab_size} is too small: need at least {minimum} "
+            f"(256 bytes + {len(SPECIAL_TOKENS)} special tokens)"
+        )
+    tok = _empty_bpe()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer, length=length)
+    check_special_tokens(tok)
+    return tok
+
+
+def train_tokenizer_from_paths(
+    inputs: Sequence[str], vocab_size: int, *, field: str = "text", min_frequency: int = 2,
+    max_chars: int | None = None,
+) -> Tokenizer:
+    """Trains on files / directories / globs / JSONL (``field``), optionally capped at ``max_chars``.
+
+    Raises:
+      SourceError (from :mod:`minimax_jax.data.sources`) for bad inputs, TokenizerError as above.
+    """
+    src = DocumentSource(inputs, field=field)
+
+    def gen():
+        used = 0
+        for i in range(len(src)):
+            text = src[i]
+            if max_chars is not None:
+                if used >= max_chars:
+                    return
+                text = text[: max_chars - used]
+            used += len(text)
+            yield text
+
+    return train_tokenizer(gen(), vocab_size, min_frequency=min_frequency, length=len(src))
+
+
+def check_special_tokens(tok: Tokenizer) -> dict[str, int]:
+    """Checks that every MiniMax special token encodes to exactly one id; returns token -> id.
+
+    Raises:
+      TokenizerError: naming the special token that is missing or split.
+    """
+    ids = {}
+    for s in SPECIAL_TOKENS:
+        tid = tok.token_to_id(s)
+        if tid is None:
+            raise TokenizerError(f"tokenizer has no special token {s!r}")
+        enc = tok.encode(s, add_special_tokens=False).ids
+        if enc != [tid]:
+            raise TokenizerError(f"special token {s!r} encodes to {enc}, expected the single id {tid}")
+        ids[s] = tid
+    return ids
+
+
+def special_token_ids(tok: Tokenizer) -> dict[str, int]:
+    """Returns ``{"pad_token_id", "bos_token_id", "eos_token_id"}`` for a ModelConfig.
+
+    Raises:
+      TokenizerError: when a special token is missing.
+    """
+    ids = check_special_tokens(tok)
+    return {"pad_token_id": ids[PAD], "bos_token_id": ids[BOS], "eos_token_id": ids[EOS]}
+
+
+def save_tokenizer(tok: Tokenizer, out_dir: str) -> str:
+    """Writes ``out_dir/tokenizer.json`` (creating the directory); returns the file path."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, TOKENIZER_FILE)
+    tok.save(path)
+    return path
+
+
+def load_tokenizer(dir_or_file: str) -> Tokenizer:
+    """Loads a ``tokenizers`` tokenizer from a ``tokenizer.json`` file or a directory holding one.
+
+    Raises:
+      FileNotFoundError: naming the exact file looked for.
+    """
+    path = os.fspath(dir_or_file)
+    if os.path.isdir(path):
+        path = os.path.join(path, TOKENIZER_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"no tokenizer file at {path!r} (looked for {TOKENIZER_FILE} in the directory, or the "
+            f"file itself); train one with `python -m minimax_jax.data.tokenizer train`"
+        )
+    return Tokenizer.from_file(path)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry point; see the module docstring."""
+    parser = argparse.ArgumentParser(prog="python -m minimax_jax.data.tokenizer")
+    sub = parser.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train a byte-level BPE tokenizer")
+    t.add_argument("--input", nargs="+", required=True, help="files, directories, globs or JSONL")
+    t.add_argument("--vocab_size", type=int, required=True)
+    t.add_argument("--out", required=True, help="output directory (tokenizer.json is written there)")
+    t.add_argument("--field", default="text", help="JSON field of JSONL inputs")
+    t.add_argument("--min_frequency", type=int, default=2)
+    t.add_argument("--max_chars", type=int, default=None, help="stop reading after this many chars")
+    args = parser.parse_args(argv)
+    tok = train_tokenizer_from_paths(
+        args.input, args.vocab_size, field=args.field, min_frequency=args.min_frequency,
+        max_chars=args.max_chars,
+    )
+    path = save_tokenizer(tok, args.out)
+    print(f"wrote {path}: vocab {tok.get_vocab_size()}, special ids {special_token_ids(tok)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

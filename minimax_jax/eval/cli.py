@@ -1,0 +1,133 @@
+"""Evaluation CLI: RULER-style tasks at several context lengths plus held-out perplexity.
+
+Usage::
+
+    python -m minimax_jax.eval --checkpoint DIR [--tasks niah_single,variable_tracking|all]
+        [--lengths 2048,4096] [--num_samples 4] [--seed 0] [--max_new_tokens 48] [--chat]
+        [--haystack prose|noise] [--ppl_files PATH ...] [--ppl_seq_len 2048] [--out results.json]
+
+Lengths are in tokens of the model's tokenizer (the task prompt; ``--chat`` adds the chat wrapper's
+few tokens). The model is reached only through :mod:`minimax_jax.eval.runner`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from minimax_jax.eval.chat import chat_prompt, strip_thinking
+from minimax_jax.eval.haystack import noise_haystack, prose_haystack, token_counter
+from minimax_jax.eval.perplexity import heldout_perplexity
+from minimax_jax.eval.runner import ModelFns, load_model_fns
+from minimax_jax.eval.scoring import METRICS, score_examples
+from minimax_jax.eval.tasks import TASKS, generate_suite
+
+
+def _int_list(s: str) -> list[int]:
+    try:
+        vals = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from e
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {s!r}")
+    return vals
+
+
+def _task_list(s: str) -> list[str]:
+    names = sorted(TASKS) if s == "all" else [x.strip() for x in s.split(",") if x.strip()]
+    unknown = [n for n in names if n not in TASKS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown tasks {unknown}; known: {sorted(TASKS)} or 'all'")
+    return names
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI's argument parser."""
+    p = argparse.ArgumentParser(prog="python -m minimax_jax.eval", description=__doc__.split("\n")[0])
+    p.add_argument("--checkpoint", required=True, help="checkpoint directory for minimax_jax.infer")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json overriding the runtime's")
+    p.add_argument("--tasks", type=_task_list, default=sorted(TASKS), help="comma list or 'all'")
+    p.add_argument("--lengths", type=_int_list, default=[2048, 4096], help="context lengths (tokens)")
+    p.add_argument("--num_samples", type=int, default=4, help="examples per task and length")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max_new_tokens", type=int, default=48)
+    p.add_argument("--batch_size", type=int, default=8, help="prompts per generate_fn call")
+    p.add_argument("--metric", choices=METRICS, default="contains")
+    p.add_argument("--chat", action="store_true", help="wrap prompts in the MiniMax chat format")
+    p.add_argument("--haystack", choices=("prose", "noise"), default="prose")
+    p.add_argument("--ppl_files", nargs="*", default=None,
+                   help="held-out text files for perplexity (default: held-out Shakespeare works)")
+    p.add_argument("--ppl_seq_len", type=int, default=2048)
+    p.add_argument("--ppl_max_tokens", type=int, default=65536)
+    p.add_argument("--no_perplexity", action="store_true")
+    p.add_argument("--max_seq_len", type=int, default=None, help="forwarded to the runtime")
+    p.add_argument("--out", default=None, help="write the results JSON here")
+    return p
+
+
+def run_eval(args: argparse.Namespace, fns: ModelFns) -> dict:
+    """Runs the tasks and perplexity with ``fns``; returns the results dict (JSON-serialisable)."""
+    if args.num_samples < 1 or args.max_new_tokens < 1 or args.batch_size < 1:
+        raise ValueError("num_samples, max_new_tokens and batch_size must be >= 1")
+    haystack = prose_haystack() if args.haystack == "prose" else noise_haystack()
+    examples = generate_suite(args.tasks, args.lengths, args.num_samples,
+                              token_counter(fns.tokenizer), haystack, seed=args.seed)
+    prompts = [chat_prompt(e.prompt) if args.chat else e.prompt for e in examples]
+    outputs: list[str] = []
+    for i in range(0, len(prompts), args.batch_size):
+        chunk = prompts[i : i + args.batch_size]
+        got = list(fns.generate_fn(chunk, args.max_new_tokens))
+        if len(got) != len(chunk):
+            raise ValueError(f"generate_fn returned {len(got)} outputs for {len(chunk)} prompts")
+        outputs.extend(got)
+    if args.chat:
+        outputs = [strip_thinking(o) for o in outputs]
+    scores = score_examples(examples, outputs, args.metric)
+    results = {
+        "checkpoint": args.checkpoint,
+        "metric": args.metric,
+        "tasks": scores["by_task"],
+        "mean": scores["mean"],
+        "examples": [
+            {"task": e.task, "target_length": e.target_length, "length": e.length,
+             "answers": list(e.answers), "output": o, "score": s}
+            for e, o, s in zip(examples, outputs, scores["scores"])
+        ],
+    }
+    if not args.no_perplexity and fns.logprob_fn is not None:
+        if args.ppl_files:
+            texts = [open(f, encoding="utf-8", errors="replace").read() for f in args.ppl_files]
+        else:
+            texts = [prose_haystack().text]
+        bos = fns.tokenizer.token_to_id("]~!b[")
+        results["perplexity"] = heldout_perplexity(
+            fns.logprob_fn, texts, fns.tokenizer, seq_len=args.ppl_seq_len,
+            max_tokens=args.ppl_max_tokens, bos_id=bos,
+        )
+    return results
+
+
+def main(argv: Sequence[str] | None = None, fns: ModelFns | None = None) -> int:
+    """CLI entry point; ``fns`` bypasses the runtime (tests, custom models)."""
+    args = build_parser().parse_args(argv)
+    if fns is None:
+        opts = {} if args.max_seq_len is None else {"max_seq_len": args.max_seq_len}
+        fns = load_model_fns(args.checkpoint, tokenizer=args.tokenizer, **opts)
+    results = run_eval(args, fns)
+    for task, by_len in sorted(results["tasks"].items()):
+        cells = "  ".join(f"{L}: {v:.3f}" for L, v in sorted(by_len.items(), key=lambda kv: int(kv[0])))
+        print(f"{task:20s} {cells}")
+    if "perplexity" in results:
+        p = results["perplexity"]
+        print(f"held-out perplexity {p['perplexity']:.3f} ({p['tokens']} tokens, "
+              f"{p.get('bits_per_byte', float('nan')):.4f} bits/byte)")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,259 @@
+"""Parameter pytree: layout, initialisation, logical axes, segments of stacked layers.
+
+The layout is documented in docs/ARCHITECTURE.md. Linear weights are ``[in, out]``. Consecutive
+layers of the same (layer_type, mlp_type) form a segment whose leaves are stacked on a leading
+layer axis, so the forward scans a segment and compile time does not grow with depth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from minimax_jax.config import ModelConfig, dtype_of
+
+__all__ = ["Segment", "layer_segments", "init_params", "abstract_params", "param_axes",
+           "init_layer_params", "layer_axes", "add_index_params", "segment_of_layer", "count_params"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """A run of ``length`` identical layers starting at layer ``start``."""
+
+    start: int
+    length: int
+    layer_type: str
+    mlp_type: str
+
+
+def layer_segments(cfg: ModelConfig) -> list[Segment]:
+    """Split the layers into maximal runs of equal (layer_type, mlp_type)."""
+    segs: list[Segment] = []
+    for i, kinds in enumerate(zip(cfg.layer_types, cfg.mlp_types)):
+        if segs and (segs[-1].layer_type, segs[-1].mlp_type) == kinds and segs[-1].start + segs[-1].length == i:
+            s = segs[-1]
+            segs[-1] = Segment(s.start, s.length + 1, s.layer_type, s.mlp_type)
+        else:
+            segs.append(Segment(i, 1, kinds[0], kinds[1]))
+    return segs
+
+
+def segment_of_layer(cfg: ModelConfig, layer: int) -> tuple[int, int]:
+    """Map a layer index to ``(segment index, offset inside the segment)``."""
+    for si, s in enumerate(layer_segments(cfg)):
+        if s.start <= layer < s.start + s.length:
+            return si, layer - s.start
+    raise IndexError(f"layer {layer} out of range [0, {cfg.num_layers})")
+
+
+# ----------------------------------------------------------------------------- axes
+def layer_axes(cfg: ModelConfig, layer_type: str, mlp_type: str) -> dict[str, Any]:
+    """Logical axis names of one layer's params (no leading layer axis)."""
+    norm = {"scale": ("norm",)}
+    attn: dict[str, Any] = {
+        "q_proj": ("embed", "q_heads"), "k_proj": ("embed", "kv_heads"), "v_proj": ("embed", "kv_heads"),
+        "o_proj": ("q_heads", "embed"),
+    }
+    if cfg.qk_norm == "full":
+        attn["q_norm"] = {"scale": ("q_heads",)}
+        attn["k_norm"] = {"scale": ("kv_heads",)}
+    elif cfg.qk_norm == "per_head":
+        attn["q_norm"] = {"scale": ("head_dim",)}
+        attn["k_norm"] = {"scale": ("head_dim",)}
+    if layer_type == "msa":
+        attn["index_q_proj"] = ("embed", "index_heads")
+        attn["index_k_proj"] = ("embed", "index_dim")
+        attn["index_q_norm"] = {"scale": ("index_dim",)}
+        attn["index_k_norm"] = {"scale": ("index_dim",)}
+    if mlp_type == "moe":
+        mlp: dict[str, Any] = {
+            "router": ("embed", "experts_router"), "router_bias": ("experts_router",),
+            "wi": ("experts", "embed_expert", "mlp_expert"), "wo": ("experts", "mlp_expert", "embed_expert"),
+        }
+        if cfg.shared_intermediate_size:
+            mlp["shared_wi"] = ("embed", "mlp")
+            mlp["shared_wo"] = ("mlp", "embed")
+    else:
+        mlp = {"wi": ("embed", "mlp"), "wo": ("mlp", "embed")}
+    return {"input_norm": dict(norm), "attn": attn, "post_attn_norm": dict(norm), "mlp": mlp}
+
+
+def param_axes(cfg: ModelConfig) -> dict[str, Any]:
+    """The params tree with a tuple of logical axis names in place of each leaf."""
+    segs = []
+    for s in layer_segments(cfg):
+        la = layer_axes(cfg, s.layer_type, s.mlp_type)
+        segs.append(jax.tree.map(lambda a: ("layers",) + a, la, is_leaf=lambda x: isinstance(x, tuple)))
+    out: dict[str, Any] = {
+        "embed": {"embedding": ("vocab", "embed")},
+        "segments": segs,
+        "final_norm": {"scale": ("norm",)},
+    }
+    if not cfg.tie_word_embeddings:
+        out["lm_head"] = ("embed", "vocab")
+    if cfg.num_mtp_modules:
+        out["mtp"] = [_mtp_axes(cfg) for _ in range(cfg.num_mtp_modules)]
+    return out
+
+
+def _mtp_axes(cfg):
+    lt, mt = mtp_layer_kinds(cfg)
+    return {"enorm": {"scale": ("norm",)}, "hnorm": {"scale": ("norm",)}, "eh_proj": ("embed2", "embed"),
+            "layer": layer_axes(cfg, lt, mt), "final_norm": {"scale": ("norm",)}}
+
+
+def mtp_layer_kinds(cfg: ModelConfig) -> tuple[str, str]:
+    """MTP modules use the model's last layer kind (M3: an MSA + MoE layer)."""
+    return cfg.layer_types[-1], cfg.mlp_types[-1]
+
+
+# ----------------------------------------------------------------------------- init
+def _normal(key, shape, std, dtype):
+    return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+def _norm_init(cfg: ModelConfig, n: int, dtype) -> dict[str, jax.Array]:
+    # Stored as the checkpoint stores it: "rms" multiplies by w (init 1); "gemma" by (1 + w) (init 0).
+    return {"scale": (jnp.zeros if cfg.norm_kind == "gemma" else jnp.ones)((n,), dtype)}
+
+
+def init_layer_params(cfg: ModelConfig, key: jax.Array, layer_type: str, mlp_type: str) -> dict[str, Any]:
+    """Random params of one decoder layer (normal(0, initializer_range) weights)."""
+    pd = dtype_of(cfg.param_dtype)
+    std = cfg.initializer_range
+    H = cfg.hidden_size
+    ks = iter(jax.random.split(key, 16))
+    attn: dict[str, Any] = {
+        "q_proj": _normal(next(ks), (H, cfg.q_dim), std, pd),
+        "k_proj": _normal(next(ks), (H, cfg.kv_dim), std, pd),
+        "v_proj": _normal(next(ks), (H, cfg.kv_dim), std, pd),
+        "o_proj": _normal(next(ks), (cfg.q_dim, H), std, pd),
+    }
+    if cfg.qk_norm == "full":
+        attn["q_norm"] = _norm_init(cfg, cfg.q_dim, pd)
+        attn["k_norm"] = _norm_init(cfg, cfg.kv_dim, pd)
+    elif cfg.qk_norm == "per_head":
+        attn["q_norm"] = _norm_init(cfg, cfg.head_dim, pd)
+        attn["k_norm"] = _norm_init(cfg, cfg.head_dim, pd)
+    if layer_type == "msa":
+        attn.update(_index_params(cfg, next(ks)))
+    if mlp_type == "moe":
+        E, I = cfg.num_experts, cfg.moe_intermediate_size
+        mlp: dict[str, Any] = {
+            "router": _normal(next(ks), (H, E), std, jnp.float32),
+            "router_bias": jnp.zeros((E,), jnp.float32),
+            "wi": _normal(next(ks), (E, H, 2 * I), std, pd),
+            "wo": _normal(next(ks), (E, I, H), std, pd),
+        }
+        if cfg.shared_intermediate_size:
+            Is = cfg.shared_intermediate_size
+            mlp["shared_wi"] = _normal(next(ks), (H, 2 * Is), std, pd)
+            mlp["shared_wo"] = _normal(next(ks), (Is, H), std, pd)
+    else:
+        I = cfg.dense_intermediate_size
+        mlp = {"wi": _normal(next(ks), (H, 2 * I), std, pd), "wo": _normal(next(ks), (I, H), std, pd)}
+    return {"input_norm": _norm_init(cfg, H, pd), "attn": attn, "post_attn_norm": _norm_init(cfg, H, pd),
+            "mlp": mlp}
+
+
+def _index_params(cfg: ModelConfig, key: jax.Array) -> dict[str, Any]:
+    pd = dtype_of(cfg.param_dtype)
+    k1, k2 = jax.random.split(key)
+    H, Hi, Di = cfg.hidden_size, cfg.index_num_heads or cfg.num_kv_heads, cfg.index_head_dim
+    return {
+        "index_q_proj": _normal(k1, (H, Hi * Di), cfg.initializer_range, pd),
+        "index_k_proj": _normal(k2, (H, Di), cfg.initializer_range, pd),
+        "index_q_norm": _norm_init(cfg, Di, pd),
+        "index_k_norm": _norm_init(cfg, Di, pd),
+    }
+
+
+def init_params(cfg: ModelConfig, key: jax.Array) -> dict[str, Any]:
+    """Random params for ``cfg`` (see docs/ARCHITECTURE.md for the layout)."""
+    pd = dtype_of(cfg.param_dtype)
+    k_emb, k_head, k_layers, k_mtp = jax.random.split(key, 4)
+    segs = []
+    layer_keys = jax.random.split(k_layers, cfg.num_layers)
+    for s in layer_segments(cfg):
+        keys = layer_keys[s.start:s.start + s.length]
+        segs.append(jax.vmap(lambda k, s=s: init_layer_params(cfg, k, s.layer_type, s.mlp_type))(keys))
+    params: dict[str, Any] = {
+        "embed": {"embedding": _normal(k_emb, (cfg.vocab_size, cfg.hidden_size), cfg.initializer_range, pd)},
+        "segments": segs,
+        "final_norm": _norm_init(cfg, cfg.hidden_size, pd),
+    }
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = _normal(k_head, (cfg.hidden_size, cfg.vocab_size), cfg.initializer_range, pd)
+    if cfg.num_mtp_modules:
+        lt, mt = mtp_layer_kinds(cfg)
+        mods = []
+        for mk in jax.random.split(k_mtp, cfg.num_mtp_modules):
+            a, b = jax.random.split(mk)
+            H = cfg.hidden_size
+            mods.append({"enorm": _norm_init(cfg, H, pd), "hnorm": _norm_init(cfg, H, pd),
+                         "eh_proj": _normal(a, (2 * H, H), cfg.initializer_range, pd),
+                         "layer": init_layer_params(cfg, b, lt, mt), "final_norm": _norm_init(cfg, H, pd)})
+        params["mtp"] = mods
+    return params
+
+
+def abstract_params(cfg: ModelConfig) -> dict[str, Any]:
+    """ShapeDtypeStructs of the params (no memory is allocated): ``jax.eval_shape`` of init."""
+    return jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+
+
+def count_params(tree: Any) -> int:
+    """Number of scalars in a params (or abstract params) tree."""
+    return sum(int(x.size) for x in jax.tree.leaves(tree))
+
+
+def add_index_params(params: dict[str, Any], old_cfg: ModelConfig, new_cfg: ModelConfig,
+                     key: jax.Array) -> dict[str, Any]:
+    """Re-stack ``params`` of ``old_cfg`` into the segments of ``new_cfg`` (e.g. after ``with_msa``),
+    initialising index projections/norms for layers that became "msa". Used to turn a dense
+    checkpoint into an MSA one ("sparse continued pre-training").
+
+    Raises ValueError when the two configs differ in anything but layer_types / index fields.
+    """
+    keep = {f.name for f in dataclasses.fields(ModelConfig)} - {
+        "layer_types", "index_num_heads", "index_head_dim", "index_block_size", "index_topk",
+        "index_init_blocks", "index_local_blocks", "index_rope", "msa_impl", "sliding_window"}
+    diff = [n for n in sorted(keep) if getattr(old_cfg, n) != getattr(new_cfg, n)]
+    if diff:
+        raise ValueError(f"add_index_params: configs differ in {diff}; only layer types / index fields may change")
+    layers = unstack_layers(params, old_cfg)
+    keys = jax.random.split(key, new_cfg.num_layers)
+    new_layers = []
+    for i, lp in enumerate(layers):
+        lp = jax.tree.map(lambda x: x, lp)
+        attn = dict(lp["attn"])
+        if new_cfg.layer_types[i] == "msa" and "index_q_proj" not in attn:
+            attn.update(_index_params(new_cfg, keys[i]))
+        if new_cfg.layer_types[i] != "msa":
+            for n in ("index_q_proj", "index_k_proj", "index_q_norm", "index_k_norm"):
+                attn.pop(n, None)
+        lp["attn"] = attn
+        new_layers.append(lp)
+    out = dict(params)
+    out["segments"] = stack_layers(new_layers, new_cfg)
+    return out
+
+
+def unstack_layers(params: dict[str, Any], cfg: ModelConfig) -> list[dict[str, Any]]:
+    """Per-layer param dicts (no leading axis), in layer order."""
+    out = []
+    for s, sp in zip(layer_segments(cfg), params["segments"]):
+        for j in range(s.length):
+            out.append(jax.tree.map(lambda x, j=j: x[j], sp))
+    return out
+
+
+def stack_layers(layers: list[dict[str, Any]], cfg: ModelConfig) -> list[dict[str, Any]]:
+    """Inverse of ``unstack_layers``: stack per-layer dicts into ``cfg``'s segments."""
+    if len(layers) != cfg.num_layers:
+        raise ValueError(f"stack_layers: got {len(layers)} layers, config has {cfg.num_layers}")
+    return [jax.tree.map(lambda *xs: jnp.stack(xs), *layers[s.start:s.start + s.length])
+            for s in layer_segments(cfg)]

@@ -1,0 +1,239 @@
+"""The decoder forward pass as pure functions of (params, config, inputs).
+
+Layer (M2 and M3, MODEL_FACTS.md): ``h = x + o_proj(attn(input_norm(x)))``;
+``y = h + mlp(post_attn_norm(h))``; then the final norm and an untied lm_head. Attention is GQA
+with q/k RMSNorm (full width for M2, per head for M3) and partial NeoX RoPE; "msa" layers select
+blocks with the index branch (MSA_SPEC.md) and attend only those; "sliding" layers use a window.
+The MLP is a sigmoid-routed MoE (optionally with a shared expert) or a dense gated MLP.
+
+Pieces used by the decode engine (``project_qkv``, ``project_index``, ``mlp_block``, ``embed``,
+``unembed``) are public so the cache code reuses the same math.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from minimax_jax.config import ModelConfig, dtype_of
+from minimax_jax.model.layers import apply_rope, dense_mlp, rms_norm, rope_frequencies, swiglu
+from minimax_jax.model.params import layer_segments, mtp_layer_kinds
+from minimax_jax.ops.attention import attention
+from minimax_jax.ops.moe import moe_experts, route
+
+__all__ = ["ModelOutput", "forward", "mtp_forward", "project_qkv", "project_index", "attention_block",
+           "mlp_block", "decoder_layer", "embed", "unembed"]
+
+INDEXER_KL_MODES = (None, "sparse", "dense")
+
+
+class ModelOutput(NamedTuple):
+    """logits ``[B,T,V]`` float32; hidden ``[B,T,H]`` (pre-final-norm, for MTP) or None; aux dict."""
+
+    logits: jax.Array
+    hidden: jax.Array | None
+    aux: dict[str, Any]
+
+
+def _norm(x, p, cfg):
+    return rms_norm(x, p["scale"], eps=cfg.rms_norm_eps, kind=cfg.norm_kind)
+
+
+def embed(params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """Token embedding lookup: ``[B,T]`` int32 -> ``[B,T,H]`` compute dtype."""
+    return jnp.take(params["embed"]["embedding"], tokens, axis=0).astype(dtype_of(cfg.dtype))
+
+
+def unembed(params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
+    """Final-normed hidden ``[...,H]`` -> logits ``[...,V]`` float32 (lm_head or tied embedding)."""
+    w = params["embed"]["embedding"].T if cfg.tie_word_embeddings else params["lm_head"]
+    return jnp.einsum("...h,hv->...v", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+
+
+def project_qkv(p: dict, x: jax.Array, cfg: ModelConfig, cos: jax.Array, sin: jax.Array):
+    """Project the normed input to RoPE'd q ``[B,T,H,D]``, k ``[B,T,G,D]`` and v ``[B,T,G,D]``.
+
+    q/k norm: "full" normalises the whole projected width before splitting heads (M2; under tensor
+    parallelism its variance spans shards), "per_head" normalises each head (M3).
+    """
+    b, t, _ = x.shape
+    a = p["attn"]
+    q = x @ a["q_proj"].astype(x.dtype)
+    k = x @ a["k_proj"].astype(x.dtype)
+    v = x @ a["v_proj"].astype(x.dtype)
+    if cfg.qk_norm == "full":
+        q, k = _norm(q, a["q_norm"], cfg), _norm(k, a["k_norm"], cfg)
+    q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm == "per_head":
+        q, k = _norm(q, a["q_norm"], cfg), _norm(k, a["k_norm"], cfg)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def project_index(p: dict, x: jax.Array, cfg: ModelConfig, cos: jax.Array, sin: jax.Array):
+    """MSA index branch: qi ``[B,T,Hi,Di]``, ki ``[B,T,Di]`` (MSA_SPEC.md section 1).
+
+    The input is ``stop_gradient``-ed so the LM loss never trains the index projections; index
+    q/k get a per-head norm and (``index_rope``) the same partial RoPE as the main q/k.
+    """
+    b, t, _ = x.shape
+    a = p["attn"]
+    xs = jax.lax.stop_gradient(x)
+    hi, di = cfg.index_num_heads, cfg.index_head_dim
+    qi = (xs @ a["index_q_proj"].astype(x.dtype)).reshape(b, t, hi, di)
+    ki = (xs @ a["index_k_proj"].astype(x.dtype)).reshape(b, t, 1, di)
+    qi, ki = _norm(qi, a["index_q_norm"], cfg), _norm(ki, a["index_k_norm"], cfg)
+    if cfg.index_rope:
+        qi, ki = apply_rope(qi, cos, sin), apply_rope(ki, cos, sin)
+    return qi, ki[:, :, 0]
+
+
+def attention_block(p, x, cfg: ModelConfig, layer_type: str, positions, segment_ids, cos, sin,
+                    indexer_kl: str | None):
+    """Self-attention of one layer over its own tokens. Returns (out [B,T,H], kl_sum, kl_count)."""
+    b, t, _ = x.shape
+    q, k, v = project_qkv(p, x, cfg, cos, sin)
+    kl_sum = jnp.zeros((), jnp.float32)
+    kl_cnt = jnp.zeros((), jnp.float32)
+    pos_kw = dict(q_positions=positions, kv_positions=positions, q_segment_ids=segment_ids,
+                  kv_segment_ids=segment_ids)
+    if layer_type == "msa":
+        from minimax_jax.ops import msa as msa_ops  # imported only when a model has MSA layers
+
+        qi, ki = project_index(p, x, cfg, cos, sin)
+        if indexer_kl == "dense":
+            # Dense warm-up: full attention in the main branch, KL over the whole causal history.
+            o = attention(q, k, v, implementation=cfg.attention_impl, **pos_kw)
+            kl_sum, kl_cnt = msa_ops.indexer_kl(q, k, qi, ki, None, block_size=cfg.index_block_size, **pos_kw)
+        else:
+            ids = msa_ops.msa_select_blocks(
+                qi, ki, block_size=cfg.index_block_size, topk=cfg.index_topk, init_blocks=cfg.index_init_blocks,
+                local_blocks=cfg.index_local_blocks, implementation=cfg.msa_impl, **pos_kw)
+            o, _ = msa_ops.msa_attention(q, k, v, ids, block_size=cfg.index_block_size,
+                                         implementation=cfg.msa_impl, **pos_kw)
+            if indexer_kl == "sparse":
+                kl_sum, kl_cnt = msa_ops.indexer_kl(q, k, qi, ki, ids, block_size=cfg.index_block_size, **pos_kw)
+    else:
+        window = cfg.sliding_window if layer_type == "sliding" else None
+        o = attention(q, k, v, sliding_window=window, implementation=cfg.attention_impl, **pos_kw)
+    out = o.reshape(b, t, cfg.q_dim) @ p["attn"]["o_proj"].astype(x.dtype)
+    return out, kl_sum, kl_cnt
+
+
+def mlp_block(p, x, cfg: ModelConfig, mlp_type: str):
+    """MLP of one layer on normed input ``[B,T,H]``. Returns (out ``[B,T,H]``, load ``[E]`` float32)."""
+    m = p["mlp"]
+    if mlp_type == "dense":
+        return dense_mlp(x, m["wi"], m["wo"], cfg), jnp.zeros((max(cfg.num_experts, 1),), jnp.float32)
+    b, t, h = x.shape
+    xf = x.reshape(b * t, h)
+    weights, experts, load = route(xf, m["router"], m["router_bias"], cfg.num_experts_per_tok)
+    y = moe_experts(xf, weights, experts, m["wi"], m["wo"], lambda g: swiglu(g, cfg),
+                    implementation=cfg.moe_impl)
+    y = y * jnp.asarray(cfg.routed_scaling_factor, y.dtype)
+    if "shared_wi" in m:
+        y = y + dense_mlp(xf, m["shared_wi"], m["shared_wo"], cfg)
+    return y.reshape(b, t, h), load
+
+
+def decoder_layer(p, x, cfg, layer_type, mlp_type, positions, segment_ids, cos, sin, indexer_kl):
+    """One decoder layer. Returns (x_out, (load [E], kl_sum, kl_count))."""
+    a, kl_sum, kl_cnt = attention_block(p, _norm(x, p["input_norm"], cfg), cfg, layer_type, positions,
+                                        segment_ids, cos, sin, indexer_kl)
+    h = x + a
+    m, load = mlp_block(p, _norm(h, p["post_attn_norm"], cfg), cfg, mlp_type)
+    return h + m, (load, kl_sum, kl_cnt)
+
+
+def _prepare(cfg, tokens, positions, segment_ids):
+    b, t = tokens.shape
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    if segment_ids is None:
+        segment_ids = jnp.zeros((b, t), jnp.int32)
+    cos, sin = rope_frequencies(positions, cfg.rotary_dim, cfg.rope_theta)
+    return positions.astype(jnp.int32), segment_ids.astype(jnp.int32), cos, sin
+
+
+def forward(params, cfg: ModelConfig, tokens: jax.Array, *, positions: jax.Array | None = None,
+            segment_ids: jax.Array | None = None, indexer_kl: str | None = None,
+            return_hidden: bool = False, remat: str = "none") -> ModelOutput:
+    """Full-sequence forward pass.
+
+    Args:
+      params: params tree (docs/ARCHITECTURE.md).
+      cfg: the model config (static).
+      tokens: ``[B, T]`` int32 token ids.
+      positions: ``[B, T]`` int32 (default ``arange(T)``); packed documents restart at 0.
+      segment_ids: ``[B, T]`` int32 document ids (default all 0); attention never crosses them.
+      indexer_kl: None, ``"sparse"`` (KL on the selected support) or ``"dense"`` (warm-up: dense
+        attention in MSA layers, KL over the causal history).
+      return_hidden: also return the pre-final-norm hidden state (input of MTP modules).
+      remat: ``"none"`` | ``"full"`` (recompute each layer in the backward pass) | ``"dots"``
+        (save only matmul outputs).
+    Returns: ``ModelOutput(logits [B,T,V] f32, hidden, aux)`` with ``aux["router_load"]``
+      ``[num_moe_layers, E]`` tokens per expert, ``aux["indexer_kl_sum"]`` and
+      ``aux["indexer_kl_count"]`` (float32 scalars).
+    Raises: ValueError for a bad ``indexer_kl`` or token shape.
+    """
+    if indexer_kl not in INDEXER_KL_MODES:
+        raise ValueError(f"indexer_kl must be one of {INDEXER_KL_MODES}, got {indexer_kl!r}")
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
+    positions, segment_ids, cos, sin = _prepare(cfg, tokens, positions, segment_ids)
+    x = embed(params, cfg, tokens)
+    loads, kl_sum, kl_cnt = [], jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
+    for seg, sp in zip(layer_segments(cfg), params["segments"]):
+        def body(carry, lp, seg=seg):
+            y, aux = decoder_layer(lp, carry, cfg, seg.layer_type, seg.mlp_type, positions, segment_ids, cos, sin,
+                                   indexer_kl)
+            return y, aux
+
+        if remat == "full":
+            body = jax.checkpoint(body)
+        elif remat == "dots":
+            body = jax.checkpoint(body, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+        elif remat != "none":
+            raise ValueError(f"remat must be none|full|dots, got {remat!r}")
+        x, (load, ks, kc) = jax.lax.scan(body, x, sp)
+        if seg.mlp_type == "moe":
+            loads.append(load)
+        kl_sum, kl_cnt = kl_sum + ks.sum(), kl_cnt + kc.sum()
+    hidden = x
+    logits = unembed(params, cfg, _norm(x, params["final_norm"], cfg))
+    aux = {"router_load": jnp.concatenate(loads, 0) if loads else jnp.zeros((0, cfg.num_experts), jnp.float32),
+           "indexer_kl_sum": kl_sum, "indexer_kl_count": kl_cnt}
+    return ModelOutput(logits, hidden if return_hidden else None, aux)
+
+
+def mtp_forward(params, cfg: ModelConfig, hidden: jax.Array, tokens: jax.Array, *,
+                positions: jax.Array | None = None, segment_ids: jax.Array | None = None) -> list[jax.Array]:
+    """Multi-token-prediction heads (DeepSeek-V3 style, as M3 ships them).
+
+    Depth d (1-based) predicts token ``t + d + 1`` at position t:
+    ``h_d = layer_d(eh_proj([enorm(embed(tokens shifted left by d)), hnorm(h_{d-1})]))`` with
+    ``h_0`` the main model's pre-final-norm hidden state, then ``logits_d = lm_head(final_norm_d(h_d))``.
+    (Concatenation order embedding-first follows DeepSeek-V3's published MTP; M3's is assumed equal.)
+
+    Args:
+      hidden: ``[B,T,H]`` from ``forward(..., return_hidden=True)``.
+      tokens: ``[B,T]`` the same input tokens.
+    Returns: list of ``num_mtp_modules`` logits ``[B,T,V]`` float32; positions whose shifted token
+      falls off the end see token 0 and must be masked by the caller's loss.
+    """
+    if not cfg.num_mtp_modules:
+        return []
+    positions, segment_ids, cos, sin = _prepare(cfg, tokens, positions, segment_ids)
+    lt, mt = mtp_layer_kinds(cfg)
+    h = hidden
+    outs = []
+    for d, mod in enumerate(params["mtp"], start=1):
+        shifted = jnp.pad(tokens[:, d:], ((0, 0), (0, d)))
+        e = _norm(embed(params, cfg, shifted), mod["enorm"], cfg)
+        x = jnp.concatenate([e, _norm(h, mod["hnorm"], cfg)], axis=-1) @ mod["eh_proj"].astype(e.dtype)
+        h, _ = decoder_layer(mod["layer"], x, cfg, lt, mt, positions, segment_ids, cos, sin, None)
+        outs.append(unembed(params, cfg, _norm(h, mod["final_norm"], cfg)))
+    return outs

@@ -1,0 +1,326 @@
+"""MSA block-sparse attention on GPU: Pallas kernels with the Triton lowering (fwd, dq, dk/dv).
+
+Math (MSA_SPEC.md section 3): query head h of group r = h // (H/G) attends over the union of the
+keys of its selected blocks (block_ids[b, r, i, :], -1 = unused slot), keeping only visible keys;
+scale 1/sqrt(D); exact softmax with fp32 statistics. Outputs o [B,T,H,D] (q.dtype) and
+lse [B,T,H] f32 (natural log; -inf for a query that sees no key, whose o is 0).
+
+Kernel layout: one program per (query token, kv group, batch row). The H/G query heads of the group
+share the selected blocks, so they are stacked as the M dimension of every matmul (padded to a power
+of two >= 16, the smallest tensor-core tile Triton accepts). Each selected block is gathered from
+HBM with a data-dependent ``pl.ds(start, B)`` (see layout.py for how start is computed).
+
+Backward (``jax.custom_vjp``): delta = rowsum(o * do) in XLA; dq with the same query-outer kernel;
+dk/dv KV-outer: the (token, slot) selections are sorted by the storage tile they touch (stable
+sort, so the order and hence the result is bitwise deterministic) and one program per (tile, group,
+batch row) loops over the selections of its tile. No atomics.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.msa import layout
+
+__all__ = ["msa_attention_gpu"]
+
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+
+
+def _mask(kvp, kvs, n, q_pos, q_seg, blk):
+    """Visibility of the B loaded keys for one query and selected block id n: bool [B]."""
+    return ((n >= 0) & (kvs == q_seg) & (kvs >= 0) & (kvp <= q_pos)
+            & (kvp >= n * blk) & (kvp < n * blk + blk))
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, ids_ref, start_ref, qpos_ref, qseg_ref, kvpos_ref, kvseg_ref,
+                o_ref, lse_ref, *, blk, topk, scale):
+    t = pl.program_id(0)
+    g = pl.program_id(1)
+    b = pl.program_id(2)
+    q = q_ref[b, t, g]                       # [M, D]
+    m_rows = q.shape[0]
+    d = v_ref.shape[-1]
+    q_pos = qpos_ref[b, t]
+    q_seg = qseg_ref[b, t]
+    qk_scale = scale * _LOG2E
+
+    def body(kk, carry):
+        acc, m_prev, l_prev = carry
+        n = ids_ref[b, g, t, kk]
+        start = start_ref[b, g, t, kk]
+        sl = pl.ds(start, blk)
+        kb = k_ref[b, sl, g, :]              # [B, D]
+        vb = v_ref[b, sl, g, :]
+        vis = _mask(kvpos_ref[b, sl], kvseg_ref[b, sl], n, q_pos, q_seg, blk)
+        s = pl.dot(q, kb, trans_b=True) * qk_scale           # [M, B] log2 domain
+        s = jnp.where(vis[None, :], s, -jnp.inf)
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+        corr = jnp.exp2(m_prev - m_safe)
+        p = jnp.exp2(s - m_safe[:, None])
+        l_next = l_prev * corr + jnp.sum(p, axis=1)
+        acc = acc * corr[:, None] + pl.dot(p.astype(vb.dtype), vb)
+        return acc, m_next, l_next
+
+    acc0 = jnp.zeros((m_rows, d), jnp.float32)
+    m0 = jnp.full((m_rows,), -jnp.inf, jnp.float32)
+    l0 = jnp.zeros((m_rows,), jnp.float32)
+    acc, m_i, l_i = jax.lax.fori_loop(0, topk, body, (acc0, m0, l0))
+    l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
+    o_ref[b, t, g] = (acc / l_safe[:, None]).astype(o_ref.dtype)
+    lse = jnp.where(l_i == 0.0, -jnp.inf, (m_i + jnp.log2(l_safe)) * _LN2)
+    lse_ref[b, t, g] = lse
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, ids_ref, start_ref, qpos_ref,
+               qseg_ref, kvpos_ref, kvseg_ref, dq_ref, *, blk, topk, scale):
+    t = pl.program_id(0)
+    g = pl.program_id(1)
+    b = pl.program_id(2)
+    q = q_ref[b, t, g]
+    do = do_ref[b, t, g]
+    lse = lse_ref[b, t, g] * _LOG2E          # [M] log2 domain
+    delta = delta_ref[b, t, g]
+    q_pos = qpos_ref[b, t]
+    q_seg = qseg_ref[b, t]
+    qk_scale = scale * _LOG2E
+
+    def body(kk, dq):
+        n = ids_ref[b, g, t, kk]
+        start = start_ref[b, g, t, kk]
+        sl = pl.ds(start, blk)
+        kb = k_ref[b, sl, g, :]
+        vb = v_ref[b, sl, g, :]
+        vis = _mask(kvpos_ref[b, sl], kvseg_ref[b, sl], n, q_pos, q_seg, blk)
+        s = pl.dot(q, kb, trans_b=True) * qk_scale
+        p = jnp.where(vis[None, :], jnp.exp2(s - lse[:, None]), 0.0)
+        dp = pl.dot(do, vb, trans_b=True)
+        ds = p * (dp - delta[:, None])
+        return dq + pl.dot(ds.astype(kb.dtype), kb)
+
+    dq = jax.lax.fori_loop(0, topk, body, jnp.zeros(q.shape, jnp.float32))
+    dq_ref[b, t, g] = (dq * scale).astype(dq_ref.dtype)
+
+
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, ids_ref, ent_ref, off_ref,
+                 qpos_ref, qseg_ref, kvpos_ref, kvseg_ref, dk_ref, dv_ref, *, blk, topk, scale):
+    tile = pl.program_id(0)
+    g = pl.program_id(1)
+    b = pl.program_id(2)
+    sl = pl.ds(tile * blk, blk)
+    kb = k_ref[b, sl, g, :]                  # [B, D]
+    vb = v_ref[b, sl, g, :]
+    kvp = kvpos_ref[b, sl]
+    kvs = kvseg_ref[b, sl]
+    qk_scale = scale * _LOG2E
+    lo = off_ref[b, g, tile]
+    hi = off_ref[b, g, tile + 1]
+
+    def body(e, carry):
+        dk, dv = carry
+        flat = ent_ref[b, g, e]
+        t = jax.lax.div(flat, topk)
+        slot = flat - t * topk
+        n = ids_ref[b, g, t, slot]
+        q = q_ref[b, t, g]                   # [M, D]
+        do = do_ref[b, t, g]
+        lse = lse_ref[b, t, g] * _LOG2E
+        delta = delta_ref[b, t, g]
+        vis = _mask(kvp, kvs, n, qpos_ref[b, t], qseg_ref[b, t], blk)
+        s = pl.dot(q, kb, trans_b=True) * qk_scale          # [M, B]
+        p = jnp.where(vis[None, :], jnp.exp2(s - lse[:, None]), 0.0)
+        dv = dv + pl.dot(p.astype(do.dtype), do, trans_a=True)      # [B, D]
+        dp = pl.dot(do, vb, trans_b=True)
+        ds = p * (dp - delta[:, None])
+        dk = dk + pl.dot(ds.astype(q.dtype), q, trans_a=True)
+        return dk, dv
+
+    dk, dv = jax.lax.fori_loop(lo, hi, body, (jnp.zeros(kb.shape, jnp.float32),
+                                              jnp.zeros(vb.shape, jnp.float32)))
+    dk_ref[b, sl, g, :] = (dk * scale).astype(dk_ref.dtype)
+    dv_ref[b, sl, g, :] = dv.astype(dv_ref.dtype)
+
+
+def _params(num_warps, num_stages):
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _group_q(x, g, m_pad, fill=0.0):
+    """[B,T,H,...] -> [B,T,G,M,...] with the group's heads padded to m_pad rows."""
+    bsz, t, h = x.shape[:3]
+    hg = h // g
+    x = x.reshape(bsz, t, g, hg, *x.shape[3:])
+    if m_pad != hg:
+        widths = [(0, 0)] * x.ndim
+        widths[3] = (0, m_pad - hg)
+        x = jnp.pad(x, widths, constant_values=fill)
+    return x
+
+
+def _ungroup(x, hg):
+    bsz, t, g = x.shape[:3]
+    return x[:, :, :, :hg].reshape(bsz, t, g * hg, *x.shape[4:])
+
+
+def _inverse_map(block_ids, starts, blk, n_tiles):
+    """Sort the selections by storage tile: entries [B,G,2TK] (t*K+slot), offsets [B,G,NT+1]."""
+    bsz, g, t, k = block_ids.shape
+    valid = block_ids >= 0
+    tile_a = starts // blk
+    misaligned = (starts % blk) != 0
+    t0 = jnp.where(valid, tile_a, n_tiles).reshape(bsz, g, t * k)
+    t1 = jnp.where(valid & misaligned, tile_a + 1, n_tiles).reshape(bsz, g, t * k)
+    tiles = jnp.concatenate([t0, t1], axis=-1)
+    flat = jnp.arange(t * k, dtype=jnp.int32)
+    flat = jnp.broadcast_to(jnp.concatenate([flat, flat]), tiles.shape)
+    tiles, flat = jax.lax.sort((tiles, flat), dimension=2, num_keys=1, is_stable=True)
+    bounds = jnp.arange(n_tiles + 1, dtype=jnp.int32)
+    offs = jax.vmap(jax.vmap(lambda a: jnp.searchsorted(a, bounds, side="left",
+                                                        method="scan_unrolled")))(tiles)
+    return flat, offs.astype(jnp.int32)
+
+
+def _fwd(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids, *,
+         block_size, interpret, num_warps, num_stages):
+    bsz, t, h, d = q.shape
+    g = k.shape[2]
+    hg = h // g
+    m_pad = max(16, layout.next_pow2(hg))
+    topk = block_ids.shape[-1]
+    prep = layout.prepare(k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
+                          block_size)
+    ids = block_ids.astype(jnp.int32)
+    starts = layout.window_starts(ids, prep.base, block_size, prep.s_pad)
+    q5 = _group_q(q, g, m_pad)
+    qpos = q_positions.astype(jnp.int32)
+    kernel = functools.partial(_fwd_kernel, blk=block_size, topk=topk, scale=1.0 / math.sqrt(d))
+    o5, lse4 = pl.pallas_call(
+        kernel,
+        grid=(t, g, bsz),
+        out_shape=[jax.ShapeDtypeStruct((bsz, t, g, m_pad, v.shape[-1]), q.dtype),
+                   jax.ShapeDtypeStruct((bsz, t, g, m_pad), jnp.float32)],
+        compiler_params=_params(num_warps, num_stages),
+        interpret=interpret,
+        name="msa_fwd_gpu",
+    )(q5, prep.k, prep.v, ids, starts, qpos, prep.q_seg, prep.kv_pos, prep.kv_seg)
+    return _ungroup(o5, hg), _ungroup(lse4, hg)
+
+
+def _bwd(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids, o, lse,
+         do, *, block_size, interpret, num_warps, num_stages):
+    bsz, t, h, d = q.shape
+    s = k.shape[1]
+    g = k.shape[2]
+    hg = h // g
+    m_pad = max(16, layout.next_pow2(hg))
+    topk = block_ids.shape[-1]
+    scale = 1.0 / math.sqrt(d)
+    prep = layout.prepare(k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
+                          block_size)
+    ids = block_ids.astype(jnp.int32)
+    starts = layout.window_starts(ids, prep.base, block_size, prep.s_pad)
+    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)   # [B,T,H]
+    q5 = _group_q(q, g, m_pad)
+    do5 = _group_q(do.astype(q.dtype), g, m_pad)
+    lse5 = _group_q(lse, g, m_pad, fill=jnp.inf)
+    delta5 = _group_q(delta, g, m_pad)
+    qpos = q_positions.astype(jnp.int32)
+    common = dict(blk=block_size, topk=topk, scale=scale)
+    dq5 = pl.pallas_call(
+        functools.partial(_dq_kernel, **common),
+        grid=(t, g, bsz),
+        out_shape=jax.ShapeDtypeStruct(q5.shape, q.dtype),
+        compiler_params=_params(num_warps, num_stages),
+        interpret=interpret,
+        name="msa_dq_gpu",
+    )(q5, prep.k, prep.v, do5, lse5, delta5, ids, starts, qpos, prep.q_seg, prep.kv_pos,
+      prep.kv_seg)
+    n_tiles = prep.s_pad // block_size
+    ent, offs = _inverse_map(ids, starts, block_size, n_tiles)
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkdv_kernel, **common),
+        grid=(n_tiles, g, bsz),
+        out_shape=[jax.ShapeDtypeStruct(prep.k.shape, k.dtype),
+                   jax.ShapeDtypeStruct(prep.v.shape, v.dtype)],
+        compiler_params=_params(num_warps, num_stages),
+        interpret=interpret,
+        name="msa_dkdv_gpu",
+    )(q5, prep.k, prep.v, do5, lse5, delta5, ids, ent, offs, qpos, prep.q_seg, prep.kv_pos,
+      prep.kv_seg)
+    return _ungroup(dq5, hg), dk[:, :s], dv[:, :s]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
+def _attn(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
+          block_size, interpret, num_warps, num_stages):
+    return _fwd(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
+                block_size=block_size, interpret=interpret, num_warps=num_warps,
+                num_stages=num_stages)
+
+
+def _attn_fwd(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
+              block_size, interpret, num_warps, num_stages):
+    o, lse = _attn(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids,
+                   kv_segment_ids, block_size, interpret, num_warps, num_stages)
+    return (o, lse), (q, k, v, block_ids, q_positions, kv_positions, q_segment_ids,
+                      kv_segment_ids, o, lse)
+
+
+def _zero_cot(x):
+    if x is None:
+        return None
+    import numpy as np
+    return np.zeros(x.shape, jax.dtypes.float0)
+
+
+def _attn_bwd(block_size, interpret, num_warps, num_stages, res, cot):
+    q, k, v, block_ids, q_positions, kv_positions, q_seg, kv_seg, o, lse = res
+    do, _dlse = cot   # lse is an auxiliary output; its cotangent is not propagated (documented)
+    dq, dk, dv = _bwd(q, k, v, block_ids, q_positions, kv_positions, q_seg, kv_seg, o, lse, do,
+                      block_size=block_size, interpret=interpret, num_warps=num_warps,
+                      num_stages=num_stages)
+    return (dq, dk, dv, _zero_cot(block_ids), _zero_cot(q_positions), _zero_cot(kv_positions),
+            _zero_cot(q_seg), _zero_cot(kv_seg))
+
+
+_attn.defvjp(_attn_fwd, _attn_bwd)
+
+
+def msa_attention_gpu(q, k, v, block_ids, *, q_positions, kv_positions, q_segment_ids=None,
+                      kv_segment_ids=None, block_size, interpret=False, num_warps=4,
+                      num_stages=2):
+    """Block-sparse MSA attention, Pallas/Triton GPU kernels, differentiable in q, k, v.
+
+    Args:
+      q: [B,T,H,D] bf16/f32. k: [B,S,G,D], v: [B,S,G,Dv], same dtype. T <= S (queries are the last T keys).
+      block_ids: int [B,G,T,K], selected block ids per (group, query), -1 = unused slot, any order,
+        no duplicates. Block n of query i = keys of i's segment with n*B <= kv_pos < (n+1)*B.
+      q_positions [B,T], kv_positions [B,S] int; segment ids [B,T]/[B,S] or None (both or neither).
+      block_size: B (power of two >= 16).
+      interpret: run the same kernels in Pallas interpret mode (CPU tests).
+      num_warps, num_stages: Triton launch parameters.
+    Returns:
+      (o [B,T,H,D] q.dtype, lse [B,T,H] f32 natural log, -inf where a query sees no key).
+    Raises:
+      ValueError on inconsistent shapes or a block_size that is not a power of two >= 16.
+    The gradient of lse is not propagated (it is an auxiliary output for combining partial
+    attentions; using it in a loss raises nothing but contributes zero gradient).
+    Math: MSA_SPEC.md section 3 (arXiv 2606.13392).
+    """
+    layout.check_shapes(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids,
+                        kv_segment_ids)
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two >= 16, got {block_size}")
+    for name, dim in (("q/k head dim", q.shape[-1]), ("v head dim", v.shape[-1])):
+        if dim & (dim - 1) or dim < 16:
+            raise ValueError(f"{name} must be a power of two >= 16 (Triton tiles), got {dim}")
+    return _attn(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
+                 block_size, interpret, num_warps, num_stages)

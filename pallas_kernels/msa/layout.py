@@ -1,0 +1,116 @@
+"""Layout helpers shared by the MSA Pallas kernels (GPU and TPU): padding, segment bases, checks.
+
+Conventions (MSA_SPEC.md sections 1-3; docs/ARCHITECTURE.md "Ops"):
+
+* Key j is visible to query i iff ``kv_seg[j] == q_seg[i] and kv_seg[j] >= 0 and
+  kv_pos[j] <= q_pos[i]``. Block ``n`` of query i is the set of keys of i's segment with
+  ``n*B <= kv_pos[j] < (n+1)*B`` (blocks are ``kv_pos // B`` within a segment).
+* Storage layout the kernels rely on (the layout of packed training batches and of chunked
+  prefill): the T queries are the LAST T keys of the storage (query i is stored at key index
+  ``S - T + i``), and within a segment the keys are stored contiguously with positions increasing
+  by one, with ``kv_pos[j] <= j``. Then block ``n`` of query i starts at storage index
+  ``base[i] + n*B`` with ``base[i] = (S - T + i) - q_pos[i] >= 0``. Kernels load the B keys from
+  that start (clamped into the array) and additionally check the block membership of every key, so
+  a clamped window never adds a wrong key.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["Prepared", "prepare", "next_pow2"]
+
+
+def next_pow2(x: int) -> int:
+    """Smallest power of two >= x (x >= 1)."""
+    p = 1
+    while p < x:
+        p *= 2
+    return p
+
+
+class Prepared(tuple):
+    """(k, v, kv_pos, kv_seg, q_seg, base, s_pad): arrays padded along S to a multiple of B."""
+
+    __slots__ = ()
+
+    def __new__(cls, *items):
+        return super().__new__(cls, items)
+
+    k = property(lambda self: self[0])
+    v = property(lambda self: self[1])
+    kv_pos = property(lambda self: self[2])
+    kv_seg = property(lambda self: self[3])
+    q_seg = property(lambda self: self[4])
+    base = property(lambda self: self[5])
+    s_pad = property(lambda self: self[6])
+
+
+def check_shapes(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids):
+    """Raise ValueError on inconsistent shapes for msa_attention inputs.
+
+    q [B,T,H,D], k/v [B,S,G,D], block_ids [B,G,T,K] int, positions [B,T]/[B,S],
+    segment ids None or [B,T]/[B,S] (both or neither).
+    """
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"q, k, v must be rank 4, got {q.shape}, {k.shape}, {v.shape}")
+    bsz, t, h, d = q.shape
+    if k.shape[:3] != v.shape[:3] or k.shape[0] != bsz or k.shape[3] != d:
+        raise ValueError(f"k/v shapes {k.shape}/{v.shape} do not match q {q.shape}")
+    g = k.shape[2]
+    if h % g:
+        raise ValueError(f"num heads {h} not a multiple of kv heads {g}")
+    if block_ids is not None and (block_ids.ndim != 4 or block_ids.shape[:3] != (bsz, g, t)):
+        raise ValueError(f"block_ids shape {block_ids.shape} must be [B={bsz}, G={g}, T={t}, K]")
+    if q_positions.shape != (bsz, t) or kv_positions.shape != (bsz, k.shape[1]):
+        raise ValueError(f"positions shapes {q_positions.shape}, {kv_positions.shape} "
+                         f"must be [{bsz},{t}] and [{bsz},{k.shape[1]}]")
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("pass both q_segment_ids and kv_segment_ids or neither")
+    if q_segment_ids is not None and (q_segment_ids.shape != (bsz, t)
+                                      or kv_segment_ids.shape != (bsz, k.shape[1])):
+        raise ValueError("segment id shapes must be [B,T] and [B,S]")
+    if t > k.shape[1]:
+        raise ValueError(f"queries ({t}) must be a suffix of the keys ({k.shape[1]})")
+
+
+def prepare(k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, block_size,
+            min_len: int | None = None):
+    """Pad keys to a multiple of block_size (at least ``min_len``) and compute per-query bases.
+
+    Args:
+      k, v: [B,S,G,D] (v may be None).
+      q_positions [B,T] int, kv_positions [B,S] int; segment ids [B,T]/[B,S] int or None.
+      block_size: B (tokens per block).
+    Returns:
+      Prepared(k, v, kv_pos int32 [B,Sp], kv_seg int32 [B,Sp] (-1 on padding),
+               q_seg int32 [B,T], base int32 [B,T], Sp).
+    """
+    bsz, s = kv_positions.shape
+    t = q_positions.shape[1]
+    sp = -(-max(s, 1) // block_size) * block_size
+    if min_len is not None:
+        sp = max(sp, min_len)
+    pad = sp - s
+    kv_pos = kv_positions.astype(jnp.int32)
+    if q_segment_ids is None:
+        q_seg = jnp.zeros((bsz, t), jnp.int32)
+        kv_seg = jnp.zeros((bsz, s), jnp.int32)
+    else:
+        q_seg = q_segment_ids.astype(jnp.int32)
+        kv_seg = kv_segment_ids.astype(jnp.int32)
+    if pad:
+        widths = ((0, 0), (0, pad), (0, 0), (0, 0))
+        k = jnp.pad(k, widths)
+        v = None if v is None else jnp.pad(v, widths)
+        kv_pos = jnp.pad(kv_pos, ((0, 0), (0, pad)))
+        kv_seg = jnp.pad(kv_seg, ((0, 0), (0, pad)), constant_values=-1)
+    base = (s - t + jnp.arange(t, dtype=jnp.int32))[None, :] - q_positions.astype(jnp.int32)
+    return Prepared(k, v, kv_pos, kv_seg, q_seg, base, sp)
+
+
+def window_starts(block_ids, base, block_size, s_pad):
+    """Storage start of every selected block, clamped to [0, s_pad - B]: int32 [B,G,T,K]."""
+    start = base[:, None, :, None] + block_ids * block_size
+    return jnp.clip(start, 0, s_pad - block_size).astype(jnp.int32)
