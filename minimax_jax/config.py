@@ -366,7 +366,9 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ counting
     def param_counts(self) -> dict[str, int]:
-        """Total and per-token-active parameter counts (embeddings and lm_head included)."""
+        """Parameter counts: ``total`` (everything, MTP included), ``active`` per token (embedding and
+        lm_head included, MTP excluded), ``active_non_embedding`` (the figure model cards quote),
+        ``mtp`` and ``embedding``."""
         H, V = self.hidden_size, self.vocab_size
         attn = H * self.q_dim + 2 * H * self.kv_dim + self.q_dim * H
         if self.qk_norm == "full":
@@ -388,7 +390,14 @@ class ModelConfig:
                 total += layer + dense
                 active += layer + dense
         emb = V * H + H + (0 if self.tie_word_embeddings else V * H)
-        return {"total": total + emb, "active": active + emb}
+        mtp_layer = attn + 2 * H + (idx if self.layer_types[-1] == "msa" else 0)
+        if self.mlp_types[-1] == "moe":
+            mtp_layer += H * self.num_experts + self.num_experts + self.num_experts * expert + shared
+        else:
+            mtp_layer += dense
+        mtp = self.num_mtp_modules * (mtp_layer + 2 * H * H + 3 * H)
+        return {"total": total + emb + mtp, "active": active + emb, "active_non_embedding": active,
+                "mtp": mtp, "embedding": emb}
 
 
 def _need(d: Mapping[str, Any], key: str) -> Any:

@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metric", choices=METRICS, default="contains")
     p.add_argument("--chat", action="store_true", help="wrap prompts in the MiniMax chat format")
     p.add_argument("--haystack", choices=("prose", "noise"), default="prose")
+    p.add_argument("--corpus_seed", type=int, default=0,
+                   help="seed of the training corpus: its held-out works are the haystack / ppl text")
+    p.add_argument("--heldout_works", type=int, default=4, help="as in the corpus builder")
     p.add_argument("--ppl_files", nargs="*", default=None,
                    help="held-out text files for perplexity (default: held-out Shakespeare works)")
     p.add_argument("--ppl_seq_len", type=int, default=2048)
@@ -71,7 +74,10 @@ def run_eval(args: argparse.Namespace, fns: ModelFns) -> dict:
     """Runs the tasks and perplexity with ``fns``; returns the results dict (JSON-serialisable)."""
     if args.num_samples < 1 or args.max_new_tokens < 1 or args.batch_size < 1:
         raise ValueError("num_samples, max_new_tokens and batch_size must be >= 1")
-    haystack = prose_haystack() if args.haystack == "prose" else noise_haystack()
+    if args.haystack == "prose":
+        haystack = prose_haystack(heldout_works=args.heldout_works, seed=args.corpus_seed)
+    else:
+        haystack = noise_haystack()
     examples = generate_suite(args.tasks, args.lengths, args.num_samples,
                               token_counter(fns.tokenizer), haystack, seed=args.seed)
     prompts = [chat_prompt(e.prompt) if args.chat else e.prompt for e in examples]
@@ -100,7 +106,7 @@ def run_eval(args: argparse.Namespace, fns: ModelFns) -> dict:
         if args.ppl_files:
             texts = [open(f, encoding="utf-8", errors="replace").read() for f in args.ppl_files]
         else:
-            texts = [prose_haystack().text]
+            texts = [prose_haystack(heldout_works=args.heldout_works, seed=args.corpus_seed).text]
         bos = fns.tokenizer.token_to_id("]~!b[")
         results["perplexity"] = heldout_perplexity(
             fns.logprob_fn, texts, fns.tokenizer, seq_len=args.ppl_seq_len,

@@ -194,6 +194,9 @@ def common_words(rng, target_len, count, haystack, *, num_common: int = 10,
     if len(pool) < num_common + 1:
         raise LengthError(f"haystack {haystack.name!r} has too few distinct words for common_words")
     common, rare = pool[:num_common], pool[num_common:]
+    # Every list item ("N. word" + newline) measures at least 2 units, so more rare words than
+    # this can never fit; capping keeps long pools cheap.
+    rare = rare[: target_len // (2 * rare_freq) + 2]
     rank = {w: i for i, w in enumerate(rare)}
     head = "Below is a numbered list of words. Some words appear more often than others."
     tail = (f"What are the {num_common} most common words in the list above?\n"

@@ -15,6 +15,7 @@ student logits of one row is ``p - t``; it reaches only ``qi`` and ``ki``.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -46,6 +47,7 @@ def kl_rows(main_logits: jax.Array, index_logits: jax.Array, support: jax.Array)
     return kl, nonempty
 
 
+@functools.partial(jax.jit, static_argnames=("block_size", "chunk_size"))
 def indexer_kl(q, k, qi, ki, block_ids, q_pos, kv_pos, q_seg, kv_seg, *, block_size: int | None,
                chunk_size: int) -> tuple[jax.Array, jax.Array]:
     """KL sum and row count (see module docstring).

@@ -9,6 +9,7 @@ positions and segment ids ``int32 [B, T] / [B, S]`` with segment ids already fil
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -102,6 +103,7 @@ def block_membership(block_ids: jax.Array, kv_blk: jax.Array, nb: int) -> jax.Ar
     return jnp.take_along_axis(tbl, gather, axis=-1)
 
 
+@functools.partial(jax.jit, static_argnames=("block_size", "chunk_size"))
 def index_scores(qi, ki, q_pos, kv_pos, q_seg, kv_seg, *, block_size: int, chunk_size: int) -> jax.Array:
     """Block scores ``[B, Hi, T, NB]`` float32 (``-inf`` where a block has no visible key)."""
     nb = num_key_blocks(ki.shape[1], block_size)
@@ -115,6 +117,8 @@ def index_scores(qi, ki, q_pos, kv_pos, q_seg, kv_seg, *, block_size: int, chunk
     return unchunk(out, 2, t)
 
 
+@functools.partial(jax.jit, static_argnames=("block_size", "topk", "init_blocks", "local_blocks",
+                                             "chunk_size"))
 def select_blocks(qi, ki, q_pos, kv_pos, q_seg, kv_seg, *, block_size: int, topk: int, init_blocks: int,
                   local_blocks: int, chunk_size: int) -> jax.Array:
     """Selected block ids ``[B, Hi, T, K]`` int32 (see ``select_from_block_scores``)."""
@@ -133,6 +137,7 @@ def select_blocks(qi, ki, q_pos, kv_pos, q_seg, kv_seg, *, block_size: int, topk
     return unchunk(out, 2, t)
 
 
+@functools.partial(jax.jit, static_argnames=("block_size", "chunk_size"))
 def attention(q, k, v, block_ids, q_pos, kv_pos, q_seg, kv_seg, *, block_size: int,
               chunk_size: int) -> tuple[jax.Array, jax.Array]:
     """Block-sparse GQA attention: ``o [B, T, H, D]`` (``q.dtype``) and ``lse [B, T, H]`` float32.
