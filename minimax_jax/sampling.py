@@ -75,17 +75,26 @@ def filter_logits(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> 
     Raises:
       ValueError: wrong shapes, or Python-scalar parameters out of range.
     """
+    x, temp, k, p, m = _prepare(logits, temperature, top_k, top_p, min_p)
+    return _filter(x, temp, k, p, m)
+
+
+def _prepare(logits, temperature, top_k, top_p, min_p):
+    """Validate; return x f32 [B,V] and per-row temp f32, k int32, p f32, m f32, each [B]."""
     _check_scalar("temperature", temperature, 0.0)
     _check_scalar("top_k", top_k, 0)
     _check_scalar("top_p", top_p, 0.0, 1.0)
     _check_scalar("min_p", min_p, 0.0, 1.0)
     x = _check_logits(logits)
-    b, v = x.shape
-    temp = _per_row(temperature, b, jnp.float32, "temperature")
-    k = _per_row(top_k, b, jnp.int32, "top_k")
-    p = _per_row(top_p, b, jnp.float32, "top_p")
-    m = _per_row(min_p, b, jnp.float32, "min_p")
+    b = x.shape[0]
+    return (x, _per_row(temperature, b, jnp.float32, "temperature"),
+            _per_row(top_k, b, jnp.int32, "top_k"), _per_row(top_p, b, jnp.float32, "top_p"),
+            _per_row(min_p, b, jnp.float32, "min_p"))
 
+
+@jax.jit
+def _filter(x, temp, k, p, m):
+    v = x.shape[1]
     x = x / jnp.where(temp > 0, temp, 1.0)[:, None]
     s = -jnp.sort(-x, axis=-1)  # descending
     ranks = jnp.arange(v, dtype=jnp.int32)[None, :]
@@ -128,8 +137,11 @@ def sample(logits, key, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> ja
     Raises:
       ValueError: wrong shapes or out-of-range Python-scalar parameters.
     """
-    x = _check_logits(logits)
-    filtered = filter_logits(x, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    drawn = _draw(key, filtered).astype(jnp.int32)
-    temp = _per_row(temperature, x.shape[0], jnp.float32, "temperature")
-    return jnp.where(temp > 0, drawn, greedy(x))
+    x, temp, k, p, m = _prepare(logits, temperature, top_k, top_p, min_p)
+    return _sample(x, key, temp, k, p, m)
+
+
+@jax.jit
+def _sample(x, key, temp, k, p, m):
+    drawn = _draw(key, _filter(x, temp, k, p, m)).astype(jnp.int32)
+    return jnp.where(temp > 0, drawn, jnp.argmax(x, axis=-1).astype(jnp.int32))

@@ -44,3 +44,15 @@ def test_bad_files(tmp_path, data, match):
     with pytest.raises(ChatFormatError, match=match) as e:
         load_chat_file(p)
     assert str(p) in str(e.value)
+
+
+def test_example_file_loads_and_renders():
+    """The example in tests/fixtures/chat/ (OpenAI-style string arguments) loads and renders;
+    the old trajectory's reasoning is dropped because a user turn follows it."""
+    import pathlib
+    path = pathlib.Path(__file__).parent / "fixtures" / "chat" / "agent_trajectory.json"
+    req = load_chat_file(path)
+    text = req.render()
+    assert '<parameter name="days">1</parameter>' in text
+    assert "<think>\nI should" not in text and "°C" in text
+    assert text.endswith("]~b]user\nThanks![e~[\n]~b]ai\n<think>\n")

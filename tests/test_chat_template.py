@@ -184,7 +184,8 @@ def oracle():
 ORACLE_CASES = [
     ([{"role": "user", "content": "Hello"}], None),
     ([{"role": "system", "content": "Sys", "current_date": "2026-11-30",
-       "current_location": "Уфа"}, {"role": "user", "content": [{"type": "text", "text": "a"}, "b"]}],
+       "current_location": "Уфа"},
+      {"role": "user", "content": [{"type": "text", "text": "a"}, "b"]}],
      None),
     ([{"role": "system", "content": ""}, {"role": "user", "content": "q"},
       {"role": "assistant", "reasoning_content": "r1", "content": "ans"},

@@ -197,3 +197,15 @@ def test_streaming_state(text, state):
 def test_streaming_state_without_thinking():
     assert tool_call_state("<minimax:tool_call>\n", thinking_open=False) == "in_tool_call"
     assert tool_call_state("plain", thinking_open=False) == "content"
+
+
+def test_parameter_value_loses_exactly_one_newline_each_side():
+    text = ('r</think><minimax:tool_call>\n<invoke name="search">\n'
+            '<parameter name="query">\nline\n</parameter>\n'
+            '<parameter name="filters">\n\n{"a": 1}\n\n</parameter>\n'
+            '</invoke>\n</minimax:tool_call>')
+    out = parse_model_output(text, TOOLS)
+    assert out.errors == ()
+    assert out.tool_calls[0].arguments == {"query": "line", "filters": {"a": 1}}
+    raw = parse_model_output(text.replace('"filters"', '"other"'), TOOLS).tool_calls[0]
+    assert raw.arguments["other"] == "\n{\"a\": 1}\n"  # undeclared parameter: string kept

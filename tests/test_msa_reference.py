@@ -114,7 +114,8 @@ def test_key_lengths_against_oracle(s):
 
 def test_reference_order_and_chunking():
     """The xla reference emits the documented order (equal to the oracle's list, not only the set),
-    and query chunking (lax.map over several chunks, a ragged last chunk) changes nothing."""
+    and query chunking (lax.map over several chunks, a ragged last chunk) changes nothing beyond
+    float32 rounding."""
     rng = np.random.default_rng(7)
     block, topk, s, t = 16, 5, 200, 23
     x = make_inputs(rng, t=t, s=s, b=2)
@@ -127,8 +128,9 @@ def test_reference_order_and_chunking():
     main = (jnp.asarray(x["q"]), jnp.asarray(x["k"]), jnp.asarray(x["v"]), ids_one)
     o1, l1 = msa.msa_attention(*main, block_size=block, chunk_size=256, **masks(x))
     o2, l2 = msa.msa_attention(*main, block_size=block, chunk_size=5, **masks(x))
-    np.testing.assert_array_equal(np.asarray(o1), np.asarray(o2))
-    np.testing.assert_array_equal(np.asarray(l1), np.asarray(l2))
+    # different chunk shapes may change float32 summation order only
+    np.testing.assert_allclose(np.asarray(o1), np.asarray(o2), atol=1e-6, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(l1), np.asarray(l2), atol=1e-6, rtol=1e-6)
     ref_o, ref_lse = oracle.attention(x["q"], x["k"], x["v"], ref_ids, *oracle_masks(x), block)
     assert_attention_close(o2, l2, ref_o, ref_lse)
 
@@ -304,9 +306,9 @@ def test_no_gradient_through_selection_and_attention_grads_match_dense_when_all_
         return jnp.sum(o * w) + jnp.sum(lse)
 
     args = [jnp.asarray(x[key]) for key in ("q", "k", "v", "qi", "ki")]
-    grads = jax.grad(loss, argnums=(0, 1, 2, 3, 4))(*args)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(*args)
     assert np.all(np.asarray(grads[3]) == 0) and np.all(np.asarray(grads[4]) == 0)
-    ref = jax.grad(dense_loss, argnums=(0, 1, 2))(*args[:3])
+    ref = jax.jit(jax.grad(dense_loss, argnums=(0, 1, 2)))(*args[:3])
     for got, want in zip(grads[:3], ref):
         assert np.abs(np.asarray(want)).max() > 0
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=5e-5, rtol=5e-5)

@@ -6,7 +6,8 @@ Input messages are dicts with ``role`` in {"system", "user", "assistant" (alias 
   tool messages also accept ``{"output": str}``), or ``None`` (assistant only, read as "").
 * assistant ``reasoning_content``: string or absent/None. When absent, a ``...</think>`` prefix of
   ``content`` is split off as reasoning, as the published template does.
-* assistant ``tool_calls``: list of ``{"function": {"name", "arguments"}}`` or ``{"name", "arguments"}``;
+* assistant ``tool_calls``: list of ``{"function": {"name", "arguments"}}`` or
+  ``{"name", "arguments"}``;
   ``arguments`` is a dict or a JSON string encoding an object (None means no arguments).
 * system ``current_date`` / ``current_location``: optional strings appended to the system text.
 * Other keys (``id``, ``tool_call_id``, ``name``, ...) are accepted and ignored.
@@ -84,8 +85,8 @@ def visible_text(content: Any, *, where: str, allow_none: bool = False) -> str:
                 out.append(part["text"])
             else:
                 raise ChatFormatError(
-                    f"{where}: content part {j} must be a string or {{'type': 'text', 'text': str}}, "
-                    f"got {part!r:.80}")
+                    f"{where}: content part {j} must be a string or "
+                    f"{{'type': 'text', 'text': str}}, got {part!r:.80}")
         return "".join(out)
     raise ChatFormatError(f"{where}: content must be a string or a list of text parts, "
                           f"got {type(content).__name__}")

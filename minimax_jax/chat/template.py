@@ -2,12 +2,14 @@
 
 Layout (``S`` = ``]~b]``, ``E`` = ``[e~[``; every turn ends with ``E`` + "\\n"):
 
-    ]~!b[S system\\n{system text}[\\n\\n# Tools ... <tools>\\n<tool>{json}</tool>\\n...</tools> ...]E\\n
+    ]~!b[S system\\n{system text}[\\n\\n# Tools ... <tools>\\n<tool>{json}</tool>\\n...
+         </tools> ...]E\\n
     S user\\n{text}E\\n
     S ai\\n[<think>\\n{reasoning}\\n</think>\\n\\n]{content}[\\n<minimax:tool_call>\\n
          <invoke name="f">\\n<parameter name="k">{v}</parameter>\\n...</invoke>\\n...
          </minimax:tool_call>]E\\n
-    S tool\\n<response>{r1}</response>\\n<response>{r2}</response>E\\n   (consecutive results share one turn)
+    S tool\\n<response>{r1}</response>\\n<response>{r2}</response>E\\n
+         (consecutive tool results share one turn)
     S ai\\n<think>\\n                                                           (generation prompt)
 
 (no spaces after ``S`` in the real text.) Rules, matching the published template:

@@ -64,7 +64,10 @@ def _take(docs: list[dict], budget: int) -> list[dict]:
 def prose_documents(seed: int, heldout_works: int) -> tuple[list[dict], list[dict]]:
     """(train, held-out) Shakespeare documents; train is in a seeded order."""
     train_files, held_files = split_works(shakespeare_files(), heldout_works, seed)
-    mk = lambda f: {"text": read_text(f), "source": "shakespeare", "id": os.path.basename(f)}
+
+    def mk(f):
+        return {"text": read_text(f), "source": "shakespeare", "id": os.path.basename(f)}
+
     train = [mk(f) for f in train_files]
     random.Random(f"prose:{seed}").shuffle(train)
     return train, [mk(f) for f in held_files]
@@ -100,7 +103,9 @@ def synthetic_documents(seed: int, budget_bytes: int, haystack_text: str, *, min
     from minimax_jax.eval.tasks import completion, generate
 
     if not 1000 <= min_chars <= max_chars:
-        raise ValueError(f"need 1000 <= synthetic_min_chars <= synthetic_max_chars, got {min_chars}, {max_chars}")
+        raise ValueError(
+            f"need 1000 <= synthetic_min_chars <= synthetic_max_chars, got {min_chars}, {max_chars}"
+        )
     hay = Haystack(haystack_text, name="shakespeare-train")
     rng = random.Random(f"synthetic:{prefix}:{seed}")
     tasks = sorted(SYNTHETIC_TASK_PARAMS)

@@ -41,7 +41,7 @@ def resolve_paths(paths: Sequence[str] | str) -> list[str]:
 
     Args:
       paths: one path or a sequence of paths; each is a file, a directory (walked recursively,
-        hidden entries skipped) or a glob pattern (``*``, ``?``, ``[``, ``**``).
+        hidden entries and ``__pycache__`` skipped) or a glob pattern (``*``, ``?``, ``[``, ``**``).
     Returns:
       Sorted list of absolute file paths.
     Raises:
@@ -62,7 +62,7 @@ def resolve_paths(paths: Sequence[str] | str) -> list[str]:
         elif os.path.isdir(p):
             before = len(found)
             for root, dirs, files in os.walk(p):
-                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+                dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__")
                 for f in files:
                     if not f.startswith("."):
                         found.add(os.path.abspath(os.path.join(root, f)))

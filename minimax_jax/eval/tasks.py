@@ -181,6 +181,15 @@ def variable_tracking(rng, target_len, count, haystack, *, num_hops: int = 4,
                              tail, chain, {"value": value, "chains": chains})
 
 
+def _word_list_builder(items, admit, head, tail) -> Callable[[int], str]:
+    def build(n: int) -> str:
+        chosen = [w for i, (w, is_common) in enumerate(items) if is_common or admit[i] < n]
+        listing = "\n".join(f"{i + 1}. {w}" for i, w in enumerate(chosen))
+        return f"{head}\n\n{listing}\n\n{tail}"
+
+    return build
+
+
 def common_words(rng, target_len, count, haystack, *, num_common: int = 10,
                  rare_freq: int = 2) -> Example:
     """Common-word extraction: a numbered word list where ``num_common`` words appear
@@ -209,14 +218,14 @@ def common_words(rng, target_len, count, haystack, *, num_common: int = 10,
         items = [(w, True) for w in common for _ in range(common_freq)]
         items += [(w, False) for w in rare for _ in range(freq)]
         random.Random(order_seed).shuffle(items)
+        # Rare items are admitted by rank (word rank, then occurrence), one item at a time, so the
+        # length is met to within one list item; a rare word may then appear fewer than ``freq`` times.
+        order = sorted(range(len(items)), key=lambda i: (items[i][1], rank.get(items[i][0], 0), i))
+        admit = {i: k for k, i in enumerate(j for j in order if not items[j][1])}
 
-        def build(n: int) -> str:
-            chosen = [w for w, is_common in items if is_common or rank[w] < n]
-            listing = "\n".join(f"{i + 1}. {w}" for i, w in enumerate(chosen))
-            return f"{head}\n\n{listing}\n\n{tail}"
-
+        build = _word_list_builder(items, admit, head, tail)
         try:
-            _, prompt, length = fit_length(build, target_len, count, len(rare))
+            _, prompt, length = fit_length(build, target_len, count, len(admit))
             break
         except LengthError as e:
             if "not enough filler" not in str(e) or freq + 2 >= 30:

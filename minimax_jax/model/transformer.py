@@ -22,6 +22,7 @@ from minimax_jax.model.layers import apply_rope, dense_mlp, rms_norm, rope_frequ
 from minimax_jax.model.params import layer_segments, mtp_layer_kinds
 from minimax_jax.ops.attention import attention
 from minimax_jax.ops.moe import moe_experts, route
+from minimax_jax.sharding import constrain
 
 __all__ = ["ModelOutput", "forward", "mtp_forward", "project_qkv", "project_index", "attention_block",
            "mlp_block", "decoder_layer", "embed", "unembed"]
@@ -92,12 +93,19 @@ def project_index(p: dict, x: jax.Array, cfg: ModelConfig, cos: jax.Array, sin: 
 
 
 def attention_block(p, x, cfg: ModelConfig, layer_type: str, positions, segment_ids, cos, sin,
-                    indexer_kl: str | None):
-    """Self-attention of one layer over its own tokens. Returns (out [B,T,H], kl_sum, kl_count)."""
+                    indexer_kl: str | None, return_msa: bool = False):
+    """Self-attention of one layer over its own tokens.
+
+    Returns ``(out [B,T,H], kl_sum, kl_count, msa)`` where ``msa`` is ``{}`` or, for MSA layers with
+    ``return_msa``, ``{"block_ids": [B,Hi,T,K] int32, "lse": [B,T,H] f32}`` (main-branch LSE).
+    """
     b, t, _ = x.shape
     q, k, v = project_qkv(p, x, cfg, cos, sin)
+    q = constrain(q, ("batch", "length", "act_heads", None))
+    k, v = constrain(k, ("batch", "length", "act_kv_heads", None)), constrain(v, ("batch", "length", "act_kv_heads", None))
     kl_sum = jnp.zeros((), jnp.float32)
     kl_cnt = jnp.zeros((), jnp.float32)
+    extra: dict[str, jax.Array] = {}
     pos_kw = dict(q_positions=positions, kv_positions=positions, q_segment_ids=segment_ids,
                   kv_segment_ids=segment_ids)
     if layer_type == "msa":
@@ -112,15 +120,17 @@ def attention_block(p, x, cfg: ModelConfig, layer_type: str, positions, segment_
             ids = msa_ops.msa_select_blocks(
                 qi, ki, block_size=cfg.index_block_size, topk=cfg.index_topk, init_blocks=cfg.index_init_blocks,
                 local_blocks=cfg.index_local_blocks, implementation=cfg.msa_impl, **pos_kw)
-            o, _ = msa_ops.msa_attention(q, k, v, ids, block_size=cfg.index_block_size,
-                                         implementation=cfg.msa_impl, **pos_kw)
+            o, lse = msa_ops.msa_attention(q, k, v, ids, block_size=cfg.index_block_size,
+                                           implementation=cfg.msa_impl, **pos_kw)
+            if return_msa:
+                extra = {"block_ids": ids, "lse": lse}
             if indexer_kl == "sparse":
                 kl_sum, kl_cnt = msa_ops.indexer_kl(q, k, qi, ki, ids, block_size=cfg.index_block_size, **pos_kw)
     else:
         window = cfg.sliding_window if layer_type == "sliding" else None
         o = attention(q, k, v, sliding_window=window, implementation=cfg.attention_impl, **pos_kw)
     out = o.reshape(b, t, cfg.q_dim) @ p["attn"]["o_proj"].astype(x.dtype)
-    return out, kl_sum, kl_cnt
+    return out, kl_sum, kl_cnt, extra
 
 
 def mlp_block(p, x, cfg: ModelConfig, mlp_type: str):
@@ -139,13 +149,14 @@ def mlp_block(p, x, cfg: ModelConfig, mlp_type: str):
     return y.reshape(b, t, h), load
 
 
-def decoder_layer(p, x, cfg, layer_type, mlp_type, positions, segment_ids, cos, sin, indexer_kl):
-    """One decoder layer. Returns (x_out, (load [E], kl_sum, kl_count))."""
-    a, kl_sum, kl_cnt = attention_block(p, _norm(x, p["input_norm"], cfg), cfg, layer_type, positions,
-                                        segment_ids, cos, sin, indexer_kl)
-    h = x + a
+def decoder_layer(p, x, cfg, layer_type, mlp_type, positions, segment_ids, cos, sin, indexer_kl,
+                  return_msa=False):
+    """One decoder layer. Returns (x_out, (load [E], kl_sum, kl_count, msa dict))."""
+    a, kl_sum, kl_cnt, extra = attention_block(p, _norm(x, p["input_norm"], cfg), cfg, layer_type, positions,
+                                               segment_ids, cos, sin, indexer_kl, return_msa)
+    h = constrain(x + a, ("batch", "length", "act_embed"))
     m, load = mlp_block(p, _norm(h, p["post_attn_norm"], cfg), cfg, mlp_type)
-    return h + m, (load, kl_sum, kl_cnt)
+    return h + m, (load, kl_sum, kl_cnt, extra)
 
 
 def _prepare(cfg, tokens, positions, segment_ids):
@@ -160,7 +171,7 @@ def _prepare(cfg, tokens, positions, segment_ids):
 
 def forward(params, cfg: ModelConfig, tokens: jax.Array, *, positions: jax.Array | None = None,
             segment_ids: jax.Array | None = None, indexer_kl: str | None = None,
-            return_hidden: bool = False, remat: str = "none") -> ModelOutput:
+            return_hidden: bool = False, return_msa: bool = False, remat: str = "none") -> ModelOutput:
     """Full-sequence forward pass.
 
     Args:
@@ -172,6 +183,9 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, *, positions: jax.Array
       indexer_kl: None, ``"sparse"`` (KL on the selected support) or ``"dense"`` (warm-up: dense
         attention in MSA layers, KL over the causal history).
       return_hidden: also return the pre-final-norm hidden state (input of MTP modules).
+      return_msa: put each MSA layer's selected block ids and main-branch LSE in
+        ``aux["msa"]``: a list (one entry per MSA layer, in layer order) of
+        ``{"layer": i, "block_ids": [B,Hi,T,K], "lse": [B,T,H]}``.
       remat: ``"none"`` | ``"full"`` (recompute each layer in the backward pass) | ``"dots"``
         (save only matmul outputs).
     Returns: ``ModelOutput(logits [B,T,V] f32, hidden, aux)`` with ``aux["router_load"]``
@@ -184,12 +198,13 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, *, positions: jax.Array
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
     positions, segment_ids, cos, sin = _prepare(cfg, tokens, positions, segment_ids)
-    x = embed(params, cfg, tokens)
-    loads, kl_sum, kl_cnt = [], jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
+    x = constrain(embed(params, cfg, tokens), ("batch", "length", "act_embed"))
+    loads, msa_out = [], []
+    kl_sum, kl_cnt = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
     for seg, sp in zip(layer_segments(cfg), params["segments"]):
         def body(carry, lp, seg=seg):
             y, aux = decoder_layer(lp, carry, cfg, seg.layer_type, seg.mlp_type, positions, segment_ids, cos, sin,
-                                   indexer_kl)
+                                   indexer_kl, return_msa)
             return y, aux
 
         if remat == "full":
@@ -198,14 +213,18 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, *, positions: jax.Array
             body = jax.checkpoint(body, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
         elif remat != "none":
             raise ValueError(f"remat must be none|full|dots, got {remat!r}")
-        x, (load, ks, kc) = jax.lax.scan(body, x, sp)
+        x, (load, ks, kc, extra) = jax.lax.scan(body, x, sp)
         if seg.mlp_type == "moe":
             loads.append(load)
+        for j in range(seg.length if extra else 0):
+            msa_out.append({"layer": seg.start + j, **jax.tree.map(lambda a, j=j: a[j], extra)})
         kl_sum, kl_cnt = kl_sum + ks.sum(), kl_cnt + kc.sum()
     hidden = x
-    logits = unembed(params, cfg, _norm(x, params["final_norm"], cfg))
+    logits = constrain(unembed(params, cfg, _norm(x, params["final_norm"], cfg)), ("batch", "length", "act_vocab"))
     aux = {"router_load": jnp.concatenate(loads, 0) if loads else jnp.zeros((0, cfg.num_experts), jnp.float32),
            "indexer_kl_sum": kl_sum, "indexer_kl_count": kl_cnt}
+    if return_msa:
+        aux["msa"] = msa_out
     return ModelOutput(logits, hidden if return_hidden else None, aux)
 
 

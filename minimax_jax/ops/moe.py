@@ -1,26 +1,49 @@
-"""MoE op: sigmoid top-k routing and expert computation, with an ``implementation=`` choice.
+"""MoE op: sigmoid top-k routing, expert computation with an ``implementation=`` choice, router
+statistics, the aux-loss-free router-bias update and an optional load-balancing loss.
 
 Routing math (MODEL_FACTS.md, transformers ``MiniMaxM2TopKRouter``): in float32,
 ``s = sigmoid(x @ W_router)``; experts are chosen by top-k of ``s + e_score_correction_bias``
-(the bias only chooses); weights are ``s[chosen] / sum(s[chosen])``. Ties in the choice go to the
-lower expert id (``jax.lax.top_k`` order).
+(the bias only chooses); weights are ``s[chosen] / sum(s[chosen])``. Ties go to the lower id.
 
-Implementations of the expert computation:
-- ``"dense"``: every expert on every token, combined by a [N, E] weight matrix. Exact, simple, and
-  the fastest on CPU for tiny test models; O(E/k) wasted FLOPs.
-- ``"ragged"``: dropless sort-based permutation + ``jax.lax.ragged_dot`` (XLA grouped matmul).
-- ``"auto"``: ``"dense"`` when E * N is small (tests, demo), else ``"ragged"``.
-Faster kernels (tokamax grouped matmul) and expert parallelism plug in here as more names.
+Expert computation (``moe_experts``), implementations:
+- ``"dense"``: every expert on every token, combined by a ``[N, E]`` weight matrix. Exact and the
+  fastest on CPU for tiny models; O(E/k) wasted FLOPs.
+- ``"ragged"``: dropless. Sort assignments by expert (``moe_permute``: gathers forward and
+  backward, no scatter-add), grouped matmul through XLA ``jax.lax.ragged_dot``, un-permute.
+- ``"tokamax"``: as ``"ragged"`` with tokamax's Mosaic grouped matmul (GPU Hopper / TPU).
+- ``"capacity"``: fixed shapes with token dropping: each expert takes at most
+  ``C = ceil(capacity_factor * N * k / E)`` rows (first come in token order), computed as one batched
+  matmul ``[E, C, H] x [E, H, 2I]``; dropped assignments contribute 0.
+- ``"auto"``: inside ``minimax_jax.sharding.use_mesh`` -> expert parallel (below); otherwise
+  ``"tokamax"`` on GPU/TPU when importable, ``"dense"`` when ``N * E <= 65536``, else ``"ragged"``.
+Inside ``use_mesh`` the implementations ``"auto" | "ragged" | "tokamax"`` run expert-parallel in
+``shard_map`` (``minimax_jax.parallel.expert``); ``"dense"``/``"capacity"`` stay GSPMD-partitioned.
+The resolved path is recorded under ``"moe"`` (``minimax_jax.ops.common.implementation_report``).
 """
 
 from __future__ import annotations
 
+import math
+from typing import Any, Callable
+
 import jax
 import jax.numpy as jnp
 
-from minimax_jax.ops.common import ImplementationUnavailable, record_implementation
+from minimax_jax.ops.common import ImplementationUnavailable, default_backend, record_implementation
+from minimax_jax.ops.grouped_matmul import _tokamax, grouped_matmul
+from minimax_jax.ops.moe_permute import gather_rows, group_starts, permute_rows, sort_by_expert, unpermute_combine
 
-__all__ = ["route", "moe_experts"]
+__all__ = ["MOE_IMPLEMENTATIONS", "router_scores", "route", "moe_experts", "sorted_expert_mlp",
+           "capacity_of", "update_router_bias", "update_router_biases", "load_balancing_loss"]
+
+MOE_IMPLEMENTATIONS = ("auto", "dense", "ragged", "tokamax", "capacity")
+
+
+# ----------------------------------------------------------------------------- routing
+def router_scores(x: jax.Array, router: jax.Array) -> jax.Array:
+    """``sigmoid(x @ router)`` in float32 (HIGHEST precision): ``[N, H] x [H, E] -> [N, E]``."""
+    logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    return jax.nn.sigmoid(logits)
 
 
 def route(x: jax.Array, router: jax.Array, bias: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -33,27 +56,94 @@ def route(x: jax.Array, router: jax.Array, bias: jax.Array, top_k: int) -> tuple
       top_k: experts per token.
     Returns:
       ``(weights [N, k] float32 (rows sum to 1), experts [N, k] int32, load [E] float32)`` where
-      ``load`` counts tokens routed to each expert.
+      ``load`` counts tokens routed to each expert (the router statistic the bias update uses).
     """
-    logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
-    scores = jax.nn.sigmoid(logits)
-    _, experts = jax.lax.top_k(scores + bias.astype(jnp.float32)[None, :], top_k)
+    scores = router_scores(x, router)
+    _, experts = jax.lax.top_k(scores + jax.lax.stop_gradient(bias.astype(jnp.float32))[None, :], top_k)
     chosen = jnp.take_along_axis(scores, experts, axis=-1)
     weights = chosen / jnp.sum(chosen, axis=-1, keepdims=True)
-    load = jnp.zeros((router.shape[1],), jnp.float32).at[experts.reshape(-1)].add(1.0)
-    return weights, experts.astype(jnp.int32), load
+    load = jnp.sum(jax.nn.one_hot(experts, router.shape[1], dtype=jnp.float32), axis=(0, 1))
+    return weights, experts.astype(jnp.int32), jax.lax.stop_gradient(load)
 
 
-def moe_experts(
-    x: jax.Array,
-    weights: jax.Array,
-    experts: jax.Array,
-    wi: jax.Array,
-    wo: jax.Array,
-    act,
-    *,
-    implementation: str = "auto",
-) -> jax.Array:
+def update_router_bias(bias: jax.Array, load: jax.Array, rate: float | jax.Array) -> jax.Array:
+    """Aux-loss-free balancing step: ``bias + rate * sign(mean(load) - load)`` over the last axis.
+
+    Args: bias ``[..., E]`` float32; load ``[..., E]`` tokens per expert (same leading shape);
+      rate: step size (DeepSeek-V3 uses 1e-3). Returns the new bias, float32.
+    """
+    load = load.astype(jnp.float32)
+    mean = jnp.mean(load, axis=-1, keepdims=True)
+    return (bias.astype(jnp.float32) + jnp.asarray(rate, jnp.float32) * jnp.sign(mean - load)).astype(bias.dtype)
+
+
+def update_router_biases(params: dict[str, Any], cfg, router_load: jax.Array, rate: float | jax.Array) -> dict[str, Any]:
+    """Apply ``update_router_bias`` to every MoE layer of a params tree.
+
+    Args:
+      params: the model params; ``params["segments"][i]["mlp"]["router_bias"]`` is ``[L_i, E]``.
+      cfg: the ModelConfig (segments come from ``layer_segments(cfg)``).
+      router_load: ``[num_moe_layers, E]`` = ``forward(...).aux["router_load"]`` (MoE layers in order;
+        sum it over micro-batches / data shards first if needed).
+      rate: step size.
+    Returns: a new params tree (other leaves shared, not copied); MTP layers are left unchanged.
+    Raises: ValueError when ``router_load`` does not have one row per MoE layer.
+    """
+    from minimax_jax.model.params import layer_segments  # noqa: PLC0415  (model imports ops)
+
+    if router_load.shape[0] != cfg.num_moe_layers:
+        raise ValueError(f"router_load has {router_load.shape[0]} rows, the config has {cfg.num_moe_layers} MoE layers")
+    out = dict(params)
+    segs = list(params["segments"])
+    row = 0
+    for i, seg in enumerate(layer_segments(cfg)):
+        if seg.mlp_type != "moe":
+            continue
+        mlp = dict(segs[i]["mlp"])
+        mlp["router_bias"] = update_router_bias(mlp["router_bias"], router_load[row:row + seg.length], rate)
+        segs[i] = {**segs[i], "mlp": mlp}
+        row += seg.length
+    out["segments"] = segs
+    return out
+
+
+def load_balancing_loss(scores: jax.Array, experts: jax.Array) -> jax.Array:
+    """Optional auxiliary balance loss ``E * sum_e f_e * p_e`` (Switch / DeepSeek style).
+
+    Args: scores ``[N, E]`` from ``router_scores`` (differentiable); experts ``[N, k]`` chosen ids.
+    ``f_e`` = fraction of the ``N * k`` assignments that went to expert e (no gradient);
+    ``p_e`` = mean over tokens of the token-normalised score ``s_e / sum(s)``.
+    Returns a float32 scalar; 1.0 for perfectly uniform routing. Multiply by a small coefficient.
+    """
+    n, e = scores.shape
+    f = jnp.sum(jax.nn.one_hot(experts, e, dtype=jnp.float32), axis=(0, 1)) / (n * experts.shape[1])
+    p = jnp.mean(scores / jnp.sum(scores, axis=-1, keepdims=True), axis=0)
+    return e * jnp.sum(jax.lax.stop_gradient(f) * p)
+
+
+# ----------------------------------------------------------------------------- experts
+def capacity_of(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+    """Rows per expert of the ``"capacity"`` path: ``ceil(cf * N * k / E)`` (at least 1)."""
+    if not capacity_factor > 0:
+        raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
+    return max(1, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
+
+
+def sorted_expert_mlp(xs: jax.Array, group_sizes: jax.Array, wi: jax.Array, wo: jax.Array, act: Callable,
+                      gmm_impl: str) -> jax.Array:
+    """Gated expert MLP on rows sorted by expert: ``[M, H] -> [M, H]`` float32.
+
+    ``wi [G, H, 2I]`` (gate columns first), ``wo [G, I, H]``; rows past ``sum(group_sizes)`` are 0.
+    """
+    h = grouped_matmul(xs, wi, group_sizes, implementation=gmm_impl)
+    y = grouped_matmul(act(h.astype(xs.dtype)), wo, group_sizes, implementation=gmm_impl)
+    live = jnp.arange(xs.shape[0]) < jnp.sum(group_sizes)
+    return jnp.where(live[:, None], y, 0.0)
+
+
+def moe_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, wi: jax.Array, wo: jax.Array, act: Callable,
+                *, implementation: str = "auto", capacity_factor: float | None = None,
+                ep_transport: str = "auto") -> jax.Array:
     """Weighted sum of the chosen experts' gated MLPs.
 
     Args:
@@ -61,46 +151,77 @@ def moe_experts(
       weights: ``[N, k]`` float32 routing weights; experts: ``[N, k]`` int32 expert ids.
       wi: ``[E, H, 2I]`` fused gate/up; wo: ``[E, I, H]``.
       act: ``f(gate_up [..., 2I]) -> [..., I]``.
-      implementation: ``"dense" | "ragged" | "auto"``.
+      implementation: one of ``MOE_IMPLEMENTATIONS`` (module docstring).
+      capacity_factor: rows per expert for ``"capacity"`` (required there; ignored elsewhere).
+      ep_transport: expert-parallel exchange, ``"auto" | "all_to_all" | "ragged_all_to_all"``.
     Returns: ``[N, H]`` in ``x.dtype`` (accumulated in float32).
-    Raises: ImplementationUnavailable for an unknown implementation name.
+    Raises: ImplementationUnavailable for an unknown or unavailable implementation; ValueError for
+      ``"capacity"`` without a capacity factor.
     """
-    n, _ = x.shape
+    if implementation not in MOE_IMPLEMENTATIONS:
+        raise ImplementationUnavailable(f"moe implementation {implementation!r} is not one of {MOE_IMPLEMENTATIONS}")
+    n = x.shape[0]
     e = wi.shape[0]
+    from minimax_jax import sharding  # noqa: PLC0415  (sharding imports the model lazily)
+
+    ctx = sharding.current()
+    if ctx is not None and implementation in ("auto", "ragged", "tokamax"):
+        from minimax_jax.parallel.expert import moe_expert_parallel  # noqa: PLC0415
+
+        gmm = {"auto": "auto", "ragged": "xla", "tokamax": "tokamax"}[implementation]
+        return moe_expert_parallel(x, weights, experts, wi, wo, act, mesh=ctx[0], rules=ctx[1], gmm_impl=gmm,
+                                   transport=ep_transport)
     impl = implementation
     if impl == "auto":
-        impl = "dense" if n * e <= 65536 else "ragged"
+        if default_backend() in ("gpu", "tpu") and not isinstance(_tokamax(), str):
+            impl = "tokamax"
+        else:
+            impl = "dense" if n * e <= 65536 else "ragged"
     if impl == "dense":
         record_implementation("moe", "dense")
         return _dense(x, weights, experts, wi, wo, act)
-    if impl == "ragged":
-        record_implementation("moe", "ragged")
-        return _ragged(x, weights, experts, wi, wo, act)
-    raise ImplementationUnavailable(f"moe implementation {implementation!r} is not one of dense|ragged|auto")
+    if impl == "capacity":
+        if capacity_factor is None:
+            raise ValueError("moe implementation 'capacity' needs capacity_factor")
+        record_implementation("moe", "capacity")
+        return _capacity(x, weights, experts, wi, wo, act, capacity_factor)
+    gmm = "xla" if impl == "ragged" else "tokamax"
+    record_implementation("moe", impl)
+    return _dropless(x, weights, experts, wi, wo, act, gmm)
 
 
 def _dense(x, weights, experts, wi, wo, act):
     e = wi.shape[0]
-    combine = jnp.zeros((x.shape[0], e), jnp.float32)
-    combine = jax.vmap(lambda c, i, w: c.at[i].add(w))(combine, experts, weights)
+    combine = jnp.einsum("nke,nk->ne", jax.nn.one_hot(experts, e, dtype=jnp.float32), weights.astype(jnp.float32))
     h = jnp.einsum("nh,ehf->enf", x, wi.astype(x.dtype), preferred_element_type=jnp.float32)
     y = jnp.einsum("enf,efh->enh", act(h.astype(x.dtype)), wo.astype(x.dtype), preferred_element_type=jnp.float32)
     return jnp.einsum("enh,ne->nh", y, combine).astype(x.dtype)
 
 
-def _ragged(x, weights, experts, wi, wo, act):
+def _dropless(x, weights, experts, wi, wo, act, gmm_impl):
+    order, inv, group_sizes = sort_by_expert(experts, wi.shape[0])
+    xs = permute_rows(x, order, inv)
+    ys = sorted_expert_mlp(xs, group_sizes, wi, wo, act, gmm_impl).astype(x.dtype)
+    return unpermute_combine(ys, weights, order, inv).astype(x.dtype)
+
+
+def _capacity(x, weights, experts, wi, wo, act, capacity_factor):
     n, k = experts.shape
     e = wi.shape[0]
-    flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    token_of = order // k
-    xs = jnp.take(x, token_of, axis=0)
-    group_sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
-    h = jax.lax.ragged_dot(xs, wi.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)
-    y = jax.lax.ragged_dot(act(h.astype(x.dtype)), wo.astype(x.dtype), group_sizes,
-                           preferred_element_type=jnp.float32)
-    w = jnp.take(weights.reshape(-1), order)
-    y = y * w[:, None]
-    # Un-permute: slot order[i] of the flattened [N*k] array receives row i.
-    out = jnp.zeros((n * k, y.shape[-1]), jnp.float32).at[order].set(y)
-    return out.reshape(n, k, -1).sum(axis=1).astype(x.dtype)
+    m = n * k
+    cap = capacity_of(n, k, e, capacity_factor)
+    order, inv, group_sizes = sort_by_expert(experts, e)
+    starts = group_starts(group_sizes)
+    xs = permute_rows(x, order, inv)                                     # [M, H] sorted by expert
+    e_sorted = jnp.take(experts.reshape(-1), order)                      # expert of each sorted row
+    pos = jnp.arange(m, dtype=jnp.int32) - jnp.take(starts, e_sorted)    # rank inside its expert
+    keep = pos < cap
+    slot = e_sorted * cap + pos                                          # row -> buffer slot
+    c = jnp.arange(cap, dtype=jnp.int32)
+    src = (starts[:, None] + c[None, :]).reshape(-1)                     # buffer slot -> row
+    filled = (c[None, :] < group_sizes[:, None]).reshape(-1)
+    buf = gather_rows(xs, src, filled, slot, keep).reshape(e, cap, -1)
+    h = jnp.einsum("ech,ehf->ecf", buf, wi.astype(x.dtype), preferred_element_type=jnp.float32)
+    y = jnp.einsum("ecf,efh->ech", act(h.astype(x.dtype)), wo.astype(x.dtype), preferred_element_type=jnp.float32)
+    ys = gather_rows(y.astype(x.dtype).reshape(e * cap, -1), slot, keep, src, filled)
+    return unpermute_combine(ys, weights, order, inv).astype(x.dtype)

@@ -30,6 +30,12 @@ from pallas_kernels.msa import layout
 
 __all__ = ["msa_attention_gpu"]
 
+
+def _dot(a, b, trans_a=False, trans_b=False):
+    """2-D matmul with fp32 accumulation; lowers to a Triton tensor-core dot (tl.dot)."""
+    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+    return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 
@@ -60,14 +66,14 @@ def _fwd_kernel(q_ref, k_ref, v_ref, ids_ref, start_ref, qpos_ref, qseg_ref, kvp
         kb = k_ref[b, sl, g, :]              # [B, D]
         vb = v_ref[b, sl, g, :]
         vis = _mask(kvpos_ref[b, sl], kvseg_ref[b, sl], n, q_pos, q_seg, blk)
-        s = pl.dot(q, kb, trans_b=True) * qk_scale           # [M, B] log2 domain
+        s = _dot(q, kb, trans_b=True) * qk_scale           # [M, B] log2 domain
         s = jnp.where(vis[None, :], s, -jnp.inf)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
         m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
         corr = jnp.exp2(m_prev - m_safe)
         p = jnp.exp2(s - m_safe[:, None])
         l_next = l_prev * corr + jnp.sum(p, axis=1)
-        acc = acc * corr[:, None] + pl.dot(p.astype(vb.dtype), vb)
+        acc = acc * corr[:, None] + _dot(p.astype(vb.dtype), vb)
         return acc, m_next, l_next
 
     acc0 = jnp.zeros((m_rows, d), jnp.float32)
@@ -100,11 +106,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, ids_ref, start_r
         kb = k_ref[b, sl, g, :]
         vb = v_ref[b, sl, g, :]
         vis = _mask(kvpos_ref[b, sl], kvseg_ref[b, sl], n, q_pos, q_seg, blk)
-        s = pl.dot(q, kb, trans_b=True) * qk_scale
+        s = _dot(q, kb, trans_b=True) * qk_scale
         p = jnp.where(vis[None, :], jnp.exp2(s - lse[:, None]), 0.0)
-        dp = pl.dot(do, vb, trans_b=True)
+        dp = _dot(do, vb, trans_b=True)
         ds = p * (dp - delta[:, None])
-        return dq + pl.dot(ds.astype(kb.dtype), kb)
+        return dq + _dot(ds.astype(kb.dtype), kb)
 
     dq = jax.lax.fori_loop(0, topk, body, jnp.zeros(q.shape, jnp.float32))
     dq_ref[b, t, g] = (dq * scale).astype(dq_ref.dtype)
@@ -135,12 +141,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, ids_ref, ent_r
         lse = lse_ref[b, t, g] * _LOG2E
         delta = delta_ref[b, t, g]
         vis = _mask(kvp, kvs, n, qpos_ref[b, t], qseg_ref[b, t], blk)
-        s = pl.dot(q, kb, trans_b=True) * qk_scale          # [M, B]
+        s = _dot(q, kb, trans_b=True) * qk_scale          # [M, B]
         p = jnp.where(vis[None, :], jnp.exp2(s - lse[:, None]), 0.0)
-        dv = dv + pl.dot(p.astype(do.dtype), do, trans_a=True)      # [B, D]
-        dp = pl.dot(do, vb, trans_b=True)
+        dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)      # [B, D]
+        dp = _dot(do, vb, trans_b=True)
         ds = p * (dp - delta[:, None])
-        dk = dk + pl.dot(ds.astype(q.dtype), q, trans_a=True)
+        dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True)
         return dk, dv
 
     dk, dv = jax.lax.fori_loop(lo, hi, body, (jnp.zeros(kb.shape, jnp.float32),

@@ -29,6 +29,12 @@ from pallas_kernels.msa import layout, select
 
 __all__ = ["msa_select_blocks_gpu", "block_topk_gpu"]
 
+
+def _dot(a, b, trans_a=False, trans_b=False):
+    """2-D matmul with fp32 accumulation; lowers to a Triton tensor-core dot (tl.dot)."""
+    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+    return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
 _BIG = 1 << 30
 
 
@@ -66,7 +72,7 @@ def _kernel(qi_ref, ki_ref, qpos_ref, qseg_ref, base_ref, kvpos_ref, kvseg_ref, 
         kb = ki_ref[b, sl, :]                          # [B, Di]
         kvp = kvpos_ref[b, sl]
         kvs = kvseg_ref[b, sl]
-        s = pl.dot(qi, kb, trans_b=True) * scale       # [R, B]
+        s = _dot(qi, kb, trans_b=True) * scale       # [R, B]
         vis = ((kvs[None, :] == qseg[:, None]) & (kvs[None, :] >= 0)
                & (kvp[None, :] <= qpos[:, None]))
         n0 = jax.lax.div(tile * blk - base + n_tiles * blk, blk) - n_tiles

@@ -1,0 +1,224 @@
+"""MSA decode vs dense paged decode on GPU: correctness vs the XLA reference, then timings.
+
+Usage (GPU machine):  PYTHONUNBUFFERED=1 python3 bench/msa_decode.py --out $OUT
+CPU smoke run:        python bench/msa_decode.py --smoke --contexts 2048 --batches 1,2 --out /tmp/msa_decode
+
+One layer, M3 shapes (H=64 query heads, G=4 kv heads, D=128, Di=128, page = block = 128, K=16),
+Q=1 query row per request, bf16 K/V. For each (batch, context):
+  dense      split-KV paged attention over every cached page (``paged_attention``, pallas_gpu);
+  msa_bf16   page scoring over bf16 index keys + top-(K-1) + local page + split-KV sparse attention
+             (``msa_decode``, pallas_gpu);
+  msa_fp8    the same with fp8 e4m3 index keys (per-token f32 scales);
+  score_*    the page-scoring kernel alone.
+Timing: each timed call runs ``--steps`` decode steps inside one jit, over page-table replicas
+that point at disjoint physical pages when the cache is small (so the L2 never holds the data);
+time per step = median call time / steps. Bytes per step (fewest bytes a step must read): dense
+= B*ctx*G*D*2 (K,V) * 2 B; MSA = B*ctx*(Di*bytes(ki) [+4 scale]) + B*G*K*page*D*2*2 (selected K/V).
+HBM reference: a large bf16 ``x + 1`` (read + write) in the same run.
+Writes msa_decode.json under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from minimax_jax.decode import ops  # noqa: E402
+from minimax_jax.decode.cache import quantize  # noqa: E402
+from minimax_jax.ops.common import implementation_report  # noqa: E402
+
+H, G, D, DI, PAGE, K = 64, 4, 128, 128, 128, 16
+GIB = 1 << 30
+
+
+def fill(shape, seed, dtype):
+    """Pseudo-random values in [-2, 2) from a hash of the element index (no big temporaries)."""
+    @jax.jit
+    def f():
+        h = jnp.uint32((seed * 0x9E3779B9 + 12345) & 0xFFFFFFFF)
+        for ax in range(len(shape)):
+            i = jax.lax.broadcasted_iota(jnp.uint32, shape, ax)
+            h = (h ^ (i * jnp.uint32((0x85EBCA6B + 2 * ax) & 0xFFFFFFFF))) * jnp.uint32(0xC2B2AE35)
+            h = h ^ (h >> 13)
+        h = (h * jnp.uint32(0x27D4EB2F)) ^ (h >> 16)
+        return ((h >> 8).astype(jnp.float32) * (4.0 / (1 << 24)) - 2.0).astype(dtype)
+    return f()
+
+
+def timeit(f, *args, budget_s=2.0, max_reps=30):
+    jax.block_until_ready(f(*args))
+    times = []
+    t_end = time.perf_counter() + budget_s
+    while len(times) < 3 or (time.perf_counter() < t_end and len(times) < max_reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), len(times)
+
+
+def hbm_copy_bandwidth(n_bytes=4 * GIB):
+    x = fill((n_bytes // 2 // 4096, 4096), 7, jnp.bfloat16)
+    f = jax.jit(lambda a: a + jnp.bfloat16(1))
+    t, _ = timeit(f, x)
+    del x
+    return 2 * n_bytes / t
+
+
+# ----------------------------------------------------------------------------- correctness
+
+def check(impl, rng, interpret=False):
+    """Kernels vs the xla reference on fresh random inputs; returns a dict of max errors."""
+    res = {}
+    b, nq, npg = 2, 4, 24
+    p = b * npg + 5
+    kd = jax.random.split(jax.random.PRNGKey(int(rng.integers(1 << 30))), 6)
+    q = jax.random.normal(kd[0], (b, nq, H, D), jnp.bfloat16)
+    qi = jax.random.normal(kd[1], (b, nq, G, DI), jnp.bfloat16)
+    kp = jax.random.normal(kd[2], (G, p, PAGE, D), jnp.bfloat16)
+    vp = jax.random.normal(kd[3], (G, p, PAGE, D), jnp.bfloat16)
+    kip = jax.random.normal(kd[4], (p, PAGE, DI), jnp.bfloat16)
+    pt = jnp.asarray(rng.permutation(np.arange(1, p))[: b * npg].reshape(b, npg), jnp.int32)
+    start = np.array([npg * PAGE - 3 - nq, 5 * PAGE + 60])
+    pos = jnp.asarray(start[:, None] + np.arange(nq)[None], jnp.int32)
+    for label, kis in (("bf16", None), ("fp8", "fp8")):
+        kq, ks = (kip, None) if kis is None else quantize(kip, "float8_e4m3fn")
+        ids_ref = ops.msa_decode_select(qi, kq, pt, pos, ki_scale=ks, topk=K, implementation="xla")
+        ids = ops.msa_decode_select(qi, kq, pt, pos, ki_scale=ks, topk=K, implementation=impl)
+        a, r = np.sort(np.asarray(ids), -1), np.sort(np.asarray(ids_ref), -1)
+        res[f"select_{label}_set_mismatch_rows"] = int(np.sum(np.any(a != r, -1)))
+    for label, ids in (("dense", None), ("sparse", ids_ref)):
+        o_r, l_r = ops.paged_attention(q, kp, vp, pt, pos, block_ids=ids, implementation="xla")
+        o, l = ops.paged_attention(q, kp, vp, pt, pos, block_ids=ids, implementation=impl)
+        res[f"attn_{label}_o_maxerr"] = float(jnp.max(jnp.abs(o.astype(jnp.float32) - o_r.astype(jnp.float32))))
+        res[f"attn_{label}_lse_maxerr"] = float(jnp.max(jnp.abs(l - l_r)))
+        res[f"attn_{label}_finite"] = bool(jnp.all(jnp.isfinite(o.astype(jnp.float32))))
+    ok = (res["select_bf16_set_mismatch_rows"] <= 1 and res["select_fp8_set_mismatch_rows"] <= 1
+          and all(res[f"attn_{x}_o_maxerr"] < 3e-2 and res[f"attn_{x}_lse_maxerr"] < 1e-2 and res[f"attn_{x}_finite"]
+                  for x in ("dense", "sparse")))
+    res["ok"] = bool(ok)
+    return res
+
+
+# ----------------------------------------------------------------------------- timing
+
+def bench_one(b, ctx, min_steps, impl, l2_bytes=200 * 1024 * 1024, dry=False):
+    npg = ctx // PAGE
+    kv_bytes = b * ctx * G * D * 2 * 2
+    reps = max(1, min(32, -(-l2_bytes // (b * ctx * DI * 2))))    # replicas: index keys exceed the L2
+    steps = max(reps, min_steps)
+    p = reps * b * npg + 1
+    need = p * PAGE * (G * D * 2 * 2 + DI * 2 + DI + 4)
+    row = dict(batch=b, context=ctx, replicas=reps, steps_per_call=steps, cache_gib=need / GIB)
+    if dry:
+        return row
+    kp = fill((G, p, PAGE, D), 1, jnp.bfloat16)
+    vp = fill((G, p, PAGE, D), 2, jnp.bfloat16)
+    kib = fill((p, PAGE, DI), 3, jnp.bfloat16)
+    ki8, ks8 = jax.jit(lambda x: quantize(x, "float8_e4m3fn"))(kib)
+    rng = np.random.default_rng(b * 7 + ctx)
+    perm = rng.permutation(np.arange(1, p)).reshape(reps, b, npg)  # shuffled, disjoint tables
+    tables = jnp.asarray(perm, jnp.int32)
+    kq = jax.random.split(jax.random.PRNGKey(ctx + b), 2)
+    q = jax.random.normal(kq[0], (reps, b, 1, H, D), jnp.bfloat16)
+    qi = jax.random.normal(kq[1], (reps, b, 1, G, DI), jnp.bfloat16)
+    pos = jnp.full((b, 1), ctx - 1, jnp.int32)
+
+    def many(fn):
+        @jax.jit
+        def run(q, qi, kp, vp, ki, ks, tables):
+            acc = jnp.zeros((), jnp.float32)
+            for r in range(steps):
+                acc = acc + fn(q[r % reps], qi[r % reps], kp, vp, ki, ks, tables[r % reps])
+            return acc
+        return run
+
+    def dense(q, qi, kp, vp, ki, ks, pt):
+        o, _ = ops.paged_attention(q, kp, vp, pt, pos, implementation=impl)
+        return o[0, 0, 0, 0].astype(jnp.float32)
+
+    def msa(q, qi, kp, vp, ki, ks, pt):
+        o, _, _ = ops.msa_decode(q, qi, kp, vp, ki, pt, pos, ki_scale=ks, topk=K, implementation=impl)
+        return o[0, 0, 0, 0].astype(jnp.float32)
+
+    def score(q, qi, kp, vp, ki, ks, pt):
+        ids = ops.msa_decode_select(qi, ki, pt, pos, ki_scale=ks, topk=K, implementation=impl)
+        return ids[0, 0, 0, 0].astype(jnp.float32)
+
+    msa_kv = b * G * K * PAGE * D * 2 * 2
+    cases = {
+        "dense": (dense, kib, None, kv_bytes),
+        "msa_bf16": (msa, kib, None, b * ctx * DI * 2 + msa_kv),
+        "msa_fp8": (msa, ki8, ks8, b * ctx * (DI + 4) + msa_kv),
+        "select_bf16": (score, kib, None, b * ctx * DI * 2),
+        "select_fp8": (score, ki8, ks8, b * ctx * (DI + 4)),
+    }
+    for name, (fn, ki, ks, nbytes) in cases.items():
+        t, n = timeit(many(fn), q, qi, kp, vp, ki, ks, tables)
+        row[f"{name}_ms"] = t / steps * 1e3
+        row[f"{name}_gbps"] = nbytes / (t / steps) / 1e9
+        row[f"{name}_calls"] = n
+    row["speedup_bf16"] = row["dense_ms"] / row["msa_bf16_ms"]
+    row["speedup_fp8"] = row["dense_ms"] / row["msa_fp8_ms"]
+    del kp, vp, kib, ki8, ks8
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="/tmp/msa_decode")
+    ap.add_argument("--smoke", action="store_true", help="small HBM copy (CPU plumbing run)")
+    ap.add_argument("--mem-gib", type=float, default=110.0, help="skip combos whose cache exceeds this")
+    ap.add_argument("--steps", type=int, default=8, help="minimum decode steps per timed call")
+    ap.add_argument("--contexts", default="32768,131072,1048576")
+    ap.add_argument("--batches", default="1,32")
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    rng = np.random.default_rng(int(time.time()))
+    out = {"device": str(jax.devices()[0]), "jax": jax.__version__}
+    impl = "pallas_gpu" if jax.default_backend() == "gpu" else "xla"
+    out["check"] = check(impl, rng)
+    print("check:", json.dumps(out["check"]), flush=True)
+    out["implementations"] = implementation_report()
+    out["hbm_copy_gbps"] = hbm_copy_bandwidth(64 << 20 if a.smoke else 4 * GIB) / 1e9
+    print(f"HBM copy (x+1 bf16, read+write): {out['hbm_copy_gbps']:.0f} GB/s", flush=True)
+    rows, skipped = [], []
+    for ctx in [int(x) for x in a.contexts.split(",")]:
+        for b in [int(x) for x in a.batches.split(",")]:
+            dry = bench_one(b, ctx, a.steps, impl, dry=True)
+            if dry["cache_gib"] > a.mem_gib:
+                skipped.append(dict(dry, reason=f"cache {dry['cache_gib']:.0f} GiB > {a.mem_gib} GiB"))
+                print("skip", skipped[-1], flush=True)
+                continue
+            t0 = time.time()
+            row = bench_one(b, ctx, a.steps, impl)
+            row["wall_s"] = time.time() - t0
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            with open(os.path.join(a.out, "msa_decode.json"), "w") as f:
+                json.dump(dict(out, rows=rows, skipped=skipped), f, indent=1)
+    out.update(rows=rows, skipped=skipped)
+    with open(os.path.join(a.out, "msa_decode.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    bw = out["hbm_copy_gbps"]
+    print(f"\nHBM copy {bw:.0f} GB/s; check ok={out['check']['ok']}")
+    print(f"{'B':>3} {'ctx':>8} {'dense ms':>9} {'msa16 ms':>9} {'msa8 ms':>9} {'x bf16':>7} {'x fp8':>7} "
+          f"{'dense %bw':>9} {'sel16 %bw':>9} {'sel8 %bw':>9} {'msa16 %bw':>9}")
+    for r in rows:
+        print(f"{r['batch']:>3} {r['context']:>8} {r['dense_ms']:>9.3f} {r['msa_bf16_ms']:>9.3f} "
+              f"{r['msa_fp8_ms']:>9.3f} {r['speedup_bf16']:>7.2f} {r['speedup_fp8']:>7.2f} "
+              f"{100 * r['dense_gbps'] / bw:>9.1f} {100 * r['select_bf16_gbps'] / bw:>9.1f} "
+              f"{100 * r['select_fp8_gbps'] / bw:>9.1f} {100 * r['msa_bf16_gbps'] / bw:>9.1f}")
+
+
+if __name__ == "__main__":
+    main()

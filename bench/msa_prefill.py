@@ -1,0 +1,351 @@
+"""MSA prefill/training benchmark on GPU: correctness vs the XLA reference, then timings vs cuDNN.
+
+Usage (GPU machine):  PYTHONUNBUFFERED=1 python3 bench/msa_prefill.py --out $OUT
+CPU smoke run:        python bench/msa_prefill.py --interpret --tiny --out /tmp/msa_bench
+
+1. Correctness (fresh random bf16 inputs): the Pallas GPU indexer's block-id SETS against the
+   reference (``minimax_jax.ops.msa``, implementation="xla"; a near-tie is accepted when every
+   selected block's reference score is >= the (K-1)-th best - 5e-3, the MSA repo's criterion),
+   the local block present; attention o (atol=rtol=3e-2) and lse (1e-3) on the same ids;
+   dq/dk/dv cosine > 0.99 against autodiff of the fp32 reference; bitwise repeatability of the
+   backward. Cases: unpacked self-attention, queries as a suffix of keys, packed segments.
+2. Timing (median of repeats after a warm-up, block_until_ready; inputs larger than L2): for each
+   model shape and context, indexer, attention fwd, attention fwd+bwd, whole MSA (indexer + attn,
+   the sum of the separately timed parts),
+   and cuDNN dense causal attention (jax.nn.dot_product_attention(implementation="cudnn")) fwd and
+   fwd+bwd. Dense is timed up to --dense-max tokens and extrapolated by the quadratic law above
+   (marked "extrapolated"). FLOPs by MSA_SPEC.md section 6: dense 4*D*H*t per token, MSA main
+   4*D*H*min(t, K*B), indexer 2*Di*Hi*t; backward counted as 2.5x forward (fwd+bwd = 3.5x).
+Writes msa_prefill.json / msa_prefill.csv / msa_prefill_check.json under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from minimax_jax.ops import msa as msa_ops  # noqa: E402
+from pallas_kernels.msa.gpu_attention import msa_attention_gpu  # noqa: E402
+from pallas_kernels.msa.gpu_indexer import msa_select_blocks_gpu  # noqa: E402
+
+MODELS = {"m3": dict(h=64, g=4, d=128), "m2": dict(h=48, g=8, d=128)}
+BLK, TOPK, DI = 128, 16, 128
+
+
+def _flops(t, h, d, hi, di, blk, topk):
+    pos = np.arange(1, t + 1, dtype=np.float64)
+    dense = float(np.sum(4.0 * d * h * pos))
+    main = float(np.sum(4.0 * d * h * np.minimum(pos, topk * blk)))
+    index = float(np.sum(2.0 * di * hi * pos))
+    return dense, main, index
+
+
+def _timeit(f, *args, budget_s=3.0, max_reps=20):
+    jax.block_until_ready(f(*args))                    # compile + warm-up
+    times = []
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    times.append(time.perf_counter() - t0)
+    reps = int(max(2, min(max_reps, budget_s / max(times[0], 1e-6))))
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3, len(times)
+
+
+def _cos(a, b):
+    a = np.asarray(a, np.float64).ravel()
+    b = np.asarray(b, np.float64).ravel()
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-30))
+
+
+class Inputs:
+    def __init__(self, key, bsz, t, s, h, g, d, dtype, segments=None):
+        ks = jax.random.split(key, 7)
+        self.q = jax.random.normal(ks[0], (bsz, t, h, d), dtype)
+        self.k = jax.random.normal(ks[1], (bsz, s, g, d), dtype)
+        self.v = jax.random.normal(ks[2], (bsz, s, g, d), dtype)
+        self.qi = jax.random.normal(ks[3], (bsz, t, g, DI), dtype)
+        self.ki = jax.random.normal(ks[4], (bsz, s, DI), dtype)
+        self.do = jax.random.normal(ks[5], (bsz, t, h, d), dtype)
+        if segments is None:
+            kvpos = np.broadcast_to(np.arange(s), (bsz, s))
+            kvseg = np.zeros((bsz, s), np.int32)
+        else:   # packed: per row a list of document lengths summing to <= s (rest = empty slots)
+            kvpos = np.zeros((bsz, s), np.int32)
+            kvseg = np.full((bsz, s), -1, np.int32)
+            for b, lens in enumerate(segments):
+                o = 0
+                for i, n in enumerate(lens):
+                    kvpos[b, o:o + n] = np.arange(n)
+                    kvseg[b, o:o + n] = i
+                    o += n
+        self.kv_pos = jnp.asarray(kvpos, jnp.int32)
+        self.kv_seg = jnp.asarray(kvseg, jnp.int32)
+        self.q_pos = self.kv_pos[:, s - t:]
+        self.q_seg = self.kv_seg[:, s - t:]
+
+    def pos(self):
+        return dict(q_positions=self.q_pos, kv_positions=self.kv_pos, q_segment_ids=self.q_seg,
+                    kv_segment_ids=self.kv_seg)
+
+
+def check_case(name, inp, interpret):
+    """Compare the Pallas GPU kernels with the XLA reference on one input set."""
+    res = {"case": name, "shape": list(inp.q.shape) + [inp.k.shape[1], inp.k.shape[2]]}
+    pos = inp.pos()
+    sel = jax.jit(lambda qi, ki: msa_select_blocks_gpu(qi, ki, block_size=BLK, topk=TOPK,
+                                                       interpret=interpret, **pos))
+    ids = np.asarray(sel(inp.qi, inp.ki))
+    ref_ids = np.asarray(msa_ops.msa_select_blocks(inp.qi, inp.ki, block_size=BLK, topk=TOPK,
+                                                   implementation="xla", **pos))
+    scores = np.asarray(msa_ops.msa_index_scores(inp.qi, inp.ki, block_size=BLK,
+                                                 implementation="xla", **pos))
+    local = np.asarray(inp.q_pos) // BLK
+    n_set_diff = n_bad = n_nolocal = 0
+    for idx in zip(*np.nonzero(np.ones(ids.shape[:3], bool))):
+        got = ids[idx][ids[idx] >= 0]
+        want = ref_ids[idx][ref_ids[idx] >= 0]
+        if len(set(got.tolist())) != len(got):
+            n_bad += 1
+        if len(want) and local[idx[0], idx[2]] not in got:
+            n_nolocal += 1
+        if set(got.tolist()) != set(want.tolist()):
+            n_set_diff += 1
+            sc = scores[idx][: local[idx[0], idx[2]]]
+            kth = np.sort(sc)[::-1][min(TOPK - 2, len(sc) - 1)] if len(sc) else -np.inf
+            ranked = [x for x in got if x != local[idx[0], idx[2]]]
+            if len(got) != len(want) or any(sc[x] < kth - 5e-3 for x in ranked):
+                n_bad += 1
+    res.update(ids_rows=int(np.prod(ids.shape[:3])), ids_set_diff=n_set_diff, ids_bad=n_bad,
+               ids_no_local=n_nolocal)
+    ids_j = jnp.asarray(ref_ids)
+    gids = ids_j   # same ids for both implementations
+    attn = jax.jit(lambda q, k, v: msa_attention_gpu(q, k, v, gids, block_size=BLK,
+                                                     interpret=interpret, **pos))
+    o, lse = attn(inp.q, inp.k, inp.v)
+    ro, rlse = msa_ops.msa_attention(inp.q.astype(jnp.float32), inp.k.astype(jnp.float32),
+                                     inp.v.astype(jnp.float32), gids, block_size=BLK,
+                                     implementation="xla", **pos)
+    o, ro = np.asarray(o, np.float32), np.asarray(ro, np.float32)
+    lse, rlse = np.asarray(lse), np.asarray(rlse)
+    fin = np.isfinite(rlse)
+    res.update(o_max_err=float(np.max(np.abs(o - ro))),
+               o_ok=bool(np.all(np.abs(o - ro) <= 3e-2 + 3e-2 * np.abs(ro))),
+               lse_max_err=float(np.max(np.abs(np.where(fin, lse - rlse, 0.0)))),
+               lse_inf_match=bool(np.array_equal(np.isfinite(lse), fin)),
+               nan=bool(np.isnan(o).any() or np.isnan(lse).any()))
+    res["lse_ok"] = res["lse_max_err"] <= 1e-3 and res["lse_inf_match"]
+
+    def loss_k(q, k, v):
+        o, _ = msa_attention_gpu(q, k, v, gids, block_size=BLK, interpret=interpret, **pos)
+        return jnp.sum(o.astype(jnp.float32) * inp.do.astype(jnp.float32))
+
+    def loss_r(q, k, v):
+        o, _ = msa_ops.msa_attention(q, k, v, gids, block_size=BLK, implementation="xla", **pos)
+        return jnp.sum(o * inp.do.astype(jnp.float32))
+
+    gk = jax.jit(jax.grad(loss_k, argnums=(0, 1, 2)))
+    g1 = gk(inp.q, inp.k, inp.v)
+    g2 = gk(inp.q, inp.k, inp.v)
+    gr = jax.jit(jax.grad(loss_r, argnums=(0, 1, 2)))(inp.q.astype(jnp.float32),
+                                                      inp.k.astype(jnp.float32),
+                                                      inp.v.astype(jnp.float32))
+    for nm, a, b in zip(("dq", "dk", "dv"), g1, gr):
+        a = np.asarray(a, np.float32)
+        b = np.asarray(b, np.float32)
+        res[f"{nm}_cos"] = _cos(a, b)
+        res[f"{nm}_max_err_rel"] = float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))
+    res["bwd_bitwise_repeat"] = all(bool(jnp.array_equal(a, b)) for a, b in zip(g1, g2))
+    res["ok"] = bool(res["o_ok"] and res["lse_ok"] and not res["nan"] and res["ids_bad"] == 0
+                     and res["ids_no_local"] == 0 and res["bwd_bitwise_repeat"]
+                     and all(res[f"{n}_cos"] > 0.99 for n in ("dq", "dk", "dv")))
+    return res
+
+
+def bench_case(model, t, inp, interpret, dense_max, dense_ref):
+    m = MODELS[model]
+    pos = inp.pos()
+    dense_f, main_f, index_f = _flops(t, m["h"], m["d"], m["g"], DI, BLK, TOPK)
+    row = {"model": model, "T": t, "H": m["h"], "G": m["g"], "D": m["d"]}
+    sel = jax.jit(lambda qi, ki: msa_select_blocks_gpu(qi, ki, block_size=BLK, topk=TOPK,
+                                                       interpret=interpret, **pos))
+    ids = jax.block_until_ready(sel(inp.qi, inp.ki))
+
+    def attn_f(q, k, v, ids):
+        return msa_attention_gpu(q, k, v, ids, block_size=BLK, interpret=interpret, **pos)
+
+    def attn_fb(q, k, v, ids, do):
+        (o, lse), vjp = jax.vjp(lambda q, k, v: attn_f(q, k, v, ids), q, k, v)
+        return vjp((do, jnp.zeros_like(lse)))
+
+    timings = {}
+    for name, fn, args in (("indexer", sel, (inp.qi, inp.ki)),
+                           ("attn_fwd", jax.jit(attn_f), (inp.q, inp.k, inp.v, ids)),
+                           ("attn_fwd_bwd", jax.jit(attn_fb), (inp.q, inp.k, inp.v, ids, inp.do))):
+        try:
+            timings[name] = _timeit(fn, *args)[0]
+        except Exception as e:  # report (e.g. out of memory) and continue with the next variant
+            timings[name] = None
+            row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        gc.collect()
+    # dense cuDNN
+    if not interpret and t <= dense_max:
+        def dense_f(q, k, v):
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+        def dense_fb(q, k, v, do):
+            _, vjp = jax.vjp(dense_f, q, k, v)
+            return vjp(do)
+        for name, fn, args in (("dense_fwd", jax.jit(dense_f), (inp.q, inp.k, inp.v)),
+                               ("dense_fwd_bwd", jax.jit(dense_fb), (inp.q, inp.k, inp.v, inp.do))):
+            try:
+                timings[name] = _timeit(fn, *args, budget_s=4.0)[0]
+            except Exception as e:
+                timings[name] = None
+                row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        row["dense_source"] = "measured"
+        dense_ref[model] = (t, timings.get("dense_fwd"), timings.get("dense_fwd_bwd"))
+    elif model in dense_ref and dense_ref[model][1]:
+        t0, f0, fb0 = dense_ref[model]
+        timings["dense_fwd"] = f0 * (t / t0) ** 2
+        timings["dense_fwd_bwd"] = fb0 * (t / t0) ** 2 if fb0 else None
+        row["dense_source"] = f"extrapolated from T={t0} by (T/T0)^2"
+    # whole MSA layer = indexer + attention, as the sum of the separately timed parts
+    if timings.get("indexer") and timings.get("attn_fwd"):
+        timings["msa_fwd"] = timings["indexer"] + timings["attn_fwd"]
+    if timings.get("indexer") and timings.get("attn_fwd_bwd"):
+        timings["msa_fwd_bwd"] = timings["indexer"] + timings["attn_fwd_bwd"]
+    row.update({f"{k}_ms": v for k, v in timings.items()})
+
+    def tf(flops, ms):
+        return None if not ms else flops / (ms * 1e-3) / 1e12
+    row["indexer_tflops"] = tf(index_f, timings.get("indexer"))
+    row["attn_fwd_tflops"] = tf(main_f, timings.get("attn_fwd"))
+    row["attn_fwd_bwd_tflops"] = tf(3.5 * main_f, timings.get("attn_fwd_bwd"))
+    row["msa_fwd_tflops"] = tf(main_f + index_f, timings.get("msa_fwd"))
+    row["msa_fwd_bwd_tflops"] = tf(3.5 * main_f + index_f, timings.get("msa_fwd_bwd"))
+    row["dense_fwd_tflops"] = tf(dense_f, timings.get("dense_fwd"))
+    row["dense_fwd_bwd_tflops"] = tf(3.5 * dense_f, timings.get("dense_fwd_bwd"))
+    if timings.get("msa_fwd") and timings.get("indexer"):
+        row["indexer_share_fwd"] = timings["indexer"] / timings["msa_fwd"]
+    for a, b in (("fwd", "msa_fwd"), ("fwd_bwd", "msa_fwd_bwd")):
+        if timings.get(f"dense_{a}") and timings.get(b):
+            row[f"speedup_{a}"] = timings[f"dense_{a}"] / timings[b]
+    row["flops_dense_fwd"], row["flops_msa_main_fwd"], row["flops_indexer"] = dense_f, main_f, index_f
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--models", default="m3,m2")
+    ap.add_argument("--contexts", default="8192,32768,131072,524288,1048576")
+    ap.add_argument("--dense-max", type=int, default=131072)
+    ap.add_argument("--max-tokens", default="", help="per model cap, e.g. m2=524288")
+    ap.add_argument("--deadline-s", type=float, default=1e9, help="skip cases started after this")
+    ap.add_argument("--cases", default="", help="ordered model:T list; overrides models/contexts")
+    ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--check-only", action="store_true")
+    ap.add_argument("--interpret", action="store_true", help="GPU kernels in interpret mode (CPU)")
+    ap.add_argument("--tiny", action="store_true", help="small shapes for a CPU smoke run")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    dev = jax.devices()[0]
+    meta = {"date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+            "device": getattr(dev, "device_kind", str(dev)), "jax": jax.__version__,
+            "command": " ".join(sys.argv)}
+    print(meta, flush=True)
+    key = jax.random.PRNGKey(int(time.time()) & 0xFFFF)
+    checks = []
+    if not args.skip_check:
+        if args.tiny:
+            cases = [("unpacked_m3like", dict(bsz=1, t=300, s=300, h=8, g=2, d=32), None),
+                     ("packed_m2like", dict(bsz=2, t=300, s=300, h=6, g=2, d=32),
+                      [[100, 150, 40], [299]]),
+                     ("suffix", dict(bsz=1, t=70, s=333, h=4, g=2, d=32), None)]
+        else:
+            cases = [("unpacked_m3", dict(bsz=1, t=4096, s=4096, h=64, g=4, d=128), None),
+                     ("suffix_m3", dict(bsz=1, t=1000, s=5000, h=64, g=4, d=128), None),
+                     ("packed_m2", dict(bsz=2, t=3000, s=3000, h=48, g=8, d=128),
+                      [[1000, 1500, 450], [129, 2871]])]
+        for name, shp, segs in cases:
+            key, sub = jax.random.split(key)
+            inp = Inputs(sub, shp["bsz"], shp["t"], shp["s"], shp["h"], shp["g"], shp["d"],
+                         jnp.bfloat16, segs)
+            t0 = time.time()
+            try:
+                r = check_case(name, inp, args.interpret)
+            except Exception as e:
+                r = {"case": name, "ok": False, "error": f"{type(e).__name__}: {str(e)[:400]}"}
+            r["seconds"] = time.time() - t0
+            checks.append(r)
+            print("CHECK", json.dumps(r), flush=True)
+        with open(os.path.join(args.out, "msa_prefill_check.json"), "w") as f:
+            json.dump({"meta": meta, "checks": checks}, f, indent=1)
+    if args.check_only:
+        return
+    caps = dict(x.split("=") for x in args.max_tokens.split(",") if x)
+    rows = []
+    dense_ref = {}
+    if args.cases:
+        plan = [(c.split(":")[0], int(c.split(":")[1])) for c in args.cases.split(",")]
+    else:
+        plan = [(mo, int(t)) for mo in args.models.split(",") for t in args.contexts.split(",")]
+    start = time.time()
+    for model, t in plan:
+            m = MODELS[model]
+            if time.time() - start > args.deadline_s:
+                print(f"SKIP {model} T={t}: past --deadline-s", flush=True)
+                rows.append({"model": model, "T": t, "error": "skipped: time budget"})
+                continue
+            if model in caps and t > int(caps[model]):
+                continue
+            if args.tiny:
+                m = dict(h=8, g=2, d=32) if model == "m3" else dict(h=6, g=2, d=32)
+            key, sub = jax.random.split(key)
+            t0 = time.time()
+            try:
+                inp = Inputs(sub, 1, t, t, m["h"], m["g"], m["d"], jnp.bfloat16)
+                row = bench_case(model, t, inp, args.interpret, args.dense_max, dense_ref)
+            except Exception as e:
+                row = {"model": model, "T": t, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+            row["seconds"] = time.time() - t0
+            rows.append(row)
+            print("ROW", json.dumps(row), flush=True)
+            inp = None
+            gc.collect()
+            with open(os.path.join(args.out, "msa_prefill.json"), "w") as f:
+                json.dump({"meta": meta, "checks": checks, "rows": rows}, f, indent=1)
+    cols = ["model", "T", "indexer_ms", "attn_fwd_ms", "attn_fwd_bwd_ms", "msa_fwd_ms",
+            "msa_fwd_bwd_ms", "dense_fwd_ms", "dense_fwd_bwd_ms", "indexer_tflops",
+            "attn_fwd_tflops", "attn_fwd_bwd_tflops", "dense_fwd_tflops", "indexer_share_fwd",
+            "speedup_fwd", "speedup_fwd_bwd", "dense_source"]
+    with open(os.path.join(args.out, "msa_prefill.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow(r)
+    print("\nchecks:", [(c["case"], c.get("ok")) for c in checks])
+    print(" | ".join(c[:12] for c in cols[:-1]))
+    for r in rows:
+        print(" | ".join(("%.3g" % r[c]) if isinstance(r.get(c), float) else str(r.get(c))
+                         for c in cols[:-1]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Fill our leaves from HF tensors piece by piece, with bounded temporaries.
+
+A unit buffer (one layer of one stacked leaf, or a whole small leaf) is filled from its pieces;
+a piece larger than ``chunk_bytes`` (as float32) is read in ranges of its first HF axis, so the
+transient memory is one buffer plus at most ``chunk_bytes`` (+ its dtype casts).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from minimax_jax.convert import fp8
+from minimax_jax.convert.layout import Piece, piece_to_ours
+from minimax_jax.convert.plan import ConversionPlan
+from minimax_jax.convert.safetensors_io import SafetensorsReader
+
+__all__ = ["PieceReader", "fill_unit", "DEFAULT_CHUNK_BYTES"]
+
+DEFAULT_CHUNK_BYTES = 256 * 1024 * 1024
+ReadFn = Callable[[str, "slice | None"], np.ndarray]
+
+
+class PieceReader:
+    """Reads a planned tensor (canonical name), dequantising FP8 exactly; ``rows`` slices HF axis 0.
+
+    For a 2-D FP8 weight, ``rows.start`` must be a multiple of the 128-row block.
+    Returns the stored dtype for BF16/F16/F32 tensors, float32 for FP8.
+    ``on_bytes(n)`` (optional) is called with the bytes read, for progress bars.
+    """
+
+    def __init__(self, reader: SafetensorsReader, plan: ConversionPlan, on_bytes: Callable[[int], None] | None = None):
+        self.reader, self.plan, self.on_bytes = reader, plan, on_bytes
+
+    def __call__(self, name: str, rows: slice | None = None) -> np.ndarray:
+        info = self.plan.info(name)
+        arr = self.reader.read(info.name, rows)
+        n = arr.nbytes
+        sinfo = self.plan.scale_info(name)
+        if info.dtype == "F8_E4M3":
+            srows = None
+            if rows is not None:
+                start, stop, _ = rows.indices(info.shape[0])
+                if len(info.shape) == 2:
+                    b = fp8.BLOCK[0]
+                    if start % b:
+                        raise ValueError(f"FP8 row range of {info.name!r} must start on a {b}-row block")
+                    srows = slice(start // b, -(-stop // b))
+                else:
+                    srows = slice(start, stop)
+            scale = self.reader.read(sinfo.name, srows)
+            n += scale.nbytes
+            arr = fp8.dequantize(arr, scale, name=info.name)
+        if self.on_bytes:
+            self.on_bytes(n)
+        return arr
+
+
+def _hf_axis0_in_ours(piece: Piece) -> int:
+    """Axis of our (dest-ranked) array that HF axis 0 becomes."""
+    k = list(piece.perm).index(0) if piece.perm else 0
+    return k + (len(piece.dest) - len(piece.shape))
+
+
+def fill_unit(buf: np.ndarray, pieces, read: ReadFn, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> np.ndarray:
+    """Write every piece into ``buf`` (our per-unit leaf, any dtype; values are cast on assignment).
+
+    Pieces whose float32 size exceeds ``chunk_bytes`` are read in HF-axis-0 ranges (multiples of
+    128 rows when possible, so FP8 blocks are never split).
+    Returns ``buf``.
+    """
+    for p in pieces:
+        rows_total = p.shape[0] if p.shape else 1
+        row_bytes = 4 * int(np.prod(p.shape[1:], dtype=np.int64)) if p.shape else 4
+        if len(p.shape) < 2 or rows_total * row_bytes <= chunk_bytes:
+            buf[p.dest] = piece_to_ours(p, read(p.name, None))
+            continue
+        step = max(1, chunk_bytes // row_bytes)
+        if step >= fp8.BLOCK[0]:
+            step -= step % fp8.BLOCK[0]
+        elif len(p.shape) == 2:
+            step = fp8.BLOCK[0]
+        k = _hf_axis0_in_ours(p)
+        d0 = p.dest[k]
+        base = d0.start or 0
+        for a in range(0, rows_total, step):
+            b = min(a + step, rows_total)
+            dest = list(p.dest)
+            dest[k] = slice(base + a, base + b)
+            buf[tuple(dest)] = piece_to_ours(p, read(p.name, slice(a, b)))
+    return buf

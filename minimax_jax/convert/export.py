@@ -1,0 +1,173 @@
+"""Export our orbax checkpoint directory to Hugging Face safetensors, streaming layer by layer.
+
+Names: M2 configs (``norm_kind == "rms"``) use the M2 hub layout (per-expert ``w1/w3/w2``, which
+transformers loads through its MiniMax-M2 weight conversion); M3 configs use the transformers-native
+layout (``mlp.experts.gate_up_proj`` ...), the only one ``MiniMaxM3VLForCausalLM`` loads (checked
+with transformers 5.24). Tensors keep the stored dtype (BF16 or F32; router weights F32), or with
+``fp8=True`` every decoder-layer linear weight (attention, index, experts, shared / dense MLP)
+is re-quantised to e4m3 + 128x128 ``weight_scale_inv`` (router, norms, embedding, lm_head and
+MTP ``eh_proj`` stay unquantised, as in the M2 hub). Shards of at most ``max_shard_bytes`` with
+``model.safetensors.index.json``; ``config.json`` from ``cfg.to_hf_config()``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Iterator
+
+import numpy as np
+
+from minimax_jax.config import ModelConfig
+from minimax_jax.convert import fp8 as fp8_lib
+from minimax_jax.convert.atomic_dir import (PARAMS_DIR, atomic_output_dir, copy_side_files, read_config,
+                                            write_json)
+from minimax_jax.convert.layout import EXPORT_STYLE, layer_slots, mtp_layer_prefixes, mtp_slots, ours_to_piece, top_slots
+from minimax_jax.convert.load import checkpoint_metadata
+from minimax_jax.convert.safetensors_io import INDEX_FILE
+
+__all__ = ["export_orbax_to_hf", "iter_hf_tensors", "DEFAULT_SHARD_BYTES"]
+
+DEFAULT_SHARD_BYTES = 5 * 1024 ** 3
+
+
+class _LeafStore:
+    """Lazily opened TensorStore arrays of a checkpoint's leaves, indexed by path tuple."""
+
+    def __init__(self, directory: str):
+        import jax
+        from etils import epath
+        from orbax.checkpoint import type_handlers as th
+
+        self._th, self._epath = th, epath
+        md_tree = checkpoint_metadata(directory)
+        import orbax.checkpoint as ocp
+
+        md = ocp.StandardCheckpointer().metadata(os.path.join(directory, PARAMS_DIR))
+        self._zarr3 = bool(getattr(getattr(md, "item_metadata", None), "use_zarr3", False))
+        self._ctx = th.get_ts_context(use_ocdbt=True)
+        self._meta = {}
+        for path, m in jax.tree_util.tree_flatten_with_path(md_tree)[0]:
+            key = tuple(p.key if hasattr(p, "key") else p.idx for p in path)
+            self._meta[key] = m
+        self._open: dict = {}
+
+    def get(self, path: tuple) -> Any:
+        import tensorstore as ts
+
+        if path not in self._open:
+            m = self._meta[path]
+            info = self._th.ParamInfo(name=m.name, parent_dir=self._epath.Path(m.directory), is_ocdbt_checkpoint=True,
+                                      use_zarr3=self._zarr3, ts_context=self._ctx)
+            spec = self._th.get_json_tspec_read(info, use_ocdbt=True)
+            self._open[path] = ts.open(spec, open=True, context=self._ctx).result()
+        return self._open[path]
+
+    def read(self, path: tuple, index: tuple = ()) -> np.ndarray:
+        return np.asarray(self.get(path)[index].read().result())
+
+
+def _quantizable(name: str) -> bool:
+    return (".layers." in name and name.endswith("weight") and "_proj" in name and "eh_proj" not in name) or (
+        ".experts." in name and name.endswith((".w1.weight", ".w2.weight", ".w3.weight", "gate_up_proj", "down_proj")))
+
+
+def iter_hf_tensors(directory: str, cfg: ModelConfig, *, fp8: bool = False) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield ``(hf_name, array)`` for the whole checkpoint, one layer's leaves in memory at a time."""
+    from minimax_jax.model.params import layer_segments
+
+    store = _LeafStore(directory)
+    style = EXPORT_STYLE[cfg.norm_kind]
+
+    def emit(name, arr):
+        if fp8 and arr.ndim >= 2 and _quantizable(name):
+            q, s = fp8_lib.quantize(arr.astype(np.float32))
+            yield name, q
+            yield name + "_scale_inv", s
+        else:
+            yield name, arr
+
+    for slot in top_slots(cfg):
+        buf = store.read(slot.path)
+        for p in slot.for_style(style).pieces:
+            yield from emit(p.name, ours_to_piece(p, buf))
+    for si, seg in enumerate(layer_segments(cfg)):
+        for j in range(seg.length):
+            for slot in layer_slots(cfg, f"model.layers.{seg.start + j}.", seg.layer_type, seg.mlp_type):
+                buf = store.read(("segments", si) + slot.path, (j,))
+                for p in slot.for_style(style).pieces:
+                    yield from emit(p.name, ours_to_piece(p, buf))
+    for i in range(cfg.num_mtp_modules):
+        for slot in mtp_slots(cfg, i, mtp_layer_prefixes(i)[0]):
+            buf = store.read(("mtp", i) + slot.path)
+            for p in slot.for_style(style).pieces:
+                yield from emit(p.name, ours_to_piece(p, buf))
+
+
+def export_orbax_to_hf(src: str | os.PathLike, dst: str | os.PathLike, fp8: bool = False, *,
+                       max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False,
+                       progress: bool = True) -> dict:
+    """Write ``dst`` = HF checkpoint (sharded safetensors + index + config.json + tokenizer files)
+    from our checkpoint directory ``src``. Atomic (temporary sibling renamed on success).
+
+    Returns: a summary dict (tensors, bytes, shards). Raises FileExistsError when ``dst`` exists.
+    """
+    from safetensors.numpy import save_file
+    from tqdm.auto import tqdm
+
+    src = os.fspath(src)
+    cfg = read_config(src)
+    if os.path.exists(dst) and not overwrite:
+        raise FileExistsError(f"destination {os.fspath(dst)} already exists (pass overwrite=True / --overwrite)")
+    total = sum(int(np.prod(m.shape)) * np.dtype(m.dtype).itemsize
+                for m in _flat_meta(checkpoint_metadata(src)))
+    with atomic_output_dir(dst, overwrite=overwrite) as tmp, \
+            tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="export", disable=not progress,
+                 dynamic_ncols=True) as bar:
+        shards: list[list[str]] = []
+        weight_map: dict[str, int] = {}
+        cur: dict[str, np.ndarray] = {}
+        cur_bytes = 0
+        total_size = 0
+
+        def flush():
+            nonlocal cur, cur_bytes
+            if cur:
+                save_file(cur, os.path.join(tmp, f"shard-{len(shards):05d}.tmp"), metadata={"format": "pt"})
+                shards.append(list(cur))
+                cur, cur_bytes = {}, 0
+
+        for name, arr in iter_hf_tensors(src, cfg, fp8=fp8):
+            if cur and cur_bytes + arr.nbytes > max_shard_bytes:
+                flush()
+            cur[name] = np.ascontiguousarray(arr)
+            cur_bytes += arr.nbytes
+            total_size += arr.nbytes
+            if not name.endswith("_scale_inv"):
+                bar.update(arr.nbytes if not fp8 or arr.dtype.itemsize > 1 else arr.nbytes * 2)
+        flush()
+        n = len(shards)
+        for k, names in enumerate(shards):
+            fn = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+            os.rename(os.path.join(tmp, f"shard-{k:05d}.tmp"), os.path.join(tmp, fn))
+            for nm in names:
+                weight_map[nm] = fn
+        write_json({"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))},
+                   os.path.join(tmp, INDEX_FILE))
+        hf_cfg = cfg.to_hf_config()
+        hf_cfg["torch_dtype"] = hf_cfg["dtype"] = "bfloat16" if cfg.param_dtype == "bfloat16" else "float32"
+        if fp8:
+            hf_cfg["quantization_config"] = {
+                "quant_method": "fp8", "fmt": "float8_e4m3fn", "weight_block_size": list(fp8_lib.BLOCK),
+                "activation_scheme": "dynamic",
+                "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head", "eh_proj"]}
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(hf_cfg, f, indent=2)
+        copy_side_files(src, tmp)
+    return {"tensors": len(weight_map), "bytes": total_size, "shards": n}
+
+
+def _flat_meta(tree):
+    import jax
+
+    return jax.tree.leaves(tree, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))

@@ -1,0 +1,139 @@
+"""Convert a Hugging Face safetensors checkpoint (BF16/F32 or FP8 block-scaled) into our orbax
+checkpoint directory, streaming layer by layer.
+
+Output directory (written atomically, see ``atomic_dir``)::
+
+    DST/params/          orbax PyTree checkpoint of our params tree (docs/ARCHITECTURE.md)
+    DST/config.yaml      ModelConfig.to_dict() (param_dtype/dtype = the conversion dtype)
+    DST/conversion.json  source, dtype, warnings (skipped tensors), bytes, seconds
+    DST/hf_config.json   the source config.json, for provenance
+    DST/tokenizer.json, tokenizer_config.json, chat_template.jinja, ... (copied when present)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from typing import Any
+
+import numpy as np
+
+from minimax_jax.config import ModelConfig
+from minimax_jax.convert.assemble import PieceReader, fill_unit
+from minimax_jax.convert.atomic_dir import (PARAMS_DIR, REPORT_FILE, atomic_output_dir, copy_side_files,
+                                            write_config, write_json)
+from minimax_jax.convert.errors import CheckpointError
+from minimax_jax.convert.orbax_stream import DEFAULT_CHUNK_BYTES, LazyLeaf, save_lazy_tree
+from minimax_jax.convert.plan import ConversionPlan, make_plan
+from minimax_jax.convert.safetensors_io import SafetensorsReader
+
+__all__ = ["convert_hf_to_orbax", "nest", "lazy_tree"]
+
+log = logging.getLogger(__name__)
+
+
+def nest(items: list[tuple[tuple[Any, ...], Any]]) -> Any:
+    """Build the params tree from ``(path, value)`` pairs; integer path keys make lists."""
+    root: dict = {}
+    for path, value in items:
+        node = root
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = value
+
+    def fix(n):
+        if not isinstance(n, dict):
+            return n
+        if n and all(isinstance(k, int) for k in n):
+            return [fix(n[i]) for i in range(len(n))]
+        return {k: fix(v) for k, v in n.items()}
+
+    return fix(root)
+
+
+def lazy_tree(plan: ConversionPlan, reader: SafetensorsReader, *, on_bytes=None) -> Any:
+    """Our params tree with a ``LazyLeaf`` per leaf, filled from ``reader`` when saved."""
+    read = PieceReader(reader, plan, on_bytes)
+    items = []
+    for leaf in plan.leaves:
+        units = [(index, (lambda p=pieces, s=leaf.unit_shape, d=leaf.dtype: fill_unit(np.empty(s, d), p, read)))
+                 for index, pieces in leaf.units]
+        items.append((leaf.path, LazyLeaf(leaf.shape, leaf.dtype, units, stacked=leaf.stacked,
+                                          name=".".join(map(str, leaf.path)))))
+    return nest(items)
+
+
+def _check_against_model(tree: Any, cfg: ModelConfig) -> None:
+    """The planned tree must have exactly the structure, shapes and dtypes of ``abstract_params``."""
+    import jax
+
+    from minimax_jax.model.params import abstract_params
+
+    want = abstract_params(cfg)
+    is_leaf = lambda x: isinstance(x, LazyLeaf)  # noqa: E731
+    got_l = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
+    want_l = jax.tree_util.tree_flatten_with_path(want)[0]
+    got_d = {jax.tree_util.keystr(k): v for k, v in got_l}
+    want_d = {jax.tree_util.keystr(k): v for k, v in want_l}
+    if set(got_d) != set(want_d):
+        raise CheckpointError(f"internal: planned leaves differ from the model's: only planned "
+                              f"{sorted(set(got_d) - set(want_d))[:5]}, only model {sorted(set(want_d) - set(got_d))[:5]}")
+    for k, w in want_d.items():
+        g = got_d[k]
+        if tuple(g.shape) != tuple(w.shape):
+            raise CheckpointError(f"internal: leaf {k}: planned shape {g.shape}, model shape {tuple(w.shape)}")
+
+
+def convert_hf_to_orbax(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "bfloat16", *,
+                        overwrite: bool = False, progress: bool = True, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                        max_in_flight: int = 1, cfg: ModelConfig | None = None) -> tuple[ModelConfig, dict]:
+    """Convert the HF checkpoint in ``src`` into our orbax checkpoint directory ``dst``.
+
+    Args:
+      src: directory with ``config.json`` and ``model.safetensors.index.json`` + shards, or a single
+        ``model.safetensors`` (hub or transformers-native names, BF16/F16/F32 or FP8 e4m3 with
+        128x128 ``weight_scale_inv``).
+      dst: output directory; must not exist unless ``overwrite``.
+      dtype: parameter dtype of the output, "bfloat16" or "float32" (router weights stay float32).
+      overwrite: replace an existing ``dst`` (only after the new one is complete).
+      progress: show a tqdm bar (bytes, rate, ETA) on stderr.
+      chunk_bytes: orbax storage chunk size bound.
+      max_in_flight: layer units held at once while writing (memory ~ this x largest unit).
+      cfg: use this config instead of ``src/config.json`` (its dtype fields are replaced).
+    Returns: ``(cfg, report)``; ``report`` is what ``conversion.json`` holds.
+    Raises: ConfigError (bad config), CheckpointError subclasses (missing / unknown / wrong shape /
+      wrong dtype / truncated tensors; raised before anything is written), FileExistsError.
+    """
+    from tqdm.auto import tqdm
+
+    src = os.fspath(src)
+    if dtype not in ("bfloat16", "float32"):
+        raise ValueError(f"dtype must be 'bfloat16' or 'float32', got {dtype!r}")
+    if os.path.exists(dst) and not overwrite:
+        raise FileExistsError(f"destination {os.fspath(dst)} already exists (pass overwrite=True / --overwrite)")
+    cfg = (cfg or ModelConfig.from_hf_config(src)).replace(dtype=dtype, param_dtype=dtype)
+    reader = SafetensorsReader(src)
+    plan = make_plan(reader, cfg)
+    for w in plan.warnings:
+        log.warning("%s", w)
+    t0 = time.time()
+    with tqdm(total=plan.source_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="convert",
+              disable=not progress, dynamic_ncols=True) as bar:
+        tree = lazy_tree(plan, reader, on_bytes=bar.update)
+        _check_against_model(tree, cfg)
+        with atomic_output_dir(dst, overwrite=overwrite) as tmp:
+            save_lazy_tree(os.path.join(tmp, PARAMS_DIR), tree, chunk_bytes=chunk_bytes, max_in_flight=max_in_flight)
+            write_config(cfg, tmp)
+            copied = copy_side_files(src, tmp)
+            if os.path.isfile(os.path.join(src, "config.json")):
+                shutil.copy2(os.path.join(src, "config.json"), os.path.join(tmp, "hf_config.json"))
+            seconds = time.time() - t0
+            fp8 = sum(1 for i in plan.infos.values() if i.dtype == "F8_E4M3")
+            report = {"source": os.path.abspath(src), "dtype": dtype, "warnings": plan.warnings,
+                      "source_bytes": plan.source_bytes, "seconds": round(seconds, 3),
+                      "source_tensors": len(plan.infos), "fp8_tensors_dequantized": fp8, "copied_files": copied,
+                      "format": "minimax-jax orbax checkpoint v1"}
+            write_json(report, os.path.join(tmp, REPORT_FILE))
+    return cfg, report

@@ -1,0 +1,89 @@
+"""Restore a converted checkpoint directory (``convert_hf_to_orbax`` output) as our params tree,
+optionally straight onto a device mesh with one ``NamedSharding`` per leaf (each host reads only
+the pieces its devices hold; the full tree is never gathered on one host)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from minimax_jax.config import ModelConfig
+from minimax_jax.convert.atomic_dir import PARAMS_DIR, read_config
+from minimax_jax.convert.errors import CheckpointError
+
+__all__ = ["load_checkpoint", "checkpoint_metadata"]
+
+
+def checkpoint_metadata(directory: str | os.PathLike) -> Any:
+    """The orbax metadata tree (per leaf: shape, dtype, name) of ``directory/params``."""
+    import orbax.checkpoint as ocp
+
+    md = ocp.StandardCheckpointer().metadata(os.path.join(os.fspath(directory), PARAMS_DIR))
+    return md.item_metadata.tree if hasattr(md, "item_metadata") else md
+
+
+def load_checkpoint(directory: str | os.PathLike, cfg: ModelConfig | None = None, mesh=None, rules=None, *,
+                    shardings: Any = None, dtype: str | None = None) -> tuple[ModelConfig, Any]:
+    """Load ``(cfg, params)`` from a converted checkpoint directory.
+
+    Args:
+      directory: holds ``config.yaml`` and ``params/`` (orbax).
+      cfg: expected config (default: ``directory/config.yaml``); its params must match the stored
+        tree leaf for leaf (shape), else CheckpointError.
+      mesh, rules: with a mesh and no ``shardings``, shardings come from
+        ``minimax_jax.sharding.params_shardings(cfg, mesh, rules)``.
+      shardings: pytree of ``jax.sharding.Sharding`` matching the params tree (takes precedence).
+      dtype: cast floating leaves (except the float32 router weights) on restore, e.g. "float32".
+    Returns: ``(cfg, params)`` with jax.Array leaves (on the default device without a mesh).
+    Raises: FileNotFoundError, CheckpointError (structure / shape mismatch naming the leaf).
+    """
+    import jax
+
+    from minimax_jax.config import dtype_of
+    from minimax_jax.model.params import abstract_params
+
+    directory = os.fspath(directory)
+    stored_cfg = read_config(directory)
+    cfg = cfg or stored_cfg
+    stored = checkpoint_metadata(directory)
+    want = abstract_params(cfg)
+    s_flat = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(stored)[0]}
+    w_flat, treedef = jax.tree_util.tree_flatten_with_path(want)
+    only_stored = sorted(set(s_flat) - {jax.tree_util.keystr(k) for k, _ in w_flat})
+    for k, w in w_flat:
+        ks = jax.tree_util.keystr(k)
+        if ks not in s_flat:
+            raise CheckpointError(f"checkpoint {directory} has no leaf params{ks} (expected shape {list(w.shape)})")
+        if tuple(s_flat[ks].shape) != tuple(w.shape):
+            raise CheckpointError(f"leaf params{ks}: config expects shape {list(w.shape)}, checkpoint has "
+                                  f"{list(s_flat[ks].shape)} (config/checkpoint mismatch)")
+    if only_stored:
+        raise CheckpointError(f"checkpoint {directory} has leaves the config does not: {only_stored[:5]}")
+
+    if shardings is None and mesh is not None:
+        try:
+            from minimax_jax.sharding import params_shardings
+        except ImportError as e:
+            raise ImportError("mesh given but minimax_jax.sharding.params_shardings is unavailable; "
+                              "pass shardings= explicitly") from e
+        shardings = params_shardings(cfg, mesh, rules)
+    if shardings is None:
+        dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: dev, want)
+    cast = np.dtype(dtype_of(dtype)) if dtype else None
+
+    def target(path, w, sh):
+        st = s_flat[jax.tree_util.keystr(path)]
+        dt = np.dtype(st.dtype)
+        if cast is not None and path[-1] not in (jax.tree_util.DictKey("router"), jax.tree_util.DictKey("router_bias")):
+            dt = cast
+        return jax.ShapeDtypeStruct(w.shape, dt, sharding=sh)
+
+    abstract = jax.tree_util.tree_map_with_path(target, want, shardings)
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as ck:
+        params = ck.restore(os.path.join(directory, PARAMS_DIR), abstract)
+    return cfg, params

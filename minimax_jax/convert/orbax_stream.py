@@ -1,0 +1,110 @@
+"""Save a params tree to orbax without ever holding it in memory.
+
+Orbax serialises leaves through type handlers. ``LazyLeaf`` is a leaf that knows its shape and
+dtype and how to produce itself unit by unit (a layer of a stacked leaf, or the whole of a small
+leaf); ``LazyLeafHandler`` (a ``NumpyHandler``, so the checkpoint records plain ``np.ndarray``
+leaves and restores with stock orbax) opens the leaf's TensorStore array and writes one unit at a
+time, at most ``max_in_flight`` units across all leaves at once. Stacked leaves are saved with
+``shard_axes=(0,)``, which makes orbax choose chunks of exactly one layer along the layer axis,
+so every unit write covers whole chunks (no read-modify-write).
+
+Peak host memory ~ ``max_in_flight`` x the largest unit (one layer of one leaf) plus the reader's
+float32 chunk. The only orbax internal used is ``NumpyHandler._open_and_write(value, tspec,
+ts_context)`` (orbax-checkpoint 0.12); ``check_orbax_support()`` fails loudly if it changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import orbax.checkpoint as ocp
+import tensorstore as ts
+from orbax.checkpoint import type_handlers as th
+
+__all__ = ["LazyLeaf", "LazyLeafHandler", "save_lazy_tree", "check_orbax_support", "DEFAULT_CHUNK_BYTES"]
+
+DEFAULT_CHUNK_BYTES = 128 * 1024 * 1024
+
+
+class LazyLeaf:
+    """A leaf of ``shape``/``dtype`` produced by ``units``: ``[(index, produce), ...]`` where
+    ``produce()`` returns the numpy array for ``leaf[index]`` (index ``()`` = the whole leaf).
+    ``stacked`` marks a leading layer axis (one unit per layer)."""
+
+    def __init__(self, shape: Sequence[int], dtype, units: list[tuple[tuple, Callable[[], np.ndarray]]],
+                 *, stacked: bool, name: str = ""):
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = np.dtype(dtype)
+        self.units = units
+        self.stacked = stacked
+        self.name = name
+        self.ndim = len(self.shape)
+        self.size = int(np.prod(self.shape, dtype=np.int64))
+        self.nbytes = self.size * self.dtype.itemsize
+
+    def __repr__(self) -> str:
+        return f"LazyLeaf({self.name}, shape={self.shape}, dtype={self.dtype}, units={len(self.units)})"
+
+
+def check_orbax_support() -> None:
+    """Raise RuntimeError if the installed orbax lacks the hook the streaming writer overrides."""
+    if not callable(getattr(th.NumpyHandler, "_open_and_write", None)):
+        raise RuntimeError(
+            f"orbax-checkpoint {getattr(ocp, '__version__', '?')} has no NumpyHandler._open_and_write; "
+            "the streaming converter needs orbax-checkpoint >= 0.11 with that hook")
+
+
+class LazyLeafHandler(th.NumpyHandler):
+    """Writes ``LazyLeaf`` values unit by unit (see module docstring)."""
+
+    def __init__(self, max_in_flight: int = 1):
+        super().__init__(deepcopy_host_arrays=False)
+        self._max_in_flight = max_in_flight
+        self._sems: dict[int, asyncio.Semaphore] = {}
+
+    def _sem(self) -> asyncio.Semaphore:
+        loop = asyncio.get_running_loop()
+        if id(loop) not in self._sems:
+            self._sems[id(loop)] = asyncio.Semaphore(self._max_in_flight)
+        return self._sems[id(loop)]
+
+    async def _open_and_write(self, value: Any, tspec: dict, ts_context: Any):  # noqa: D401 - orbax hook
+        t = await ts.open(ts.Spec(tspec), create=True, open=True, context=ts_context)
+        if not isinstance(value, LazyLeaf):
+            await t.write(value)
+            return
+        sem = self._sem()
+        for index, produce in value.units:
+            async with sem:
+                arr = produce()
+                want = t[index].shape
+                if tuple(arr.shape) != tuple(want) or arr.dtype != value.dtype:
+                    raise ValueError(f"{value.name}[{index}]: produced {arr.shape} {arr.dtype}, "
+                                     f"expected {tuple(want)} {value.dtype}")
+                await t[index].write(arr)
+                del arr
+
+
+def save_lazy_tree(path: str | os.PathLike, tree: Any, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                   max_in_flight: int = 1) -> None:
+    """Save ``tree`` (LazyLeaf / np.ndarray leaves) as an orbax PyTree checkpoint at ``path``.
+
+    Orbax writes into a temporary directory and renames it on success. ``chunk_bytes`` bounds the
+    storage chunk size; stacked leaves are chunked one layer at a time along axis 0.
+    """
+    import jax
+
+    check_orbax_support()
+    registry = th.create_type_handler_registry(
+        (np.ndarray, th.NumpyHandler()), (LazyLeaf, LazyLeafHandler(max_in_flight)))
+    is_leaf = lambda x: isinstance(x, (LazyLeaf, np.ndarray))  # noqa: E731
+    save_args = jax.tree.map(
+        lambda x: ocp.SaveArgs(shard_axes=(0,), chunk_byte_size=chunk_bytes)
+        if isinstance(x, LazyLeaf) and x.stacked else ocp.SaveArgs(chunk_byte_size=chunk_bytes),
+        tree, is_leaf=is_leaf)
+    handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
+    with ocp.Checkpointer(handler) as ck:
+        ck.save(os.fspath(path), args=ocp.args.PyTreeSave(tree, save_args=save_args))

@@ -1,0 +1,117 @@
+"""One model step over paged caches: write the new tokens' K/V (and index keys), attend, MLP, logits.
+
+Used for both chunked prefill and decode: the new tokens of row ``b`` sit at ``positions[b, :]``
+(``-1`` = padding, never written) and are a causal suffix of that row's cached keys, so a prefill
+chunk over a cached prefix and a decode step with ``Q`` speculative rows are the same computation.
+
+Two attention paths (same math, MSA_SPEC.md sections 3 and 5):
+- ``"gather"`` (prefill chunks): the row's pages are gathered into a contiguous ``[B, S]`` view and
+  the full-sequence ops run with queries as a suffix of keys (``minimax_jax.ops.attention`` for
+  dense / sliding layers, ``minimax_jax.ops.msa`` selection + sparse attention for MSA layers).
+- ``"paged"`` (decode, ``Q <= 16`` rows): ``minimax_jax.decode.ops`` reads the pages directly
+  (MSA layers: page scoring over the index-key pages, top-k + local page, split-KV attention).
+
+Layer math is the model's own (``minimax_jax.model.transformer``: ``project_qkv``,
+``project_index``, ``mlp_block``, ``embed``, ``unembed``), so the step equals ``forward``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from minimax_jax.config import ModelConfig
+from minimax_jax.decode import ops as dops
+from minimax_jax.decode.cache import CacheSpec, gather_pages, write_layer
+from minimax_jax.model.layers import rms_norm, rope_frequencies
+from minimax_jax.model.params import layer_segments
+from minimax_jax.model.transformer import embed, mlp_block, project_index, project_qkv, unembed
+from minimax_jax.ops import msa as msa_ops
+from minimax_jax.ops.attention import attention
+
+__all__ = ["model_step", "PATHS"]
+
+PATHS = ("gather", "paged")
+
+
+def _norm(x, p, cfg):
+    return rms_norm(x, p["scale"], eps=cfg.rms_norm_eps, kind=cfg.norm_kind)
+
+
+def _attend_gather(cfg, spec, c, q, qi, page_table, positions, layer_type, impl):
+    b, t = positions.shape
+    k, v, ki = gather_pages(c, page_table, q.dtype)
+    s = k.shape[1]
+    kv_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    q_pos = jnp.maximum(positions, 0)
+    q_seg = jnp.where(positions >= 0, 0, 1).astype(jnp.int32)          # padding rows see nothing
+    kw = dict(q_positions=q_pos, kv_positions=kv_pos, q_segment_ids=q_seg,
+              kv_segment_ids=jnp.zeros((b, s), jnp.int32))
+    if layer_type == "msa":
+        ids = msa_ops.msa_select_blocks(qi, ki, block_size=spec.page_size, topk=cfg.index_topk,
+                                        init_blocks=cfg.index_init_blocks, local_blocks=cfg.index_local_blocks,
+                                        implementation=impl, **kw)
+        o, _ = msa_ops.msa_attention(q, k, v, ids, block_size=spec.page_size, implementation=impl, **kw)
+        return o
+    window = cfg.sliding_window if layer_type == "sliding" else None
+    return attention(q, k, v, sliding_window=window, implementation="xla" if impl == "auto" else impl, **kw)
+
+
+def _attend_paged(cfg, c, q, qi, page_table, positions, layer_type, impl):
+    kw = dict(k_scale=c.get("k_scale"), v_scale=c.get("v_scale"), implementation=impl)
+    if layer_type == "msa":
+        o, _, _ = dops.msa_decode(q, qi, c["k"], c["v"], c["ki"], page_table, positions, ki_scale=c.get("ki_scale"),
+                                  topk=cfg.index_topk, init_blocks=cfg.index_init_blocks,
+                                  local_blocks=cfg.index_local_blocks, **kw)
+        return o
+    window = cfg.sliding_window if layer_type == "sliding" else None
+    o, _ = dops.paged_attention(q, c["k"], c["v"], page_table, positions, sliding_window=window, **kw)
+    return o
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "spec", "path", "implementation"), donate_argnames=("cache",))
+def model_step(params, cache, tokens, positions, page_table, *, cfg: ModelConfig, spec: CacheSpec,
+               path: str = "paged", implementation: str = "auto"):
+    """Run the model on new tokens against the paged caches.
+
+    Args:
+      params: model params tree (docs/ARCHITECTURE.md).
+      cache: list of layer caches (``minimax_jax.decode.cache``); donated and returned updated.
+      tokens: ``[B, T]`` int32; positions: ``[B, T]`` int32 absolute positions, ``-1`` = padding.
+        Within a row, valid positions must be the consecutive suffix ``len .. len + n - 1`` of the
+        cached keys (every earlier position already written).
+      page_table: ``[B, pages_per_seq]`` int32 physical page ids (0 = null page for unused entries);
+        every page a valid position touches must be allocated.
+      cfg, spec: static config and cache spec. path: ``"gather"`` | ``"paged"`` (module docstring).
+      implementation: passed to the attention ops (``"auto"``, ``"xla"``, ``"pallas_*"``).
+    Returns: ``(logits [B, T, V] float32, cache)``; logits of padding rows are meaningless.
+    """
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    positions = positions.astype(jnp.int32)
+    cos, sin = rope_frequencies(jnp.maximum(positions, 0), cfg.rotary_dim, cfg.rope_theta)
+    x = embed(params, cfg, tokens)
+    b, t, _ = x.shape
+    cache = list(cache)
+    for seg, sp in zip(layer_segments(cfg), params["segments"]):
+        for j in range(seg.length):
+            li = seg.start + j
+            lp = jax.tree_util.tree_map(lambda a, j=j: a[j], sp)
+            h = _norm(x, lp["input_norm"], cfg)
+            q, k, v = project_qkv(lp, h, cfg, cos, sin)
+            qi = ki = None
+            if seg.layer_type == "msa":
+                qi, ki = project_index(lp, h, cfg, cos, sin)
+            cache[li] = write_layer(cache[li], k, v, ki, page_table, positions, spec)
+            if path == "gather":
+                o = _attend_gather(cfg, spec, cache[li], q, qi, page_table, positions, seg.layer_type,
+                                   implementation)
+            else:
+                o = _attend_paged(cfg, cache[li], q, qi, page_table, positions, seg.layer_type, implementation)
+            x = x + o.reshape(b, t, cfg.q_dim) @ lp["attn"]["o_proj"].astype(x.dtype)
+            m, _ = mlp_block(lp, _norm(x, lp["post_attn_norm"], cfg), cfg, seg.mlp_type)
+            x = x + m
+    logits = unembed(params, cfg, _norm(x, params["final_norm"], cfg))
+    return logits, cache

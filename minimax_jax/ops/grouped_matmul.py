@@ -1,0 +1,79 @@
+"""Grouped matmul for MoE experts: ``out[rows of group g] = lhs[rows of group g] @ rhs[g]``.
+
+Implementations (``implementation=``):
+- ``"xla"``: ``jax.lax.ragged_dot``. Runs everywhere and is the reference; on GPU XLA lowers it
+  to a slow generic loop (PLATFORM.md: 3-22 TFLOP/s on an H200, and it runs out of memory at MoE
+  sizes), on CPU it is exact.
+- ``"tokamax"``: ``tokamax.ragged_dot(implementation="mosaic")`` (Mosaic GPU kernels on Hopper,
+  Mosaic TPU kernels on TPU), with tokamax's own backward. ``ImplementationUnavailable`` when
+  tokamax cannot be imported or the backend is CPU.
+- ``"auto"``: ``"tokamax"`` on GPU/TPU when it imports, else ``"xla"``.
+The resolved name is returned so callers can record it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from minimax_jax.ops.common import ImplementationUnavailable, default_backend
+
+__all__ = ["GMM_IMPLEMENTATIONS", "resolve_gmm", "grouped_matmul"]
+
+GMM_IMPLEMENTATIONS = ("auto", "xla", "tokamax")
+
+
+@functools.lru_cache(maxsize=1)
+def _tokamax():
+    """The tokamax module, or the ImportError text (cached)."""
+    try:
+        import tokamax  # noqa: PLC0415  (optional dependency, large import)
+    except Exception as e:  # tokamax imports xprof etc.; any failure means "not available"
+        return f"{type(e).__name__}: {e}"
+    return tokamax
+
+
+def resolve_gmm(implementation: str) -> str:
+    """Resolve ``"auto"`` and check availability. Returns ``"xla"`` or ``"tokamax"``.
+
+    Raises ImplementationUnavailable for an unknown name, or ``"tokamax"`` where it cannot run.
+    """
+    if implementation not in GMM_IMPLEMENTATIONS:
+        raise ImplementationUnavailable(
+            f"grouped matmul implementation {implementation!r} is not one of {GMM_IMPLEMENTATIONS}")
+    backend = default_backend()
+    if implementation == "auto":
+        if backend in ("gpu", "tpu") and not isinstance(_tokamax(), str):
+            return "tokamax"
+        return "xla"
+    if implementation == "tokamax":
+        tk = _tokamax()
+        if isinstance(tk, str):
+            raise ImplementationUnavailable(f"grouped matmul 'tokamax': cannot import tokamax ({tk})")
+        if backend not in ("gpu", "tpu"):
+            raise ImplementationUnavailable(f"grouped matmul 'tokamax' needs a GPU or TPU backend, not {backend!r}")
+    return implementation
+
+
+def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, implementation: str = "xla",
+                   preferred_element_type=jnp.float32) -> jax.Array:
+    """Grouped (ragged) matmul.
+
+    Args:
+      lhs: ``[M, K]`` rows sorted by group; rows past ``sum(group_sizes)`` are unspecified in the
+        output (callers mask them).
+      rhs: ``[G, K, N]`` one matrix per group (cast to ``lhs.dtype``).
+      group_sizes: ``[G]`` int32 rows per group, ``sum <= M``.
+      implementation: ``"xla"`` or ``"tokamax"`` (resolve ``"auto"`` with ``resolve_gmm`` first).
+    Returns: ``[M, N]`` in ``preferred_element_type``.
+    Raises: ImplementationUnavailable (see ``resolve_gmm``).
+    """
+    impl = resolve_gmm(implementation)
+    rhs = rhs.astype(lhs.dtype)
+    group_sizes = group_sizes.astype(jnp.int32)
+    if impl == "tokamax":
+        return _tokamax().ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type,
+                                     implementation="mosaic")
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)

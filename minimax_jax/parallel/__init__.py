@@ -1,0 +1,1 @@
+"""Parallelism beyond GSPMD annotations: expert parallelism in ``shard_map`` (``expert``)."""

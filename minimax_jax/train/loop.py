@@ -1,0 +1,281 @@
+"""The training loop: mesh, state, phases, data, checkpoints, metrics, SIGTERM.
+
+``train(tc)`` runs a ``TrainConfig`` to ``run.steps`` and returns a summary dict. Order of work:
+
+1. model config (files only) and every check that can fail (``validate_against``): before any
+   parameter is created or anything is compiled;
+2. mesh and shardings (``minimax_jax.sharding``); the state is created / restored directly sharded;
+3. resume: the newest readable checkpoint in ``run_dir/checkpoints`` (older ones on failure, with a
+   warning); else the ``init`` section's params;
+4. the loop: one jitted step per phase (MSA indexer warm-up with dense KL, then main), metrics every
+   ``log_every`` steps, async checkpoint every ``checkpoint.every`` steps, a final save, and on
+   SIGTERM a save of the step in hand before returning.
+
+Multi-host (TPU pods, multi-node GPU): every process runs the same command after
+``minimax_jax.distributed.initialize()``; each reads its own shard of the data (the pipeline uses
+``jax.process_index()``), the global batch is assembled with ``jax.make_array_from_process_local_data``,
+and orbax writes one checkpoint from all processes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import yaml
+
+from minimax_jax.config import ModelConfig
+from minimax_jax.model import abstract_params
+from minimax_jax.sharding import load_rules, make_mesh, params_shardings, replicated, use_mesh, batch_sharding
+from minimax_jax.train.checkpointing import Checkpointer
+from minimax_jax.train.config import TrainConfig, TrainConfigError, validate_against
+from minimax_jax.train.data import decode_state, encode_state, make_iterator, to_global
+from minimax_jax.train.losses import mtp_weights_list
+from minimax_jax.train.metrics import MetricsWriter, peak_flops_per_device, train_flops
+from minimax_jax.train.model_init import initial_params, model_configs
+from minimax_jax.train.optimizer import PHASE_MAIN, PHASE_WARMUP, make_optimizer, path_of
+from minimax_jax.train.step import StepSpec, init_state, make_eval_step, make_train_step
+
+__all__ = ["train", "Trainer"]
+
+
+class _Sigterm:
+    """Sets a flag on SIGTERM (main thread only); restores the previous handler on ``close``."""
+
+    def __init__(self, enabled: bool):
+        self.flag = False
+        self._prev = None
+        if enabled and threading.current_thread() is threading.main_thread():
+            self._prev = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.flag = True
+
+    def close(self):
+        if self._prev is not None:
+            signal.signal(signal.SIGTERM, self._prev)
+            self._prev = None
+
+
+class Trainer:
+    """Holds the mesh, shardings, optimizers and compiled steps of one run (see module docstring)."""
+
+    def __init__(self, tc: TrainConfig, devices: list | None = None):
+        self.tc = tc
+        self.cfg, self.src_cfg = model_configs(tc)
+        devices = list(jax.devices() if devices is None else devices)
+        spec = validate_against(tc, self.cfg, len(devices), jax.process_count())
+        n = spec.data * spec.fsdp * spec.expert * spec.sequence * spec.tensor
+        self.mesh = make_mesh(spec, devices[:n])
+        self.rules = load_rules("default")
+        self.warmup_steps = tc.msa.indexer_warmup_steps if self.cfg.has_msa else 0
+        self.param_sh = params_shardings(self.cfg, self.mesh, self.rules)
+        self.batch_sh = batch_sharding(self.mesh, self.rules)
+        self.rep = replicated(self.mesh)
+        self.abstract = abstract_params(self.cfg)
+        self._opt: dict[str, Any] = {}
+        self._steps: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ phases
+    def phase_of(self, step: int) -> str:
+        return PHASE_WARMUP if step < self.warmup_steps else PHASE_MAIN
+
+    def optimizer(self, phase: str):
+        if phase not in self._opt:
+            self._opt[phase] = make_optimizer(self.tc, self.abstract, phase)
+        return self._opt[phase]
+
+    def state_shardings(self, phase: str) -> dict[str, Any]:
+        tx, _, _ = self.optimizer(phase)
+        opt_abs = jax.eval_shape(tx.init, self.abstract)
+        opt_sh = _mirror_shardings(opt_abs, self.abstract, self.param_sh, self.rep)
+        return {"params": self.param_sh, "opt_state": opt_sh, "step": self.rep, "rng": self.rep}
+
+    def abstract_state(self, phase: str) -> dict[str, Any]:
+        """ShapeDtypeStructs (with shardings) of the state of ``phase``: the restore target."""
+        tx, _, _ = self.optimizer(phase)
+        shapes = jax.eval_shape(lambda p: init_state(p, tx, 0), self.abstract)
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
+                            self.state_shardings(phase))
+
+    def fresh_opt_state(self, phase: str, params: Any) -> Any:
+        tx, _, _ = self.optimizer(phase)
+        return jax.jit(tx.init, out_shardings=self.state_shardings(phase)["opt_state"])(params)
+
+    def step_fn(self, phase: str):
+        """The jitted train step of ``phase`` (compiled on first use)."""
+        if phase not in self._steps:
+            tc, cfg = self.tc, self.cfg
+            tx, trainable, schedule = self.optimizer(phase)
+            if phase == PHASE_WARMUP:
+                kl_mode = "dense"
+            else:
+                kl_mode = "sparse" if cfg.has_msa and tc.msa.kl_coeff > 0 else None
+            spec = StepSpec(cfg=cfg, kl_mode=kl_mode, kl_coeff=float(tc.msa.kl_coeff), z_loss=float(tc.optim.z_loss),
+                            aux_loss=float(tc.optim.aux_loss),
+                            mtp_weights=mtp_weights_list(tc.optim.mtp_weights, cfg.num_mtp_modules),
+                            grad_accum=tc.optim.grad_accum, remat=tc.run.remat,
+                            router_bias_rate=float(tc.optim.router_bias_rate))
+            fn = make_train_step(spec, tx, trainable, schedule, 0 if phase == PHASE_WARMUP else self.warmup_steps)
+            sh = self.state_shardings(phase)
+            self._steps[phase] = jax.jit(fn, in_shardings=(sh, self.batch_sh), out_shardings=(sh, self.rep),
+                                         donate_argnums=(0,))
+        return self._steps[phase]
+
+    def initial_state(self) -> dict[str, Any]:
+        phase = self.phase_of(0)
+        src_sh = params_shardings(self.src_cfg, self.mesh, self.rules) if self.src_cfg is not None else None
+        with use_mesh(self.mesh, self.rules):
+            params = initial_params(self.tc, self.cfg, self.src_cfg, self.param_sh, src_sh)
+            tx, _, _ = self.optimizer(phase)
+            sh = self.state_shardings(phase)
+            make = jax.jit(lambda p: init_state(p, tx, self.tc.run.seed), out_shardings=sh)
+            return make(params)
+
+    def run_step(self, phase: str, state, batch):
+        with use_mesh(self.mesh, self.rules):
+            return self.step_fn(phase)(state, to_global(batch, self.batch_sh))
+
+    def evaluate(self, params) -> float:
+        """Mean held-out loss over ``run.eval_batches`` batches of ``run.eval_sources``."""
+        if not hasattr(self, "_eval"):
+            self._eval = jax.jit(make_eval_step(self.cfg), in_shardings=(self.param_sh, self.batch_sh),
+                                 out_shardings=(self.rep, self.rep))
+        it = make_iterator(self.tc.data, self.cfg.vocab_size, sources=self.tc.run.eval_sources, eval_mode=True)
+        ce = cnt = 0.0
+        with use_mesh(self.mesh, self.rules):
+            for _, batch in zip(range(self.tc.run.eval_batches), it):
+                a, b = self._eval(params, to_global(batch, self.batch_sh))
+                ce, cnt = ce + float(a), cnt + float(b)
+        return ce / max(cnt, 1.0)
+
+
+def _mirror_shardings(tree: Any, params_abs: Any, params_sh: Any, default: Any) -> Any:
+    """Shardings for an optimizer-state tree: a leaf whose path ENDS with a param's path and has the
+    param's shape (Adam moments) takes that param's sharding; anything else (counts) ``default``."""
+    by_path = {}
+    for (kp, a), sh in zip(jax.tree_util.tree_flatten_with_path(params_abs)[0], jax.tree.leaves(params_sh)):
+        by_path[path_of(kp)] = (tuple(a.shape), sh)
+
+    def pick(kp, leaf):
+        parts = path_of(kp).split("/")
+        for i in range(len(parts)):
+            hit = by_path.get("/".join(parts[i:]))
+            if hit is not None and hit[0] == tuple(leaf.shape):
+                return hit[1]
+        return default
+    return jax.tree_util.tree_map_with_path(pick, tree)
+
+
+def _meta(tr: Trainer, step: int, phase: str) -> dict[str, Any]:
+    return {"step": int(step), "phase": phase, "model_config": tr.cfg.to_dict(), "train_config": tr.tc.to_dict()}
+
+
+def _check_meta(tr: Trainer, meta: dict[str, Any]) -> None:
+    saved = ModelConfig.from_dict(meta["model_config"])
+    ignore = {"attention_impl", "moe_impl", "msa_impl"}
+    diff = [k for k, v in saved.to_dict().items() if k not in ignore and tr.cfg.to_dict()[k] != v]
+    if diff:
+        raise TrainConfigError(f"the run directory's checkpoints were written for a different model config "
+                               f"(fields {diff}); use a new run.run_dir or the original model settings")
+
+
+def train(tc: TrainConfig, devices: list | None = None) -> dict[str, Any]:
+    """Run training (see module docstring). Returns ``{"status", "step", "metrics", "run_dir"}``.
+
+    ``status``: ``completed`` | ``preempted`` (SIGTERM, saved) | ``stopped`` (``run.stop_after``) |
+    ``data_exhausted`` (a finite data stream ended; saved).
+    """
+    tr = Trainer(tc, devices)
+    run_dir = tc.run.run_dir
+    is_main = jax.process_index() == 0
+    if is_main:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+            yaml.safe_dump(tc.to_dict(), f, sort_keys=False)
+    ck = Checkpointer(os.path.join(run_dir, "checkpoints"), keep=tc.checkpoint.keep, async_save=tc.checkpoint.async_save)
+    data_it = make_iterator(tc.data, tr.cfg.vocab_size)
+    restored = None
+    if tc.checkpoint.resume and ck.all_steps():
+        def target(meta):
+            _check_meta(tr, meta)
+            return tr.abstract_state(meta["phase"])
+        restored = ck.restore_latest(target)
+    if restored is not None:
+        step, state, data_state, meta = restored
+        phase = meta["phase"]
+        data_it.set_state(decode_state(data_state))
+    else:
+        step, phase = 0, tr.phase_of(0)
+        state = tr.initial_state()
+    writer = MetricsWriter(run_dir, total_steps=tc.run.steps, start_step=step, tensorboard=tc.run.tensorboard,
+                           progress=tc.run.progress, is_main=is_main)
+    if restored is not None:
+        writer.message(f"resumed from step {step} ({run_dir}/checkpoints)")
+    peak = peak_flops_per_device(tr.mesh.devices.flat[0].device_kind, tc.run.peak_tflops)
+    sig = _Sigterm(tc.checkpoint.save_on_sigterm)
+    status, metrics, done_here = "completed", {}, 0
+    t0, flops, toks = time.perf_counter(), 0.0, 0.0
+
+    saved = {step} if restored is not None else set()
+
+    def save(s):
+        if s not in saved:
+            ck.save(s, state, encode_state(data_it.get_state()), _meta(tr, s, phase))
+            saved.add(s)
+
+    try:
+        while step < tc.run.steps:
+            want = tr.phase_of(step)
+            if want != phase:  # MSA warm-up done: fresh optimizer for the main phase
+                with use_mesh(tr.mesh, tr.rules):
+                    state = {**state, "opt_state": tr.fresh_opt_state(want, state["params"])}
+                phase = want
+                writer.message(f"step {step}: indexer warm-up done, switching to sparse training")
+            try:
+                batch = next(data_it)
+            except StopIteration:
+                status = "data_exhausted"
+                break
+            state, m = tr.run_step(phase, state, batch)
+            step += 1
+            done_here += 1
+            flops += train_flops(tr.cfg, batch["positions"]) * jax.process_count()
+            toks += float(np.asarray(batch["tokens"]).size) * jax.process_count()
+            writer.advance()
+            if step % tc.run.log_every == 0 or step == tc.run.steps:
+                metrics = {k: float(v) for k, v in jax.device_get(m).items()}
+                dt = max(time.perf_counter() - t0, 1e-9)
+                metrics["tokens_per_s"] = toks / dt
+                metrics["model_tflops_per_s"] = flops / dt / 1e12
+                if peak:
+                    metrics["mfu"] = flops / dt / (peak * tr.mesh.devices.size)
+                metrics["phase_warmup"] = float(phase == PHASE_WARMUP)
+                if tc.run.eval_every and step % tc.run.eval_every == 0:
+                    metrics["eval_loss"] = tr.evaluate(state["params"])
+                writer.write(step, metrics)
+                t0, flops, toks = time.perf_counter(), 0.0, 0.0
+            elif tc.run.eval_every and step % tc.run.eval_every == 0:
+                writer.write(step, {"eval_loss": tr.evaluate(state["params"])})
+            if tc.checkpoint.every and step % tc.checkpoint.every == 0:
+                save(step)
+            if sig.flag:
+                status = "preempted"
+                writer.message(f"SIGTERM: saving step {step} and stopping")
+                break
+            if tc.run.stop_after and done_here >= tc.run.stop_after:
+                status = "stopped"
+                break
+        save(step)
+        ck.wait()
+    finally:
+        sig.close()
+        ck.close()
+        writer.close()
+    return {"status": status, "step": step, "metrics": metrics, "run_dir": run_dir}

@@ -1,0 +1,132 @@
+"""optax optimizer: AdamW + global-norm clipping + schedules + weight-decay and freezing masks.
+
+Parameters are addressed by '/'-joined paths of the params tree, e.g. ``segments/1/attn/q_proj``,
+``mtp/0/layer/mlp/router_bias`` (docs/ARCHITECTURE.md). ``optim.freeze`` regexes are matched with
+``re.search`` against these paths.
+
+Masks:
+- weight decay: off for every norm scale (path contains ``norm``), every bias (path ends in ``bias``)
+  and the MoE ``router_bias``; on for the other weights (embedding and lm_head included);
+- trainable: off for ``optim.freeze`` matches and always for ``router_bias`` (it is moved by the
+  aux-loss-free balancing rule, ``minimax_jax.train.balance``). In the MSA warm-up phase with
+  ``msa.freeze_backbone_in_warmup`` only the index branch (``index_*``) is trainable.
+
+Frozen leaves go through ``optax.set_to_zero`` inside ``optax.multi_transform`` (no Adam moments are
+kept for them) and the step function also ``stop_gradient``s them, so XLA drops their backward pass.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+import jax
+import optax
+
+from minimax_jax.train.config import TrainConfig
+
+__all__ = ["path_of", "leaf_paths", "decay_mask", "trainable_mask", "make_schedule", "make_optimizer",
+           "PHASE_WARMUP", "PHASE_MAIN", "INDEX_PARAM_PATTERN"]
+
+PHASE_WARMUP = "indexer_warmup"
+PHASE_MAIN = "main"
+INDEX_PARAM_PATTERN = r"/index_(q|k)_(proj|norm)(/|$)"
+
+
+def path_of(key_path) -> str:
+    """'/'-joined string of a jax key path (dict keys and list indices)."""
+    parts = []
+    for k in key_path:
+        if isinstance(k, jax.tree_util.DictKey):
+            parts.append(str(k.key))
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            parts.append(str(k.idx))
+        elif isinstance(k, jax.tree_util.GetAttrKey):
+            parts.append(str(k.name))
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+def leaf_paths(tree: Any) -> list[str]:
+    """Paths of every leaf, in ``jax.tree.leaves`` order."""
+    return [path_of(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _map_paths(fn: Callable[[str], Any], tree: Any) -> Any:
+    return jax.tree_util.tree_map_with_path(lambda p, _: fn(path_of(p)), tree)
+
+
+def decay_mask(tree: Any) -> Any:
+    """Bool tree: True where weight decay applies (see module docstring)."""
+    def decays(path: str) -> bool:
+        name = path.rsplit("/", 1)[-1]
+        return not ("norm" in path or name.endswith("bias") or name == "scale")
+    return _map_paths(decays, tree)
+
+
+def trainable_mask(tree: Any, freeze: tuple[str, ...] = (), only_index: bool = False) -> Any:
+    """Bool tree: True for leaves the optimizer trains (see module docstring)."""
+    pats = [re.compile(p) for p in freeze]
+    index = re.compile(INDEX_PARAM_PATTERN)
+
+    def trains(path: str) -> bool:
+        if path.endswith("router_bias"):
+            return False
+        if only_index and not index.search(path):
+            return False
+        return not any(p.search(path) for p in pats)
+    return _map_paths(trains, tree)
+
+
+def make_schedule(tc: TrainConfig, phase: str = PHASE_MAIN) -> optax.Schedule:
+    """Learning rate as a function of the optimizer's own step count.
+
+    The main phase runs ``run.steps - msa.indexer_warmup_steps`` steps; the MSA warm-up phase uses
+    a linear warm-up to ``msa.warmup_lr`` (default ``optim.lr``) and then holds it.
+    """
+    s, lr = tc.schedule, float(tc.optim.lr)
+    warm_msa = tc.msa.indexer_warmup_steps
+    if phase == PHASE_WARMUP:
+        peak = float(tc.msa.warmup_lr or lr)
+        w = min(s.warmup_steps, max(warm_msa // 10, 1))
+        return optax.join_schedules([optax.linear_schedule(0.0, peak, w), optax.constant_schedule(peak)], [w])
+    total = max(tc.run.steps - warm_msa, 1)
+    w = min(s.warmup_steps, total)
+    end = lr * float(s.min_lr_ratio)
+    if s.kind == "constant":
+        return optax.join_schedules([optax.linear_schedule(0.0, lr, w), optax.constant_schedule(lr)], [w])
+    if s.kind == "cosine":
+        decay = s.decay_steps or max(total - w, 1)
+        return optax.warmup_cosine_decay_schedule(0.0, lr, w, w + decay, end)
+    # WSD: warm-up, stable, then linear decay over the last decay_fraction of the steps.
+    d = max(int(round(s.decay_fraction * total)), 1)
+    stable_end = max(total - d, w)
+    return optax.join_schedules(
+        [optax.linear_schedule(0.0, lr, w), optax.constant_schedule(lr), optax.linear_schedule(lr, end, d)],
+        [w, stable_end])
+
+
+def make_optimizer(tc: TrainConfig, params_like: Any, phase: str = PHASE_MAIN) -> tuple[optax.GradientTransformation, Any, optax.Schedule]:
+    """Build the optax transformation for a phase.
+
+    Args:
+      tc: training config (optim, schedule, msa sections).
+      params_like: params or abstract params (only the tree structure and paths are used).
+      phase: ``PHASE_MAIN`` or ``PHASE_WARMUP``.
+    Returns: ``(tx, trainable bool tree, schedule)``.
+    """
+    o = tc.optim
+    only_index = phase == PHASE_WARMUP and tc.msa.freeze_backbone_in_warmup
+    train = trainable_mask(params_like, tuple(o.freeze), only_index)
+    if not any(jax.tree.leaves(train)):
+        raise ValueError("no trainable parameters: optim.freeze (and the phase) freezes every leaf")
+    schedule = make_schedule(tc, phase)
+    parts = []
+    if o.clip_norm > 0:
+        parts.append(optax.clip_by_global_norm(float(o.clip_norm)))
+    parts.append(optax.adamw(schedule, b1=float(o.b1), b2=float(o.b2), eps=float(o.eps),
+                             weight_decay=float(o.weight_decay), mask=decay_mask))
+    labels = jax.tree.map(lambda t: "train" if t else "frozen", train)
+    tx = optax.multi_transform({"train": optax.chain(*parts), "frozen": optax.set_to_zero()}, labels)
+    return tx, train, schedule

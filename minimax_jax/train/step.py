@@ -1,0 +1,178 @@
+"""The training step: loss terms, gradient accumulation over micro-batches, optimizer update, router
+bias update. Pure functions of ``(state, batch)``; ``minimax_jax.train.loop`` jits them with shardings.
+
+State (a plain dict so orbax saves it as one pytree)::
+
+    {"params": params tree, "opt_state": optax state, "step": int32 [], "rng": uint32 [2] key data}
+
+Loss of one step (every term is a global mean over the step's whole batch, however it is split into
+micro-batches and devices)::
+
+    lm        = sum(mask * CE) / sum(mask)
+    z         = optim.z_loss * sum(mask * lse^2) / sum(mask)
+    mtp_d     = sum(mask_d * CE_d) / sum(mask_d)        weighted by optim.mtp_weights[d]
+    kl        = indexer_kl_sum / indexer_kl_count      (mean over micro-batches) times msa.kl_coeff
+    aux       = optim.aux_loss * aux["moe_aux_loss"]   (only when the model reports it)
+
+After the optimizer update the MoE ``router_bias`` moves by
+``optim.router_bias_rate * sign(mean_load - load)`` with the load summed over the whole step
+(``minimax_jax.ops.moe.update_router_biases``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from minimax_jax.config import ModelConfig
+from minimax_jax.model import forward, mtp_forward
+from minimax_jax.ops.moe import update_router_biases
+from minimax_jax.train.losses import cross_entropy_sums, mtp_targets
+
+__all__ = ["StepSpec", "init_state", "make_train_step", "make_eval_step", "BATCH_KEYS", "batch_norms"]
+
+BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """Static settings of a step function (hashable)."""
+
+    cfg: ModelConfig
+    kl_mode: str | None = None
+    kl_coeff: float = 1.0
+    z_loss: float = 0.0
+    aux_loss: float = 0.0
+    mtp_weights: tuple[float, ...] = ()
+    grad_accum: int = 1
+    remat: str = "none"
+    router_bias_rate: float = 0.0
+
+
+def init_state(params: Any, tx: optax.GradientTransformation, seed: int) -> dict[str, Any]:
+    """Fresh training state for ``params``."""
+    return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32),
+            "rng": jax.random.key_data(jax.random.key(seed))}
+
+
+def batch_norms(batch: dict[str, jax.Array], num_mtp: int) -> dict[str, jax.Array]:
+    """Global token counts of the loss terms (at least 1): ``tokens`` and ``mtp{d}``."""
+    mask = batch["loss_mask"].astype(jnp.float32)
+    norms = {"tokens": jnp.maximum(jnp.sum(mask), 1.0)}
+    for d in range(1, num_mtp + 1):
+        _, m = mtp_targets(batch["targets"], mask, batch["segment_ids"], d)
+        norms[f"mtp{d}"] = jnp.maximum(jnp.sum(m), 1.0)
+    return norms
+
+
+def _loss_fn(spec: StepSpec, trainable: Any):
+    cfg = spec.cfg
+    num_mtp = len(spec.mtp_weights)
+
+    def loss(params, mb, norms):
+        # Frozen leaves get no gradient at all, so XLA drops their part of the backward pass.
+        p = jax.tree.map(lambda x, t: x if t else jax.lax.stop_gradient(x), params, trainable)
+        out = forward(p, cfg, mb["tokens"], positions=mb["positions"], segment_ids=mb["segment_ids"],
+                      indexer_kl=spec.kl_mode, return_hidden=num_mtp > 0, remat=spec.remat)
+        ce, zs = cross_entropy_sums(out.logits, mb["targets"], mb["loss_mask"])
+        m = {"lm_loss": ce / norms["tokens"]}
+        total = m["lm_loss"]
+        if spec.z_loss:
+            m["z_loss"] = spec.z_loss * zs / norms["tokens"]
+            total = total + m["z_loss"]
+        if num_mtp:
+            outs = mtp_forward(p, cfg, out.hidden, mb["tokens"], positions=mb["positions"],
+                               segment_ids=mb["segment_ids"])
+            for d, (lg, w) in enumerate(zip(outs, spec.mtp_weights), start=1):
+                tgt, md = mtp_targets(mb["targets"], mb["loss_mask"], mb["segment_ids"], d)
+                ce_d, _ = cross_entropy_sums(lg, tgt, md)
+                m[f"mtp_loss/{d}"] = ce_d / norms[f"mtp{d}"]
+                total = total + w * m[f"mtp_loss/{d}"]
+        if spec.kl_mode is not None:
+            cnt = jnp.maximum(out.aux["indexer_kl_count"].astype(jnp.float32), 1.0)
+            m["indexer_kl"] = out.aux["indexer_kl_sum"] / cnt / spec.grad_accum
+            total = total + spec.kl_coeff * m["indexer_kl"]
+        if spec.aux_loss:
+            if "moe_aux_loss" not in out.aux:
+                raise ValueError("optim.aux_loss > 0 but the model forward does not report aux['moe_aux_loss']")
+            m["moe_aux_loss"] = out.aux["moe_aux_loss"] / spec.grad_accum
+            total = total + spec.aux_loss * m["moe_aux_loss"]
+        m["router_load"] = out.aux["router_load"]
+        m["loss"] = total
+        return total, m
+
+    return loss
+
+
+def _split_micro(x: jax.Array, accum: int) -> jax.Array:
+    # Row r goes to micro-batch r % accum, so a batch sharded on rows stays sharded on rows.
+    return jnp.swapaxes(x.reshape(x.shape[0] // accum, accum, *x.shape[1:]), 0, 1)
+
+
+def _load_stats(load: jax.Array) -> dict[str, jax.Array]:
+    if load.size == 0:
+        return {}
+    mean = jnp.maximum(jnp.mean(load, axis=-1), 1e-9)
+    return {"moe/max_load_ratio": jnp.mean(jnp.max(load, axis=-1) / mean),
+            "moe/load_cv": jnp.mean(jnp.std(load, axis=-1) / mean)}
+
+
+def make_train_step(spec: StepSpec, tx: optax.GradientTransformation, trainable: Any,
+                    schedule: Callable, phase_start: int = 0) -> Callable:
+    """``step(state, batch) -> (state, metrics)`` (not jitted).
+
+    Args:
+      spec: static settings; tx / trainable: from ``make_optimizer``; schedule: its lr schedule;
+      phase_start: global step at which this phase's optimizer started (for the logged lr).
+    The batch holds ``BATCH_KEYS`` arrays ``[B, L]``; B must be divisible by ``spec.grad_accum``.
+    """
+    cfg = spec.cfg
+    grad_fn = jax.value_and_grad(_loss_fn(spec, trainable), has_aux=True)
+    accum = spec.grad_accum
+
+    def step(state, batch):
+        params = state["params"]
+        batch = {k: batch[k] for k in BATCH_KEYS}
+        norms = batch_norms(batch, len(spec.mtp_weights))
+        if accum == 1:
+            (_, metrics), grads = grad_fn(params, batch, norms)
+        else:
+            micro = jax.tree.map(lambda x: _split_micro(x, accum), batch)
+
+            def body(carry, mb):
+                (_, m), g = grad_fn(params, mb, norms)
+                return jax.tree.map(jnp.add, carry, (g, m)), None
+
+            first = jax.tree.map(lambda x: x[0], micro)
+            m_shape = jax.eval_shape(lambda: grad_fn(params, first, norms)[0][1])
+            zeros = (jax.tree.map(jnp.zeros_like, params),
+                     jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), m_shape))
+            (grads, metrics), _ = jax.lax.scan(body, zeros, micro)
+        grad_norm = optax.global_norm(jax.tree.leaves(jax.tree.map(
+            lambda g, t: g if t else jnp.zeros((), g.dtype), grads, trainable)))
+        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        new_params = optax.apply_updates(params, updates)
+        load = metrics.pop("router_load")
+        if spec.router_bias_rate and cfg.num_moe_layers:
+            new_params = update_router_biases(new_params, cfg, load, spec.router_bias_rate)
+        metrics.update(_load_stats(load))
+        metrics["grad_norm"] = grad_norm
+        metrics["lr"] = jnp.asarray(schedule(state["step"] - phase_start), jnp.float32)
+        metrics["tokens"] = jnp.sum(batch["loss_mask"].astype(jnp.float32))
+        new_state = {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1, "rng": state["rng"]}
+        return new_state, {k: v.astype(jnp.float32) for k, v in metrics.items()}
+
+    return step
+
+
+def make_eval_step(cfg: ModelConfig) -> Callable:
+    """``eval(params, batch) -> (ce_sum, token_count)`` float32 scalars (no MTP, no KL)."""
+    def eval_step(params, batch):
+        out = forward(params, cfg, batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"])
+        ce, _ = cross_entropy_sums(out.logits, batch["targets"], batch["loss_mask"])
+        return ce, jnp.sum(batch["loss_mask"].astype(jnp.float32))
+    return eval_step

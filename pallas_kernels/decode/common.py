@@ -1,0 +1,79 @@
+"""Shared helpers of the decode kernels: row packing, pow2 padding, split combination."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["next_pow2", "pad_rows", "pack_rows", "combine_splits", "compute_dtype"]
+
+
+def next_pow2(n: int, minimum: int = 1) -> int:
+    p = minimum
+    while p < n:
+        p *= 2
+    return p
+
+
+def pad_rows(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
+    """Pad ``x`` along ``axis`` up to ``size`` with ``value``."""
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, pad, constant_values=value)
+
+
+def compute_dtype(cache_dtype) -> jnp.dtype:
+    """Matmul operand dtype for a cache dtype: fp8 and bf16 compute in bf16, f32 in f32."""
+    return jnp.dtype(jnp.float32) if jnp.dtype(cache_dtype) == jnp.float32 else jnp.dtype(jnp.bfloat16)
+
+
+def pack_rows(q: jax.Array, q_positions: jax.Array, g: int, dense: bool, m_min: int):
+    """Arrange queries as kernel rows.
+
+    Args: q ``[B, Q, H, D]``; q_positions ``[B, Q]``; g kv heads; dense: stack all Q rows of a group
+      into one row block (they share the pages) vs. one row block per query row (MSA: each row has
+      its own pages); m_min: minimum padded row count.
+    Returns: ``(qr [B, G, R, M, D], pos [B, R, M] int32, hg, m)`` with padding rows at position -1.
+    """
+    b, nq, h, d = q.shape
+    hg = h // g
+    qg = q.reshape(b, nq, g, hg, d).transpose(0, 2, 1, 3, 4)              # [B, G, Q, hg, D]
+    pos = jnp.broadcast_to(q_positions[:, :, None], (b, nq, hg))           # [B, Q, hg]
+    if dense:
+        qg = qg.reshape(b, g, 1, nq * hg, d)
+        pos = pos.reshape(b, 1, nq * hg)
+    m = max(m_min, next_pow2(qg.shape[3]))
+    return pad_rows(qg, 3, m), pad_rows(pos, 2, m, -1).astype(jnp.int32), hg, m
+
+
+def unpack_rows(o: jax.Array, lse: jax.Array, nq: int, hg: int, dense: bool):
+    """Inverse of ``pack_rows`` for outputs ``o [B, G, R, M, D]``, ``lse [B, G, R, M]``.
+
+    Returns ``(o [B, Q, H, D], lse [B, Q, H])``.
+    """
+    b, g = o.shape[:2]
+    d = o.shape[-1]
+    if dense:
+        o = o[:, :, 0, : nq * hg].reshape(b, g, nq, hg, d)
+        lse = lse[:, :, 0, : nq * hg].reshape(b, g, nq, hg)
+    else:
+        o, lse = o[:, :, :, :hg], lse[:, :, :, :hg]
+    o = o.transpose(0, 2, 1, 3, 4).reshape(b, nq, g * hg, d)
+    lse = lse.transpose(0, 2, 1, 3).reshape(b, nq, g * hg)
+    return o, lse
+
+
+def combine_splits(o_part: jax.Array, lse_part: jax.Array, axis: int):
+    """Merge split-KV partial results by their log-sum-exp.
+
+    Args: o_part ``[..., S, M, D]`` f32 (each normalised over its split), lse_part ``[..., S, M]``
+      f32 (``-inf`` for an empty split); ``axis`` is the split axis of ``lse_part``.
+    Returns: ``(o [..., M, D] f32, lse [..., M] f32)``; ``o = 0``, ``lse = -inf`` where every split is empty.
+    """
+    m = jnp.max(lse_part, axis=axis, keepdims=True)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    w = jnp.where(jnp.isfinite(lse_part), jnp.exp(lse_part - m_safe), 0.0)
+    den = jnp.sum(w, axis=axis)
+    o = jnp.sum(o_part * jnp.expand_dims(w, -1), axis=axis) / jnp.expand_dims(jnp.where(den > 0, den, 1.0), -1)
+    lse = jnp.where(den > 0, jnp.squeeze(m_safe, axis) + jnp.log(jnp.where(den > 0, den, 1.0)), -jnp.inf)
+    return o, lse

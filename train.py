@@ -1,0 +1,92 @@
+"""Train a MiniMax-M2 / M3 style model (dense, MoE, MSA) with JAX.
+
+Usage::
+
+    python train.py --config configs/train/tiny.yaml [--set section.key=value ...]
+
+The YAML has the sections model, data, optim, schedule, checkpoint, run, mesh, msa, init (see
+``minimax_jax/train/config.py`` for every key and its default). ``--set`` overrides one key and
+may repeat, e.g. ``--set optim.lr=1e-3 --set run.steps=200 --set mesh=data=2,fsdp=4``; unknown
+sections/keys are rejected with the list of valid ones. Every check that can fail (bad values,
+sequence longer than the model's max positions, a mesh larger than the devices) runs before any
+parameter is made or anything is compiled. A run directory that holds checkpoints is resumed.
+
+Outputs under ``run.run_dir``: ``config.yaml``, ``checkpoints/<step>/`` (orbax), ``metrics.jsonl``,
+``tensorboard/`` (``tensorboard --logdir RUN_DIR``).
+
+Precision and memory: ``run.compute_dtype=bfloat16 run.param_dtype=float32`` (fp32 master weights),
+``run.remat=full|dots``, ``optim.grad_accum=N``.
+
+Sparse continued pre-training of a dense checkpoint (MSA)::
+
+    python train.py --config configs/train/sparse_cpt.yaml --set init.path=/ckpt/dense \\
+        --set msa.indexer_warmup_steps=1000
+
+Multi-host (TPU pods and multi-node GPU)
+----------------------------------------
+Run the SAME command on every host with ``--distributed``; it calls
+``minimax_jax.distributed.initialize()`` before anything else touches JAX. On a TPU pod slice the
+coordinator, process count and rank are detected::
+
+    gcloud compute tpus tpu-vm ssh NAME --zone ZONE --worker=all --command \\
+      "cd minimax-jax && python train.py --config configs/train/m3.yaml --distributed \\
+         --set mesh=fsdp=-1,tensor=4 --set run.run_dir=gs://BUCKET/run1"
+
+Elsewhere set ``MINIMAX_COORDINATOR=host0:1234 MINIMAX_NUM_PROCESSES=N MINIMAX_PROCESS_ID=i`` on
+each host (SLURM / Open MPI are detected without them). ``data.batch_size`` is GLOBAL; each host
+reads ``batch_size / process_count`` rows of its own data shard. ``run.run_dir`` must be a
+directory every host can write (a bucket or a shared file system): orbax writes one checkpoint
+from all processes.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("config", None, "Training YAML (configs/train/*.yaml).")
+flags.DEFINE_multi_string("set", [], "Override one key: section.key=value (YAML value), or mesh=SPEC. Repeatable.")
+flags.DEFINE_bool("distributed", False, "Call minimax_jax.distributed.initialize() first (multi-host runs).")
+flags.DEFINE_bool("check_only", False, "Validate the config against the model and devices, print it, and exit "
+                                       "without creating parameters or compiling.")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}; use --set section.key=value")
+    if not FLAGS.config:
+        raise app.UsageError("--config is required")
+    if FLAGS.distributed:
+        from minimax_jax.distributed import initialize
+
+        initialize()
+    import jax
+    import yaml
+
+    from minimax_jax.train import TrainConfigError, load_train_config
+    from minimax_jax.train.config import validate_against
+    from minimax_jax.train.model_init import model_configs
+
+    try:
+        tc = load_train_config(FLAGS.config, FLAGS.set)
+        if FLAGS.check_only:
+            cfg, _ = model_configs(tc)
+            spec = validate_against(tc, cfg, jax.device_count(), jax.process_count())
+            print(yaml.safe_dump(tc.to_dict(), sort_keys=False))
+            print(f"# model: {cfg.param_counts()['total']:,} params; mesh {spec}; devices {jax.device_count()}")
+            return 0
+        from minimax_jax.train import train
+
+        out = train(tc)
+    except TrainConfigError as e:
+        print(f"train.py: configuration error: {e}", file=sys.stderr)
+        return 2
+    print(f"train.py: {out['status']} at step {out['step']} ({out['run_dir']})")
+    return 0
+
+
+if __name__ == "__main__":
+    flags.mark_flag_as_required("config")
+    app.run(main)
