@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", None, "Training YAML (configs/train/*.yaml).")
@@ -58,6 +58,8 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments {argv[1:]}; use --set section.key=value")
     if not FLAGS.config:
         raise app.UsageError("--config is required")
+    if not FLAGS["verbosity"].present:  # orbax logs every save at INFO; keep the console readable
+        logging.set_verbosity(logging.WARNING)
     if FLAGS.distributed:
         from minimax_jax.distributed import initialize
 

@@ -180,7 +180,7 @@ def check_case(name, inp, interpret):
 def bench_case(model, t, inp, interpret, dense_max, dense_ref):
     m = MODELS[model]
     pos = inp.pos()
-    dense_f, main_f, index_f = _flops(t, m["h"], m["d"], m["g"], DI, BLK, TOPK)
+    dense_fl, main_f, index_f = _flops(t, m["h"], m["d"], m["g"], DI, BLK, TOPK)
     row = {"model": model, "T": t, "H": m["h"], "G": m["g"], "D": m["d"]}
     sel = jax.jit(lambda qi, ki: msa_select_blocks_gpu(qi, ki, block_size=BLK, topk=TOPK,
                                                        interpret=interpret, **pos))
@@ -239,15 +239,36 @@ def bench_case(model, t, inp, interpret, dense_max, dense_ref):
     row["attn_fwd_bwd_tflops"] = tf(3.5 * main_f, timings.get("attn_fwd_bwd"))
     row["msa_fwd_tflops"] = tf(main_f + index_f, timings.get("msa_fwd"))
     row["msa_fwd_bwd_tflops"] = tf(3.5 * main_f + index_f, timings.get("msa_fwd_bwd"))
-    row["dense_fwd_tflops"] = tf(dense_f, timings.get("dense_fwd"))
-    row["dense_fwd_bwd_tflops"] = tf(3.5 * dense_f, timings.get("dense_fwd_bwd"))
+    row["dense_fwd_tflops"] = tf(dense_fl, timings.get("dense_fwd"))
+    row["dense_fwd_bwd_tflops"] = tf(3.5 * dense_fl, timings.get("dense_fwd_bwd"))
     if timings.get("msa_fwd") and timings.get("indexer"):
         row["indexer_share_fwd"] = timings["indexer"] / timings["msa_fwd"]
     for a, b in (("fwd", "msa_fwd"), ("fwd_bwd", "msa_fwd_bwd")):
         if timings.get(f"dense_{a}") and timings.get(b):
             row[f"speedup_{a}"] = timings[f"dense_{a}"] / timings[b]
-    row["flops_dense_fwd"], row["flops_msa_main_fwd"], row["flops_indexer"] = dense_f, main_f, index_f
+    row["flops_dense_fwd"], row["flops_msa_main_fwd"], row["flops_indexer"] = dense_fl, main_f, index_f
     return row
+
+
+def bench_indexer_variants(model, t, key, interpret=False):
+    """Time the fused indexer at one context for several (rows, num_warps, num_stages)."""
+    m = MODELS[model]
+    inp = Inputs(key, 1, t, t, m["h"], m["g"], m["d"], jnp.bfloat16)
+    _, _, index_f = _flops(t, m["h"], m["d"], m["g"], DI, BLK, TOPK)
+    out = []
+    for rows, warps, stages in ((128, 8, 2), (256, 8, 2), (128, 4, 2)):
+        f = jax.jit(lambda qi, ki, rows=rows, warps=warps, stages=stages: msa_select_blocks_gpu(
+            qi, ki, block_size=BLK, topk=TOPK, rows=rows, num_warps=warps, num_stages=stages,
+            interpret=interpret, **inp.pos()))
+        r = {"model": model, "T": t, "rows": rows, "num_warps": warps, "num_stages": stages}
+        try:
+            ms = _timeit(f, inp.qi, inp.ki)[0]
+            r.update(ms=ms, tflops=index_f / (ms * 1e-3) / 1e12)
+        except Exception as e:
+            r["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        print("IDXVAR", json.dumps(r), flush=True)
+        out.append(r)
+    return out
 
 
 def main():
@@ -260,11 +281,14 @@ def main():
     ap.add_argument("--deadline-s", type=float, default=1e9, help="skip cases started after this")
     ap.add_argument("--cases", default="", help="ordered model:T list; overrides models/contexts")
     ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--indexer-variants", default="", help="model:T at which to time indexer tilings")
+    ap.add_argument("--small-check", action="store_true", help="smaller GPU check shapes")
     ap.add_argument("--check-only", action="store_true")
     ap.add_argument("--interpret", action="store_true", help="GPU kernels in interpret mode (CPU)")
     ap.add_argument("--tiny", action="store_true", help="small shapes for a CPU smoke run")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    start = time.time()
     dev = jax.devices()[0]
     meta = {"date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
             "device": getattr(dev, "device_kind", str(dev)), "jax": jax.__version__,
@@ -278,6 +302,10 @@ def main():
                      ("packed_m2like", dict(bsz=2, t=300, s=300, h=6, g=2, d=32),
                       [[100, 150, 40], [299]]),
                      ("suffix", dict(bsz=1, t=70, s=333, h=4, g=2, d=32), None)]
+        elif args.small_check:
+            cases = [("unpacked_m3", dict(bsz=1, t=4096, s=4096, h=64, g=4, d=128), None),
+                     ("packed_m2", dict(bsz=2, t=2048, s=2048, h=48, g=8, d=128),
+                      [[700, 1000, 300], [129, 1919]])]
         else:
             cases = [("unpacked_m3", dict(bsz=1, t=4096, s=4096, h=64, g=4, d=128), None),
                      ("suffix_m3", dict(bsz=1, t=1000, s=5000, h=64, g=4, d=128), None),
@@ -299,6 +327,11 @@ def main():
             json.dump({"meta": meta, "checks": checks}, f, indent=1)
     if args.check_only:
         return
+    variants = []
+    if args.indexer_variants:
+        mo, tt = args.indexer_variants.split(":")
+        key, sub = jax.random.split(key)
+        variants = bench_indexer_variants(mo, int(tt), sub, args.interpret)
     caps = dict(x.split("=") for x in args.max_tokens.split(",") if x)
     rows = []
     dense_ref = {}
@@ -306,7 +339,6 @@ def main():
         plan = [(c.split(":")[0], int(c.split(":")[1])) for c in args.cases.split(",")]
     else:
         plan = [(mo, int(t)) for mo in args.models.split(",") for t in args.contexts.split(",")]
-    start = time.time()
     for model, t in plan:
             m = MODELS[model]
             if time.time() - start > args.deadline_s:
@@ -330,7 +362,8 @@ def main():
             inp = None
             gc.collect()
             with open(os.path.join(args.out, "msa_prefill.json"), "w") as f:
-                json.dump({"meta": meta, "checks": checks, "rows": rows}, f, indent=1)
+                json.dump({"meta": meta, "checks": checks, "indexer_variants": variants,
+                           "rows": rows}, f, indent=1)
     cols = ["model", "T", "indexer_ms", "attn_fwd_ms", "attn_fwd_bwd_ms", "msa_fwd_ms",
             "msa_fwd_bwd_ms", "dense_fwd_ms", "dense_fwd_bwd_ms", "indexer_tflops",
             "attn_fwd_tflops", "attn_fwd_bwd_tflops", "dense_fwd_tflops", "indexer_share_fwd",

@@ -276,3 +276,10 @@ def test_resume_through_grain_orbax_handler(tok, tok_path, tmp_path):
     with ocp.CheckpointManager(str(tmp_path / "ckpt")) as mngr:
         mngr.restore(4, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(it2)))
     assert _same([next(it2) for _ in range(3)], expected)
+
+
+@pytest.mark.parametrize("packing", ["concat", "first_fit"])
+def test_stream_does_not_depend_on_tokenize_batch(tok, tok_path, packing):
+    a = iterate_batches(cfg(tok_path, packing=packing, tokenize_batch=1), 40, tokenizer=tok)
+    b = iterate_batches(cfg(tok_path, packing=packing, tokenize_batch=5), 40, tokenizer=tok)
+    assert len(a) == 40 and _same(a, b)

@@ -65,15 +65,16 @@ def args(tmp_path, *extra):
     ppl.write_text(open(os.path.join(STD, "json", "encoder.py")).read())
     return ["--checkpoint", "ckpt", "--tasks", "niah_single,niah_multikey,variable_tracking",
             "--lengths", "700,1200", "--num_samples", "2", "--haystack", "noise",
-            "--ppl_files", str(ppl), "--ppl_seq_len", "128", "--out", str(tmp_path / "r.json"),
+            "--ppl_files", str(ppl), "--ppl_seq_len", "128", "--ppl_batch_size", "3",
+            "--out", str(tmp_path / "r.json"),
             *extra]
 
 
 def test_cli_scores_a_reading_model_perfectly(monkeypatch, tmp_path, tok_dir, capsys):
     calls = []
     install_fake_infer(monkeypatch, tok_dir, reader, calls)
-    assert cli.main(args(tmp_path, "--max_seq_len", "4096")) == 0
-    assert calls == [("ckpt", {"max_seq_len": 4096})]
+    assert cli.main(args(tmp_path, "--max_seq_len", "4096", "--tokenizer", tok_dir)) == 0
+    assert calls == [("ckpt", {"max_seq_len": 4096, "tokenizer_path": tok_dir})]
     r = json.load(open(tmp_path / "r.json"))
     assert r["mean"] == 1.0 and len(r["examples"]) == 12
     assert r["tasks"]["variable_tracking"] == {"700": 1.0, "1200": 1.0}

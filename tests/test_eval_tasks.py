@@ -146,3 +146,17 @@ def test_insert_needles_keeps_text():
     lines = out.splitlines()
     assert lines[0] == "NEEDLE B" and lines[-1] == "NEEDLE C"
     assert abs(lines.index("NEEDLE A") / len(lines) - 0.5) < 0.03
+
+
+def test_fit_length_window_and_few_measurements():
+    calls = []
+
+    def count(s):
+        calls.append(len(s))
+        return len(s) // 3 + (len(s) % 7 == 0)  # ~monotone, not linear in n
+
+    n, text, length = fit_length(lambda k: "ab " * k, 2_000_000, count, 10**7)
+    assert 2_000_000 - 1000 <= length <= 2_000_000 and count(text) == length
+    assert len(calls) <= 15
+    n, text, length = fit_length(lambda k: "x" * k, 1000, char_counter, 5000, tolerance=0)
+    assert (n, length) == (1000, 1000)

@@ -130,3 +130,31 @@ def test_kl_bad_inputs():
         msa.indexer_kl(q, k, qi, ki, ids[:, :, :2], block_size=BLOCK, **masks(x))
     with pytest.raises(ValueError, match="must match q/k"):
         msa.indexer_kl(q, k, qi[:, :2], ki, None, **masks(x))
+
+
+@pytest.mark.slow
+def test_kl_and_attention_backward_memory_is_o_chunk_times_s():
+    """Reverse mode keeps O(chunk * S) temporaries (chunk bodies are rematerialised): 4x more queries
+    at fixed chunk size add far less than one logits row per query would. ~30 s of compiles on 2 cores."""
+    from minimax_jax.msa import kl, reference as ref
+
+    sd = jax.ShapeDtypeStruct
+    s, chunk = 2048, 128
+    temps = []
+    for t in (512, 2048):
+        q, k = sd((1, t, 4, 16), jnp.float32), sd((1, s, 2, 16), jnp.float32)
+        qi, ki = sd((1, t, 2, 16), jnp.float32), sd((1, s, 16), jnp.float32)
+        ids, qp, kp = sd((1, 2, t, 16), jnp.int32), sd((1, t), jnp.int32), sd((1, s), jnp.int32)
+
+        def f_kl(q_, k_, a, b, i_, p1, p2):
+            return kl.indexer_kl(q_, k_, a, b, i_, p1, p2, p1, p2, block_size=128, chunk_size=chunk)[0]
+
+        def f_att(q_, k_, v_, i_, p1, p2):
+            return jnp.sum(ref.attention(q_, k_, v_, i_, p1, p2, p1, p2, block_size=128, chunk_size=chunk)[0])
+
+        m_kl = jax.jit(jax.grad(f_kl, argnums=(2, 3))).lower(q, k, qi, ki, ids, qp, kp).compile()
+        m_att = jax.jit(jax.grad(f_att, argnums=(0, 1, 2))).lower(q, k, k, ids, qp, kp).compile()
+        temps.append([m.memory_analysis().temp_size_in_bytes for m in (m_kl, m_att)])
+    per_query_row = 4 * s * 4  # bytes of one float32 row of logits for the 4 heads: O(T * S) growth
+    for n in range(2):
+        assert temps[1][n] - temps[0][n] < 0.05 * (2048 - 512) * per_query_row, temps

@@ -19,6 +19,7 @@ from minimax_jax.convert.safetensors_io import SafetensorsReader
 __all__ = ["PieceReader", "fill_unit", "DEFAULT_CHUNK_BYTES"]
 
 DEFAULT_CHUNK_BYTES = 256 * 1024 * 1024
+_TILE = 256
 ReadFn = Callable[[str, "slice | None"], np.ndarray]
 
 
@@ -74,7 +75,7 @@ def fill_unit(buf: np.ndarray, pieces, read: ReadFn, *, chunk_bytes: int = DEFAU
         rows_total = p.shape[0] if p.shape else 1
         row_bytes = 4 * int(np.prod(p.shape[1:], dtype=np.int64)) if p.shape else 4
         if len(p.shape) < 2 or rows_total * row_bytes <= chunk_bytes:
-            buf[p.dest] = piece_to_ours(p, read(p.name, None))
+            _assign(buf, p.dest, piece_to_ours(p, read(p.name, None)))
             continue
         step = max(1, chunk_bytes // row_bytes)
         if step >= fp8.BLOCK[0]:
@@ -88,5 +89,18 @@ def fill_unit(buf: np.ndarray, pieces, read: ReadFn, *, chunk_bytes: int = DEFAU
             b = min(a + step, rows_total)
             dest = list(p.dest)
             dest[k] = slice(base + a, base + b)
-            buf[tuple(dest)] = piece_to_ours(p, read(p.name, slice(a, b)))
+            _assign(buf, tuple(dest), piece_to_ours(p, read(p.name, slice(a, b))))
     return buf
+
+
+def _assign(buf: np.ndarray, dest: tuple, src: np.ndarray) -> None:
+    """``buf[dest] = src`` (with dtype cast); a transposed ``src`` is copied in 256x256 tiles of its
+    last two axes, about twice as fast as numpy's strided copy on large matrices."""
+    view = buf[dest]
+    if src.ndim < 2 or src.flags.c_contiguous or src.shape[-1] * src.shape[-2] < 4 * _TILE * _TILE:
+        view[...] = src
+        return
+    r, c = src.shape[-2:]
+    for i in range(0, r, _TILE):
+        for j in range(0, c, _TILE):
+            view[..., i:i + _TILE, j:j + _TILE] = src[..., i:i + _TILE, j:j + _TILE]

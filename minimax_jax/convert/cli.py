@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="with --export: shard size limit in GiB")
     p.add_argument("--overwrite", action="store_true", help="replace --dst if it exists (after success only)")
     p.add_argument("--chunk-mb", type=int, default=128, help="orbax storage chunk size bound in MiB")
+    p.add_argument("--compress", action="store_true", help="zstd-compress orbax chunks (smaller, slower)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -55,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
             from minimax_jax.convert.hf_to_orbax import convert_hf_to_orbax
 
             cfg, rep = convert_hf_to_orbax(args.src, args.dst, args.dtype, overwrite=args.overwrite,
-                                           progress=not args.no_progress, chunk_bytes=args.chunk_mb * 1024 ** 2)
+                                           progress=not args.no_progress, chunk_bytes=args.chunk_mb * 1024 ** 2,
+                                           compress=args.compress)
             gb = rep["source_bytes"] / 1e9
             print(f"converted {rep['source_tensors']} tensors ({gb:.3f} GB) in {rep['seconds']:.1f} s "
                   f"({gb / max(rep['seconds'], 1e-9):.3f} GB/s) to {args.dst}")

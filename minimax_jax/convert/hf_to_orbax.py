@@ -88,7 +88,8 @@ def _check_against_model(tree: Any, cfg: ModelConfig) -> None:
 
 def convert_hf_to_orbax(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "bfloat16", *,
                         overwrite: bool = False, progress: bool = True, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                        max_in_flight: int = 1, cfg: ModelConfig | None = None) -> tuple[ModelConfig, dict]:
+                        max_in_flight: int = 2, compress: bool = False,
+                        cfg: ModelConfig | None = None) -> tuple[ModelConfig, dict]:
     """Convert the HF checkpoint in ``src`` into our orbax checkpoint directory ``dst``.
 
     Args:
@@ -101,6 +102,7 @@ def convert_hf_to_orbax(src: str | os.PathLike, dst: str | os.PathLike, dtype: s
       progress: show a tqdm bar (bytes, rate, ETA) on stderr.
       chunk_bytes: orbax storage chunk size bound.
       max_in_flight: layer units held at once while writing (memory ~ this x largest unit).
+      compress: zstd-compress the orbax chunks (orbax's default, off here for speed).
       cfg: use this config instead of ``src/config.json`` (its dtype fields are replaced).
     Returns: ``(cfg, report)``; ``report`` is what ``conversion.json`` holds.
     Raises: ConfigError (bad config), CheckpointError subclasses (missing / unknown / wrong shape /
@@ -124,7 +126,8 @@ def convert_hf_to_orbax(src: str | os.PathLike, dst: str | os.PathLike, dtype: s
         tree = lazy_tree(plan, reader, on_bytes=bar.update)
         _check_against_model(tree, cfg)
         with atomic_output_dir(dst, overwrite=overwrite) as tmp:
-            save_lazy_tree(os.path.join(tmp, PARAMS_DIR), tree, chunk_bytes=chunk_bytes, max_in_flight=max_in_flight)
+            save_lazy_tree(os.path.join(tmp, PARAMS_DIR), tree, chunk_bytes=chunk_bytes,
+                           max_in_flight=max_in_flight, compress=compress)
             write_config(cfg, tmp)
             copied = copy_side_files(src, tmp)
             if os.path.isfile(os.path.join(src, "config.json")):

@@ -62,49 +62,51 @@ class LazyLeafHandler(th.NumpyHandler):
 
     def __init__(self, max_in_flight: int = 1):
         super().__init__(deepcopy_host_arrays=False)
-        self._max_in_flight = max_in_flight
-        self._sems: dict[int, asyncio.Semaphore] = {}
-
-    def _sem(self) -> asyncio.Semaphore:
-        loop = asyncio.get_running_loop()
-        if id(loop) not in self._sems:
-            self._sems[id(loop)] = asyncio.Semaphore(self._max_in_flight)
-        return self._sems[id(loop)]
+        self._max_in_flight = max(1, int(max_in_flight))
+        self._in_flight = 0  # touched only from the event loop's thread
 
     async def _open_and_write(self, value: Any, tspec: dict, ts_context: Any):  # noqa: D401 - orbax hook
         t = await ts.open(ts.Spec(tspec), create=True, open=True, context=ts_context)
         if not isinstance(value, LazyLeaf):
             await t.write(value)
             return
-        sem = self._sem()
         for index, produce in value.units:
-            async with sem:
+            # A plain counter rather than asyncio.Semaphore: when orbax cancels the gather after an
+            # error, nothing here schedules callbacks on a loop that may already be closed.
+            while self._in_flight >= self._max_in_flight:
+                await asyncio.sleep(0.001)
+            self._in_flight += 1
+            try:
                 arr = produce()
                 want = t[index].shape
                 if tuple(arr.shape) != tuple(want) or arr.dtype != value.dtype:
                     raise ValueError(f"{value.name}[{index}]: produced {arr.shape} {arr.dtype}, "
                                      f"expected {tuple(want)} {value.dtype}")
-                await t[index].write(arr)
+                await t[index].write(arr, can_reference_source_data_indefinitely=True)
                 del arr
+            finally:
+                self._in_flight -= 1
 
 
 def save_lazy_tree(path: str | os.PathLike, tree: Any, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                   max_in_flight: int = 1) -> None:
+                   max_in_flight: int = 2, compress: bool = False) -> None:
     """Save ``tree`` (LazyLeaf / np.ndarray leaves) as an orbax PyTree checkpoint at ``path``.
 
     Orbax writes into a temporary directory and renames it on success. ``chunk_bytes`` bounds the
-    storage chunk size; stacked leaves are chunked one layer at a time along axis 0.
+    storage chunk size; stacked leaves are chunked one layer at a time along axis 0. ``compress``:
+    zstd-compress chunks (orbax's default; off here: ~40% slower conversion for
+    ~10-25% less disk on bf16 weights).
     """
     import jax
 
     check_orbax_support()
     registry = th.create_type_handler_registry(
-        (np.ndarray, th.NumpyHandler()), (LazyLeaf, LazyLeafHandler(max_in_flight)))
+        (np.ndarray, th.NumpyHandler()), (jax.Array, th.ArrayHandler()), (LazyLeaf, LazyLeafHandler(max_in_flight)))
     is_leaf = lambda x: isinstance(x, (LazyLeaf, np.ndarray))  # noqa: E731
     save_args = jax.tree.map(
         lambda x: ocp.SaveArgs(shard_axes=(0,), chunk_byte_size=chunk_bytes)
         if isinstance(x, LazyLeaf) and x.stacked else ocp.SaveArgs(chunk_byte_size=chunk_bytes),
         tree, is_leaf=is_leaf)
-    handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
+    handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry, use_compression=compress)
     with ocp.Checkpointer(handler) as ck:
         ck.save(os.fspath(path), args=ocp.args.PyTreeSave(tree, save_args=save_args))

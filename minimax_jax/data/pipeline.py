@@ -5,7 +5,8 @@ Stages (all grain datasets, so the iterator state is checkpointable and resumabl
 1. ``grain.MapDataset.source(DocumentSource)``: one document per file / JSONL line / record.
 2. ``shuffle(seed)`` (a fresh order every epoch), ``repeat(num_epochs)``, then per-host slicing
    ``[shard_index::shard_count]`` so hosts read disjoint documents.
-3. tokenisation with a ``tokenizers`` tokenizer (+ optional bos / eos ids around each document).
+3. tokenisation with a ``tokenizers`` tokenizer (+ optional bos / eos ids around each document),
+   ``tokenize_batch`` documents per ``encode_batch`` call.
 4. packing into rows of ``seq_len + 1`` tokens, with grain's packers:
    - ``packing="concat"``: ``ConcatThenSplitIterDataset``, no padding except at the very end of a
      finite stream; documents may be cut across rows (each piece restarts at position 0);
@@ -48,6 +49,7 @@ from minimax_jax.data.sources import DocumentSource
 from minimax_jax.data.tokenizer import BOS, EOS, load_tokenizer
 
 PACKING_MODES = ("concat", "first_fit")
+MAX_TOKENIZE_BATCH = 1 << 16
 
 
 class DataConfigError(ValueError):
@@ -73,6 +75,9 @@ class DataConfig:
       shard_index, shard_count: this host's shard; ``None`` = ``jax.process_index()/process_count()``.
       num_threads: grain read threads for loading + tokenising (0 = in the calling thread).
       prefetch: grain read-ahead buffer (elements) when ``num_threads > 0``.
+      tokenize_batch: documents per ``encode_batch`` call (tokenizers parallelises a batch over
+        its own threads, ``RAYON_NUM_THREADS``); 1 = one ``encode`` per document. The packed
+        stream does not depend on it.
     """
 
     sources: tuple[str, ...]
@@ -91,6 +96,7 @@ class DataConfig:
     shard_count: int | None = None
     num_threads: int = 0
     prefetch: int = 64
+    tokenize_batch: int = 16
 
     def __post_init__(self):
         if isinstance(self.sources, (str, os.PathLike)):
@@ -107,8 +113,14 @@ class DataConfig:
             raise DataConfigError(f"num_epochs must be a positive int or None, got {self.num_epochs!r}")
         if self.packing not in PACKING_MODES:
             raise DataConfigError(f"packing must be one of {PACKING_MODES}, got {self.packing!r}")
-        if self.num_packing_bins < 0 or self.num_threads < 0 or self.prefetch < 1:
-            raise DataConfigError("num_packing_bins and num_threads must be >= 0, prefetch >= 1")
+        if min(self.num_packing_bins, self.num_threads) < 0 or min(self.prefetch, self.tokenize_batch) < 1:
+            raise DataConfigError(
+                "num_packing_bins and num_threads must be >= 0, prefetch and tokenize_batch >= 1"
+            )
+        if self.tokenize_batch > MAX_TOKENIZE_BATCH:
+            raise DataConfigError(
+                f"tokenize_batch must be <= {MAX_TOKENIZE_BATCH}, got {self.tokenize_batch}"
+            )
         if (self.shard_index is None) != (self.shard_count is None):
             raise DataConfigError("give both shard_index and shard_count, or neither")
         if self.shard_count is not None and not 0 <= self.shard_index < self.shard_count:
@@ -134,15 +146,29 @@ class DataConfig:
         return jax.process_index(), jax.process_count()
 
 
-class _Tokenize(grain.transforms.Map):
+class _TokenizeBatch(grain.transforms.Map):
+    """Tokenises a list of documents with one ``encode_batch`` call (parallel inside tokenizers)."""
+
     def __init__(self, tokenizer, bos_id: int | None, eos_id: int | None):
         self._tok = tokenizer
         self._bos = [] if bos_id is None else [bos_id]
         self._eos = [] if eos_id is None else [eos_id]
 
-    def map(self, text: str) -> dict[str, np.ndarray]:
-        ids = self._bos + self._tok.encode(text, add_special_tokens=False).ids + self._eos
-        return {"tokens": np.asarray(ids, dtype=np.int32)}
+    def map(self, texts: list[str]) -> list[dict[str, np.ndarray]]:
+        if len(texts) == 1:
+            encs = [self._tok.encode(texts[0], add_special_tokens=False)]
+        else:
+            encs = self._tok.encode_batch(list(texts), add_special_tokens=False)
+        return [{"tokens": np.asarray(self._bos + e.ids + self._eos, dtype=np.int32)} for e in encs]
+
+
+class _Unbatch(gex.FlatMapTransform):
+    """Splits a tokenised group back into single documents."""
+
+    max_fan_out = MAX_TOKENIZE_BATCH
+
+    def flat_map(self, element):
+        return element
 
 
 class _Chunk(gex.FlatMapTransform):
@@ -209,12 +235,12 @@ def make_packed_dataset(config: DataConfig, tokenizer=None) -> grain.IterDataset
     ds = ds.repeat(config.num_epochs)
     if shard_count > 1:
         ds = ds[shard_index::shard_count]
-    ds = ds.map(_Tokenize(tok, bos, eos))
+    ds = ds.batch(config.tokenize_batch, batch_fn=list).map(_TokenizeBatch(tok, bos, eos))
     if config.num_threads > 0:
         read = grain.ReadOptions(num_threads=config.num_threads, prefetch_buffer_size=config.prefetch)
     else:
         read = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
-    it = ds.to_iter_dataset(read)
+    it = gex.FlatMapIterDataset(ds.to_iter_dataset(read), _Unbatch())
     row_len = config.seq_len + 1
     if config.packing == "concat":
         return gex.ConcatThenSplitIterDataset(it, length_struct={"tokens": row_len})

@@ -194,10 +194,10 @@ def msa_decode_select(qi, ki_pages, page_table, q_positions, *, ki_scale=None, t
     impl, api = _resolve(op, implementation)
     q_positions = q_positions.astype(jnp.int32)
     page_table = page_table.astype(jnp.int32)
-    if api is None:
-        scores = _xla_page_scores(qi, ki_pages, ki_scale, page_table)
-    else:
-        scores = api.page_scores(qi, ki_pages, page_table, q_positions, ki_scale=ki_scale, backend=_BACKEND[impl])
+    if api is not None:
+        return api.select_pages(qi, ki_pages, page_table, q_positions, ki_scale=ki_scale, topk=topk,
+                                init_blocks=init_blocks, local_blocks=local_blocks, backend=_BACKEND[impl])
+    scores = _xla_page_scores(qi, ki_pages, ki_scale, page_table)
     return select_from_page_scores(scores, q_positions, ki_pages.shape[1], topk=topk, init_blocks=init_blocks,
                                    local_blocks=local_blocks)
 

@@ -84,6 +84,12 @@ class PagePool:
     def refcount(self, page: int) -> int:
         return int(self._ref[page])
 
+    def shuffle(self, seed: int) -> None:
+        """Permute the free list (tests use it to get non-contiguous, out-of-order page tables)."""
+        order = list(self._free)
+        np.random.default_rng(seed).shuffle(order)
+        self._free = collections.deque(order)
+
     # ------------------------------------------------------------------ allocation
     def allocate(self, n: int = 1) -> list[int]:
         """Take ``n`` pages (reference count 1 each), evicting LRU cached pages when needed.

@@ -64,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="held-out text files for perplexity (default: held-out Shakespeare works)")
     p.add_argument("--ppl_seq_len", type=int, default=2048)
     p.add_argument("--ppl_max_tokens", type=int, default=65536)
+    p.add_argument("--ppl_batch_size", type=int, default=1, help="windows per logprob_fn call")
     p.add_argument("--no_perplexity", action="store_true")
     p.add_argument("--max_seq_len", type=int, default=None, help="forwarded to the runtime")
     p.add_argument("--out", default=None, help="write the results JSON here")
@@ -110,7 +111,7 @@ def run_eval(args: argparse.Namespace, fns: ModelFns) -> dict:
         bos = fns.tokenizer.token_to_id("]~!b[")
         results["perplexity"] = heldout_perplexity(
             fns.logprob_fn, texts, fns.tokenizer, seq_len=args.ppl_seq_len,
-            max_tokens=args.ppl_max_tokens, bos_id=bos,
+            batch_size=args.ppl_batch_size, max_tokens=args.ppl_max_tokens, bos_id=bos,
         )
     return results
 

@@ -2,8 +2,8 @@
 
 Lengths are measured by a ``CountFn`` (``str -> int``): :func:`token_counter` counts tokens of a
 ``tokenizers`` tokenizer (evaluation), :func:`char_counter` counts characters (training documents
-built without a tokenizer). :func:`fit_length` finds the largest amount of filler such that the
-rendered prompt still fits the requested length.
+built without a tokenizer). :func:`fit_length` finds an amount of filler that brings the rendered
+prompt to the requested length (never over it, within a small tolerance under it).
 """
 
 from __future__ import annotations
@@ -145,59 +145,50 @@ def insert_needles(text: str, needles: list[tuple[float, str]]) -> str:
     return "".join(out)
 
 
-def fit_length(build: Callable[[int], str], target: int, count: CountFn, upper: int) -> tuple[int, str, int]:
-    """Largest ``n`` in ``[0, upper]`` with ``count(build(n)) <= target`` (``build`` ~monotone in n).
+def fit_length(build: Callable[[int], str], target: int, count: CountFn, upper: int,
+               tolerance: int | None = None) -> tuple[int, str, int]:
+    """Finds ``n`` in ``[0, upper]`` with ``target - tolerance <= count(build(n)) <= target``.
 
-    Uses a few proportional (secant) steps and then bisection, so long prompts are measured only
-    ~log2(bracket) times.
+    ``build`` must be (nearly) monotone in ``n``. The search interpolates on the measured lengths
+    (falling back to bisection when interpolation stalls), so long prompts are measured only a
+    handful of times. ``tolerance`` defaults to ``max(2, target // 2000)``; when no ``n`` lands in
+    the window (one unit adds more than the tolerance), the largest fitting ``n`` is returned.
 
     Returns:
       ``(n, text, length)``.
     Raises:
       LengthError: when even ``build(0)`` exceeds ``target`` (the template alone is too long), or
-        when ``build(upper)`` still fits (not enough filler to reach the target).
+        when ``build(upper)`` still falls short (not enough filler to reach the target).
     """
+    tol = max(2, target // 2000) if tolerance is None else max(0, tolerance)
     base_text = build(0)
     base = count(base_text)
     if base > target:
         raise LengthError(f"target length {target} is shorter than the task template ({base})")
-    top_text = build(upper)
-    top = count(top_text)
-    if top <= target:
-        raise LengthError(
-            f"not enough filler: {upper} units only reach length {top} < target {target}"
-        )
-    lo, lo_len, lo_text = 0, base, base_text  # fits
-    hi = upper  # does not fit
-    guess_rate = max((top - base) / max(upper, 1), 1e-9)
-    for _ in range(4):
-        if hi - lo <= 1:
-            break
-        g = lo + int((target - lo_len) / guess_rate)
-        g = min(max(g, lo + 1), hi - 1)
-        t = build(g)
-        c = count(t)
-        if c <= target:
-            if g > lo:
-                guess_rate = max((c - lo_len) / (g - lo), 1e-9)
-            lo, lo_len, lo_text = g, c, t
-            # probe just above: a fit close to the edge often brackets tightly
-            step = max(1, int(0.002 * g))
-            if lo + step < hi:
-                t2 = build(lo + step)
-                c2 = count(t2)
-                if c2 > target:
-                    hi = lo + step
-                else:
-                    lo, lo_len, lo_text = lo + step, c2, t2
+    lo, lo_len, lo_text = 0, base, base_text  # largest n known to fit
+    hi, hi_len = None, None  # smallest n known not to fit
+    aim = target - tol / 2
+    last, streak = None, 0
+    while lo_len < target - tol and (hi is None or hi - lo > 1):
+        if hi is None:  # extrapolate from the density so far (first step: a small probe)
+            g = min(upper, 1024) if lo == 0 else lo + (aim - lo_len) * lo / max(lo_len - base, 1e-9)
+            g = max(min(upper, int(g)), lo + 1)
+        elif streak >= 3:  # interpolation keeps landing on one side: bisect
+            g = (lo + hi) // 2
         else:
-            hi = g
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        t = build(mid)
-        c = count(t)
-        if c <= target:
-            lo, lo_len, lo_text = mid, c, t
+            g = lo + int((aim - lo_len) * (hi - lo) / max(hi_len - lo_len, 1e-9))
+            g = min(max(g, lo + 1), hi - 1)
+        text = build(g)
+        c = count(text)
+        side = "lo" if c <= target else "hi"
+        streak = streak + 1 if side == last else 1
+        last = side
+        if side == "lo":
+            lo, lo_len, lo_text = g, c, text
+            if lo >= upper and lo_len < target - tol:
+                raise LengthError(
+                    f"not enough filler: {upper} units only reach length {lo_len} < target {target}"
+                )
         else:
-            hi = mid
+            hi, hi_len = g, c
     return lo, lo_text, lo_len

@@ -12,7 +12,8 @@ The evaluation only needs two callables and a tokenizer:
 Contract with the runtime: ``minimax_jax.infer`` provides
 ``make_eval_fns(checkpoint_dir: str, **options) -> Mapping`` with keys ``"generate_fn"``,
 ``"logprob_fn"`` (callable or None) and ``"tokenizer"`` (a ``tokenizers.Tokenizer`` or a path to
-``tokenizer.json`` / its directory). ``options`` are passed through from the CLI (``max_seq_len``).
+``tokenizer.json`` / its directory). ``options`` are passed through from the CLI (``max_seq_len``;
+``tokenizer_path`` when ``--tokenizer`` is given, so model and evaluation share one tokenizer).
 The module is imported only when :func:`load_model_fns` is called.
 """
 
@@ -75,7 +76,8 @@ def load_model_fns(checkpoint: str, *, tokenizer: str | None = None, **options) 
 
     Args:
       checkpoint: checkpoint directory, passed to ``make_eval_fns``.
-      tokenizer: optional ``tokenizer.json`` path overriding the runtime's tokenizer.
+      tokenizer: optional ``tokenizer.json`` path (or directory) overriding the checkpoint's; it is
+        forwarded to ``make_eval_fns`` as ``tokenizer_path`` and used for length measurement.
       options: forwarded to ``make_eval_fns``.
     Raises:
       RuntimeUnavailable: when ``minimax_jax.infer`` is not installed / importable or lacks
@@ -96,4 +98,6 @@ def load_model_fns(checkpoint: str, *, tokenizer: str | None = None, **options) 
             f"{INFER_MODULE} has no function {FACTORY}(checkpoint_dir, **options) returning "
             "{'generate_fn', 'logprob_fn', 'tokenizer'}"
         )
+    if tokenizer is not None:
+        options = dict(options, tokenizer_path=tokenizer)
     return model_fns_from_mapping(factory(checkpoint, **options), tokenizer)

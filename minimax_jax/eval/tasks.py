@@ -11,8 +11,10 @@ Tasks (names used by the CLI):
 
 Every generator has the signature ``(rng, target_len, count, haystack, **params) -> Example``:
 the prompt's length measured by ``count`` (tokens of the model's tokenizer, or characters) is at
-most ``target_len`` and within one filler word of it. The prompt ends with an answer prefix, so a
-base model continues with the answer; :func:`completion` is the reference continuation.
+most ``target_len`` and at least ``target_len - max(2, target_len // 2000)`` (or within one
+filler word / list item of it when a single step is larger; see ``haystack.fit_length``).
+The prompt ends with an answer prefix, so a base model continues with the answer;
+:func:`completion` is the reference continuation.
 All wording here is written for this project.
 """
 
@@ -100,8 +102,16 @@ def _haystack_example(
         context = insert_needles(haystack.piece(start, n), needles)
         return f"{head}\n\n{context}\n\n{tail}"
 
-    upper = max(64, target_len * 8)  # at most 8 chars per unit; tokens are ~4 chars
-    _, prompt, length = fit_length(build, target_len, count, upper)
+    # Filler bound: 1.5x the length at the filler's measured density (chars per unit), so huge
+    # contexts are not over-measured; 16 chars per unit as the fallback bound.
+    sample = haystack.piece(start, 20_000)
+    density = len(sample) / max(count(sample), 1)
+    try:
+        _, prompt, length = fit_length(build, target_len, count, int(1.5 * density * target_len) + 256)
+    except LengthError as e:
+        if "not enough filler" not in str(e):
+            raise
+        _, prompt, length = fit_length(build, target_len, count, 16 * target_len + 256)
     meta = dict(metadata, haystack=haystack.name, start=start,
                 needles=[s for _, s in needles], depths=[d for d, _ in needles])
     return Example(task, prompt, tuple(answers), target_len, length, meta)

@@ -83,7 +83,7 @@ def indexer_kl(q, k, qi, ki, block_ids, q_pos, kv_pos, q_seg, kv_seg, *, block_s
         return jnp.sum(kl), jnp.sum(nonempty.astype(jnp.int32))
 
     args = (q, qi, q_pos, q_seg) + ((block_ids,) if sparse else ())
-    pads = (0, 0, 0, 0) + ((-1,) if sparse else ())
+    pads = (0, 0, 0, -1) + ((-1,) if sparse else ())
     axes = (1, 1, 1, 1) + ((2,) if sparse else ())
     (kl, cnt), _, _, _ = map_query_chunks(body, args, chunk_size, pad_values=pads, t_axes=axes)
     return jnp.sum(kl), jnp.sum(cnt)

@@ -60,9 +60,11 @@ def route(x: jax.Array, router: jax.Array, bias: jax.Array, top_k: int) -> tuple
     """
     scores = router_scores(x, router)
     _, experts = jax.lax.top_k(scores + jax.lax.stop_gradient(bias.astype(jnp.float32))[None, :], top_k)
-    chosen = jnp.take_along_axis(scores, experts, axis=-1)
+    onehot = jax.nn.one_hot(experts, router.shape[1], dtype=jnp.float32)        # [N, k, E]
+    # A one-hot contraction instead of take_along_axis: its backward is a product, not a scatter-add.
+    chosen = jnp.einsum("nke,ne->nk", onehot, scores, precision=jax.lax.Precision.HIGHEST)
     weights = chosen / jnp.sum(chosen, axis=-1, keepdims=True)
-    load = jnp.sum(jax.nn.one_hot(experts, router.shape[1], dtype=jnp.float32), axis=(0, 1))
+    load = jnp.sum(onehot, axis=(0, 1))
     return weights, experts.astype(jnp.int32), jax.lax.stop_gradient(load)
 
 

@@ -27,7 +27,10 @@ def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax
     m = flat.shape[0]
     order = jnp.argsort(flat, stable=True).astype(jnp.int32)
     inv = jnp.zeros((m,), jnp.int32).at[order].set(jnp.arange(m, dtype=jnp.int32))
-    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    sorted_ids = jnp.take(flat, order)
+    ids = jnp.arange(num_experts, dtype=jnp.int32)
+    group_sizes = (jnp.searchsorted(sorted_ids, ids, side="right")
+                   - jnp.searchsorted(sorted_ids, ids, side="left")).astype(jnp.int32)
     return order, inv, group_sizes
 
 

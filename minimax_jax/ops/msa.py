@@ -10,8 +10,10 @@ blocks is ``NB = ceil(S / block_size)``, so key positions must lie in ``[0, NB *
 Implementations:
 - ``"xla"``: the chunked plain-JAX reference (``minimax_jax.msa.reference`` / ``.kl``); runs
   everywhere; memory O(chunk_size * S) per call, also in reverse mode.
-- ``"pallas_gpu"``, ``"pallas_tpu"``, ``"pallas_interpret"``: kernels in ``pallas_kernels.msa.api``
-  (same function names and keyword arguments, plus ``backend="gpu" | "tpu" | "interpret"``).
+- ``"pallas_gpu"``, ``"pallas_tpu"``, ``"pallas_interpret"`` (TPU kernels interpreted, CPU tests),
+  ``"pallas_gpu_interpret"`` (GPU kernels interpreted): kernels in ``pallas_kernels.msa.api``, same
+  function names and keyword arguments (segment ids always passed as arrays, zeros when omitted),
+  plus ``backend="gpu" | "tpu" | "interpret" | "gpu_interpret"``.
   ``ImplementationUnavailable`` is raised when that module or function is missing.
 - ``"auto"``: ``"xla"`` on CPU; on GPU/TPU the Pallas kernel for the backend when importable,
   else ``"xla"``. What ran is recorded with ``minimax_jax.ops.common.record_implementation``
@@ -35,8 +37,9 @@ from minimax_jax.ops.common import ImplementationUnavailable, default_backend, r
 __all__ = ["msa_index_scores", "msa_select_blocks", "msa_attention", "indexer_kl", "IMPLEMENTATIONS",
            "DEFAULT_CHUNK_SIZE"]
 
-IMPLEMENTATIONS = ("auto", "xla", "pallas_gpu", "pallas_tpu", "pallas_interpret")
-_PALLAS = {"pallas_gpu": "gpu", "pallas_tpu": "tpu", "pallas_interpret": "interpret"}
+IMPLEMENTATIONS = ("auto", "xla", "pallas_gpu", "pallas_tpu", "pallas_interpret", "pallas_gpu_interpret")
+_PALLAS = {"pallas_gpu": "gpu", "pallas_tpu": "tpu", "pallas_interpret": "interpret",
+           "pallas_gpu_interpret": "gpu_interpret"}
 DEFAULT_CHUNK_SIZE = 256
 
 

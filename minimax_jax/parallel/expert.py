@@ -15,7 +15,7 @@ back the same way. Transports:
 - ``"all_to_all"``: fixed-size ``[P, n*k, H]`` buffers through ``jax.lax.all_to_all``; runs on
   every backend (CPU tests), memory ``P * n * k * H`` per rank.
 - ``"ragged_all_to_all"``: ``jax.lax.ragged_all_to_all`` moves only the live rows (GPU/TPU; it
-  does not run on CPU); its backward is the reverse ragged exchange (custom VJP).
+  does not run on CPU); its backward is JAX's transpose rule (the reverse ragged exchange).
 - ``"auto"``: ragged on GPU/TPU, all_to_all on CPU; with ``P == 1`` no exchange at all.
 Both are dropless: the receive buffer holds the worst case (``P * n * k`` rows).
 """
@@ -48,7 +48,7 @@ def _axes_arg(axes: tuple[str, ...]):
 
 
 def _plan_axes(mesh, rules, num_experts: int, width: int):
-    ep = tuple(a for a in rules["experts"] if mesh.shape[a] > 1)
+    ep = tuple(rules["experts"])  # size-1 axes kept: a forced exchange over one rank still has an axis
     tp = tuple(a for a in rules["mlp_expert"] if a not in ep and mesh.shape[a] > 1)
     if tp and width % _size(mesh, tp):
         tp = ()  # expert width not divisible: every rank computes the whole width (no psum)
@@ -182,7 +182,7 @@ def _exchange_ragged(xs, counts, wi, wo, act, gmm, ep, tp, p):
     peer_off = jnp.sum(jnp.where(jnp.arange(p)[:, None] < me, sizes, 0), axis=0).astype(jnp.int32)  # my chunk in peer's buffer
     back_off = starts[:, me]                                              # source's rows for me began here
     recv_rows = p * m
-    fwd_plan = (send_start, send_sizes, peer_off, recv_sizes, recv_start, back_off)
+    fwd_plan = (send_start, send_sizes, peer_off, recv_sizes)
     recv = _ragged_exchange(xs, fwd_plan, axis, recv_rows)               # [P*M, H], source-major, live first
     recv_counts = jax.lax.all_to_all(counts.reshape(p, e_loc), axis, 0, 0)    # [P source, E/P]
     seg = jnp.searchsorted(jnp.cumsum(recv_counts.reshape(-1)), jnp.arange(recv_rows), side="right")
@@ -192,34 +192,21 @@ def _exchange_ragged(xs, counts, wi, wo, act, gmm, ep, tp, p):
     rows2 = gather_rows(recv, order2, every, inv2, every)
     ys2 = sorted_mlp_psum(rows2, recv_counts.sum(axis=0), wi, wo, act, gmm, tp)
     back = gather_rows(ys2, inv2, every, order2, every)
-    bwd_plan = (recv_start, recv_sizes, back_off, send_sizes, send_start, peer_off)
+    bwd_plan = (recv_start, recv_sizes, back_off, send_sizes)
     return _ragged_exchange(back, bwd_plan, axis, m)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _ragged_exchange(operand, plan, axis, out_rows):
-    """``ragged_all_to_all`` with plan ``(in_off, send_sz, peer_out_off, recv_sz, my_recv_off, peer_in_off)``.
+    """``ragged_all_to_all`` of ``operand`` rows by ``plan = (in_off, send_sz, peer_out_off, recv_sz)``.
 
-    The last two describe the reverse exchange (where my received chunks sit, and where each peer's
-    chunk for me came from in its operand); the backward sends cotangents back along it.
+    Differentiable through JAX's own transpose rule (the reverse ragged exchange).
     """
-    return _ragged_fwd(operand, plan, axis, out_rows)[0]
+    in_off, send_sz, out_off, recv_sz = plan
+    out = _like_vma(jnp.zeros((out_rows,) + operand.shape[1:], operand.dtype), operand)
+    return jax.lax.ragged_all_to_all(operand, out, in_off, send_sz, out_off, recv_sz, axis_name=axis)
 
 
-def _ragged_fwd(operand, plan, axis, out_rows):
-    in_off, send_sz, out_off, recv_sz, _, _ = plan
-    out = jnp.zeros((out_rows,) + operand.shape[1:], operand.dtype)
-    y = jax.lax.ragged_all_to_all(operand, out, in_off, send_sz, out_off, recv_sz, axis_name=axis)
-    return y, (plan, operand.shape[0])
-
-
-def _ragged_bwd(axis, out_rows, res, g):
-    plan, rows = res
-    in_off, send_sz, out_off, recv_sz, my_recv_off, peer_in_off = plan
-    rev = (my_recv_off, recv_sz, peer_in_off, send_sz, in_off, out_off)
-    dx = _ragged_fwd(g, rev, axis, rows)[0]
-    zero_plan = jax.tree.map(lambda a: None, plan)
-    return dx, zero_plan
-
-
-_ragged_exchange.defvjp(_ragged_fwd, _ragged_bwd)
+def _like_vma(x, like):
+    """Mark ``x`` as varying over the manual mesh axes ``like`` varies over (shard_map typing)."""
+    missing = tuple(sorted(set(getattr(jax.typeof(like), "vma", ())) - set(getattr(jax.typeof(x), "vma", ()))))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from typing import Any, Mapping, Sequence
 
 import yaml
@@ -276,10 +277,25 @@ def valid_keys(section: str, data_kind: str = "grain") -> list[str]:
     return [f.name for f in dataclasses.fields(SECTIONS[section])]
 
 
+# ----------------------------------------------------------------------------- YAML
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads ``1e-3`` (no dot) as a float, as people write learning rates."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"""),
+    list("-+0123456789"))
+
+
+def _yaml_load(text_or_file) -> Any:
+    return yaml.load(text_or_file, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+
+
 # ----------------------------------------------------------------------------- overrides
 def _parse_value(text: str) -> Any:
     try:
-        return yaml.safe_load(text)
+        return _yaml_load(text)
     except yaml.YAMLError as e:
         raise TrainConfigError(f"cannot parse override value {text!r}: {e}") from None
 
@@ -366,8 +382,6 @@ def validate(tc: TrainConfig) -> None:
     w = o.mtp_weights
     ws = [w] if not isinstance(w, (list, tuple)) else list(w)
     _check(all(_is_num(x) and x >= 0 for x in ws), f"optim.mtp_weights must be numbers >= 0, got {w!r}")
-    import re
-
     for pat in o.freeze:
         try:
             re.compile(pat)
@@ -452,7 +466,7 @@ def load_train_config(path: str | os.PathLike, overrides: Sequence[str] = ()) ->
     if not os.path.exists(p):
         raise TrainConfigError(f"training config {p!r} does not exist")
     with open(p) as f:
-        raw = yaml.safe_load(f) or {}
+        raw = _yaml_load(f) or {}
     if not isinstance(raw, dict):
         raise TrainConfigError(f"{p}: expected a mapping of sections {list(TOP_LEVEL)}")
     return from_dict(apply_overrides(raw, overrides), source_path=p)

@@ -26,6 +26,16 @@ __all__ = ["model_configs", "initial_params"]
 def _apply_fields(cfg: ModelConfig, fields: dict[str, Any]) -> ModelConfig:
     if not fields:
         return cfg
+    fields = dict(fields)
+    if fields.get("num_layers", cfg.num_layers) != cfg.num_layers:
+        # Uniform per-layer lists follow the new depth; mixed ones must be given explicitly.
+        for name in ("layer_types", "mlp_types"):
+            kinds = set(getattr(cfg, name))
+            if name not in fields:
+                if len(kinds) != 1:
+                    raise TrainConfigError(f"model.num_layers changes the depth of a model with mixed {name} "
+                                           f"{getattr(cfg, name)}; give model.{name} too")
+                fields[name] = kinds.pop()
     try:
         return ModelConfig.from_dict({**cfg.to_dict(), **fields})
     except ValueError as e:

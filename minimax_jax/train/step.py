@@ -152,8 +152,7 @@ def make_train_step(spec: StepSpec, tx: optax.GradientTransformation, trainable:
             zeros = (jax.tree.map(jnp.zeros_like, params),
                      jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), m_shape))
             (grads, metrics), _ = jax.lax.scan(body, zeros, micro)
-        grad_norm = optax.global_norm(jax.tree.leaves(jax.tree.map(
-            lambda g, t: g if t else jnp.zeros((), g.dtype), grads, trainable)))
+        grad_norm = optax.tree.norm(jax.tree.map(lambda g, t: g if t else jnp.zeros((), g.dtype), grads, trainable))
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)
         load = metrics.pop("router_load")

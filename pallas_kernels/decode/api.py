@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from minimax_jax.ops.common import ImplementationUnavailable, record_implementation
 
-__all__ = ["page_scores", "paged_attention", "BACKENDS"]
+__all__ = ["page_scores", "select_pages", "paged_attention", "BACKENDS"]
 
 BACKENDS = ("gpu", "tpu", "interpret", "gpu_interpret")
 
@@ -36,6 +36,28 @@ def page_scores(qi, ki_pages, page_table, q_positions, *, ki_scale=None, backend
         return page_scores_gpu(qi, ki_pages, page_table, q_positions, ki_scale, interpret=backend == "gpu_interpret")
     from pallas_kernels.decode.tpu import page_scores_tpu
     return page_scores_tpu(qi, ki_pages, page_table, q_positions, ki_scale, interpret=backend == "interpret")
+
+
+def select_pages(qi, ki_pages, page_table, q_positions, *, ki_scale=None, topk, init_blocks=0, local_blocks=1,
+                 backend):
+    """Page selection ``[B, Hi, Q, K]`` int32 (logical ids, -1 padded; MSA_SPEC.md section 5).
+
+    GPU backends: scoring kernel + in-kernel top-(K-1) (no sort). TPU backends: the Mosaic scoring
+    kernel, then the selection from the scores in XLA (``jax.lax.top_k``), recorded as
+    ``"msa_decode_select.topk": "xla"``.
+    """
+    _check_backend("msa_decode_select", backend)
+    if backend in ("gpu", "gpu_interpret"):
+        from pallas_kernels.decode.gpu import select_pages_gpu
+        record_implementation("msa_decode_select.topk", "pallas_gpu")
+        return select_pages_gpu(qi, ki_pages, page_table, q_positions, ki_scale, topk=topk, init_blocks=init_blocks,
+                                local_blocks=local_blocks, interpret=backend == "gpu_interpret")
+    from minimax_jax.decode.ops import select_from_page_scores
+    from pallas_kernels.decode.tpu import page_scores_tpu
+    record_implementation("msa_decode_select.topk", "xla")
+    scores = page_scores_tpu(qi, ki_pages, page_table, q_positions, ki_scale, interpret=backend == "interpret")
+    return select_from_page_scores(scores, q_positions, ki_pages.shape[1], topk=topk, init_blocks=init_blocks,
+                                   local_blocks=local_blocks)
 
 
 def paged_attention(q, k_pages, v_pages, page_table, q_positions, *, k_scale=None, v_scale=None, block_ids=None,

@@ -30,9 +30,13 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.decode.common import combine_splits, compute_dtype, next_pow2, pack_rows, pad_rows, unpack_rows
 
-__all__ = ["page_scores_gpu", "paged_attention_gpu"]
+__all__ = ["page_scores_gpu", "select_pages_gpu", "paged_attention_gpu", "CONFIG"]
 
 _NEG = -1e30
+
+# Launch variant used when a call passes None. "loop": "dynamic" = data-dependent trip counts
+# (pages past the end are never read), "static" = fixed trip counts with clamped, masked slots.
+CONFIG = {"loop": "dynamic", "score_warps": 4, "score_stages": 3, "attn_warps": 4, "attn_stages": 2}
 
 
 def _dot_t(a, b):
@@ -46,7 +50,7 @@ def _dot(a, b):
 
 # ----------------------------------------------------------------------------- page scores
 
-def _score_kernel(pt_ref, n_ref, qi_ref, ki_ref, *rest, page, ppp, scale, has_scale, cdt):
+def _score_kernel(pt_ref, n_ref, qi_ref, ki_ref, *rest, page, ppp, scale, has_scale, cdt, loop):
     if has_scale:
         ks_ref, o_ref = rest
     else:
@@ -58,30 +62,30 @@ def _score_kernel(pt_ref, n_ref, qi_ref, ki_ref, *rest, page, ppp, scale, has_sc
 
     def body(j, carry):
         p = c * ppp + j
-
-        @pl.when(p < n_pages)
-        def _():
-            start = pt_ref[b, p] * page
-            kb = ki_ref[pl.ds(start, page), :].astype(cdt)   # [page, Di]
-            s = _dot_t(qi, kb)                               # [R, page]
-            if has_scale:
-                s = s * ks_ref[pl.ds(start, page)][None, :]
-            o_ref[b, p, :] = jnp.max(s, axis=1) * scale
-
+        pc = p if loop == "dynamic" else jnp.clip(p, 0, jnp.maximum(n_pages - 1, 0))
+        start = pt_ref[b, pc] * page
+        kb = ki_ref[pl.ds(start, page), :].astype(cdt)       # [page, Di]
+        s = _dot_t(qi, kb)                                   # [R, page]
+        if has_scale:
+            s = s * ks_ref[pl.ds(start, page)][None, :]
+        o_ref[b, :, p] = jnp.max(s, axis=1) * scale
         return carry
 
-    jax.lax.fori_loop(0, ppp, body, 0)
+    # Dynamic trip count (lowered to scf.for, software-pipelined): pages past n_pages are never read.
+    # ("static": a fixed ppp-step loop re-reading the last needed page; outputs past n_pages are junk.)
+    n_iter = jnp.clip(n_pages - c * ppp, 0, ppp) if loop == "dynamic" else ppp
+    jax.lax.fori_loop(jnp.int32(0), jnp.asarray(n_iter, jnp.int32), body, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "ppp", "num_warps", "num_stages"))
-def page_scores_gpu(qi, ki_pages, page_table, q_positions, ki_scale=None, *, interpret=False, ppp=None,
-                    num_warps=4, num_stages=3):
-    """Raw page scores ``[B, Hi, Q, NP]`` float32 (max over each page's tokens of ``<qi, ki>/sqrt(Di)``).
+def _page_scores_raw(qi, ki_pages, page_table, q_positions, ki_scale, *, interpret, ppp, num_warps, num_stages,
+                     loop):
+    """Raw page scores ``[B, R, W]`` float32, row ``q * Hi + h`` (max over each page's tokens of ``<qi, ki>/sqrt(Di)``).
 
     Only pages ``< max_i(pos_i // page)`` of each request are computed; the others hold garbage and
     must be masked by the caller (``select_from_page_scores`` does).
     Args: qi ``[B, Q, Hi, Di]``; ki_pages ``[P, page, Di]``; page_table ``[B, NP]`` int32;
-      q_positions ``[B, Q]`` int32; ki_scale ``[P, page]`` f32 or None; ppp: pages per program.
+      q_positions ``[B, Q]`` int32; ki_scale ``[P, page]`` f32 or None; ppp: pages per program;
+      num_warps / num_stages / loop ("dynamic" | "static"): launch variant, None = ``CONFIG``.
     """
     b, nq, hi, di = qi.shape
     n_phys, page, _ = ki_pages.shape
@@ -91,27 +95,94 @@ def page_scores_gpu(qi, ki_pages, page_table, q_positions, ki_scale=None, *, int
     q2 = pad_rows(qi.reshape(b, nq * hi, di).astype(cdt), 1, r)
     n_score = jnp.clip(jnp.max(q_positions, axis=1) // page, 0, npg).astype(jnp.int32)
     if ppp is None:
-        ppp = int(min(16, max(1, next_pow2(b * npg // 2048 + 1) // 2 or 1)))
+        ppp = _pages_per_program(b * npg, 264, 32)
     nchunk = -(-npg // ppp)
+    width = next_pow2(nchunk * ppp)
     args = [page_table.astype(jnp.int32), n_score, q2, ki_pages.reshape(n_phys * page, di)]
     if ki_scale is not None:
         args.append(ki_scale.reshape(n_phys * page).astype(jnp.float32))
     kernel = functools.partial(_score_kernel, page=page, ppp=ppp, scale=1.0 / math.sqrt(di),
-                               has_scale=ki_scale is not None, cdt=cdt)
-    out = pl.pallas_call(
+                               has_scale=ki_scale is not None, cdt=cdt, loop=loop)
+    return pl.pallas_call(
         kernel, grid=(b, nchunk),
-        out_shape=jax.ShapeDtypeStruct((b, nchunk * ppp, r), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((b, r, width), jnp.float32),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="msa_decode_page_scores",
     )(*args)
-    out = out[:, :npg, : nq * hi].reshape(b, npg, nq, hi)
-    return out.transpose(0, 3, 2, 1)
+
+
+def _pages_per_program(total_pages: int, target_programs: int, cap: int) -> int:
+    """Power of two near ``total_pages / target_programs`` in ``[1, cap]`` (enough programs to fill the GPU)."""
+    want = max(1.0, total_pages / target_programs)
+    p = 1
+    while p * 2 <= cap and p * 2 <= want * 1.5:
+        p *= 2
+    return p
+
+
+def _unpack_scores(raw, nq, hi, npg):
+    b = raw.shape[0]
+    return raw[:, : nq * hi, :npg].reshape(b, nq, hi, npg).transpose(0, 2, 1, 3)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "ppp", "num_warps", "num_stages", "loop"))
+def _page_scores(qi, ki_pages, page_table, q_positions, ki_scale, *, interpret, ppp, num_warps, num_stages, loop):
+    """Raw page scores ``[B, Hi, Q, NP]`` float32 (see ``_page_scores_raw``)."""
+    raw = _page_scores_raw(qi, ki_pages, page_table, q_positions, ki_scale, interpret=interpret, ppp=ppp,
+                           num_warps=num_warps, num_stages=num_stages, loop=loop)
+    return _unpack_scores(raw, qi.shape[1], qi.shape[2], page_table.shape[1])
+
+
+# ----------------------------------------------------------------------------- selection
+
+def _select_kernel(sc_ref, pos_ref, o_ref, *, page, topk, init_blocks, local_blocks):
+    b = pl.program_id(0)
+    r = pl.program_id(1)
+    x = sc_ref[b, r, :]                                      # [W] f32 (junk at and after local)
+    pos = pos_ref[b, r]
+    local = jnp.where(pos >= 0, pos // page, -1)
+    ids = jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)
+    before = ids < local
+    forced = before & ((ids < init_blocks) | (ids > local - local_blocks))
+    x = jnp.where(forced, jnp.inf, jnp.where(before, x, -jnp.inf))
+    slot = jax.lax.broadcasted_iota(jnp.int32, (topk,), 0)
+    out = jnp.full((topk,), -1, jnp.int32)
+    n_valid = jnp.int32(0)
+    for k in range(topk - 1):                                # best remaining, ties -> lowest id
+        m = jnp.max(x)
+        am = jnp.min(jnp.where(x == m, ids, jnp.int32(1 << 30)))
+        take = m > -jnp.inf
+        out = jnp.where((slot == k) & take, am, out)
+        n_valid = n_valid + take.astype(jnp.int32)
+        x = jnp.where(ids == am, -jnp.inf, x)
+    out = jnp.where((slot == n_valid) & (local >= 0), local, out)
+    o_ref[b, r, :] = out
+
+
+@functools.partial(jax.jit, static_argnames=("page", "topk", "init_blocks", "local_blocks", "interpret",
+                                             "ppp", "num_warps", "num_stages", "loop"))
+def _select(qi, ki_pages, page_table, q_positions, ki_scale, *, page, topk, init_blocks, local_blocks,
+            interpret, ppp, num_warps, num_stages, loop):
+    b, nq, hi, _ = qi.shape
+    raw = _page_scores_raw(qi, ki_pages, page_table, q_positions, ki_scale, interpret=interpret, ppp=ppp,
+                           num_warps=num_warps, num_stages=num_stages, loop=loop)   # [B, R, W]
+    r, width = raw.shape[1], raw.shape[2]
+    pos = pad_rows(jnp.repeat(q_positions, hi, axis=1), 1, r, -1).astype(jnp.int32)  # row = q * hi + h
+    kernel = functools.partial(_select_kernel, page=page, topk=topk, init_blocks=init_blocks,
+                               local_blocks=local_blocks)
+    ids = pl.pallas_call(
+        kernel, grid=(b, nq * hi),
+        out_shape=jax.ShapeDtypeStruct((b, r, topk), jnp.int32),
+        compiler_params=pltriton.CompilerParams(num_warps=8 if width >= 4096 else 4, num_stages=1),
+        interpret=interpret, name="msa_decode_select_topk",
+    )(raw, pos)
+    return ids[:, : nq * hi].reshape(b, nq, hi, topk).transpose(0, 2, 1, 3)
 
 
 # ----------------------------------------------------------------------------- attention
 
 def _attn_kernel(pt_ref, pos_ref, lim_ref, ids_ref, q_ref, k_ref, v_ref, *rest, page, pps, scale, g_count,
-                 dense, has_scale, cdt):
+                 dense, has_scale, cdt, loop):
     if has_scale:
         ks_ref, vs_ref, o_ref, l_ref = rest
     else:
@@ -130,50 +201,57 @@ def _attn_kernel(pt_ref, pos_ref, lim_ref, ids_ref, q_ref, k_ref, v_ref, *rest, 
         acc, m_prev, l_prev = carry
         idx = sp * pps + j
         if dense:
-            logical = idx
+            logical = idx if loop == "dynamic" else jnp.clip(idx, 0, jnp.maximum(lim_ref[b] - 1, 0))
             ok = idx < lim_ref[b]
         else:
             logical = ids_ref[b, g, r, idx]
             ok = logical >= 0
+            logical = jnp.maximum(logical, 0)
+        start = pt_ref[b, logical] * page
+        kb = k_ref[g, pl.ds(start, page), :].astype(cdt)      # [page, D]
+        vb = v_ref[g, pl.ds(start, page), :].astype(cdt)
+        s = _dot_t(q, kb) * scale                              # [M, page]
+        if has_scale:
+            s = s * ks_ref[g, pl.ds(start, page)][None, :]
+        vis = ((logical * page + kidx) <= qpos[:, None]) & ok
+        s = jnp.where(vis, s, _NEG)
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+        corr = jnp.exp(m_prev - m_next)
+        p = jnp.where(vis, jnp.exp(s - m_next[:, None]), 0.0)
+        l_next = l_prev * corr + jnp.sum(p, axis=1)
+        if has_scale:
+            p = p * vs_ref[g, pl.ds(start, page)][None, :]
+        acc = acc * corr[:, None] + _dot(p.astype(cdt), vb)
+        return acc, m_next, l_next
 
-        def visit(c):
-            acc, m_prev, l_prev = c
-            start = pt_ref[b, logical] * page
-            kb = k_ref[g, pl.ds(start, page), :].astype(cdt)  # [page, D]
-            vb = v_ref[g, pl.ds(start, page), :].astype(cdt)
-            s = _dot_t(q, kb) * scale                          # [M, page]
-            if has_scale:
-                s = s * ks_ref[g, pl.ds(start, page)][None, :]
-            vis = (logical * page + kidx) <= qpos[:, None]
-            s = jnp.where(vis, s, _NEG)
-            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
-            corr = jnp.exp(m_prev - m_next)
-            p = jnp.where(vis, jnp.exp(s - m_next[:, None]), 0.0)
-            l_next = l_prev * corr + jnp.sum(p, axis=1)
-            if has_scale:
-                p = p * vs_ref[g, pl.ds(start, page)][None, :]
-            acc = acc * corr[:, None] + _dot(p.astype(cdt), vb)
-            return acc, m_next, l_next
-
-        return jax.lax.cond(ok, visit, lambda c: c, (acc, m_prev, l_prev))
-
+    # Dynamic trip counts (scf.for): dense splits stop at the last needed page; a sparse split
+    # visits its one slot only when it holds a page (-1 = empty).
+    # ("static": a fixed pps-step loop; slots past the end are masked.)
+    if loop != "dynamic":
+        n_iter = pps
+    elif dense:
+        n_iter = jnp.clip(lim_ref[b] - sp * pps, 0, pps)
+    else:
+        n_iter = jnp.where(ids_ref[b, g, r, sp] >= 0, jnp.int32(1), jnp.int32(0))
     acc0 = jnp.zeros((m_rows, d), jnp.float32)
     m0 = jnp.full((m_rows,), _NEG, jnp.float32)
     l0 = jnp.zeros((m_rows,), jnp.float32)
-    acc, m_i, l_i = jax.lax.fori_loop(0, pps, body, (acc0, m0, l0))
+    # Both loop bounds int32: Triton's scf.for needs equal bound types.
+    acc, m_i, l_i = jax.lax.fori_loop(jnp.int32(0), jnp.asarray(n_iter, jnp.int32), body, (acc0, m0, l0))
     l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
     o_ref[b, g, r, sp] = acc / l_safe[:, None]
     l_ref[b, g, r, sp] = jnp.where(l_i == 0.0, -jnp.inf, m_i + jnp.log(l_safe))
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "pages_per_split", "num_warps", "num_stages"))
-def paged_attention_gpu(q, k_pages, v_pages, page_table, q_positions, k_scale=None, v_scale=None, block_ids=None,
-                        *, interpret=False, pages_per_split=None, num_warps=4, num_stages=2):
+@functools.partial(jax.jit, static_argnames=("interpret", "pages_per_split", "num_warps", "num_stages", "loop"))
+def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_scale, block_ids, *, interpret,
+                     pages_per_split, num_warps, num_stages, loop):
     """Split-KV paged decode attention (dense, or sparse over ``block_ids``).
 
     Args: as ``minimax_jax.decode.ops.paged_attention`` (q ``[B,Q,H,D]``, pages ``[G,P,page,D]``,
       page_table ``[B,NP]``, q_positions ``[B,Q]``, scales ``[G,P,page]`` or None, block_ids
-      ``[B,G,Q,K]`` or None); pages_per_split: dense-mode pages per program.
+      ``[B,G,Q,K]`` or None); pages_per_split: dense-mode pages per program;
+      num_warps / num_stages / loop: launch variant, None = ``CONFIG``.
     Returns: ``(o [B,Q,H,D] q.dtype, lse [B,Q,H] f32)``.
     """
     b, nq, h, d = q.shape
@@ -185,7 +263,7 @@ def paged_attention_gpu(q, k_pages, v_pages, page_table, q_positions, k_scale=No
     rows = qr.shape[2]
     if dense:
         if pages_per_split is None:
-            pages_per_split = int(min(64, max(1, next_pow2(b * g * npg // 1024 + 1) // 2 or 1)))
+            pages_per_split = _pages_per_program(b * g * npg, 528, 64)
         pps = pages_per_split
         nsplit = -(-npg // pps)
         lim = jnp.clip(jnp.max(q_positions, axis=1) // page + 1, 0, npg).astype(jnp.int32)
@@ -200,7 +278,7 @@ def paged_attention_gpu(q, k_pages, v_pages, page_table, q_positions, k_scale=No
         args += [k_scale.reshape(g, n_phys * page).astype(jnp.float32),
                  v_scale.reshape(g, n_phys * page).astype(jnp.float32)]
     kernel = functools.partial(_attn_kernel, page=page, pps=pps, scale=1.0 / math.sqrt(d), g_count=g,
-                               dense=dense, has_scale=k_scale is not None, cdt=cdt)
+                               dense=dense, has_scale=k_scale is not None, cdt=cdt, loop=loop)
     o_part, l_part = pl.pallas_call(
         kernel, grid=(b * g, rows, nsplit),
         out_shape=[jax.ShapeDtypeStruct((b, g, rows, nsplit, m, d), jnp.float32),
@@ -211,3 +289,35 @@ def paged_attention_gpu(q, k_pages, v_pages, page_table, q_positions, k_scale=No
     o, lse = combine_splits(o_part, l_part, axis=3)
     o, lse = unpack_rows(o, lse, nq, hg, dense)
     return o.astype(q.dtype), lse
+
+
+def page_scores_gpu(qi, ki_pages, page_table, q_positions, ki_scale=None, *, interpret=False, ppp=None,
+                    num_warps=None, num_stages=None, loop=None):
+    """See ``_page_scores``; launch parameters left as None come from ``CONFIG``."""
+    return _page_scores(qi, ki_pages, page_table, q_positions, ki_scale, interpret=interpret, ppp=ppp,
+                        num_warps=num_warps or CONFIG["score_warps"], num_stages=num_stages or CONFIG["score_stages"],
+                        loop=loop or CONFIG["loop"])
+
+
+def paged_attention_gpu(q, k_pages, v_pages, page_table, q_positions, k_scale=None, v_scale=None, block_ids=None,
+                        *, interpret=False, pages_per_split=None, num_warps=None, num_stages=None, loop=None):
+    """See ``_paged_attention``; launch parameters left as None come from ``CONFIG``."""
+    return _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_scale, block_ids,
+                            interpret=interpret, pages_per_split=pages_per_split,
+                            num_warps=num_warps or CONFIG["attn_warps"],
+                            num_stages=num_stages or CONFIG["attn_stages"], loop=loop or CONFIG["loop"])
+
+
+def select_pages_gpu(qi, ki_pages, page_table, q_positions, ki_scale=None, *, topk, init_blocks=0, local_blocks=1,
+                     interpret=False, ppp=None, num_warps=None, num_stages=None, loop=None):
+    """Page scoring plus in-kernel top-(K-1) selection: logical page ids ``[B, Hi, Q, K]`` int32.
+
+    Same sets and order as ``minimax_jax.decode.ops.select_from_page_scores`` (forced pages first in
+    ascending id, then by score descending with ties to the lower id, the local page in the last
+    valid slot, ``-1`` after). One selection program per (request, row x group) keeps the row's
+    page scores in registers and extracts the maximum ``K - 1`` times (no sort).
+    """
+    return _select(qi, ki_pages, page_table, q_positions, ki_scale, page=ki_pages.shape[1], topk=topk,
+                   init_blocks=init_blocks, local_blocks=local_blocks, interpret=interpret, ppp=ppp,
+                   num_warps=num_warps or CONFIG["score_warps"], num_stages=num_stages or CONFIG["score_stages"],
+                   loop=loop or CONFIG["loop"])

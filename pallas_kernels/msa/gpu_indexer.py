@@ -48,8 +48,7 @@ def _insert(top_v, top_i, x, n):
 
 
 def _kernel(qi_ref, ki_ref, qpos_ref, qseg_ref, base_ref, kvpos_ref, kvseg_ref, tv_ref, ti_ref,
-            lok_ref, *,
-            blk, rows, n_rank, width, init, local_blocks, scale, n_tiles):
+            lok_ref, *, blk, rows, n_rank, width, init, local_blocks, scale, n_tiles):
     rt = pl.program_id(0)
     b = pl.program_id(1)
     rs = pl.ds(rt * rows, rows)
@@ -63,8 +62,15 @@ def _kernel(qi_ref, ki_ref, qpos_ref, qseg_ref, base_ref, kvpos_ref, kvseg_ref, 
     col = jax.lax.broadcasted_iota(jnp.int32, (rows, width), 1)
     top_v = jnp.where(col < n_rank, -jnp.inf, jnp.inf).astype(jnp.float32)
     top_i = -1 - col
-    t_lo = jax.lax.div(jnp.min(base), blk)
+    base_min = jnp.min(base)
+    t_lo = jax.lax.div(base_min, blk)
     t_hi = jax.lax.div(jnp.max(qidx), blk) + 1
+    # All rows in one segment with the same block-aligned base: tiles wholly visible to every row
+    # take a fast path without per-element masks (the common case of long unpacked prefill).
+    qseg_min = jnp.min(qseg)
+    qpos_min = jnp.min(qpos)
+    uniform = ((qseg_min == jnp.max(qseg)) & (base_min == jnp.max(base))
+               & (base_min - jax.lax.div(base_min, blk) * blk == 0))
 
     def body(tile, carry):
         top_v, top_i, prev1, lok = carry
@@ -72,25 +78,37 @@ def _kernel(qi_ref, ki_ref, qpos_ref, qseg_ref, base_ref, kvpos_ref, kvseg_ref, 
         kb = ki_ref[b, sl, :]                          # [B, Di]
         kvp = kvpos_ref[b, sl]
         kvs = kvseg_ref[b, sl]
-        s = _dot(qi, kb, trans_b=True) * scale       # [R, B]
-        vis = ((kvs[None, :] == qseg[:, None]) & (kvs[None, :] >= 0)
-               & (kvp[None, :] <= qpos[:, None]))
+        s = _dot(qi, kb, trans_b=True)                 # [R, B] unscaled (scale applied at the end)
         n0 = jax.lax.div(tile * blk - base + n_tiles * blk, blk) - n_tiles
         kblk = jax.lax.div(kvp, blk)
-        in0 = kblk[None, :] == n0[:, None]
-        p0 = jnp.max(jnp.where(vis & in0, s, -jnp.inf), axis=1)
-        p1 = jnp.max(jnp.where(vis & jnp.logical_not(in0), s, -jnp.inf), axis=1)
+        kblk_min = jnp.min(kblk)
+        fast = (uniform & (jnp.min(kvs) == qseg_min) & (jnp.max(kvs) == qseg_min)
+                & (qseg_min >= 0) & (jnp.max(kvp) <= qpos_min) & (kblk_min == jnp.max(kblk))
+                & (kblk_min == jax.lax.div(tile * blk - base_min, blk)))
+
+        def fast_path(_):
+            p0 = jnp.max(s, axis=1)
+            return p0, jnp.full_like(p0, -jnp.inf), (n0 == local).astype(jnp.int32)
+
+        def slow_path(_):
+            vis = ((kvs[None, :] == qseg[:, None]) & (kvs[None, :] >= 0)
+                   & (kvp[None, :] <= qpos[:, None]))
+            in0 = kblk[None, :] == n0[:, None]
+            p0 = jnp.max(jnp.where(vis & in0, s, -jnp.inf), axis=1)
+            p1 = jnp.max(jnp.where(vis & jnp.logical_not(in0), s, -jnp.inf), axis=1)
+            in_local = vis & (kblk[None, :] == local[:, None])
+            return p0, p1, jnp.max(in_local.astype(jnp.int32), axis=1)
+
+        p0, p1, lok_t = jax.lax.cond(fast, fast_path, slow_path, None)
         val = jnp.maximum(prev1, p0)
         ok = (n0 >= init) & (n0 <= hi_rank)
         top_v, top_i = _insert(top_v, top_i, jnp.where(ok, val, -jnp.inf), n0)
-        in_local = vis & (kblk[None, :] == local[:, None])
-        lok = jnp.maximum(lok, jnp.max(in_local.astype(jnp.int32), axis=1))
-        return top_v, top_i, p1, lok
+        return top_v, top_i, p1, jnp.maximum(lok, lok_t)
 
     prev1 = jnp.full((rows,), -jnp.inf, jnp.float32)
     lok = jnp.zeros((rows,), jnp.int32)
     top_v, top_i, _, lok = jax.lax.fori_loop(t_lo, t_hi, body, (top_v, top_i, prev1, lok))
-    tv_ref[b, rs, :] = top_v
+    tv_ref[b, rs, :] = top_v * scale
     ti_ref[b, rs, :] = top_i
     lok_ref[b, rs] = lok
 

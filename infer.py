@@ -1,0 +1,19 @@
+"""Generate text with a MiniMax-M2 / M3 checkpoint: ``python infer.py --help`` lists every flag.
+
+Examples::
+
+    python infer.py --checkpoint ckpt/ --prompt "Once upon a time" --max_new_tokens 64 --stream
+    python infer.py --checkpoint ckpt/ --chat_file chat.json --temperature 0     # tool calls -> JSON
+    python infer.py --checkpoint ckpt/ --context_file book.txt --prompt "Who is it?" --speculative mtp
+
+Thin wrapper; the flags and the logic live in ``minimax_jax.infer.cli``.
+"""
+
+from absl import app, flags
+
+from minimax_jax.infer import cli
+
+flags.adopt_module_key_flags(cli)
+
+if __name__ == "__main__":
+    app.run(cli.main)

@@ -1,0 +1,339 @@
+"""The generation loop: batched prompts of different lengths, sampling, stops, streaming,
+optional MTP speculative decoding, statistics.
+
+Invariant of the loop, per row: the engine's cache holds every token up to position ``n - 1`` and
+one sampled token ``x_n`` is *pending* (already emitted, not yet fed). A plain step feeds the pending
+token (``Q = 1``) and samples the next. A speculative step drafts ``k`` tokens after ``x_n`` with the
+MTP modules, feeds ``[x_n, d_1..d_k]`` in ONE step (``Q = 1 + k`` rows), keeps the accepted drafts
+(``minimax_jax.infer.speculative``), truncates the cache after them, and the correction / bonus
+token becomes the new pending token.
+
+Usage::
+
+    gen = Generator(cfg, params, tokenizer)                       # engine="paged" by default
+    out = gen.generate([[1, 5, 9], [1, 7]], GenerationConfig(max_new_tokens=32))
+    out.sequences[0].tokens, out.sequences[0].text, out.stats.summary()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import numpy as np
+
+from minimax_jax.config import ModelConfig
+from minimax_jax.infer.backends import Backend, make_backend
+from minimax_jax.infer.errors import ContextTooLong, InferenceError
+from minimax_jax.infer.metrics import GenerationStats, Timer
+from minimax_jax.infer.sampler import RowSampler, SamplingParams
+from minimax_jax.infer.speculative import accept_greedy, accept_sampled
+from minimax_jax.stopping import StopChecker, StopConfig
+
+__all__ = ["GenerationConfig", "GenerationOutput", "Generator", "SequenceResult", "check_context"]
+
+SPECULATIVE_METHODS = ("mtp",)
+EOS_TEXT = "[e~["
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationConfig:
+    """What to generate.
+
+    ``stop_token_ids``: None = the model's ``eos_token_id`` plus the tokenizer's ``[e~[`` id; ``()``
+    = never stop on a token. ``stop_strings`` need a tokenizer. ``repeat_max_period`` /
+    ``repeat_max_count``: stop on a token cycle (``minimax_jax.stopping``). ``speculative``: None or
+    "mtp"; ``num_draft`` drafts per step (default: all MTP modules); ``mtp_window``: positions the
+    MTP layers attend over while drafting.
+    """
+
+    max_new_tokens: int = 128
+    sampling: SamplingParams = SamplingParams()
+    stop_strings: tuple = ()
+    stop_token_ids: tuple | None = None
+    repeat_max_period: int = 0
+    repeat_max_count: int = 0
+    speculative: str | None = None
+    num_draft: int | None = None
+    mtp_window: int = 256
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.speculative not in (None,) + SPECULATIVE_METHODS:
+            raise ValueError(f"speculative must be None or one of {SPECULATIVE_METHODS}, got {self.speculative!r}")
+
+
+@dataclasses.dataclass
+class SequenceResult:
+    """One prompt's output: generated ``tokens`` (a stop token excluded), ``text`` (trimmed at a stop
+    string), ``stop_reason`` ("stop_token" | "stop_string" | "repetition" | "length") and detail."""
+
+    tokens: list
+    text: str
+    stop_reason: str
+    stop_detail: object = None
+
+
+@dataclasses.dataclass
+class GenerationOutput:
+    sequences: list
+    stats: GenerationStats
+
+
+def check_context(cfg: ModelConfig, prompt_lengths: Sequence[int], max_new_tokens: int) -> None:
+    """Raise ContextTooLong (before any compute) when a prompt + max_new_tokens exceeds the context."""
+    limit = cfg.max_position_embeddings
+    for i, n in enumerate(prompt_lengths):
+        if n + max_new_tokens > limit:
+            raise ContextTooLong(
+                f"prompt {i} has {n} tokens; with max_new_tokens={max_new_tokens} that is {n + max_new_tokens} "
+                f"> the model's context of {limit} tokens (max_position_embeddings); shorten the prompt "
+                f"or lower --max_new_tokens to at most {max(limit - n, 0)}")
+
+
+def _round_up_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+class Generator:
+    """Generation over one model with a reusable engine.
+
+    Args:
+      cfg, params: the model. tokenizer: ``tokenizers.Tokenizer`` (needed for text, stop strings and
+        streaming; optional for token-only use).
+      engine: "paged" (default, ``minimax_jax.decode``) or "recompute" (full forward per step).
+      engine_options: passed to the paged engine (prefill_chunk, implementation, kv_dtype, ...).
+      log: receives one-line messages (which engine is built).
+    """
+
+    def __init__(self, cfg: ModelConfig, params, tokenizer=None, *, engine: str = "paged",
+                 engine_options: dict | None = None, log: Callable[[str], None] | None = None):
+        self.cfg, self.params, self.tokenizer = cfg, params, tokenizer
+        self.engine = engine
+        self.engine_options = dict(engine_options or {})
+        self.log = log or (lambda _m: None)
+        self.backend: Backend | None = None
+        self._backend_key = None
+        self._drafters: dict = {}
+
+    # ------------------------------------------------------------------ setup
+    def _get_backend(self, n: int, max_len: int, speculative: bool) -> Backend:
+        max_len = min(_round_up_pow2(max(max_len, 64)), self.cfg.max_position_embeddings + 16)
+        key = (self.engine, speculative)
+        b = self.backend
+        if b is not None and self._backend_key == key and b.max_seqs >= n and b.max_len >= max_len:
+            return b
+        opts = dict(self.engine_options)
+        if speculative and self.engine == "paged":
+            opts["prefix_cache"] = False   # drafting needs the hidden state of every prompt token
+        self.backend = make_backend(self.engine, self.params, self.cfg, max_seqs=n, max_len=max_len, **opts)
+        self._backend_key = key
+        self.log(f"engine: {self.backend.describe()}")
+        return self.backend
+
+    def _drafter(self, config: GenerationConfig):
+        from minimax_jax.infer.drafter import MTPDrafter
+
+        key = (config.num_draft, config.mtp_window)
+        if key not in self._drafters:
+            self._drafters[key] = MTPDrafter(self.params, self.cfg, config.num_draft, config.mtp_window)
+        return self._drafters[key]
+
+    def stop_ids(self, config: GenerationConfig) -> frozenset:
+        if config.stop_token_ids is not None:
+            return frozenset(int(t) for t in config.stop_token_ids)
+        ids = set() if self.cfg.eos_token_id is None else {self.cfg.eos_token_id}
+        if self.tokenizer is not None and self.tokenizer.token_to_id(EOS_TEXT) is not None:
+            ids.add(self.tokenizer.token_to_id(EOS_TEXT))
+        return frozenset(ids)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (special-token strings map to their ids; nothing is added)."""
+        if self.tokenizer is None:
+            raise InferenceError("text prompts need a tokenizer")
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def _text(self, ids) -> str:
+        if self.tokenizer is None:
+            return ""
+        # Special tokens stay as text (tool-call tags); an unfinished UTF-8 sequence is held back.
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False).rstrip("\ufffd")
+
+    # ------------------------------------------------------------------ main entry
+    def generate(self, prompts: Sequence[Sequence[int]], config: GenerationConfig = GenerationConfig(), *,
+                 on_text: Callable[[int, str], None] | None = None,
+                 on_prefill_tokens: Callable[[int], None] | None = None) -> GenerationOutput:
+        """Generate for every prompt (token id lists of any lengths).
+
+        Args:
+          on_text: ``on_text(row, delta)`` with newly final text of a row as it is generated (text
+            that may still become a stop string is held back until decided).
+          on_prefill_tokens: called with the number of prompt tokens after each prefill chunk.
+        Raises: ValueError (empty / out-of-vocabulary prompts), ContextTooLong, InferenceError /
+          EngineUnavailable (speculative decoding not possible with this model or engine).
+        """
+        prompts = [[int(t) for t in p] for p in prompts]
+        if not prompts:
+            raise ValueError("no prompts")
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompt {i} is empty")
+            bad = [t for t in p if not 0 <= t < self.cfg.vocab_size]
+            if bad:
+                raise ValueError(f"prompt {i} has token ids outside [0, {self.cfg.vocab_size}): {bad[:5]}")
+        if config.stop_strings and self.tokenizer is None:
+            raise InferenceError("stop strings need a tokenizer")
+        check_context(self.cfg, [len(p) for p in prompts], config.max_new_tokens)
+        spec = config.speculative is not None
+        drafter = self._drafter(config) if spec else None
+        k = drafter.num_draft if spec else 0
+        timer = Timer()
+        backend = self._get_backend(len(prompts), max(len(p) for p in prompts) + config.max_new_tokens + k + 1,
+                                    spec)
+        run = _Run(self, backend, prompts, config, drafter, on_text)
+        run.stats.engine = backend.describe()
+        try:
+            run.start(timer, on_prefill_tokens)
+            while run.active:
+                run.speculative_step() if spec else run.plain_step()
+            run.stats.decode_s = timer.elapsed() - run.stats.ttft_s
+        finally:
+            run.release()
+        return GenerationOutput(run.results(), run.stats)
+
+    def generate_text(self, prompts: Sequence[str], config: GenerationConfig = GenerationConfig(), **kw
+                      ) -> GenerationOutput:
+        """``generate`` on text prompts (encoded with ``encode``)."""
+        return self.generate([self.encode(p) for p in prompts], config, **kw)
+
+
+class _Run:
+    """State of one ``generate`` call (rows = prompt indices)."""
+
+    def __init__(self, gen: Generator, backend: Backend, prompts, config: GenerationConfig, drafter, on_text):
+        self.gen, self.backend, self.prompts, self.config = gen, backend, prompts, config
+        self.drafter, self.on_text = drafter, on_text
+        self.sampler = RowSampler(config.sampling)
+        stop = StopConfig(gen.stop_ids(config), tuple(config.stop_strings), config.max_new_tokens,
+                          config.repeat_max_period, config.repeat_max_count)
+        n = len(prompts)
+        self.checkers = [StopChecker(stop) for _ in range(n)]
+        self.ids: list[list[int]] = [[] for _ in range(n)]
+        self.streamed = [0] * n
+        self.drawn = [0] * n
+        self.handles: dict[int, int] = {}
+        self.pending: dict[int, int] = {}
+        self.active: list[int] = []
+        self.stats = GenerationStats(speculative=config.speculative, prompt_tokens=sum(map(len, prompts)),
+                                     batch=n)
+
+    # ------------------------------------------------------------------ emission
+    def _emit(self, r: int, tok: int) -> bool:
+        """Record a generated token; True when row ``r`` is finished."""
+        ck = self.checkers[r]
+        res = ck.update(tok, self.gen._text(self.ids[r] + [tok]))
+        if res is None or res.reason != "stop_token":
+            self.ids[r].append(tok)
+            self.stats.generated_tokens += 1
+        if self.on_text is not None:
+            text = ck.emittable_text()
+            if len(text) > self.streamed[r]:
+                self.on_text(r, text[self.streamed[r]:])
+                self.streamed[r] = len(text)
+        return res is not None
+
+    def _finish(self, r: int) -> None:
+        self.active.remove(r)
+        self.backend.free(self.handles.pop(r))
+        if self.drafter is not None:
+            self.drafter.drop(r)
+
+    def release(self) -> None:
+        for r in list(self.handles):
+            self.backend.free(self.handles.pop(r))
+            if self.drafter is not None:
+                self.drafter.drop(r)
+
+    # ------------------------------------------------------------------ steps
+    def start(self, timer: Timer, on_prefill_tokens) -> None:
+        spec = self.drafter is not None
+        handles, last, hidden = self.backend.prefill(self.prompts, want_hidden=spec, on_tokens=on_prefill_tokens)
+        self.stats.prefill_s = timer.elapsed()
+        rows = list(range(len(self.prompts)))
+        self.handles = dict(zip(rows, handles))
+        first = self.sampler.choose(last, rows, [0] * len(rows))
+        self.stats.ttft_s = timer.elapsed()
+        self.active = list(rows)
+        for r in rows:
+            self.drawn[r] = 1
+            if spec:
+                self.drafter.start(r, self.prompts[r], hidden[r])
+            self.pending[r] = int(first[r])
+            if self._emit(r, int(first[r])):
+                self._finish(r)
+
+    def plain_step(self) -> None:
+        rows = list(self.active)
+        toks = np.array([[self.pending[r]] for r in rows], np.int32)
+        logits, _ = self.backend.step([self.handles[r] for r in rows], toks)
+        self.stats.decode_steps += 1
+        chosen = self.sampler.choose(logits[:, 0], rows, [self.drawn[r] for r in rows])
+        for r, t in zip(rows, chosen):
+            self.drawn[r] += 1
+            self.pending[r] = int(t)
+            if self._emit(r, int(t)):
+                self._finish(r)
+
+    def _draft_chooser(self, rows, qprobs: list):
+        sampler = self.sampler
+
+        def choose(logits, depth):
+            if sampler.params.greedy:
+                return np.argmax(logits, axis=-1)
+            q = sampler.probs(logits)
+            qprobs.append(q)
+            return np.array([sampler.rng(r).choice(q.shape[-1], p=q[i] / q[i].sum()) for i, r in enumerate(rows)])
+
+        return choose
+
+    def speculative_step(self) -> None:
+        rows = list(self.active)
+        qprobs: list = []
+        drafts, _ = self.drafter.draft(rows, [self.pending[r] for r in rows], self._draft_chooser(rows, qprobs))
+        k = drafts.shape[1]
+        lengths = [self.backend.length(self.handles[r]) for r in rows]
+        ks = [max(0, min(k, self.backend.max_len - n - 1)) for n in lengths]
+        toks = np.concatenate([np.array([[self.pending[r]] for r in rows], np.int32), drafts], 1)
+        logits, hidden = self.backend.step([self.handles[r] for r in rows], toks, num_tokens=[1 + x for x in ks],
+                                           want_hidden=True)
+        self.stats.decode_steps += 1
+        greedy = self.sampler.params.greedy
+        target = None if greedy else self.sampler.probs(logits)      # one fixed-shape call per step
+        for i, r in enumerate(rows):
+            kr = ks[i]
+            if greedy:
+                a, nxt = accept_greedy(logits[i, :kr + 1], drafts[i, :kr])
+            else:
+                q = np.stack([qp[i] for qp in qprobs], 0)[:kr]
+                a, nxt = accept_sampled(target[i, :kr + 1], q, drafts[i, :kr], self.sampler.rng(r))
+            self.stats.drafted += kr
+            self.stats.accepted += a
+            self.backend.truncate(self.handles[r], lengths[i] + 1 + a)
+            kept = [self.pending[r]] + [int(t) for t in drafts[i, :a]]
+            self.drafter.extend(r, kept, hidden[i, :1 + a])
+            self.pending[r] = nxt
+            for t in [int(t) for t in drafts[i, :a]] + [nxt]:
+                if self._emit(r, t):
+                    self._finish(r)
+                    break
+
+    def results(self) -> list[SequenceResult]:
+        out = []
+        for r, ck in enumerate(self.checkers):
+            res = ck.result
+            if res is None:  # only when generation was interrupted
+                out.append(SequenceResult(list(self.ids[r]), ck.text, "interrupted"))
+            else:
+                out.append(SequenceResult(list(self.ids[r][:res.num_tokens]), res.text, res.reason, res.detail))
+        return out

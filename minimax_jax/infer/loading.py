@@ -1,0 +1,192 @@
+"""Find, check and load a checkpoint and its tokenizer for inference.
+
+Accepted checkpoint directories:
+
+* ours (``python -m minimax_jax.convert`` output): ``config.yaml`` + ``params/`` (orbax);
+* a Hugging Face directory: ``config.json`` + ``*.safetensors``; converted on the fly into a
+  temporary directory (or ``convert_dir`` when given, kept for the next run) and loaded from there.
+
+Before restoring, every stored parameter leaf is compared with the shapes the config implies and
+ALL mismatches are listed in one ``CheckpointMismatch`` (not just the first). The tokenizer is
+``tokenizer.json`` in the checkpoint directory unless a path is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import tempfile
+from typing import Any, Callable
+
+from minimax_jax.config import ModelConfig
+from minimax_jax.infer.errors import CheckpointMismatch, CheckpointNotFound, TokenizerNotFound
+
+__all__ = ["DEFAULT_CHECKPOINT", "LoadedModel", "checkpoint_kind", "find_mismatches", "load_model",
+           "load_tokenizer_for", "peek_config", "resolve_checkpoint"]
+
+#: Shipped demo checkpoint directory used when no ``--checkpoint`` is given.
+DEFAULT_CHECKPOINT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                  "checkpoints", "demo")
+TOKENIZER_FILE = "tokenizer.json"
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A ready model: ``cfg``, ``params`` tree, ``tokenizer`` (``tokenizers.Tokenizer``), where it came
+    from (``checkpoint_dir``, ``source``: "orbax" or "hf (converted to DIR)"), optional ``mesh``/``rules``."""
+
+    cfg: ModelConfig
+    params: Any
+    tokenizer: Any
+    checkpoint_dir: str
+    source: str
+    mesh: Any = None
+    rules: Any = None
+
+
+def resolve_checkpoint(checkpoint_dir: str | None) -> str:
+    """Absolute checkpoint path; None means ``DEFAULT_CHECKPOINT``.
+
+    Raises: CheckpointNotFound when no directory is given and the demo checkpoint is missing.
+    """
+    if checkpoint_dir is None:
+        if not os.path.isdir(DEFAULT_CHECKPOINT):
+            raise CheckpointNotFound(
+                f"no --checkpoint given and the default demo checkpoint {DEFAULT_CHECKPOINT} is missing; "
+                "pass --checkpoint DIR (a converted checkpoint or a Hugging Face directory)")
+        checkpoint_dir = DEFAULT_CHECKPOINT
+    return os.path.abspath(checkpoint_dir)
+
+
+def peek_config(checkpoint_dir: str) -> ModelConfig:
+    """The config of a checkpoint (ours: config.yaml; HF: config.json) without loading parameters."""
+    if checkpoint_kind(checkpoint_dir) == "orbax":
+        return ModelConfig.from_yaml(os.path.join(checkpoint_dir, "config.yaml"))
+    return ModelConfig.from_hf_config(checkpoint_dir)
+
+
+def checkpoint_kind(directory: str) -> str:
+    """``"orbax"`` (ours) or ``"hf"`` (config.json + safetensors).
+
+    Raises: CheckpointNotFound naming what was looked for.
+    """
+    if not os.path.isdir(directory):
+        raise CheckpointNotFound(f"checkpoint directory {directory!r} does not exist")
+    if os.path.isfile(os.path.join(directory, "config.yaml")) and os.path.isdir(os.path.join(directory, "params")):
+        return "orbax"
+    if os.path.isfile(os.path.join(directory, "config.json")) and glob.glob(os.path.join(directory, "*.safetensors")):
+        return "hf"
+    raise CheckpointNotFound(
+        f"{directory!r} is not a checkpoint: expected config.yaml + params/ (converted with "
+        "`python -m minimax_jax.convert`) or config.json + *.safetensors (Hugging Face)")
+
+
+def find_mismatches(directory: str, cfg: ModelConfig) -> list[tuple[str, str, str]]:
+    """Every leaf whose stored shape differs from ``abstract_params(cfg)``.
+
+    Returns: ``[(leaf path, expected, stored)]`` where expected/stored is a shape or "absent".
+    """
+    import jax
+
+    from minimax_jax.convert.load import checkpoint_metadata
+    from minimax_jax.model.params import abstract_params
+
+    stored = {jax.tree_util.keystr(k): v for k, v in
+              jax.tree_util.tree_flatten_with_path(checkpoint_metadata(directory))[0]}
+    want = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(abstract_params(cfg))[0]}
+    out = []
+    for k in sorted(set(stored) | set(want)):
+        w = list(want[k].shape) if k in want else "absent"
+        s = list(stored[k].shape) if k in stored else "absent"
+        if w != s:
+            out.append((f"params{k}", str(w), str(s)))
+    return out
+
+
+def load_tokenizer_for(checkpoint_dir: str, tokenizer_path: str | None = None):
+    """The ``tokenizers.Tokenizer`` of a checkpoint (``checkpoint_dir/tokenizer.json``) or of
+    ``tokenizer_path`` (a file or a directory holding ``tokenizer.json``).
+
+    Raises: TokenizerNotFound naming the exact file looked for.
+    """
+    from tokenizers import Tokenizer
+
+    path = tokenizer_path or checkpoint_dir
+    if os.path.isdir(path):
+        path = os.path.join(path, TOKENIZER_FILE)
+    if not os.path.isfile(path):
+        hint = "" if tokenizer_path else " (or pass --tokenizer PATH)"
+        raise TokenizerNotFound(f"no tokenizer: looked for {os.path.abspath(path)}{hint}")
+    return Tokenizer.from_file(path)
+
+
+def _mesh_and_rules(mesh_spec: str | None, rules_name: str):
+    if not mesh_spec:
+        return None, None
+    from minimax_jax.sharding import load_rules, make_mesh
+
+    return make_mesh(mesh_spec), load_rules(rules_name)
+
+
+def load_model(checkpoint_dir: str | None = None, *, tokenizer_path: str | None = None, dtype: str | None = None,
+               mesh: str | None = None, rules: str = "default", convert_dir: str | None = None,
+               log: Callable[[str], None] = print) -> LoadedModel:
+    """Load a checkpoint (ours or HF, see module doc) and its tokenizer.
+
+    Args:
+      checkpoint_dir: directory; None means ``DEFAULT_CHECKPOINT`` (``checkpoints/demo``).
+      tokenizer_path: tokenizer.json (or its directory) overriding the checkpoint's.
+      dtype: cast floating params on restore ("float32", "bfloat16"); also the conversion dtype of
+        an HF directory (default "bfloat16").
+      mesh: mesh spec text (``minimax_jax.sharding.MeshSpec.parse``, e.g. "fsdp=2,tensor=2");
+        params are restored sharded by ``rules`` (a preset name or YAML path).
+      convert_dir: where to keep the conversion of an HF directory (default: a temporary directory
+        deleted after loading).
+      log: receives one-line progress messages.
+    Raises: CheckpointNotFound, CheckpointMismatch (all mismatched leaves), TokenizerNotFound,
+      ConfigError / CheckpointError from the converter.
+    """
+    checkpoint_dir = resolve_checkpoint(checkpoint_dir)
+    kind = checkpoint_kind(checkpoint_dir)
+    tokenizer = load_tokenizer_for(checkpoint_dir, tokenizer_path)  # fail fast, before any heavy work
+    mesh_obj, rules_obj = _mesh_and_rules(mesh, rules)
+    if kind == "hf":
+        from minimax_jax.convert import convert_hf_to_orbax
+
+        conv_dtype = dtype if dtype in ("float32", "bfloat16") else "bfloat16"
+        if convert_dir and os.path.isdir(convert_dir):
+            log(f"using the earlier conversion in {convert_dir}")
+            return _load_orbax(convert_dir, checkpoint_dir, tokenizer, dtype, mesh_obj, rules_obj,
+                               f"hf (converted earlier to {convert_dir})")
+        if convert_dir:
+            log(f"converting Hugging Face checkpoint {checkpoint_dir} -> {convert_dir} ({conv_dtype})")
+            convert_hf_to_orbax(checkpoint_dir, convert_dir, conv_dtype, progress=False)
+            return _load_orbax(convert_dir, checkpoint_dir, tokenizer, dtype, mesh_obj, rules_obj,
+                               f"hf (converted to {convert_dir})")
+        with tempfile.TemporaryDirectory(prefix="minimax_infer_convert_") as tmp:
+            dst = os.path.join(tmp, "ckpt")
+            log(f"converting Hugging Face checkpoint {checkpoint_dir} on the fly ({conv_dtype}, temporary)")
+            convert_hf_to_orbax(checkpoint_dir, dst, conv_dtype, progress=False)
+            return _load_orbax(dst, checkpoint_dir, tokenizer, dtype, mesh_obj, rules_obj,
+                               "hf (converted on the fly)")
+    return _load_orbax(checkpoint_dir, checkpoint_dir, tokenizer, dtype, mesh_obj, rules_obj, "orbax")
+
+
+def _load_orbax(directory, origin, tokenizer, dtype, mesh, rules, source) -> LoadedModel:
+    import jax
+
+    from minimax_jax.convert.atomic_dir import read_config
+    from minimax_jax.convert.load import load_checkpoint
+
+    cfg = read_config(directory)
+    bad = find_mismatches(directory, cfg)
+    if bad:
+        lines = "\n".join(f"  {leaf}: config expects {w}, checkpoint has {s}" for leaf, w, s in bad)
+        raise CheckpointMismatch(f"checkpoint {directory} does not match its config.yaml "
+                                 f"({len(bad)} parameters):\n{lines}", bad)
+    cfg, params = load_checkpoint(directory, cfg, mesh=mesh, rules=rules, dtype=dtype)
+    if dtype:
+        cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
+    params = jax.block_until_ready(params)  # the temporary conversion may be deleted after this
+    return LoadedModel(cfg, params, tokenizer, origin, source, mesh, rules)

@@ -1,0 +1,183 @@
+"""MSA indexer on TPU (Pallas Mosaic): fused token scores, causal block max-pool and running top-k.
+
+Math: MSA_SPEC.md sections 1-2 (same algorithm as gpu_indexer.py: rows = (token, index head)
+pairs share the single index key; storage key tiles are walked in increasing order; a block split
+over two tiles by an unaligned packed segment is completed from both; each completed block is
+offered to the row's running top list, which keeps the best K - init - L, ties to the lower id).
+
+TPU layout: grid (b, row tile, key tile); the last axis is sequential ("arbitrary"). A scalar-
+prefetched table gives each row tile its causal range of key tiles [lo, hi); the key BlockSpec
+index map clamps into that range (so skipped steps re-use the resident block and copy nothing) and
+``pl.when`` skips their compute. The running lists live in VMEM scratch, 128 lanes wide (unused
+lanes hold +inf so they are never evicted). Blocks keep their last two dims full or (8, 128)
+multiples (tests/test_msa_tpu_lowering.py checks the Mosaic lowering on CPU).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.msa import layout, select
+
+__all__ = ["msa_select_blocks_tpu", "block_topk_tpu"]
+
+_BIG = 1 << 30
+_LANES = 128
+
+
+def _kernel(lo_ref, hi_ref, qi_ref, ki_ref, kvp_ref, kvs_ref, qpos_ref, qseg_ref, base_ref,
+            tv_ref, ti_ref, lok_ref, tv_sc, ti_sc, prev_sc, lok_sc, *,
+            blk, n_rank, init, local_blocks, scale, n_tiles):
+    b, r, j = (pl.program_id(i) for i in range(3))
+    rows, width = tv_sc.shape
+
+    @pl.when(j == 0)
+    def _init():
+        col = jax.lax.broadcasted_iota(jnp.int32, (rows, width), 1)
+        tv_sc[...] = jnp.where(col < n_rank, -jnp.inf, jnp.inf).astype(jnp.float32)
+        ti_sc[...] = -1 - col
+        prev_sc[...] = jnp.full(prev_sc.shape, -jnp.inf, jnp.float32)
+        lok_sc[...] = jnp.zeros(lok_sc.shape, jnp.int32)
+
+    @pl.when((j >= lo_ref[b, r]) & (j < hi_ref[b, r]))
+    def _step():
+        s = jax.lax.dot_general(qi_ref[...], ki_ref[...], (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32)       # [R, B]
+        kvp = kvp_ref[...]                                                # [1, B]
+        kvs = kvs_ref[...]
+        qpos = qpos_ref[...]                                              # [R, 1]
+        qseg = qseg_ref[...]
+        vis = (kvs == qseg) & (kvs >= 0) & (kvp <= qpos)
+        n0 = jax.lax.div(j * blk - base_ref[...] + n_tiles * blk, blk) - n_tiles   # [R, 1]
+        kblk = jax.lax.div(kvp, blk)
+        in0 = kblk == n0
+        p0 = jnp.max(jnp.where(vis & in0, s, -jnp.inf), axis=1, keepdims=True)
+        p1 = jnp.max(jnp.where(vis & jnp.logical_not(in0), s, -jnp.inf), axis=1, keepdims=True)
+        local = jax.lax.div(qpos, blk)
+        in_local = (vis & (kblk == local)).astype(jnp.int32)
+        lok_sc[...] = jnp.maximum(lok_sc[...], jnp.max(in_local, axis=1, keepdims=True))
+        val = jnp.maximum(prev_sc[...], p0)
+        ok = (n0 >= init) & (n0 <= local - local_blocks)
+        x = jnp.where(ok, val, -jnp.inf)
+        tv = tv_sc[...]
+        ti = ti_sc[...]
+        mn = jnp.min(tv, axis=1, keepdims=True)
+        is_min = tv == mn
+        worst = jnp.max(jnp.where(is_min, ti, -_BIG), axis=1, keepdims=True)
+        repl = (x > mn) & is_min & (ti == worst)
+        tv_sc[...] = jnp.where(repl, x, tv)
+        ti_sc[...] = jnp.where(repl, n0, ti)
+        prev_sc[...] = p1
+
+    @pl.when(j == pl.num_programs(2) - 1)
+    def _fin():
+        tv_ref[...] = tv_sc[...] * scale
+        ti_ref[...] = ti_sc[...]
+        lok_ref[...] = lok_sc[...]
+
+
+def block_topk_tpu(qi, ki, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None,
+                   block_size, topk, init_blocks=0, local_blocks=1, rows=128, interpret=False):
+    """Fused indexer on TPU. Args as msa_select_blocks_tpu.
+
+    Returns: (top_v f32 [B,T,Hi,W], top_i int32 [B,T,Hi,W], local_ok bool [B,T,Hi]),
+      W = K - init - L ranked slots, unordered; -inf / negative ids mark empty slots.
+    """
+    bsz, t, hi, di = qi.shape
+    n_rank = select.rank_width(topk, init_blocks, local_blocks)
+    if n_rank > _LANES:
+        raise ValueError(f"at most {_LANES} ranked slots supported, got {n_rank}")
+    if rows % hi or rows % 8:
+        raise ValueError(f"rows={rows} must be a multiple of 8 and of the index heads {hi}")
+    tq = rows // hi
+    prep = layout.prepare(ki[:, :, None, :], None, q_positions, kv_positions, q_segment_ids,
+                          kv_segment_ids, block_size)
+    kip = prep.k[:, :, 0, :]
+    nt = prep.s_pad // block_size
+    tp = -(-t // tq) * tq
+    pad = tp - t
+    qpos = q_positions.astype(jnp.int32)
+    qseg, base = prep.q_seg, prep.base
+    if pad:
+        qi = jnp.pad(qi, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        qpos = jnp.pad(qpos, ((0, 0), (0, pad)))
+        qseg = jnp.pad(qseg, ((0, 0), (0, pad)), constant_values=-2)
+        base = jnp.pad(base, ((0, 0), (0, pad)))
+    nr = tp // tq
+    # causal key-tile range of each row tile (storage index of a row's query = base + q_pos)
+    qidx = (base + qpos).reshape(bsz, nr, tq)
+    lo = (jnp.min(base.reshape(bsz, nr, tq), axis=-1) // block_size).astype(jnp.int32)
+    hi_t = jnp.minimum(jnp.max(qidx, axis=-1) // block_size + 1, nt).astype(jnp.int32)
+    rep = lambda x: jnp.repeat(x, hi, axis=1)[..., None]           # [B,Tp] -> [B,Tp*Hi,1]
+    kernel = functools.partial(_kernel, blk=block_size, n_rank=n_rank, init=init_blocks,
+                               local_blocks=local_blocks, scale=1.0 / math.sqrt(di), n_tiles=nt)
+    row_map = lambda b, r, j, *_: (b, r, 0)
+    clamp = lambda b, r, j, lo_, hi_: jnp.minimum(jnp.maximum(j, lo_[b, r]),
+                                                  jnp.maximum(hi_[b, r] - 1, lo_[b, r]))
+    key_map = lambda b, r, j, lo_, hi_: (b, clamp(b, r, j, lo_, hi_), 0)
+    pos_map = lambda b, r, j, lo_, hi_: (b, clamp(b, r, j, lo_, hi_), 0, 0)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2,
+        grid=(bsz, nr, nt),
+        in_specs=[pl.BlockSpec((None, rows, di), row_map),
+                  pl.BlockSpec((None, block_size, di), key_map),
+                  pl.BlockSpec((None, None, 1, block_size), pos_map),
+                  pl.BlockSpec((None, None, 1, block_size), pos_map),
+                  pl.BlockSpec((None, rows, 1), row_map),
+                  pl.BlockSpec((None, rows, 1), row_map),
+                  pl.BlockSpec((None, rows, 1), row_map)],
+        out_specs=[pl.BlockSpec((None, rows, _LANES), row_map),
+                   pl.BlockSpec((None, rows, _LANES), row_map),
+                   pl.BlockSpec((None, rows, 1), row_map)],
+        scratch_shapes=[pltpu.VMEM((rows, _LANES), jnp.float32),
+                        pltpu.VMEM((rows, _LANES), jnp.int32),
+                        pltpu.VMEM((rows, 1), jnp.float32),
+                        pltpu.VMEM((rows, 1), jnp.int32)],
+    )
+    tv, ti, lok = pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=[jax.ShapeDtypeStruct((bsz, tp * hi, _LANES), jnp.float32),
+                   jax.ShapeDtypeStruct((bsz, tp * hi, _LANES), jnp.int32),
+                   jax.ShapeDtypeStruct((bsz, tp * hi, 1), jnp.int32)],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary")),
+        interpret=interpret,
+        name="msa_indexer_tpu",
+    )(lo, hi_t, qi.reshape(bsz, tp * hi, di), kip, prep.kv_pos.reshape(bsz, nt, 1, block_size),
+      prep.kv_seg.reshape(bsz, nt, 1, block_size), rep(qpos), rep(qseg), rep(base))
+    tv = tv.reshape(bsz, tp, hi, _LANES)[:, :t, :, :n_rank]
+    ti = ti.reshape(bsz, tp, hi, _LANES)[:, :t, :, :n_rank]
+    lok = lok.reshape(bsz, tp, hi)[:, :t] > 0
+    return tv, ti, lok
+
+
+def msa_select_blocks_tpu(qi, ki, *, q_positions, kv_positions, q_segment_ids=None,
+                          kv_segment_ids=None, block_size, topk, init_blocks=0, local_blocks=1,
+                          rows=128, interpret=False):
+    """MSA block selection with the fused Pallas Mosaic TPU indexer kernel.
+
+    Args:
+      qi [B,T,Hi,Di] index queries, ki [B,S,Di] the single index key head (bf16/f32);
+      positions / segment ids (layout.py conventions); block_size B (multiple of 128 on TPU);
+      topk K; init_blocks; local_blocks L; rows: (token x head) rows per tile (multiple of 8 and
+      of Hi); interpret: False (Mosaic), True (plain interpreter) or ``pltpu.InterpretParams``.
+    Returns: int32 [B,Hi,T,K] in the reference order (select.assemble_ids), -1 padded.
+    Raises: ValueError on inconsistent shapes / knobs. Math: MSA_SPEC.md sections 1-2.
+    """
+    if qi.ndim != 4 or ki.ndim != 3 or ki.shape[0] != qi.shape[0] or ki.shape[2] != qi.shape[3]:
+        raise ValueError(f"qi must be [B,T,Hi,Di] and ki [B,S,Di], got {qi.shape}, {ki.shape}")
+    tv, ti, lok = block_topk_tpu(qi, ki, q_positions=q_positions, kv_positions=kv_positions,
+                                 q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                                 block_size=block_size, topk=topk, init_blocks=init_blocks,
+                                 local_blocks=local_blocks, rows=rows, interpret=interpret)
+    qpos = jnp.broadcast_to(q_positions.astype(jnp.int32)[:, :, None], tv.shape[:3])
+    ids = select.assemble_ids(tv, ti, qpos, lok, block_size=block_size, topk=topk,
+                              init_blocks=init_blocks, local_blocks=local_blocks)
+    return jnp.transpose(ids, (0, 2, 1, 3))

@@ -1,0 +1,86 @@
+"""M3 model features: MTP heads, MSA on an M2 model, sliding windows, gradient isolation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from minimax_jax.config import load_config
+from minimax_jax.model import add_index_params, forward, init_params, mtp_forward
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def test_mtp_heads_shapes_and_causality():
+    cfg = load_config("tiny-m3")
+    params = init_params(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (1, 40), 0, cfg.vocab_size)
+    fn = jax.jit(lambda p, t: mtp_forward(p, cfg, forward(p, cfg, t, return_hidden=True).hidden, t))
+    outs = fn(params, tokens)
+    assert len(outs) == cfg.num_mtp_modules and outs[0].shape == (1, 40, cfg.vocab_size)
+    # Depth d at position t sees tokens up to t + d: changing token 30 changes depth-1 logits at
+    # positions >= 29 and depth-2 logits at >= 28, never earlier ones.
+    changed = fn(params, tokens.at[0, 30].set((tokens[0, 30] + 1) % cfg.vocab_size))
+    for d, (a, b) in enumerate(zip(outs, changed), start=1):
+        diff = np.abs(np.asarray(a - b)).max(-1)[0]
+        assert np.all(diff[:30 - d] == 0), d
+        assert diff[30 - d] > 0, d
+
+
+def test_msa_on_m2_equals_dense_when_context_fits():
+    cfg = load_config("tiny-m2")
+    params = init_params(cfg, jax.random.key(0))
+    msa_cfg = cfg.with_msa("all_full", index_block_size=8, index_topk=3, index_head_dim=16)
+    msa_params = add_index_params(params, cfg, msa_cfg, jax.random.key(1))
+    assert "index_q_proj" in msa_params["segments"][0]["attn"]
+    short = jax.random.randint(jax.random.key(2), (2, 24), 0, cfg.vocab_size)  # 24 <= K*B = 24
+    fwd = jax.jit(lambda p, t, c: forward(p, c, t).logits, static_argnums=2)
+    np.testing.assert_allclose(fwd(msa_params, short, msa_cfg), fwd(params, short, cfg), rtol=1e-5, atol=1e-5)
+    long = jax.random.randint(jax.random.key(3), (1, 64), 0, cfg.vocab_size)
+    a = fwd(msa_params, long, msa_cfg)
+    b = fwd(params, long, cfg)
+    np.testing.assert_allclose(a[:, :24], b[:, :24], rtol=1e-5, atol=1e-5)   # still within K*B
+    assert float(jnp.abs(a[:, 40:] - b[:, 40:]).max()) > 1e-6               # sparsity bites later
+
+
+def test_sliding_window_layer():
+    base = load_config("tiny-m2")
+    params = init_params(base, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (1, 30), 0, base.vocab_size)
+    wide = base.replace(layer_types=("sliding",) * 3, sliding_window=64)
+    narrow = base.replace(layer_types=("sliding",) * 3, sliding_window=4)
+    full = forward(params, base, tokens).logits
+    np.testing.assert_allclose(forward(params, wide, tokens).logits, full, rtol=1e-5, atol=1e-5)
+    n = forward(params, narrow, tokens).logits
+    np.testing.assert_allclose(n[:, :4], full[:, :4], rtol=1e-5, atol=1e-5)
+    assert float(jnp.abs(n[:, 10:] - full[:, 10:]).max()) > 1e-6
+
+
+def test_lm_loss_gives_zero_gradient_to_index_branch_and_kl_only_to_it():
+    cfg = load_config("tiny-m3")
+    params = init_params(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (1, 48), 0, cfg.vocab_size)
+
+    def lm_loss(p):
+        logits = forward(p, cfg, tokens).logits[:, :-1]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    def kl_loss(p, mode):
+        aux = forward(p, cfg, tokens, indexer_kl=mode).aux
+        return aux["indexer_kl_sum"] / aux["indexer_kl_count"]
+
+    g = jax.jit(jax.grad(lm_loss))(params)
+    seg = g["segments"][1]["attn"]
+    for name in ("index_q_proj", "index_k_proj"):
+        assert float(jnp.abs(seg[name]).max()) == 0.0, name
+    assert float(jnp.abs(seg["q_proj"]).max()) > 0
+    for mode in ("sparse", "dense"):
+        gk = jax.jit(jax.grad(kl_loss), static_argnums=1)(params, mode)
+        flat = jax.tree_util.tree_flatten_with_path(gk)[0]
+        for path, leaf in flat:
+            name = jax.tree_util.keystr(path)
+            nonzero = float(jnp.abs(leaf).max()) > 0
+            if "index_" in name:
+                continue
+            assert not nonzero, f"KL ({mode}) reached {name}"
+        assert float(jnp.abs(gk["segments"][1]["attn"]["index_q_proj"]).max()) > 0

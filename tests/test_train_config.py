@@ -1,0 +1,103 @@
+"""Training config: overrides, unknown keys, bad values fail before anything is compiled."""
+
+import os
+import time
+
+import pytest
+
+from minimax_jax.train.config import TrainConfigError, apply_overrides, from_dict, load_train_config, validate_against
+from minimax_jax.train.model_init import model_configs
+from minimax_jax.train.testing import REPO, micro_train_dict, run_train_cli, subprocess_env, write_yaml
+
+
+def test_repo_yamls_load():
+    for name in ("tiny.yaml", "tiny-m3.yaml"):
+        tc = load_train_config(os.path.join(REPO, "configs", "train", name))
+        cfg, _ = model_configs(tc)
+        assert tc.data.seq_len <= cfg.max_position_embeddings
+
+
+def test_override_sets_value_and_type(tmp_path):
+    p = write_yaml(micro_train_dict(str(tmp_path / "r")), str(tmp_path / "c.yaml"))
+    tc = load_train_config(p, ["optim.lr=1e-3", "run.steps=17", "mesh=data=1,fsdp=1", "optim.freeze=[embed/.*]",
+                               "model.hidden_size=48"])
+    assert tc.optim.lr == pytest.approx(1e-3) and tc.run.steps == 17 and tc.mesh == "data=1,fsdp=1"
+    assert tc.optim.freeze == ("embed/.*",)
+    assert model_configs(tc)[0].hidden_size == 48
+
+
+@pytest.mark.parametrize("item, words", [
+    ("optim.learning_rate=1", ["learning_rate", "valid keys", "lr"]),
+    ("optimizer.lr=1", ["optimizer", "valid sections"]),
+    ("model.hidden=3", ["hidden", "hidden_size"]),
+    ("data.shuffle_buffer=3", ["shuffle_buffer", "seq_len"]),
+    ("run.steps", ["section.key=value"]),
+])
+def test_unknown_override_lists_valid_keys(tmp_path, item, words):
+    raw = micro_train_dict(str(tmp_path / "r"))
+    with pytest.raises(TrainConfigError) as e:
+        from_dict(apply_overrides(raw, [item]))
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_unknown_yaml_key_rejected(tmp_path):
+    raw = micro_train_dict(str(tmp_path / "r"), optim={"lr": 1e-3, "momentum": 0.9})
+    with pytest.raises(TrainConfigError, match="momentum.*valid keys"):
+        from_dict(raw)
+
+
+@pytest.mark.parametrize("section, key, value, match", [
+    ("optim", "lr", -1e-3, "optim.lr"),
+    ("optim", "lr", 0.0, "optim.lr"),
+    ("optim", "grad_accum", 3, "divisible by optim.grad_accum"),
+    ("optim", "b2", 1.5, "optim.b2"),
+    ("optim", "freeze", ["("], "not a valid regex"),
+    ("schedule", "kind", "linear", "schedule.kind"),
+    ("run", "remat", "some", "run.remat"),
+    ("run", "compute_dtype", "int8", "run.compute_dtype"),
+    ("checkpoint", "keep", 0, "checkpoint.keep"),
+    ("init", "mode", "sparse_cpt", "needs init.path"),
+])
+def test_bad_values(tmp_path, section, key, value, match):
+    raw = micro_train_dict(str(tmp_path / "r"), **{section: {key: value}})
+    with pytest.raises(TrainConfigError, match=match):
+        from_dict(raw)
+
+
+def test_model_dependent_checks(tmp_path):
+    tc = from_dict(micro_train_dict(str(tmp_path / "r"), data={"kind": "synthetic", "seq_len": 1024,
+                                                                "batch_size": 4}))
+    cfg, _ = model_configs(tc)
+    with pytest.raises(TrainConfigError, match="max_position_embeddings"):
+        validate_against(tc, cfg, 1)
+    tc = from_dict(micro_train_dict(str(tmp_path / "r"), mesh="data=4,fsdp=2"))
+    with pytest.raises(TrainConfigError, match="needs 8 devices but only 1"):
+        validate_against(tc, model_configs(tc)[0], 1)
+    tc = from_dict(micro_train_dict(str(tmp_path / "r"), mesh="data=8"))
+    with pytest.raises(TrainConfigError, match="data-parallel size"):
+        validate_against(tc, model_configs(tc)[0], 8)
+    tc = from_dict(micro_train_dict(str(tmp_path / "r"), msa={"indexer_warmup_steps": 3}))
+    with pytest.raises(TrainConfigError, match="no 'msa' layers"):
+        validate_against(tc, model_configs(tc)[0], 1)
+
+
+def test_train_fails_before_compiling(tmp_path):
+    """train() raises on a bad config without creating params, compiling, or writing a run dir."""
+    from minimax_jax.train import train
+
+    run_dir = tmp_path / "r"
+    tc = from_dict(micro_train_dict(str(run_dir), data={"kind": "synthetic", "seq_len": 4096, "batch_size": 4}))
+    t = time.perf_counter()
+    with pytest.raises(TrainConfigError, match="max_position_embeddings"):
+        train(tc)
+    assert time.perf_counter() - t < 5 and not run_dir.exists()
+
+
+def test_cli_reports_config_errors(tmp_path):
+    p = write_yaml(micro_train_dict(str(tmp_path / "r")), str(tmp_path / "c.yaml"))
+    out = run_train_cli(p, "optim.lr=-1", env=subprocess_env(), timeout=120)
+    assert out.returncode == 2 and "optim.lr must be a positive number" in out.stderr
+    out = run_train_cli(p, "mesh=data=64", env=subprocess_env(), timeout=120)
+    assert out.returncode == 2 and "needs 64 devices" in out.stderr
+    assert not (tmp_path / "r").exists()

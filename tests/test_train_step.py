@@ -1,0 +1,77 @@
+"""The train step: gradient accumulation == one large batch, freezing, the router-bias rule."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from minimax_jax.model import forward, init_params, mtp_forward
+from minimax_jax.ops.moe import update_router_bias
+from minimax_jax.train.config import from_dict
+from minimax_jax.train.data import SyntheticIterator
+from minimax_jax.train.losses import mtp_weights_list
+from minimax_jax.train.model_init import model_configs
+from minimax_jax.train.optimizer import PHASE_MAIN, PHASE_WARMUP, leaf_paths, make_optimizer
+from minimax_jax.train.step import StepSpec, init_state, make_train_step
+from minimax_jax.train.testing import MICRO_MODEL, MICRO_MSA_MODEL, micro_train_dict
+
+FREEZE = "segments/0/attn/(q|k)_proj"
+
+
+def _setup(tmp_path, accum, phase=PHASE_MAIN, **msa):
+    tc = from_dict(micro_train_dict(str(tmp_path), model=MICRO_MSA_MODEL,
+                                    data={"kind": "synthetic", "seq_len": 48, "batch_size": 4},
+                                    optim={"grad_accum": accum, "freeze": [FREEZE], "router_bias_rate": 0.01,
+                                           "mtp_weights": 0.5, "z_loss": 1e-3},
+                                    msa={"kl_coeff": 0.7, "indexer_warmup_steps": 2, **msa}))
+    cfg, _ = model_configs(tc)
+    params = init_params(cfg, jax.random.key(0))
+    tx, trainable, sched = make_optimizer(tc, params, phase)
+    spec = StepSpec(cfg=cfg, kl_mode="dense" if phase == PHASE_WARMUP else "sparse", kl_coeff=0.7, z_loss=1e-3,
+                    mtp_weights=mtp_weights_list(0.5, cfg.num_mtp_modules), grad_accum=accum,
+                    router_bias_rate=0.01)
+    step = jax.jit(make_train_step(spec, tx, trainable, sched))
+    batch = next(SyntheticIterator(48, 4, cfg.vocab_size, seed=3, mean_doc_len=20))
+    return cfg, params, init_state(params, tx, 0), step, batch
+
+
+@pytest.fixture(scope="module")
+def one_and_two(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("acc")
+    out = {}
+    for accum in (1, 2):
+        cfg, params, state, step, batch = _setup(tmp, accum)
+        state1, m1 = step(state, batch)
+        state2, m2 = step(state1, batch)
+        out[accum] = (cfg, params, state1, m1, state2, m2, batch)
+    return out
+
+
+def test_grad_accumulation_equals_large_batch(one_and_two):
+    _, _, s1a, m1a, s2a, m2a, _ = one_and_two[1]
+    _, _, s1b, m1b, s2b, m2b, _ = one_and_two[2]
+    for key in ("loss", "lm_loss", "mtp_loss/1", "indexer_kl", "z_loss", "grad_norm"):
+        np.testing.assert_allclose(m1a[key], m1b[key], rtol=2e-5, err_msg=key)
+        np.testing.assert_allclose(m2a[key], m2b[key], rtol=2e-5, err_msg=key)
+    for a, b, path in zip(jax.tree.leaves(s2a["params"]), jax.tree.leaves(s2b["params"]), leaf_paths(s2a["params"])):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=path)
+    assert float(m1a["indexer_kl"]) > 0 and float(m1a["mtp_loss/1"]) > 0
+
+
+def test_freeze_and_router_bias_rule(one_and_two):
+    cfg, p0, s1, m1, s2, m2, batch = one_and_two[1]
+    assert float(m1["lr"]) == 0.0 and float(m2["lr"]) > 0  # constant schedule, 2 warm-up steps
+    paths = leaf_paths(p0)
+    changed = {p: not np.array_equal(a, b) for p, a, b in zip(paths, jax.tree.leaves(p0),
+                                                             jax.tree.leaves(s2["params"]))}
+    assert not changed["segments/0/attn/q_proj"] and not changed["segments/0/attn/k_proj"]
+    assert changed["segments/0/attn/v_proj"] and changed["segments/1/attn/index_q_proj"]
+    assert changed["embed/embedding"] and changed["mtp/0/eh_proj"]
+    # router_bias moved by exactly rate * sign(mean_load - load), with the load of the whole batch.
+    out = forward(p0, cfg, jnp.asarray(batch["tokens"]), positions=jnp.asarray(batch["positions"]),
+                  segment_ids=jnp.asarray(batch["segment_ids"]))
+    load = out.aux["router_load"]
+    want = update_router_bias(p0["segments"][1]["mlp"]["router_bias"], load, 0.01)
+    np.testing.assert_allclose(s1["params"]["segments"][1]["mlp"]["router_bias"], want, atol=1e-7)
+    assert np.abs(np.asarray(want)).max() > 0
+    assert not changed["mtp/0/layer/mlp/router_bias"]
