@@ -11,8 +11,8 @@ sections/keys are rejected with the list of valid ones. Every check that can fai
 sequence longer than the model's max positions, a mesh larger than the devices) runs before any
 parameter is made or anything is compiled. A run directory that holds checkpoints is resumed.
 
-Outputs under ``run.run_dir``: ``config.yaml``, ``checkpoints/<step>/`` (orbax), ``metrics.jsonl``,
-``tensorboard/`` (``tensorboard --logdir RUN_DIR``).
+Outputs under ``run.run_dir``: ``config.yaml``, ``model_config.yaml`` (the resolved model),
+``checkpoints/<step>/`` (orbax), ``metrics.jsonl``, ``tensorboard/`` (``tensorboard --logdir RUN_DIR``).
 
 Precision and memory: ``run.compute_dtype=bfloat16 run.param_dtype=float32`` (fp32 master weights),
 ``run.remat=full|dots``, ``optim.grad_accum=N``.

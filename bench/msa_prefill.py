@@ -14,7 +14,8 @@ CPU smoke run:        python bench/msa_prefill.py --interpret --tiny --out /tmp/
    the sum of the separately timed parts),
    and cuDNN dense causal attention (jax.nn.dot_product_attention(implementation="cudnn")) fwd and
    fwd+bwd. Dense is timed up to --dense-max tokens and extrapolated by the quadratic law above
-   (marked "extrapolated"). FLOPs by MSA_SPEC.md section 6: dense 4*D*H*t per token, MSA main
+   (marked "extrapolated"); the indexer-KL loss + gradients (kl_fwd_bwd, GPU kernel) is timed
+   too (ms only). FLOPs by MSA_SPEC.md section 6: dense 4*D*H*t per token, MSA main
    4*D*H*min(t, K*B), indexer 2*Di*Hi*t; backward counted as 2.5x forward (fwd+bwd = 3.5x).
 Writes msa_prefill.json / msa_prefill.csv / msa_prefill_check.json under --out.
 """
@@ -40,6 +41,7 @@ import numpy as np  # noqa: E402
 from minimax_jax.ops import msa as msa_ops  # noqa: E402
 from pallas_kernels.msa.gpu_attention import msa_attention_gpu  # noqa: E402
 from pallas_kernels.msa.gpu_indexer import msa_select_blocks_gpu  # noqa: E402
+from pallas_kernels.msa.gpu_kl import indexer_kl_gpu  # noqa: E402
 
 MODELS = {"m3": dict(h=64, g=4, d=128), "m2": dict(h=48, g=8, d=128)}
 BLK, TOPK, DI = 128, 16, 128
@@ -193,10 +195,16 @@ def bench_case(model, t, inp, interpret, dense_max, dense_ref):
         (o, lse), vjp = jax.vjp(lambda q, k, v: attn_f(q, k, v, ids), q, k, v)
         return vjp((do, jnp.zeros_like(lse)))
 
+    def kl_fb(q, k, qi, ki, ids):   # indexer-KL loss and its gradients (qi, ki), sparse support
+        return jax.grad(lambda qi, ki: indexer_kl_gpu(q, k, qi, ki, ids, block_size=BLK,
+                                                      interpret=interpret, **pos)[0],
+                        argnums=(0, 1))(qi, ki)
+
     timings = {}
     for name, fn, args in (("indexer", sel, (inp.qi, inp.ki)),
                            ("attn_fwd", jax.jit(attn_f), (inp.q, inp.k, inp.v, ids)),
-                           ("attn_fwd_bwd", jax.jit(attn_fb), (inp.q, inp.k, inp.v, ids, inp.do))):
+                           ("attn_fwd_bwd", jax.jit(attn_fb), (inp.q, inp.k, inp.v, ids, inp.do)),
+                           ("kl_fwd_bwd", jax.jit(kl_fb), (inp.q, inp.k, inp.qi, inp.ki, ids))):
         try:
             timings[name] = _timeit(fn, *args)[0]
         except Exception as e:  # report (e.g. out of memory) and continue with the next variant
@@ -364,7 +372,7 @@ def main():
             with open(os.path.join(args.out, "msa_prefill.json"), "w") as f:
                 json.dump({"meta": meta, "checks": checks, "indexer_variants": variants,
                            "rows": rows}, f, indent=1)
-    cols = ["model", "T", "indexer_ms", "attn_fwd_ms", "attn_fwd_bwd_ms", "msa_fwd_ms",
+    cols = ["model", "T", "indexer_ms", "attn_fwd_ms", "attn_fwd_bwd_ms", "kl_fwd_bwd_ms", "msa_fwd_ms",
             "msa_fwd_bwd_ms", "dense_fwd_ms", "dense_fwd_bwd_ms", "indexer_tflops",
             "attn_fwd_tflops", "attn_fwd_bwd_tflops", "dense_fwd_tflops", "indexer_share_fwd",
             "speedup_fwd", "speedup_fwd_bwd", "dense_source"]

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from minimax_jax.infer import GenerationConfig, Generator, InferenceError, SamplingParams
+from minimax_jax.infer.backends import PagedBackend
 from minimax_jax.infer.speculative import accept_greedy, accept_sampled
 from tests import infer_helpers as H
 
@@ -68,13 +69,14 @@ def chain():
     return cfg, params, tok, start
 
 
-@pytest.mark.parametrize("num_draft", [1, 3])
-def test_exact_mtp_accepts_every_draft_and_stops_on_time(chain, num_draft):
+@pytest.mark.parametrize("num_draft,window", [(1, 64), (3, 2)])   # window 2 < context: drafter keeps a tail
+def test_exact_mtp_accepts_every_draft_and_stops_on_time(chain, num_draft, window):
     cfg, params, tok, start = chain
     gen = Generator(cfg, params, tok, engine="recompute")
     prompts = [[7, 3, start], [start]]
     plain = gen.generate(prompts, GenerationConfig(max_new_tokens=40))
-    spec = gen.generate(prompts, GenerationConfig(max_new_tokens=40, speculative="mtp", num_draft=num_draft))
+    spec = gen.generate(prompts, GenerationConfig(max_new_tokens=40, speculative="mtp", num_draft=num_draft,
+                                                  mtp_window=window))
     want = "".join(H.GOOD_PIECES[:-1])
     for p, s in zip(plain.sequences, spec.sequences):
         assert p.text == want and p.stop_reason == "stop_token"
@@ -100,3 +102,16 @@ def test_speculative_needs_mtp_modules(chain):
     gen = Generator(cfg.replace(num_mtp_modules=0), no_mtp, tok, engine="recompute")
     with pytest.raises(InferenceError, match="needs a checkpoint with MTP modules"):
         gen.generate([[start]], GenerationConfig(max_new_tokens=4, speculative="mtp"))
+
+
+@pytest.mark.skipif(not PagedBackend.engine_returns_hidden(),
+                    reason="minimax_jax.decode has no return_hidden= yet (the error is tested in *_m2.py)")
+def test_paged_engine_exact_mtp_equals_plain(chain):
+    cfg, params, tok, start = chain
+    gen = Generator(cfg, params, tok)          # paged
+    prompts = [[7, 3, start], [start]]
+    plain = gen.generate(prompts, GenerationConfig(max_new_tokens=40))
+    spec = gen.generate(prompts, GenerationConfig(max_new_tokens=40, speculative="mtp", num_draft=3))
+    for p, s in zip(plain.sequences, spec.sequences):
+        assert (s.tokens, s.text, s.stop_reason) == (p.tokens, p.text, p.stop_reason)
+    assert spec.stats.acceptance_rate == 1.0 and spec.stats.engine.startswith("paged")

@@ -370,6 +370,27 @@ def test_kernel_dispatch_passes_backend_and_records(monkeypatch):
                           implementation="pallas_gpu", **masks(x))
 
 
+def test_auto_consults_kernel_supports_hook(monkeypatch):
+    """On a GPU backend, "auto" takes the kernel only when api.supports(...) returns None; otherwise
+    it runs "xla" and records the kernel's reason (no silent fallback)."""
+    x, (qi, ki) = _small()
+    fake = types.ModuleType("pallas_kernels.msa.api")
+    verdict = {"reason": "block_size must be a power of two >= 16"}
+    fake.supports = lambda op, *args, backend, **kw: verdict["reason"]
+    fake.msa_select_blocks = lambda qi_, ki_, **kw: jnp.full((1, 2, 4, 2), 5, jnp.int32)
+    monkeypatch.setitem(sys.modules, "pallas_kernels.msa.api", fake)
+    monkeypatch.setattr(msa, "default_backend", lambda: "gpu")
+    clear_implementation_report()
+    ids = msa.msa_select_blocks(qi, ki, block_size=4, topk=2, implementation="auto", **masks(x))
+    report = implementation_report()
+    assert report["msa_select_blocks"] == "xla" and "power of two" in report["msa_select_blocks.auto_reason"]
+    ref_ids, _ = oracle.select_blocks(x["qi"], x["ki"], *oracle_masks(x), 4, 2)
+    np.testing.assert_array_equal(np.asarray(ids), ref_ids)
+    verdict["reason"] = None
+    ids = msa.msa_select_blocks(qi, ki, block_size=4, topk=2, implementation="auto", **masks(x))
+    assert implementation_report()["msa_select_blocks"] == "pallas_gpu" and np.all(np.asarray(ids) == 5)
+
+
 # ----------------------------------------------------------------------------- validation
 
 def test_bad_inputs_raise_clear_errors():

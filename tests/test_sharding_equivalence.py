@@ -6,6 +6,7 @@ this file as a script: it computes the loss, logits and parameter gradients of a
 without a mesh and once per mesh (params placed with ``params_shardings``, tokens with
 ``batch_sharding``, traced inside ``use_mesh`` so the MoE runs expert-parallel in shard_map), and
 compares every element. The script prints one JSON line per mesh; the test checks them.
+The full matrix (M2 and M3 tiny, four meshes) is marked ``slow`` (run with ``-m slow``).
 """
 
 from __future__ import annotations
@@ -44,14 +45,17 @@ def _check(results: list[dict], meshes: list[str]):
         assert r["sharded_leaves"] > 0 or r["mesh"] == "data=8", r
 
 
-@pytest.mark.parametrize("mesh", MESHES)
-def test_m2_sharded_equals_unsharded(mesh):
-    _check(_run_worker("configs/tiny-m2.yaml", [mesh]), [mesh])
+def test_m2_all_axes_mesh_equals_unsharded():
+    """Fast default: one mesh that uses fsdp, expert and tensor at once (EP + TP + FSDP)."""
+    _check(_run_worker("configs/tiny-m2.yaml", ["fsdp=2,expert=2,tensor=2"]), ["fsdp=2,expert=2,tensor=2"])
 
 
-@pytest.mark.parametrize("mesh", MESHES)
-def test_m3_sharded_equals_unsharded(mesh):
-    _check(_run_worker("configs/tiny-m3.yaml", [mesh]), [mesh])
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["configs/tiny-m2.yaml", "configs/tiny-m3.yaml"])
+def test_all_meshes_equal_unsharded(model):
+    """The full matrix (about 1-2 CPU-minutes per model): data=8; fsdp=2 x tensor=4;
+    expert=4 x data=2; fsdp=2 x expert=2 x tensor=2."""
+    _check(_run_worker(model, MESHES, timeout=1800), MESHES)
 
 
 # ----------------------------------------------------------------------------- worker

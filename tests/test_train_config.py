@@ -15,6 +15,11 @@ def test_repo_yamls_load():
         tc = load_train_config(os.path.join(REPO, "configs", "train", name))
         cfg, _ = model_configs(tc)
         assert tc.data.seq_len <= cfg.max_position_embeddings
+    tc = load_train_config(os.path.join(REPO, "configs", "train", "sparse_cpt.yaml"),
+                           ["data.sources=[corpus]", "data.tokenizer=tok", "init.path=/no/such/ckpt"])
+    assert tc.init.mode == "sparse_cpt" and tc.msa.freeze_backbone_in_warmup
+    with pytest.raises(TrainConfigError, match="cannot build the model config.*/no/such/ckpt"):
+        model_configs(tc)
 
 
 def test_override_sets_value_and_type(tmp_path):

@@ -6,10 +6,9 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from minimax_jax.train.testing import REPO, subprocess_env
-
-MESHES = ["data=1", "data=8", "data=2,fsdp=2,tensor=2", "data=4,expert=2"]
 
 SCRIPT = r"""
 import json, sys
@@ -41,13 +40,13 @@ print("RESULT" + json.dumps(out))
 """
 
 
-def test_eight_devices_equal_one(tmp_path):
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(MESHES)], cwd=REPO, capture_output=True,
+def _check(tmp_path, meshes):
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(meshes)], cwd=REPO, capture_output=True,
                           text=True, timeout=900, env=subprocess_env(str(tmp_path / "cache"), devices=8))
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout.split("RESULT", 1)[1])
     ref = res["data=1"]
-    for mesh in MESHES[1:]:
+    for mesh in meshes[1:]:
         got = res[mesh]
         for step, (a, b) in enumerate(zip(ref["metrics"], got["metrics"])):
             for key in ("loss", "lm_loss", "mtp_loss/1", "indexer_kl", "grad_norm", "moe/max_load_ratio"):
@@ -55,3 +54,12 @@ def test_eight_devices_equal_one(tmp_path):
         np.testing.assert_allclose(got["checksums"], ref["checksums"], rtol=1e-4, atol=1e-4, err_msg=mesh)
         np.testing.assert_allclose(got["abs"], ref["abs"], rtol=1e-5, err_msg=mesh)
     assert ref["metrics"][2]["loss"] != ref["metrics"][0]["loss"]
+
+
+def test_eight_devices_data_parallel_equals_one(tmp_path):
+    _check(tmp_path, ["data=1", "data=8"])
+
+
+@pytest.mark.slow
+def test_eight_devices_model_parallel_equals_one(tmp_path):
+    _check(tmp_path, ["data=1", "data=2,fsdp=2,tensor=2", "data=4,expert=2", "fsdp=2,tensor=2,expert=2"])

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from minimax_jax.model import forward, init_params, mtp_forward
+from minimax_jax.model import forward, init_params
 from minimax_jax.ops.moe import update_router_bias
 from minimax_jax.train.config import from_dict
 from minimax_jax.train.data import SyntheticIterator
@@ -13,7 +13,7 @@ from minimax_jax.train.losses import mtp_weights_list
 from minimax_jax.train.model_init import model_configs
 from minimax_jax.train.optimizer import PHASE_MAIN, PHASE_WARMUP, leaf_paths, make_optimizer
 from minimax_jax.train.step import StepSpec, init_state, make_train_step
-from minimax_jax.train.testing import MICRO_MODEL, MICRO_MSA_MODEL, micro_train_dict
+from minimax_jax.train.testing import MICRO_MSA_MODEL, micro_train_dict
 
 FREEZE = "segments/0/attn/(q|k)_proj"
 

@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--export", action="store_true", help="orbax -> HF safetensors instead of HF -> orbax")
     p.add_argument("--fp8", action="store_true", help="with --export: re-quantise layer weights to FP8 e4m3 + "
                                                       "128x128 weight_scale_inv (the M2 hub format)")
-    p.add_argument("--max-shard-gb", type=float, default=5.0, help="with --export: shard size limit in GiB")
+    p.add_argument("--max-shard-gb", type=float, default=2.0, help="with --export: shard size limit in GiB")
     p.add_argument("--overwrite", action="store_true", help="replace --dst if it exists (after success only)")
     p.add_argument("--chunk-mb", type=int, default=128, help="orbax storage chunk size bound in MiB")
     p.add_argument("--compress", action="store_true", help="zstd-compress orbax chunks (smaller, slower)")

@@ -28,28 +28,26 @@ from minimax_jax.convert.safetensors_io import INDEX_FILE
 
 __all__ = ["export_orbax_to_hf", "iter_hf_tensors", "DEFAULT_SHARD_BYTES"]
 
-DEFAULT_SHARD_BYTES = 5 * 1024 ** 3
+DEFAULT_SHARD_BYTES = 2 * 1024 ** 3
 
 
 class _LeafStore:
-    """Lazily opened TensorStore arrays of a checkpoint's leaves, indexed by path tuple."""
+    """Lazily opened TensorStore arrays of a checkpoint's leaves (orbax's own read spec), by path."""
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, on_read=None):
         import jax
+        import orbax.checkpoint as ocp
         from etils import epath
         from orbax.checkpoint import type_handlers as th
 
-        self._th, self._epath = th, epath
-        md_tree = checkpoint_metadata(directory)
-        import orbax.checkpoint as ocp
-
+        self._th, self._epath, self._on_read = th, epath, on_read
         md = ocp.StandardCheckpointer().metadata(os.path.join(directory, PARAMS_DIR))
-        self._zarr3 = bool(getattr(getattr(md, "item_metadata", None), "use_zarr3", False))
+        item = getattr(md, "item_metadata", md)
+        self._zarr3 = bool(getattr(item, "use_zarr3", False))
+        tree = getattr(item, "tree", item)
         self._ctx = th.get_ts_context(use_ocdbt=True)
-        self._meta = {}
-        for path, m in jax.tree_util.tree_flatten_with_path(md_tree)[0]:
-            key = tuple(p.key if hasattr(p, "key") else p.idx for p in path)
-            self._meta[key] = m
+        self._meta = {tuple(p.key if hasattr(p, "key") else p.idx for p in path): m
+                      for path, m in jax.tree_util.tree_flatten_with_path(tree)[0]}
         self._open: dict = {}
 
     def get(self, path: tuple) -> Any:
@@ -64,7 +62,10 @@ class _LeafStore:
         return self._open[path]
 
     def read(self, path: tuple, index: tuple = ()) -> np.ndarray:
-        return np.asarray(self.get(path)[index].read().result())
+        arr = np.asarray(self.get(path)[index].read().result())
+        if self._on_read:
+            self._on_read(arr.nbytes)
+        return arr
 
 
 def _quantizable(name: str) -> bool:
@@ -72,11 +73,13 @@ def _quantizable(name: str) -> bool:
         ".experts." in name and name.endswith((".w1.weight", ".w2.weight", ".w3.weight", "gate_up_proj", "down_proj")))
 
 
-def iter_hf_tensors(directory: str, cfg: ModelConfig, *, fp8: bool = False) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield ``(hf_name, array)`` for the whole checkpoint, one layer's leaves in memory at a time."""
+def iter_hf_tensors(directory: str, cfg: ModelConfig, *, fp8: bool = False,
+                    on_read=None) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield ``(hf_name, array)`` for the whole checkpoint, one leaf unit (a layer of a leaf) in memory
+    at a time; ``on_read(nbytes)`` is called per unit read (progress)."""
     from minimax_jax.model.params import layer_segments
 
-    store = _LeafStore(directory)
+    store = _LeafStore(directory, on_read)
     style = EXPORT_STYLE[cfg.norm_kind]
 
     def emit(name, arr):
@@ -110,6 +113,7 @@ def export_orbax_to_hf(src: str | os.PathLike, dst: str | os.PathLike, fp8: bool
     """Write ``dst`` = HF checkpoint (sharded safetensors + index + config.json + tokenizer files)
     from our checkpoint directory ``src``. Atomic (temporary sibling renamed on success).
 
+    Peak memory ~ one shard being assembled (``max_shard_bytes``) + one leaf unit.
     Returns: a summary dict (tensors, bytes, shards). Raises FileExistsError when ``dst`` exists.
     """
     from safetensors.numpy import save_file
@@ -137,14 +141,12 @@ def export_orbax_to_hf(src: str | os.PathLike, dst: str | os.PathLike, fp8: bool
                 shards.append(list(cur))
                 cur, cur_bytes = {}, 0
 
-        for name, arr in iter_hf_tensors(src, cfg, fp8=fp8):
+        for name, arr in iter_hf_tensors(src, cfg, fp8=fp8, on_read=bar.update):
             if cur and cur_bytes + arr.nbytes > max_shard_bytes:
                 flush()
             cur[name] = np.ascontiguousarray(arr)
             cur_bytes += arr.nbytes
             total_size += arr.nbytes
-            if not name.endswith("_scale_inv"):
-                bar.update(arr.nbytes if not fp8 or arr.dtype.itemsize > 1 else arr.nbytes * 2)
         flush()
         n = len(shards)
         for k, names in enumerate(shards):

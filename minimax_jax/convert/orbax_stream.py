@@ -32,15 +32,17 @@ DEFAULT_CHUNK_BYTES = 128 * 1024 * 1024
 class LazyLeaf:
     """A leaf of ``shape``/``dtype`` produced by ``units``: ``[(index, produce), ...]`` where
     ``produce()`` returns the numpy array for ``leaf[index]`` (index ``()`` = the whole leaf).
-    ``stacked`` marks a leading layer axis (one unit per layer)."""
+    ``stacked`` marks a leading layer axis (one unit per layer). ``release(arr)``, if given, gets each
+    produced array back after it is written (e.g. to reuse the buffer)."""
 
     def __init__(self, shape: Sequence[int], dtype, units: list[tuple[tuple, Callable[[], np.ndarray]]],
-                 *, stacked: bool, name: str = ""):
+                 *, stacked: bool, name: str = "", release: Callable[[np.ndarray], None] | None = None):
         self.shape = tuple(int(s) for s in shape)
         self.dtype = np.dtype(dtype)
         self.units = units
         self.stacked = stacked
         self.name = name
+        self.release = release  # called with each produced array once TensorStore has written it
         self.ndim = len(self.shape)
         self.size = int(np.prod(self.shape, dtype=np.int64))
         self.nbytes = self.size * self.dtype.itemsize
@@ -83,6 +85,8 @@ class LazyLeafHandler(th.NumpyHandler):
                     raise ValueError(f"{value.name}[{index}]: produced {arr.shape} {arr.dtype}, "
                                      f"expected {tuple(want)} {value.dtype}")
                 await t[index].write(arr, can_reference_source_data_indefinitely=True)
+                if value.release is not None:
+                    value.release(arr)
                 del arr
             finally:
                 self._in_flight -= 1

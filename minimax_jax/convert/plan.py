@@ -174,15 +174,15 @@ def _check_piece(p: Piece, infos: dict[str, TensorInfo], actual: dict[str, str])
 def _classify_rest(cfg: ModelConfig, infos, actual, used: set[str]) -> list[str]:
     """Names not used by the plan: report the known-skippable ones, raise for the rest."""
     rest = [c for c in infos if c not in used and not (c.endswith(SCALE_SUFFIX) and c[:-len(SCALE_SUFFIX)] in used)]
-    extra_layers: dict[int, int] = {}
-    extra_mtp: dict[int, int] = {}
+    extra_layers: dict[int, list[str]] = {}
+    extra_mtp: dict[int, list[str]] = {}
     vision, unknown = [], []
     for c in sorted(rest):
         m, mm = _LAYER.match(c), _MTP.match(c)
         if m and int(m.group(1)) >= cfg.num_layers:
-            extra_layers[int(m.group(1))] = extra_layers.get(int(m.group(1)), 0) + 1
+            extra_layers.setdefault(int(m.group(1)), []).append(actual[c])
         elif mm and int(mm.group(1)) >= cfg.num_mtp_modules:
-            extra_mtp[int(mm.group(1))] = extra_mtp.get(int(mm.group(1)), 0) + 1
+            extra_mtp.setdefault(int(mm.group(1)), []).append(actual[c])
         elif _VISION.match(c):
             vision.append(actual[c])
         elif _IGNORED.search(c):
@@ -197,12 +197,14 @@ def _classify_rest(cfg: ModelConfig, infos, actual, used: set[str]) -> list[str]
         raise UnknownTensorError(f"unknown tensor(s) not explained by the config: {shown}{more}")
     warnings = []
     if extra_layers:
+        names = [n for v in extra_layers.values() for n in v]
         warnings.append(
-            f"skipped {sum(extra_layers.values())} tensors of layer indices {sorted(extra_layers)} >= num_layers "
-            f"({cfg.num_layers}): MTP slots that this config does not use (M2 publishes no MTP weights)")
+            f"skipped {len(names)} tensors of layer indices {sorted(extra_layers)} >= num_layers ({cfg.num_layers}): "
+            f"MTP slots this config does not use (M2 publishes no MTP weights), e.g. {names[:4]}")
     if extra_mtp:
-        warnings.append(f"skipped {sum(extra_mtp.values())} tensors of MTP modules {sorted(extra_mtp)} "
-                        f">= num_mtp_modules ({cfg.num_mtp_modules})")
+        names = [n for v in extra_mtp.values() for n in v]
+        warnings.append(f"skipped {len(names)} tensors of MTP modules {sorted(extra_mtp)} >= num_mtp_modules "
+                        f"({cfg.num_mtp_modules}), e.g. {names[:4]}")
     if vision:
         warnings.append(f"skipped {len(vision)} tensors outside the text tower (e.g. {vision[0]!r})")
     return warnings

@@ -74,13 +74,15 @@ class DecodeEngine:
       implementation: decode attention implementation (``minimax_jax.decode.ops``).
       prefill_implementation: implementation for the prefill ops (``minimax_jax.ops``).
       prefix_cache: share full pages between sequences by content hash.
+      query_rows: if set (1..16), every decode step is padded to this many rows so one compiled
+        step serves every Q <= query_rows (padding rows are never written); None = exact Q.
     Raises: ValueError for inconsistent sizes.
     """
 
     def __init__(self, params, cfg: ModelConfig, max_seqs: int, max_len: int, page_size: int | None = None,
                  num_pages: int | None = None, kv_dtype: str | None = None, index_dtype: str | None = None,
                  prefill_chunk: int = 256, implementation: str = "auto", prefill_implementation: str = "xla",
-                 prefix_cache: bool = True):
+                 prefix_cache: bool = True, query_rows: int | None = None):
         if cfg.has_msa:
             if page_size not in (None, cfg.index_block_size):
                 raise ValueError(f"MSA models need page_size == index_block_size ({cfg.index_block_size}), "
@@ -99,6 +101,9 @@ class DecodeEngine:
         self.implementation = implementation
         self.prefill_implementation = prefill_implementation
         self.prefix_cache = prefix_cache
+        if query_rows is not None and not 1 <= query_rows <= MAX_QUERY_ROWS:
+            raise ValueError(f"query_rows must be in [1, {MAX_QUERY_ROWS}], got {query_rows}")
+        self.query_rows = query_rows
         self.pool = PagePool(num_pages)
         self.cache = init_cache(cfg, self.spec)
         self.tables = np.zeros((max_seqs, pages_per_seq), np.int32)
@@ -260,12 +265,20 @@ class DecodeEngine:
         Raises: ValueError (bad shapes / slots / length), PagePoolExhausted.
         """
         tokens = np.asarray(tokens)
+        q_in = tokens.shape[-1] if tokens.ndim == 2 else 0
         if tokens.ndim != 2 or tokens.shape[0] != len(slots) or not 1 <= tokens.shape[1] <= MAX_QUERY_ROWS:
             raise ValueError(f"tokens must be [len(slots)={len(slots)}, Q<=16], got {tokens.shape}")
         if len(set(slots)) != len(slots):
             raise ValueError(f"slots must be distinct, got {list(slots)}")
         q = tokens.shape[1]
         counts = [q] * len(slots) if num_tokens is None else [int(n) for n in num_tokens]
+        if any(not 0 <= n <= q for n in counts):
+            raise ValueError(f"num_tokens must lie in [0, Q={q}], got {counts}")
+        if self.query_rows is not None:
+            if q > self.query_rows:
+                raise ValueError(f"Q={q} exceeds the engine's query_rows={self.query_rows}")
+            tokens = np.pad(tokens, ((0, 0), (0, self.query_rows - q)))
+            q = self.query_rows
         self._reserve({s: self.length(s) + n for s, n in zip(slots, counts)})
         tok = np.zeros((self.max_seqs, q), np.int32)
         pos = np.full((self.max_seqs, q), -1, np.int32)
@@ -277,4 +290,4 @@ class DecodeEngine:
         for i, (s, n) in enumerate(zip(slots, counts)):
             self.seqs[s].tokens.extend(int(t) for t in tokens[i, :n])
             self._publish(s)
-        return logits[list(slots)]
+        return logits[list(slots), :q_in]

@@ -92,9 +92,15 @@ class PagedBackend(Backend):
         self.engine = _CountingEngine(params, cfg, max_seqs=max_seqs, max_len=max_len, prefill_chunk=prefill_chunk,
                                       implementation=implementation, prefill_implementation=prefill_implementation,
                                       prefix_cache=prefix_cache, kv_dtype=kv_dtype)
-        self.supports_hidden = (_accepts(DecodeEngine.prefill, "return_hidden")
-                                and _accepts(DecodeEngine.decode_step, "return_hidden"))
+        self.supports_hidden = self.engine_returns_hidden()
         self.max_seqs, self.max_len = max_seqs, max_len
+
+    @staticmethod
+    def engine_returns_hidden() -> bool:
+        """Whether ``DecodeEngine.prefill`` and ``decode_step`` accept ``return_hidden=``."""
+        from minimax_jax.decode.engine import DecodeEngine
+
+        return _accepts(DecodeEngine.prefill, "return_hidden") and _accepts(DecodeEngine.decode_step, "return_hidden")
 
     def describe(self) -> str:
         e = self.engine
@@ -126,10 +132,10 @@ class PagedBackend(Backend):
                 raise RuntimeError(f"engine returned no logits for a prompt of length {len(p)}")
         if want_hidden:
             for s, p, h in zip(slots, prompts, hidden):
-                if len(h) != len(p):
+                if not 1 <= len(h) <= len(p):
                     raise EngineUnavailable(
-                        f"engine returned hidden states for {len(h)} of {len(p)} prompt tokens (prefix cache "
-                        "hit); MTP drafting needs all of them: disable the prefix cache")
+                        f"engine returned hidden states for {len(h)} of {len(p)} prompt tokens; MTP drafting "
+                        "needs those of the last prompt tokens (at least one)")
         return list(slots), np.stack([np.asarray(lg[-1]) for lg in logits]), hidden
 
     def step(self, handles, tokens, *, num_tokens=None, want_hidden=False):
@@ -165,7 +171,7 @@ class RecomputeBackend(Backend):
     name = "recompute"
     supports_hidden = True
 
-    def __init__(self, params, cfg: ModelConfig, *, max_seqs: int, max_len: int, **_unused):
+    def __init__(self, params, cfg: ModelConfig, *, max_seqs: int, max_len: int):
         from minimax_jax.model.transformer import forward
 
         self.params, self.cfg, self.max_seqs, self.max_len = params, cfg, max_seqs, max_len
@@ -245,5 +251,7 @@ def make_backend(engine: str, params, cfg: ModelConfig, *, max_seqs: int, max_le
     if engine == "paged":
         return PagedBackend(params, cfg, max_seqs=max_seqs, max_len=max_len, **options)
     if engine == "recompute":
+        if options:
+            raise ValueError(f"the recompute engine takes no options, got {sorted(options)}")
         return RecomputeBackend(params, cfg, max_seqs=max_seqs, max_len=max_len)
     raise ValueError(f"unknown engine {engine!r}; choose one of {ENGINES}")

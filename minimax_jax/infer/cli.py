@@ -40,7 +40,8 @@ flags.DEFINE_enum("speculative", "none", ["none", "mtp"], "Speculative decoding:
                   "model's MTP modules and verifies them in one step (same output distribution; greedy output "
                   "identical); the acceptance rate is reported.")
 flags.DEFINE_integer("num_draft", None, "Drafts per step with --speculative mtp (default: all MTP modules).")
-flags.DEFINE_integer("mtp_window", 256, "Positions the MTP layers attend over while drafting.", lower_bound=1)
+flags.DEFINE_integer("mtp_window", 64, "Positions the MTP layers attend over while drafting (each draft step "
+                     "runs the MTP layers over this many tokens; larger = better drafts, slower).", lower_bound=1)
 flags.DEFINE_enum("engine", "paged", ["paged", "recompute"], "Generation engine: 'paged' = KV-cache decode engine "
                   "(minimax_jax.decode); 'recompute' = full forward each step (slow; for checking).")
 flags.DEFINE_integer("prefill_chunk", 256, "Prompt tokens per prefill step of the paged engine.", lower_bound=1)
@@ -116,8 +117,10 @@ def run() -> int:
     check_context(cfg, [len(prompt)], config.max_new_tokens)
     model = load_model(ckpt, tokenizer_path=FLAGS.tokenizer, dtype=FLAGS.dtype, mesh=FLAGS.mesh,
                        rules=FLAGS.sharding_rules, convert_dir=FLAGS.convert_dir, log=_err)
+    where = "single device" if model.mesh is None else "mesh " + ",".join(
+        f"{k}={v}" for k, v in model.mesh.shape.items() if v > 1)
     _err(f"model: {model.checkpoint_dir} [{model.source}], {model.cfg.num_layers} layers, "
-         f"vocab {model.cfg.vocab_size}, context {model.cfg.max_position_embeddings}")
+         f"vocab {model.cfg.vocab_size}, context {model.cfg.max_position_embeddings}, {where}")
     gen = Generator(model.cfg, model.params, model.tokenizer, engine=FLAGS.engine,
                     engine_options={"prefill_chunk": FLAGS.prefill_chunk} if FLAGS.engine == "paged" else None,
                     log=_err)

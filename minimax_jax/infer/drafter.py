@@ -63,11 +63,12 @@ class MTPDrafter:
     Args:
       params, cfg: the model (needs ``cfg.num_mtp_modules >= num_draft`` and ``params["mtp"]``).
       num_draft: drafts per step (default: all MTP modules, at most 15 so 1 + drafts <= 16 rows).
-      window: positions each MTP layer attends over (static; default 256).
+      window: positions each MTP layer attends over (static; default 64). Drafting costs
+        ``num_draft`` MTP layers over ``window`` tokens per step (no MTP KV cache yet).
     Raises: InferenceError when the model has no (or too few) MTP modules.
     """
 
-    def __init__(self, params, cfg: ModelConfig, num_draft: int | None = None, window: int = 256):
+    def __init__(self, params, cfg: ModelConfig, num_draft: int | None = None, window: int = 64):
         have = cfg.num_mtp_modules if "mtp" in params else 0
         if have < 1:
             raise InferenceError("speculative decoding with MTP needs a checkpoint with MTP modules "
@@ -87,11 +88,13 @@ class MTPDrafter:
         self._depth = jax.jit(functools.partial(mtp_depth, cfg=cfg))
 
     def start(self, row: int, tokens, hidden) -> None:
-        """Begin a row with its prompt tokens and their main hidden states ``[T, H]``."""
-        if len(tokens) != len(hidden):
-            raise ValueError(f"{len(tokens)} tokens but {len(hidden)} hidden states")
-        self.tokens[row] = [int(t) for t in tokens][-self.window:]
-        self.hidden[row] = np.asarray(hidden)[-self.window:]
+        """Begin a row with its prompt tokens and the main hidden states ``[T', H]`` of the LAST
+        ``T' <= len(tokens)`` of them (``T' >= 1``; only the last ``window`` are kept)."""
+        if not 1 <= len(hidden) <= len(tokens):
+            raise ValueError(f"need hidden states for 1..{len(tokens)} prompt tokens, got {len(hidden)}")
+        keep = min(len(hidden), self.window)
+        self.tokens[row] = [int(t) for t in tokens][-keep:]
+        self.hidden[row] = np.asarray(hidden)[-keep:]
         self._len[row] = len(tokens)
 
     def extend(self, row: int, tokens, hidden) -> None:

@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from minimax_jax.config import ModelConfig
-from minimax_jax.infer.backends import Backend, make_backend
+from minimax_jax.infer.backends import ENGINES, Backend, make_backend
 from minimax_jax.infer.errors import ContextTooLong, InferenceError
 from minimax_jax.infer.metrics import GenerationStats, Timer
 from minimax_jax.infer.sampler import RowSampler, SamplingParams
@@ -55,7 +55,7 @@ class GenerationConfig:
     repeat_max_count: int = 0
     speculative: str | None = None
     num_draft: int | None = None
-    mtp_window: int = 256
+    mtp_window: int = 64
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -105,10 +105,13 @@ class Generator:
       engine: "paged" (default, ``minimax_jax.decode``) or "recompute" (full forward per step).
       engine_options: passed to the paged engine (prefill_chunk, implementation, kv_dtype, ...).
       log: receives one-line messages (which engine is built).
+    Raises: ValueError for an unknown engine.
     """
 
     def __init__(self, cfg: ModelConfig, params, tokenizer=None, *, engine: str = "paged",
                  engine_options: dict | None = None, log: Callable[[str], None] | None = None):
+        if engine not in ENGINES:
+            raise ValueError(f"unknown engine {engine!r}; choose one of {ENGINES}")
         self.cfg, self.params, self.tokenizer = cfg, params, tokenizer
         self.engine = engine
         self.engine_options = dict(engine_options or {})
@@ -119,14 +122,18 @@ class Generator:
 
     # ------------------------------------------------------------------ setup
     def _get_backend(self, n: int, max_len: int, speculative: bool) -> Backend:
-        max_len = min(_round_up_pow2(max(max_len, 64)), self.cfg.max_position_embeddings + 16)
+        # Powers of two so later calls reuse the engine (and its compiled steps); never past the
+        # model's context (speculative steps shorten their drafts near the end instead).
+        max_len = min(_round_up_pow2(max(max_len, 64)), self.cfg.max_position_embeddings)
         key = (self.engine, speculative)
         b = self.backend
         if b is not None and self._backend_key == key and b.max_seqs >= n and b.max_len >= max_len:
             return b
+        if b is not None and self._backend_key == key:   # grow, never shrink: no rebuild back and forth
+            n, max_len = max(n, b.max_seqs), max(max_len, b.max_len)
         opts = dict(self.engine_options)
         if speculative and self.engine == "paged":
-            opts["prefix_cache"] = False   # drafting needs the hidden state of every prompt token
+            opts["prefix_cache"] = False   # cached prefixes return no hidden states for the drafter
         self.backend = make_backend(self.engine, self.params, self.cfg, max_seqs=n, max_len=max_len, **opts)
         self._backend_key = key
         self.log(f"engine: {self.backend.describe()}")

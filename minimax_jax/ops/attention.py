@@ -8,7 +8,8 @@ Implementations:
 - ``"xla"``: reference in plain JAX, queries processed in chunks so memory is O(chunk * S).
 - ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")`` (GPU only; only for the
   plain causal case T == S with default positions, no segments; raises otherwise).
-- ``"auto"``: ``"cudnn"`` on GPU when applicable, else ``"xla"``. The choice is recorded.
+- ``"auto"``: ``"cudnn"`` on GPU for plain causal self-attention (T == S, no segment ids, no
+  window), else ``"xla"``. The choice is recorded.
 """
 
 from __future__ import annotations
@@ -67,13 +68,15 @@ def attention(
         raise ValueError(f"attention: k {k.shape} / v {v.shape} do not match q {q.shape} as [B,S,G,D]")
     if h % g:
         raise ValueError(f"attention: {h} query heads not divisible by {g} kv heads")
+    user_segments = None if q_segment_ids is None and kv_segment_ids is None else True
     if q_segment_ids is None:
         q_segment_ids = jnp.zeros((b, t), jnp.int32)
     if kv_segment_ids is None:
         kv_segment_ids = jnp.zeros((b, s), jnp.int32)
     impl = implementation
     if impl == "auto":
-        impl = "cudnn" if default_backend() == "gpu" and t == s and sliding_window is None else "xla"
+        plain = user_segments is None and t == s and sliding_window is None
+        impl = "cudnn" if default_backend() == "gpu" and plain else "xla"
     if impl == "cudnn":
         if default_backend() != "gpu":
             raise ImplementationUnavailable("cudnn attention needs a GPU backend")

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from minimax_jax.ops.common import ImplementationUnavailable, default_backend
 
-__all__ = ["GMM_IMPLEMENTATIONS", "resolve_gmm", "grouped_matmul"]
+__all__ = ["GMM_IMPLEMENTATIONS", "resolve_gmm", "grouped_matmul", "tokamax_status"]
 
 GMM_IMPLEMENTATIONS = ("auto", "xla", "tokamax")
 
@@ -33,6 +33,12 @@ def _tokamax():
     except Exception as e:  # tokamax imports xprof etc.; any failure means "not available"
         return f"{type(e).__name__}: {e}"
     return tokamax
+
+
+def tokamax_status() -> str | None:
+    """None when tokamax imports here, else the import error text (cached; CPU-independent)."""
+    tk = _tokamax()
+    return tk if isinstance(tk, str) else None
 
 
 def resolve_gmm(implementation: str) -> str:

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from minimax_jax.ops.common import ImplementationUnavailable, default_backend, record_implementation
-from minimax_jax.ops.grouped_matmul import _tokamax, grouped_matmul
+from minimax_jax.ops.grouped_matmul import grouped_matmul, tokamax_status
 from minimax_jax.ops.moe_permute import gather_rows, group_starts, permute_rows, sort_by_expert, unpermute_combine
 
 __all__ = ["MOE_IMPLEMENTATIONS", "router_scores", "route", "moe_experts", "sorted_expert_mlp",
@@ -175,7 +175,7 @@ def moe_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, wi: jax.Ar
                                    transport=ep_transport)
     impl = implementation
     if impl == "auto":
-        if default_backend() in ("gpu", "tpu") and not isinstance(_tokamax(), str):
+        if default_backend() in ("gpu", "tpu") and tokamax_status() is None:
             impl = "tokamax"
         else:
             impl = "dense" if n * e <= 65536 else "ragged"

@@ -15,9 +15,11 @@ Implementations:
   function names and keyword arguments (segment ids always passed as arrays, zeros when omitted),
   plus ``backend="gpu" | "tpu" | "interpret" | "gpu_interpret"``.
   ``ImplementationUnavailable`` is raised when that module or function is missing.
-- ``"auto"``: ``"xla"`` on CPU; on GPU/TPU the Pallas kernel for the backend when importable,
-  else ``"xla"``. What ran is recorded with ``minimax_jax.ops.common.record_implementation``
-  under the op's name (see ``implementation_report()``).
+- ``"auto"``: ``"xla"`` on CPU; on GPU/TPU the Pallas kernel for the backend when it imports and
+  accepts the inputs (``pallas_kernels.msa.api.supports(op, *args, backend=..., **kwargs)``
+  returning None, when the kernel module defines that hook), else ``"xla"`` with the reason recorded
+  under ``"<op>.auto_reason"``. What ran is recorded with
+  ``minimax_jax.ops.common.record_implementation`` under the op's name (``implementation_report()``).
 
 ``chunk_size`` only tunes the ``"xla"`` reference (queries per ``lax.map`` step).
 """
@@ -46,7 +48,7 @@ DEFAULT_CHUNK_SIZE = 256
 # ----------------------------------------------------------------------------- dispatch
 
 def _pallas_fn(op: str, implementation: str):
-    """The kernel entry point ``pallas_kernels.msa.api.<op>`` or ImplementationUnavailable."""
+    """``(pallas_kernels.msa.api module, its function <op>)`` or ImplementationUnavailable."""
     try:
         api = importlib.import_module("pallas_kernels.msa.api")
     except ImportError as e:
@@ -57,29 +59,39 @@ def _pallas_fn(op: str, implementation: str):
     if fn is None:
         raise ImplementationUnavailable(
             f"{op}: implementation {implementation!r}: pallas_kernels.msa.api has no function {op!r} yet")
-    return fn
+    return api, fn
 
 
-def _resolve(op: str, implementation: str):
-    """Return ``(name, kernel_fn_or_None)`` for a requested implementation and record the name."""
+def _dispatch(op: str, implementation: str, args: tuple, kwargs: dict, run_xla):
+    """Run ``op`` with the requested implementation and record which one ran.
+
+    Explicit kernel names call ``pallas_kernels.msa.api.<op>(*args, **kwargs, backend=...)``.
+    ``"auto"`` on GPU/TPU takes the backend's kernel when it imports and, if the kernel module has
+    ``supports(op, *args, backend=..., **kwargs) -> None | reason``, when that returns None;
+    otherwise it runs ``"xla"`` and records the reason under ``"<op>.auto_reason"``.
+    """
     if implementation not in IMPLEMENTATIONS:
         raise ImplementationUnavailable(
             f"{op}: unknown implementation {implementation!r}; expected one of {IMPLEMENTATIONS}")
-    impl = implementation
-    fn = None
-    if impl == "auto":
+    if implementation in _PALLAS:
+        _, fn = _pallas_fn(op, implementation)
+        record_implementation(op, implementation)
+        return fn(*args, **kwargs, backend=_PALLAS[implementation])
+    if implementation == "auto" and default_backend() in ("gpu", "tpu"):
         backend = default_backend()
-        impl = "xla"
-        if backend in ("gpu", "tpu"):
-            try:
-                fn = _pallas_fn(op, f"pallas_{backend}")
-                impl = f"pallas_{backend}"
-            except ImplementationUnavailable:
-                fn = None
-    elif impl in _PALLAS:
-        fn = _pallas_fn(op, impl)
-    record_implementation(op, impl)
-    return impl, fn
+        try:
+            api, fn = _pallas_fn(op, f"pallas_{backend}")
+        except ImplementationUnavailable as e:
+            reason = str(e)
+        else:
+            supports = getattr(api, "supports", None)
+            reason = None if supports is None else supports(op, *args, backend=backend, **kwargs)
+            if reason is None:
+                record_implementation(op, f"pallas_{backend}")
+                return fn(*args, **kwargs, backend=backend)
+        record_implementation(f"{op}.auto_reason", str(reason))
+    record_implementation(op, "xla")
+    return run_xla()
 
 
 # ----------------------------------------------------------------------------- validation
@@ -207,11 +219,10 @@ def msa_index_scores(qi, ki, *, q_positions, kv_positions, q_segment_ids=None, k
     chunk = _check_chunk(op, chunk_size)
     q_pos, kv_pos, q_seg, kv_seg = _masks(op, b, t, s, q_positions, kv_positions, q_segment_ids,
                                           kv_segment_ids, block_size)
-    impl, fn = _resolve(op, implementation)
-    if fn is not None:
-        return fn(qi, ki, q_positions=q_pos, kv_positions=kv_pos, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
-                  block_size=block_size, backend=_PALLAS[impl])
-    return _ref.index_scores(qi, ki, q_pos, kv_pos, q_seg, kv_seg, block_size=block_size, chunk_size=chunk)
+    kw = dict(q_positions=q_pos, kv_positions=kv_pos, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+              block_size=block_size)
+    return _dispatch(op, implementation, (qi, ki), kw, lambda: _ref.index_scores(
+        qi, ki, q_pos, kv_pos, q_seg, kv_seg, block_size=block_size, chunk_size=chunk))
 
 
 def msa_select_blocks(qi, ki, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None,
@@ -244,13 +255,11 @@ def msa_select_blocks(qi, ki, *, q_positions, kv_positions, q_segment_ids=None, 
     chunk = _check_chunk(op, chunk_size)
     q_pos, kv_pos, q_seg, kv_seg = _masks(op, b, t, s, q_positions, kv_positions, q_segment_ids,
                                           kv_segment_ids, block_size)
-    impl, fn = _resolve(op, implementation)
-    if fn is not None:
-        return fn(qi, ki, q_positions=q_pos, kv_positions=kv_pos, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
-                  block_size=block_size, topk=topk, init_blocks=init_blocks, local_blocks=local_blocks,
-                  backend=_PALLAS[impl])
-    return _ref.select_blocks(qi, ki, q_pos, kv_pos, q_seg, kv_seg, block_size=block_size, topk=topk,
-                              init_blocks=init_blocks, local_blocks=local_blocks, chunk_size=chunk)
+    kw = dict(q_positions=q_pos, kv_positions=kv_pos, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+              block_size=block_size, topk=topk, init_blocks=init_blocks, local_blocks=local_blocks)
+    return _dispatch(op, implementation, (qi, ki), kw, lambda: _ref.select_blocks(
+        qi, ki, q_pos, kv_pos, q_seg, kv_seg, block_size=block_size, topk=topk, init_blocks=init_blocks,
+        local_blocks=local_blocks, chunk_size=chunk))
 
 
 def msa_attention(q, k, v, block_ids, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None,
@@ -281,11 +290,10 @@ def msa_attention(q, k, v, block_ids, *, q_positions, kv_positions, q_segment_id
     ids = _check_int("block_ids", block_ids, block_ids.shape, op)
     q_pos, kv_pos, q_seg, kv_seg = _masks(op, b, t, s, q_positions, kv_positions, q_segment_ids,
                                           kv_segment_ids, block_size)
-    impl, fn = _resolve(op, implementation)
-    if fn is not None:
-        return fn(q, k, v, ids, q_positions=q_pos, kv_positions=kv_pos, q_segment_ids=q_seg,
-                  kv_segment_ids=kv_seg, block_size=block_size, backend=_PALLAS[impl])
-    return _ref.attention(q, k, v, ids, q_pos, kv_pos, q_seg, kv_seg, block_size=block_size, chunk_size=chunk)
+    kw = dict(q_positions=q_pos, kv_positions=kv_pos, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+              block_size=block_size)
+    return _dispatch(op, implementation, (q, k, v, ids), kw, lambda: _ref.attention(
+        q, k, v, ids, q_pos, kv_pos, q_seg, kv_seg, block_size=block_size, chunk_size=chunk))
 
 
 def indexer_kl(q, k, qi, ki, block_ids, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None,
@@ -330,9 +338,7 @@ def indexer_kl(q, k, qi, ki, block_ids, *, q_positions, kv_positions, q_segment_
         block_size = _check_pos_int("block_size", block_size, op)
     q_pos, kv_pos, q_seg, kv_seg = _masks(op, b, t, s, q_positions, kv_positions, q_segment_ids,
                                           kv_segment_ids, block_size if ids is not None else None)
-    impl, fn = _resolve(op, implementation)
-    if fn is not None:
-        return fn(q, k, qi, ki, ids, q_positions=q_pos, kv_positions=kv_pos, q_segment_ids=q_seg,
-                  kv_segment_ids=kv_seg, block_size=block_size, backend=_PALLAS[impl])
-    return _kl.indexer_kl(q, k, qi, ki, ids, q_pos, kv_pos, q_seg, kv_seg, block_size=block_size,
-                          chunk_size=chunk)
+    kw = dict(q_positions=q_pos, kv_positions=kv_pos, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+              block_size=block_size)
+    return _dispatch(op, implementation, (q, k, qi, ki, ids), kw, lambda: _kl.indexer_kl(
+        q, k, qi, ki, ids, q_pos, kv_pos, q_seg, kv_seg, block_size=block_size, chunk_size=chunk))

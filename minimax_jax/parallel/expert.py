@@ -2,7 +2,8 @@
 
 Layout (mesh axes come from the rule table, never hard-coded here):
 - tokens ``[N, H]`` are split over the mesh axes of the ``batch`` and ``length`` rules (minus the
-  expert-tensor axes), so every expert-parallel rank holds different tokens;
+  expert-tensor axes) and always over the expert axes, so every expert-parallel rank holds
+  different tokens;
 - routed experts are split over the axes of the ``experts`` rule (``P`` ranks, ``E / P`` each;
   ``E`` is padded with never-chosen zero experts when ``P`` does not divide it);
 - the expert width ``I`` is split over the axes of the ``mlp_expert`` rule (tensor parallelism
@@ -54,8 +55,11 @@ def _plan_axes(mesh, rules, num_experts: int, width: int):
         tp = ()  # expert width not divisible: every rank computes the whole width (no psum)
     tok = []
     for a in rules["batch"] + rules["length"]:
-        if a not in tok and a not in tp and mesh.shape[a] > 1:
+        if a not in tok and a not in tp and (mesh.shape[a] > 1 or a in ep):
             tok.append(a)
+    # Tokens are always split over the expert-parallel axes (each rank sends its own tokens), also
+    # when the batch rule does not name them; GSPMD reshards at the shard_map boundary then.
+    tok += [a for a in ep if a not in tok]
     return ep, tp, tuple(tok)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import warnings
 from typing import Any, Callable
 
@@ -73,28 +74,63 @@ class Checkpointer:
         Args:
           abstract_state_for: ``meta -> abstract state`` (ShapeDtypeStructs with shardings) used as
             the restore target, so arrays come back sharded and typed as the run needs them.
-        Returns: ``(step, state, data_state, meta)`` or None when no checkpoint can be read.
-        Emits CheckpointFallbackWarning for each unreadable step that is skipped.
+        Returns: ``(step, state, data_state, meta)``, or None when there is no checkpoint.
+        Raises: RuntimeError when checkpoints exist but none can be read (never silently restart).
+        Emits CheckpointFallbackWarning for each unreadable step that is skipped; once an older step
+        is restored, the unreadable newer ones are moved to ``<directory>_corrupt/<step>`` so the run
+        can write those steps again.
         """
+        bad: list[int] = []
         for step in sorted(self.manager.all_steps(), reverse=True):
-            try:
-                meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-                target = abstract_state_for(meta)
-                got = self.manager.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
-            except Exception as e:  # noqa: BLE001 - any unreadable checkpoint falls back
+            got = self._try_restore(step, abstract_state_for)
+            if isinstance(got, Exception):
                 msg = (f"checkpoint step {step} in {self.directory} cannot be restored "
-                       f"({type(e).__name__}: {str(e)[:300]}); falling back to the previous checkpoint")
+                       f"({type(got).__name__}: {str(got)[:300]}); falling back to the previous checkpoint")
                 warnings.warn(msg, CheckpointFallbackWarning, stacklevel=2)
                 log.warning(msg)
+                bad.append(step)
                 continue
+            meta = got["meta"]
+            if bad:
+                self._quarantine(bad)
             per = got["data"]["per_process"]
             idx = jax.process_index()
             if len(per) != jax.process_count():
                 raise RuntimeError(f"checkpoint step {step} was written by {len(per)} processes; this run has "
                                    f"{jax.process_count()} (the data iterator positions cannot be mapped)")
             return step, got["state"], per[idx], meta
+        if bad:
+            raise RuntimeError(f"none of the checkpoints {sorted(bad)} in {self.directory} can be restored (see the "
+                               "warnings above); move them away to start afresh, or fix the model config")
         return None
+
+    def _try_restore(self, step: int, abstract_state_for: Callable[[dict[str, Any]], Any]):
+        """The restored items of ``step``, or the exception that made a file unreadable. Errors of
+        ``abstract_state_for`` (a model/config mismatch: the caller's error) propagate."""
+        try:
+            meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception as e:  # noqa: BLE001 - any unreadable checkpoint falls back
+            return e
+        target = abstract_state_for(meta)
+        try:
+            got = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
+        except Exception as e:  # noqa: BLE001
+            return e
+        return {"meta": meta, "state": got["state"], "data": got["data"]}
+
+    def _quarantine(self, steps: list[int]) -> None:
+        if jax.process_index() == 0:
+            dest = self.directory + "_corrupt"
+            os.makedirs(dest, exist_ok=True)
+            for s in steps:
+                src = os.path.join(self.directory, str(s))
+                if os.path.isdir(src):
+                    target = os.path.join(dest, f"{s}-{int(time.time())}")
+                    os.replace(src, target)
+                    log.warning("moved unreadable checkpoint %s to %s", src, target)
+        multihost_utils.sync_global_devices("minimax_jax.train.checkpointing.quarantine")
+        self.manager.reload()
 
 
 def _gather_json(x: Any) -> list[Any]:

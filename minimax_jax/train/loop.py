@@ -19,6 +19,7 @@ and orbax writes one checkpoint from all processes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -26,7 +27,6 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import yaml
 
@@ -82,6 +82,10 @@ class Trainer:
         self._opt: dict[str, Any] = {}
         self._steps: dict[str, Any] = {}
 
+    def mesh_context(self):
+        """``use_mesh`` for tracing (sharding constraints, expert-parallel MoE); a no-op on one device."""
+        return use_mesh(self.mesh, self.rules) if self.mesh.devices.size > 1 else contextlib.nullcontext()
+
     # ------------------------------------------------------------------ phases
     def phase_of(self, step: int) -> str:
         return PHASE_WARMUP if step < self.warmup_steps else PHASE_MAIN
@@ -131,7 +135,7 @@ class Trainer:
     def initial_state(self) -> dict[str, Any]:
         phase = self.phase_of(0)
         src_sh = params_shardings(self.src_cfg, self.mesh, self.rules) if self.src_cfg is not None else None
-        with use_mesh(self.mesh, self.rules):
+        with self.mesh_context():
             params = initial_params(self.tc, self.cfg, self.src_cfg, self.param_sh, src_sh)
             tx, _, _ = self.optimizer(phase)
             sh = self.state_shardings(phase)
@@ -139,7 +143,7 @@ class Trainer:
             return make(params)
 
     def run_step(self, phase: str, state, batch):
-        with use_mesh(self.mesh, self.rules):
+        with self.mesh_context():
             return self.step_fn(phase)(state, to_global(batch, self.batch_sh))
 
     def evaluate(self, params) -> float:
@@ -149,7 +153,7 @@ class Trainer:
                                  out_shardings=(self.rep, self.rep))
         it = make_iterator(self.tc.data, self.cfg.vocab_size, sources=self.tc.run.eval_sources, eval_mode=True)
         ce = cnt = 0.0
-        with use_mesh(self.mesh, self.rules):
+        with self.mesh_context():
             for _, batch in zip(range(self.tc.run.eval_batches), it):
                 a, b = self._eval(params, to_global(batch, self.batch_sh))
                 ce, cnt = ce + float(a), cnt + float(b)
@@ -179,7 +183,7 @@ def _meta(tr: Trainer, step: int, phase: str) -> dict[str, Any]:
 
 def _check_meta(tr: Trainer, meta: dict[str, Any]) -> None:
     saved = ModelConfig.from_dict(meta["model_config"])
-    ignore = {"attention_impl", "moe_impl", "msa_impl"}
+    ignore = {"attention_impl", "moe_impl", "msa_impl", "dtype", "param_dtype"}  # restore casts dtypes
     diff = [k for k, v in saved.to_dict().items() if k not in ignore and tr.cfg.to_dict()[k] != v]
     if diff:
         raise TrainConfigError(f"the run directory's checkpoints were written for a different model config "
@@ -199,6 +203,8 @@ def train(tc: TrainConfig, devices: list | None = None) -> dict[str, Any]:
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, "config.yaml"), "w") as f:
             yaml.safe_dump(tc.to_dict(), f, sort_keys=False)
+        with open(os.path.join(run_dir, "model_config.yaml"), "w") as f:  # the resolved model (MSA layers...)
+            yaml.safe_dump(tr.cfg.to_dict(), f, sort_keys=False)
     ck = Checkpointer(os.path.join(run_dir, "checkpoints"), keep=tc.checkpoint.keep, async_save=tc.checkpoint.async_save)
     data_it = make_iterator(tc.data, tr.cfg.vocab_size)
     restored = None
@@ -234,7 +240,7 @@ def train(tc: TrainConfig, devices: list | None = None) -> dict[str, Any]:
         while step < tc.run.steps:
             want = tr.phase_of(step)
             if want != phase:  # MSA warm-up done: fresh optimizer for the main phase
-                with use_mesh(tr.mesh, tr.rules):
+                with tr.mesh_context():
                     state = {**state, "opt_state": tr.fresh_opt_state(want, state["params"])}
                 phase = want
                 writer.message(f"step {step}: indexer warm-up done, switching to sparse training")

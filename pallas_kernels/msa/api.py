@@ -7,14 +7,17 @@ Each function takes the op's arguments plus ``backend``:
   "gpu_interpret" the GPU kernels in Pallas interpret mode (CPU tests of the GPU kernel logic).
 An unknown backend, or a function a backend does not provide, raises ImplementationUnavailable;
 there is no silent fallback. ``last_backend()`` reports what ran last per op.
-Conventions the kernels rely on (queries are the last T keys; segments contiguous): layout.py.
+Conventions the kernels rely on (queries are the last T keys; each segment stored as one run with
+positions 0, 1, 2, ...): layout.py. They are checked (ValueError) whenever the positions and
+segment ids are concrete (eager calls); under jit they cannot be checked and are a precondition.
 """
 
 from __future__ import annotations
 
 from minimax_jax.ops.common import ImplementationUnavailable, record_implementation
 
-__all__ = ["msa_select_blocks", "msa_attention", "indexer_kl", "BACKENDS", "last_backend"]
+__all__ = ["msa_select_blocks", "msa_attention", "indexer_kl", "supports", "BACKENDS",
+           "last_backend"]
 
 BACKENDS = ("gpu", "tpu", "interpret", "gpu_interpret")
 _last: dict[str, str] = {}
@@ -23,6 +26,51 @@ _last: dict[str, str] = {}
 def last_backend() -> dict[str, str]:
     """{op name: backend} of the kernels traced most recently in this process."""
     return dict(_last)
+
+
+def _pow2(x):
+    return x >= 16 and not (x & (x - 1))
+
+
+def supports(op, *args, backend, **kwargs):
+    """None when the kernel of ``backend`` handles this call of ``op``, else the reason (a string).
+
+    Used by ``implementation="auto"`` in minimax_jax.ops.msa. Checks: the op has a kernel for the
+    backend; GPU (Triton) tiles need block_size and the head / index dims to be powers of two >= 16;
+    TPU (Mosaic) needs block_size % 128 == 0; the dense KL warm-up (block_ids=None) has no kernel;
+    the storage layout (layout.py) when positions are concrete (under jit it is a precondition).
+    """
+    gpu = backend in ("gpu", "gpu_interpret")
+    if op not in ("msa_attention", "msa_select_blocks", "indexer_kl"):
+        return f"{op}: no Pallas kernel (use xla)"
+    if op == "indexer_kl" and not gpu:
+        return "indexer_kl: no Pallas TPU kernel yet"
+    blk = kwargs.get("block_size")
+    if op == "indexer_kl" and args[4] is None:
+        return "indexer_kl: dense warm-up (block_ids=None) has no Pallas kernel"
+    if gpu:
+        if blk is None or not _pow2(blk):
+            return f"block_size must be a power of two >= 16 for the GPU kernels, got {blk}"
+        dims = {"msa_attention": (args[0].shape[-1], args[2].shape[-1]),
+                "msa_select_blocks": (args[0].shape[-1],),
+                "indexer_kl": (args[0].shape[-1], args[2].shape[-1])}[op]
+        if not all(_pow2(d) for d in dims):
+            return f"head / index dims {dims} must be powers of two >= 16 for the GPU kernels"
+    elif blk is None or blk % 128:
+        return f"block_size must be a multiple of 128 for the TPU kernels, got {blk}"
+    try:
+        from pallas_kernels.msa import layout
+        layout.check_layout(kwargs["q_positions"], kwargs["kv_positions"],
+                            kwargs.get("q_segment_ids"), kwargs.get("kv_segment_ids"))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _check_layout(op, kw):
+    from pallas_kernels.msa import layout
+    layout.check_layout(kw["q_positions"], kw["kv_positions"], kw.get("q_segment_ids"),
+                        kw.get("kv_segment_ids"))
 
 
 def _check_backend(op, backend):
@@ -47,6 +95,7 @@ def msa_attention(q, k, v, block_ids, *, q_positions, kv_positions, q_segment_id
     _check_backend(op, backend)
     kw = dict(q_positions=q_positions, kv_positions=kv_positions, q_segment_ids=q_segment_ids,
               kv_segment_ids=kv_segment_ids, block_size=block_size)
+    _check_layout(op, kw)
     if backend in ("gpu", "gpu_interpret"):
         from pallas_kernels.msa.gpu_attention import msa_attention_gpu
         return msa_attention_gpu(q, k, v, block_ids, interpret=backend == "gpu_interpret", **kw)
@@ -72,6 +121,7 @@ def msa_select_blocks(qi, ki, *, q_positions, kv_positions, q_segment_ids=None, 
     kw = dict(q_positions=q_positions, kv_positions=kv_positions, q_segment_ids=q_segment_ids,
               kv_segment_ids=kv_segment_ids, block_size=block_size, topk=topk,
               init_blocks=init_blocks, local_blocks=local_blocks)
+    _check_layout(op, kw)
     if backend in ("gpu", "gpu_interpret"):
         from pallas_kernels.msa.gpu_indexer import msa_select_blocks_gpu
         return msa_select_blocks_gpu(qi, ki, interpret=backend == "gpu_interpret", **kw)
@@ -84,17 +134,21 @@ def msa_select_blocks(qi, ki, *, q_positions, kv_positions, q_segment_ids=None, 
 
 def indexer_kl(q, k, qi, ki, block_ids, *, q_positions, kv_positions, q_segment_ids=None,
                kv_segment_ids=None, block_size=None, backend):
-    """Indexer KL loss (MSA_SPEC.md section 4) with Pallas kernels.
+    """Indexer KL loss on the selected support (MSA_SPEC.md section 4) with Pallas kernels.
 
-    Raises: ImplementationUnavailable until a kernel exists for ``backend`` (use "xla").
+    Args: as ``minimax_jax.ops.msa.indexer_kl`` plus backend. Returns (kl_sum f32, count int32);
+      gradients reach qi and ki only.
+    Raises: ImplementationUnavailable for the TPU backends (no TPU KL kernel yet) and for
+      block_ids=None (dense warm-up; use implementation="xla"); ValueError for bad shapes.
     """
     op = "indexer_kl"
     _check_backend(op, backend)
-    try:
-        from pallas_kernels.msa import kl as _kl
-    except ImportError as e:
+    if backend not in ("gpu", "gpu_interpret"):
         raise ImplementationUnavailable(
-            f"{op}: no Pallas indexer-KL kernel for backend {backend!r} yet ({e}); use implementation='xla'") from e
-    return _kl.indexer_kl(q, k, qi, ki, block_ids, q_positions=q_positions, kv_positions=kv_positions,
-                          q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                          block_size=block_size, backend=backend)
+            f"{op}: no Pallas TPU indexer-KL kernel yet (backend {backend!r}); use implementation='xla'")
+    kw = dict(q_positions=q_positions, kv_positions=kv_positions, q_segment_ids=q_segment_ids,
+              kv_segment_ids=kv_segment_ids)
+    _check_layout(op, kw)
+    from pallas_kernels.msa.gpu_kl import indexer_kl_gpu
+    return indexer_kl_gpu(q, k, qi, ki, block_ids, block_size=block_size,
+                          interpret=backend == "gpu_interpret", **kw)

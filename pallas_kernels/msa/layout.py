@@ -114,3 +114,55 @@ def window_starts(block_ids, base, block_size, s_pad):
     """Storage start of every selected block, clamped to [0, s_pad - B]: int32 [B,G,T,K]."""
     start = base[:, None, :, None] + block_ids * block_size
     return jnp.clip(start, 0, s_pad - block_size).astype(jnp.int32)
+
+
+def _concrete(x):
+    import numpy as np
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+def check_layout(q_positions, kv_positions, q_segment_ids, kv_segment_ids):
+    """Validate the storage layout the kernels rely on (module docstring) when values are concrete.
+
+    Under ``jit`` (tracers) nothing can be checked and the call returns False; callers document the
+    contract. Returns True when checked. Raises ValueError naming the first violation:
+    a segment stored in more than one run, positions inside a run not increasing by one,
+    ``kv_pos[j] > j``, or a query that is not the key stored at ``S - T + i``.
+    """
+    import numpy as np
+    qp, kp = _concrete(q_positions), _concrete(kv_positions)
+    qs = _concrete(q_segment_ids) if q_segment_ids is not None else None
+    ks = _concrete(kv_segment_ids) if kv_segment_ids is not None else None
+    if qp is None or kp is None or (q_segment_ids is not None and (qs is None or ks is None)):
+        return False
+    bsz, s = kp.shape
+    t = qp.shape[1]
+    if qs is None:
+        qs = np.zeros_like(qp)
+        ks = np.zeros_like(kp)
+    for b in range(bsz):
+        valid = ks[b] >= 0
+        j = np.arange(s)
+        if np.any(kp[b][valid] > j[valid]):
+            bad = int(j[valid][np.argmax(kp[b][valid] > j[valid])])
+            raise ValueError(f"MSA kernels: kv_positions[{b},{bad}]={kp[b, bad]} exceeds its storage "
+                             f"index (keys must start at position 0 of their segment)")
+        same = (ks[b, 1:] == ks[b, :-1]) & valid[1:]
+        if np.any(same & (kp[b, 1:] != kp[b, :-1] + 1)):
+            bad = int(np.argmax(same & (kp[b, 1:] != kp[b, :-1] + 1))) + 1
+            raise ValueError(f"MSA kernels: kv_positions[{b}] must increase by 1 inside a segment "
+                             f"(index {bad})")
+        starts = valid & np.concatenate([[True], ~same])
+        seg_ids = ks[b][starts]
+        if len(np.unique(seg_ids)) != len(seg_ids):
+            raise ValueError(f"MSA kernels: a segment of batch row {b} is stored in several runs")
+        own = np.arange(s - t, s)
+        qv = qs[b] >= 0
+        if np.any(qv & ((ks[b, own] != qs[b]) | (kp[b, own] != qp[b]))):
+            i = int(np.argmax(qv & ((ks[b, own] != qs[b]) | (kp[b, own] != qp[b]))))
+            raise ValueError(f"MSA kernels: query {i} of batch row {b} is not the key stored at "
+                             f"S - T + i (queries must be the last T keys)")
+    return True

@@ -1,0 +1,88 @@
+"""Errors a user meets, each clear and raised before any compute: prompt + max_new_tokens over the
+context, checkpoint/config mismatch (every mismatched parameter listed), missing tokenizer / default
+checkpoint / checkpoint directory, bad prompts."""
+
+import os
+
+import pytest
+import yaml
+
+from minimax_jax.infer import (CheckpointMismatch, CheckpointNotFound, ContextTooLong, GenerationConfig, Generator,
+                               TokenizerNotFound, load_model)
+from minimax_jax.infer import loading
+from tests import infer_helpers as H
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    tok = H.chain_tokenizer(H.GOOD_PIECES)
+    cfg, params = H.chain_model(tok, H.GOOD_PIECES, H.chat_prompt_ids(tok)[-1])
+    return H.save_checkpoint(str(tmp_path_factory.mktemp("e") / "ckpt"), cfg, params, tok)
+
+
+def _edit_config(directory, **changes):
+    path = os.path.join(directory, "config.yaml")
+    with open(path) as f:
+        d = yaml.safe_load(f)
+    d.update(changes)
+    with open(path, "w") as f:
+        yaml.safe_dump(d, f)
+
+
+def test_context_too_long_before_any_compute(ckpt):
+    m = load_model(ckpt)
+    gen = Generator(m.cfg, m.params, m.tokenizer)
+    limit = m.cfg.max_position_embeddings
+    with pytest.raises(ContextTooLong) as e:
+        gen.generate([[5] * 10, [5] * (limit - 20)], GenerationConfig(max_new_tokens=30))
+    msg = str(e.value)
+    assert f"prompt 1 has {limit - 20} tokens" in msg and f"context of {limit} tokens" in msg
+    assert "at most 20" in msg
+    assert gen.backend is None                        # no engine was even built
+
+
+def test_mismatch_lists_every_parameter(ckpt, tmp_path):
+    import shutil
+
+    bad = str(tmp_path / "bad")
+    shutil.copytree(ckpt, bad)
+    _edit_config(bad, vocab_size=400, dense_intermediate_size=12)
+    with pytest.raises(CheckpointMismatch) as e:
+        load_model(bad)
+    leaves = sorted(leaf for leaf, _, _ in e.value.mismatches)
+    assert leaves == sorted(["params['embed']['embedding']", "params['lm_head']",
+                             "params['segments'][0]['mlp']['wi']", "params['segments'][0]['mlp']['wo']"])
+    msg = str(e.value)
+    assert "(4 parameters)" in msg and "config expects [16, 400], checkpoint has [16, 304]" in msg
+
+
+def test_missing_files(ckpt, tmp_path, monkeypatch):
+    import shutil
+
+    no_tok = str(tmp_path / "no_tok")
+    shutil.copytree(ckpt, no_tok)
+    os.remove(os.path.join(no_tok, "tokenizer.json"))
+    with pytest.raises(TokenizerNotFound, match=f"looked for {os.path.join(no_tok, 'tokenizer.json')}"):
+        load_model(no_tok)
+    with pytest.raises(TokenizerNotFound, match="elsewhere.json"):
+        load_model(ckpt, tokenizer_path=str(tmp_path / "elsewhere.json"))
+
+    monkeypatch.setattr(loading, "DEFAULT_CHECKPOINT", str(tmp_path / "checkpoints" / "demo"))
+    with pytest.raises(CheckpointNotFound, match="default demo checkpoint .*checkpoints/demo is missing"):
+        load_model(None)
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(CheckpointNotFound, match="config.yaml \\+ params/ .* config.json \\+ \\*.safetensors"):
+        load_model(str(empty))
+
+
+def test_bad_prompts(ckpt):
+    m = load_model(ckpt)
+    gen = Generator(m.cfg, m.params, m.tokenizer)
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        gen.generate([[]])
+    with pytest.raises(ValueError, match="outside \\[0, 304\\)"):
+        gen.generate([[1, 304]])
+    with pytest.raises(ValueError, match="unknown engine 'fast'"):
+        Generator(m.cfg, m.params, engine="fast").generate([[1]], GenerationConfig(max_new_tokens=1))
