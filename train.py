@@ -29,14 +29,15 @@ Run the SAME command on every host with ``--distributed``; it calls
 coordinator, process count and rank are detected::
 
     gcloud compute tpus tpu-vm ssh NAME --zone ZONE --worker=all --command \\
-      "cd minimax-jax && python train.py --config configs/train/m3.yaml --distributed \\
-         --set mesh=fsdp=-1,tensor=4 --set run.run_dir=gs://BUCKET/run1"
+      "cd minimax-jax && python train.py --config configs/train/YOUR.yaml --distributed \\
+         --set mesh=fsdp=-1,tensor=4 --set run.run_dir=/mnt/shared/run1"
 
 Elsewhere set ``MINIMAX_COORDINATOR=host0:1234 MINIMAX_NUM_PROCESSES=N MINIMAX_PROCESS_ID=i`` on
 each host (SLURM / Open MPI are detected without them). ``data.batch_size`` is GLOBAL; each host
 reads ``batch_size / process_count`` rows of its own data shard. ``run.run_dir`` must be a
-directory every host can write (a bucket or a shared file system): orbax writes one checkpoint
-from all processes.
+directory every host can write (a shared file system, e.g. a bucket mounted with gcsfuse; the
+metrics / config files are written with plain ``open``): orbax writes one checkpoint from all
+processes, process 0 writes the metrics.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ CPU smoke run:                                   python bench/moe.py --tiny --ou
 
 1. Checks (small shapes, fresh random bf16 inputs): every available implementation of
    ``moe_experts`` against the fp32 dense reference (relative Frobenius error, forward and the
-   gradients of x, wi, wo), and the expert-parallel path with the ragged_all_to_all transport on a
-   one-device mesh (the exchange and its custom backward really run) against the same reference.
+   gradients of x, wi, wo), and the expert-parallel path (mesh ``expert=<all local GPUs>``; on one
+   GPU the exchange is forced, so it still runs) with the ragged_all_to_all and all_to_all
+   transports against the same reference.
 2. Timing (median of repeats, ``block_until_ready``, after compile + warm-up) per model shape and
    tokens per step: the whole dropless MoE expert computation (sort, permute, two grouped matmuls,
    activation, un-permute + combine) with tokamax ("tokamax") and with XLA ragged_dot
@@ -138,7 +139,7 @@ def check(shapes, dtype, results, tokamax_ok):
         results.append({"check": impl, "rel_err_y_dx_dwi_dwo": errs, "ok": bool(max(errs) < 2e-2)})
         print("check", impl, errs, flush=True)
     if jax.default_backend() != "cpu":
-        mesh = sh.make_mesh("data=1", devices=jax.devices()[:1])
+        mesh = sh.make_mesh(f"expert={len(jax.devices())}")   # 1 GPU: forced exchange; several: real EP
         for transport in ("ragged_all_to_all", "all_to_all"):
             with sh.use_mesh(mesh, sh.load_rules("default")):
                 fn = jax.jit(lambda x, wi, wo, t=transport: moe.moe_experts(x, w, ex, wi, wo, _act, ep_transport=t))
@@ -147,7 +148,7 @@ def check(shapes, dtype, results, tokamax_ok):
                     moe.moe_experts(x, w, ex, wi, wo, _act, ep_transport=t).astype(jnp.float32)
                     * cot.astype(jnp.float32)), argnums=(0, 1, 2)))(x, wi, wo)
             errs = [_rel(y, ref_y)] + [_rel(a, b) for a, b in zip(g, ref_g)]
-            results.append({"check": f"expert_parallel[{transport}]", "rel_err_y_dx_dwi_dwo": errs,
+            results.append({"check": f"expert_parallel[{transport},ep={len(jax.devices())}]", "rel_err_y_dx_dwi_dwo": errs,
                             "ok": bool(max(errs) < 2e-2)})
             print("check ep", transport, errs, flush=True)
 

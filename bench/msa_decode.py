@@ -9,7 +9,8 @@ Q=1 query row per request, bf16 K/V. For each (batch, context):
   msa_bf16   page scoring over bf16 index keys + top-(K-1) + local page + split-KV sparse attention
              (``msa_decode``, pallas_gpu);
   msa_fp8    the same with fp8 e4m3 index keys (per-token f32 scales);
-  score_*    the page-scoring kernel alone.
+  select_*   page scoring + top-(K-1) + local page (``msa_decode_select``) alone;
+  scores_*   the page-scoring kernel alone.
 Timing: each timed call runs ``--steps`` decode steps inside one jit, over page-table replicas
 that point at disjoint physical pages when the cache is small (so the L2 never holds the data);
 time per step = median call time / steps. Bytes per step (fewest bytes a step must read): dense
@@ -152,6 +153,10 @@ def bench_one(b, ctx, min_steps, impl, l2_bytes=200 * 1024 * 1024, dry=False):
         o, _, _ = ops.msa_decode(q, qi, kp, vp, ki, pt, pos, ki_scale=ks, topk=K, implementation=impl)
         return o[0, 0, 0, 0].astype(jnp.float32)
 
+    def select(q, qi, kp, vp, ki, ks, pt):
+        ids = ops.msa_decode_select(qi, ki, pt, pos, ki_scale=ks, topk=K, implementation=impl)
+        return ids[0, 0, 0, 0].astype(jnp.float32)
+
     def scores(q, qi, kp, vp, ki, ks, pt):
         from pallas_kernels.decode import api
         return api.page_scores(qi, ki, pt, pos, ki_scale=ks, backend="gpu")[0, 0, 0, 0]
@@ -161,6 +166,8 @@ def bench_one(b, ctx, min_steps, impl, l2_bytes=200 * 1024 * 1024, dry=False):
         "dense": (dense, kib, None, kv_bytes),
         "msa_bf16": (msa, kib, None, b * ctx * DI * 2 + msa_kv),
         "msa_fp8": (msa, ki8, ks8, b * ctx * (DI + 4) + msa_kv),
+        "select_bf16": (select, kib, None, b * ctx * DI * 2),
+        "select_fp8": (select, ki8, ks8, b * ctx * (DI + 4)),
     }
     if impl == "pallas_gpu":
         cases["scores_bf16"] = (scores, kib, None, b * ctx * DI * 2)
@@ -245,13 +252,13 @@ def main():
     bw = out["hbm_copy_gbps"]
     print(f"\nHBM copy {bw:.0f} GB/s; check ok={out['check']['ok']}")
     print(f"{'B':>3} {'ctx':>8} {'dense ms':>9} {'msa16 ms':>9} {'msa8 ms':>9} {'x bf16':>7} {'x fp8':>7} "
-          f"{'dense %bw':>9} {'msa16 %bw':>9} {'msa8 %bw':>9} {'scor16 %bw':>10} {'scor8 %bw':>9} {'scor16 ms':>9}")
+          f"{'dense %bw':>9} {'msa16 %bw':>9} {'msa8 %bw':>9} {'scor16 %bw':>10} {'scor8 %bw':>9} {'scor16 ms':>9} {'sel16 ms':>8}")
     for r in rows:
         print(f"{r['batch']:>3} {r['context']:>8} {r['dense_ms']:>9.3f} {r['msa_bf16_ms']:>9.3f} "
               f"{r['msa_fp8_ms']:>9.3f} {r['speedup_bf16']:>7.2f} {r['speedup_fp8']:>7.2f} "
               f"{100 * r['dense_gbps'] / bw:>9.1f} {100 * r['msa_bf16_gbps'] / bw:>9.1f} "
               f"{100 * r['msa_fp8_gbps'] / bw:>9.1f} {100 * r.get('scores_bf16_gbps', float('nan')) / bw:>10.1f} "
-              f"{100 * r.get('scores_fp8_gbps', float('nan')) / bw:>9.1f} {r.get('scores_bf16_ms', float('nan')):>9.3f}")
+              f"{100 * r.get('scores_fp8_gbps', float('nan')) / bw:>9.1f} {r.get('scores_bf16_ms', float('nan')):>9.3f} {r['select_bf16_ms']:>8.3f}")
     for r in skipped:
         print("skipped:", r)
 

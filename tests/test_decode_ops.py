@@ -1,141 +1,29 @@
-"""Paged decode ops (``minimax_jax.decode.ops``) and their Pallas kernels against a NumPy oracle.
+"""Paged decode ops (``minimax_jax.decode.ops``, implementation="xla") against a NumPy oracle.
 
-Every implementation that runs on CPU is checked: "xla", the TPU kernels in interpret mode
-("pallas_interpret"), and the GPU (Triton-lowered) kernels in Pallas interpret mode (through
-``pallas_kernels.decode.api`` with backend "gpu_interpret"). Fresh random inputs each run; every
-output element compared; shuffled page tables; rows with their own positions, local page and
-valid count; padding rows (position -1); bf16 and fp8 e4m3 caches; the all-equal-scores tie case.
+Q in {1, 2, 8, 16} rows (speculative verification), float32 / bf16 / fp8 e4m3 caches, shuffled
+page tables, padding rows, the tie case; dispatch, recording and refusals; sliding windows.
 """
 
 from __future__ import annotations
 
 import math
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from minimax_jax.decode import ops
-from minimax_jax.decode.cache import dequantize, quantize
 from minimax_jax.ops.common import ImplementationUnavailable, clear_implementation_report, implementation_report
 from pallas_kernels.decode import api
-
-G, HG, D, DI, PAGE, K = 2, 4, 16, 16, 16, 4
-
-
-# ----------------------------------------------------------------------------- oracle
-
-def oracle_select(qi, ki_pages, table, pos, topk):
-    """Logical page ids per (b, group, row) as SETS (python loops, float64)."""
-    b, nq, hi, _ = qi.shape
-    out = np.full((b, hi, nq, topk), -1, np.int64)
-    for bb in range(b):
-        for i in range(nq):
-            if pos[bb, i] < 0:
-                continue
-            local = pos[bb, i] // PAGE
-            for r in range(hi):
-                sc = [(ki_pages[table[bb, n]] @ qi[bb, i, r]).max() / math.sqrt(DI) for n in range(local)]
-                order = sorted(range(local), key=lambda n: (-sc[n], n))[: topk - 1]
-                ids = order + [local]
-                out[bb, r, i, : len(ids)] = ids
-    return out
+from tests.decode_oracle import D, K, PAGE, check_against_oracle, check_all_equal_scores, make_case
 
 
-def oracle_attention(q, k_pages, v_pages, table, pos, block_ids):
-    """o [B,Q,H,D], lse [B,Q,H] in float64; block_ids None = dense causal."""
-    b, nq, h, d = q.shape
-    o = np.zeros((b, nq, h, d))
-    lse = np.full((b, nq, h), -np.inf)
-    for bb in range(b):
-        for i in range(nq):
-            if pos[bb, i] < 0:
-                continue
-            for hh in range(h):
-                g = hh // HG
-                pages = range(pos[bb, i] // PAGE + 1) if block_ids is None else [n for n in block_ids[bb, g, i] if n >= 0]
-                keys = [(n, t) for n in pages for t in range(PAGE) if n * PAGE + t <= pos[bb, i]]
-                kk = np.stack([k_pages[g, table[bb, n], t] for n, t in keys])
-                vv = np.stack([v_pages[g, table[bb, n], t] for n, t in keys])
-                s = kk @ q[bb, i, hh] / math.sqrt(d)
-                m = s.max()
-                e = np.exp(s - m)
-                o[bb, i, hh] = e @ vv / e.sum()
-                lse[bb, i, hh] = m + np.log(e.sum())
-    return o, lse
-
-
-def make_case(rng, nq, kv_dtype="float32", index_dtype="float32", b=2, npg=12):
-    p = b * npg + 3
-    f = lambda *s: rng.standard_normal(s).astype(np.float32)
-    q, qi = f(b, nq, G * HG, D), f(b, nq, G, DI)
-    k, v, ki = f(G, p, PAGE, D), f(G, p, PAGE, D), f(p, PAGE, DI)
-    table = rng.permutation(np.arange(1, p))[: b * npg].reshape(b, npg).astype(np.int32)
-    start = [int(rng.integers(PAGE * K + 5, npg * PAGE - nq)), int(rng.integers(0, PAGE * 3))]
-    pos = np.array([[s + i for i in range(nq)] for s in start], np.int32)
-    if nq > 1:
-        pos[1, -1] = -1                                    # a padding row
-    kq, ks = quantize(jnp.asarray(k), kv_dtype)
-    vq, vs = quantize(jnp.asarray(v), kv_dtype)
-    kiq, kis = quantize(jnp.asarray(ki), index_dtype)
-    deq = lambda x, s: np.asarray(dequantize(x, s, jnp.float32), np.float64)
-    return dict(q=jnp.asarray(q), qi=jnp.asarray(qi), k=kq, v=vq, ki=kiq, k_scale=ks, v_scale=vs, ki_scale=kis,
-                table=jnp.asarray(table), pos=jnp.asarray(pos),
-                np=dict(q=q.astype(np.float64), qi=qi.astype(np.float64), k=deq(kq, ks), v=deq(vq, vs),
-                        ki=deq(kiq, kis), table=table, pos=pos))
-
-
-def _select(c, impl, topk=K):
-    kw = dict(ki_scale=c["ki_scale"], topk=topk)
-    if impl == "gpu_interpret":
-        return api.select_pages(c["qi"], c["ki"], c["table"], c["pos"], backend="gpu_interpret", **kw)
-    return ops.msa_decode_select(c["qi"], c["ki"], c["table"], c["pos"], implementation=impl, **kw)
-
-
-def _attend(c, impl, ids):
-    kw = dict(k_scale=c["k_scale"], v_scale=c["v_scale"], block_ids=ids)
-    if impl == "gpu_interpret":
-        return api.paged_attention(c["q"], c["k"], c["v"], c["table"], c["pos"], backend="gpu_interpret",
-                                   pages_per_split=3, **kw)
-    return ops.paged_attention(c["q"], c["k"], c["v"], c["table"], c["pos"], implementation=impl, **kw)
-
-
-IMPLS = ["xla", "pallas_interpret", "gpu_interpret"]
-
-
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("nq,kv_dtype", [(1, "float32"), (2, "float8_e4m3fn"), (8, "bfloat16"), (16, "float32")])
-def test_select_and_attention_match_oracle(impl, nq, kv_dtype):
-    rng = np.random.default_rng()
-    c = make_case(rng, nq, kv_dtype=kv_dtype, index_dtype=kv_dtype)
-    n = c["np"]
-    want_ids = oracle_select(n["qi"], n["ki"], n["table"], n["pos"], K)
-    ids = np.asarray(_select(c, impl))
-    assert ids.shape == want_ids.shape and ids.dtype == np.int32
-    np.testing.assert_array_equal(np.sort(ids, -1), np.sort(want_ids, -1))      # sets, padded with -1
-    if impl != "pallas_interpret":                      # kernels here emit the reference order too
-        np.testing.assert_array_equal(ids, want_ids)
-    tol = dict(float32=2e-5, bfloat16=2e-2, float8_e4m3fn=2e-5)[kv_dtype]
-    for block_ids in (None, jnp.asarray(want_ids, jnp.int32)):
-        o, lse = _attend(c, impl, block_ids)
-        want_o, want_lse = oracle_attention(n["q"], n["k"], n["v"], n["table"], n["pos"],
-                                            None if block_ids is None else want_ids)
-        o = np.asarray(o, np.float64)
-        assert np.all(np.isfinite(o))
-        np.testing.assert_allclose(o, want_o, atol=tol, rtol=tol)
-        np.testing.assert_array_equal(np.isinf(np.asarray(lse)), np.isinf(want_lse))
-        fin = np.isfinite(want_lse)
-        np.testing.assert_allclose(np.asarray(lse)[fin], want_lse[fin], atol=max(tol, 1e-5), rtol=1e-5)
+def test_xla_matches_oracle(nq, kv_dtype):
+    check_against_oracle("xla", nq, kv_dtype)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_all_equal_scores_select_lowest_ids_plus_local(impl):
-    rng = np.random.default_rng()
-    c = make_case(rng, 1, b=1, npg=20)
-    c["ki"] = jnp.zeros_like(c["ki"])                   # every page scores 0: ties everywhere
-    c["pos"] = jnp.asarray([[17 * PAGE + 3]], jnp.int32)  # local page 17, 17 complete pages before it
-    ids = np.sort(np.asarray(_select(c, impl, topk=16)), -1)
-    assert ids[0, 0, 0].tolist() == list(range(15)) + [17]
+def test_xla_all_equal_scores():
+    check_all_equal_scores("xla")
 
 
 def test_dispatch_records_and_refuses():

@@ -63,3 +63,9 @@ def test_register_duplicate_content_keeps_first():
     assert pool.register(b, h) == a                      # b stays private
     pool.release([b])
     assert pool.num_free == 2 and pool.num_cached == 1   # b went straight back to the free list
+
+
+def test_chain_hashes_continue_from_a_digest():
+    toks = list(np.random.default_rng().integers(0, 500, 48))
+    full = chain_hashes(toks, 8)
+    assert chain_hashes(toks[16:], 8, full[1]) == full[2:]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from minimax_jax.eval.runner import model_fns_from_mapping
-from minimax_jax.infer import (GenerationConfig, Generator, LoadedModel, SamplingParams, make_eval_fns,
+from minimax_jax.infer import (GenerationConfig, Generator, LoadedModel, SamplingParams, generate, make_eval_fns,
                                make_generate_fn, make_logprob_fn)
 from minimax_jax.model import forward
 from tests import infer_helpers as H
@@ -121,3 +121,10 @@ def test_eval_adapters(chain, random_model, tmp_path):
     ckpt = H.save_checkpoint(str(tmp_path / "ckpt"), cfg, params, tok)
     fns = model_fns_from_mapping(make_eval_fns(ckpt, max_seq_len=64))
     assert fns.generate_fn([prompt], 30) == ["".join(H.GOOD_PIECES[:-1])]
+
+
+def test_one_shot_generate_api(chain):
+    cfg, params, tok, start = chain
+    out = generate([[start], [9, start]], cfg, params, tokenizer=tok, max_new_tokens=30)
+    assert [s.text for s in out.sequences] == ["".join(H.GOOD_PIECES[:-1])] * 2
+    assert out.stats.generated_tokens == 2 * (len(H.GOOD_PIECES) - 1)

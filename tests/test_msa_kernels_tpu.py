@@ -103,3 +103,43 @@ def test_forward_with_race_detection():
     ro, _ = msa_ops.msa_attention(c["q"], c["k"], c["v"], ids, block_size=BLK,
                                   implementation="xla", **positions(c))
     np.testing.assert_allclose(np.asarray(o), np.asarray(ro), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("s", [1, 127, 128, 129, 2047, 2048, 2049, 2304])
+def test_length_cases_block128_top16(s):
+    """MSA_SPEC length cases (B=128, K=16) on the TPU kernels: selection SETS and attention."""
+    rng = np.random.default_rng()
+    t = min(s, 8)
+    c = make_case(rng, bsz=1, t=t, s=s, h=2, g=1, d=16)
+    qi = rng.standard_normal((1, t, 1, 16)).astype(np.float32)
+    ki = rng.standard_normal((1, s, 16)).astype(np.float32)
+    kw = dict(block_size=128, topk=16, **positions(c))
+    ids = msa_ops.msa_select_blocks(qi, ki, implementation="pallas_interpret", **kw)
+    ref = msa_ops.msa_select_blocks(qi, ki, implementation="xla", **kw)
+    assert id_sets(np.asarray(ids)) == id_sets(np.asarray(ref))
+    akw = dict(block_size=128, **positions(c))
+    o, lse = msa_ops.msa_attention(c["q"], c["k"], c["v"], ids, implementation="pallas_interpret",
+                                   **akw)
+    ro, rlse = msa_ops.msa_attention(c["q"], c["k"], c["v"], ids, implementation="xla", **akw)
+    np.testing.assert_allclose(np.asarray(o), np.asarray(ro), atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(rlse), atol=1e-5)
+
+
+def test_decode_like_layout_queries_not_at_the_end():
+    """Gathered cache layout (kv_pos = arange(S), future slots unwritten, queries anywhere)."""
+    rng = np.random.default_rng()
+    c = make_case(rng, bsz=1, t=3, s=48, h=2, g=1, d=8)
+    c["q_pos"] = np.array([[9, 30, 0]], np.int32)
+    c["q_seg"] = np.array([[0, 0, 1]], np.int32)            # last row: padding, sees nothing
+    qi = rng.standard_normal((1, 3, 1, 16)).astype(np.float32)
+    ki = rng.standard_normal((1, 48, 16)).astype(np.float32)
+    kw = dict(block_size=BLK, **positions(c))
+    ids = msa_ops.msa_select_blocks(qi, ki, topk=3, implementation="pallas_interpret", **kw)
+    ref = msa_ops.msa_select_blocks(qi, ki, topk=3, implementation="xla", **kw)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(ref))
+    o, lse = msa_ops.msa_attention(c["q"], c["k"], c["v"], ids, implementation="pallas_interpret",
+                                   **kw)
+    ro, rlse = msa_ops.msa_attention(c["q"], c["k"], c["v"], ids, implementation="xla", **kw)
+    np.testing.assert_allclose(np.asarray(o), np.asarray(ro), atol=2e-5, rtol=2e-5)
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), np.isfinite(np.asarray(rlse)))

@@ -30,7 +30,8 @@ EXPECTED = ["01_architecture.ipynb", "02_msa_selection.ipynb", "03_kernels.ipynb
 
 
 def test_all_notebooks_present():
-    assert [os.path.basename(p) for p in NOTEBOOKS] == EXPECTED
+    missing = sorted(set(EXPECTED) - {os.path.basename(p) for p in NOTEBOOKS})
+    assert not missing, f"notebooks missing from {NB_DIR}: {missing}"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)

@@ -61,5 +61,6 @@ def test_eight_devices_data_parallel_equals_one(tmp_path):
 
 
 @pytest.mark.slow
-def test_eight_devices_model_parallel_equals_one(tmp_path):
-    _check(tmp_path, ["data=1", "data=2,fsdp=2,tensor=2", "data=4,expert=2", "fsdp=2,tensor=2,expert=2"])
+@pytest.mark.parametrize("mesh", ["data=2,fsdp=2,tensor=2", "data=4,expert=2", "fsdp=2,tensor=2,expert=2"])
+def test_eight_devices_model_parallel_equals_one(tmp_path, mesh):
+    _check(tmp_path, ["data=1", mesh])

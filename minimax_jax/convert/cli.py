@@ -32,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "128x128 weight_scale_inv (the M2 hub format)")
     p.add_argument("--max-shard-gb", type=float, default=2.0, help="with --export: shard size limit in GiB")
     p.add_argument("--overwrite", action="store_true", help="replace --dst if it exists (after success only)")
+    p.add_argument("--in-flight", type=int, default=2,
+                   help="layer units (one layer of one leaf) assembled/written at once; peak memory grows with it")
     p.add_argument("--chunk-mb", type=int, default=128, help="orbax storage chunk size bound in MiB")
     p.add_argument("--compress", action="store_true", help="zstd-compress orbax chunks (smaller, slower)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -57,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 
             cfg, rep = convert_hf_to_orbax(args.src, args.dst, args.dtype, overwrite=args.overwrite,
                                            progress=not args.no_progress, chunk_bytes=args.chunk_mb * 1024 ** 2,
-                                           compress=args.compress)
+                                           compress=args.compress, max_in_flight=args.in_flight)
             gb = rep["source_bytes"] / 1e9
             print(f"converted {rep['source_tensors']} tensors ({gb:.3f} GB) in {rep['seconds']:.1f} s "
                   f"({gb / max(rep['seconds'], 1e-9):.3f} GB/s) to {args.dst}")

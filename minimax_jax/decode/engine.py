@@ -17,6 +17,7 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Sequence
 
@@ -48,7 +49,7 @@ class SequenceState:
 _PAGE_AXIS = {"k": 1, "v": 1, "k_scale": 1, "v_scale": 1, "ki": 0, "ki_scale": 0}
 
 
-@jax.jit
+@functools.partial(jax.jit, donate_argnums=0)
 def _copy_page(cache, src, dst):
     """Copy physical page ``src`` to ``dst`` in every cache array of every layer."""
     def one(name, a):
@@ -204,8 +205,10 @@ class DecodeEngine:
         full = len(s.tokens) // self.page_size
         if full <= len(s.hashes):
             return
-        s.hashes = chain_hashes(s.tokens[: full * self.page_size], self.page_size)
-        for i in range(full):
+        done = len(s.hashes)
+        s.hashes += chain_hashes(s.tokens[done * self.page_size: full * self.page_size], self.page_size,
+                                 s.hashes[-1] if s.hashes else None)
+        for i in range(done, full):
             self.pool.register(s.pages[i], s.hashes[i])
 
     # ------------------------------------------------------------------ steps

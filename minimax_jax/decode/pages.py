@@ -32,19 +32,20 @@ class PagePoolExhausted(RuntimeError):
     """Raised when a page is requested but every page is in use by a live sequence."""
 
 
-def chain_hashes(tokens: Sequence[int], page_size: int) -> list[bytes]:
+def chain_hashes(tokens: Sequence[int], page_size: int, prev: bytes | None = None) -> list[bytes]:
     """Chain hashes of the full pages of ``tokens`` (a partial last page gets none).
 
     Args:
       tokens: token ids (ints).
       page_size: tokens per page (> 0).
+      prev: digest of the page before ``tokens[0]`` when continuing a chain (None = start).
     Returns: ``len(tokens) // page_size`` digests (16 bytes each, BLAKE2b); digest ``i`` depends on
-      all tokens ``[0, (i + 1) * page_size)``.
+      all tokens ``[0, (i + 1) * page_size)`` (and on the pages behind ``prev``).
     """
     if page_size <= 0:
         raise ValueError(f"page_size must be > 0, got {page_size}")
     arr = np.asarray(list(tokens), dtype=np.int64)
-    out, prev = [], _SEED
+    out, prev = [], (_SEED if prev is None else prev)
     for i in range(len(arr) // page_size):
         h = hashlib.blake2b(prev, digest_size=16)
         h.update(arr[i * page_size:(i + 1) * page_size].tobytes())

@@ -95,7 +95,7 @@ def build_prompt() -> tuple[str, object]:
 
 def run() -> int:
     """Run the CLI with the parsed flags; returns the exit status."""
-    from minimax_jax.infer.generate import GenerationConfig, Generator, check_context
+    from minimax_jax.infer.generation import GenerationConfig, Generator, check_context
     from minimax_jax.infer.loading import load_model, load_tokenizer_for, peek_config, resolve_checkpoint
     from minimax_jax.infer.sampler import SamplingParams
 

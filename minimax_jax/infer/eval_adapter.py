@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from minimax_jax.infer.generate import GenerationConfig, Generator
+from minimax_jax.infer.generation import GenerationConfig, Generator
 from minimax_jax.infer.loading import LoadedModel, load_model
 from minimax_jax.infer.sampler import SamplingParams
 

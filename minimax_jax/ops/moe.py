@@ -60,12 +60,31 @@ def route(x: jax.Array, router: jax.Array, bias: jax.Array, top_k: int) -> tuple
     """
     scores = router_scores(x, router)
     _, experts = jax.lax.top_k(scores + jax.lax.stop_gradient(bias.astype(jnp.float32))[None, :], top_k)
-    onehot = jax.nn.one_hot(experts, router.shape[1], dtype=jnp.float32)        # [N, k, E]
-    # A one-hot contraction instead of take_along_axis: its backward is a product, not a scatter-add.
-    chosen = jnp.einsum("nke,ne->nk", onehot, scores, precision=jax.lax.Precision.HIGHEST)
+    experts = experts.astype(jnp.int32)
+    chosen = _take_scores(scores, experts)
     weights = chosen / jnp.sum(chosen, axis=-1, keepdims=True)
-    load = jnp.sum(onehot, axis=(0, 1))
-    return weights, experts.astype(jnp.int32), jax.lax.stop_gradient(load)
+    load = jnp.zeros((router.shape[1],), jnp.int32).at[experts.reshape(-1)].add(1).astype(jnp.float32)
+    return weights, experts, jax.lax.stop_gradient(load)
+
+
+@jax.custom_vjp
+def _take_scores(scores: jax.Array, experts: jax.Array) -> jax.Array:
+    """``scores[n, experts[n, j]]`` (``[N, E], [N, k] -> [N, k]``) whose backward is a masked sum
+    over k (a fused compare-and-reduce) instead of take_along_axis's scatter-add."""
+    return jnp.take_along_axis(scores, experts, axis=-1)
+
+
+def _take_scores_fwd(scores, experts):
+    return _take_scores(scores, experts), (experts, scores.shape[-1])
+
+
+def _take_scores_bwd(res, g):
+    experts, e = res
+    hit = experts[:, :, None] == jnp.arange(e, dtype=experts.dtype)[None, None, :]
+    return jnp.sum(jnp.where(hit, g[:, :, None], 0.0), axis=1), None
+
+
+_take_scores.defvjp(_take_scores_fwd, _take_scores_bwd)
 
 
 def update_router_bias(bias: jax.Array, load: jax.Array, rate: float | jax.Array) -> jax.Array:

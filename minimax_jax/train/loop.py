@@ -255,13 +255,17 @@ def train(tc: TrainConfig, devices: list | None = None) -> dict[str, Any]:
             flops += train_flops(tr.cfg, batch["positions"]) * jax.process_count()
             toks += float(np.asarray(batch["tokens"]).size) * jax.process_count()
             writer.advance()
+            if done_here == 1:  # the first step of a process includes compilation: not timed
+                jax.block_until_ready(m)
+                t0, flops, toks = time.perf_counter(), 0.0, 0.0
             if step % tc.run.log_every == 0 or step == tc.run.steps:
                 metrics = {k: float(v) for k, v in jax.device_get(m).items()}
                 dt = max(time.perf_counter() - t0, 1e-9)
-                metrics["tokens_per_s"] = toks / dt
-                metrics["model_tflops_per_s"] = flops / dt / 1e12
-                if peak:
-                    metrics["mfu"] = flops / dt / (peak * tr.mesh.devices.size)
+                if toks:
+                    metrics["tokens_per_s"] = toks / dt
+                    metrics["model_tflops_per_s"] = flops / dt / 1e12
+                    if peak:
+                        metrics["mfu"] = flops / dt / (peak * tr.mesh.devices.size)
                 metrics["phase_warmup"] = float(phase == PHASE_WARMUP)
                 if tc.run.eval_every and step % tc.run.eval_every == 0:
                     metrics["eval_loss"] = tr.evaluate(state["params"])

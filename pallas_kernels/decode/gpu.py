@@ -39,13 +39,20 @@ _NEG = -1e30
 CONFIG = {"loop": "dynamic", "score_warps": 4, "score_stages": 3, "attn_warps": 4, "attn_stages": 2}
 
 
+def _precision(a):
+    # float32 operands: full-precision dots (Triton would otherwise use tf32); bf16 needs nothing.
+    return jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+
+
 def _dot_t(a, b):
     """``a [M, K] @ b[N, K]^T -> [M, N]`` float32."""
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_precision(a),
+                               preferred_element_type=jnp.float32)
 
 
 def _dot(a, b):
-    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=_precision(a),
+                               preferred_element_type=jnp.float32)
 
 
 # ----------------------------------------------------------------------------- page scores

@@ -7,8 +7,8 @@ Each function takes the op's arguments plus ``backend``:
   "gpu_interpret" the GPU kernels in Pallas interpret mode (CPU tests of the GPU kernel logic).
 An unknown backend, or a function a backend does not provide, raises ImplementationUnavailable;
 there is no silent fallback. ``last_backend()`` reports what ran last per op.
-Conventions the kernels rely on (queries are the last T keys; each segment stored as one run with
-positions 0, 1, 2, ...): layout.py. They are checked (ValueError) whenever the positions and
+Convention the kernels rely on (each segment's keys stored as one contiguous run with positions
+increasing by one; queries anywhere): layout.py. They are checked (ValueError) whenever the positions and
 segment ids are concrete (eager calls); under jit they cannot be checked and are a precondition.
 """
 

@@ -203,7 +203,7 @@ def _fwd(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segmen
     topk = block_ids.shape[-1]
     prep = layout.prepare(k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
                           block_size)
-    ids = block_ids.astype(jnp.int32)
+    ids = layout.dedupe_ids(block_ids)
     starts = layout.window_starts(ids, prep.base, block_size, prep.s_pad)
     q5 = _group_q(q, g, m_pad)
     qpos = q_positions.astype(jnp.int32)
@@ -231,7 +231,7 @@ def _bwd(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segmen
     scale = 1.0 / math.sqrt(d)
     prep = layout.prepare(k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
                           block_size)
-    ids = block_ids.astype(jnp.int32)
+    ids = layout.dedupe_ids(block_ids)
     starts = layout.window_starts(ids, prep.base, block_size, prep.s_pad)
     delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)   # [B,T,H]
     q5 = _group_q(q, g, m_pad)

@@ -63,8 +63,8 @@ def _kernel(qi_ref, ki_ref, qpos_ref, qseg_ref, base_ref, kvpos_ref, kvseg_ref, 
     top_v = jnp.where(col < n_rank, -jnp.inf, jnp.inf).astype(jnp.float32)
     top_i = -1 - col
     base_min = jnp.min(base)
-    t_lo = jax.lax.div(base_min, blk)
-    t_hi = jax.lax.div(jnp.max(qidx), blk) + 1
+    t_lo = jax.lax.div(jnp.maximum(base_min, 0), blk)
+    t_hi = jnp.minimum(jax.lax.div(jnp.maximum(jnp.max(qidx), 0), blk) + 1, n_tiles)
     # All rows in one segment with the same block-aligned base: tiles wholly visible to every row
     # take a fast path without per-element masks (the common case of long unpacked prefill).
     qseg_min = jnp.min(qseg)

@@ -163,7 +163,7 @@ def _setup(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, bl
     hg = q.shape[2] // g
     m_pad = max(16, layout.next_pow2(hg))
     prep = layout.prepare(k, ki[:, :, None, :], q_positions, kv_positions, q_seg, kv_seg, blk)
-    ids = block_ids.astype(jnp.int32)
+    ids = layout.dedupe_ids(block_ids)
     starts = layout.window_starts(ids, prep.base, blk, prep.s_pad)
     return dict(hg=hg, q5=_group_q(q, g, m_pad), prep=prep, kp=prep.k, kip=prep.v[:, :, 0, :],
                 ids=ids, starts=starts, qpos=q_positions.astype(jnp.int32),

@@ -5,13 +5,14 @@ Conventions (MSA_SPEC.md sections 1-3; docs/ARCHITECTURE.md "Ops"):
 * Key j is visible to query i iff ``kv_seg[j] == q_seg[i] and kv_seg[j] >= 0 and
   kv_pos[j] <= q_pos[i]``. Block ``n`` of query i is the set of keys of i's segment with
   ``n*B <= kv_pos[j] < (n+1)*B`` (blocks are ``kv_pos // B`` within a segment).
-* Storage layout the kernels rely on (the layout of packed training batches and of chunked
-  prefill): the T queries are the LAST T keys of the storage (query i is stored at key index
-  ``S - T + i``), and within a segment the keys are stored contiguously with positions increasing
-  by one, with ``kv_pos[j] <= j``. Then block ``n`` of query i starts at storage index
-  ``base[i] + n*B`` with ``base[i] = (S - T + i) - q_pos[i] >= 0``. Kernels load the B keys from
-  that start (clamped into the array) and additionally check the block membership of every key, so
-  a clamped window never adds a wrong key.
+* Storage layout the kernels rely on: every segment's keys are stored as ONE contiguous run with
+  positions increasing by one (packed training batches, chunked prefill over a prefix, a gathered
+  decode cache with kv_pos = arange(S)). Then key j of a segment sits at storage index
+  ``base + kv_pos[j]`` with one ``base`` per segment (``base = j - kv_pos[j]``, possibly negative
+  when the stored run does not start at position 0), and block ``n`` of query i starts at
+  ``base[seg(i)] + n*B``. Queries may sit anywhere (they need not be the last T keys). Kernels load
+  the B keys from that start clamped into the array and re-check every key's segment, position and
+  block membership, so a clamped window never adds a wrong key and never misses an existing one.
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ def prepare(k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, bloc
       block_size: B (tokens per block).
     Returns:
       Prepared(k, v, kv_pos int32 [B,Sp], kv_seg int32 [B,Sp] (-1 on padding),
-               q_seg int32 [B,T], base int32 [B,T], Sp).
+               q_seg int32 [B,T], base int32 [B,T] (storage index of position 0 of each query's
+               segment, see the module docstring), Sp).
     """
     bsz, s = kv_positions.shape
     t = q_positions.shape[1]
@@ -106,8 +108,18 @@ def prepare(k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, bloc
         v = None if v is None else jnp.pad(v, widths)
         kv_pos = jnp.pad(kv_pos, ((0, 0), (0, pad)))
         kv_seg = jnp.pad(kv_seg, ((0, 0), (0, pad)), constant_values=-1)
-    base = (s - t + jnp.arange(t, dtype=jnp.int32))[None, :] - q_positions.astype(jnp.int32)
+    base = jax.vmap(_segment_base)(kv_pos[:, :s], kv_seg[:, :s], q_seg)
     return Prepared(k, v, kv_pos, kv_seg, q_seg, base, sp)
+
+
+def _segment_base(kv_pos, kv_seg, q_seg):
+    """Per query: j - kv_pos[j] for a key j of the query's segment (0 when it has none). [S],[S],[T]."""
+    order = jnp.argsort(kv_seg, stable=True)
+    sorted_seg = kv_seg[order]
+    idx = jnp.clip(jnp.searchsorted(sorted_seg, q_seg, side="left"), 0, kv_seg.shape[0] - 1)
+    j = order[idx]
+    found = (sorted_seg[idx] == q_seg) & (q_seg >= 0)
+    return jnp.where(found, j - kv_pos[j], 0).astype(jnp.int32)
 
 
 def window_starts(block_ids, base, block_size, s_pad):
@@ -128,41 +140,34 @@ def check_layout(q_positions, kv_positions, q_segment_ids, kv_segment_ids):
     """Validate the storage layout the kernels rely on (module docstring) when values are concrete.
 
     Under ``jit`` (tracers) nothing can be checked and the call returns False; callers document the
-    contract. Returns True when checked. Raises ValueError naming the first violation:
-    a segment stored in more than one run, positions inside a run not increasing by one,
-    ``kv_pos[j] > j``, or a query that is not the key stored at ``S - T + i``.
+    contract. Returns True when checked. Raises ValueError naming the first violation: a segment
+    stored in more than one run, or positions inside a run not increasing by one.
     """
     import numpy as np
     qp, kp = _concrete(q_positions), _concrete(kv_positions)
-    qs = _concrete(q_segment_ids) if q_segment_ids is not None else None
     ks = _concrete(kv_segment_ids) if kv_segment_ids is not None else None
-    if qp is None or kp is None or (q_segment_ids is not None and (qs is None or ks is None)):
+    if qp is None or kp is None or (kv_segment_ids is not None and ks is None):
         return False
-    bsz, s = kp.shape
-    t = qp.shape[1]
-    if qs is None:
-        qs = np.zeros_like(qp)
+    if ks is None:
         ks = np.zeros_like(kp)
-    for b in range(bsz):
+    for b in range(kp.shape[0]):
         valid = ks[b] >= 0
-        j = np.arange(s)
-        if np.any(kp[b][valid] > j[valid]):
-            bad = int(j[valid][np.argmax(kp[b][valid] > j[valid])])
-            raise ValueError(f"MSA kernels: kv_positions[{b},{bad}]={kp[b, bad]} exceeds its storage "
-                             f"index (keys must start at position 0 of their segment)")
         same = (ks[b, 1:] == ks[b, :-1]) & valid[1:]
-        if np.any(same & (kp[b, 1:] != kp[b, :-1] + 1)):
-            bad = int(np.argmax(same & (kp[b, 1:] != kp[b, :-1] + 1))) + 1
+        step_bad = same & (kp[b, 1:] != kp[b, :-1] + 1)
+        if np.any(step_bad):
+            bad = int(np.argmax(step_bad)) + 1
             raise ValueError(f"MSA kernels: kv_positions[{b}] must increase by 1 inside a segment "
-                             f"(index {bad})")
+                             f"(index {bad}: {kp[b, bad - 1]} -> {kp[b, bad]})")
         starts = valid & np.concatenate([[True], ~same])
         seg_ids = ks[b][starts]
         if len(np.unique(seg_ids)) != len(seg_ids):
             raise ValueError(f"MSA kernels: a segment of batch row {b} is stored in several runs")
-        own = np.arange(s - t, s)
-        qv = qs[b] >= 0
-        if np.any(qv & ((ks[b, own] != qs[b]) | (kp[b, own] != qp[b]))):
-            i = int(np.argmax(qv & ((ks[b, own] != qs[b]) | (kp[b, own] != qp[b]))))
-            raise ValueError(f"MSA kernels: query {i} of batch row {b} is not the key stored at "
-                             f"S - T + i (queries must be the last T keys)")
     return True
+
+
+def dedupe_ids(block_ids):
+    """Sort each row of block ids and blank repeats to -1 (the op counts a duplicate once): int32."""
+    ids = jax.lax.sort(block_ids.astype(jnp.int32), dimension=block_ids.ndim - 1)
+    dup = jnp.concatenate([jnp.zeros(ids.shape[:-1] + (1,), bool), ids[..., 1:] == ids[..., :-1]],
+                          axis=-1)
+    return jnp.where(dup | (ids < 0), -1, ids)

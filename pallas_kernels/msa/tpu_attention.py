@@ -312,7 +312,7 @@ def _prep(q, k, v, block_ids, q_positions, kv_positions, q_seg, kv_seg, blk):
     g = k.shape[2]
     m = -(-(h // g) // 8) * 8
     prep = layout.prepare(k, v, q_positions, kv_positions, q_seg, kv_seg, blk)
-    ids = block_ids.astype(jnp.int32)
+    ids = layout.dedupe_ids(block_ids)
     starts = layout.window_starts(ids, prep.base, blk, prep.s_pad)
     nt = prep.s_pad // blk
     kt = jnp.transpose(prep.k, (0, 2, 1, 3))

@@ -112,8 +112,9 @@ def block_topk_tpu(qi, ki, *, q_positions, kv_positions, q_segment_ids=None, kv_
     nr = tp // tq
     # causal key-tile range of each row tile (storage index of a row's query = base + q_pos)
     qidx = (base + qpos).reshape(bsz, nr, tq)
-    lo = (jnp.min(base.reshape(bsz, nr, tq), axis=-1) // block_size).astype(jnp.int32)
-    hi_t = jnp.minimum(jnp.max(qidx, axis=-1) // block_size + 1, nt).astype(jnp.int32)
+    lo = (jnp.maximum(jnp.min(base.reshape(bsz, nr, tq), axis=-1), 0) // block_size)
+    lo = jnp.minimum(lo, nt - 1).astype(jnp.int32)
+    hi_t = jnp.clip(jnp.max(qidx, axis=-1) // block_size + 1, 0, nt).astype(jnp.int32)
     rep = lambda x: jnp.repeat(x, hi, axis=1)[..., None]           # [B,Tp] -> [B,Tp*Hi,1]
     kernel = functools.partial(_kernel, blk=block_size, n_rank=n_rank, init=init_blocks,
                                local_blocks=local_blocks, scale=1.0 / math.sqrt(di), n_tiles=nt)

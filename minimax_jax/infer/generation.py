@@ -202,8 +202,9 @@ class Generator:
         run.stats.engine = backend.describe()
         try:
             run.start(timer, on_prefill_tokens)
+            step = run.speculative_step if spec else run.plain_step
             while run.active:
-                run.speculative_step() if spec else run.plain_step()
+                step()
             run.stats.decode_s = timer.elapsed() - run.stats.ttft_s
         finally:
             run.release()

@@ -1,0 +1,54 @@
+"""The decode kernels lower for their real targets on a CPU-only machine (M3 shapes).
+
+GPU: Pallas -> Triton IR through ``.lower(lowering_platforms=("cuda",))`` (the final Triton
+compile needs the GPU). TPU: ``jax.export`` for platform "tpu" runs Mosaic's lowering and catches
+layout errors (block shapes, unsupported ops). bf16 and fp8 e4m3 caches, dense and sparse modes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels.decode.gpu import paged_attention_gpu, select_pages_gpu
+from pallas_kernels.decode.tpu import page_scores_tpu, paged_attention_tpu
+
+S = jax.ShapeDtypeStruct
+B, Q, G, HG, D, DI, PAGE, P, NP, K = 2, 2, 4, 16, 128, 128, 128, 1100, 512, 16
+DTYPES = [jnp.bfloat16, jnp.float8_e4m3fn]
+
+
+def _index_args(dt):
+    fp8 = dt == jnp.float8_e4m3fn
+    return (S((B, Q, G, DI), jnp.bfloat16), S((P, PAGE, DI), dt), S((B, NP), jnp.int32), S((B, Q), jnp.int32),
+            S((P, PAGE), jnp.float32) if fp8 else None)
+
+
+def _attn_args(dt, sparse):
+    fp8 = dt == jnp.float8_e4m3fn
+    sc = [S((G, P, PAGE), jnp.float32)] * 2 if fp8 else [None, None]
+    return (S((B, Q, G * HG, D), jnp.bfloat16), S((G, P, PAGE, D), dt), S((G, P, PAGE, D), dt),
+            S((B, NP), jnp.int32), S((B, Q), jnp.int32), *sc, S((B, G, Q, K), jnp.int32) if sparse else None)
+
+
+def _cuda_text(f, args):
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_gpu_kernels_lower_to_triton(dt):
+    txt = _cuda_text(lambda *a: select_pages_gpu(*a, topk=K), _index_args(dt))
+    assert txt.count("__gpu$xla.gpu.triton") == 2           # scoring + selection kernels
+    for sparse in (False, True):
+        txt = _cuda_text(lambda *a: paged_attention_gpu(*a), _attn_args(dt, sparse))
+        assert "__gpu$xla.gpu.triton" in txt
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_tpu_kernels_export(dt):
+    exp = jax.export.export(jax.jit(lambda *a: page_scores_tpu(*a)), platforms=["tpu"])(*_index_args(dt))
+    assert "tpu_custom_call" in exp.mlir_module()
+    for sparse in (False, True):
+        exp = jax.export.export(jax.jit(lambda *a: paged_attention_tpu(*a)), platforms=["tpu"])(*_attn_args(dt, sparse))
+        assert "tpu_custom_call" in exp.mlir_module()
