@@ -3,6 +3,7 @@
 Usage::
 
     python train.py --config configs/train/tiny.yaml [--set section.key=value ...]
+    python train.py          # the demo: configs/train/demo.yaml, building its corpus/tokenizer if missing
 
 The YAML has the sections model, data, optim, schedule, checkpoint, run, mesh, msa, init (see
 ``minimax_jax/train/config.py`` for every key and its default). ``--set`` overrides one key and
@@ -42,14 +43,18 @@ processes, process 0 writes the metrics.
 
 from __future__ import annotations
 
+import os
 import sys
 
 from absl import app, flags, logging
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("config", None, "Training YAML (configs/train/*.yaml).")
+DEMO_CONFIG = "configs/train/demo.yaml"
+flags.DEFINE_string("config", None, f"Training YAML (configs/train/*.yaml); default {DEMO_CONFIG} (the demo run).")
 flags.DEFINE_multi_string("set", [], "Override one key: section.key=value (YAML value), or mesh=SPEC. Repeatable.")
 flags.DEFINE_bool("distributed", False, "Call minimax_jax.distributed.initialize() first (multi-host runs).")
+flags.DEFINE_bool("prepare_data", None, "Build the offline corpus / tokenizer the data section names when they "
+                  "are missing (minimax_jax.train.prepare). Default: on without --config (the demo), else off.")
 flags.DEFINE_bool("check_only", False, "Validate the config against the model and devices, print it, and exit "
                                        "without creating parameters or compiling.")
 
@@ -57,8 +62,10 @@ flags.DEFINE_bool("check_only", False, "Validate the config against the model an
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}; use --set section.key=value")
-    if not FLAGS.config:
-        raise app.UsageError("--config is required")
+    config = FLAGS.config
+    if not config:
+        config = os.path.join(os.path.dirname(os.path.abspath(__file__)), DEMO_CONFIG)
+    prepare = FLAGS.prepare_data if FLAGS.prepare_data is not None else not FLAGS.config
     if not FLAGS["verbosity"].present:  # orbax logs every save at INFO; keep the console readable
         logging.set_verbosity(logging.WARNING)
     if FLAGS.distributed:
@@ -73,13 +80,19 @@ def main(argv):
     from minimax_jax.train.model_init import model_configs
 
     try:
-        tc = load_train_config(FLAGS.config, FLAGS.set)
+        tc = load_train_config(config, FLAGS.set)
         if FLAGS.check_only:
             cfg, _ = model_configs(tc)
             spec = validate_against(tc, cfg, jax.device_count(), jax.process_count())
             print(yaml.safe_dump(tc.to_dict(), sort_keys=False))
             print(f"# model: {cfg.param_counts()['total']:,} params; mesh {spec}; devices {jax.device_count()}")
             return 0
+        if prepare:
+            from minimax_jax.train.prepare import prepare_data
+
+            cfg, _ = model_configs(tc)
+            validate_against(tc, cfg, jax.device_count(), jax.process_count())  # fail before building data
+            prepare_data(tc, cfg.vocab_size)
         from minimax_jax.train import train
 
         out = train(tc)
@@ -91,5 +104,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    flags.mark_flag_as_required("config")
     app.run(main)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from minimax_jax.decode import DecodeEngine, PagePoolExhausted
-from tests.decode_helpers import assert_close, random_tokens, reference_logits, small_model
+from tests.test_decode_fixtures import assert_close, random_tokens, reference_logits, small_model
 
 
 def test_dense_paged_decode_and_padding_rows():

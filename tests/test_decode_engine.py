@@ -12,7 +12,7 @@ import pytest
 
 from minimax_jax.decode import DecodeEngine
 from minimax_jax.ops.common import clear_implementation_report, implementation_report
-from tests.decode_helpers import assert_close, random_tokens, reference_logits, small_model
+from tests.test_decode_fixtures import assert_close, random_tokens, reference_logits, small_model
 
 
 def _engine(params, cfg, **kw):

@@ -13,7 +13,7 @@ def test_engine_decode_with_tpu_kernels_matches_forward():
 
     from minimax_jax.decode import DecodeEngine
     from minimax_jax.ops.common import clear_implementation_report, implementation_report
-    from tests.decode_helpers import assert_close, random_tokens, reference_logits, small_model
+    from tests.test_decode_fixtures import assert_close, random_tokens, reference_logits, small_model
 
     cfg, params = small_model("m3")
     rng = np.random.default_rng()

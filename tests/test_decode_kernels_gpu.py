@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.decode_oracle import check_against_oracle, check_all_equal_scores
+from tests.test_decode_oracle import check_against_oracle, check_all_equal_scores
 
 
 @pytest.mark.parametrize("nq,kv_dtype", [(1, "float32"), (2, "float8_e4m3fn"), (8, "bfloat16"), (16, "float32")])

@@ -14,7 +14,7 @@ import pytest
 from minimax_jax.decode import ops
 from minimax_jax.ops.common import ImplementationUnavailable, clear_implementation_report, implementation_report
 from pallas_kernels.decode import api
-from tests.decode_oracle import D, K, PAGE, check_against_oracle, check_all_equal_scores, make_case
+from tests.test_decode_oracle import D, K, PAGE, check_against_oracle, check_all_equal_scores, make_case
 
 
 @pytest.mark.parametrize("nq,kv_dtype", [(1, "float32"), (2, "float8_e4m3fn"), (8, "bfloat16"), (16, "float32")])

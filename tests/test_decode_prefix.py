@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from minimax_jax.decode import DecodeEngine
-from tests.decode_helpers import assert_close, random_tokens, reference_logits, small_model
+from tests.test_decode_fixtures import assert_close, random_tokens, reference_logits, small_model
 
 
 def _engine(params, cfg):

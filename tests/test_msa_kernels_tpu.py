@@ -88,6 +88,7 @@ def test_select_blocks_sets_match_reference(init_blocks, local_blocks, segments)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
 
 
+@pytest.mark.slow   # also run by default in tests/test_msa_kernels_tpu_layouts.py
 def test_forward_with_race_detection():
     """TPU-semantics interpreter with detect_races=True: no race reported, same result."""
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call as mosaic_interpret
@@ -126,6 +127,7 @@ def test_length_cases_block128_top16(s):
     np.testing.assert_allclose(np.asarray(lse), np.asarray(rlse), atol=1e-5)
 
 
+@pytest.mark.slow   # also run by default in tests/test_msa_kernels_tpu_layouts.py
 def test_decode_like_layout_queries_not_at_the_end():
     """Gathered cache layout (kv_pos = arange(S), future slots unwritten, queries anywhere)."""
     rng = np.random.default_rng()

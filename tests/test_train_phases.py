@@ -41,11 +41,14 @@ def test_sparse_cpt_warmup_then_sparse(tmp_path):
         data={"kind": "synthetic", "seq_len": 48, "batch_size": 2, "mean_doc_len": 40},
         msa={"indexer_warmup_steps": 2, "kl_coeff": 0.5, "freeze_backbone_in_warmup": True, "warmup_lr": 1e-2,
              "index": {"index_block_size": 8, "index_topk": 2, "index_head_dim": 16}},
-        run={"steps": 4}, checkpoint={"every": 2, "async_save": False}))
+        run={"steps": 4, "recall_every": 4}, checkpoint={"every": 2, "async_save": False}))
     out = train(tc)
     assert out["status"] == "completed" and out["step"] == 4
-    rows = [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl"))]
+    all_rows = [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl"))]
+    rows = [r for r in all_rows if "loss" in r]
     assert [r["phase_warmup"] for r in rows] == [1.0, 1.0, 0.0, 0.0]
+    recall = [r for r in all_rows if "indexer_recall" in r]
+    assert len(recall) == 1 and recall[0]["step"] == 4 and 0.0 <= recall[0]["indexer_recall"] <= 1.0
     assert all(r["indexer_kl"] > 0 for r in rows)
     dense = ocp.StandardCheckpointer().restore(os.path.join(ckpt, PARAMS_DIR))
     p2, p4 = _params_at(run_dir, 2), _params_at(run_dir, 4)

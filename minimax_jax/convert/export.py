@@ -69,6 +69,8 @@ class _LeafStore:
 
 
 def _quantizable(name: str) -> bool:
+    """Decoder-layer linear weights (attention, index, shared/dense MLP, experts); not the router
+    (``gate.weight``), norms, embedding, lm_head or MTP ``eh_proj``."""
     return (".layers." in name and name.endswith("weight") and "_proj" in name and "eh_proj" not in name) or (
         ".experts." in name and name.endswith((".w1.weight", ".w2.weight", ".w3.weight", "gate_up_proj", "down_proj")))
 

@@ -137,6 +137,9 @@ class RunConfig:
       progress: show a tqdm progress bar (loss, tokens/s, ETA).
       tensorboard: write TensorBoard scalars under ``run_dir/tensorboard``.
       peak_tflops: per-device peak for MFU (None = guess from the device kind; 0 = do not report).
+      recall_every: every N steps log ``indexer_recall``: the share of dense attention's top blocks
+        the MSA indexer selects (``minimax_jax.eval.recall``) on the first row of the batch; MSA
+        models, single-process runs only (0 = off; it runs eagerly: keep it rare).
       stop_after: stop (with a checkpoint) after this many steps of THIS process (tests/debugging; 0 = off).
     """
 
@@ -153,6 +156,7 @@ class RunConfig:
     progress: bool = True
     tensorboard: bool = True
     peak_tflops: float | None = None
+    recall_every: int = 0
     stop_after: int = 0
 
 
@@ -407,6 +411,7 @@ def validate(tc: TrainConfig) -> None:
     _check(r.remat in REMAT, f"run.remat must be one of {REMAT}, got {r.remat!r}")
     _check(r.peak_tflops is None or (_is_num(r.peak_tflops) and r.peak_tflops >= 0), "run.peak_tflops must be >= 0")
     _check(_is_int(r.stop_after) and r.stop_after >= 0, "run.stop_after must be an int >= 0")
+    _check(_is_int(r.recall_every) and r.recall_every >= 0, "run.recall_every must be an int >= 0")
     _check(_is_int(m.indexer_warmup_steps) and m.indexer_warmup_steps >= 0, "msa.indexer_warmup_steps must be >= 0")
     _check(_is_num(m.kl_coeff) and m.kl_coeff >= 0, f"msa.kl_coeff must be >= 0, got {m.kl_coeff!r}")
     _check(m.warmup_lr is None or (_is_num(m.warmup_lr) and m.warmup_lr > 0), "msa.warmup_lr must be > 0 or null")

@@ -273,6 +273,12 @@ def train(tc: TrainConfig, devices: list | None = None) -> dict[str, Any]:
                 t0, flops, toks = time.perf_counter(), 0.0, 0.0
             elif tc.run.eval_every and step % tc.run.eval_every == 0:
                 writer.write(step, {"eval_loss": tr.evaluate(state["params"])})
+            if tc.run.recall_every and step % tc.run.recall_every == 0 and tr.cfg.has_msa and jax.process_count() == 1:
+                from minimax_jax.eval.recall import indexer_recall
+
+                rec = indexer_recall(jax.device_get(state["params"]), tr.cfg, np.asarray(batch["tokens"])[0])
+                writer.write(step, {"indexer_recall": rec["mean"],
+                                    **{f"indexer_recall/layer{k}": v for k, v in rec["layers"].items()}})
             if tc.checkpoint.every and step % tc.checkpoint.every == 0:
                 save(step)
             if sig.flag:

@@ -27,37 +27,37 @@ def compute_dtype(cache_dtype) -> jnp.dtype:
     return jnp.dtype(jnp.float32) if jnp.dtype(cache_dtype) == jnp.float32 else jnp.dtype(jnp.bfloat16)
 
 
-def pack_rows(q: jax.Array, q_positions: jax.Array, g: int, dense: bool, m_min: int):
-    """Arrange queries as kernel rows.
+def pack_rows(q: jax.Array, q_positions: jax.Array, g: int, dense: bool, m_min: int, max_m: int = 64):
+    """Arrange queries as kernel row blocks.
 
-    Args: q ``[B, Q, H, D]``; q_positions ``[B, Q]``; g kv heads; dense: stack all Q rows of a group
-      into one row block (they share the pages) vs. one row block per query row (MSA: each row has
-      its own pages); m_min: minimum padded row count.
-    Returns: ``(qr [B, G, R, M, D], pos [B, R, M] int32, hg, m)`` with padding rows at position -1.
+    Args: q ``[B, Q, H, D]``; q_positions ``[B, Q]``; g kv heads; dense: stack several query rows
+      of a group into one row block (they share the pages; at most ``max_m // (H/G)`` rows, at
+      least one) vs. one row block per query row (MSA: each row has its own pages); m_min:
+      minimum padded row count.
+    Returns: ``(qr [B, G, R, M, D], pos [B, R, M] int32, hg, m, qpb)`` with padding rows at
+      position -1 and ``qpb`` query rows per row block.
     """
     b, nq, h, d = q.shape
     hg = h // g
+    qpb = max(1, min(nq, max_m // hg)) if dense else 1          # query rows per row block
+    nblk = -(-nq // qpb)
     qg = q.reshape(b, nq, g, hg, d).transpose(0, 2, 1, 3, 4)              # [B, G, Q, hg, D]
     pos = jnp.broadcast_to(q_positions[:, :, None], (b, nq, hg))           # [B, Q, hg]
-    if dense:
-        qg = qg.reshape(b, g, 1, nq * hg, d)
-        pos = pos.reshape(b, 1, nq * hg)
-    m = max(m_min, next_pow2(qg.shape[3]))
-    return pad_rows(qg, 3, m), pad_rows(pos, 2, m, -1).astype(jnp.int32), hg, m
+    qg = pad_rows(qg, 2, nblk * qpb).reshape(b, g, nblk, qpb * hg, d)
+    pos = pad_rows(pos, 1, nblk * qpb, -1).reshape(b, nblk, qpb * hg)
+    m = max(m_min, next_pow2(qpb * hg))
+    return pad_rows(qg, 3, m), pad_rows(pos, 2, m, -1).astype(jnp.int32), hg, m, qpb
 
 
-def unpack_rows(o: jax.Array, lse: jax.Array, nq: int, hg: int, dense: bool):
+def unpack_rows(o: jax.Array, lse: jax.Array, nq: int, hg: int, qpb: int):
     """Inverse of ``pack_rows`` for outputs ``o [B, G, R, M, D]``, ``lse [B, G, R, M]``.
 
     Returns ``(o [B, Q, H, D], lse [B, Q, H])``.
     """
-    b, g = o.shape[:2]
+    b, g, nblk = o.shape[:3]
     d = o.shape[-1]
-    if dense:
-        o = o[:, :, 0, : nq * hg].reshape(b, g, nq, hg, d)
-        lse = lse[:, :, 0, : nq * hg].reshape(b, g, nq, hg)
-    else:
-        o, lse = o[:, :, :, :hg], lse[:, :, :, :hg]
+    o = o[:, :, :, : qpb * hg].reshape(b, g, nblk * qpb, hg, d)[:, :, :nq]
+    lse = lse[:, :, :, : qpb * hg].reshape(b, g, nblk * qpb, hg)[:, :, :nq]
     o = o.transpose(0, 2, 1, 3, 4).reshape(b, nq, g * hg, d)
     lse = lse.transpose(0, 2, 1, 3).reshape(b, nq, g * hg)
     return o, lse

@@ -10,6 +10,10 @@ the single index key, so one ``[R, Di] x [Di, page]`` product per page gives eve
 scores; the program keeps the max over the page's tokens. Pages past the last row's local page are
 skipped (never read). fp8 index keys are dequantised by a per-token scale applied to the scores.
 
+``select_pages_gpu``: the scoring kernel, then one selection program per (request, row x group)
+that holds the row's page scores in registers and extracts the best page ``K - 1`` times (ties to
+the lower id; forced pages first; the local page in the last valid slot): no sort, no XLA top-k.
+
 ``paged_attention_gpu``: split-KV flash decoding. One program per (request x kv group, row block,
 split); a split walks ``pps`` pages with an online softmax (all H/G heads of the group, and in
 dense mode all Q rows, stacked as the matmul M dimension) and writes a normalised partial output
@@ -266,7 +270,7 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_sc
     npg = page_table.shape[1]
     dense = block_ids is None
     cdt = compute_dtype(k_pages.dtype)
-    qr, pos, hg, m = pack_rows(q, q_positions, g, dense, 16)
+    qr, pos, hg, m, qpb = pack_rows(q, q_positions, g, dense, 16)
     rows = qr.shape[2]
     if dense:
         if pages_per_split is None:
@@ -294,7 +298,7 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_sc
         interpret=interpret, name="paged_decode_attention",
     )(*args)
     o, lse = combine_splits(o_part, l_part, axis=3)
-    o, lse = unpack_rows(o, lse, nq, hg, dense)
+    o, lse = unpack_rows(o, lse, nq, hg, qpb)
     return o.astype(q.dtype), lse
 
 

@@ -161,7 +161,7 @@ def paged_attention_tpu(q, k_pages, v_pages, page_table, q_positions, k_scale=No
     npg = page_table.shape[1]
     dense = block_ids is None
     cdt = compute_dtype(k_pages.dtype)
-    qr, pos, hg, m = pack_rows(q, q_positions, g, dense, 8)
+    qr, pos, hg, m, qpb = pack_rows(q, q_positions, g, dense, 8)
     m = _round_up(m, 8)
     qr, pos = pad_rows(qr, 3, m), pad_rows(pos, 2, m, -1)
     rows = qr.shape[2]
@@ -208,5 +208,5 @@ def paged_attention_tpu(q, k_pages, v_pages, page_table, q_positions, k_scale=No
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=interpret, name="paged_decode_attention_tpu",
     )(pt, ids, lim, *args)
-    o, lse = unpack_rows(o, lse[..., 0], nq, hg, dense)
+    o, lse = unpack_rows(o, lse[..., 0], nq, hg, qpb)
     return o.astype(q.dtype), lse

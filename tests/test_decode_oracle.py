@@ -1,4 +1,4 @@
-"""NumPy oracle and case builder for the paged decode op/kernel tests (tests/test_decode_*.py).
+"""NumPy oracle and case builder for the paged decode op/kernel tests (tests/test_decode_*.py; no tests here).
 
 Fresh random inputs per call; shuffled page tables; rows with their own positions, local page and
 valid count; a padding row (position -1); float32 / bf16 / fp8 e4m3 caches.

@@ -1,4 +1,4 @@
-"""Shared fixtures of the decode tests: small float32 models and a jitted full-sequence reference."""
+"""Shared fixtures of the decode tests (no tests here): small float32 models and a jitted full-sequence reference."""
 
 from __future__ import annotations
 

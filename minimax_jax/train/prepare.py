@@ -1,0 +1,73 @@
+"""Build the offline corpus and tokenizer a training config points at, when they are missing.
+
+``train.py`` without ``--config`` trains ``configs/train/demo.yaml``, whose data section names
+``data/corpus/train-*.jsonl`` and ``data/tokenizer/tokenizer.json``. ``prepare_data`` makes them:
+
+- sources that match no file: ``minimax_jax.data.corpus.build_corpus`` writes the corpus into the
+  directory of the first source pattern (Shakespeare, stdlib code, synthetic retrieval documents;
+  ``heldout.jsonl`` beside it);
+- a missing tokenizer: a byte-level BPE tokenizer with the model's vocabulary size is trained on
+  the (now existing) sources and saved where the config expects it.
+
+Only single-process runs prepare data (a multi-host run must find it ready on shared storage).
+"""
+
+from __future__ import annotations
+
+import os
+
+from minimax_jax.train.config import TrainConfig, TrainConfigError
+
+__all__ = ["prepare_data"]
+
+
+def _resolves(paths) -> bool:
+    from minimax_jax.data.sources import SourceError, resolve_paths
+
+    try:
+        return bool(resolve_paths(list(paths)))
+    except SourceError:
+        return False
+
+
+def prepare_data(tc: TrainConfig, vocab_size: int, *, max_mb: float = 64.0, log=print) -> list[str]:
+    """Create missing corpus / tokenizer files for ``tc.data`` (kind grain). Returns what was made.
+
+    Raises TrainConfigError when preparation is impossible (multi-process run, no source pattern).
+    """
+    if tc.data.kind != "grain":
+        return []
+    import jax
+
+    f = tc.data.fields
+    sources = list(f.get("sources") or [])
+    tok = f.get("tokenizer")
+    missing_src = not _resolves(sources)
+    missing_tok = not tok or not os.path.exists(tok)
+    if not (missing_src or missing_tok):
+        return []
+    if jax.process_count() > 1:
+        raise TrainConfigError("data is missing and a multi-process run does not build it; prepare the corpus and "
+                               "tokenizer first (python -m minimax_jax.data.corpus / .tokenizer)")
+    if not sources:
+        raise TrainConfigError("data.sources is empty: nothing to prepare")
+    made = []
+    if missing_src:
+        from minimax_jax.data.corpus import build_corpus
+
+        out = os.path.dirname(sources[0]) or "."
+        log(f"prepare_data: building the offline corpus in {out} ({max_mb} MB of text)")
+        build_corpus(out, max_mb=max_mb, seed=int(f.get("seed", 0)))
+        if not _resolves(sources):
+            raise TrainConfigError(f"the corpus built in {out} does not match data.sources {sources}")
+        made.append(out)
+    if missing_tok:
+        from minimax_jax.data.tokenizer import save_tokenizer, train_tokenizer_from_paths
+
+        if not tok:
+            raise TrainConfigError("data.tokenizer is not set")
+        tok_dir = os.path.dirname(tok) if tok.endswith(".json") else tok
+        log(f"prepare_data: training a {vocab_size}-token BPE tokenizer into {tok_dir}")
+        made.append(save_tokenizer(train_tokenizer_from_paths(sources, vocab_size, field=f.get("field", "text")),
+                                   tok_dir))
+    return made

@@ -1,0 +1,21 @@
+"""prepare_data builds the corpus and tokenizer a config names when they are missing (the demo run)."""
+
+import os
+
+from minimax_jax.train.config import from_dict
+from minimax_jax.train.prepare import prepare_data
+from minimax_jax.train.testing import micro_train_dict
+
+
+def test_prepare_builds_missing_corpus_and_tokenizer(tmp_path):
+    src = str(tmp_path / "data" / "corpus" / "train-*.jsonl")
+    tok = str(tmp_path / "data" / "tokenizer" / "tokenizer.json")
+    tc = from_dict(micro_train_dict(str(tmp_path / "run"), data={
+        "kind": "grain", "sources": [src], "tokenizer": tok, "seq_len": 32, "batch_size": 2}))
+    made = prepare_data(tc, 300, max_mb=0.2, log=lambda _: None)
+    assert len(made) == 2 and os.path.isfile(tok)
+    assert os.path.isfile(tmp_path / "data" / "corpus" / "heldout.jsonl")
+    from minimax_jax.data.tokenizer import load_tokenizer
+
+    assert load_tokenizer(tok).get_vocab_size() <= 300
+    assert prepare_data(tc, 300, max_mb=0.2) == []  # nothing missing any more
