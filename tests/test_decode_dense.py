@@ -40,3 +40,22 @@ def test_pool_exhausted_is_clear_and_leaves_state_intact():
         eng.prefill([list(range(3, 200))])
     eng.free(s)
     assert eng.pool.num_free == 3
+
+
+def test_hidden_states_for_mtp_match_forward():
+    import jax.numpy as jnp
+
+    from minimax_jax.model.transformer import forward
+
+    cfg, params = small_model("m2")
+    rng = np.random.default_rng()
+    eng = DecodeEngine(params, cfg, max_seqs=2, max_len=100, page_size=16, prefill_chunk=20, implementation="xla")
+    seq = random_tokens(rng, cfg, 30)
+    (s,), (lg,), (hid,) = eng.prefill([seq[:28]], return_hidden=True)
+    lg2, hid2 = eng.decode_step(np.array([seq[28:]]), [s], return_hidden=True)
+    ref = forward(params, cfg, jnp.asarray([seq], jnp.int32), return_hidden=True)
+    want = np.asarray(ref.hidden[0])
+    assert hid.shape == (28, cfg.hidden_size) and hid2.shape == (1, 2, cfg.hidden_size)
+    assert_close(hid, want[:28])
+    assert_close(hid2[0], want[28:])
+    assert_close(lg2[0], np.asarray(ref.logits[0])[28:])

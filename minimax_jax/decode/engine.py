@@ -212,17 +212,22 @@ class DecodeEngine:
             self.pool.register(s.pages[i], s.hashes[i])
 
     # ------------------------------------------------------------------ steps
-    def _run(self, tokens: np.ndarray, positions: np.ndarray, path: str, implementation: str):
-        logits, self.cache = model_step(self.params, self.cache, jnp.asarray(tokens, jnp.int32),
-                                        jnp.asarray(positions, jnp.int32), jnp.asarray(self.tables),
-                                        cfg=self.cfg, spec=self.spec, path=path, implementation=implementation)
-        return logits
+    def _run(self, tokens: np.ndarray, positions: np.ndarray, path: str, implementation: str,
+             return_hidden: bool = False):
+        """One device step; returns logits, or ``(logits, hidden)`` with ``return_hidden``."""
+        out = model_step(self.params, self.cache, jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32),
+                         jnp.asarray(self.tables), cfg=self.cfg, spec=self.spec, path=path,
+                         implementation=implementation, return_hidden=return_hidden)
+        self.cache = out[-1]
+        return out[0] if not return_hidden else (out[0], out[1])
 
-    def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[list[int], list[np.ndarray]]:
+    def prefill(self, prompts: Sequence[Sequence[int]], return_hidden: bool = False):
         """Admit prompts into free slots and run chunked prefill over their uncached suffixes.
 
         Returns: ``(slots, logits)`` with ``logits[i]`` float32 ``[len(prompt_i) - cached_i, V]``
-          for the prompt tokens computed here (``cached_i = seqs[slot].cached_tokens``).
+          for the prompt tokens computed here (``cached_i = seqs[slot].cached_tokens``); with
+          ``return_hidden`` also ``hidden[i]`` ``[len(prompt_i) - cached_i, H]`` (pre-final-norm,
+          as ``forward(..., return_hidden=True)``): ``(slots, logits, hidden)``.
         Raises: RuntimeError (no free slot), ValueError (bad length), PagePoolExhausted (nothing
           is admitted then).
         """
@@ -237,6 +242,7 @@ class DecodeEngine:
             raise
         todo = {s: [int(t) for t in p][len(self.seqs[s].tokens):] for s, p in zip(slots, prompts)}
         outs: dict[int, list] = {s: [] for s in slots}
+        hids: dict[int, list] = {s: [] for s in slots}
         c = self.prefill_chunk
         while any(todo.values()):
             tok = np.zeros((self.max_seqs, c), np.int32)
@@ -249,22 +255,33 @@ class DecodeEngine:
                     tok[s, :n] = rest[:n]
                     pos[s, :n] = np.arange(start, start + n)
                     took[s] = n
-            logits = np.asarray(self._run(tok, pos, "gather", self.prefill_implementation))
+            out = self._run(tok, pos, "gather", self.prefill_implementation, return_hidden=return_hidden)
+            logits, hidden = (out, None) if not return_hidden else out
+            logits = np.asarray(logits)
+            hidden = None if hidden is None else np.asarray(hidden)
             for s, n in took.items():
                 self.seqs[s].tokens.extend(todo[s][:n])
                 todo[s] = todo[s][n:]
                 outs[s].append(logits[s, :n])
+                if hidden is not None:
+                    hids[s].append(hidden[s, :n])
                 self._publish(s)
-        return slots, [np.concatenate(outs[s], 0) for s in slots]
+        logits = [np.concatenate(outs[s], 0) for s in slots]
+        if return_hidden:
+            return slots, logits, [np.concatenate(hids[s], 0) for s in slots]
+        return slots, logits
 
-    def decode_step(self, tokens, slots: Sequence[int], num_tokens: Sequence[int] | None = None) -> np.ndarray:
+    def decode_step(self, tokens, slots: Sequence[int], num_tokens: Sequence[int] | None = None,
+                    return_hidden: bool = False):
         """Append ``Q`` tokens per listed slot (1 main + drafts) and return their logits.
 
         Args:
           tokens: ``[n, Q]`` int token ids, ``1 <= Q <= 16``; row ``i`` goes to ``slots[i]``.
           slots: live slot ids (distinct).
           num_tokens: optional per-row count ``<= Q`` of real tokens (the rest is padding).
-        Returns: float32 ``[n, Q, V]`` logits (rows past ``num_tokens`` are meaningless).
+          return_hidden: also return the pre-final-norm hidden states ``[n, Q, H]``.
+        Returns: float32 ``[n, Q, V]`` logits (rows past ``num_tokens`` are meaningless), or
+          ``(logits, hidden)`` with ``return_hidden``.
         Raises: ValueError (bad shapes / slots / length), PagePoolExhausted.
         """
         tokens = np.asarray(tokens)
@@ -289,8 +306,12 @@ class DecodeEngine:
             start = self.length(s)
             tok[s, :n] = tokens[i, :n]
             pos[s, :n] = np.arange(start, start + n)
-        logits = np.asarray(self._run(tok, pos, "paged", self.implementation))
+        out = self._run(tok, pos, "paged", self.implementation, return_hidden=return_hidden)
+        logits, hidden = (out, None) if not return_hidden else out
         for i, (s, n) in enumerate(zip(slots, counts)):
             self.seqs[s].tokens.extend(int(t) for t in tokens[i, :n])
             self._publish(s)
-        return logits[list(slots), :q_in]
+        logits = np.asarray(logits)[list(slots), :q_in]
+        if return_hidden:
+            return logits, np.asarray(hidden)[list(slots), :q_in]
+        return logits

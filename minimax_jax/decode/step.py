@@ -71,9 +71,10 @@ def _attend_paged(cfg, c, q, qi, page_table, positions, layer_type, impl):
     return o
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "spec", "path", "implementation"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("cfg", "spec", "path", "implementation", "return_hidden"),
+                   donate_argnames=("cache",))
 def model_step(params, cache, tokens, positions, page_table, *, cfg: ModelConfig, spec: CacheSpec,
-               path: str = "paged", implementation: str = "auto"):
+               path: str = "paged", implementation: str = "auto", return_hidden: bool = False):
     """Run the model on new tokens against the paged caches.
 
     Args:
@@ -86,7 +87,10 @@ def model_step(params, cache, tokens, positions, page_table, *, cfg: ModelConfig
         every page a valid position touches must be allocated.
       cfg, spec: static config and cache spec. path: ``"gather"`` | ``"paged"`` (module docstring).
       implementation: passed to the attention ops (``"auto"``, ``"xla"``, ``"pallas_*"``).
-    Returns: ``(logits [B, T, V] float32, cache)``; logits of padding rows are meaningless.
+      return_hidden: also return the pre-final-norm hidden state (the MTP modules' input, as
+        ``forward(..., return_hidden=True)``).
+    Returns: ``(logits [B, T, V] float32, cache)``, or ``(logits, hidden [B, T, H], cache)`` with
+      ``return_hidden``; rows of padding tokens are meaningless.
     """
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
@@ -114,4 +118,6 @@ def model_step(params, cache, tokens, positions, page_table, *, cfg: ModelConfig
             m, _ = mlp_block(lp, _norm(x, lp["post_attn_norm"], cfg), cfg, seg.mlp_type)
             x = x + m
     logits = unembed(params, cfg, _norm(x, params["final_norm"], cfg))
+    if return_hidden:
+        return logits, x, cache
     return logits, cache
