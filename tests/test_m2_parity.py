@@ -67,8 +67,13 @@ def test_greedy_32_tokens_identical():
     with torch.no_grad():
         ref = model.generate(torch.tensor(prompt), max_new_tokens=32, do_sample=False, eos_token_id=None,
                              pad_token_id=0, min_new_tokens=32).numpy()[0, 7:]
-    step = jax.jit(lambda p, t: forward(p, cfg, t).logits[:, -1])
+    total = 7 + 32
+    # One compiled shape: the sequence is right-padded to its final length; causal attention means
+    # the padding never influences the logits at position n - 1.
+    step = jax.jit(lambda p, t, n: jnp.argmax(forward(p, cfg, t).logits[0, n - 1]))
     toks = list(prompt[0])
     for _ in range(32):
-        toks.append(int(jnp.argmax(step(params, jnp.asarray([toks], jnp.int32))[0])))
+        padded = np.zeros((1, total), np.int32)
+        padded[0, :len(toks)] = toks
+        toks.append(int(step(params, jnp.asarray(padded), len(toks))))
     assert toks[7:] == list(ref)
