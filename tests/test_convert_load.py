@@ -49,3 +49,23 @@ def test_load_onto_mesh(tmp_path):
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "OK" in out.stdout
+
+
+def test_relative_checkpoint_path(tmp_path, monkeypatch):
+    """orbax finds no item metadata under a relative path; load_checkpoint must not care."""
+    import jax
+    import numpy as np
+
+    from minimax_jax.config import load_config
+    from minimax_jax.convert import load_checkpoint
+    from minimax_jax.convert.save import save_checkpoint
+    from minimax_jax.model import init_params
+
+    cfg = load_config("tiny-m2")
+    params = init_params(cfg, jax.random.key(0))
+    save_checkpoint(params, cfg, tmp_path / "ck")
+    monkeypatch.chdir(tmp_path)
+    got_cfg, got = load_checkpoint("ck")
+    assert got_cfg == cfg
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(got)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

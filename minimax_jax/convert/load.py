@@ -20,7 +20,8 @@ def checkpoint_metadata(directory: str | os.PathLike) -> Any:
     """The orbax metadata tree (per leaf: shape, dtype, name) of ``directory/params``."""
     import orbax.checkpoint as ocp
 
-    md = ocp.StandardCheckpointer().metadata(os.path.join(os.fspath(directory), PARAMS_DIR))
+    # Absolute path: orbax 0.12 returns no item metadata for a relative checkpoint path.
+    md = ocp.StandardCheckpointer().metadata(os.path.join(os.path.abspath(os.fspath(directory)), PARAMS_DIR))
     return md.item_metadata.tree if hasattr(md, "item_metadata") else md
 
 
@@ -44,7 +45,7 @@ def load_checkpoint(directory: str | os.PathLike, cfg: ModelConfig | None = None
     from minimax_jax.config import dtype_of
     from minimax_jax.model.params import abstract_params
 
-    directory = os.fspath(directory)
+    directory = os.path.abspath(os.fspath(directory))  # orbax metadata lookups fail on relative paths
     stored_cfg = read_config(directory)
     cfg = cfg or stored_cfg
     stored = checkpoint_metadata(directory)
