@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import shutil
+import time
 import uuid
 from typing import Iterator
 
@@ -58,8 +59,22 @@ def atomic_output_dir(dst: str | os.PathLike, *, overwrite: bool = False) -> Ite
             os.rename(tmp, dst)
         _fsync_dir(parent)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_settled(tmp)
         raise
+
+
+def _remove_settled(path: str, *, settle_s: float = 0.2, attempts: int = 50) -> None:
+    """Remove ``path`` and make sure it stays removed.
+
+    A failed orbax save can leave its writer threads finishing a file or two after the exception
+    reached us; they would re-create the directory we just deleted. Retry until it has been absent
+    for ``settle_s`` seconds (at most ``attempts`` tries).
+    """
+    for _ in range(attempts):
+        shutil.rmtree(path, ignore_errors=True)
+        time.sleep(settle_s)
+        if not os.path.exists(path):
+            return
 
 
 def _fsync_dir(path: str) -> None:
