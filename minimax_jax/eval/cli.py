@@ -122,7 +122,14 @@ def main(argv: Sequence[str] | None = None, fns: ModelFns | None = None) -> int:
     if fns is None:
         opts = {} if args.max_seq_len is None else {"max_seq_len": args.max_seq_len}
         fns = load_model_fns(args.checkpoint, tokenizer=args.tokenizer, **opts)
-    results = run_eval(args, fns)
+    from minimax_jax.data.prose import MissingDataError
+    from minimax_jax.eval.haystack import LengthError
+
+    try:
+        results = run_eval(args, fns)
+    except (MissingDataError, LengthError) as e:
+        print(f"eval: error: {e}", file=sys.stderr)
+        return 2
     for task, by_len in sorted(results["tasks"].items()):
         cells = "  ".join(f"{L}: {v:.3f}" for L, v in sorted(by_len.items(), key=lambda kv: int(kv[0])))
         print(f"{task:20s} {cells}")

@@ -50,6 +50,8 @@ def export_run(run_dir: str, dst: str, *, dtype: str = "bfloat16", tokenizer: st
 
     step, params = latest_params(run_dir)
     cfg = ModelConfig.from_yaml(os.path.join(run_dir, "model_config.yaml"))
+    if tokenizer is None:
+        tokenizer = _run_tokenizer(run_dir)
     save_checkpoint(params, cfg, dst, dtype=dtype, tokenizer=tokenizer, overwrite=True)
     hf = None
     if hf_dst:
@@ -60,12 +62,28 @@ def export_run(run_dir: str, dst: str, *, dtype: str = "bfloat16", tokenizer: st
     return {"step": step, "dst": dst, "hf": hf}
 
 
+def _run_tokenizer(run_dir: str) -> str | None:
+    """The ``tokenizer.json`` the run trained with (``data.tokenizer`` of its config.yaml), if any."""
+    import yaml
+
+    path = os.path.join(run_dir, "config.yaml")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        tok = ((yaml.safe_load(f) or {}).get("data") or {}).get("tokenizer")
+    if not tok:
+        return None
+    if os.path.isdir(tok):
+        tok = os.path.join(tok, "tokenizer.json")
+    return tok if os.path.isfile(tok) else None
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run_dir", required=True, help="a train.py run directory")
     ap.add_argument("--dst", required=True, help="checkpoint directory to write (infer.py --checkpoint)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--tokenizer", help="tokenizer.json to copy alongside")
+    ap.add_argument("--tokenizer", help="tokenizer.json to copy alongside (default: the run's data.tokenizer)")
     ap.add_argument("--hf_dst", help="also export HF safetensors here")
     ap.add_argument("--max_shard_mb", type=float, default=15.0, help="HF shard size cap (MiB)")
     a = ap.parse_args(argv)
