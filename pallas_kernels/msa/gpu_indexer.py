@@ -132,15 +132,7 @@ def block_topk_gpu(qi, ki, *, q_positions, kv_positions, q_segment_ids=None, kv_
     prep = layout.prepare(ki[:, :, None, :], None, q_positions, kv_positions, q_segment_ids,
                           kv_segment_ids, block_size)
     kip = prep.k[:, :, 0, :]
-    tp = -(-t // tq) * tq
-    pad = tp - t
-    qpos = q_positions.astype(jnp.int32)
-    qseg, base = prep.q_seg, prep.base
-    if pad:
-        qi = jnp.pad(qi, ((0, 0), (0, pad), (0, 0), (0, 0)))
-        qpos = jnp.pad(qpos, ((0, 0), (0, pad)))
-        qseg = jnp.pad(qseg, ((0, 0), (0, pad)), constant_values=-2)
-        base = jnp.pad(base, ((0, 0), (0, pad)))
+    qi, qpos, qseg, base, tp = layout.pad_query_rows(qi, q_positions, prep, tq)
     rep = lambda x: jnp.repeat(x, hi, axis=1)          # [B, Tp] -> [B, Tp*Hi] (token-major rows)
     n_tiles = prep.s_pad // block_size
     kernel = functools.partial(_kernel, blk=block_size, rows=rows, n_rank=n_rank, width=width,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["Prepared", "prepare", "next_pow2"]
+__all__ = ["Prepared", "prepare", "next_pow2", "pad_query_rows"]
 
 
 def next_pow2(x: int) -> int:
@@ -171,3 +171,25 @@ def dedupe_ids(block_ids):
     dup = jnp.concatenate([jnp.zeros(ids.shape[:-1] + (1,), bool), ids[..., 1:] == ids[..., :-1]],
                           axis=-1)
     return jnp.where(dup | (ids < 0), -1, ids)
+
+
+def pad_query_rows(qi, q_positions, prep, tq: int):
+    """Pad the query axis of the indexer inputs to a multiple of the row tile ``tq``.
+
+    Args:
+      qi: ``[B, T, Hi, Di]`` index queries; q_positions: ``[B, T]``; prep: ``prepare(...)`` output.
+      tq: query tokens per row tile.
+    Returns: ``(qi, qpos, qseg, base, tp)`` padded to ``tp = ceil(T / tq) * tq`` tokens; padded
+      queries get segment -2 (never visible) and position/base 0.
+    """
+    t = qi.shape[1]
+    tp = -(-t // tq) * tq
+    pad = tp - t
+    qpos = q_positions.astype(jnp.int32)
+    qseg, base = prep.q_seg, prep.base
+    if pad:
+        qi = jnp.pad(qi, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        qpos = jnp.pad(qpos, ((0, 0), (0, pad)))
+        qseg = jnp.pad(qseg, ((0, 0), (0, pad)), constant_values=-2)
+        base = jnp.pad(base, ((0, 0), (0, pad)))
+    return qi, qpos, qseg, base, tp

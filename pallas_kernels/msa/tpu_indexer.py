@@ -100,15 +100,7 @@ def block_topk_tpu(qi, ki, *, q_positions, kv_positions, q_segment_ids=None, kv_
                           kv_segment_ids, block_size)
     kip = prep.k[:, :, 0, :]
     nt = prep.s_pad // block_size
-    tp = -(-t // tq) * tq
-    pad = tp - t
-    qpos = q_positions.astype(jnp.int32)
-    qseg, base = prep.q_seg, prep.base
-    if pad:
-        qi = jnp.pad(qi, ((0, 0), (0, pad), (0, 0), (0, 0)))
-        qpos = jnp.pad(qpos, ((0, 0), (0, pad)))
-        qseg = jnp.pad(qseg, ((0, 0), (0, pad)), constant_values=-2)
-        base = jnp.pad(base, ((0, 0), (0, pad)))
+    qi, qpos, qseg, base, tp = layout.pad_query_rows(qi, q_positions, prep, tq)
     nr = tp // tq
     # causal key-tile range of each row tile (storage index of a row's query = base + q_pos)
     qidx = (base + qpos).reshape(bsz, nr, tq)
