@@ -97,22 +97,30 @@ def _slot_tables(ids, starts, blk):
     return tiles.reshape(shp).astype(jnp.int32), act.reshape(shp)
 
 
+def _query_outer_specs(m: int, d: int, dv: int, blk: int):
+    """Index map of the query-side blocks and the BlockSpecs of (q, k, v, kv positions, kv segments)
+    shared by the forward and dq kernels: grid (batch, group, token, slot); the scalar-prefetched
+    tile table ``tl`` picks the key tile of each slot."""
+    q_map = lambda b, g_, t, j, *_: (b, t, g_, 0, 0)  # noqa: E731
+    kv_map = lambda b, g_, t, j, tl, *_: (b, g_, tl[b, g_, t, j], 0)  # noqa: E731
+    pos_map = lambda b, g_, t, j, tl, *_: (b, tl[b, g_, t, j], 0, 0)  # noqa: E731
+    return q_map, [pl.BlockSpec((None, None, None, m, d), q_map),
+                   pl.BlockSpec((None, None, blk, d), kv_map),
+                   pl.BlockSpec((None, None, blk, dv), kv_map),
+                   pl.BlockSpec((None, None, 1, blk), pos_map),
+                   pl.BlockSpec((None, None, 1, blk), pos_map)]
+
+
 def _fwd_chunk(q5, kt, vt, kvp4, kvs4, ids, tiles, act, qpos, qseg, *, blk, interpret):
     bsz, tc, g, m, d = q5.shape
     dv = vt.shape[-1]
     nslots = tiles.shape[-1]
     kernel = functools.partial(_fwd_kernel, blk=blk, nslots=nslots, scale=1.0 / math.sqrt(d))
-    q_map = lambda b, g_, t, j, *_: (b, t, g_, 0, 0)
-    kv_map = lambda b, g_, t, j, tl, *_: (b, g_, tl[b, g_, t, j], 0)
-    pos_map = lambda b, g_, t, j, tl, *_: (b, tl[b, g_, t, j], 0, 0)
+    q_map, in_specs = _query_outer_specs(m, d, dv, blk)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
         grid=(bsz, g, tc, nslots),
-        in_specs=[pl.BlockSpec((None, None, None, m, d), q_map),
-                  pl.BlockSpec((None, None, blk, d), kv_map),
-                  pl.BlockSpec((None, None, blk, dv), kv_map),
-                  pl.BlockSpec((None, None, 1, blk), pos_map),
-                  pl.BlockSpec((None, None, 1, blk), pos_map)],
+        in_specs=in_specs,
         out_specs=[pl.BlockSpec((None, None, None, m, dv), q_map),
                    pl.BlockSpec((None, None, None, m, 1), q_map)],
         scratch_shapes=[pltpu.VMEM((m, 1), jnp.float32), pltpu.VMEM((m, 1), jnp.float32),
@@ -168,17 +176,11 @@ def _dq_chunk(q5, kt, vt, kvp4, kvs4, do5, lse5c, delta5c, ids, tiles, act, qpos
     dv = vt.shape[-1]
     nslots = tiles.shape[-1]
     kernel = functools.partial(_dq_kernel, blk=blk, nslots=nslots, scale=1.0 / math.sqrt(d))
-    q_map = lambda b, g_, t, j, *_: (b, t, g_, 0, 0)
-    kv_map = lambda b, g_, t, j, tl, *_: (b, g_, tl[b, g_, t, j], 0)
-    pos_map = lambda b, g_, t, j, tl, *_: (b, tl[b, g_, t, j], 0, 0)
+    q_map, in_specs = _query_outer_specs(m, d, dv, blk)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
         grid=(bsz, g, tc, nslots),
-        in_specs=[pl.BlockSpec((None, None, None, m, d), q_map),
-                  pl.BlockSpec((None, None, blk, d), kv_map),
-                  pl.BlockSpec((None, None, blk, dv), kv_map),
-                  pl.BlockSpec((None, None, 1, blk), pos_map),
-                  pl.BlockSpec((None, None, 1, blk), pos_map),
+        in_specs=in_specs + [
                   pl.BlockSpec((None, None, None, m, dv), q_map),
                   pl.BlockSpec((None, None, None, m, 1), q_map),
                   pl.BlockSpec((None, None, None, m, 1), q_map)],
