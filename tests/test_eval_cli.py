@@ -128,3 +128,26 @@ def test_bad_runtime_result_and_bad_args(monkeypatch, tmp_path, tok_dir):
         cli.build_parser().parse_args(["--checkpoint", "c", "--tasks", "nope"])
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["--checkpoint", "c", "--lengths", "12,x"])
+
+
+def test_time_budget_skips_longest_and_writes_partial(tmp_path, tok_dir):
+    """A zero budget still runs the first batch (shortest prompts), skips the rest, writes them."""
+    from minimax_jax.data.tokenizer import load_tokenizer
+    from minimax_jax.eval.runner import ModelFns
+
+    tok = load_tokenizer(tok_dir)
+    calls = []
+
+    def generate_fn(prompts, max_new_tokens):
+        calls.append(len(prompts))
+        return [" 0." for _ in prompts]
+
+    out = tmp_path / "r.json"
+    rc = cli.main(["--checkpoint", "unused", "--tasks", "niah_single", "--lengths", "300,200", "--num_samples", "2",
+                   "--batch_size", "2", "--haystack", "noise", "--no_perplexity", "--time_budget_s", "0",
+                   "--out", str(out)], fns=ModelFns(generate_fn, None, tok))
+    assert rc == 0 and calls == [2]
+    r = json.loads(out.read_text())
+    assert [e["target_length"] for e in r["examples"]] == [200, 200]
+    assert r["skipped"] == [{"task": "niah_single", "target_length": 300}] * 2
+    assert r["timing"][0]["prompts"] == 2 and r["timing"][0]["seconds"] >= 0

@@ -29,7 +29,7 @@ def test_eval_cli_runs_a_real_checkpoint(tmp_path):
                      "--ppl_files", str(ppl), "--ppl_seq_len", "64", "--ppl_max_tokens", "300",
                      "--out", str(out)]) == 0
     r = json.load(open(out))
-    assert [e["task"] for e in r["examples"]] == ["niah_single", "common_words"]
+    assert [e["task"] for e in r["examples"]] == ["common_words", "niah_single"]  # shortest first, then by name
     for e in r["examples"]:
         assert isinstance(e["output"], str) and 0.0 <= e["score"] <= 1.0
         assert 600 - 8 <= e["length"] <= 600

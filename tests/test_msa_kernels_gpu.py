@@ -288,6 +288,11 @@ def test_supports_hook():
     bad = dict(pos, kv_positions=pos["kv_positions"].at[0, 3].set(7))
     assert "increase by 1" in api.supports("msa_attention", *args, backend="gpu", block_size=16,
                                            **bad)
+    # Block selection takes (qi, ki) only: the hook must not index a third argument.
+    assert api.supports("msa_select_blocks", args[0], args[1], backend="gpu", block_size=16, topk=2,
+                        **pos) is None
+    assert "powers of two" in api.supports("msa_select_blocks", args[0][..., :12], args[1][..., :12],
+                                          backend="gpu", block_size=16, topk=2, **pos)
 
 
 @slow   # also run by default in tests/test_msa_kernels_gpu_layouts.py
@@ -327,3 +332,24 @@ def test_decode_like_layout_queries_not_at_the_end():
     np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), np.isfinite(np.asarray(rlse)))
     for a, b in zip(grads, rgrads):
         _assert_grads_close(a, b, 0.9999, 1e-4)
+
+
+def test_selection_under_grad():
+    """Training differentiates through the layer: selection (integer ids, no gradient) must trace
+    under jax.grad on every Pallas backend (the H200 run hit a pallas_call JVP assertion)."""
+    from minimax_jax.ops import msa as msa_ops
+
+    rng = np.random.default_rng()
+    qi = jnp.asarray(rng.standard_normal((1, 64, 1, 16)), jnp.float32)
+    ki = jnp.asarray(rng.standard_normal((1, 64, 16)), jnp.float32)
+    pos = jnp.arange(64, dtype=jnp.int32)[None]
+    for impl in ("pallas_gpu_interpret", "pallas_interpret"):
+        def f(qi, ki):
+            ids = msa_ops.msa_select_blocks(qi, ki, q_positions=pos, kv_positions=pos, block_size=16, topk=2,
+                                            implementation=impl)
+            return jnp.sum(qi * ids[..., 0].transpose(0, 2, 1)[..., None]) + jnp.sum(ki ** 2)
+        gq, gk = jax.grad(f, argnums=(0, 1))(qi, ki)
+        ids = msa_ops.msa_select_blocks(qi, ki, q_positions=pos, kv_positions=pos, block_size=16, topk=2,
+                                        implementation="xla")
+        np.testing.assert_array_equal(gq, jnp.broadcast_to(ids[..., 0].transpose(0, 2, 1)[..., None], qi.shape))
+        np.testing.assert_allclose(gk, 2 * ki, rtol=1e-6)

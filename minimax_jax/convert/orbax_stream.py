@@ -63,7 +63,10 @@ class LazyLeafHandler(th.NumpyHandler):
     """Writes ``LazyLeaf`` values unit by unit (see module docstring)."""
 
     def __init__(self, max_in_flight: int = 1):
-        super().__init__(deepcopy_host_arrays=False)
+        try:  # orbax < 0.12 has no deepcopy_host_arrays (its handler never copied host arrays)
+            super().__init__(deepcopy_host_arrays=False)
+        except TypeError:
+            super().__init__()
         self._max_in_flight = max(1, int(max_in_flight))
         self._in_flight = 0  # touched only from the event loop's thread
 

@@ -36,7 +36,12 @@ from minimax_jax.data.prose import (
     read_text, shakespeare_files, split_works, stdlib_dir, stdlib_python_files,
 )
 
-DEFAULT_SHARES = {"prose": 0.4, "code": 0.4, "synthetic": 0.2}
+# Retrieval documents get the largest share: a small model trained for minutes learns to retrieve
+# only when it sees many of them (the demo's first run, with 20%, retrieved nothing at 1K tokens).
+DEFAULT_SHARES = {"prose": 0.3, "code": 0.3, "synthetic": 0.4}
+# Synthetic documents must fit the training window whole (prompt AND answer in one packed row):
+# 24000 characters is ~7K tokens of the demo tokenizer, under the demo's 8192-token sequences.
+DEFAULT_SYNTHETIC_MAX_CHARS = 24000
 SYNTHETIC_TASK_PARAMS = {
     "niah_single": lambda rng: {},
     "niah_multikey": lambda rng: {"num_keys": rng.randint(2, 8)},
@@ -128,7 +133,7 @@ def synthetic_documents(seed: int, budget_bytes: int, haystack_text: str, *, min
 
 def build_corpus(out_dir: str, *, max_mb: float = 64.0, seed: int = 0, shares: dict | None = None,
                  heldout_works: int = 4, heldout_fraction: float = 0.05, max_code_file_kb: int = 256,
-                 synthetic_min_chars: int = 2000, synthetic_max_chars: int = 64000,
+                 synthetic_min_chars: int = 2000, synthetic_max_chars: int = DEFAULT_SYNTHETIC_MAX_CHARS,
                  heldout_synthetic: int = 20, shard_mb: float = 16.0) -> dict:
     """Builds the corpus under ``out_dir``; returns the manifest (also written as manifest.json).
 
@@ -212,6 +217,21 @@ def _write_jsonl(path: str, docs: Sequence[dict]) -> None:
             f.write(json.dumps(d, ensure_ascii=False) + "\n")
 
 
+def _shares(text: str) -> dict[str, float]:
+    """Parses ``prose=0.3,code=0.3,synthetic=0.4`` (argparse type)."""
+    out = {}
+    for item in text.split(","):
+        key, sep, val = item.partition("=")
+        try:
+            if not sep or key.strip() not in DEFAULT_SHARES:
+                raise ValueError
+            out[key.strip()] = float(val)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"--shares expects name=fraction pairs over {sorted(DEFAULT_SHARES)}, got {text!r}") from None
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; see the module docstring."""
     p = argparse.ArgumentParser(prog="python -m minimax_jax.data.corpus")
@@ -220,12 +240,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--heldout_works", type=int, default=4)
     p.add_argument("--heldout_fraction", type=float, default=0.05)
-    p.add_argument("--synthetic_max_chars", type=int, default=64000)
+    p.add_argument("--synthetic_min_chars", type=int, default=2000)
+    p.add_argument("--synthetic_max_chars", type=int, default=DEFAULT_SYNTHETIC_MAX_CHARS,
+                   help="longest synthetic document (characters); keep it under the training sequence")
+    p.add_argument("--shares", type=_shares, default=None,
+                   help=f"budget split, e.g. prose=0.3,code=0.3,synthetic=0.4 (default {DEFAULT_SHARES})")
     p.add_argument("--shard_mb", type=float, default=16.0)
     a = p.parse_args(argv)
     m = build_corpus(a.out, max_mb=a.max_mb, seed=a.seed, heldout_works=a.heldout_works,
-                     heldout_fraction=a.heldout_fraction, synthetic_max_chars=a.synthetic_max_chars,
-                     shard_mb=a.shard_mb)
+                     heldout_fraction=a.heldout_fraction, synthetic_min_chars=a.synthetic_min_chars,
+                     synthetic_max_chars=a.synthetic_max_chars, shares=a.shares, shard_mb=a.shard_mb)
     print(json.dumps({"train": m["train"], "heldout": m["heldout_stats"], "shards": m["train_shards"]}))
     return 0
 

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
 from collections.abc import Sequence
 
 from minimax_jax.eval.chat import chat_prompt, strip_thinking
@@ -67,8 +69,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ppl_batch_size", type=int, default=1, help="windows per logprob_fn call")
     p.add_argument("--no_perplexity", action="store_true")
     p.add_argument("--max_seq_len", type=int, default=None, help="forwarded to the runtime")
-    p.add_argument("--out", default=None, help="write the results JSON here")
+    p.add_argument("--prefill_chunk", type=int, default=None,
+                   help="prompt tokens per prefill step of the runtime's paged engine (forwarded)")
+    p.add_argument("--out", default=None,
+                   help="write the results JSON here (rewritten atomically after every batch, so a killed "
+                        "run leaves the results so far)")
+    p.add_argument("--time_budget_s", type=float, default=None,
+                   help="start no new batch (after the first) past this many seconds; prompts run shortest first and the ones "
+                        "not reached are reported as skipped, not scored")
     return p
+
+
+def _write_json(path: str, obj: dict) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
+def _results(args, examples, outputs, timing) -> dict:
+    done = examples[: len(outputs)]
+    scores = score_examples(done, outputs, args.metric) if done else {"by_task": {}, "mean": None, "scores": []}
+    return {
+        "checkpoint": args.checkpoint,
+        "metric": args.metric,
+        "tasks": scores["by_task"],
+        "mean": scores["mean"],
+        "skipped": [{"task": e.task, "target_length": e.target_length} for e in examples[len(outputs):]],
+        "timing": timing,
+        "examples": [
+            {"task": e.task, "target_length": e.target_length, "length": e.length,
+             "answers": list(e.answers), "output": o, "score": s}
+            for e, o, s in zip(done, outputs, scores["scores"])
+        ],
+    }
 
 
 def run_eval(args: argparse.Namespace, fns: ModelFns) -> dict:
@@ -81,28 +115,30 @@ def run_eval(args: argparse.Namespace, fns: ModelFns) -> dict:
         haystack = noise_haystack()
     examples = generate_suite(args.tasks, args.lengths, args.num_samples,
                               token_counter(fns.tokenizer), haystack, seed=args.seed)
+    # Shortest first: similar lengths share a batch, and a time budget drops the longest prompts.
+    examples = sorted(examples, key=lambda e: (e.target_length, e.task))
     prompts = [chat_prompt(e.prompt) if args.chat else e.prompt for e in examples]
     outputs: list[str] = []
+    timing: list[dict] = []
+    start = time.perf_counter()
+    results: dict = {}
     for i in range(0, len(prompts), args.batch_size):
+        if i and args.time_budget_s is not None and time.perf_counter() - start > args.time_budget_s:
+            break
         chunk = prompts[i : i + args.batch_size]
+        t0 = time.perf_counter()
         got = list(fns.generate_fn(chunk, args.max_new_tokens))
         if len(got) != len(chunk):
             raise ValueError(f"generate_fn returned {len(got)} outputs for {len(chunk)} prompts")
-        outputs.extend(got)
-    if args.chat:
-        outputs = [strip_thinking(o) for o in outputs]
-    scores = score_examples(examples, outputs, args.metric)
-    results = {
-        "checkpoint": args.checkpoint,
-        "metric": args.metric,
-        "tasks": scores["by_task"],
-        "mean": scores["mean"],
-        "examples": [
-            {"task": e.task, "target_length": e.target_length, "length": e.length,
-             "answers": list(e.answers), "output": o, "score": s}
-            for e, o, s in zip(examples, outputs, scores["scores"])
-        ],
-    }
+        outputs.extend([strip_thinking(o) for o in got] if args.chat else got)
+        batch = examples[i : i + len(chunk)]
+        timing.append({"target_length": max(e.target_length for e in batch), "prompts": len(chunk),
+                       "prompt_tokens": sum(e.length for e in batch), "seconds": time.perf_counter() - t0})
+        results = _results(args, examples, outputs, timing)
+        if args.out:
+            _write_json(args.out, results)
+    if not results:
+        results = _results(args, examples, outputs, timing)
     if not args.no_perplexity and fns.logprob_fn is not None:
         if args.ppl_files:
             texts = [open(f, encoding="utf-8", errors="replace").read() for f in args.ppl_files]
@@ -120,7 +156,8 @@ def main(argv: Sequence[str] | None = None, fns: ModelFns | None = None) -> int:
     """CLI entry point; ``fns`` bypasses the runtime (tests, custom models)."""
     args = build_parser().parse_args(argv)
     if fns is None:
-        opts = {} if args.max_seq_len is None else {"max_seq_len": args.max_seq_len}
+        opts = {k: v for k, v in (("max_seq_len", args.max_seq_len), ("prefill_chunk", args.prefill_chunk))
+                if v is not None}
         fns = load_model_fns(args.checkpoint, tokenizer=args.tokenizer, **opts)
     from minimax_jax.data.prose import MissingDataError
     from minimax_jax.eval.haystack import LengthError
@@ -137,9 +174,11 @@ def main(argv: Sequence[str] | None = None, fns: ModelFns | None = None) -> int:
         p = results["perplexity"]
         print(f"held-out perplexity {p['perplexity']:.3f} ({p['tokens']} tokens, "
               f"{p.get('bits_per_byte', float('nan')):.4f} bits/byte)")
+    if results["skipped"]:
+        print(f"skipped {len(results['skipped'])} prompts (time budget); longest reached: "
+              f"{max((e['target_length'] for e in results['examples']), default=0)} tokens")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+        _write_json(args.out, results)
     return 0
 
 

@@ -2,7 +2,8 @@
 MTP speculative decoding), report statistics; adapters for the evaluation module.
 
 Modules (one job each): ``loading`` (checkpoint + tokenizer, HF on-the-fly conversion, mismatch
-report), ``backends`` (paged engine / recompute oracle behind one interface), ``sampler`` (seeded
+report), ``attention_mode`` (``--attention dense``: MSA layers run as full attention), ``backends``
+(paged engine / recompute oracle behind one interface), ``sampler`` (seeded
 per-row choice), ``drafter`` (MTP drafts), ``speculative`` (acceptance rule), ``generation`` (the
 loop), ``metrics``, ``eval_adapter``, ``cli`` (``python infer.py``).
 """

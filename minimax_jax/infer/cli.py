@@ -52,7 +52,12 @@ flags.DEFINE_string("mesh", None, "Device mesh, e.g. 'fsdp=2,tensor=2' (axes dat
 flags.DEFINE_string("sharding_rules", "default", "Sharding rule preset (configs/sharding.yaml) or a YAML path.")
 flags.DEFINE_string("convert_dir", None, "Keep the on-the-fly conversion of a Hugging Face checkpoint here "
                     "(reused by later runs) instead of a temporary directory.")
-flags.DEFINE_boolean("show_stats", True, "Print generation statistics to stderr.")
+flags.DEFINE_enum("attention", "as_trained", ["as_trained", "dense"], "Attention of the model's MSA layers: "
+                  "'as_trained' = as the checkpoint says (MSA top-k block selection); 'dense' = run every MSA layer "
+                  "as full causal attention with the same weights (its indexer weights are unused): the dense "
+                  "baseline of the same checkpoint. What ran is printed with the statistics.")
+flags.DEFINE_boolean("show_stats", True, "Print generation statistics (and the op implementations that ran) "
+                     "to stderr.")
 
 
 def _err(msg: str) -> None:
@@ -116,7 +121,8 @@ def run() -> int:
     prompt = tokenizer.encode(prompt_text, add_special_tokens=False).ids
     check_context(cfg, [len(prompt)], config.max_new_tokens)
     model = load_model(ckpt, tokenizer_path=FLAGS.tokenizer, dtype=FLAGS.dtype, mesh=FLAGS.mesh,
-                       rules=FLAGS.sharding_rules, convert_dir=FLAGS.convert_dir, log=_err)
+                       rules=FLAGS.sharding_rules, convert_dir=FLAGS.convert_dir, attention=FLAGS.attention,
+                       log=_err)
     where = "single device" if model.mesh is None else "mesh " + ",".join(
         f"{k}={v}" for k, v in model.mesh.shape.items() if v > 1)
     _err(f"model: {model.checkpoint_dir} [{model.source}], {model.cfg.num_layers} layers, "
@@ -140,7 +146,11 @@ def run() -> int:
     sys.stdout.flush()
     _err(f"stopped: {seq.stop_reason}" + (f" ({seq.stop_detail!r})" if seq.stop_detail is not None else ""))
     if FLAGS.show_stats:
+        from minimax_jax.ops import implementation_report
+
         _err(out.stats.summary())
+        _err(f"attention: {model.attention_note}")
+        _err("implementations: " + ", ".join(f"{k}={v}" for k, v in sorted(implementation_report().items())))
     return 0
 
 

@@ -29,14 +29,16 @@ def _model(model_or_dir: Any, **load_kw) -> LoadedModel:
 
 
 def make_generate_fn(model_or_dir, *, engine: str = "paged", sampling: SamplingParams = SamplingParams(),
-                     speculative: str | None = None, batch_size: int = 8, log=None, **load_kw):
+                     speculative: str | None = None, batch_size: int = 8, log=None,
+                     engine_options: dict | None = None, **load_kw):
     """Build ``generate_fn(prompts, max_new_tokens) -> list[str]`` (see module doc).
 
-    ``batch_size`` prompts run together; ``load_kw`` go to ``load_model`` when a directory is given.
+    ``batch_size`` prompts run together; ``engine_options`` go to the paged engine (e.g.
+    ``prefill_chunk``); ``load_kw`` go to ``load_model`` when a directory is given.
     The returned function has ``.generator`` (for statistics) attached.
     """
     m = _model(model_or_dir, **load_kw)
-    gen = Generator(m.cfg, m.params, m.tokenizer, engine=engine, log=log)
+    gen = Generator(m.cfg, m.params, m.tokenizer, engine=engine, engine_options=engine_options, log=log)
 
     def generate_fn(prompts: list[str], max_new_tokens: int) -> list[str]:
         config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, speculative=speculative)
@@ -85,11 +87,13 @@ def make_logprob_fn(model_or_dir, **load_kw):
 
 
 def make_eval_fns(checkpoint_dir: str, *, max_seq_len: int | None = None, engine: str = "paged",
-                  **load_kw) -> dict:
+                  prefill_chunk: int | None = None, **load_kw) -> dict:
     """``{"generate_fn", "logprob_fn", "tokenizer"}`` for ``minimax_jax.eval.runner``; the checkpoint
-    is loaded once. ``max_seq_len`` (from the eval CLI) is checked against the model's context."""
+    is loaded once. ``max_seq_len`` (from the eval CLI) is checked against the model's context;
+    ``prefill_chunk`` (prompt tokens per prefill step of the paged engine) defaults to the engine's."""
     m = load_model(checkpoint_dir, **load_kw)
     if max_seq_len is not None and max_seq_len > m.cfg.max_position_embeddings:
         raise ValueError(f"max_seq_len {max_seq_len} exceeds the model's context {m.cfg.max_position_embeddings}")
-    return {"generate_fn": make_generate_fn(m, engine=engine), "logprob_fn": make_logprob_fn(m),
+    opts = None if prefill_chunk is None else {"prefill_chunk": int(prefill_chunk)}
+    return {"generate_fn": make_generate_fn(m, engine=engine, engine_options=opts), "logprob_fn": make_logprob_fn(m),
             "tokenizer": m.tokenizer}

@@ -20,6 +20,7 @@ import tempfile
 from typing import Any, Callable
 
 from minimax_jax.config import ModelConfig
+from minimax_jax.infer.attention_mode import apply_attention_mode, check_attention_mode, describe_attention_mode
 from minimax_jax.infer.errors import CheckpointMismatch, CheckpointNotFound, TokenizerNotFound
 
 __all__ = ["DEFAULT_CHECKPOINT", "LoadedModel", "checkpoint_kind", "find_mismatches", "load_model",
@@ -34,7 +35,9 @@ TOKENIZER_FILE = "tokenizer.json"
 @dataclasses.dataclass
 class LoadedModel:
     """A ready model: ``cfg``, ``params`` tree, ``tokenizer`` (``tokenizers.Tokenizer``), where it came
-    from (``checkpoint_dir``, ``source``: "orbax" or "hf (converted to DIR)"), optional ``mesh``/``rules``."""
+    from (``checkpoint_dir``, ``source``: "orbax" or "hf (converted to DIR)"), optional ``mesh``/``rules``,
+    and the ``attention`` mode it was loaded with (``minimax_jax.infer.attention_mode``;
+    ``attention_note`` says what that did to this checkpoint)."""
 
     cfg: ModelConfig
     params: Any
@@ -43,6 +46,8 @@ class LoadedModel:
     source: str
     mesh: Any = None
     rules: Any = None
+    attention: str = "as_trained"
+    attention_note: str = ""
 
 
 def resolve_checkpoint(checkpoint_dir: str | None) -> str:
@@ -131,7 +136,7 @@ def _mesh_and_rules(mesh_spec: str | None, rules_name: str):
 
 def load_model(checkpoint_dir: str | None = None, *, tokenizer_path: str | None = None, dtype: str | None = None,
                mesh: str | None = None, rules: str = "default", convert_dir: str | None = None,
-               log: Callable[[str], None] = print) -> LoadedModel:
+               attention: str = "as_trained", log: Callable[[str], None] = print) -> LoadedModel:
     """Load a checkpoint (ours or HF, see module doc) and its tokenizer.
 
     Args:
@@ -143,10 +148,28 @@ def load_model(checkpoint_dir: str | None = None, *, tokenizer_path: str | None 
         params are restored sharded by ``rules`` (a preset name or YAML path).
       convert_dir: where to keep the conversion of an HF directory (default: a temporary directory
         deleted after loading).
+      attention: "as_trained" (default) or "dense": run the MSA layers as full attention
+        (``minimax_jax.infer.attention_mode.apply_attention_mode``; the indexer weights are dropped).
       log: receives one-line progress messages.
     Raises: CheckpointNotFound, CheckpointMismatch (all mismatched leaves), TokenizerNotFound,
-      ConfigError / CheckpointError from the converter.
+      ConfigError / CheckpointError from the converter, ValueError for an unknown ``attention``.
     """
+    check_attention_mode(attention)   # before any heavy work
+    model = _load_any(checkpoint_dir, tokenizer_path, dtype, mesh, rules, convert_dir, log)
+    note = describe_attention_mode(model.cfg, attention)
+    cfg, params = apply_attention_mode(model.cfg, model.params, attention)
+    if cfg is not model.cfg and model.mesh is not None:
+        import jax
+
+        from minimax_jax.sharding import params_shardings
+
+        params = jax.device_put(params, params_shardings(cfg, model.mesh, model.rules))
+    if attention != "as_trained":
+        log(f"attention: {note}")
+    return dataclasses.replace(model, cfg=cfg, params=params, attention=attention, attention_note=note)
+
+
+def _load_any(checkpoint_dir, tokenizer_path, dtype, mesh, rules, convert_dir, log) -> LoadedModel:
     checkpoint_dir = resolve_checkpoint(checkpoint_dir)
     kind = checkpoint_kind(checkpoint_dir)
     tokenizer = load_tokenizer_for(checkpoint_dir, tokenizer_path)  # fail fast, before any heavy work

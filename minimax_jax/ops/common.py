@@ -17,6 +17,7 @@ __all__ = [
     "implementation_report",
     "clear_implementation_report",
     "default_backend",
+    "match_vma",
 ]
 
 
@@ -49,3 +50,15 @@ def clear_implementation_report() -> None:
 def default_backend() -> str:
     """The default JAX backend: ``"cpu"``, ``"gpu"`` or ``"tpu"``."""
     return jax.default_backend()
+
+
+def match_vma(x: jax.Array, like: jax.Array) -> jax.Array:
+    """Mark ``x`` as varying over the manual mesh axes that ``like`` varies over (``shard_map`` typing).
+
+    Inside ``shard_map`` every value carries the set of mesh axes it varies over ("vma"). Values
+    made from scratch (``jnp.zeros``) or returned by kernels that do not propagate the type (a
+    ``pallas_call``, e.g. tokamax's grouped matmul) come out invariant, and a custom VJP whose
+    cotangent is varying then fails JAX's type check. Outside ``shard_map`` this is the identity.
+    """
+    missing = tuple(sorted(set(getattr(jax.typeof(like), "vma", ())) - set(getattr(jax.typeof(x), "vma", ()))))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x

@@ -18,7 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from minimax_jax.ops.common import ImplementationUnavailable, default_backend
+from minimax_jax.ops.common import ImplementationUnavailable, default_backend, match_vma
 
 __all__ = ["GMM_IMPLEMENTATIONS", "resolve_gmm", "grouped_matmul", "tokamax_status"]
 
@@ -80,6 +80,13 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, im
     rhs = rhs.astype(lhs.dtype)
     group_sizes = group_sizes.astype(jnp.int32)
     if impl == "tokamax":
-        return _tokamax().ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type,
-                                     implementation="mosaic")
+        # tokamax's backward multiplies the output cotangent with the operands and requires equal
+        # dtypes (a float32 cotangent against bf16 weights raises NotImplementedError, seen on the
+        # H200 with tokamax 0.0.17), so the kernel returns lhs.dtype (accumulated in f32 inside)
+        # and the widening happens outside, where autodiff narrows the cotangent back.
+        out = _tokamax().ragged_dot(lhs, rhs, group_sizes, preferred_element_type=lhs.dtype,
+                                    implementation="mosaic")
+        # Inside expert-parallel shard_map the kernel's output comes back invariant-typed; it varies
+        # like lhs (the H200 run failed the custom-VJP type check of unpermute_combine without this).
+        return match_vma(out, lhs).astype(preferred_element_type)
     return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)

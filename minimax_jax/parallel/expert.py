@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as PS
 
-from minimax_jax.ops.common import ImplementationUnavailable, default_backend, record_implementation
+from minimax_jax.ops.common import ImplementationUnavailable, default_backend, match_vma, record_implementation
 from minimax_jax.ops.grouped_matmul import resolve_gmm
 from minimax_jax.ops.moe_permute import gather_rows, group_starts, permute_rows, sort_by_expert, unpermute_combine
 
@@ -206,11 +206,6 @@ def _ragged_exchange(operand, plan, axis, out_rows):
     Differentiable through JAX's own transpose rule (the reverse ragged exchange).
     """
     in_off, send_sz, out_off, recv_sz = plan
-    out = _like_vma(jnp.zeros((out_rows,) + operand.shape[1:], operand.dtype), operand)
+    out = match_vma(jnp.zeros((out_rows,) + operand.shape[1:], operand.dtype), operand)
     return jax.lax.ragged_all_to_all(operand, out, in_off, send_sz, out_off, recv_sz, axis_name=axis)
 
-
-def _like_vma(x, like):
-    """Mark ``x`` as varying over the manual mesh axes ``like`` varies over (shard_map typing)."""
-    missing = tuple(sorted(set(getattr(jax.typeof(like), "vma", ())) - set(getattr(jax.typeof(x), "vma", ()))))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x

@@ -14,6 +14,8 @@ segment ids are concrete (eager calls); under jit they cannot be checked and are
 
 from __future__ import annotations
 
+import jax
+
 from minimax_jax.ops.common import ImplementationUnavailable, record_implementation
 
 __all__ = ["msa_select_blocks", "msa_attention", "indexer_kl", "supports", "BACKENDS",
@@ -51,9 +53,8 @@ def supports(op, *args, backend, **kwargs):
     if gpu:
         if blk is None or not _pow2(blk):
             return f"block_size must be a power of two >= 16 for the GPU kernels, got {blk}"
-        dims = {"msa_attention": (args[0].shape[-1], args[2].shape[-1]),
-                "msa_select_blocks": (args[0].shape[-1],),
-                "indexer_kl": (args[0].shape[-1], args[2].shape[-1])}[op]
+        # (q or qi) head dim, plus v / qi dim for the ops that take them (select takes (qi, ki) only).
+        dims = (args[0].shape[-1],) if op == "msa_select_blocks" else (args[0].shape[-1], args[2].shape[-1])
         if not all(_pow2(d) for d in dims):
             return f"head / index dims {dims} must be powers of two >= 16 for the GPU kernels"
     elif blk is None or blk % 128:
@@ -122,6 +123,10 @@ def msa_select_blocks(qi, ki, *, q_positions, kv_positions, q_segment_ids=None, 
               kv_segment_ids=kv_segment_ids, block_size=block_size, topk=topk,
               init_blocks=init_blocks, local_blocks=local_blocks)
     _check_layout(op, kw)
+    # Block ids are integers: no gradient flows through selection. Stopping it here keeps autodiff
+    # from differentiating the pallas_call (which has no JVP rule: "grid_context" assertion under
+    # jax.grad in training, seen on the H200).
+    qi, ki = jax.lax.stop_gradient(qi), jax.lax.stop_gradient(ki)
     if backend in ("gpu", "gpu_interpret"):
         from pallas_kernels.msa.gpu_indexer import msa_select_blocks_gpu
         return msa_select_blocks_gpu(qi, ki, interpret=backend == "gpu_interpret", **kw)

