@@ -1,0 +1,96 @@
+"""Markdown tables of a three-way run (train_all.sh + eval_all.sh outputs) for RESULTS.md.
+
+    python experiments/three_way/summarize.py [RESULTS_DIR]   # default experiments/three_way/results
+
+Reads eval_<v>.json (task x length accuracy, perplexity, per-batch timing), metrics_<v>.jsonl
+(training curve), recall_msa.json and infer_<v>.txt (the stats line of infer.py) for the variants
+msa / full / sliding, and prints: the accuracy table (a cell is blank where the length was not
+reached in the time budget), a training summary and a timing summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+VARIANTS = ("msa", "full", "sliding")
+
+
+def _load(path):
+    return json.load(open(path)) if os.path.exists(path) else None
+
+
+def accuracy_table(d: str) -> str:
+    evals = {v: _load(os.path.join(d, f"eval_{v}.json")) for v in VARIANTS}
+    tasks = sorted({t for r in evals.values() if r for t in r["tasks"]})
+    lengths = sorted({int(L) for r in evals.values() if r for by in r["tasks"].values() for L in by})
+    head = "| task | attention | " + " | ".join(f"{L // 1024}K" for L in lengths) + " |"
+    rows = [head, "|" + "---|" * (len(lengths) + 2)]
+    for t in tasks:
+        for v in VARIANTS:
+            r = evals[v]
+            by = r["tasks"].get(t, {}) if r else {}
+            cells = [f"{by[str(L)]:.2f}" if str(L) in by else "" for L in lengths]
+            rows.append(f"| {t} | {v} | " + " | ".join(cells) + " |")
+    n = {v: (len(r["examples"]), len(r["skipped"])) for v, r in evals.items() if r}
+    rows.append("")
+    rows.append("Prompts scored / skipped by the time budget: "
+                + ", ".join(f"{v} {a} / {b}" for v, (a, b) in n.items()))
+    return "\n".join(rows)
+
+
+def training_summary(d: str) -> str:
+    rows = ["| attention | steps | tokens (non-pad) | first LM loss | last LM loss | tokens/s (median) | held-out ppl |",
+            "|---|---|---|---|---|---|---|"]
+    for v in VARIANTS:
+        p = os.path.join(d, f"metrics_{v}.jsonl")
+        if not os.path.exists(p):
+            continue
+        m = [json.loads(line) for line in open(p)]
+        tps = sorted(x.get("tokens_per_s", 0.0) for x in m)
+        last = m[-1]
+        log_every = (m[1]["step"] - m[0]["step"]) if len(m) > 1 else 1
+        tokens = sum(x.get("tokens", 0.0) for x in m) * log_every
+        ev = _load(os.path.join(d, f"eval_{v}.json")) or {}
+        ppl = ev.get("perplexity", {}).get("perplexity")
+        rows.append(f"| {v} | {last['step']} | {tokens / 1e6:.1f}M | {m[0]['lm_loss']:.2f} | {last['lm_loss']:.2f} | "
+                    f"{tps[len(tps) // 2]:.0f} | {ppl:.1f} |" if ppl else "|")
+    return "\n".join(rows)
+
+
+def timing_summary(d: str) -> str:
+    rows = ["| attention | prompt tokens | TTFT s | prefill s | decode tok/s | implementations |", "|---|---|---|---|---|---|"]
+    pat = re.compile(r"prompt (\d+) tok, prefill ([\d.]+)s \| TTFT ([\d.]+)s \| generated \d+ tok in [\d.]+s \(([\d.]+) tok/s\)")
+    for v in VARIANTS:
+        p = os.path.join(d, f"infer_{v}.txt")
+        if not os.path.exists(p):
+            continue
+        text = open(p).read()
+        m = pat.search(text)
+        impl = re.search(r"implementations: (.*)", text)
+        if m:
+            rows.append(f"| {v} | {m.group(1)} | {m.group(3)} | {m.group(2)} | {m.group(4)} | "
+                        f"{impl.group(1) if impl else ''} |")
+    rec = _load(os.path.join(d, "recall_msa.json"))
+    if rec:
+        rows += ["", f"Indexer block recall vs dense attention's top blocks (MSA checkpoint): mean {rec['mean']:.3f} "
+                 f"over {rec['pairs']} (query, group) pairs; per layer "
+                 + ", ".join(f"{k}: {v:.3f}" for k, v in sorted(rec["layers"].items(), key=lambda kv: int(kv[0])))]
+    return "\n".join(rows)
+
+
+def main(argv: list[str]) -> int:
+    d = argv[1] if len(argv) > 1 else os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    print("### Accuracy (contains-all-answers), per task and context length\n")
+    print(accuracy_table(d))
+    print("\n### Training\n")
+    print(training_summary(d))
+    print("\n### Time per token (infer.py)\n")
+    print(timing_summary(d))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
