@@ -8,8 +8,17 @@ Implementations:
 - ``"xla"``: reference in plain JAX, queries processed in chunks so memory is O(chunk * S).
 - ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")`` (GPU only; only for the
   plain causal case T == S with default positions, no segments; raises otherwise).
+- ``"pallas_flash"``: flash attention with O(T) memory in forward AND backward for packed causal
+  self-attention (minimax_jax/ops/flash.py): JAX's Pallas Triton ``mha`` on GPU, the Pallas TPU
+  ``flash_attention`` on TPU. Self-attention only (T == S, the same positions / segment-id arrays
+  for queries and keys, positions strictly increasing inside each segment), no sliding window;
+  raises ImplementationUnavailable otherwise. Recorded as ``"pallas_flash_gpu"`` / ``"_tpu"``.
+- ``"pallas_flash_gpu_interpret"`` / ``"pallas_flash_tpu_interpret"``: the same kernels in Pallas
+  interpret mode (CPU tests).
 - ``"auto"``: ``"cudnn"`` on GPU for plain causal self-attention (T == S, no segment ids, no
-  window), else ``"xla"``. The choice is recorded.
+  window), else ``"xla"``. The choice is recorded. ``"auto"`` never picks ``"pallas_flash"`` yet:
+  that path is verified on CPU in interpret mode only; select it with
+  ``ModelConfig.attention_impl="pallas_flash"`` until it has been measured on a GPU.
 """
 
 from __future__ import annotations
@@ -19,11 +28,15 @@ import math
 import jax
 import jax.numpy as jnp
 
+from minimax_jax.ops import flash
 from minimax_jax.ops.common import ImplementationUnavailable, default_backend, record_implementation
 
 __all__ = ["attention", "visibility_mask"]
 
 _NEG = -1e30
+#: flash implementation name -> flash.py backend (None: the default backend's kernel).
+_FLASH = {"pallas_flash": None, "pallas_flash_gpu_interpret": "gpu_interpret",
+          "pallas_flash_tpu_interpret": "tpu_interpret"}
 
 
 def visibility_mask(q_pos, kv_pos, q_seg, kv_seg, sliding_window=None):
@@ -57,10 +70,12 @@ def attention(
       q_segment_ids / kv_segment_ids: ``[B, T]`` / ``[B, S]`` int32 or None (all zero); -1 marks an
         empty key slot.
       sliding_window: None or window W in tokens (query included).
-      implementation: ``"xla" | "cudnn" | "auto"``.
+      implementation: ``"xla" | "cudnn" | "pallas_flash" | "pallas_flash_gpu_interpret" |
+        "pallas_flash_tpu_interpret" | "auto"`` (module docstring).
       chunk_size: query chunk of the XLA path (memory O(chunk * S)).
     Returns: ``[B, T, H, D]`` in ``q.dtype``. Rows with no visible key return zeros.
-    Raises: ValueError on shape mismatch; ImplementationUnavailable when cuDNN cannot serve the call.
+    Raises: ValueError on shape mismatch; ImplementationUnavailable when the requested
+      implementation cannot serve the call (the message says why).
     """
     b, t, h, d = q.shape
     s, g = k.shape[1], k.shape[2]
@@ -69,14 +84,25 @@ def attention(
     if h % g:
         raise ValueError(f"attention: {h} query heads not divisible by {g} kv heads")
     user_segments = None if q_segment_ids is None and kv_segment_ids is None else True
+    seg_args = (q_segment_ids, kv_segment_ids)   # as passed (flash checks they are one array)
     if q_segment_ids is None:
         q_segment_ids = jnp.zeros((b, t), jnp.int32)
     if kv_segment_ids is None:
         kv_segment_ids = jnp.zeros((b, s), jnp.int32)
     impl = implementation
     if impl == "auto":
+        # Deliberately not "pallas_flash" (not yet validated on a GPU; see the module docstring).
         plain = user_segments is None and t == s and sliding_window is None
         impl = "cudnn" if default_backend() == "gpu" and plain else "xla"
+    if impl in _FLASH:
+        backend = _FLASH[impl] or {"gpu": "gpu", "tpu": "tpu"}.get(default_backend())
+        if backend is None:
+            raise ImplementationUnavailable(
+                f"pallas_flash needs a GPU or TPU backend (got {default_backend()!r}); use "
+                f"pallas_flash_gpu_interpret / pallas_flash_tpu_interpret on CPU")
+        flash.check_applicable(q, k, v, q_positions, kv_positions, *seg_args, sliding_window, backend)
+        record_implementation("attention", f"pallas_flash_{backend}")
+        return flash.flash_attention(q, k, v, q_segment_ids, backend=backend)
     if impl == "cudnn":
         if default_backend() != "gpu":
             raise ImplementationUnavailable("cudnn attention needs a GPU backend")
@@ -85,7 +111,8 @@ def attention(
         # expressible for packed rows, so we only take this path for T == S unpacked calls.
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
     if impl != "xla":
-        raise ImplementationUnavailable(f"attention implementation {implementation!r} is not xla|cudnn|auto")
+        raise ImplementationUnavailable(
+            f"attention implementation {implementation!r} is not one of xla|cudnn|auto|{'|'.join(_FLASH)}")
     record_implementation("attention", "xla")
     return _xla_chunked(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, sliding_window,
                         chunk_size)
