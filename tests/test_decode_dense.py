@@ -16,7 +16,7 @@ def test_dense_paged_decode_and_padding_rows():
     eng.pool.shuffle(int(rng.integers(1 << 30)))
     p = [random_tokens(rng, cfg, 33), random_tokens(rng, cfg, 18)]
     nxt = [random_tokens(rng, cfg, 3), random_tokens(rng, cfg, 3)]
-    slots, lg = eng.prefill(p)
+    slots, lg = eng.prefill(p, return_all_logits=True)
     out = eng.decode_step(np.array(nxt), slots, num_tokens=[3, 1])  # second row: one real token
     for i, n in enumerate((3, 1)):
         ref = reference_logits(cfg, params, p[i] + nxt[i][:n])

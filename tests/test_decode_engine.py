@@ -29,7 +29,7 @@ def test_batched_prefill_and_decode_match_forward(q):
     prompts = [random_tokens(rng, cfg, n) for n in (70, 37, 100)]
     full = [p + random_tokens(rng, cfg, 40) for p in prompts]
     refs = [reference_logits(cfg, params, f) for f in full]
-    slots, logits = eng.prefill(prompts)
+    slots, logits = eng.prefill(prompts, return_all_logits=True)
     for s, p, lg, ref in zip(slots, prompts, logits, refs):
         assert_close(lg, ref[: len(p)])
     tables = eng.tables[slots]
@@ -49,7 +49,7 @@ def test_exact_q_without_padding_and_sparsity_bites():
     eng = DecodeEngine(params, cfg, max_seqs=1, max_len=176, prefill_chunk=32, implementation="xla")
     seq = random_tokens(rng, cfg, 99)
     ref = reference_logits(cfg, params, seq)
-    (s,), (lg,) = eng.prefill([seq[:97]])
+    (s,), (lg,) = eng.prefill([seq[:97]], return_all_logits=True)
     assert_close(lg, ref[:97])
     clear_implementation_report()                          # a fresh trace (new engine shapes) records
     assert_close(eng.decode_step(np.array([seq[97:]]), [s])[0], ref[97:])

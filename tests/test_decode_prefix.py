@@ -23,10 +23,10 @@ def test_prefix_cache_hits_match_forward():
     rng = np.random.default_rng()
     eng = _engine(params, cfg)
     a = random_tokens(rng, cfg, 83)
-    (sa,), (la,) = eng.prefill([a])
+    (sa,), (la,) = eng.prefill([a], return_all_logits=True)
     assert_close(la, reference_logits(cfg, params, a))
     b = a[:55] + random_tokens(rng, cfg, 45)               # shares 3 full pages (48 tokens) with a
-    (sb,), (lb,) = eng.prefill([b])
+    (sb,), (lb,) = eng.prefill([b], return_all_logits=True)
     assert eng.seqs[sb].cached_tokens == 48
     assert eng.seqs[sb].pages[:3] == eng.seqs[sa].pages[:3]
     ref_b = reference_logits(cfg, params, b + [5, 6])
@@ -34,7 +34,7 @@ def test_prefix_cache_hits_match_forward():
     assert_close(eng.decode_step(np.array([[5, 6]]), [sb])[0], ref_b[len(b):])
     eng.free(sa)
     eng.free(sb)
-    (sc,), (lc,) = eng.prefill([a + [9]])                  # unreferenced pages stay cached (LRU)
+    (sc,), (lc,) = eng.prefill([a + [9]], return_all_logits=True)  # unreferenced pages stay cached (LRU)
     assert eng.seqs[sc].cached_tokens == 80
     assert_close(lc, reference_logits(cfg, params, a + [9])[80:])
 
@@ -45,7 +45,7 @@ def test_whole_prompt_cached_still_returns_last_logits():
     eng = _engine(params, cfg)
     a = random_tokens(rng, cfg, 32)
     eng.prefill([a])
-    (s,), (lg,) = eng.prefill([a])                         # keeps >= 1 token to compute
+    (s,), (lg,) = eng.prefill([a], return_all_logits=True)  # keeps >= 1 token to compute
     assert eng.seqs[s].cached_tokens == 16 and lg.shape[0] == 16
     assert_close(lg, reference_logits(cfg, params, a)[16:])
 
@@ -65,6 +65,7 @@ def test_speculative_rollback_with_copy_on_write():
     seq = seq + drafts[:2]
     nxt = random_tokens(rng, cfg, 3)
     assert_close(eng.decode_step(np.array([nxt]), [s])[0], reference_logits(cfg, params, seq + nxt)[78:])
-    (t,), (lt,) = eng.prefill([seq[:76] + drafts + [7]])   # the published page still serves others
+    # the published page still serves others
+    (t,), (lt,) = eng.prefill([seq[:76] + drafts + [7]], return_all_logits=True)
     assert eng.seqs[t].cached_tokens == 80
     assert_close(lt, reference_logits(cfg, params, seq[:76] + drafts + [7])[80:])

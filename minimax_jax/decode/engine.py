@@ -2,13 +2,14 @@
 
 Host side (numpy, Python): slot bookkeeping, page allocation (``PagePool``), prefix-cache lookups
 and registration (chain hashes of full pages). Device side: ``model_step`` (one jit per static
-shape: ``[max_seqs, prefill_chunk]`` for prefill chunks, ``[max_seqs, Q]`` for decode steps; padded
-page tables ``[max_seqs, pages_per_seq]``), the cache list donated and updated in place.
+shape: ``[max_seqs, prefill_chunk]`` with page tables ``[max_seqs, w]`` for prefill chunks, ``w`` the
+power-of-two page bucket of the filled length (``prefill_table_width``); ``[max_seqs, Q]`` with the full
+``[max_seqs, pages_per_seq]`` tables for decode steps), the cache list donated and updated in place.
 
 Usage::
 
     eng = DecodeEngine(params, cfg, max_seqs=8, max_len=4096)
-    slots, logits = eng.prefill([prompt_a, prompt_b])     # logits[i]: [n_new_i, V] for the uncached suffix
+    slots, logits = eng.prefill([prompt_a, prompt_b])     # logits[i]: [1, V], the last prompt position
     out = eng.decode_step(np.array([[tok_a], [tok_b]]), slots)   # [2, Q, V]
     eng.truncate(slots[0], new_len)                         # drop rejected speculative tokens
     eng.free(slots[1])
@@ -47,6 +48,23 @@ class SequenceState:
 
 
 _PAGE_AXIS = {"k": 1, "v": 1, "k_scale": 1, "v_scale": 1, "ki": 0, "ki_scale": 0}
+
+
+def _commit(cache, params):
+    """Place fresh caches where ``model_step`` returns them: on the device of the params, or
+    replicated over their mesh. A jit call with uncommitted arrays is a different cache key than
+    one with the committed outputs fed back, so without this every step shape of an engine over
+    committed (e.g. restored) params would compile twice. Params with no committed array (outputs
+    stay uncommitted too) or committed otherwise (several devices, no one mesh) keep the fresh
+    caches as they are: placement only affects compile count, never results."""
+    shardings = {a.sharding for a in jax.tree.leaves(params) if isinstance(a, jax.Array) and a.committed}
+    meshes = {s.mesh for s in shardings if isinstance(s, jax.sharding.NamedSharding)}
+    devices = set().union(*(s.device_set for s in shardings)) if shardings else set()
+    if len(meshes) == 1 and all(isinstance(s, jax.sharding.NamedSharding) for s in shardings):
+        return jax.device_put(cache, jax.sharding.NamedSharding(next(iter(meshes)), jax.sharding.PartitionSpec()))
+    if len(devices) == 1:
+        return jax.device_put(cache, jax.sharding.SingleDeviceSharding(next(iter(devices))))
+    return cache
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -106,7 +124,7 @@ class DecodeEngine:
             raise ValueError(f"query_rows must be in [1, {MAX_QUERY_ROWS}], got {query_rows}")
         self.query_rows = query_rows
         self.pool = PagePool(num_pages)
-        self.cache = init_cache(cfg, self.spec)
+        self.cache = _commit(init_cache(cfg, self.spec), params)
         self.tables = np.zeros((max_seqs, pages_per_seq), np.int32)
         self.seqs: list[SequenceState | None] = [None] * max_seqs
 
@@ -213,58 +231,136 @@ class DecodeEngine:
 
     # ------------------------------------------------------------------ steps
     def _run(self, tokens: np.ndarray, positions: np.ndarray, path: str, implementation: str,
-             return_hidden: bool = False):
-        """One device step; returns logits, or ``(logits, hidden)`` with ``return_hidden``."""
+             return_hidden: bool = False, *, table_width: int | None = None, logit_rows: np.ndarray | None = None):
+        """One device step; returns logits, or ``(logits, hidden)`` with ``return_hidden``.
+
+        ``table_width``: pass only the first ``table_width`` page-table columns ("gather" path; must
+        cover every valid position). ``logit_rows``: ``[B, K]`` rows of ``T`` to unembed
+        (``model_step``). Results stay on the device (no host transfer here).
+        """
+        table = self.tables if table_width is None else self.tables[:, :table_width]
+        rows = None if logit_rows is None else jnp.asarray(logit_rows, jnp.int32)
         out = model_step(self.params, self.cache, jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32),
-                         jnp.asarray(self.tables), cfg=self.cfg, spec=self.spec, path=path,
+                         jnp.asarray(table), rows, cfg=self.cfg, spec=self.spec, path=path,
                          implementation=implementation, return_hidden=return_hidden)
         self.cache = out[-1]
         return out[0] if not return_hidden else (out[0], out[1])
 
-    def prefill(self, prompts: Sequence[Sequence[int]], return_hidden: bool = False):
+    def prefill_table_width(self, num_tokens: int) -> int:
+        """Page-table columns a prefill chunk gathers when the longest row holds ``num_tokens``
+        tokens after the chunk: the pages covering them, but at least those of one whole chunk
+        (fewer keys than the chunk's own queries save little; fewer compiled shapes), rounded up
+        to a power of two (few compiled shapes) and capped at ``pages_per_seq``.
+
+        Keys past a row's length are masked, so any width covering the filled pages is the same
+        math as the full table. Not always the same bits: XLA picks its dot / reduction kernels by
+        shape, so float32 results can differ in the last bits (~1e-7 on the test models) - as the
+        previous full-table path's did between two ``max_len`` values. Now they do not depend on
+        ``max_len`` at all.
+        """
+        if not 1 <= num_tokens <= self.spec.max_len:
+            raise ValueError(f"num_tokens {num_tokens} not in [1, {self.spec.max_len}]")
+        need = math.ceil(max(num_tokens, self.prefill_chunk) / self.page_size)
+        return min(self.spec.pages_per_seq, 1 << (need - 1).bit_length())
+
+    def compile_prefill(self, max_tokens: int | None = None, return_hidden: bool = False,
+                        return_all_logits: bool = False) -> list[int]:
+        """Compile the prefill step for every table width a prompt of up to ``max_tokens`` tokens
+        (default ``max_len``) uses, by running all-padding chunks (nothing is written but the null
+        page; no slot is touched). Returns the widths compiled. Use before timing a prefill."""
+        max_tokens = self.max_len if max_tokens is None else max_tokens
+        lo, top = self.prefill_table_width(1), self.prefill_table_width(max_tokens)
+        widths = [w for w in (1 << i for i in range(top.bit_length())) if lo <= w < top] + [top]
+        c = self.prefill_chunk
+        tok = np.zeros((self.max_seqs, c), np.int32)
+        pos = np.full((self.max_seqs, c), -1, np.int32)
+        rows = None if return_all_logits else np.zeros((self.max_seqs, 1), np.int32)
+        for w in widths:
+            out = self._run(tok, pos, "gather", self.prefill_implementation, return_hidden,
+                            table_width=w, logit_rows=rows)
+            jax.block_until_ready(out)
+        return widths
+
+    def prefill(self, prompts: Sequence[Sequence[int]], return_hidden: bool = False,
+                return_all_logits: bool = False, hidden_last: int | None = None):
         """Admit prompts into free slots and run chunked prefill over their uncached suffixes.
 
-        Returns: ``(slots, logits)`` with ``logits[i]`` float32 ``[len(prompt_i) - cached_i, V]``
-          for the prompt tokens computed here (``cached_i = seqs[slot].cached_tokens``); with
-          ``return_hidden`` also ``hidden[i]`` ``[len(prompt_i) - cached_i, H]`` (pre-final-norm,
-          as ``forward(..., return_hidden=True)``): ``(slots, logits, hidden)``.
-        Raises: RuntimeError (no free slot), ValueError (bad length), PagePoolExhausted (nothing
-          is admitted then).
+        Each chunk gathers only the pages that can be visible to it (``prefill_table_width`` of the
+        longest row after the chunk) and, by default, unembeds and copies to the host only the last
+        prompt position of each row, so time and memory follow the prompt, not ``max_len``.
+
+        Args:
+          prompts: token id sequences (each ``1..max_len`` tokens).
+          return_hidden: also return pre-final-norm hidden states (as ``forward(...,
+            return_hidden=True)``; the MTP drafter's input).
+          return_all_logits: return the logits of every computed prompt position (scoring, tests);
+            default only the last one.
+          hidden_last: with ``return_hidden``, keep only the hidden states of the last
+            ``hidden_last`` computed positions of each prompt (None = all computed positions).
+        Returns: ``(slots, logits)``: ``logits[i]`` float32 ``[1, V]`` (last prompt position), or
+          ``[len(prompt_i) - cached_i, V]`` with ``return_all_logits`` (``cached_i =
+          seqs[slot].cached_tokens``, the prefix-cache hit; at least one token is always computed).
+          With ``return_hidden``: ``(slots, logits, hidden)``, ``hidden[i]`` ``[m_i, H]`` with ``m_i =
+          len(prompt_i) - cached_i`` capped at ``hidden_last``.
+        Raises: RuntimeError (no free slot), ValueError (bad length / hidden_last), PagePoolExhausted
+          (nothing is admitted then).
         """
+        if hidden_last is not None and hidden_last < 1:
+            raise ValueError(f"hidden_last must be >= 1 or None, got {hidden_last}")
+        prompts = [[int(t) for t in p] for p in prompts]
         slots = []
         try:
             for p in prompts:
-                slots.append(self._admit([int(t) for t in p]))
+                slots.append(self._admit(p))
             self._reserve({s: len(p) for s, p in zip(slots, prompts)})
         except Exception:
             for s in slots:
                 self.free(s)
             raise
-        todo = {s: [int(t) for t in p][len(self.seqs[s].tokens):] for s, p in zip(slots, prompts)}
+        # Per slot: the uncached suffix and an offset into it (no per-chunk list slicing).
+        todo = {s: p[len(self.seqs[s].tokens):] for s, p in zip(slots, prompts)}
+        done = dict.fromkeys(slots, 0)
+        keep_from = {s: 0 if not return_hidden or hidden_last is None else max(0, len(todo[s]) - hidden_last)
+                     for s in slots}
         outs: dict[int, list] = {s: [] for s in slots}
         hids: dict[int, list] = {s: [] for s in slots}
         c = self.prefill_chunk
-        while any(todo.values()):
+        while any(done[s] < len(todo[s]) for s in slots):
             tok = np.zeros((self.max_seqs, c), np.int32)
             pos = np.full((self.max_seqs, c), -1, np.int32)
-            took = {}
-            for s, rest in todo.items():
-                n = min(c, len(rest))
-                if n:
-                    start = len(self.seqs[s].tokens)
-                    tok[s, :n] = rest[:n]
-                    pos[s, :n] = np.arange(start, start + n)
-                    took[s] = n
-            out = self._run(tok, pos, "gather", self.prefill_implementation, return_hidden=return_hidden)
+            rows = None if return_all_logits else np.zeros((self.max_seqs, 1), np.int32)
+            took, finishing, end = {}, [], 0
+            for s in slots:
+                o = done[s]
+                n = min(c, len(todo[s]) - o)
+                if n <= 0:
+                    continue
+                start = len(self.seqs[s].tokens)
+                tok[s, :n] = todo[s][o:o + n]
+                pos[s, :n] = np.arange(start, start + n)
+                took[s] = n
+                end = max(end, start + n)
+                if o + n == len(todo[s]):
+                    finishing.append(s)
+                    if rows is not None:
+                        rows[s, 0] = n - 1
+            out = self._run(tok, pos, "gather", self.prefill_implementation, return_hidden,
+                            table_width=self.prefill_table_width(end), logit_rows=rows)
             logits, hidden = (out, None) if not return_hidden else out
-            logits = np.asarray(logits)
-            hidden = None if hidden is None else np.asarray(hidden)
+            if return_all_logits or finishing:
+                logits = np.asarray(logits)
+            if return_hidden and any(done[s] + n > keep_from[s] for s, n in took.items()):
+                hidden = np.asarray(hidden)
             for s, n in took.items():
-                self.seqs[s].tokens.extend(todo[s][:n])
-                todo[s] = todo[s][n:]
-                outs[s].append(logits[s, :n])
-                if hidden is not None:
-                    hids[s].append(hidden[s, :n])
+                o = done[s]
+                self.seqs[s].tokens.extend(todo[s][o:o + n])
+                if return_all_logits:
+                    outs[s].append(logits[s, :n])
+                elif s in finishing:
+                    outs[s].append(logits[s, :1])
+                if return_hidden and o + n > keep_from[s]:
+                    hids[s].append(hidden[s, max(0, keep_from[s] - o):n])
+                done[s] = o + n
                 self._publish(s)
         logits = [np.concatenate(outs[s], 0) for s in slots]
         if return_hidden:

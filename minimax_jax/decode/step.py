@@ -8,6 +8,9 @@ Two attention paths (same math, MSA_SPEC.md sections 3 and 5):
 - ``"gather"`` (prefill chunks): the row's pages are gathered into a contiguous ``[B, S]`` view and
   the full-sequence ops run with queries as a suffix of keys (``minimax_jax.ops.attention`` for
   dense / sliding layers, ``minimax_jax.ops.msa`` selection + sparse attention for MSA layers).
+  ``S = page_table.shape[1] * page_size``: the caller may pass only the leading columns of the
+  page table that cover every valid position (``DecodeEngine`` buckets them to a power of two of
+  the filled length), so a chunk's cost follows the filled length, not ``max_len``.
 - ``"paged"`` (decode, ``Q <= 16`` rows): ``minimax_jax.decode.ops`` reads the pages directly
   (MSA layers: page scoring over the index-key pages, top-k + local page, split-KV attention).
 
@@ -73,8 +76,8 @@ def _attend_paged(cfg, c, q, qi, page_table, positions, layer_type, impl):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec", "path", "implementation", "return_hidden"),
                    donate_argnames=("cache",))
-def model_step(params, cache, tokens, positions, page_table, *, cfg: ModelConfig, spec: CacheSpec,
-               path: str = "paged", implementation: str = "auto", return_hidden: bool = False):
+def model_step(params, cache, tokens, positions, page_table, logit_rows=None, *, cfg: ModelConfig,
+               spec: CacheSpec, path: str = "paged", implementation: str = "auto", return_hidden: bool = False):
     """Run the model on new tokens against the paged caches.
 
     Args:
@@ -83,14 +86,20 @@ def model_step(params, cache, tokens, positions, page_table, *, cfg: ModelConfig
       tokens: ``[B, T]`` int32; positions: ``[B, T]`` int32 absolute positions, ``-1`` = padding.
         Within a row, valid positions must be the consecutive suffix ``len .. len + n - 1`` of the
         cached keys (every earlier position already written).
-      page_table: ``[B, pages_per_seq]`` int32 physical page ids (0 = null page for unused entries);
-        every page a valid position touches must be allocated.
+      page_table: ``[B, n]`` int32 physical page ids (0 = null page for unused entries), ``n <=
+        pages_per_seq``; every page a valid position touches must be allocated and lie in the first
+        ``n`` columns (``n * page_size > `` every valid position; not checked: positions are traced).
+        The "paged" path takes the full ``[B, pages_per_seq]`` table.
+      logit_rows: optional ``[B, K]`` int32 indices into the ``T`` axis: the final norm and the
+        unembedding run only on those rows and the logits are ``[B, K, V]`` (prefill needs only the
+        last prompt position); None = every row.
       cfg, spec: static config and cache spec. path: ``"gather"`` | ``"paged"`` (module docstring).
       implementation: passed to the attention ops (``"auto"``, ``"xla"``, ``"pallas_*"``).
       return_hidden: also return the pre-final-norm hidden state (the MTP modules' input, as
         ``forward(..., return_hidden=True)``).
     Returns: ``(logits [B, T, V] float32, cache)``, or ``(logits, hidden [B, T, H], cache)`` with
-      ``return_hidden``; rows of padding tokens are meaningless.
+      ``return_hidden`` (``[B, K, V]`` logits with ``logit_rows``; hidden always covers all ``T``
+      rows); rows of padding tokens are meaningless.
     """
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
@@ -117,7 +126,8 @@ def model_step(params, cache, tokens, positions, page_table, *, cfg: ModelConfig
             x = x + o.reshape(b, t, cfg.q_dim) @ lp["attn"]["o_proj"].astype(x.dtype)
             m, _ = mlp_block(lp, _norm(x, lp["post_attn_norm"], cfg), cfg, seg.mlp_type)
             x = x + m
-    logits = unembed(params, cfg, _norm(x, params["final_norm"], cfg))
+    xl = x if logit_rows is None else jnp.take_along_axis(x, logit_rows.astype(jnp.int32)[..., None], axis=1)
+    logits = unembed(params, cfg, _norm(xl, params["final_norm"], cfg))
     if return_hidden:
         return logits, x, cache
     return logits, cache

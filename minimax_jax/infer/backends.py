@@ -13,7 +13,9 @@ Interface (host numpy in and out)::
     backend.truncate(handle, length); backend.free(handle); backend.length(handle)
 
 ``hidden`` is the main model's pre-final-norm hidden state (input of the MTP drafter): after
-prefill a list of ``[len(prompt_i), H]`` arrays, after a step ``[n, Q, H]``; None when not asked.
+prefill a list of ``[m_i, H]`` arrays for the LAST ``m_i`` prompt tokens (``1 <= m_i <= len(prompt_i)``;
+``want_hidden=k``, an int, caps ``m_i`` at ``k`` - pass the drafter's window so a long prompt's hidden
+states never all reach the host), after a step ``[n, Q, H]``; None when not asked.
 """
 
 from __future__ import annotations
@@ -64,12 +66,24 @@ def _accepts(fn, name: str) -> bool:
     return name in inspect.signature(fn).parameters
 
 
+def _hidden_last(want_hidden) -> int | None:
+    """``want_hidden`` -> how many trailing prompt hidden states to return (None = all).
+
+    ``True`` means all; a positive int ``k`` the last ``k``. Raises ValueError otherwise."""
+    if isinstance(want_hidden, (bool, np.bool_)) and want_hidden:
+        return None
+    if isinstance(want_hidden, (int, np.integer)) and not isinstance(want_hidden, bool) and want_hidden >= 1:
+        return int(want_hidden)
+    raise ValueError(f"want_hidden must be False, True or a positive int, got {want_hidden!r}")
+
+
 class PagedBackend(Backend):
     """``DecodeEngine`` wrapper. Hidden states (for MTP drafting) need an engine whose ``prefill`` /
     ``decode_step`` accept ``return_hidden=True``; otherwise asking for them raises EngineUnavailable.
 
     Chunked-prefill progress: the engine has no per-chunk callback, so a subclass counts the
-    tokens of every ``"gather"`` step it runs (``on_tokens``).
+    tokens of every ``"gather"`` step it runs (``on_tokens``). Prefill asks the engine for the last
+    prompt position's logits only (``DecodeEngine.prefill`` default).
     """
 
     name = "paged"
@@ -120,7 +134,8 @@ class PagedBackend(Backend):
         try:
             if want_hidden:
                 self._need_hidden()
-                slots, logits, hidden = self.engine.prefill(prompts, return_hidden=True)
+                slots, logits, hidden = self.engine.prefill(prompts, return_hidden=True,
+                                                            hidden_last=_hidden_last(want_hidden))
                 hidden = [np.asarray(h) for h in hidden]
             else:
                 slots, logits = self.engine.prefill(prompts)
@@ -199,6 +214,7 @@ class RecomputeBackend(Backend):
         return np.asarray(logits), np.asarray(hidden)
 
     def prefill(self, prompts, *, want_hidden=False, on_tokens=None):
+        k = _hidden_last(want_hidden) if want_hidden else None
         if len(self.seqs) + len(prompts) > self.max_seqs:
             raise RuntimeError(f"all {self.max_seqs} sequence slots are in use")
         handles = []
@@ -212,7 +228,9 @@ class RecomputeBackend(Backend):
         if on_tokens is not None:
             on_tokens(sum(len(p) for p in prompts))
         last = np.stack([logits[i, len(p) - 1] for i, p in enumerate(prompts)])
-        hid = [hidden[i, :len(p)] for i, p in enumerate(prompts)] if want_hidden else None
+        hid = None
+        if want_hidden:
+            hid = [hidden[i, (0 if k is None else max(0, len(p) - k)):len(p)] for i, p in enumerate(prompts)]
         return handles, last, hid
 
     def step(self, handles, tokens, *, num_tokens=None, want_hidden=False):

@@ -266,7 +266,10 @@ class _Run:
     # ------------------------------------------------------------------ steps
     def start(self, timer: Timer, on_prefill_tokens) -> None:
         spec = self.drafter is not None
-        handles, last, hidden = self.backend.prefill(self.prompts, want_hidden=spec, on_tokens=on_prefill_tokens)
+        # The drafter keeps only the last mtp_window hidden states: ask for no more (a 1M-token prompt
+        # would otherwise bring every position's hidden state to the host).
+        want = self.config.mtp_window if spec else False
+        handles, last, hidden = self.backend.prefill(self.prompts, want_hidden=want, on_tokens=on_prefill_tokens)
         self.stats.prefill_s = timer.elapsed()
         rows = list(range(len(self.prompts)))
         self.handles = dict(zip(rows, handles))
