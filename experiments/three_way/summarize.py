@@ -3,7 +3,7 @@
     python experiments/three_way/summarize.py [RESULTS_DIR]   # default experiments/three_way/results
 
 Reads eval_<v>.json (task x length accuracy, perplexity, per-batch timing), metrics_<v>.jsonl
-(training curve), recall_msa.json and infer_<v>.txt (the stats line of infer.py) for the variants
+(training curve), train_<v>.log (the step it stopped at), recall_msa.json and infer_<v>.txt (the stats line of infer.py) for the variants
 msa / full / sliding, and prints: the accuracy table (a cell is blank where the length was not
 reached in the time budget), a training summary and a timing summary.
 """
@@ -42,8 +42,9 @@ def accuracy_table(d: str) -> str:
 
 
 def training_summary(d: str) -> str:
-    rows = ["| attention | steps | tokens (non-pad) | first LM loss | last LM loss | tokens/s (median) | held-out ppl |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| attention | stopped at step | tokens (non-pad, approx.) | LM loss at first log (step) | "
+            "LM loss at last log (step) | lr at last log | tokens/s (median) | held-out ppl |",
+            "|---|---|---|---|---|---|---|---|"]
     for v in VARIANTS:
         p = os.path.join(d, f"metrics_{v}.jsonl")
         if not os.path.exists(p):
@@ -55,9 +56,22 @@ def training_summary(d: str) -> str:
         tokens = sum(x.get("tokens", 0.0) for x in m) * log_every
         ev = _load(os.path.join(d, f"eval_{v}.json")) or {}
         ppl = ev.get("perplexity", {}).get("perplexity")
-        rows.append(f"| {v} | {last['step']} | {tokens / 1e6:.1f}M | {m[0]['lm_loss']:.2f} | {last['lm_loss']:.2f} | "
-                    f"{tps[len(tps) // 2]:.0f} | {ppl:.1f} |" if ppl else "|")
+        stop = _stop_step(os.path.join(d, f"train_{v}.log"))
+        steps = stop if stop is not None else last["step"]
+        tokens *= steps / last["step"]
+        ppl_s = f"{ppl:.1f}" if ppl else ""
+        rows.append(f"| {v} | {steps} | {tokens / 1e6:.1f}M | {m[0]['lm_loss']:.2f} ({m[0]['step']}) | "
+                    f"{last['lm_loss']:.2f} ({last['step']}) | {last.get('lr', float('nan')):.2e} | "
+                    f"{tps[len(tps) // 2]:.0f} | {ppl_s} |")
     return "\n".join(rows)
+
+
+def _stop_step(log_path: str) -> int | None:
+    """The step train.py reported when it stopped (completed or preempted), from its log."""
+    if not os.path.exists(log_path):
+        return None
+    found = re.findall(r"train\.py: (?:completed|preempted) at step (\d+)", open(log_path, errors="replace").read())
+    return int(found[-1]) if found else None
 
 
 def timing_summary(d: str) -> str:
