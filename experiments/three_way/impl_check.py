@@ -1,17 +1,24 @@
 """Pre-flight for the GPU run: the Pallas MSA kernels against the XLA reference on the demo model.
 
-Runs the demo configuration (``configs/demo-m3.yaml``, random init) on one packed batch twice,
-with ``msa_impl="xla"`` and with ``msa_impl="auto"`` (the Pallas GPU kernels where they apply),
-and compares the loss, the logits and every parameter gradient (forward with the sparse indexer
-KL, as in training). Prints one JSON line and exits 0 when they agree, else 3. Agreement: loss
-within 0.1%, at most 2% of token positions with a logit error above 0.05, every gradient's cosine
->= 0.98. Positions (not a max error) because a near-tie in the index scores (bf16 kernel vs
-reference rounding) legitimately selects a different block for a few queries, which changes those
-queries' outputs by O(1) at random initialisation (the first H200 check saw max error 0.60 with
-equal losses); the kernels' own element-wise checks on shared ids are in bench/msa_prefill.py. The experiment script trains the MSA
-variant with ``auto`` only after this passes, and says which implementation ran.
+Two levels, both at the demo configuration's shapes (``configs/demo-m3.yaml``, random init, one
+packed batch):
 
-    python experiments/three_way/impl_check.py [--seq 2048] [--batch 2]
+1. Ops, strict (the kernels' contract, as in bench/msa_prefill.py): block selection — the selected
+   SETS equal the reference's, except near-ties (every selected non-local block's reference score
+   within 5e-3 of the (K-1)-th best), the local block always present; sparse attention on the
+   reference's ids — o within atol=rtol=3e-2 (bf16), lse within 1e-3.
+2. Model: loss, logits and every parameter gradient with ``msa_impl="xla"`` vs ``"auto"`` (forward
+   with the sparse indexer KL, as in training): loss within 0.1%, every gradient's cosine >= 0.98,
+   and the positions whose logits differ by more than 0.05 reported. Whole-model logits are not
+   compared element-wise: a near-tie selects a different block for a few queries, which at random
+   initialisation changes those rows by O(1) (the first H200 run: max error 0.60, losses equal to
+   1e-5), so level 1 is what proves the kernels and level 2 that training sees the same objective.
+
+Prints one JSON line; exits 0 when both levels pass, else 3. On a machine without a GPU, ``auto``
+is the reference, so level 2 is trivially equal; ``--interpret`` runs level 1 with the GPU kernels
+in Pallas interpret mode. The experiment trains the MSA variant with ``auto`` only after this passes.
+
+    python experiments/three_way/impl_check.py [--seq 2048] [--batch 2] [--interpret]
 """
 
 from __future__ import annotations
@@ -43,11 +50,58 @@ def _loss_fn(cfg):
     return jax.jit(jax.value_and_grad(loss, has_aux=True))
 
 
+def op_check(cfg, seq: int, impl: str) -> dict:
+    """Level 1 (module docstring) at ``cfg``'s index/attention shapes; ``impl`` is the kernel path."""
+    from minimax_jax.ops import msa as msa_ops
+
+    rng = np.random.default_rng(2)
+    g, h, d, di = cfg.num_kv_heads, cfg.num_heads, cfg.head_dim, cfg.index_head_dim
+    blk, topk = cfg.index_block_size, cfg.index_topk
+    q, k, v = (jnp.asarray(rng.standard_normal(sh), jnp.bfloat16)
+               for sh in ((1, seq, h, d), (1, seq, g, d), (1, seq, g, d)))
+    qi = jnp.asarray(rng.standard_normal((1, seq, g, di)), jnp.bfloat16)
+    ki = jnp.asarray(rng.standard_normal((1, seq, di)), jnp.bfloat16)
+    cut = seq // 3 + 5
+    pos = jnp.asarray(np.where(np.arange(seq) < cut, np.arange(seq), np.arange(seq) - cut)[None], jnp.int32)
+    seg = jnp.asarray((np.arange(seq) >= cut)[None].astype(np.int32))
+    kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg, block_size=blk)
+    sel = dict(topk=topk, init_blocks=cfg.index_init_blocks, local_blocks=cfg.index_local_blocks)
+    ref = np.asarray(msa_ops.msa_select_blocks(qi, ki, implementation="xla", **kw, **sel))
+    got = np.asarray(msa_ops.msa_select_blocks(qi, ki, implementation=impl, **kw, **sel))
+    scores = np.asarray(msa_ops.msa_index_scores(qi, ki, implementation="xla", **kw), np.float32)
+    local = np.asarray(pos)[0] // blk
+    diff = bad = 0
+    for r in range(g):
+        for i in range(seq):
+            a, b = set(got[0, r, i][got[0, r, i] >= 0].tolist()), set(ref[0, r, i][ref[0, r, i] >= 0].tolist())
+            if local[i] not in a:
+                bad += 1
+            if a != b:
+                diff += 1
+                sc = np.sort(scores[0, r, i][: local[i]])[::-1]
+                kth = sc[min(topk - 2, len(sc) - 1)] if len(sc) else -np.inf
+                if len(a) != len(b) or any(scores[0, r, i][x] < kth - 5e-3 for x in a if x != local[i]):
+                    bad += 1
+    ids = jnp.asarray(ref)
+    o, lse = msa_ops.msa_attention(q, k, v, ids, implementation=impl, **kw)
+    ro, rlse = msa_ops.msa_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), ids,
+                                     implementation="xla", **kw)
+    o, ro = np.asarray(o, np.float32), np.asarray(ro, np.float32)
+    lse, rlse = np.asarray(lse), np.asarray(rlse)
+    fin = np.isfinite(rlse)
+    o_ok = bool(np.all(np.abs(o - ro) <= 3e-2 + 3e-2 * np.abs(ro)))
+    lse_err = float(np.max(np.abs(np.where(fin, lse - rlse, 0.0))))
+    ok = bad == 0 and o_ok and lse_err <= 1e-3 and bool(np.all(np.isfinite(lse) == fin))
+    return {"impl": impl, "rows": int(g * seq), "set_diff_rows": diff, "bad_rows": bad,
+            "o_max_err": float(np.max(np.abs(o - ro))), "o_ok": o_ok, "lse_max_err": lse_err, "ok": bool(ok)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="configs/demo-m3.yaml")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--interpret", action="store_true", help="level 1 with the GPU kernels interpreted (CPU)")
     a = ap.parse_args()
     base = load_config(a.config).replace(param_dtype="float32")
     params = init_params(base, jax.random.key(0))
@@ -74,7 +128,9 @@ def main() -> int:
            "positions_over_0.05": float(np.mean(row_err > 0.05)),
            "worst_grad_cosine": worst[0], "worst_grad_leaf": worst[1], "auto_ran": res["auto_ran"],
            "device": jax.devices()[0].device_kind}
-    ok = (abs(la - lx) <= 1e-3 * abs(lx) and out["positions_over_0.05"] <= 0.02 and worst[0] >= 0.98)
+    kernel = "pallas_gpu_interpret" if a.interpret else ("pallas_gpu" if jax.default_backend() == "gpu" else None)
+    out["ops"] = op_check(base, a.seq, kernel) if kernel else {"ok": True, "skipped": "no GPU (use --interpret)"}
+    ok = out["ops"]["ok"] and abs(la - lx) <= 1e-3 * abs(lx) and worst[0] >= 0.98
     out["ok"] = bool(ok)
     print(json.dumps(out))
     return 0 if ok else 3
