@@ -23,7 +23,8 @@
 # Other knobs: SUITE_TOTAL_S, SUITE_{PREFILL,DECODE,MOE,TRAIN}_S (per-part caps), SUITE_WHEELS (wheel
 # folder), SUITE_LC_ARGS (extra long_context_infer.py flags), SUITE_WORK (scratch folder),
 # SUITE_LANE0 / SUITE_LANE1 (the steps of each lane, in order, from: wheels prefill qtile decode moe
-# train_step impl_check long_context; defaults as above), SUITE_PREFILL_CASES, SUITE_QTILE_CASES,
+# train_step impl_check flash_test long_context; defaults as above), SUITE_TRAIN_ARGS (extra
+# bench/train_step.py flags, e.g. "--attention-impl pallas_flash"), SUITE_PREFILL_CASES, SUITE_QTILE_CASES,
 # SUITE_MOE_TOKENS, SUITE_LC_CONTEXTS (long-context windows, default 131072,1048576), SUITE_LC_S (its cap).
 set -u
 : "${OUT:?set OUT to the output folder}"
@@ -144,8 +145,13 @@ step_train_step() {
   if [ "$SMOKE" = 1 ]; then
     part train_step "$TRAIN_S" "$PY" bench/train_step.py --out "$WORK/train_step" --tiny
   else
-    part train_step "$TRAIN_S" "$PY" bench/train_step.py --out "$WORK/train_step"
+    # shellcheck disable=SC2086
+    part train_step "$TRAIN_S" "$PY" bench/train_step.py --out "$WORK/train_step" ${SUITE_TRAIN_ARGS:-}
   fi
+}
+# The GPU-only tests of the flash attention path (compiled kernels vs the XLA reference).
+step_flash_test() {
+  part flash_test 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_attention_flash.py -k device -rs
 }
 # Pallas MSA path vs the XLA reference inside the demo model's training loss and gradients.
 step_impl_check() {
