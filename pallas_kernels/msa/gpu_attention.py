@@ -300,6 +300,22 @@ def _attn_bwd(block_size, interpret, num_warps, num_stages, res, cot):
 _attn.defvjp(_attn_fwd, _attn_bwd)
 
 
+def check_args(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
+               block_size):
+    """Argument checks shared by the GPU attention forwards (shapes, Triton tile constraints).
+
+    Raises: ValueError on inconsistent shapes, or a block size / head dim that is not a power of
+      two >= 16.
+    """
+    layout.check_shapes(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids,
+                        kv_segment_ids)
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two >= 16, got {block_size}")
+    for name, dim in (("q/k head dim", q.shape[-1]), ("v head dim", v.shape[-1])):
+        if dim & (dim - 1) or dim < 16:
+            raise ValueError(f"{name} must be a power of two >= 16 (Triton tiles), got {dim}")
+
+
 def msa_attention_gpu(q, k, v, block_ids, *, q_positions, kv_positions, q_segment_ids=None,
                       kv_segment_ids=None, block_size, interpret=False, num_warps=4,
                       num_stages=2, query_tile=None):
@@ -326,13 +342,7 @@ def msa_attention_gpu(q, k, v, block_ids, *, q_positions, kv_positions, q_segmen
     attentions; using it in a loss raises nothing but contributes zero gradient).
     Math: MSA_SPEC.md section 3 (arXiv 2606.13392).
     """
-    layout.check_shapes(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids,
-                        kv_segment_ids)
-    if block_size < 16 or block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two >= 16, got {block_size}")
-    for name, dim in (("q/k head dim", q.shape[-1]), ("v head dim", v.shape[-1])):
-        if dim & (dim - 1) or dim < 16:
-            raise ValueError(f"{name} must be a power of two >= 16 (Triton tiles), got {dim}")
+    check_args(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids, block_size)
     if query_tile is not None:
         from pallas_kernels.msa.gpu_attention_qtile import msa_attention_gpu_qtile
         return msa_attention_gpu_qtile(q, k, v, block_ids, q_positions=q_positions,

@@ -256,13 +256,7 @@ def msa_attention_gpu_qtile(q, k, v, block_ids, *, q_positions, kv_positions, q_
     Raises: ValueError on inconsistent shapes, a block size / head dim that is not a power of two
       >= 16, or a query_tile not in QUERY_TILES.
     """
-    layout.check_shapes(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids,
-                        kv_segment_ids)
-    if block_size < 16 or block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two >= 16, got {block_size}")
-    for name, dim in (("q/k head dim", q.shape[-1]), ("v head dim", v.shape[-1])):
-        if dim & (dim - 1) or dim < 16:
-            raise ValueError(f"{name} must be a power of two >= 16 (Triton tiles), got {dim}")
+    _ga.check_args(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids, block_size)
     if query_tile not in QUERY_TILES:
         raise ValueError(f"query_tile must be one of {QUERY_TILES}, got {query_tile!r}")
     return _attn_qtile(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids,
