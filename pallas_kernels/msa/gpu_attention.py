@@ -46,6 +46,34 @@ def _mask(kvp, kvs, n, q_pos, q_seg, blk):
             & (kvp >= n * blk) & (kvp < n * blk + blk))
 
 
+def _online_softmax_step(s, vb, acc, m_prev, l_prev):
+    """One key block of the online softmax (log2 domain; MSA_SPEC.md section 3).
+
+    s: [M, B] f32 logits already scaled by scale*log2(e), -inf where not visible; vb: [B, Dv];
+    acc [M, Dv], m_prev [M], l_prev [M] f32. Returns the updated (acc, m, l).
+    """
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+    m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+    corr = jnp.exp2(m_prev - m_safe)
+    p = jnp.exp2(s - m_safe[:, None])
+    l_next = l_prev * corr + jnp.sum(p, axis=1)
+    acc = acc * corr[:, None] + _dot(p.astype(vb.dtype), vb)
+    return acc, m_next, l_next
+
+
+def _online_softmax_init(m_rows, dv):
+    """Initial (acc [M, Dv], m [M], l [M]) of ``_online_softmax_step``."""
+    return (jnp.zeros((m_rows, dv), jnp.float32), jnp.full((m_rows,), -jnp.inf, jnp.float32),
+            jnp.zeros((m_rows,), jnp.float32))
+
+
+def _online_softmax_finish(acc, m_i, l_i, dtype):
+    """(o [M, Dv] in dtype, lse [M] f32 natural log; -inf and o = 0 for rows that saw no key)."""
+    l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
+    o = (acc / l_safe[:, None]).astype(dtype)
+    return o, jnp.where(l_i == 0.0, -jnp.inf, (m_i + jnp.log2(l_safe)) * _LN2)
+
+
 def _fwd_kernel(q_ref, k_ref, v_ref, ids_ref, start_ref, qpos_ref, qseg_ref, kvpos_ref, kvseg_ref,
                 o_ref, lse_ref, *, blk, topk, scale):
     t = pl.program_id(0)
@@ -68,22 +96,10 @@ def _fwd_kernel(q_ref, k_ref, v_ref, ids_ref, start_ref, qpos_ref, qseg_ref, kvp
         vis = _mask(kvpos_ref[b, sl], kvseg_ref[b, sl], n, q_pos, q_seg, blk)
         s = _dot(q, kb, trans_b=True) * qk_scale           # [M, B] log2 domain
         s = jnp.where(vis[None, :], s, -jnp.inf)
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
-        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
-        corr = jnp.exp2(m_prev - m_safe)
-        p = jnp.exp2(s - m_safe[:, None])
-        l_next = l_prev * corr + jnp.sum(p, axis=1)
-        acc = acc * corr[:, None] + _dot(p.astype(vb.dtype), vb)
-        return acc, m_next, l_next
+        return _online_softmax_step(s, vb, acc, m_prev, l_prev)
 
-    acc0 = jnp.zeros((m_rows, d), jnp.float32)
-    m0 = jnp.full((m_rows,), -jnp.inf, jnp.float32)
-    l0 = jnp.zeros((m_rows,), jnp.float32)
-    acc, m_i, l_i = jax.lax.fori_loop(0, topk, body, (acc0, m0, l0))
-    l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
-    o_ref[b, t, g] = (acc / l_safe[:, None]).astype(o_ref.dtype)
-    lse = jnp.where(l_i == 0.0, -jnp.inf, (m_i + jnp.log2(l_safe)) * _LN2)
-    lse_ref[b, t, g] = lse
+    acc, m_i, l_i = jax.lax.fori_loop(0, topk, body, _online_softmax_init(m_rows, d))
+    o_ref[b, t, g], lse_ref[b, t, g] = _online_softmax_finish(acc, m_i, l_i, o_ref.dtype)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, ids_ref, start_ref, qpos_ref,

@@ -151,22 +151,11 @@ def _fwd_qtile_kernel(q_ref, k_ref, v_ref, keys_ref, bits_ref, cnt_ref, qpos_ref
                & (kvp[None, :] >= lo[:, None]) & (kvp[None, :] < lo[:, None] + blk))
         s = _ga._dot(q, kb, trans_b=True) * qk_scale              # [M, B] log2 domain
         s = jnp.where(vis, s, -jnp.inf)
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
-        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
-        corr = jnp.exp2(m_prev - m_safe)
-        p = jnp.exp2(s - m_safe[:, None])
-        l_next = l_prev * corr + jnp.sum(p, axis=1)
-        acc = acc * corr[:, None] + _ga._dot(p.astype(vb.dtype), vb)
-        return acc, m_next, l_next
+        return _ga._online_softmax_step(s, vb, acc, m_prev, l_prev)
 
-    acc0 = jnp.zeros((m_rows, dv), jnp.float32)
-    m0 = jnp.full((m_rows,), -jnp.inf, jnp.float32)
-    l0 = jnp.zeros((m_rows,), jnp.float32)
-    acc, m_i, l_i = jax.lax.fori_loop(0, n_win, body, (acc0, m0, l0))
-    l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
-    o = (acc / l_safe[:, None]).astype(o_ref.dtype)
+    acc, m_i, l_i = jax.lax.fori_loop(0, n_win, body, _ga._online_softmax_init(m_rows, dv))
+    o, lse = _ga._online_softmax_finish(acc, m_i, l_i, o_ref.dtype)
     o_ref[b, toks, g] = o.reshape(qt, hgp, dv)
-    lse = jnp.where(l_i == 0.0, -jnp.inf, (m_i + jnp.log2(l_safe)) * _ga._LN2)
     lse_ref[b, toks, g] = lse.reshape(qt, hgp)
 
 
