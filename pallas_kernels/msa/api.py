@@ -1,8 +1,8 @@
 """Entry points for ``minimax_jax.ops.msa`` (implementation="pallas_gpu" | "pallas_tpu" | "pallas_interpret").
 
 Each function takes the op's arguments plus ``backend``:
-  "gpu"           Pallas kernels with the Triton lowering (gpu_attention.py, gpu_indexer.py);
-  "tpu"           Pallas Mosaic TPU kernels (tpu_attention.py, tpu_indexer.py);
+  "gpu"           Pallas kernels with the Triton lowering (gpu_attention.py, gpu_indexer.py, gpu_kl.py);
+  "tpu"           Pallas Mosaic TPU kernels (tpu_attention.py, tpu_indexer.py, tpu_kl.py);
   "interpret"     the TPU kernels in Pallas interpret mode (runs on CPU; for tests);
   "gpu_interpret" the GPU kernels in Pallas interpret mode (CPU tests of the GPU kernel logic).
 An unknown backend, or a function a backend does not provide, raises ImplementationUnavailable;
@@ -39,14 +39,13 @@ def supports(op, *args, backend, **kwargs):
 
     Used by ``implementation="auto"`` in minimax_jax.ops.msa. Checks: the op has a kernel for the
     backend; GPU (Triton) tiles need block_size and the head / index dims to be powers of two >= 16;
-    TPU (Mosaic) needs block_size % 128 == 0; the dense KL warm-up (block_ids=None) has no kernel;
+    TPU (Mosaic, all three ops incl. indexer_kl) needs block_size % 128 == 0; the dense KL warm-up
+    (block_ids=None) has no kernel on either backend;
     the storage layout (layout.py) when positions are concrete (under jit it is a precondition).
     """
     gpu = backend in ("gpu", "gpu_interpret")
     if op not in ("msa_attention", "msa_select_blocks", "indexer_kl"):
         return f"{op}: no Pallas kernel (use xla)"
-    if op == "indexer_kl" and not gpu:
-        return "indexer_kl: no Pallas TPU kernel yet"
     blk = kwargs.get("block_size")
     if op == "indexer_kl" and args[4] is None:
         return "indexer_kl: dense warm-up (block_ids=None) has no Pallas kernel"
@@ -141,19 +140,26 @@ def indexer_kl(q, k, qi, ki, block_ids, *, q_positions, kv_positions, q_segment_
                kv_segment_ids=None, block_size=None, backend):
     """Indexer KL loss on the selected support (MSA_SPEC.md section 4) with Pallas kernels.
 
-    Args: as ``minimax_jax.ops.msa.indexer_kl`` plus backend. Returns (kl_sum f32, count int32);
-      gradients reach qi and ki only.
-    Raises: ImplementationUnavailable for the TPU backends (no TPU KL kernel yet) and for
-      block_ids=None (dense warm-up; use implementation="xla"); ValueError for bad shapes.
+    Args: as ``minimax_jax.ops.msa.indexer_kl`` (q [B,T,H,D], k [B,S,G,D], qi [B,T,G,Di],
+      ki [B,S,Di], block_ids int [B,G,T,K], positions, segment ids, block_size) plus backend:
+      "gpu" / "gpu_interpret" -> gpu_kl.indexer_kl_gpu; "tpu" / "interpret" ->
+      tpu_kl.indexer_kl_tpu.
+    Returns (kl_sum f32 [], count int32 []); gradients reach qi and ki only (q, k get zeros).
+    Raises: ImplementationUnavailable for block_ids=None (dense warm-up; use implementation="xla")
+      or an unknown backend; ValueError for bad shapes or a storage layout the kernels cannot use.
     """
     op = "indexer_kl"
     _check_backend(op, backend)
-    if backend not in ("gpu", "gpu_interpret"):
-        raise ImplementationUnavailable(
-            f"{op}: no Pallas TPU indexer-KL kernel yet (backend {backend!r}); use implementation='xla'")
     kw = dict(q_positions=q_positions, kv_positions=kv_positions, q_segment_ids=q_segment_ids,
               kv_segment_ids=kv_segment_ids)
     _check_layout(op, kw)
-    from pallas_kernels.msa.gpu_kl import indexer_kl_gpu
-    return indexer_kl_gpu(q, k, qi, ki, block_ids, block_size=block_size,
-                          interpret=backend == "gpu_interpret", **kw)
+    if backend in ("gpu", "gpu_interpret"):
+        from pallas_kernels.msa.gpu_kl import indexer_kl_gpu
+        return indexer_kl_gpu(q, k, qi, ki, block_ids, block_size=block_size,
+                              interpret=backend == "gpu_interpret", **kw)
+    try:
+        from pallas_kernels.msa.tpu_kl import indexer_kl_tpu
+    except ImportError as e:
+        raise ImplementationUnavailable(f"{op}: TPU kernel not importable: {e}") from e
+    return indexer_kl_tpu(q, k, qi, ki, block_ids, block_size=block_size,
+                          interpret=backend == "interpret", **kw)
