@@ -99,7 +99,9 @@ def run_worker(args) -> dict:
     # max_len=context: the jit cache of minimax_jax.decode.step.model_step is shared).
     t1 = time.perf_counter()
     warm = make_backend("paged", model.params, cfg, max_seqs=1, max_len=args.context, **opts)
-    warm.engine.compile_prefill(len(prompt))   # every page-table width this prompt's chunks will use
+    _log(f"load {load_s:.1f} s; compiling the prefill steps (one per page-table width) and the decode step")
+    widths = warm.engine.compile_prefill(len(prompt))   # every page-table width this prompt's chunks use
+    _log(f"compiled prefill for {len(widths)} page-table widths in {time.perf_counter() - t1:.1f} s")
     handles, last, _ = warm.prefill([prompt[: args.prefill_chunk + 1]])
     warm.step(handles, np.array([[int(np.argmax(last[0]))]], np.int32))
     warm.free(handles[0])

@@ -190,9 +190,11 @@ def check_case(name, inp, interpret, qtiles=()):
                ids_no_local=n_nolocal)
     ids_j = jnp.asarray(ref_ids)
     gids = ids_j   # same ids for both implementations
-    attn = jax.jit(lambda q, k, v: msa_attention_gpu(q, k, v, gids, block_size=BLK,
-                                                     interpret=interpret, **pos))
-    o, lse = attn(inp.q, inp.k, inp.v)
+    # ids are jit arguments, never closed over: a constant ids array makes XLA constant-fold the
+    # backward's inverse-map sort (minutes at these sizes)
+    attn = jax.jit(lambda q, k, v, ids: msa_attention_gpu(q, k, v, ids, block_size=BLK,
+                                                          interpret=interpret, **pos))
+    o, lse = attn(inp.q, inp.k, inp.v, gids)
     ro, rlse = msa_ops.msa_attention(inp.q.astype(jnp.float32), inp.k.astype(jnp.float32),
                                      inp.v.astype(jnp.float32), gids, block_size=BLK,
                                      implementation="xla", **pos)
@@ -207,10 +209,10 @@ def check_case(name, inp, interpret, qtiles=()):
     res["lse_ok"] = res["lse_max_err"] <= 1e-3 and res["lse_inf_match"]
     qtile_ok = True
     for vname, qt, warps in qtiles:
-        fq = jax.jit(lambda q, k, v, qt=qt, warps=warps: msa_attention_gpu(
-            q, k, v, gids, block_size=BLK, interpret=interpret, **_qtile_kw(qt, warps), **pos))
+        fq = jax.jit(lambda q, k, v, ids, qt=qt, warps=warps: msa_attention_gpu(
+            q, k, v, ids, block_size=BLK, interpret=interpret, **_qtile_kw(qt, warps), **pos))
         try:
-            oq, lq = fq(inp.q, inp.k, inp.v)
+            oq, lq = fq(inp.q, inp.k, inp.v, gids)
         except Exception as e:   # report and keep the default kernels' results
             res[vname] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:400]}"}
             qtile_ok = False
@@ -227,20 +229,20 @@ def check_case(name, inp, interpret, qtiles=()):
         res[vname] = r
         qtile_ok = qtile_ok and r["ok"]
 
-    def loss_k(q, k, v):
-        o, _ = msa_attention_gpu(q, k, v, gids, block_size=BLK, interpret=interpret, **pos)
-        return jnp.sum(o.astype(jnp.float32) * inp.do.astype(jnp.float32))
+    def loss_k(q, k, v, ids, do):
+        o, _ = msa_attention_gpu(q, k, v, ids, block_size=BLK, interpret=interpret, **pos)
+        return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
 
-    def loss_r(q, k, v):
-        o, _ = msa_ops.msa_attention(q, k, v, gids, block_size=BLK, implementation="xla", **pos)
-        return jnp.sum(o * inp.do.astype(jnp.float32))
+    def loss_r(q, k, v, ids, do):
+        o, _ = msa_ops.msa_attention(q, k, v, ids, block_size=BLK, implementation="xla", **pos)
+        return jnp.sum(o * do.astype(jnp.float32))
 
     gk = jax.jit(jax.grad(loss_k, argnums=(0, 1, 2)))
-    g1 = gk(inp.q, inp.k, inp.v)
-    g2 = gk(inp.q, inp.k, inp.v)
+    g1 = gk(inp.q, inp.k, inp.v, gids, inp.do)
+    g2 = gk(inp.q, inp.k, inp.v, gids, inp.do)
     gr = jax.jit(jax.grad(loss_r, argnums=(0, 1, 2)))(inp.q.astype(jnp.float32),
                                                       inp.k.astype(jnp.float32),
-                                                      inp.v.astype(jnp.float32))
+                                                      inp.v.astype(jnp.float32), gids, inp.do)
     for nm, a, b in zip(("dq", "dk", "dv"), g1, gr):
         a = np.asarray(a, np.float32)
         b = np.asarray(b, np.float32)
@@ -251,13 +253,13 @@ def check_case(name, inp, interpret, qtiles=()):
         if "error" in res[vname]:
             continue
 
-        def loss_q(q, k, v, qt=qt, warps=warps):
-            o, _ = msa_attention_gpu(q, k, v, gids, block_size=BLK, interpret=interpret,
+        def loss_q(q, k, v, ids, do, qt=qt, warps=warps):
+            o, _ = msa_attention_gpu(q, k, v, ids, block_size=BLK, interpret=interpret,
                                      **_qtile_kw(qt, warps), **pos)
-            return jnp.sum(o.astype(jnp.float32) * inp.do.astype(jnp.float32))
+            return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
         r = res[vname]
         try:
-            gq = jax.jit(jax.grad(loss_q, argnums=(0, 1, 2)))(inp.q, inp.k, inp.v)
+            gq = jax.jit(jax.grad(loss_q, argnums=(0, 1, 2)))(inp.q, inp.k, inp.v, gids, inp.do)
         except Exception as e:
             r.update(ok=False, grad_error=f"{type(e).__name__}: {str(e)[:400]}")
             qtile_ok = False

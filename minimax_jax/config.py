@@ -75,6 +75,7 @@ class ModelConfig:
     dtype: str = "bfloat16"
     param_dtype: str = "bfloat16"
     attention_impl: str = "auto"
+    sliding_attention_impl: str = "auto"   # sliding-window layers (ops.attention; no flash kernel has a window)
     moe_impl: str = "auto"
     msa_impl: str = "auto"
 

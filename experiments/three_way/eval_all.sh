@@ -11,7 +11,8 @@
 #   W=/tmp/three_way bash experiments/three_way/eval_all.sh
 #
 # Environment: W [/tmp/three_way]; OUT [$W/out]; VARIANTS [msa full sliding]; LENGTHS
-# [2048,4096,8192,16384,32768,65536]; NUM_SAMPLES [8]; BATCH [8]; EVAL_BUDGET_S [240];
+# [2048,4096,8192,16384,32768,65536]; NUM_SAMPLES [8]; BATCH [8]; EVAL_BUDGET_S [240] (the eval CLI's
+# own budget) and EVAL_SLACK_S [240] (hard cap = budget + slack: loading, compilation, perplexity);
 # RECALL_LENGTH [8192]; CTX_TOKENS [32768]; PREFILL_CHUNK paged-engine prefill step [1024];
 # GPUS_* as in train_all.sh.
 set -u
@@ -49,7 +50,7 @@ EOF
 eval_one() {  # variant device
   local v=$1 dev=$2 t0=$SECONDS
   export CUDA_VISIBLE_DEVICES=$dev XLA_PYTHON_CLIENT_MEM_FRACTION=0.45
-  timeout -k 30 $((EVAL_BUDGET_S + 240)) $PY -m minimax_jax.eval --checkpoint "$W/ckpt/$v" --tasks all \
+  timeout -k 30 $((EVAL_BUDGET_S + ${EVAL_SLACK_S:-240})) $PY -m minimax_jax.eval --checkpoint "$W/ckpt/$v" --tasks all \
     --lengths "$LENGTHS" --num_samples "$NUM_SAMPLES" --batch_size "$BATCH" --time_budget_s "$EVAL_BUDGET_S" \
     --prefill_chunk "$PREFILL_CHUNK" \
     --ppl_seq_len "$PPL_SEQ" --ppl_max_tokens 65536 --out "$OUT/eval_$v.json" > "$W/eval_$v.log" 2>&1

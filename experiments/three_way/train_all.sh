@@ -11,15 +11,23 @@
 #   W=/tmp/three_way bash experiments/three_way/train_all.sh
 #
 # Environment (defaults in brackets): W work dir [/tmp/three_way]; OUT where the small results go
-# [$W/out]; MAX_MB corpus text [40]; TRAIN_BUDGET_S wall-clock cap per run, SIGTERM -> final save
-# [480]; VARIANTS [msa full sliding]; GPUS_MSA/GPUS_FULL/GPUS_SLIDING CUDA device per run [0/1/0
+# [$W/out]; MAX_MB corpus text [170]; SHARES corpus shares [prose=0.05,code=0.05,synthetic=0.9:
+# all of Shakespeare and the stdlib source, the rest dense retrieval documents, whose haystacks are
+# Shakespeare too]; TRAIN_BUDGET_S wall-clock cap per run, SIGTERM -> final save [480];
+# VARIANTS [msa full sliding]; GPUS_MSA/GPUS_FULL/GPUS_SLIDING CUDA device per run [0/1/1
 # when two GPUs are visible, else 0]; EXTRA_SETS more --set overrides for every run (CPU smoke);
-# MSA_IMPL force the MSA implementation (default: auto when impl_check.py passes on a GPU, else xla).
+# MSA_IMPL force the MSA implementation (default: auto when impl_check.py passes on a GPU, else xla);
+# STEPS the same step count for all three runs (default: measured by a short probe of the MSA run,
+# the slowest, so that it finishes inside TRAIN_BUDGET_S; the cosine schedule then ends where the
+# run ends and the three runs see the same batches); WARMUP_FRAC share of MSA indexer warm-up [0.12];
+# PROBE_SIDE a command run on the other GPU while the probe runs (optional).
 set -u
 cd "$(dirname "$0")/../.."
 W=${W:-/tmp/three_way}
 OUT=${OUT:-$W/out}
-MAX_MB=${MAX_MB:-40}
+MAX_MB=${MAX_MB:-170}
+SHARES=${SHARES:-prose=0.05,code=0.05,synthetic=0.9}
+WARMUP_FRAC=${WARMUP_FRAC:-0.12}
 TRAIN_BUDGET_S=${TRAIN_BUDGET_S:-480}
 VARIANTS=${VARIANTS:-msa full sliding}
 EXTRA_SETS=${EXTRA_SETS:-}
@@ -31,12 +39,14 @@ log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$OUT/train_all.log"; }
 ngpu=0
 if command -v nvidia-smi >/dev/null 2>&1; then ngpu=$(nvidia-smi -L | wc -l); fi
 if [ "$ngpu" -ge 2 ]; then d_full=1; else d_full=0; fi
-GPUS_MSA=${GPUS_MSA:-0}; GPUS_FULL=${GPUS_FULL:-$d_full}; GPUS_SLIDING=${GPUS_SLIDING:-0}
+GPUS_MSA=${GPUS_MSA:-0}; GPUS_FULL=${GPUS_FULL:-$d_full}; GPUS_SLIDING=${GPUS_SLIDING:-$d_full}
 
 log "corpus ($MAX_MB MB) and tokenizer"
-$PY -m minimax_jax.data.corpus --out "$W/corpus" --max_mb "$MAX_MB" --seed 0 > "$OUT/corpus.json" || exit 1
+$PY -m minimax_jax.data.corpus --out "$W/corpus" --max_mb "$MAX_MB" --seed 0 --shares "$SHARES" \
+  --workers "$(nproc)" > "$OUT/corpus.json" || exit 1
+log "tokenizer"
 $PY -m minimax_jax.data.tokenizer train --input "$W"/corpus/train-*.jsonl --field text --vocab_size 4096 \
-  --out "$W/tok" >> "$OUT/train_all.log" 2>&1 || exit 1
+  --max_chars 40000000 --out "$W/tok" >> "$OUT/train_all.log" 2>&1 || exit 1
 
 if [ -z "${MSA_IMPL:-}" ]; then
   MSA_IMPL=xla
@@ -49,23 +59,61 @@ if [ -z "${MSA_IMPL:-}" ]; then
     fi
   fi
 fi
-log "MSA implementation for training: $MSA_IMPL (GPUs: $ngpu)"
+# Dense attention (layers 0-1, the full variant, the MSA warm-up) through the flash kernels on a GPU:
+# the XLA reference keeps [H, T, S] probabilities per layer for the backward.
+if [ -z "${ATTN_IMPL:-}" ]; then ATTN_IMPL=auto; [ "$ngpu" -ge 1 ] && ATTN_IMPL=pallas_flash; fi
+log "MSA implementation for training: $MSA_IMPL; dense attention: $ATTN_IMPL (GPUs: $ngpu)"
+COMMON_SETS="--set model.attention_impl=$ATTN_IMPL"
+
+tc() {  # CUDA device, cap s, args...: train.py with the shared data flags
+  local dev=$1 cap=$2; shift 2
+  # shellcheck disable=SC2086
+  CUDA_VISIBLE_DEVICES=$dev XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.45} timeout -s TERM -k 60 "$cap" \
+    $PY train.py --config configs/train/demo.yaml --noprepare_data \
+      --set "data.sources=[$W/corpus/train-*.jsonl]" --set "data.tokenizer=$W/tok/tokenizer.json" \
+      --set run.progress=false $COMMON_SETS $EXTRA_SETS "$@"
+}
+
+if [ -z "${STEPS:-}" ]; then
+  # Probe: the MSA run (the slowest) for 8 warm-up + 16 sparse steps, timed per phase from its
+  # metrics (the first interval of each phase includes compilation and is not used).
+  log "probe: timing the MSA run's two phases"
+  [ -n "${PROBE_SIDE:-}" ] && [ "$ngpu" -ge 2 ] && { CUDA_VISIBLE_DEVICES=1 bash -c "$PROBE_SIDE" > "$OUT/probe_side.log" 2>&1 & }
+  t0=$SECONDS
+  tc "$GPUS_MSA" 300 --set "run.run_dir=$W/probe" --set model.msa_impl=$MSA_IMPL --set run.steps=24 \
+    --set msa.indexer_warmup_steps=8 --set run.log_every=4 --set checkpoint.every=1000 > "$W/probe.log" 2>&1
+  probe_s=$((SECONDS - t0))
+  wait
+  STEPS=$($PY - "$W/probe/metrics.jsonl" "$TRAIN_BUDGET_S" "$probe_s" "$WARMUP_FRAC" 2>>"$OUT/train_all.log" <<'PYEOF'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+rows = {r["step"]: r for r in rows if "time" in r and "phase_warmup" in r}
+budget, probe_s, frac = float(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
+# wall time between log lines of one phase (steps 5-8 warm-up, 17-24 sparse: no compilation inside)
+sw = (rows[8]["time"] - rows[4]["time"]) / 4
+ss = (rows[24]["time"] - rows[16]["time"]) / 8
+overhead = max(probe_s - 8 * sw - 16 * ss, 30.0)                  # start-up + two compilations
+n = int((budget - overhead) * 0.93 / (frac * sw + (1 - frac) * ss))
+print(max(n, 50))
+print(f"probe: warm-up {sw:.3f} s/step, sparse {ss:.3f} s/step, overhead {overhead:.0f} s -> {n} steps", file=sys.stderr)
+PYEOF
+  ) || { log "probe failed, see probe.log"; tail -30 "$W/probe.log" >> "$OUT/train_all.log"; exit 1; }
+  cp "$W/probe/metrics.jsonl" "$OUT/metrics_probe.jsonl" 2>/dev/null
+fi
+WARM_STEPS=$($PY -c "print(max(1, int($STEPS * $WARMUP_FRAC)))")
+log "steps for every run: $STEPS (MSA indexer warm-up $WARM_STEPS)"
 
 train_one() {  # variant device
   local v=$1 dev=$2 sets
   case $v in
-    msa) sets="--set model.msa_impl=$MSA_IMPL" ;;
+    msa) sets="--set model.msa_impl=$MSA_IMPL --set msa.indexer_warmup_steps=$WARM_STEPS" ;;
     full) sets="--set model.layer_types=[full,full,full,full,full,full] --set msa.indexer_warmup_steps=0" ;;
     sliding) sets="--set model.layer_types=[full,full,sliding,sliding,sliding,sliding] --set model.sliding_window=512 --set msa.indexer_warmup_steps=0" ;;
     *) echo "unknown variant $v"; return 2 ;;
   esac
   local t0=$SECONDS
   # shellcheck disable=SC2086
-  CUDA_VISIBLE_DEVICES=$dev XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 timeout -s TERM -k 60 "$TRAIN_BUDGET_S" \
-    $PY train.py --config configs/train/demo.yaml --noprepare_data \
-      --set "data.sources=[$W/corpus/train-*.jsonl]" --set "data.tokenizer=$W/tok/tokenizer.json" \
-      --set "run.run_dir=$W/runs/$v" --set run.progress=false $EXTRA_SETS $sets \
-      > "$W/train_$v.log" 2>&1
+  tc "$dev" "$TRAIN_BUDGET_S" --set "run.run_dir=$W/runs/$v" --set run.steps=$STEPS $sets > "$W/train_$v.log" 2>&1
   local rc=$?
   log "train $v: rc $rc after $((SECONDS - t0)) s (124 = stopped by the time cap with a SIGTERM save)"
   $PY -m minimax_jax.train.export --run_dir "$W/runs/$v" --dst "$W/ckpt/$v" >> "$W/train_$v.log" 2>&1

@@ -8,9 +8,12 @@ Sources (all local, deterministic from ``seed``):
   with ``# file: <relative path>``; files above ``max_code_file_kb`` are skipped; a seeded
   ``heldout_fraction`` of files is held out;
 - synthetic: RULER-style retrieval documents (:mod:`minimax_jax.eval.tasks`: passkey, multi-key,
-  multi-value, variable tracking, common words) whose haystacks are *training* prose, each written
-  as prompt + reference answer, with lengths in characters drawn log-uniformly in
-  ``[synthetic_min_chars, synthetic_max_chars]`` so a model learns to retrieve.
+  multi-value, variable tracking, common words) whose haystacks are *training* prose, made by
+  :mod:`minimax_jax.data.retrieval`, lengths in characters log-uniform in
+  ``[synthetic_min_chars, synthetic_max_chars]``. ``synthetic_mode="dense"`` (default): short and
+  long documents, multi-key / variable-tracking documents ask about every needle (each question in
+  the eval prompt's wording, followed by its answer); ``"single"``: one question per document (the
+  first demo run's recipe, which gave too few supervised answers to learn retrieval).
 
 The train budget ``max_mb`` (MB of UTF-8 text) is split between the three by ``shares``. Output::
 
@@ -18,14 +21,14 @@ The train budget ``max_mb`` (MB of UTF-8 text) is split between the three by ``s
     OUT/heldout.jsonl           held-out works, held-out stdlib files, a few synthetic documents
     OUT/manifest.json           seed, sizes, counts per source, Python version
 
-CLI: ``python -m minimax_jax.data.corpus --out DIR [--max_mb N] [--seed S]``.
+CLI: ``python -m minimax_jax.data.corpus --out DIR [--max_mb N] [--seed S] [--synthetic_mode dense|single]
+[--workers N]``. The manifest counts the supervised answers (``answers``) per source.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import random
@@ -42,13 +45,8 @@ DEFAULT_SHARES = {"prose": 0.3, "code": 0.3, "synthetic": 0.4}
 # Synthetic documents must fit the training window whole (prompt AND answer in one packed row):
 # 24000 characters is ~7K tokens of the demo tokenizer, under the demo's 8192-token sequences.
 DEFAULT_SYNTHETIC_MAX_CHARS = 24000
-SYNTHETIC_TASK_PARAMS = {
-    "niah_single": lambda rng: {},
-    "niah_multikey": lambda rng: {"num_keys": rng.randint(2, 8)},
-    "niah_multivalue": lambda rng: {"num_values": rng.randint(2, 6)},
-    "variable_tracking": lambda rng: {"num_hops": rng.randint(2, 6), "num_chains": rng.randint(1, 3)},
-    "common_words": lambda rng: {"num_common": rng.randint(3, 10)},
-}
+DEFAULT_SYNTHETIC_MODE = "dense"
+SYNTHETIC_MODES = ("dense", "single")
 
 
 def _nbytes(text: str) -> int:
@@ -97,44 +95,29 @@ def code_documents(seed: int, heldout_fraction: float, max_file_kb: int) -> tupl
     return docs[n_held:], docs[:n_held]
 
 
-def synthetic_documents(seed: int, budget_bytes: int, haystack_text: str, *, min_chars: int,
-                        max_chars: int, prefix: str = "train", max_docs: int | None = None) -> list[dict]:
-    """Synthetic retrieval documents (prompt + reference answer) up to ``budget_bytes``.
+def synthetic_documents(seed: int, budget_bytes: int, haystack_text: str, *, min_chars: int | None = None,
+                        max_chars: int = DEFAULT_SYNTHETIC_MAX_CHARS, prefix: str = "train",
+                        max_docs: int | None = None, mode: str = DEFAULT_SYNTHETIC_MODE,
+                        workers: int = 1) -> list[dict]:
+    """Synthetic retrieval documents up to ``budget_bytes`` (see :mod:`minimax_jax.data.retrieval`).
+
+    ``min_chars`` defaults to the mode's (dense 500, single 2000). Each dict has ``text``,
+    ``source``, ``id`` and ``answers`` (supervised answers in it).
 
     Raises:
-      ValueError: when ``min_chars`` > ``max_chars`` or ``min_chars`` < 1000.
+      ValueError: unknown ``mode`` or not ``300 <= min_chars <= max_chars``.
     """
-    from minimax_jax.eval.haystack import Haystack, LengthError, char_counter
-    from minimax_jax.eval.tasks import completion, generate
+    from minimax_jax.data.retrieval import retrieval_documents
 
-    if not 1000 <= min_chars <= max_chars:
-        raise ValueError(
-            f"need 1000 <= synthetic_min_chars <= synthetic_max_chars, got {min_chars}, {max_chars}"
-        )
-    hay = Haystack(haystack_text, name="shakespeare-train")
-    rng = random.Random(f"synthetic:{prefix}:{seed}")
-    tasks = sorted(SYNTHETIC_TASK_PARAMS)
-    docs, used, i = [], 0, 0
-    while used < budget_bytes and (max_docs is None or len(docs) < max_docs):
-        task = tasks[i % len(tasks)]
-        length = int(math.exp(rng.uniform(math.log(min_chars), math.log(max_chars))))
-        params = SYNTHETIC_TASK_PARAMS[task](rng)
-        try:
-            ex = generate(task, length, char_counter, hay, seed=seed, index=i, **params)
-        except LengthError:
-            i += 1
-            continue
-        text = ex.prompt + completion(ex)
-        docs.append({"text": text, "source": f"synthetic:{task}", "id": f"{prefix}-{i}"})
-        used += _nbytes(text)
-        i += 1
-    return docs
+    return retrieval_documents(seed, budget_bytes, haystack_text, min_chars=min_chars, max_chars=max_chars,
+                               mode=mode, prefix=prefix, max_docs=max_docs, workers=workers)
 
 
 def build_corpus(out_dir: str, *, max_mb: float = 64.0, seed: int = 0, shares: dict | None = None,
                  heldout_works: int = 4, heldout_fraction: float = 0.05, max_code_file_kb: int = 256,
-                 synthetic_min_chars: int = 2000, synthetic_max_chars: int = DEFAULT_SYNTHETIC_MAX_CHARS,
-                 heldout_synthetic: int = 20, shard_mb: float = 16.0) -> dict:
+                 synthetic_min_chars: int | None = None, synthetic_max_chars: int = DEFAULT_SYNTHETIC_MAX_CHARS,
+                 heldout_synthetic: int = 20, shard_mb: float = 16.0, synthetic_mode: str = DEFAULT_SYNTHETIC_MODE,
+                 workers: int = 1) -> dict:
     """Builds the corpus under ``out_dir``; returns the manifest (also written as manifest.json).
 
     Args:
@@ -144,7 +127,10 @@ def build_corpus(out_dir: str, *, max_mb: float = 64.0, seed: int = 0, shares: d
       shares: fractions of the budget per source (``prose``, ``code``, ``synthetic``).
       heldout_works, heldout_fraction: held-out Shakespeare works and share of stdlib files.
       max_code_file_kb: stdlib files larger than this are skipped.
-      synthetic_min_chars, synthetic_max_chars: synthetic document lengths (characters).
+      synthetic_min_chars, synthetic_max_chars: synthetic document lengths (characters); the
+        minimum defaults to the mode's (dense 500, single 2000).
+      synthetic_mode: ``"dense"`` (many questions+answers per byte) or ``"single"`` (one per document).
+      workers: processes generating synthetic documents (the output does not depend on it).
       heldout_synthetic: synthetic documents in the held-out file.
       shard_mb: approximate train shard size.
     Raises:
@@ -164,12 +150,12 @@ def build_corpus(out_dir: str, *, max_mb: float = 64.0, seed: int = 0, shares: d
     train = _take(prose_train, budget["prose"]) + _take(code_train, budget["code"])
     if budget["synthetic"] > 0:
         train += synthetic_documents(seed, budget["synthetic"], hay_text, min_chars=synthetic_min_chars,
-                                     max_chars=synthetic_max_chars)
+                                     max_chars=synthetic_max_chars, mode=synthetic_mode, workers=workers)
     heldout = prose_held + code_held
     if heldout_synthetic > 0:
         heldout += synthetic_documents(seed, 1 << 62, hay_text, min_chars=synthetic_min_chars,
                                        max_chars=synthetic_max_chars, prefix="heldout",
-                                       max_docs=heldout_synthetic)
+                                       max_docs=heldout_synthetic, mode=synthetic_mode)
     random.Random(f"mix:{seed}").shuffle(train)
 
     os.makedirs(out_dir, exist_ok=True)
@@ -198,10 +184,13 @@ def build_corpus(out_dir: str, *, max_mb: float = 64.0, seed: int = 0, shares: d
             s = out.setdefault(d["source"].split(":")[0], {"docs": 0, "bytes": 0})
             s["docs"] += 1
             s["bytes"] += _nbytes(d["text"])
+            if "answers" in d:
+                s["answers"] = s.get("answers", 0) + d["answers"]
         return out
 
     manifest = {
         "seed": seed, "max_mb": max_mb, "shares": shares, "train_shards": names,
+        "synthetic_mode": synthetic_mode,
         "heldout": "heldout.jsonl", "train": stats(train), "heldout_stats": stats(heldout),
         "heldout_works": sorted({d["id"] for d in prose_held}),
         "python": platform.python_version(),
@@ -214,7 +203,7 @@ def build_corpus(out_dir: str, *, max_mb: float = 64.0, seed: int = 0, shares: d
 def _write_jsonl(path: str, docs: Sequence[dict]) -> None:
     with open(path, "w", encoding="utf-8") as f:
         for d in docs:
-            f.write(json.dumps(d, ensure_ascii=False) + "\n")
+            f.write(json.dumps({k: d[k] for k in ("text", "source", "id")}, ensure_ascii=False) + "\n")
 
 
 def _shares(text: str) -> dict[str, float]:
@@ -240,7 +229,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--heldout_works", type=int, default=4)
     p.add_argument("--heldout_fraction", type=float, default=0.05)
-    p.add_argument("--synthetic_min_chars", type=int, default=2000)
+    p.add_argument("--synthetic_min_chars", type=int, default=None,
+                   help="shortest synthetic document (characters; default: dense 500, single 2000)")
+    p.add_argument("--synthetic_mode", choices=SYNTHETIC_MODES, default=DEFAULT_SYNTHETIC_MODE,
+                   help="dense: many question+answer pairs per byte (default); single: one per document")
+    p.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1),
+                   help="processes generating synthetic documents (same output for any value)")
     p.add_argument("--synthetic_max_chars", type=int, default=DEFAULT_SYNTHETIC_MAX_CHARS,
                    help="longest synthetic document (characters); keep it under the training sequence")
     p.add_argument("--shares", type=_shares, default=None,
@@ -249,7 +243,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(argv)
     m = build_corpus(a.out, max_mb=a.max_mb, seed=a.seed, heldout_works=a.heldout_works,
                      heldout_fraction=a.heldout_fraction, synthetic_min_chars=a.synthetic_min_chars,
-                     synthetic_max_chars=a.synthetic_max_chars, shares=a.shares, shard_mb=a.shard_mb)
+                     synthetic_max_chars=a.synthetic_max_chars, shares=a.shares, shard_mb=a.shard_mb,
+                     synthetic_mode=a.synthetic_mode, workers=a.workers)
     print(json.dumps({"train": m["train"], "heldout": m["heldout_stats"], "shards": m["train_shards"]}))
     return 0
 

@@ -6,7 +6,10 @@ from scratch this module trains a compatible *kind* of tokenizer:
 
 - byte-level BPE (every byte is in the initial alphabet, so any UTF-8 text round-trips);
 - pre-tokenisation by the GPT-2 style regex of ``tokenizers.pre_tokenizers.ByteLevel`` (the real
-  tokenizer uses an o200k-like regex; ids and merges are NOT compatible with it);
+  tokenizer uses an o200k-like regex; ids and merges are NOT compatible with it), after splitting
+  every digit into its own piece by default (``split_digits``; as LLaMA's tokenizer does): a number
+  is then one token per digit, so copying a 7-digit passkey is the same per-token copy every
+  time instead of depending on which multi-digit merges the corpus produced;
 - the MiniMax special tokens as *added special tokens* that are never split.
 
 Id choice: the special tokens take the FIRST ids, 0..8, in the order of :data:`SPECIAL_TOKENS`
@@ -52,9 +55,11 @@ class TokenizerError(ValueError):
     """A tokenizer cannot be trained or loaded as asked."""
 
 
-def _empty_bpe() -> Tokenizer:
+def _empty_bpe(split_digits: bool = True) -> Tokenizer:
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                         if split_digits else byte_level)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     return tok
@@ -66,6 +71,7 @@ def train_tokenizer(
     *,
     min_frequency: int = 2,
     length: int | None = None,
+    split_digits: bool = True,
 ) -> Tokenizer:
     """Trains a byte-level BPE tokenizer on an iterable of texts.
 
@@ -75,6 +81,7 @@ def train_tokenizer(
         ``len(SPECIAL_TOKENS)`` special tokens; must be >= 256 + 9.
       min_frequency: minimum pair count for a merge.
       length: number of texts, only for the progress display.
+      split_digits: one pre-token per digit (module docstring).
     Returns:
       A ``tokenizers.Tokenizer``; special tokens have ids 0..8 (see module docstring).
     Raises:
@@ -86,7 +93,7 @@ def train_tokenizer(
             f"vocab_size={vocab_size} is too small: need at least {minimum} "
             f"(256 bytes + {len(SPECIAL_TOKENS)} special tokens)"
         )
-    tok = _empty_bpe()
+    tok = _empty_bpe(split_digits)
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=min_frequency,
@@ -101,9 +108,10 @@ def train_tokenizer(
 
 def train_tokenizer_from_paths(
     inputs: Sequence[str], vocab_size: int, *, field: str = "text", min_frequency: int = 2,
-    max_chars: int | None = None,
+    max_chars: int | None = None, split_digits: bool = True,
 ) -> Tokenizer:
-    """Trains on files / directories / globs / JSONL (``field``), optionally capped at ``max_chars``.
+    """Trains on files / directories / globs / JSONL (``field``), optionally capped at ``max_chars``
+    (documents in source order: build the corpus shuffled, as :mod:`minimax_jax.data.corpus` does).
 
     Raises:
       SourceError (from :mod:`minimax_jax.data.sources`) for bad inputs, TokenizerError as above.
@@ -121,7 +129,8 @@ def train_tokenizer_from_paths(
             used += len(text)
             yield text
 
-    return train_tokenizer(gen(), vocab_size, min_frequency=min_frequency, length=len(src))
+    return train_tokenizer(gen(), vocab_size, min_frequency=min_frequency, length=len(src),
+                           split_digits=split_digits)
 
 
 def check_special_tokens(tok: Tokenizer) -> dict[str, int]:
@@ -188,10 +197,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     t.add_argument("--field", default="text", help="JSON field of JSONL inputs")
     t.add_argument("--min_frequency", type=int, default=2)
     t.add_argument("--max_chars", type=int, default=None, help="stop reading after this many chars")
+    t.add_argument("--no_split_digits", dest="split_digits", action="store_false",
+                   help="let BPE merge digits (default: every digit is its own token)")
     args = parser.parse_args(argv)
     tok = train_tokenizer_from_paths(
         args.input, args.vocab_size, field=args.field, min_frequency=args.min_frequency,
-        max_chars=args.max_chars,
+        max_chars=args.max_chars, split_digits=args.split_digits,
     )
     path = save_tokenizer(tok, args.out)
     print(f"wrote {path}: vocab {tok.get_vocab_size()}, special ids {special_token_ids(tok)}")

@@ -128,7 +128,8 @@ def attention_block(p, x, cfg: ModelConfig, layer_type: str, positions, segment_
                 kl_sum, kl_cnt = msa_ops.indexer_kl(q, k, qi, ki, ids, block_size=cfg.index_block_size, **pos_kw)
     else:
         window = cfg.sliding_window if layer_type == "sliding" else None
-        o = attention(q, k, v, sliding_window=window, implementation=cfg.attention_impl, **pos_kw)
+        impl = cfg.sliding_attention_impl if window is not None else cfg.attention_impl
+        o = attention(q, k, v, sliding_window=window, implementation=impl, **pos_kw)
     out = o.reshape(b, t, cfg.q_dim) @ p["attn"]["o_proj"].astype(x.dtype)
     return out, kl_sum, kl_cnt, extra
 

@@ -15,10 +15,17 @@ Implementations:
   raises ImplementationUnavailable otherwise. Recorded as ``"pallas_flash_gpu"`` / ``"_tpu"``.
 - ``"pallas_flash_gpu_interpret"`` / ``"pallas_flash_tpu_interpret"``: the same kernels in Pallas
   interpret mode (CPU tests).
+- ``"xla_banded"``: sliding-window self-attention in plain JAX that computes only the band: query
+  chunk ``[c, c + C)`` attends to the key slice ``[c - W, c + C)`` (memory and FLOPs O(T * (C + W))
+  instead of O(T * S)). Needs a window, T == S, ONE positions array for queries and keys (the same
+  object) whose values increase by at least 1 per storage step inside each segment (packed training
+  rows, whole-sequence forward), so that every key within W positions of a query lies within W
+  storage slots of it; the visibility mask is still applied exactly inside the slice.
 - ``"auto"``: ``"cudnn"`` on GPU for plain causal self-attention (T == S, no segment ids, no
-  window), else ``"xla"``. The choice is recorded. ``"auto"`` never picks ``"pallas_flash"`` yet:
-  that path is verified on CPU in interpret mode only; select it with
-  ``ModelConfig.attention_impl="pallas_flash"`` until it has been measured on a GPU.
+  window); ``"xla_banded"`` for a sliding window when its conditions hold; else ``"xla"``. The
+  choice is recorded. ``"auto"`` never picks ``"pallas_flash"`` yet; select it with
+  ``ModelConfig.attention_impl="pallas_flash"`` (sliding-window layers use
+  ``ModelConfig.sliding_attention_impl``: no flash kernel here has a window).
 """
 
 from __future__ import annotations
@@ -70,8 +77,8 @@ def attention(
       q_segment_ids / kv_segment_ids: ``[B, T]`` / ``[B, S]`` int32 or None (all zero); -1 marks an
         empty key slot.
       sliding_window: None or window W in tokens (query included).
-      implementation: ``"xla" | "cudnn" | "pallas_flash" | "pallas_flash_gpu_interpret" |
-        "pallas_flash_tpu_interpret" | "auto"`` (module docstring).
+      implementation: ``"xla" | "xla_banded" | "cudnn" | "pallas_flash" |
+        "pallas_flash_gpu_interpret" | "pallas_flash_tpu_interpret" | "auto"`` (module docstring).
       chunk_size: query chunk of the XLA path (memory O(chunk * S)).
     Returns: ``[B, T, H, D]`` in ``q.dtype``. Rows with no visible key return zeros.
     Raises: ValueError on shape mismatch; ImplementationUnavailable when the requested
@@ -93,7 +100,12 @@ def attention(
     if impl == "auto":
         # Deliberately not "pallas_flash" (not yet validated on a GPU; see the module docstring).
         plain = user_segments is None and t == s and sliding_window is None
-        impl = "cudnn" if default_backend() == "gpu" and plain else "xla"
+        if default_backend() == "gpu" and plain:
+            impl = "cudnn"
+        elif sliding_window is not None and t == s and q_positions is kv_positions:
+            impl = "xla_banded"
+        else:
+            impl = "xla"
     if impl in _FLASH:
         backend = _FLASH[impl] or {"gpu": "gpu", "tpu": "tpu"}.get(default_backend())
         if backend is None:
@@ -110,9 +122,17 @@ def attention(
         # cuDNN's causal mask assumes q_pos == kv_pos == arange(T); segments via seq lengths are not
         # expressible for packed rows, so we only take this path for T == S unpacked calls.
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    if impl == "xla_banded":
+        if sliding_window is None or t != s or q_positions is not kv_positions:
+            raise ImplementationUnavailable(
+                "xla_banded needs a sliding window and self-attention with one positions array for queries and "
+                f"keys (got window={sliding_window}, T={t}, S={s}, same positions: {q_positions is kv_positions})")
+        record_implementation("attention", "xla_banded")
+        return _xla_banded(q, k, v, q_positions, q_segment_ids, kv_segment_ids, int(sliding_window), chunk_size)
     if impl != "xla":
         raise ImplementationUnavailable(
-            f"attention implementation {implementation!r} is not one of xla|cudnn|auto|{'|'.join(_FLASH)}")
+            f"attention implementation {implementation!r} is not one of "
+            f"xla|xla_banded|cudnn|auto|{'|'.join(_FLASH)}")
     record_implementation("attention", "xla")
     return _xla_chunked(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, sliding_window,
                         chunk_size)
@@ -153,3 +173,28 @@ def _xla_chunked(q, k, v, q_pos, kv_pos, q_seg, kv_seg, window, chunk):
     ss = sp.reshape(b, n, chunk).transpose(1, 0, 2)
     out = jax.lax.map(one, (qs, ps, ss))
     return out.transpose(1, 0, 2, 3, 4).reshape(b, n * chunk, h, d)[:, :t]
+
+
+def _xla_banded(q, k, v, pos, q_seg, kv_seg, window, chunk):
+    """Sliding-window self-attention over the band only (module docstring, ``"xla_banded"``)."""
+    b, t, h, d = q.shape
+    c = min(chunk, t)
+    n = -(-t // c)
+    pad_t = n * c - t
+    w = window                                  # keys [start - w, start + c) cover every visible one
+    qp = jnp.pad(q, ((0, 0), (0, pad_t), (0, 0), (0, 0)))
+    pq = jnp.pad(pos, ((0, 0), (0, pad_t)))
+    sq = jnp.pad(q_seg, ((0, 0), (0, pad_t)), constant_values=-2)
+    kp = jnp.pad(k, ((0, 0), (w, pad_t), (0, 0), (0, 0)))
+    vp = jnp.pad(v, ((0, 0), (w, pad_t), (0, 0), (0, 0)))
+    pk = jnp.pad(pos, ((0, 0), (w, pad_t)))
+    sk = jnp.pad(kv_seg, ((0, 0), (w, pad_t)), constant_values=-1)   # padding keys are never visible
+
+    def one(i):
+        start = i * c                            # query start; key slice starts at start - w (+ w pad)
+        sl = lambda x, size: jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
+        return _attend(sl(qp, c), sl(kp, c + w), sl(vp, c + w), sl(pq, c), sl(pk, c + w),
+                       sl(sq, c), sl(sk, c + w), window)
+
+    out = jax.lax.map(one, jnp.arange(n))       # [n, B, c, H, D]
+    return out.transpose(1, 0, 2, 3, 4).reshape(b, n * c, h, d)[:, :t]

@@ -15,7 +15,9 @@ Expert computation (``moe_experts``), implementations:
   ``C = ceil(capacity_factor * N * k / E)`` rows (first come in token order), computed as one batched
   matmul ``[E, C, H] x [E, H, 2I]``; dropped assignments contribute 0.
 - ``"auto"``: inside ``minimax_jax.sharding.use_mesh`` -> expert parallel (below); otherwise
-  ``"tokamax"`` on GPU/TPU when importable, ``"dense"`` when ``N * E <= 65536``, else ``"ragged"``.
+  ``"dense"`` when ``N * E <= 65536`` (decode steps, prefill chunks, tiny models: one compiled
+  program, no grouped-matmul autotuning per new shape, which made a 128K-token prefill of the demo
+  model time out on the H200), else ``"tokamax"`` on GPU/TPU when importable, else ``"ragged"``.
 Inside ``use_mesh`` the implementations ``"auto" | "ragged" | "tokamax"`` run expert-parallel in
 ``shard_map`` (``minimax_jax.parallel.expert``); ``"dense"``/``"capacity"`` stay GSPMD-partitioned.
 The resolved path is recorded under ``"moe"`` (``minimax_jax.ops.common.implementation_report``).
@@ -194,10 +196,12 @@ def moe_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, wi: jax.Ar
                                    transport=ep_transport)
     impl = implementation
     if impl == "auto":
-        if default_backend() in ("gpu", "tpu") and tokamax_status() is None:
+        if n * e <= 65536:
+            impl = "dense"
+        elif default_backend() in ("gpu", "tpu") and tokamax_status() is None:
             impl = "tokamax"
         else:
-            impl = "dense" if n * e <= 65536 else "ragged"
+            impl = "ragged"
     if impl == "dense":
         record_implementation("moe", "dense")
         return _dense(x, weights, experts, wi, wo, act)

@@ -52,7 +52,7 @@ def export_run(run_dir: str, dst: str, *, dtype: str = "bfloat16", tokenizer: st
     cfg = ModelConfig.from_yaml(os.path.join(run_dir, "model_config.yaml"))
     # Kernel choices are the training machine's (e.g. msa_impl=xla forced for a run); the exported
     # model must pick what suits the machine that loads it.
-    cfg = cfg.replace(attention_impl="auto", moe_impl="auto", msa_impl="auto")
+    cfg = cfg.replace(attention_impl="auto", sliding_attention_impl="auto", moe_impl="auto", msa_impl="auto")
     if tokenizer is None:
         tokenizer = _run_tokenizer(run_dir)
     save_checkpoint(params, cfg, dst, dtype=dtype, tokenizer=tokenizer, overwrite=True)

@@ -32,6 +32,7 @@ import yaml
 
 from minimax_jax.config import ModelConfig
 from minimax_jax.model import abstract_params
+from minimax_jax.ops.common import implementation_report
 from minimax_jax.sharding import load_rules, make_mesh, params_shardings, replicated, use_mesh, batch_sharding
 from minimax_jax.train.checkpointing import Checkpointer
 from minimax_jax.train.config import TrainConfig, TrainConfigError, validate_against
@@ -183,7 +184,7 @@ def _meta(tr: Trainer, step: int, phase: str) -> dict[str, Any]:
 
 def _check_meta(tr: Trainer, meta: dict[str, Any]) -> None:
     saved = ModelConfig.from_dict(meta["model_config"])
-    ignore = {"attention_impl", "moe_impl", "msa_impl", "dtype", "param_dtype"}  # restore casts dtypes
+    ignore = {"attention_impl", "sliding_attention_impl", "moe_impl", "msa_impl", "dtype", "param_dtype"}  # restore casts dtypes
     diff = [k for k, v in saved.to_dict().items() if k not in ignore and tr.cfg.to_dict()[k] != v]
     if diff:
         raise TrainConfigError(f"the run directory's checkpoints were written for a different model config "
@@ -230,6 +231,7 @@ def train(tc: TrainConfig, devices: list | None = None) -> dict[str, Any]:
     t0, flops, toks = time.perf_counter(), 0.0, 0.0
 
     saved = {step} if restored is not None else set()
+    reported_impls: dict[str, str] = {}
 
     def save(s):
         if s not in saved:
@@ -258,6 +260,11 @@ def train(tc: TrainConfig, devices: list | None = None) -> dict[str, Any]:
             if done_here == 1:  # the first step of a process includes compilation: not timed
                 jax.block_until_ready(m)
                 t0, flops, toks = time.perf_counter(), 0.0, 0.0
+            impls = implementation_report()       # filled while a step is traced: say which kernels run
+            if impls != reported_impls:
+                writer.message(f"step {step} ({phase}): implementations " +
+                               ", ".join(f"{k}={v}" for k, v in sorted(impls.items())))
+                reported_impls = dict(impls)
             if step % tc.run.log_every == 0 or step == tc.run.steps:
                 metrics = {k: float(v) for k, v in jax.device_get(m).items()}
                 dt = max(time.perf_counter() - t0, 1e-9)

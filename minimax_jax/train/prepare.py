@@ -45,6 +45,9 @@ def missing_data(tc: TrainConfig) -> list[str]:
     return out
 
 
+TOKENIZER_MAX_CHARS = 40_000_000
+
+
 def prepare_data(tc: TrainConfig, vocab_size: int, *, max_mb: float = 64.0, log=print) -> list[str]:
     """Create missing corpus / tokenizer files for ``tc.data`` (kind grain). Returns what was made.
 
@@ -72,7 +75,7 @@ def prepare_data(tc: TrainConfig, vocab_size: int, *, max_mb: float = 64.0, log=
 
         out = os.path.dirname(sources[0]) or "."
         log(f"prepare_data: building the offline corpus in {out} ({max_mb} MB of text)")
-        build_corpus(out, max_mb=max_mb, seed=int(f.get("seed", 0)))
+        build_corpus(out, max_mb=max_mb, seed=int(f.get("seed", 0)), workers=min(16, os.cpu_count() or 1))
         if not _resolves(sources):
             raise TrainConfigError(f"the corpus built in {out} does not match data.sources {sources}")
         made.append(out)
@@ -83,6 +86,7 @@ def prepare_data(tc: TrainConfig, vocab_size: int, *, max_mb: float = 64.0, log=
             raise TrainConfigError("data.tokenizer is not set")
         tok_dir = os.path.dirname(tok) if tok.endswith(".json") else tok
         log(f"prepare_data: training a {vocab_size}-token BPE tokenizer into {tok_dir}")
-        made.append(save_tokenizer(train_tokenizer_from_paths(sources, vocab_size, field=f.get("field", "text")),
-                                   tok_dir))
+        # BPE merges settle long before 40M characters; the cap bounds the time on big corpora
+        made.append(save_tokenizer(train_tokenizer_from_paths(sources, vocab_size, field=f.get("field", "text"),
+                                                              max_chars=TOKENIZER_MAX_CHARS), tok_dir))
     return made
