@@ -74,6 +74,17 @@ tc() {  # CUDA device, cap s, args...: train.py with the shared data flags
       --set run.progress=false $COMMON_SETS $EXTRA_SETS "$@"
 }
 
+# DEADLINE_EPOCH (optional, seconds since the epoch): the whole script must be done by then (a
+# device call's limit); the training cap shrinks to fit, leaving EXPORT_S [45] for the exports.
+fit_budget() {
+  if [ -n "${DEADLINE_EPOCH:-}" ]; then
+    local left=$((DEADLINE_EPOCH - $(date +%s) - ${EXPORT_S:-45}))
+    [ "$left" -lt "$TRAIN_BUDGET_S" ] && TRAIN_BUDGET_S=$left
+  fi
+  log "training cap: $TRAIN_BUDGET_S s"
+}
+fit_budget
+
 if [ -z "${STEPS:-}" ]; then
   # Probe: the MSA run (the slowest) for 8 warm-up + 16 sparse steps, timed per phase from its
   # metrics (the first interval of each phase includes compilation and is not used).
@@ -84,6 +95,7 @@ if [ -z "${STEPS:-}" ]; then
     --set msa.indexer_warmup_steps=8 --set run.log_every=4 --set checkpoint.every=1000 > "$W/probe.log" 2>&1
   probe_s=$((SECONDS - t0))
   wait
+  fit_budget
   STEPS=$($PY - "$W/probe/metrics.jsonl" "$TRAIN_BUDGET_S" "$probe_s" "$WARMUP_FRAC" 2>>"$OUT/train_all.log" <<'PYEOF'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
@@ -100,6 +112,7 @@ PYEOF
   ) || { log "probe failed, see probe.log"; tail -30 "$W/probe.log" >> "$OUT/train_all.log"; exit 1; }
   cp "$W/probe/metrics.jsonl" "$OUT/metrics_probe.jsonl" 2>/dev/null
 fi
+fit_budget
 WARM_STEPS=$($PY -c "print(max(1, int($STEPS * $WARMUP_FRAC)))")
 log "steps for every run: $STEPS (MSA indexer warm-up $WARM_STEPS)"
 
