@@ -20,7 +20,7 @@
 # STEPS the same step count for all three runs (default: measured by a short probe of the MSA run,
 # the slowest, so that it finishes inside TRAIN_BUDGET_S; the cosine schedule then ends where the
 # run ends and the three runs see the same batches); WARMUP_FRAC share of MSA indexer warm-up [0.12];
-# PROBE_SIDE a command run on the other GPU while the probe runs (optional).
+# PROBE_SIDE a command run on the other GPU while the probe runs (optional); CONTENTION (below).
 set -u
 cd "$(dirname "$0")/../.."
 W=${W:-/tmp/three_way}
@@ -96,7 +96,10 @@ if [ -z "${STEPS:-}" ]; then
   probe_s=$((SECONDS - t0))
   wait
   fit_budget
-  STEPS=$($PY - "$W/probe/metrics.jsonl" "$TRAIN_BUDGET_S" "$probe_s" "$WARMUP_FRAC" 2>>"$OUT/train_all.log" <<'PYEOF'
+  # CONTENTION: the MSA run's slowdown from sharing its GPU ([1.0] with two GPUs, where MSA has one
+  # to itself; [2.2] with one: the full and sliding runs each cost about half the MSA run per step)
+  if [ -z "${CONTENTION:-}" ]; then CONTENTION=2.2; [ "$ngpu" -ge 2 ] && CONTENTION=1.0; fi
+  STEPS=$($PY - "$W/probe/metrics.jsonl" "$TRAIN_BUDGET_S" "$probe_s" "$WARMUP_FRAC" "$CONTENTION" 2>>"$OUT/train_all.log" <<'PYEOF'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 rows = {r["step"]: r for r in rows if "time" in r and "phase_warmup" in r}
@@ -105,9 +108,11 @@ budget, probe_s, frac = float(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4
 sw = (rows[8]["time"] - rows[4]["time"]) / 4
 ss = (rows[24]["time"] - rows[16]["time"]) / 8
 overhead = max(probe_s - 8 * sw - 16 * ss, 30.0)                  # start-up + two compilations
-n = int((budget - overhead) * 0.93 / (frac * sw + (1 - frac) * ss))
+contention = float(sys.argv[5])
+n = int((budget - overhead) * 0.93 / (contention * (frac * sw + (1 - frac) * ss)))
 print(max(n, 50))
-print(f"probe: warm-up {sw:.3f} s/step, sparse {ss:.3f} s/step, overhead {overhead:.0f} s -> {n} steps", file=sys.stderr)
+print(f"probe: warm-up {sw:.3f} s/step, sparse {ss:.3f} s/step, overhead {overhead:.0f} s, contention x{contention}"
+      f" -> {n} steps", file=sys.stderr)
 PYEOF
   ) || { log "probe failed, see probe.log"; tail -30 "$W/probe.log" >> "$OUT/train_all.log"; exit 1; }
   cp "$W/probe/metrics.jsonl" "$OUT/metrics_probe.jsonl" 2>/dev/null
