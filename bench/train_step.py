@@ -149,8 +149,9 @@ def main(argv=None) -> int:
     p.add_argument("--kl-coeff", type=float, default=1.0, help="MSA indexer KL weight (0 = no KL)")
     p.add_argument("--peak-tflops", type=float, default=None, help="per-device peak (default: table by device)")
     p.add_argument("--attention-impl", default="auto", help="ModelConfig.attention_impl")
-    p.add_argument("--moe-impl", default="auto", help="ModelConfig.moe_impl (GPU: carry tokamax for 'auto' to "
-                                                      "use its grouped matmul; XLA ragged_dot is slow there)")
+    p.add_argument("--moe-impl", default="auto", help="ModelConfig.moe_impl ('auto' = dense for small problems, else "
+                                                      "XLA ragged_dot, slow on GPU; 'tokamax' (carry it) is the fast "
+                                                      "grouped matmul, opt-in: see minimax_jax/ops/moe.py)")
     p.add_argument("--msa-impl", default="auto", help="ModelConfig.msa_impl (auto = Pallas kernel when present)")
     p.add_argument("--tiny", action="store_true", help="tiny model and short sequences (CPU smoke test)")
     p.add_argument("--out", required=True)

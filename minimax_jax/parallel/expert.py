@@ -124,7 +124,10 @@ def _local(x, weights, experts, wi4, wo, *, act, gmm, transport, ep, tp, p, e_pa
         ys = _exchange_all_to_all(xs, experts, order, counts, wi, wo, act, gmm, ep, tp, p)
     else:
         ys = _exchange_ragged(xs, counts, wi, wo, act, gmm, ep, tp, p)
-    return unpermute_combine(ys.astype(x.dtype), weights, order, inv).astype(x.dtype)
+    # ys must vary like the local tokens: a kernel output typed invariant would give the custom VJP
+    # of unpermute_combine a varying cotangent for an invariant primal (seen on the H200 with tokamax)
+    ys = match_vma(ys.astype(x.dtype), x)
+    return unpermute_combine(ys, weights, order, inv).astype(x.dtype)
 
 
 def sorted_mlp_psum(rows, group_sizes, wi, wo, act, gmm, tp):
