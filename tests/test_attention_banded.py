@@ -67,3 +67,25 @@ def test_auto_picks_banded_only_when_it_applies():
     assert implementation_report()["attention"] == "xla"        # two position arrays: not provably banded
     with pytest.raises(ImplementationUnavailable, match="sliding window"):
         attention(q, k, v, q_positions=pos, kv_positions=pos, implementation="xla_banded")
+
+
+def test_auto_on_gpu_picks_flash_for_packed_rows(monkeypatch):
+    """``"auto"`` routing on a GPU backend (the kernel itself is replaced: CPU here)."""
+    import minimax_jax.ops.attention as att
+
+    monkeypatch.setattr(att, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(att.flash, "flash_attention", lambda q, k, v, seg, backend: jnp.zeros_like(q))
+    b, t, h, g, d = 1, 32, 2, 1, 16
+    q = jnp.ones((b, t, h, d))
+    k = v = jnp.ones((b, t, g, d))
+    pos = jnp.arange(t)[None]
+    seg = jnp.zeros((b, t), jnp.int32)
+    clear_implementation_report()
+    attention(q, k, v, q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg,
+              implementation="auto")
+    assert implementation_report()["attention"] == "pallas_flash_gpu"
+    clear_implementation_report()   # positions that decrease inside a segment: the kernels would mask wrongly
+    bad = jnp.asarray(np.r_[np.arange(16), np.arange(16)[::-1]][None], jnp.int32)
+    attention(q, k, v, q_positions=bad, kv_positions=bad, q_segment_ids=seg, kv_segment_ids=seg,
+              implementation="auto")
+    assert implementation_report()["attention"] == "xla"

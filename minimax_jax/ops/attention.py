@@ -21,11 +21,14 @@ Implementations:
   object) whose values increase by at least 1 per storage step inside each segment (packed training
   rows, whole-sequence forward), so that every key within W positions of a query lies within W
   storage slots of it; the visibility mask is still applied exactly inside the slice.
-- ``"auto"``: ``"cudnn"`` on GPU for plain causal self-attention (T == S, no segment ids, no
-  window); ``"xla_banded"`` for a sliding window when its conditions hold; else ``"xla"``. The
-  choice is recorded. ``"auto"`` never picks ``"pallas_flash"`` yet; select it with
-  ``ModelConfig.attention_impl="pallas_flash"`` (sliding-window layers use
-  ``ModelConfig.sliding_attention_impl``: no flash kernel here has a window).
+- ``"auto"``: on GPU, ``"cudnn"`` for plain causal self-attention (T == S, no segment ids, no
+  window) and ``"pallas_flash"`` for packed self-attention (segment ids; one positions array and one
+  segment-id array for queries and keys) when ``flash.check_applicable`` accepts the call (validated
+  on the H200 on 2026-11-30: compiled kernels vs XLA outputs and gradients, and three training runs);
+  ``"xla_banded"`` for a sliding window when its conditions hold; else ``"xla"``. The choice is
+  recorded. On TPU ``"auto"`` does not pick the flash kernel (not yet run on TPU hardware).
+  Sliding-window layers of the model use ``ModelConfig.sliding_attention_impl`` (no flash kernel here
+  has a window).
 """
 
 from __future__ import annotations
@@ -100,8 +103,11 @@ def attention(
     if impl == "auto":
         # Deliberately not "pallas_flash" (not yet validated on a GPU; see the module docstring).
         plain = user_segments is None and t == s and sliding_window is None
+        packed = user_segments is not None and t == s and sliding_window is None
         if default_backend() == "gpu" and plain:
             impl = "cudnn"
+        elif default_backend() == "gpu" and packed and _flash_applies(q, k, v, q_positions, kv_positions, seg_args):
+            impl = "pallas_flash"
         elif sliding_window is not None and t == s and q_positions is kv_positions:
             impl = "xla_banded"
         else:
@@ -136,6 +142,15 @@ def attention(
     record_implementation("attention", "xla")
     return _xla_chunked(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, sliding_window,
                         chunk_size)
+
+
+def _flash_applies(q, k, v, q_positions, kv_positions, seg_args) -> bool:
+    """Whether the GPU flash kernels accept this call (``flash.check_applicable``), for ``"auto"``."""
+    try:
+        flash.check_applicable(q, k, v, q_positions, kv_positions, *seg_args, None, "gpu")
+    except ImplementationUnavailable:
+        return False
+    return True
 
 
 def _attend(q, k, v, q_pos, kv_pos, q_seg, kv_seg, window):
