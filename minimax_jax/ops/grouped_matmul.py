@@ -9,7 +9,9 @@ Implementations (``implementation=``):
   tokamax cannot be imported or the backend is CPU.
 - ``"auto"``: ``"xla"``. Not ``"tokamax"``: on the H200 (bench/moe.py check, 2026-11-30, tokamax
   0.0.17) tokamax's weight gradients (its ragged-contraction kernel) were off by 6-8% relative
-  Frobenius error against the fp32 reference (``"xla"``: 0.4%); opt in explicitly until resolved.
+  Frobenius error against the fp32 reference (``"xla"``: 0.4%); upstream reports the same defect
+  (openxla/tokamax issue 887, open: its rhs VJP gives non-zero gradients to empty groups and wrong
+  ones to the others). Opt in explicitly until it is resolved.
 The resolved name is returned so callers can record it.
 """
 

@@ -20,7 +20,8 @@ Expert computation (``moe_experts``), implementations:
   model time out on the H200), else ``"ragged"``. ``"auto"`` does not pick ``"tokamax"``: on the
   H200 (bench/moe.py check, 2026-11-30, tokamax 0.0.17) its weight gradients were off by 6-8%
   (relative Frobenius error of d wi / d wo vs the fp32 reference, against 0.4% for ``"ragged"``
-  and the inputs' gradient), so it is opt-in (``moe_impl="tokamax"``) until that is resolved.
+  and the inputs' gradient; upstream: openxla/tokamax issue 887), so it is opt-in
+  (``moe_impl="tokamax"``) until that is resolved.
 Inside ``use_mesh`` the implementations ``"auto" | "ragged" | "tokamax"`` run expert-parallel in
 ``shard_map`` (``minimax_jax.parallel.expert``); ``"dense"``/``"capacity"`` stay GSPMD-partitioned.
 The resolved path is recorded under ``"moe"`` (``minimax_jax.ops.common.implementation_report``).
