@@ -151,3 +151,27 @@ def test_time_budget_skips_longest_and_writes_partial(tmp_path, tok_dir):
     assert [e["target_length"] for e in r["examples"]] == [200, 200]
     assert r["skipped"] == [{"task": "niah_single", "target_length": 300}] * 2
     assert r["timing"][0]["prompts"] == 2 and r["timing"][0]["seconds"] >= 0
+
+
+@pytest.mark.parametrize("flags,starts_with_bos", [([], True), (["--no_bos"], False), (["--chat"], True)])
+def test_raw_prompts_start_with_bos_like_training_documents(tmp_path, tok_dir, flags, starts_with_bos):
+    """The training pipeline starts every document with ]~!b[; raw eval prompts do too (unless --no_bos)."""
+    from minimax_jax.chat.tokens import BOS
+    from minimax_jax.data.tokenizer import load_tokenizer
+    from minimax_jax.eval.runner import ModelFns
+
+    tok = load_tokenizer(tok_dir)
+    assert tok.token_to_id(BOS) is not None
+    seen = []
+
+    def generate_fn(prompts, max_new_tokens):
+        seen.extend(prompts)
+        return [" 0." for _ in prompts]
+
+    rc = cli.main(["--checkpoint", "unused", "--tasks", "niah_single", "--lengths", "200", "--num_samples", "2",
+                   "--haystack", "noise", "--no_perplexity", "--out", str(tmp_path / "r.json"), *flags],
+                  fns=ModelFns(generate_fn, None, tok))
+    assert rc == 0 and len(seen) == 2
+    assert all(p.startswith(BOS) == starts_with_bos and not p.startswith(BOS + BOS) for p in seen)  # chat: its own
+    if not flags:   # the BOS is one token, then the prompt exactly as generated
+        assert all(tok.encode(p, add_special_tokens=False).ids[0] == tok.token_to_id(BOS) for p in seen)

@@ -6,10 +6,12 @@ from scratch this module trains a compatible *kind* of tokenizer:
 
 - byte-level BPE (every byte is in the initial alphabet, so any UTF-8 text round-trips);
 - pre-tokenisation by the GPT-2 style regex of ``tokenizers.pre_tokenizers.ByteLevel`` (the real
-  tokenizer uses an o200k-like regex; ids and merges are NOT compatible with it), after splitting
-  every digit into its own piece by default (``split_digits``; as LLaMA's tokenizer does): a number
-  is then one token per digit, so copying a 7-digit passkey is the same per-token copy every
-  time instead of depending on which multi-digit merges the corpus produced;
+  tokenizer uses an o200k-like regex; ids and merges are NOT compatible with it); optionally every
+  digit is split into its own piece first (``split_digits``, as LLaMA's tokenizer does). Off by
+  default: the three-way run 2 used it and its models never learned to copy a passkey, and in a CPU
+  comparison (tiny model, retrieval-only data, ~1.4M tokens) only the tokenizer WITHOUT digit
+  splitting started to copy (first answer token loss 2.72 -> 0.04), while one token per digit
+  stayed at the guessing loss ln 10 (RESULTS.md);
 - the MiniMax special tokens as *added special tokens* that are never split.
 
 Id choice: the special tokens take the FIRST ids, 0..8, in the order of :data:`SPECIAL_TOKENS`
@@ -55,7 +57,7 @@ class TokenizerError(ValueError):
     """A tokenizer cannot be trained or loaded as asked."""
 
 
-def _empty_bpe(split_digits: bool = True) -> Tokenizer:
+def _empty_bpe(split_digits: bool = False) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
@@ -71,7 +73,7 @@ def train_tokenizer(
     *,
     min_frequency: int = 2,
     length: int | None = None,
-    split_digits: bool = True,
+    split_digits: bool = False,
 ) -> Tokenizer:
     """Trains a byte-level BPE tokenizer on an iterable of texts.
 
@@ -108,7 +110,7 @@ def train_tokenizer(
 
 def train_tokenizer_from_paths(
     inputs: Sequence[str], vocab_size: int, *, field: str = "text", min_frequency: int = 2,
-    max_chars: int | None = None, split_digits: bool = True,
+    max_chars: int | None = None, split_digits: bool = False,
 ) -> Tokenizer:
     """Trains on files / directories / globs / JSONL (``field``), optionally capped at ``max_chars``
     (documents in source order: build the corpus shuffled, as :mod:`minimax_jax.data.corpus` does).
@@ -197,8 +199,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     t.add_argument("--field", default="text", help="JSON field of JSONL inputs")
     t.add_argument("--min_frequency", type=int, default=2)
     t.add_argument("--max_chars", type=int, default=None, help="stop reading after this many chars")
-    t.add_argument("--no_split_digits", dest="split_digits", action="store_false",
-                   help="let BPE merge digits (default: every digit is its own token)")
+    t.add_argument("--split_digits", action="store_true",
+                   help="make every digit its own token (default: BPE merges digits like other text)")
     args = parser.parse_args(argv)
     tok = train_tokenizer_from_paths(
         args.input, args.vocab_size, field=args.field, min_frequency=args.min_frequency,

