@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write the results JSON here (rewritten atomically after every batch, so a killed "
                         "run leaves the results so far)")
     p.add_argument("--time_budget_s", type=float, default=None,
-                   help="start no new batch (after the first) past this many seconds; prompts run shortest first and the ones "
+                   help="start no new batch (after the first) past this many seconds of the task phase (the held-out "
+                        "perplexity runs before it and is not counted); prompts run shortest first and the ones "
                         "not reached are reported as skipped, not scored")
     return p
 
@@ -96,10 +97,11 @@ def _write_json(path: str, obj: dict) -> None:
     os.replace(tmp, path)
 
 
-def _results(args, examples, outputs, timing) -> dict:
+def _results(args, examples, outputs, timing, perplexity=None) -> dict:
     done = examples[: len(outputs)]
     scores = score_examples(done, outputs, args.metric) if done else {"by_task": {}, "mean": None, "scores": []}
-    return {
+    extra = {} if perplexity is None else {"perplexity": perplexity}
+    return {**extra,
         "checkpoint": args.checkpoint,
         "metric": args.metric,
         "tasks": scores["by_task"],
@@ -131,6 +133,18 @@ def run_eval(args: argparse.Namespace, fns: ModelFns) -> dict:
     bos_text = BOS if (not args.chat and not args.no_bos and fns.tokenizer is not None
                        and fns.tokenizer.token_to_id(BOS) is not None) else ""
     prompts = [chat_prompt(e.prompt) if args.chat else bos_text + e.prompt for e in examples]
+    # Perplexity first: a fixed cost, so a time budget for the tasks never drops it.
+    ppl = None
+    if not args.no_perplexity and fns.logprob_fn is not None:
+        if args.ppl_files:
+            texts = [open(f, encoding="utf-8", errors="replace").read() for f in args.ppl_files]
+        else:
+            texts = [prose_haystack(heldout_works=args.heldout_works, seed=args.corpus_seed).text]
+        bos = None if args.no_bos else fns.tokenizer.token_to_id(BOS)
+        ppl = heldout_perplexity(
+            fns.logprob_fn, texts, fns.tokenizer, seq_len=args.ppl_seq_len,
+            batch_size=args.ppl_batch_size, max_tokens=args.ppl_max_tokens, bos_id=bos,
+        )
     outputs: list[str] = []
     timing: list[dict] = []
     start = time.perf_counter()
@@ -147,21 +161,11 @@ def run_eval(args: argparse.Namespace, fns: ModelFns) -> dict:
         batch = examples[i : i + len(chunk)]
         timing.append({"target_length": max(e.target_length for e in batch), "prompts": len(chunk),
                        "prompt_tokens": sum(e.length for e in batch), "seconds": time.perf_counter() - t0})
-        results = _results(args, examples, outputs, timing)
+        results = _results(args, examples, outputs, timing, ppl)
         if args.out:
             _write_json(args.out, results)
     if not results:
-        results = _results(args, examples, outputs, timing)
-    if not args.no_perplexity and fns.logprob_fn is not None:
-        if args.ppl_files:
-            texts = [open(f, encoding="utf-8", errors="replace").read() for f in args.ppl_files]
-        else:
-            texts = [prose_haystack(heldout_works=args.heldout_works, seed=args.corpus_seed).text]
-        bos = None if args.no_bos else fns.tokenizer.token_to_id(BOS)
-        results["perplexity"] = heldout_perplexity(
-            fns.logprob_fn, texts, fns.tokenizer, seq_len=args.ppl_seq_len,
-            batch_size=args.ppl_batch_size, max_tokens=args.ppl_max_tokens, bos_id=bos,
-        )
+        results = _results(args, examples, outputs, timing, ppl)
     return results
 
 
