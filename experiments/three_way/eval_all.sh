@@ -14,7 +14,7 @@
 # [2048,4096,8192,16384,32768,65536]; NUM_SAMPLES [8]; BATCH [8]; EVAL_BUDGET_S [240] (the eval CLI's
 # own budget) and EVAL_SLACK_S [240] (hard cap = budget + slack: loading, compilation, perplexity);
 # RECALL_LENGTH [8192]; CTX_TOKENS [32768]; PREFILL_CHUNK paged-engine prefill step [1024];
-# GPUS_* as in train_all.sh.
+# GPUS_* and MEM_FRACTION (per process; 0.3 when three share one GPU) as in train_all.sh.
 set -u
 cd "$(dirname "$0")/../.."
 W=${W:-/tmp/three_way}
@@ -49,7 +49,7 @@ EOF
 
 eval_one() {  # variant device
   local v=$1 dev=$2 t0=$SECONDS
-  export CUDA_VISIBLE_DEVICES=$dev XLA_PYTHON_CLIENT_MEM_FRACTION=0.45
+  export CUDA_VISIBLE_DEVICES=$dev XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.45}
   timeout -k 30 $((EVAL_BUDGET_S + ${EVAL_SLACK_S:-240})) $PY -m minimax_jax.eval --checkpoint "$W/ckpt/$v" --tasks all \
     --lengths "$LENGTHS" --num_samples "$NUM_SAMPLES" --batch_size "$BATCH" --time_budget_s "$EVAL_BUDGET_S" \
     --prefill_chunk "$PREFILL_CHUNK" \
