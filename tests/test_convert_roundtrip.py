@@ -148,3 +148,16 @@ def test_export_refuses_existing_destination(tmp_path):
     export_orbax_to_hf(tmp_path / "ours", tmp_path / "back", progress=False, overwrite=True)
     assert "config.json" in os.listdir(tmp_path / "back")
     assert not [p for p in os.listdir(tmp_path) if ".partial-" in p]
+
+
+def test_export_with_relative_paths(tmp_path, monkeypatch):
+    """Relative --src / --dst (README's own example): orbax gives no item metadata for a relative
+    directory, so the exporter must resolve it first."""
+    hf.require_hf()
+    from minimax_jax.convert.cli import main
+
+    src = fx.saved_pretrained(hf.m2_model(36), str(tmp_path / "hf"))
+    monkeypatch.chdir(tmp_path)
+    assert main(["--src", os.path.relpath(src, tmp_path), "--dst", "ours", "--no-progress"]) == 0
+    assert main(["--export", "--src", "ours", "--dst", "back", "--no-progress"]) == 0
+    assert "model.layers.0.self_attn.q_proj.weight" in set(SafetensorsReader(str(tmp_path / "back")).names())

@@ -27,3 +27,27 @@ def test_export_run_roundtrip(tmp_path):
     for k, v in a:
         np.testing.assert_array_equal(np.asarray(v, np.float32), np.asarray(b[jax.tree_util.keystr(k)], np.float32))
     assert (tmp_path / "hf" / "config.json").exists()
+
+
+def test_run_tokenizer_found_or_named(tmp_path, monkeypatch):
+    """A run names its tokenizer by a path relative to where train.py ran: the export finds it from
+    there or from the run directory's parent, and otherwise fails naming it (never exports silently
+    without it)."""
+    import pytest
+
+    from minimax_jax.train.export import _run_tokenizer
+
+    (tmp_path / "work" / "tok").mkdir(parents=True)
+    (tmp_path / "work" / "tok" / "tokenizer.json").write_text("{}")
+    run = tmp_path / "work" / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("data:\n  tokenizer: tok/tokenizer.json\n")
+    monkeypatch.chdir(tmp_path / "work")
+    assert _run_tokenizer(str(run)) == "tok/tokenizer.json"
+    monkeypatch.chdir(tmp_path)
+    assert _run_tokenizer(str(run)) == str(tmp_path / "work" / "tok" / "tokenizer.json")
+    (run / "config.yaml").write_text("data:\n  tokenizer: elsewhere/tokenizer.json\n")
+    with pytest.raises(FileNotFoundError, match="elsewhere/tokenizer.json.*--tokenizer"):
+        _run_tokenizer(str(run))
+    (run / "config.yaml").write_text("data:\n  seq_len: 8\n")
+    assert _run_tokenizer(str(run)) is None

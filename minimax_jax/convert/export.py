@@ -41,6 +41,8 @@ class _LeafStore:
         from orbax.checkpoint import type_handlers as th
 
         self._th, self._epath, self._on_read = th, epath, on_read
+        # absolute: orbax returns no item metadata for a relative directory (a KeyError on the first leaf)
+        directory = os.path.abspath(directory)
         md = ocp.StandardCheckpointer().metadata(os.path.join(directory, PARAMS_DIR))
         item = getattr(md, "item_metadata", md)
         self._zarr3 = bool(getattr(item, "use_zarr3", False))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -103,7 +104,7 @@ def indexer_recall(params, cfg: ModelConfig, tokens: np.ndarray) -> dict:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m minimax_jax.eval.recall", description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", required=True, help="orbax checkpoint directory (minimax_jax.convert)")
     ap.add_argument("--text_file", required=True, help="text to score (e.g. a held-out play)")
     ap.add_argument("--length", type=int, default=4096, help="tokens of the text to use")
@@ -112,6 +113,10 @@ def main(argv=None) -> None:
     from minimax_jax.convert import load_checkpoint
     from minimax_jax.data.tokenizer import load_tokenizer
 
+    for what, path, ok in (("checkpoint directory", a.checkpoint, os.path.isdir), ("--text_file", a.text_file,
+                                                                                   os.path.isfile)):
+        if not ok(path):
+            raise SystemExit(f"recall: {what} {path!r} does not exist")
     cfg, params = load_checkpoint(a.checkpoint)
     tok = load_tokenizer(a.checkpoint)
     with open(a.text_file) as f:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import orbax.checkpoint as ocp
 
@@ -48,13 +49,13 @@ def export_run(run_dir: str, dst: str, *, dtype: str = "bfloat16", tokenizer: st
     """
     from minimax_jax.convert.save import save_checkpoint
 
+    if tokenizer is None:
+        tokenizer = _run_tokenizer(run_dir)       # first: a missing tokenizer fails before any work
     step, params = latest_params(run_dir)
     cfg = ModelConfig.from_yaml(os.path.join(run_dir, "model_config.yaml"))
     # Kernel choices are the training machine's (e.g. msa_impl=xla forced for a run); the exported
     # model must pick what suits the machine that loads it.
     cfg = cfg.replace(attention_impl="auto", sliding_attention_impl="auto", moe_impl="auto", msa_impl="auto")
-    if tokenizer is None:
-        tokenizer = _run_tokenizer(run_dir)
     save_checkpoint(params, cfg, dst, dtype=dtype, tokenizer=tokenizer, overwrite=True)
     hf = None
     if hf_dst:
@@ -66,7 +67,12 @@ def export_run(run_dir: str, dst: str, *, dtype: str = "bfloat16", tokenizer: st
 
 
 def _run_tokenizer(run_dir: str) -> str | None:
-    """The ``tokenizer.json`` the run trained with (``data.tokenizer`` of its config.yaml), if any."""
+    """The ``tokenizer.json`` the run trained with (``data.tokenizer`` of its config.yaml), if any.
+
+    A relative path is tried from the current directory, then from the run directory's parent.
+    Raises FileNotFoundError when the run names a tokenizer that neither finds: an export without
+    the tokenizer would load in no runtime (pass ``tokenizer=`` / ``--tokenizer``).
+    """
     import yaml
 
     path = os.path.join(run_dir, "config.yaml")
@@ -76,13 +82,19 @@ def _run_tokenizer(run_dir: str) -> str | None:
         tok = ((yaml.safe_load(f) or {}).get("data") or {}).get("tokenizer")
     if not tok:
         return None
-    if os.path.isdir(tok):
-        tok = os.path.join(tok, "tokenizer.json")
-    return tok if os.path.isfile(tok) else None
+    tried = [tok] if os.path.isabs(tok) else [tok, os.path.join(os.path.dirname(os.path.abspath(run_dir)), tok)]
+    for cand in tried:
+        if os.path.isdir(cand):
+            cand = os.path.join(cand, "tokenizer.json")
+        if os.path.isfile(cand):
+            return cand
+    raise FileNotFoundError(
+        f"the run's data.tokenizer {tok!r} was not found (tried {', '.join(map(repr, tried))} from "
+        f"{os.getcwd()!r}); run the export from the directory train.py ran in, or pass --tokenizer PATH")
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m minimax_jax.train.export", description=__doc__.split("\n\n")[0])
     ap.add_argument("--run_dir", required=True, help="a train.py run directory")
     ap.add_argument("--dst", required=True, help="checkpoint directory to write (infer.py --checkpoint)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -90,8 +102,12 @@ def main(argv=None) -> None:
     ap.add_argument("--hf_dst", help="also export HF safetensors here")
     ap.add_argument("--max_shard_mb", type=float, default=15.0, help="HF shard size cap (MiB)")
     a = ap.parse_args(argv)
-    print(json.dumps(export_run(a.run_dir, a.dst, dtype=a.dtype, tokenizer=a.tokenizer, hf_dst=a.hf_dst,
-                                max_shard_mb=a.max_shard_mb), default=str))
+    try:
+        summary = export_run(a.run_dir, a.dst, dtype=a.dtype, tokenizer=a.tokenizer, hf_dst=a.hf_dst,
+                             max_shard_mb=a.max_shard_mb)
+    except FileNotFoundError as e:
+        sys.exit(f"export: {e}")
+    print(json.dumps(summary, default=str))
 
 
 if __name__ == "__main__":
