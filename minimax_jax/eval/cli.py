@@ -175,10 +175,11 @@ def main(argv: Sequence[str] | None = None, fns: ModelFns | None = None) -> int:
     if fns is None:
         opts = {k: v for k, v in (("max_seq_len", args.max_seq_len), ("prefill_chunk", args.prefill_chunk))
                 if v is not None}
-        if not os.path.isdir(args.checkpoint):
-            print(f"eval: error: checkpoint directory {args.checkpoint!r} does not exist", file=sys.stderr)
+        try:
+            fns = load_model_fns(args.checkpoint, tokenizer=args.tokenizer, **opts)
+        except (FileNotFoundError, RuntimeError) as e:   # the runtime's CheckpointNotFound etc. say what is missing
+            print(f"eval: error: {e}", file=sys.stderr)
             return 2
-        fns = load_model_fns(args.checkpoint, tokenizer=args.tokenizer, **opts)
     from minimax_jax.data.prose import MissingDataError
     from minimax_jax.eval.haystack import LengthError
 
