@@ -80,8 +80,10 @@ def test_missing_files(ckpt, tmp_path, monkeypatch):
 def test_bad_prompts(ckpt):
     m = load_model(ckpt)
     gen = Generator(m.cfg, m.params, m.tokenizer)
-    with pytest.raises(ValueError, match="prompt 0 is empty"):
+    with pytest.raises(ValueError, match="^the prompt is empty"):
         gen.generate([[]])
+    with pytest.raises(ValueError, match="^prompt 1 is empty"):
+        gen.generate([[1], []])
     with pytest.raises(ValueError, match="outside \\[0, 304\\)"):
         gen.generate([[1, 304]])
     with pytest.raises(ValueError, match="unknown engine 'fast'"):

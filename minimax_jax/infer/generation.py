@@ -81,13 +81,18 @@ class GenerationOutput:
     stats: GenerationStats
 
 
+def _prompt_name(i: int, n: int) -> str:
+    """How errors name prompt ``i`` of ``n``: "the prompt" when it is the only one, else "prompt i"."""
+    return "the prompt" if n == 1 else f"prompt {i}"
+
+
 def check_context(cfg: ModelConfig, prompt_lengths: Sequence[int], max_new_tokens: int) -> None:
     """Raise ContextTooLong (before any compute) when a prompt + max_new_tokens exceeds the context."""
     limit = cfg.max_position_embeddings
     for i, n in enumerate(prompt_lengths):
         if n + max_new_tokens > limit:
             raise ContextTooLong(
-                f"prompt {i} has {n} tokens; with max_new_tokens={max_new_tokens} that is {n + max_new_tokens} "
+                f"{_prompt_name(i, len(prompt_lengths))} has {n} tokens; with max_new_tokens={max_new_tokens} that is {n + max_new_tokens} "
                 f"> the model's context of {limit} tokens (max_position_embeddings); shorten the prompt "
                 f"or lower --max_new_tokens to at most {max(limit - n, 0)}")
 
@@ -185,10 +190,11 @@ class Generator:
             raise ValueError("no prompts")
         for i, p in enumerate(prompts):
             if not p:
-                raise ValueError(f"prompt {i} is empty")
+                raise ValueError(f"{_prompt_name(i, len(prompts))} is empty")
             bad = [t for t in p if not 0 <= t < self.cfg.vocab_size]
             if bad:
-                raise ValueError(f"prompt {i} has token ids outside [0, {self.cfg.vocab_size}): {bad[:5]}")
+                raise ValueError(f"{_prompt_name(i, len(prompts))} has token ids outside "
+                                 f"[0, {self.cfg.vocab_size}): {bad[:5]}")
         if config.stop_strings and self.tokenizer is None:
             raise InferenceError("stop strings need a tokenizer")
         check_context(self.cfg, [len(p) for p in prompts], config.max_new_tokens)
