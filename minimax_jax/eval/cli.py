@@ -23,7 +23,7 @@ from minimax_jax.chat.tokens import BOS
 from minimax_jax.eval.chat import chat_prompt, strip_thinking
 from minimax_jax.eval.haystack import noise_haystack, prose_haystack, token_counter
 from minimax_jax.eval.perplexity import heldout_perplexity
-from minimax_jax.eval.runner import ModelFns, load_model_fns
+from minimax_jax.eval.runner import ModelFns, RuntimeUnavailable, load_model_fns
 from minimax_jax.eval.scoring import METRICS, score_examples
 from minimax_jax.eval.tasks import TASKS, generate_suite
 
@@ -129,7 +129,7 @@ def run_eval(args: argparse.Namespace, fns: ModelFns) -> dict:
     # Shortest first: similar lengths share a batch, and a time budget drops the longest prompts.
     examples = sorted(examples, key=lambda e: (e.target_length, e.task))
     # A base model saw every training document start with the BOS token (data pipeline, add_bos):
-    # give the raw prompts the same start (the perplexity windows below do the same).
+    # give the raw prompts the same start (as the perplexity documents get bos_id).
     bos_text = BOS if (not args.chat and not args.no_bos and fns.tokenizer is not None
                        and fns.tokenizer.token_to_id(BOS) is not None) else ""
     prompts = [chat_prompt(e.prompt) if args.chat else bos_text + e.prompt for e in examples]
@@ -176,8 +176,12 @@ def main(argv: Sequence[str] | None = None, fns: ModelFns | None = None) -> int:
         opts = {k: v for k, v in (("max_seq_len", args.max_seq_len), ("prefill_chunk", args.prefill_chunk))
                 if v is not None}
         try:
+            from minimax_jax.infer.errors import InferenceError
+        except ImportError:            # no runtime: load_model_fns raises RuntimeUnavailable
+            InferenceError = RuntimeUnavailable
+        try:
             fns = load_model_fns(args.checkpoint, tokenizer=args.tokenizer, **opts)
-        except (FileNotFoundError, RuntimeError) as e:   # the runtime's CheckpointNotFound etc. say what is missing
+        except (FileNotFoundError, InferenceError, RuntimeUnavailable) as e:   # they say what is missing
             print(f"eval: error: {e}", file=sys.stderr)
             return 2
     from minimax_jax.data.prose import MissingDataError

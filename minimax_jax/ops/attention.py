@@ -101,7 +101,6 @@ def attention(
         kv_segment_ids = jnp.zeros((b, s), jnp.int32)
     impl = implementation
     if impl == "auto":
-        # Deliberately not "pallas_flash" (not yet validated on a GPU; see the module docstring).
         plain = user_segments is None and t == s and sliding_window is None
         packed = user_segments is not None and t == s and sliding_window is None
         if default_backend() == "gpu" and plain:

@@ -88,8 +88,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, im
         # and the widening happens outside, where autodiff narrows the cotangent back.
         out = _tokamax().ragged_dot(lhs, rhs, group_sizes, preferred_element_type=lhs.dtype,
                                     implementation="mosaic")
-        # Inside expert-parallel shard_map the kernel's output comes back invariant-typed; it varies
-        # like lhs (the H200 run failed the custom-VJP type check of unpermute_combine without this).
-        # the pallas_call output carries no shard_map type: vary it like both operands
+        # Inside expert-parallel shard_map the pallas_call output comes back invariant-typed; it varies
+        # like both operands (the H200 run failed the custom-VJP type check of unpermute_combine).
         return match_vma(match_vma(out, lhs), rhs).astype(preferred_element_type)
     return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)

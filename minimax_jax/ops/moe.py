@@ -35,8 +35,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from minimax_jax.ops.common import ImplementationUnavailable, default_backend, record_implementation
-from minimax_jax.ops.grouped_matmul import grouped_matmul, tokamax_status
+from minimax_jax.ops.common import ImplementationUnavailable, record_implementation
+from minimax_jax.ops.grouped_matmul import grouped_matmul
 from minimax_jax.ops.moe_permute import gather_rows, group_starts, permute_rows, sort_by_expert, unpermute_combine
 
 __all__ = ["MOE_IMPLEMENTATIONS", "router_scores", "route", "moe_experts", "sorted_expert_mlp",
