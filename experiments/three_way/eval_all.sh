@@ -3,7 +3,7 @@
 # eval CLI and infer.py only:
 #   - RULER-style tasks (python -m minimax_jax.eval, all five tasks) at LENGTHS, NUM_SAMPLES each,
 #     shortest prompts first under EVAL_BUDGET_S (prompts not reached are listed as skipped), plus
-#     held-out perplexity (8K windows of the held-out Shakespeare works);
+#     held-out perplexity (PPL_SEQ [4096]-token windows of the held-out Shakespeare works);
 #   - indexer block recall vs dense attention's top blocks (python -m minimax_jax.eval.recall) for
 #     the MSA checkpoint at RECALL_LENGTH tokens of held-out text;
 #   - time per token: infer.py with a held-out context of about CTX_TOKENS tokens, 64 new tokens.
@@ -13,7 +13,7 @@
 # Environment: W [/tmp/three_way]; OUT [$W/out]; VARIANTS [msa full sliding]; LENGTHS
 # [2048,4096,8192,16384,32768,65536]; NUM_SAMPLES [8]; BATCH [8]; EVAL_BUDGET_S [240] (the eval CLI's
 # own budget) and EVAL_SLACK_S [240] (hard cap = budget + slack: loading, compilation, perplexity);
-# RECALL_LENGTH [8192]; CTX_TOKENS [32768]; PREFILL_CHUNK paged-engine prefill step [1024];
+# RECALL_LENGTH [4096: the training row]; CTX_TOKENS [32768]; PREFILL_CHUNK paged-engine prefill step [1024];
 # GPUS_* and MEM_FRACTION (per process; 0.3 when three share one GPU) as in train_all.sh.
 set -u
 cd "$(dirname "$0")/../.."
@@ -24,9 +24,9 @@ LENGTHS=${LENGTHS:-2048,4096,8192,16384,32768,65536}
 NUM_SAMPLES=${NUM_SAMPLES:-8}
 BATCH=${BATCH:-8}
 EVAL_BUDGET_S=${EVAL_BUDGET_S:-240}
-RECALL_LENGTH=${RECALL_LENGTH:-8192}
+RECALL_LENGTH=${RECALL_LENGTH:-4096}
 CTX_TOKENS=${CTX_TOKENS:-32768}
-PPL_SEQ=${PPL_SEQ:-8192}
+PPL_SEQ=${PPL_SEQ:-4096}
 PREFILL_CHUNK=${PREFILL_CHUNK:-1024}
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1

@@ -11,7 +11,7 @@
 #   W=/tmp/three_way bash experiments/three_way/train_all.sh
 #
 # Environment (defaults in brackets): W work dir [/tmp/three_way]; OUT where the small results go
-# [$W/out]; MAX_MB corpus text [170]; SHARES corpus shares [prose=0.05,code=0.05,synthetic=0.9:
+# [$W/out]; MAX_MB corpus text [170]; SYNTH_MAX_CHARS longest retrieval document [12000: fits a 4K row]; SHARES corpus shares [prose=0.05,code=0.05,synthetic=0.9:
 # all of Shakespeare and the stdlib source, the rest dense retrieval documents, whose haystacks are
 # Shakespeare too]; TRAIN_BUDGET_S wall-clock cap per run, SIGTERM -> final save [480];
 # VARIANTS [msa full sliding]; GPUS_MSA/GPUS_FULL/GPUS_SLIDING CUDA device per run [0/1/1
@@ -41,17 +41,23 @@ if command -v nvidia-smi >/dev/null 2>&1; then ngpu=$(nvidia-smi -L | wc -l); fi
 if [ "$ngpu" -ge 2 ]; then d_full=1; else d_full=0; fi
 GPUS_MSA=${GPUS_MSA:-0}; GPUS_FULL=${GPUS_FULL:-$d_full}; GPUS_SLIDING=${GPUS_SLIDING:-$d_full}
 
+# The Pallas-vs-XLA MSA check (impl_check.py) runs on the GPU while the CPU builds the corpus.
+IMPL_PID=
+if [ -z "${MSA_IMPL:-}" ] && [ "$ngpu" -ge 1 ]; then
+  CUDA_VISIBLE_DEVICES=$GPUS_MSA $PY experiments/three_way/impl_check.py > "$OUT/impl_check.json" 2>"$W/impl_check.err" &
+  IMPL_PID=$!
+fi
 log "corpus ($MAX_MB MB) and tokenizer"
 $PY -m minimax_jax.data.corpus --out "$W/corpus" --max_mb "$MAX_MB" --seed 0 --shares "$SHARES" \
-  --workers "$(nproc)" > "$OUT/corpus.json" || exit 1
+  --synthetic_max_chars "${SYNTH_MAX_CHARS:-12000}" --workers "$(nproc)" > "$OUT/corpus.json" || exit 1
 log "tokenizer"
 $PY -m minimax_jax.data.tokenizer train --input "$W"/corpus/train-*.jsonl --field text --vocab_size 4096 \
   --max_chars 40000000 --out "$W/tok" >> "$OUT/train_all.log" 2>&1 || exit 1
 
 if [ -z "${MSA_IMPL:-}" ]; then
   MSA_IMPL=xla
-  if [ "$ngpu" -ge 1 ]; then
-    if CUDA_VISIBLE_DEVICES=$GPUS_MSA $PY experiments/three_way/impl_check.py > "$OUT/impl_check.json" 2>"$W/impl_check.err"; then
+  if [ -n "$IMPL_PID" ]; then
+    if wait "$IMPL_PID"; then
       MSA_IMPL=auto
     else
       log "impl_check failed (rc $?): training MSA with the XLA reference; see impl_check.json / .err"

@@ -71,11 +71,15 @@ def prepare_data(tc: TrainConfig, vocab_size: int, *, max_mb: float = 64.0, log=
         raise TrainConfigError("data.sources is empty: nothing to prepare")
     made = []
     if missing_src:
-        from minimax_jax.data.corpus import build_corpus
+        from minimax_jax.data.corpus import DEFAULT_SYNTHETIC_MAX_CHARS, build_corpus
 
         out = os.path.dirname(sources[0]) or "."
         log(f"prepare_data: building the offline corpus in {out} ({max_mb} MB of text)")
-        build_corpus(out, max_mb=max_mb, seed=int(f.get("seed", 0)), workers=min(16, os.cpu_count() or 1))
+        # a retrieval document longer than a training row would be cut between its needle and its
+        # question; ~3 characters per token of the 4K-vocabulary BPE keeps each one inside a row
+        max_chars = min(DEFAULT_SYNTHETIC_MAX_CHARS, 3 * int(tc.data.seq_len))
+        build_corpus(out, max_mb=max_mb, seed=int(f.get("seed", 0)), workers=min(16, os.cpu_count() or 1),
+                     synthetic_max_chars=max(max_chars, 600))
         if not _resolves(sources):
             raise TrainConfigError(f"the corpus built in {out} does not match data.sources {sources}")
         made.append(out)
