@@ -2,6 +2,7 @@
 # One device call of the three-way experiment (the lent GPU machine, see BENCHMARKS.md):
 #   bash experiments/three_way/device.sh train   # wheels, corpus, tokenizer, three trainings, export
 #   bash experiments/three_way/device.sh eval    # eval, recall, timing on the checkpoints of `train`
+#   bash experiments/three_way/device.sh all     # both in one call
 # Work files stay in W (default /tmp/tw) on the machine between the two calls; the small results
 # (logs, metrics, eval JSON) come back in $OUT as one tar, the MSA checkpoint as <= 15 MiB pieces
 # (join with `cat msa_ckpt.tar.part-* | tar xf -`). Needs the .whl folder carried (grain,
@@ -20,10 +21,11 @@ nvidia-smi -L
 case ${1:-} in
   train) OUT=$W/out bash experiments/three_way/train_all.sh ;;
   eval) OUT=$W/out bash experiments/three_way/eval_all.sh ;;
-  *) echo "usage: device.sh train|eval"; exit 2 ;;
+  all) OUT=$W/out bash experiments/three_way/train_all.sh && OUT=$W/out bash experiments/three_way/eval_all.sh ;;
+  *) echo "usage: device.sh train|eval|all"; exit 2 ;;
 esac
 rc=$?
 tar czf "$OUT/three_way_$1.tgz" -C "$W" out
 if [ -d "$W/ckpt/msa" ]; then tar cf - -C "$W/ckpt" msa | split -b 15m - "$OUT/msa_ckpt.tar.part-"; fi
-cat "$W/out/$1_all.log"
+cat "$W/out/train_all.log" "$W/out/eval_all.log" 2>/dev/null
 exit $rc

@@ -45,6 +45,7 @@ TASK_ORDER = ("common_words", "niah_multikey", "niah_multivalue", "niah_single",
               "niah_multikey")
 # Documents per work unit of the parallel generator (also the granularity of the budget check).
 CHUNK = 64
+WORKER_TIMEOUT_S = 120
 # Upper bounds on the characters one extra question + answer adds (see _extras).
 _MULTIKEY_EXTRA = 150
 _VT_EXTRA = 240
@@ -207,6 +208,13 @@ def retrieval_documents(seed: int, budget_bytes: int, haystack_text: str, *, min
             while len(pending) < 2 * workers:
                 pending.append(pool.apply_async(_chunk, ((start, kw),)))
                 start += CHUNK
-            take(pending.popleft().get())
+            try:
+                take(pending.popleft().get(timeout=WORKER_TIMEOUT_S))
+            except mp.TimeoutError:
+                # Pool.get() waits forever when a worker process dies (killed, or its initializer
+                # failed): fail loudly instead
+                raise RuntimeError(f"a synthetic-document worker gave no result in {WORKER_TIMEOUT_S} s (a {CHUNK}-"
+                                   f"document chunk normally takes about a second); rerun with workers=1 to see "
+                                   f"its error") from None
         pool.terminate()
     return docs
