@@ -1,13 +1,23 @@
 """Long-context inference (issue #8): time to first token and decode tokens/s of one checkpoint at
 long contexts, with its MSA attention and with dense attention, through the runtime ``infer.py`` uses.
 
-Usage (GPU machine)::
+Usage (GPU machine; issue 8's 1M-token run first, 128K with what is left)::
 
-    PYTHONUNBUFFERED=1 python3 bench/long_context_infer.py --out $OUT/long_context --budget-s 120
+    PYTHONUNBUFFERED=1 python3 bench/long_context_infer.py --contexts 1048576,131072 --budget-s 280 \
+        --out $OUT/long_context
 
-CPU smoke run (the demo checkpoint, whose config says 65536 positions, at tiny contexts)::
+CPU smoke run (the demo checkpoint at tiny contexts)::
 
     python bench/long_context_infer.py --contexts 1024,2048 --prefill-chunk 128 --out /tmp/lc
+
+Prefill settings (per context; recorded in each row): ``--prefill-chunk`` (default 0 = ``auto_chunk``:
+``context // 8`` clamped to [256, 16384], i.e. 16384-token chunks at 128K and 1M: 64 chunks at 1M,
+and enough query rows per kernel call to fill the GPU), ``--prefill-impl`` (engine
+``prefill_implementation``, default ``auto``: the Pallas MSA kernels and the suffix-attention
+kernel on a GPU, the XLA reference ops on CPU) and ``--prefill-widths`` (engine ``prefill_widths``,
+default ``auto``: one full-width compiled prefill step when the GPU kernels run, whose cost follows
+the positions, instead of one step per power-of-two bucket: 7 compiled steps per mode at 1M with
+16384-token chunks).
 
 Cases, in order: for each ``--contexts`` entry (default 131072, 1048576), each ``--attentions`` mode
 (default ``as_trained`` = the checkpoint's MSA layers, then ``dense`` = the same weights with every
@@ -24,11 +34,14 @@ engine's compiled steps at the same shapes (so TTFT and tokens/s exclude compila
 time is reported), then ``Generator.generate`` (paged engine, chunked prefill ``--prefill-chunk``,
 greedy, exactly ``--max-new-tokens`` tokens: no stop token). ``--max_position_embeddings`` overrides
 the checkpoint's context limit (RoPE does not depend on it) to test a checkpoint saved with a
-shorter one; the override is recorded.
+shorter one; the override is recorded. The compile phase is logged (page-table widths compiled and
+the time they took).
 
 Writes ``long_context_infer.json`` under ``--out`` after every case (rows: context, prompt_tokens,
 attention, attention_note, status, implementation_report, ttft_s, prefill_s, prefill_tok_s,
-decode_tok_s, new_tokens, warmup_s, load_s, engine, ...) and one log per case; prints a table last.
+decode_tok_s, new_tokens, warmup_s, compile_prefill_s, compiled_widths, load_s, engine,
+prefill_chunk, prefill_implementation, prefill_widths, ...) and one log per case; prints a table
+last.
 """
 
 from __future__ import annotations
@@ -48,11 +61,26 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 RESULT_FILE = "long_context_infer.json"
+#: Prefill chunk bounds of ``auto_chunk``.
+CHUNK_MIN, CHUNK_MAX = 256, 16384
+#: Choices of --prefill-impl / --prefill-widths (subsets of minimax_jax.decode.step.PREFILL_IMPLEMENTATIONS
+#: and minimax_jax.decode.engine.PREFILL_WIDTHS; spelled out so the driver does not import jax).
+PREFILL_IMPLS = ("auto", "xla", "pallas_gpu", "pallas_gpu_interpret")
+WIDTHS = ("auto", "pow2", "full")
 PROGRESS_RE = re.compile(r"^prefill progress: (\d+)/(\d+) tokens in ([0-9.]+) s", re.M)
 
 
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+def auto_chunk(context: int) -> int:
+    """Prefill chunk for an engine window of ``context`` tokens: ``context // 8`` clamped to
+    ``[CHUNK_MIN, CHUNK_MAX]``. Large chunks cut the per-chunk fixed costs (a gather of the cache
+    view per layer, one kernel launch set per layer) and give the kernels enough query rows (the
+    MSA indexer runs one program per 64 tokens: 256 programs per 16384-token chunk on 132 SMs);
+    the cap keeps chunk activations small (the MoE's sorted rows, ~0.5 GB at 16384)."""
+    return max(CHUNK_MIN, min(CHUNK_MAX, context // 8))
 
 
 # ----------------------------------------------------------------------------- worker
@@ -78,6 +106,7 @@ def context_tokens(tokenizer, n: int) -> list[int]:
 
 def run_worker(args) -> dict:
     """One case in this process; returns its row (module docstring)."""
+    import jax
     import numpy as np
 
     from minimax_jax.infer import GenerationConfig, Generator, SamplingParams, load_model
@@ -94,15 +123,22 @@ def run_worker(args) -> dict:
     prompt = context_tokens(model.tokenizer, args.context - new - 1)
     check_context(cfg, [len(prompt)], new)     # ContextTooLong names the limit
     load_s = time.perf_counter() - t0
-    opts = {"prefill_chunk": args.prefill_chunk}
+    chunk = args.prefill_chunk or auto_chunk(args.context)
+    opts = {"prefill_chunk": chunk, "prefill_implementation": args.prefill_impl,
+            "prefill_widths": args.prefill_widths}
     # Compile the engine's two steps at the shapes the measured run uses (same cfg, max_seqs=1,
     # max_len=context: the jit cache of minimax_jax.decode.step.model_step is shared).
     t1 = time.perf_counter()
     warm = make_backend("paged", model.params, cfg, max_seqs=1, max_len=args.context, **opts)
-    _log(f"load {load_s:.1f} s; compiling the prefill steps (one per page-table width) and the decode step")
+    widths_mode = warm.engine.prefill_widths
+    _log(f"load {load_s:.1f} s; prompt {len(prompt)} tokens, prefill chunk {chunk} "
+         f"({-(-len(prompt) // chunk)} chunks), prefill impl {args.prefill_impl}, widths {widths_mode}; "
+         f"compiling the prefill steps (one per page-table width) and the decode step")
     widths = warm.engine.compile_prefill(len(prompt))   # every page-table width this prompt's chunks use
-    _log(f"compiled prefill for {len(widths)} page-table widths in {time.perf_counter() - t1:.1f} s")
-    handles, last, _ = warm.prefill([prompt[: args.prefill_chunk + 1]])
+    compile_prefill_s = time.perf_counter() - t1
+    _log(f"compiled prefill for {len(widths)} page-table width(s) {widths} (pages of {warm.engine.page_size}) "
+         f"in {compile_prefill_s:.1f} s")
+    handles, last, _ = warm.prefill([prompt[: chunk + 1]])
     warm.step(handles, np.array([[int(np.argmax(last[0]))]], np.int32))
     warm.free(handles[0])
     del warm
@@ -116,6 +152,10 @@ def run_worker(args) -> dict:
         done[0] += n
         el = time.perf_counter() - done[1]
         if el - done[2] >= args.progress_every_s or done[0] >= len(prompt):
+            # Chunks are dispatched asynchronously: wait for the computed ones, so the line (and a
+            # timed-out row's prefill_progress) counts finished tokens. Only when printing.
+            jax.block_until_ready(gen.backend.engine.cache)
+            el = time.perf_counter() - done[1]
             done[2] = el
             print(f"prefill progress: {done[0]}/{len(prompt)} tokens in {el:.1f} s", flush=True)
 
@@ -129,7 +169,9 @@ def run_worker(args) -> dict:
         "implementation_report": implementation_report(),
         "ttft_s": st.ttft_s, "prefill_s": st.prefill_s, "prefill_tok_s": len(prompt) / st.prefill_s,
         "decode_s": st.decode_s, "decode_tok_s": st.tokens_per_s, "new_tokens": st.generated_tokens,
-        "warmup_s": warmup_s, "load_s": load_s, "engine": st.engine, "prefill_chunk": args.prefill_chunk,
+        "warmup_s": warmup_s, "compile_prefill_s": compile_prefill_s, "compiled_widths": widths,
+        "load_s": load_s, "engine": st.engine, "prefill_chunk": chunk,
+        "prefill_implementation": args.prefill_impl, "prefill_widths": widths_mode,
         "max_position_embeddings": cfg.max_position_embeddings,
         "max_position_embeddings_overridden": bool(args.max_position_embeddings),
         "prompt_sha256": hashlib.sha256(np.asarray(prompt, np.int64).tobytes()).hexdigest()[:16],
@@ -141,7 +183,8 @@ def run_worker(args) -> dict:
 def _worker_cmd(args, context: int, attention: str, result: str) -> list[str]:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", f"--context={context}", f"--attention={attention}",
            f"--result={result}", f"--checkpoint={args.checkpoint}", f"--max-new-tokens={args.max_new_tokens}",
-           f"--prefill-chunk={args.prefill_chunk}", f"--progress-every-s={args.progress_every_s}"]
+           f"--prefill-chunk={args.prefill_chunk}", f"--prefill-impl={args.prefill_impl}",
+           f"--prefill-widths={args.prefill_widths}", f"--progress-every-s={args.progress_every_s}"]
     if args.max_position_embeddings:
         cmd.append(f"--max_position_embeddings={args.max_position_embeddings}")
     return cmd
@@ -263,7 +306,12 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", type=_pow2_list, default=[131072, 1048576], help="engine windows (powers of two)")
     ap.add_argument("--attentions", type=_modes, default=["as_trained", "dense"], help="infer.py --attention modes")
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--prefill-chunk", type=int, default=256, help="infer.py --prefill_chunk")
+    ap.add_argument("--prefill-chunk", type=int, default=0,
+                    help="infer.py --prefill_chunk; 0 = per context (auto_chunk: context // 8 in [256, 16384])")
+    ap.add_argument("--prefill-impl", default="auto", choices=PREFILL_IMPLS,
+                    help="DecodeEngine prefill_implementation (auto: GPU kernels on a GPU, XLA on CPU)")
+    ap.add_argument("--prefill-widths", default="auto", choices=WIDTHS,
+                    help="DecodeEngine prefill_widths (auto: one full-width step when the GPU kernels run)")
     ap.add_argument("--budget-s", type=float, default=120.0, help="wall-clock budget of all cases")
     ap.add_argument("--min-case-s", type=float, default=15.0, help="do not start a case with less time left")
     ap.add_argument("--max_position_embeddings", type=int, default=0, help="override the checkpoint's limit (0 = no)")
@@ -273,8 +321,8 @@ def main(argv=None) -> int:
     ap.add_argument("--attention", default="as_trained", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.max_new_tokens < 1 or args.prefill_chunk < 1:
-        ap.error("--max-new-tokens and --prefill-chunk must be >= 1")
+    if args.max_new_tokens < 1 or args.prefill_chunk < 0:
+        ap.error("--max-new-tokens must be >= 1 and --prefill-chunk >= 0 (0 = per context)")
     small = [c for c in args.contexts if c <= args.max_new_tokens + 1]
     if small:
         ap.error(f"contexts {small} leave no prompt tokens with --max-new-tokens {args.max_new_tokens}")

@@ -1,7 +1,21 @@
-"""MoE expert-compute benchmark: grouped matmul (tokamax) vs XLA ragged_dot vs a dense matmul.
+"""MoE expert-compute benchmark: grouped matmul (Pallas GPU kernels, tokamax) vs XLA ragged_dot vs
+a dense matmul.
 
 Usage (GPU machine, tokamax carried as wheels):  PYTHONUNBUFFERED=1 python3 bench/moe.py --out $OUT
-CPU smoke run:                                   python bench/moe.py --tiny --out /tmp/moe_bench
+Only the project's Pallas grouped matmul (short GPU call):
+    PYTHONUNBUFFERED=1 python3 bench/moe.py --variants pallas_gpu,pallas_gpu_gmm,dense_matmul --out $OUT
+CPU smoke run (tiny shapes; the Pallas kernels run in interpret mode):
+    python bench/moe.py --tiny --out /tmp/moe_bench
+
+0. Pallas grouped matmul (``pallas_kernels.moe.gpu_gmm``; implementation "pallas_gpu", on CPU
+   "pallas_gpu_interpret"), when a pallas variant is selected: a kernel-level check (bf16 inputs,
+   groups with empty ones and sizes off the tiles, rows past the sum) of y, dlhs, drhs against an
+   fp32 reference (masked dense einsum, Precision.HIGHEST): relative Frobenius error, pass < 1e-2;
+   then a sweep of the tile configs (``CANDIDATES`` / ``TGMM_CANDIDATES``) at one shape
+   (``--sweep-model`` / ``--sweep-tokens``, default M2 first projection at 8K tokens:
+   [65536, 3072] x [256, 3072, 3072]) timing the forward, dlhs (transposed) and tgmm kernels
+   separately next to a dense matmul of the same FLOPs; the best config per kernel becomes the
+   default for the timings below (and is checked again). ``--no-sweep`` keeps the defaults.
 
 1. Checks (small shapes, fresh random bf16 inputs): every available implementation of
    ``moe_experts`` against the fp32 dense reference (relative Frobenius error, forward and the
@@ -10,13 +24,14 @@ CPU smoke run:                                   python bench/moe.py --tiny --ou
    transports against the same reference.
 2. Timing (median of repeats, ``block_until_ready``, after compile + warm-up) per model shape and
    tokens per step: the whole dropless MoE expert computation (sort, permute, two grouped matmuls,
-   activation, un-permute + combine) with tokamax ("tokamax") and with XLA ragged_dot
+   activation, un-permute + combine) with the Pallas kernels ("pallas_gpu"), with tokamax
+   ("tokamax") and with XLA ragged_dot
    ("xla_ragged", run on 1/16 of the tokens because XLA materialises [rows, experts, dim]), the
-   two grouped matmuls alone on pre-sorted rows ("tokamax_gmm"), the fixed-shape capacity path with
+   two grouped matmuls alone on pre-sorted rows ("pallas_gpu_gmm", "tokamax_gmm"), the fixed-shape capacity path with
    capacity factor 1.25 ("capacity"), and "dense_matmul": plain matmuls [T*k, H] x [H, 2I] and
    [T*k, I] x [I, H] with the same FLOPs. FLOPs = 6 * T * k * H * I forward, 3x that for
    forward+backward (gradients of x and both weights). A wall-clock budget stops the sweep early;
-   skipped cases are listed.
+   skipped cases are listed. ``--variants`` picks a subset (names above; default all).
 Writes moe.json (and prints a table last).
 """
 
@@ -40,10 +55,16 @@ from minimax_jax import sharding as sh  # noqa: E402
 from minimax_jax.ops import moe  # noqa: E402
 from minimax_jax.ops.grouped_matmul import grouped_matmul, tokamax_status  # noqa: E402
 from minimax_jax.ops.moe_permute import permute_rows, sort_by_expert  # noqa: E402
+from pallas_kernels.moe import gpu_gmm  # noqa: E402
 
 SHAPES = {"m2": dict(h=3072, i=1536, e=256, k=8), "m3": dict(h=6144, i=3072, e=128, k=4)}
 TINY = {"m2": dict(h=64, i=32, e=16, k=4), "m3": dict(h=96, i=48, e=8, k=2)}
 CHECK = dict(h=1024, i=512, e=32, k=8)   # correctness shapes on the GPU (tile-friendly, small)
+# Pallas kernel-level check (rows, K, N, groups, empty groups): sizes off the tiles, sum < rows
+GMM_CHECK = dict(m=4096, kd=1024, nd=1536, g=32, empty=3)
+GMM_CHECK_TINY = dict(m=200, kd=64, nd=96, g=6, empty=2)
+ALL_VARIANTS = ("pallas_gpu", "pallas_gpu_gmm", "tokamax", "tokamax_gmm", "capacity", "dense_matmul", "xla_ragged")
+HI = jax.lax.Precision.HIGHEST
 
 
 def _act(g):
@@ -77,7 +98,7 @@ def _timeit(f, args, reps, budget_s):
     return statistics.median(times), compile_s, len(times)
 
 
-def _variants(avail_tokamax):
+def _variants(avail_tokamax, pallas_impl):
     def full(impl, **kw):
         def fwd(x, w, ex, wi, wo, cot):
             return moe.moe_experts(x, w, ex, wi, wo, _act, implementation=impl, **kw)
@@ -112,6 +133,9 @@ def _variants(avail_tokamax):
         return fwd, fwdbwd
 
     out = {}
+    if pallas_impl is not None:
+        out["pallas_gpu"] = ("full", full(pallas_impl))
+        out["pallas_gpu_gmm"] = ("gmm", gmm_only(pallas_impl))
     if avail_tokamax:
         out["tokamax"] = ("full", full("tokamax"))
         out["tokamax_gmm"] = ("gmm", gmm_only("tokamax"))
@@ -121,8 +145,11 @@ def _variants(avail_tokamax):
     return out
 
 
-def check(shapes, dtype, results, tokamax_ok):
-    """Correctness on small shapes (relative Frobenius error vs fp32 dense reference)."""
+def check(shapes, dtype, results, impls, ep_impls):
+    """Correctness on small shapes (relative Frobenius error vs fp32 dense reference).
+
+    impls: moe implementations to check; ep_impls: implementations to check expert-parallel
+    (GPU only; "auto" = the default grouped matmul)."""
     s = shapes
     x, w, ex, wi, wo, cot = _problem(s, 1024 if s["h"] > 200 else 64, dtype, seed=11)
 
@@ -133,9 +160,7 @@ def check(shapes, dtype, results, tokamax_ok):
     f32 = [a.astype(jnp.float32) for a in (x, wi, wo)]
     ref_y = moe.moe_experts(f32[0], w, ex, f32[1], f32[2], _act, implementation="dense")
     ref_g = jax.grad(lambda *a: loss("dense", *a), argnums=(0, 1, 2))(*f32)
-    cases = [("ragged", {}), ("capacity", {"capacity_factor": float(s["e"]) / s["k"]})]
-    if tokamax_ok:
-        cases.append(("tokamax", {}))
+    cases = [(impl, {"capacity_factor": float(s["e"]) / s["k"]} if impl == "capacity" else {}) for impl in impls]
     for impl, kw in cases:
         y = jax.jit(lambda x, wi, wo: moe.moe_experts(x, w, ex, wi, wo, _act, implementation=impl, **kw))(x, wi, wo)
         g = jax.jit(jax.grad(lambda *a: loss(impl, *a, **kw), argnums=(0, 1, 2)))(x, wi, wo)
@@ -144,17 +169,106 @@ def check(shapes, dtype, results, tokamax_ok):
         print("check", impl, errs, flush=True)
     if jax.default_backend() != "cpu":
         mesh = sh.make_mesh(f"expert={len(jax.devices())}")   # 1 GPU: forced exchange; several: real EP
-        for transport in ("ragged_all_to_all", "all_to_all"):
-            with sh.use_mesh(mesh, sh.load_rules("default")):
-                fn = jax.jit(lambda x, wi, wo, t=transport: moe.moe_experts(x, w, ex, wi, wo, _act, ep_transport=t))
-                y = fn(x, wi, wo)
-                g = jax.jit(jax.grad(lambda x, wi, wo, t=transport: jnp.sum(
-                    moe.moe_experts(x, w, ex, wi, wo, _act, ep_transport=t).astype(jnp.float32)
-                    * cot.astype(jnp.float32)), argnums=(0, 1, 2)))(x, wi, wo)
-            errs = [_rel(y, ref_y)] + [_rel(a, b) for a, b in zip(g, ref_g)]
-            results.append({"check": f"expert_parallel[{transport},ep={len(jax.devices())}]", "rel_err_y_dx_dwi_dwo": errs,
-                            "ok": bool(max(errs) < 2e-2)})
-            print("check ep", transport, errs, flush=True)
+        for impl in ep_impls:
+            for transport in ("ragged_all_to_all", "all_to_all"):
+                with sh.use_mesh(mesh, sh.load_rules("default")):
+                    fn = jax.jit(lambda x, wi, wo, t=transport: moe.moe_experts(x, w, ex, wi, wo, _act, ep_transport=t,
+                                                                              implementation=impl))
+                    y = fn(x, wi, wo)
+                    g = jax.jit(jax.grad(lambda x, wi, wo, t=transport: jnp.sum(
+                        moe.moe_experts(x, w, ex, wi, wo, _act, ep_transport=t, implementation=impl).astype(jnp.float32)
+                        * cot.astype(jnp.float32)), argnums=(0, 1, 2)))(x, wi, wo)
+                errs = [_rel(y, ref_y)] + [_rel(a, b) for a, b in zip(g, ref_g)]
+                name = f"expert_parallel[{transport},ep={len(jax.devices())}]" + ("" if impl == "auto" else f"[{impl}]")
+                results.append({"check": name, "rel_err_y_dx_dwi_dwo": errs, "ok": bool(max(errs) < 2e-2)})
+                print("check ep", impl, transport, errs, flush=True)
+
+
+def _gmm_ref(lhs, rhs, gs):
+    """fp32 reference grouped matmul: dense per-group products (HIGHEST), each row taking its
+    group's; rows past sum(gs) are 0."""
+    g = rhs.shape[0]
+    gid = jnp.searchsorted(jnp.cumsum(gs), jnp.arange(lhs.shape[0]), side="right")
+    full = jnp.einsum("mk,gkn->gmn", lhs, rhs, precision=HI)
+    y = jnp.take_along_axis(full, jnp.minimum(gid, g - 1)[None, :, None], axis=0)[0]
+    return jnp.where((gid < g)[:, None], y, 0.0)
+
+
+def check_gmm(c, dtype, results, impl, configs, name):
+    """Pallas kernels (forward, dlhs, drhs) vs the fp32 reference on one random problem.
+
+    c: GMM_CHECK-like dict; configs: (fwd, dlhs, tgmm) TileConfigs. Appends a result row."""
+    rng = np.random.default_rng(5)
+    m, kd, nd, g = c["m"], c["kd"], c["nd"], c["g"]
+    sizes = rng.multinomial(m - 37, rng.dirichlet(np.ones(g)))          # sum < m: rows past the sum
+    sizes[rng.choice(g, c["empty"], replace=False)] = 0                 # empty groups
+    gs = jnp.asarray(sizes, jnp.int32)
+    lhs = jnp.asarray(rng.normal(size=(m, kd)), dtype)
+    rhs = jnp.asarray(rng.normal(size=(g, kd, nd)) / np.sqrt(kd), dtype)
+    cot = jnp.asarray(rng.normal(size=(m, nd)), dtype)
+    fcfg, dcfg, tcfg = configs
+
+    @jax.jit
+    def kern(lhs, rhs, cot):
+        y, vjp = jax.vjp(lambda a, b: gpu_gmm.gmm(a, b, gs, config=fcfg, dlhs_config=dcfg, tgmm_config=tcfg,
+                                                  interpret=impl == "pallas_gpu_interpret"), lhs, rhs)
+        return (y, *vjp(cot))
+
+    @jax.jit
+    def ref(lhs, rhs, cot):
+        y, vjp = jax.vjp(lambda a, b: _gmm_ref(a, b, gs), lhs.astype(jnp.float32), rhs.astype(jnp.float32))
+        return (y, *vjp(cot.astype(jnp.float32)))
+
+    got, want = kern(lhs, rhs, cot), ref(lhs, rhs, cot)
+    errs = [_rel(a, b) for a, b in zip(got, want)]
+    total = int(sizes.sum())
+    empty = np.flatnonzero(sizes == 0)
+    exact = bool(not np.any(np.asarray(got[0])[total:]) and not np.any(np.asarray(got[1])[total:])
+                 and not np.any(np.asarray(got[2])[empty]))
+    row = {"check": name, "configs": [x.label() for x in configs], "rel_err_y_dlhs_drhs": errs,
+           "zeros_past_sum_and_empty_groups": exact, "ok": bool(max(errs) < 1e-2 and exact)}
+    results.append(row)
+    print("check", json.dumps(row), flush=True)
+
+
+def sweep(model, s, tokens, dtype, impl, args, tiny):
+    """Time each tile config of the forward, dlhs and tgmm kernels at one shape (the first projection
+    [T*k, H] x [E, H, 2I]); returns (rows, best {"fwd", "dlhs", "tgmm"} -> TileConfig or None)."""
+    x, w, ex, wi, wo, cot = _problem(s, tokens, dtype, seed=tokens)
+    order, inv, gs = sort_by_expert(ex, s["e"])
+    xs = permute_rows(x, order, inv)
+    m, kd, nd = xs.shape[0], s["h"], 2 * s["i"]
+    dh = jax.random.normal(jax.random.key(7), (m, nd), dtype)
+    flops = 2.0 * m * kd * nd
+    interp = impl == "pallas_gpu_interpret"
+    kernels = {
+        "fwd": (gpu_gmm.CANDIDATES, lambda c: jax.jit(lambda a, b, g: gpu_gmm.gmm_forward(
+            a, b, g, config=c, interpret=interp)), (xs, wi, gs)),
+        "dlhs": (gpu_gmm.CANDIDATES, lambda c: jax.jit(lambda a, b, g: gpu_gmm.gmm_forward(
+            a, b, g, transpose_rhs=True, config=c, interpret=interp)), (dh, wi, gs)),
+        "tgmm": (gpu_gmm.TGMM_CANDIDATES, lambda c: jax.jit(lambda a, b, g: gpu_gmm.tgmm(
+            a, b, g, config=c, interpret=interp)), (xs, dh, gs)),
+    }
+    rows, best = [], {}
+    base = {"sweep": f"{model} {tokens} tokens: [{m}, {kd}] x [{s['e']}, {kd}, {nd}]", "tflops_counted": flops / 1e12}
+    med, _, _ = _timeit(jax.jit(lambda a, b: a @ b), (xs, wi[0]), args.reps, budget_s=3.0)
+    rows.append({**base, "kernel": "dense_matmul", "config": "-", "ms": med * 1e3, "tflop_s": flops / med / 1e12})
+    print(json.dumps(rows[-1]), flush=True)
+    for kname, (cands, make, fargs) in kernels.items():
+        top = None
+        for c in (cands[:2] if tiny else cands):
+            row = {**base, "kernel": kname, "config": c.label()}
+            try:
+                med, comp, n = _timeit(make(c), fargs, args.reps, budget_s=3.0)
+                row.update(ms=med * 1e3, tflop_s=flops / med / 1e12, compile_s=comp, reps=n)
+                if top is None or row["tflop_s"] > top[0]:
+                    top = (row["tflop_s"], c)
+            except Exception as e:  # a config that does not compile (e.g. shared memory): record it
+                row.update(error=f"{type(e).__name__}: {str(e)[:300]}")
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        best[kname] = None if top is None else top[1]
+    return rows, best
 
 
 def _rel(a, b):
@@ -169,7 +283,16 @@ def main():
     ap.add_argument("--tokens", default="8192,65536,32768", help="order = priority under the budget")
     ap.add_argument("--budget-s", type=float, default=110.0, help="stop starting new cases after this")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--variants", default="", help="comma-separated subset of " + ",".join(ALL_VARIANTS)
+                    + " (default: all available)")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the Pallas tile-config sweep (defaults)")
+    ap.add_argument("--sweep-model", default="m2", choices=sorted(SHAPES))
+    ap.add_argument("--sweep-tokens", type=int, default=8192)
     args = ap.parse_args()
+    chosen = [v for v in args.variants.split(",") if v] or list(ALL_VARIANTS)
+    bad = [v for v in chosen if v not in ALL_VARIANTS]
+    if bad:
+        ap.error(f"unknown variants {bad}; choose from {ALL_VARIANTS}")
     t_start = time.perf_counter()
     shapes = TINY if args.tiny else SHAPES
     tokens_list = [64, 256] if args.tiny else [int(t) for t in args.tokens.split(",")]
@@ -177,19 +300,63 @@ def main():
     tk_err = tokamax_status()
     tokamax_ok = tk_err is None and jax.default_backend() != "cpu"
     tk_version = getattr(sys.modules.get("tokamax"), "__version__", "?") if tk_err is None else f"unavailable: {tk_err}"
-    info = {"backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
-            "tokamax": tk_version}
+    backend = jax.default_backend()
+    want_pallas = any(v.startswith("pallas_gpu") for v in chosen)
+    # the Pallas kernels: compiled on GPU; interpret mode only for the tiny CPU smoke run
+    pallas_impl = "pallas_gpu" if backend == "gpu" else ("pallas_gpu_interpret" if args.tiny else None)
+    info = {"backend": backend, "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+            "tokamax": tk_version, "pallas_impl": pallas_impl if want_pallas else "not selected",
+            "variants": chosen}
     print(json.dumps(info), flush=True)
-    checks, rows, skipped = [], [], []
+    checks, rows, skipped, sweep_rows = [], [], [], []
+    impls = ["ragged"]
+    if "capacity" in chosen:
+        impls.append("capacity")
+    if tokamax_ok and any(v.startswith("tokamax") for v in chosen):
+        impls.append("tokamax")
+    if want_pallas and pallas_impl:
+        impls.append(pallas_impl)
+    ep_impls = (["auto"] if not args.variants or "xla_ragged" in chosen else []) + (
+        [pallas_impl] if want_pallas and pallas_impl else [])
     try:
-        check(TINY["m2"] if args.tiny else CHECK, dtype, checks, tokamax_ok)
+        check(TINY["m2"] if args.tiny else CHECK, dtype, checks, impls, ep_impls)
     except Exception:  # a failed check is reported, and the timings still run
         checks.append({"check": "error", "traceback": traceback.format_exc()[-3000:], "ok": False})
         print(checks[-1]["traceback"], flush=True)
-    variants = _variants(tokamax_ok)
+    best = None
+    if want_pallas and pallas_impl:
+        gc = GMM_CHECK_TINY if args.tiny else GMM_CHECK
+        defaults = gpu_gmm.get_default_configs()
+        default_cfgs = (defaults["fwd"], defaults["dlhs"], defaults["tgmm"])
+        def guarded(name, fn):   # a failure is recorded as a failed check; the bench goes on
+            try:
+                return fn()
+            except Exception:
+                checks.append({"check": f"{name} error", "traceback": traceback.format_exc()[-3000:], "ok": False})
+                print(checks[-1]["traceback"], flush=True)
+
+        guarded("pallas_gmm[default]", lambda: check_gmm(gc, dtype, checks, pallas_impl, default_cfgs,
+                                                         "pallas_gmm[default]"))
+        if not args.no_sweep:
+            ss = (TINY if args.tiny else SHAPES)[args.sweep_model]
+            res = guarded("pallas_sweep", lambda: sweep(args.sweep_model, ss, 64 if args.tiny else args.sweep_tokens,
+                                                        dtype, pallas_impl, args, args.tiny))
+            if res is not None:
+                sweep_rows, best = res
+                gpu_gmm.set_default_configs(**{k: v for k, v in best.items() if v is not None})
+                tuned = gpu_gmm.get_default_configs()
+                tuned = (tuned["fwd"], tuned["dlhs"], tuned["tgmm"])
+                if tuned != default_cfgs:
+                    guarded("pallas_gmm[best]", lambda: check_gmm(gc, dtype, checks, pallas_impl, tuned,
+                                                                  "pallas_gmm[best]"))
+    elif want_pallas:
+        print(f"pallas variants skipped: backend {backend!r} (the kernels need a GPU; --tiny runs them interpreted)",
+              flush=True)
+    info["pallas_configs"] = {k: v.label() for k, v in gpu_gmm.get_default_configs().items()}
+    variants = {k: v for k, v in _variants(tokamax_ok, pallas_impl).items() if k in chosen}
     plan = [(tokens, model, name) for tokens in tokens_list for model in shapes for name in variants
             if name != "xla_ragged"]
-    plan += [(tokens_list[0], model, "xla_ragged") for model in shapes]   # slow to compile: last
+    plan += [(tokens_list[0], model, "xla_ragged") for model in shapes if "xla_ragged" in variants]   # slow: last
     for tokens, model, name in plan:
         s = shapes[model]
         kind, (fwd, fwdbwd) = variants[name]
@@ -200,11 +367,12 @@ def main():
             row = _run_case(model, s, tokens, name, kind, mode, fn, dtype, args)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    out = {"info": info, "checks": checks, "rows": rows, "skipped": skipped,
+    out = {"info": info, "checks": checks, "sweep": sweep_rows, "rows": rows, "skipped": skipped,
            "wall_s": time.perf_counter() - t_start}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "moe.json"), "w") as f:
         json.dump(out, f, indent=1)
+    _sweep_table(sweep_rows)
     _table(rows, checks, skipped)
 
 
@@ -233,15 +401,25 @@ def _run_case(model, s, tokens, name, kind, mode, fn, dtype, args):
     return row
 
 
+def _sweep_table(rows):
+    if not rows:
+        return
+    print(f"\nPallas tile sweep, {rows[0]['sweep']}")
+    print(f"{'kernel':13} {'config':16} {'ms':>9} {'TFLOP/s':>8}")
+    for r in rows:
+        val = f"{r['ms']:9.3f} {r['tflop_s']:8.1f}" if "ms" in r else f"  error: {r['error'][:60]}"
+        print(f"{r['kernel']:13} {r['config']:16} {val}")
+
+
 def _table(rows, checks, skipped):
     print("\nchecks: " + ", ".join(f"{c['check']}={'ok' if c.get('ok') else 'FAIL'}" for c in checks))
     if skipped:
         print(f"skipped (budget): {len(skipped)}: " + "; ".join(skipped[:12]))
-    print(f"{'model':5} {'tokens':>6} {'variant':13} {'mode':8} {'ms':>9} {'TFLOP/s':>8}")
+    print(f"{'model':5} {'tokens':>6} {'variant':14} {'mode':8} {'ms':>9} {'TFLOP/s':>8}")
     for r in rows:
         val = f"{r['ms']:9.3f} {r['tflop_s']:8.1f}" if "ms" in r else f"  error: {r['error'][:60]}"
         tok = f"{r['tokens']}" + ("/16" if r["tokens_run"] != r["tokens"] else "")
-        print(f"{r['model']:5} {tok:>6} {r['variant']:13} {r['mode']:8} {val}")
+        print(f"{r['model']:5} {tok:>6} {r['variant']:14} {r['mode']:8} {val}")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ from tests import infer_helpers as H
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "bench", "long_context_infer.py")
 FIELDS = {"context", "prompt_tokens", "attention", "attention_note", "status", "implementation_report", "ttft_s",
-          "prefill_s", "prefill_tok_s", "decode_s", "decode_tok_s", "new_tokens", "warmup_s", "load_s", "engine"}
+          "prefill_s", "prefill_tok_s", "decode_s", "decode_tok_s", "new_tokens", "warmup_s", "load_s", "engine",
+          "prefill_chunk", "prefill_implementation", "prefill_widths", "compiled_widths", "compile_prefill_s"}
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +53,9 @@ def test_long_context_rows_msa_and_dense(tiny_msa_ckpt, tmp_path):
         assert x["ttft_s"] > 0 and x["decode_tok_s"] > 0 and x["prefill_tok_s"] > 0
         assert x["max_position_embeddings"] == 4096 and x["max_position_embeddings_overridden"]
         assert os.path.isfile(tmp_path / x["log"])
+        assert x["prefill_chunk"] == 64 and x["prefill_implementation"] == "auto" and x["prefill_widths"] == "pow2"
+        w = x["compiled_widths"]                                    # CPU: XLA ops, power-of-two page buckets
+        assert len(w) > 1 and w == sorted(w) and all(v & (v - 1) == 0 for v in w)
     msa, dense = rows
     assert "msa_select_blocks" in msa["implementation_report"]
     assert not any(k.startswith("msa") for k in dense["implementation_report"])

@@ -2,9 +2,23 @@
 
 Host side (numpy, Python): slot bookkeeping, page allocation (``PagePool``), prefix-cache lookups
 and registration (chain hashes of full pages). Device side: ``model_step`` (one jit per static
-shape: ``[max_seqs, prefill_chunk]`` with page tables ``[max_seqs, w]`` for prefill chunks, ``w`` the
-power-of-two page bucket of the filled length (``prefill_table_width``); ``[max_seqs, Q]`` with the full
+shape: ``[max_seqs, prefill_chunk]`` with page tables ``[max_seqs, w]`` for prefill chunks, ``w``
+from ``prefill_table_width``: the power-of-two page bucket of the filled length, or always the full
+table when the prefill runs GPU kernels (``prefill_widths``); ``[max_seqs, Q]`` with the full
 ``[max_seqs, pages_per_seq]`` tables for decode steps), the cache list donated and updated in place.
+
+Prefill implementations (``prefill_implementation``, the "gather" path of ``model_step``):
+``"auto"`` (default) takes the GPU kernels on a GPU backend - the Pallas MSA indexer and sparse
+attention for MSA layers (``minimax_jax.ops.msa``) and the suffix-attention kernel
+(``pallas_kernels.prefill.gpu_attention``) for full-attention layers; the XLA reference ops on CPU
+(on TPU: the MSA ops' own ``"auto"``, XLA for dense layers). What ran is in
+``minimax_jax.ops.implementation_report()`` (``msa_select_blocks``, ``msa_attention``,
+``prefill_attention``, and ``<op>.auto_reason`` when a kernel did not apply). The default was
+``"xla"`` until the kernels accepted queries at arbitrary positions of the gathered view: the first
+GPU MSA kernels required the T queries to be the LAST T keys of the storage, which a gathered page
+table (width >= the filled length) is not, ``"auto"`` had no ``supports`` check then, and dense
+layers had no kernel for T != S. The layout contract of ``pallas_kernels.msa.layout`` (queries
+anywhere, keys one contiguous run) and the suffix kernel removed those reasons.
 
 Usage::
 
@@ -29,12 +43,13 @@ import numpy as np
 from minimax_jax.config import ModelConfig
 from minimax_jax.decode.cache import CacheSpec, init_cache
 from minimax_jax.decode.pages import NULL_PAGE, PagePool, chain_hashes
-from minimax_jax.decode.step import model_step
+from minimax_jax.decode.step import PREFILL_IMPLEMENTATIONS, model_step
 
-__all__ = ["DecodeEngine", "SequenceState", "DEFAULT_PAGE_SIZE", "MAX_QUERY_ROWS"]
+__all__ = ["DecodeEngine", "SequenceState", "DEFAULT_PAGE_SIZE", "MAX_QUERY_ROWS", "PREFILL_WIDTHS"]
 
 DEFAULT_PAGE_SIZE = 64
 MAX_QUERY_ROWS = 16
+PREFILL_WIDTHS = ("auto", "pow2", "full")
 
 
 @dataclasses.dataclass
@@ -91,7 +106,16 @@ class DecodeEngine:
       kv_dtype, index_dtype: cache dtypes ("float32", "bfloat16", "float8_e4m3fn"); default cfg.dtype.
       prefill_chunk: tokens per prefill step (static).
       implementation: decode attention implementation (``minimax_jax.decode.ops``).
-      prefill_implementation: implementation for the prefill ops (``minimax_jax.ops``).
+      prefill_implementation: implementation for the prefill ops, one of
+        ``minimax_jax.decode.step.PREFILL_IMPLEMENTATIONS`` (module docstring; ``"xla"`` = the
+        reference ops everywhere).
+      prefill_widths: page-table widths of the prefill steps: ``"pow2"`` (the power-of-two bucket
+        of the filled pages: an XLA op's cost grows with the gathered width; one compiled step per
+        bucket), ``"full"`` (always the full table: one compiled step; the kernels' cost follows
+        the positions, and the extra gather is a copy of <= max_len tokens per layer), or
+        ``"auto"`` (default): ``"full"`` when the prefill runs the GPU kernels (a GPU backend with
+        ``"auto"`` / ``"pallas_gpu"`` and no sliding-window layer, which would run the XLA
+        reference), else ``"pow2"``.
       prefix_cache: share full pages between sequences by content hash.
       query_rows: if set (1..16), every decode step is padded to this many rows so one compiled
         step serves every Q <= query_rows (padding rows are never written); None = exact Q.
@@ -100,8 +124,8 @@ class DecodeEngine:
 
     def __init__(self, params, cfg: ModelConfig, max_seqs: int, max_len: int, page_size: int | None = None,
                  num_pages: int | None = None, kv_dtype: str | None = None, index_dtype: str | None = None,
-                 prefill_chunk: int = 256, implementation: str = "auto", prefill_implementation: str = "xla",
-                 prefix_cache: bool = True, query_rows: int | None = None):
+                 prefill_chunk: int = 256, implementation: str = "auto", prefill_implementation: str = "auto",
+                 prefix_cache: bool = True, query_rows: int | None = None, prefill_widths: str = "auto"):
         if cfg.has_msa:
             if page_size not in (None, cfg.index_block_size):
                 raise ValueError(f"MSA models need page_size == index_block_size ({cfg.index_block_size}), "
@@ -110,6 +134,15 @@ class DecodeEngine:
         page_size = page_size or DEFAULT_PAGE_SIZE
         if max_seqs < 1 or max_len < 1 or prefill_chunk < 1:
             raise ValueError(f"max_seqs, max_len, prefill_chunk must be >= 1 ({max_seqs}, {max_len}, {prefill_chunk})")
+        if prefill_implementation not in PREFILL_IMPLEMENTATIONS:
+            raise ValueError(f"prefill_implementation must be one of {PREFILL_IMPLEMENTATIONS}, "
+                             f"got {prefill_implementation!r}")
+        if prefill_widths not in PREFILL_WIDTHS:
+            raise ValueError(f"prefill_widths must be one of {PREFILL_WIDTHS}, got {prefill_widths!r}")
+        if prefill_widths == "auto":
+            kernels = (prefill_implementation == "pallas_gpu"
+                       or (prefill_implementation == "auto" and jax.default_backend() == "gpu"))
+            prefill_widths = "full" if kernels and "sliding" not in cfg.layer_types else "pow2"
         pages_per_seq = math.ceil(max_len / page_size)
         num_pages = num_pages or max_seqs * pages_per_seq + 1
         self.params, self.cfg = params, cfg
@@ -119,6 +152,7 @@ class DecodeEngine:
         self.prefill_chunk = prefill_chunk
         self.implementation = implementation
         self.prefill_implementation = prefill_implementation
+        self.prefill_widths = prefill_widths
         self.prefix_cache = prefix_cache
         if query_rows is not None and not 1 <= query_rows <= MAX_QUERY_ROWS:
             raise ValueError(f"query_rows must be in [1, {MAX_QUERY_ROWS}], got {query_rows}")
@@ -248,9 +282,10 @@ class DecodeEngine:
 
     def prefill_table_width(self, num_tokens: int) -> int:
         """Page-table columns a prefill chunk gathers when the longest row holds ``num_tokens``
-        tokens after the chunk: the pages covering them, but at least those of one whole chunk
-        (fewer keys than the chunk's own queries save little; fewer compiled shapes), rounded up
-        to a power of two (few compiled shapes) and capped at ``pages_per_seq``.
+        tokens after the chunk. ``prefill_widths == "full"``: ``pages_per_seq``. ``"pow2"``: the
+        pages covering them, but at least those of one whole chunk (fewer keys than the chunk's
+        own queries save little; fewer compiled shapes), rounded up to a power of two (few
+        compiled shapes) and capped at ``pages_per_seq``.
 
         Keys past a row's length are masked, so any width covering the filled pages is the same
         math as the full table. Not always the same bits: XLA picks its dot / reduction kernels by
@@ -260,6 +295,8 @@ class DecodeEngine:
         """
         if not 1 <= num_tokens <= self.spec.max_len:
             raise ValueError(f"num_tokens {num_tokens} not in [1, {self.spec.max_len}]")
+        if self.prefill_widths == "full":
+            return self.spec.pages_per_seq
         need = math.ceil(max(num_tokens, self.prefill_chunk) / self.page_size)
         return min(self.spec.pages_per_seq, 1 << (need - 1).bit_length())
 

@@ -81,6 +81,10 @@ class PagedBackend(Backend):
     """``DecodeEngine`` wrapper. Hidden states (for MTP drafting) need an engine whose ``prefill`` /
     ``decode_step`` accept ``return_hidden=True``; otherwise asking for them raises EngineUnavailable.
 
+    Defaults follow ``DecodeEngine``: decode and prefill ``"auto"`` (the GPU kernels on a GPU, the
+    XLA reference ops on CPU; ``minimax_jax.ops.implementation_report()`` says what ran) and
+    ``prefill_widths="auto"``.
+
     Chunked-prefill progress: the engine has no per-chunk callback, so a subclass counts the
     tokens of every ``"gather"`` step it runs (``on_tokens``). Prefill asks the engine for the last
     prompt position's logits only (``DecodeEngine.prefill`` default).
@@ -89,8 +93,8 @@ class PagedBackend(Backend):
     name = "paged"
 
     def __init__(self, params, cfg: ModelConfig, *, max_seqs: int, max_len: int, prefill_chunk: int = 256,
-                 implementation: str = "auto", prefill_implementation: str = "xla", prefix_cache: bool = True,
-                 kv_dtype: str | None = None):
+                 implementation: str = "auto", prefill_implementation: str = "auto", prefix_cache: bool = True,
+                 kv_dtype: str | None = None, prefill_widths: str = "auto"):
         from minimax_jax.decode.engine import DecodeEngine
 
         class _CountingEngine(DecodeEngine):
@@ -105,7 +109,7 @@ class PagedBackend(Backend):
         self.cfg = cfg
         self.engine = _CountingEngine(params, cfg, max_seqs=max_seqs, max_len=max_len, prefill_chunk=prefill_chunk,
                                       implementation=implementation, prefill_implementation=prefill_implementation,
-                                      prefix_cache=prefix_cache, kv_dtype=kv_dtype)
+                                      prefix_cache=prefix_cache, kv_dtype=kv_dtype, prefill_widths=prefill_widths)
         self.supports_hidden = self.engine_returns_hidden()
         self.max_seqs, self.max_len = max_seqs, max_len
 
@@ -120,7 +124,7 @@ class PagedBackend(Backend):
         e = self.engine
         return (f"paged (DecodeEngine: page_size={e.page_size}, prefill_chunk={e.prefill_chunk}, "
                 f"decode impl={e.implementation}, prefill impl={e.prefill_implementation}, "
-                f"slots={self.max_seqs}, max_len={self.max_len})")
+                f"prefill widths={e.prefill_widths}, slots={self.max_seqs}, max_len={self.max_len})")
 
     def _need_hidden(self):
         if not self.supports_hidden:
@@ -265,7 +269,8 @@ class RecomputeBackend(Backend):
 
 def make_backend(engine: str, params, cfg: ModelConfig, *, max_seqs: int, max_len: int, **options) -> Backend:
     """Build the named engine (``ENGINES``). ``options`` go to ``PagedBackend`` (prefill_chunk,
-    implementation, prefill_implementation, prefix_cache, kv_dtype). Raises ValueError for an unknown name."""
+    implementation, prefill_implementation, prefix_cache, kv_dtype, prefill_widths). Raises ValueError
+    for an unknown name."""
     if engine == "paged":
         return PagedBackend(params, cfg, max_seqs=max_seqs, max_len=max_len, **options)
     if engine == "recompute":

@@ -11,7 +11,16 @@ Implementations (``implementation=``):
   0.0.17) tokamax's weight gradients (its ragged-contraction kernel) were off by 6-8% relative
   Frobenius error against the fp32 reference (``"xla"``: 0.4%); upstream reports the same defect
   (openxla/tokamax issue 887, open: its rhs VJP gives non-zero gradients to empty groups and wrong
-  ones to the others). Opt in explicitly until it is resolved.
+  ones to the others). Opt in explicitly until it is resolved. ``"auto"`` does not pick
+  ``"pallas_gpu"`` yet either: it stays ``"xla"`` until the H200 check of ``bench/moe.py``
+  (correctness and speed of the Pallas kernels) has been run; then it is meant to become
+  ``"pallas_gpu"`` on GPU.
+- ``"pallas_gpu"``: the project's own Pallas kernels with the Triton lowering
+  (``pallas_kernels.moe.gpu_gmm.gmm``: grouped matmul forward, transposed grouped matmul for the
+  input gradient, per-group transposed matmul for the weight gradient; MegaBlocks-style block-sparse
+  grouped GEMM, Gale et al. 2022). GPU backend only (``ImplementationUnavailable`` elsewhere).
+  Tile configs: ``pallas_kernels.moe.gpu_gmm.get_default_configs``.
+- ``"pallas_gpu_interpret"``: the same kernels in Pallas interpret mode (any backend; CPU tests).
 The resolved name is returned so callers can record it.
 """
 
@@ -26,7 +35,7 @@ from minimax_jax.ops.common import ImplementationUnavailable, default_backend, m
 
 __all__ = ["GMM_IMPLEMENTATIONS", "resolve_gmm", "grouped_matmul", "tokamax_status"]
 
-GMM_IMPLEMENTATIONS = ("auto", "xla", "tokamax")
+GMM_IMPLEMENTATIONS = ("auto", "xla", "tokamax", "pallas_gpu", "pallas_gpu_interpret")
 
 
 @functools.lru_cache(maxsize=1)
@@ -46,9 +55,11 @@ def tokamax_status() -> str | None:
 
 
 def resolve_gmm(implementation: str) -> str:
-    """Resolve ``"auto"`` and check availability. Returns ``"xla"`` or ``"tokamax"``.
+    """Resolve ``"auto"`` and check availability. Returns one of ``GMM_IMPLEMENTATIONS`` other than
+    ``"auto"`` (``"auto"`` resolves to ``"xla"``, module docstring).
 
-    Raises ImplementationUnavailable for an unknown name, or ``"tokamax"`` where it cannot run.
+    Raises ImplementationUnavailable for an unknown name, ``"tokamax"`` where it cannot run, or
+    ``"pallas_gpu"`` on a backend other than GPU.
     """
     if implementation not in GMM_IMPLEMENTATIONS:
         raise ImplementationUnavailable(
@@ -62,6 +73,10 @@ def resolve_gmm(implementation: str) -> str:
             raise ImplementationUnavailable(f"grouped matmul 'tokamax': cannot import tokamax ({tk})")
         if backend not in ("gpu", "tpu"):
             raise ImplementationUnavailable(f"grouped matmul 'tokamax' needs a GPU or TPU backend, not {backend!r}")
+    if implementation == "pallas_gpu" and backend != "gpu":
+        raise ImplementationUnavailable(
+            f"grouped matmul 'pallas_gpu' (Triton-lowered Pallas kernels) needs a GPU backend, not {backend!r}; "
+            "'pallas_gpu_interpret' runs the same kernels in interpret mode")
     return implementation
 
 
@@ -74,13 +89,21 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, im
         output (callers mask them).
       rhs: ``[G, K, N]`` one matrix per group (cast to ``lhs.dtype``).
       group_sizes: ``[G]`` int32 rows per group, ``sum <= M``.
-      implementation: ``"xla"`` or ``"tokamax"`` (resolve ``"auto"`` with ``resolve_gmm`` first).
+      implementation: one of ``GMM_IMPLEMENTATIONS`` (``"auto"`` is resolved by ``resolve_gmm``).
     Returns: ``[M, N]`` in ``preferred_element_type``.
     Raises: ImplementationUnavailable (see ``resolve_gmm``).
     """
     impl = resolve_gmm(implementation)
     rhs = rhs.astype(lhs.dtype)
     group_sizes = group_sizes.astype(jnp.int32)
+    if impl in ("pallas_gpu", "pallas_gpu_interpret"):
+        from pallas_kernels.moe.gpu_gmm import gmm  # noqa: PLC0415  (kernels import lazily, like tokamax)
+
+        # Output in lhs.dtype (fp32 accumulation inside), widened outside as for tokamax: the
+        # backward kernels then get a cotangent of the operands' dtype, and a bf16 output halves
+        # the kernel's store traffic (moe.sorted_expert_mlp narrows h to bf16 right after anyway).
+        out = gmm(lhs, rhs, group_sizes, interpret=impl == "pallas_gpu_interpret")
+        return out.astype(preferred_element_type)
     if impl == "tokamax":
         # tokamax's backward multiplies the output cotangent with the operands and requires equal
         # dtypes (a float32 cotangent against bf16 weights raises NotImplementedError, seen on the

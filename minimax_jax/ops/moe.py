@@ -11,6 +11,9 @@ Expert computation (``moe_experts``), implementations:
 - ``"ragged"``: dropless. Sort assignments by expert (``moe_permute``: gathers forward and
   backward, no scatter-add), grouped matmul through XLA ``jax.lax.ragged_dot``, un-permute.
 - ``"tokamax"``: as ``"ragged"`` with tokamax's Mosaic grouped matmul (GPU Hopper / TPU).
+- ``"pallas_gpu"``: as ``"ragged"`` with the project's Pallas (Triton-lowered) grouped-matmul
+  kernels (``pallas_kernels.moe.gpu_gmm``; GPU only); ``"pallas_gpu_interpret"``: the same kernels
+  in Pallas interpret mode (CPU tests). ``"auto"`` does not pick them until their H200 check.
 - ``"capacity"``: fixed shapes with token dropping: each expert takes at most
   ``C = ceil(capacity_factor * N * k / E)`` rows (first come in token order), computed as one batched
   matmul ``[E, C, H] x [E, H, 2I]``; dropped assignments contribute 0.
@@ -22,7 +25,7 @@ Expert computation (``moe_experts``), implementations:
   (relative Frobenius error of d wi / d wo vs the fp32 reference, against 0.4% for ``"ragged"``
   and the inputs' gradient; upstream: openxla/tokamax issue 887), so it is opt-in
   (``moe_impl="tokamax"``) until that is resolved.
-Inside ``use_mesh`` the implementations ``"auto" | "ragged" | "tokamax"`` run expert-parallel in
+Inside ``use_mesh`` the implementations ``"auto" | "ragged" | "tokamax" | "pallas_gpu*"`` run expert-parallel in
 ``shard_map`` (``minimax_jax.parallel.expert``); ``"dense"``/``"capacity"`` stay GSPMD-partitioned.
 The resolved path is recorded under ``"moe"`` (``minimax_jax.ops.common.implementation_report``).
 """
@@ -42,7 +45,10 @@ from minimax_jax.ops.moe_permute import gather_rows, group_starts, permute_rows,
 __all__ = ["MOE_IMPLEMENTATIONS", "router_scores", "route", "moe_experts", "sorted_expert_mlp",
            "capacity_of", "update_router_bias", "update_router_biases", "load_balancing_loss"]
 
-MOE_IMPLEMENTATIONS = ("auto", "dense", "ragged", "tokamax", "capacity")
+MOE_IMPLEMENTATIONS = ("auto", "dense", "ragged", "tokamax", "pallas_gpu", "pallas_gpu_interpret", "capacity")
+# dropless implementations -> grouped-matmul implementation (minimax_jax.ops.grouped_matmul)
+_GMM_OF = {"auto": "auto", "ragged": "xla", "tokamax": "tokamax", "pallas_gpu": "pallas_gpu",
+           "pallas_gpu_interpret": "pallas_gpu_interpret"}
 
 
 # ----------------------------------------------------------------------------- routing
@@ -192,10 +198,10 @@ def moe_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, wi: jax.Ar
     from minimax_jax import sharding  # noqa: PLC0415  (sharding imports the model lazily)
 
     ctx = sharding.current()
-    if ctx is not None and implementation in ("auto", "ragged", "tokamax"):
+    if ctx is not None and implementation in _GMM_OF:
         from minimax_jax.parallel.expert import moe_expert_parallel  # noqa: PLC0415
 
-        gmm = {"auto": "auto", "ragged": "xla", "tokamax": "tokamax"}[implementation]
+        gmm = _GMM_OF[implementation]
         return moe_expert_parallel(x, weights, experts, wi, wo, act, mesh=ctx[0], rules=ctx[1], gmm_impl=gmm,
                                    transport=ep_transport)
     impl = implementation
@@ -209,7 +215,7 @@ def moe_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, wi: jax.Ar
             raise ValueError("moe implementation 'capacity' needs capacity_factor")
         record_implementation("moe", "capacity")
         return _capacity(x, weights, experts, wi, wo, act, capacity_factor)
-    gmm = "xla" if impl == "ragged" else "tokamax"
+    gmm = _GMM_OF[impl]
     record_implementation("moe", impl)
     return _dropless(x, weights, experts, wi, wo, act, gmm)
 

@@ -1,0 +1,478 @@
+"""Grouped matmul (MoE experts) on GPU: Pallas kernels with the Triton lowering, and their VJP.
+
+Math (the block-sparse grouped GEMM of MegaBlocks, Gale et al. 2022, "MegaBlocks: Efficient Sparse
+Training with Mixture-of-Experts", arXiv 2211.15841): rows of ``lhs [M, K]`` are sorted by group
+(expert); group g owns rows ``[start_g, start_g + size_g)`` with ``start_g = sum(size[:g])``, and
+
+    forward  out[rows of g]  = lhs[rows of g] @ rhs[g]                 (gmm,  rhs [G, K, N])
+    dlhs     dlhs[rows of g] = dout[rows of g] @ rhs[g]^T              (gmm with transpose_rhs)
+    drhs     drhs[g]         = lhs[rows of g]^T @ dout[rows of g]      (tgmm; 0 for an empty group)
+
+Kernel layout (no BlockSpecs: the refs are whole arrays in global memory, blocks are gathered with
+data-dependent ``pl.ds`` slices and masked ``pallas.triton`` loads / stores):
+
+- gmm: a work list of *visits* computed in XLA (``make_visits``). Each group's rows are cut into
+  row blocks of ``bm`` rows starting at the group's first row (blocks are group-relative, not
+  aligned to multiples of ``bm``: a group of s rows costs ``ceil(s / bm)`` visits, about G/2 fewer
+  visits in total than aligned row tiles, where a tile straddling a group boundary is visited once
+  per group). A visit is ``(group, lo, hi)``: rows ``[lo, hi)``, ``hi - lo <= bm``. The program
+  loads ``bm`` rows from ``lo`` with the rows ``>= hi`` masked to zero, and stores with the same
+  mask, so the stores of different visits never overlap. Rows past ``sum(group_sizes)`` form one
+  extra pseudo-group whose visits store zeros without computing: the output is fully defined (0
+  there), as for ``jax.lax.ragged_dot``. The grid is one-dimensional and fixed:
+  ``(cdiv(M, bm) + G) * cdiv(N, bn)`` programs (an upper bound of the visits times the column
+  tiles; ``sum_g ceil(s_g / bm) <= cdiv(sum s_g, bm) + (parts - 1)``); programs past the last
+  visit do nothing. Program id -> (visit, column tile) with the column tile fastest, so the
+  programs running at the same time share an lhs row block and walk one group's weights (L2 reuse).
+  fp32 accumulation over a static loop of ``cdiv(K, bk)`` steps, output in the requested dtype.
+- transpose_rhs: the same kernel loads ``rhs[g]`` tiles ``[bn, bk]`` and contracts their last
+  dimension (``dot_general`` with a transposed operand; Triton transposes in shared memory), so
+  dlhs needs no transposed copy of the weights.
+- tgmm: one program per (group, K tile, N tile), group outermost (the group's rows stay in L2 while
+  its tiles run); a loop with dynamic bounds over the group's row blocks (``bm`` rows, starting at
+  the group's first row, tail rows masked to zero) accumulates ``lhs_blk^T @ dout_blk`` in fp32.
+  An empty group runs zero iterations and stores exact zeros.
+
+Tile shapes: ``TileConfig`` (powers of two >= 16, as Triton's tensor-core dots need). K and N need
+not be multiples of the tiles (tails are masked, with static checks so aligned shapes pay nothing).
+fp32 inputs use IEEE fp32 dots (``Precision.HIGHEST``; Triton's default for fp32 would be TF32).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+__all__ = ["TileConfig", "DEFAULT_CONFIG", "DEFAULT_TGMM_CONFIG", "CANDIDATES", "TGMM_CANDIDATES",
+           "get_default_configs", "set_default_configs", "num_visits", "make_visits", "gmm_forward", "tgmm", "gmm"]
+
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """Tile shape and Triton launch parameters of one kernel.
+
+    gmm / transposed gmm: output tile ``[bm rows, bn columns]``, contraction step ``bk``.
+    tgmm: output tile ``[bk, bn]`` of ``drhs[g]``, ``bm`` rows of the group per loop step.
+    bm, bk, bn: powers of two >= 16; num_warps: power of two in [1, 16]; num_stages >= 1 (software
+    pipelining depth of the contraction loop). Raises ValueError otherwise.
+    """
+    bm: int = 128
+    bk: int = 64
+    bn: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def __post_init__(self):
+        for name in ("bm", "bk", "bn"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 16 or v & (v - 1):
+                raise ValueError(f"TileConfig.{name} must be a power of two >= 16, got {v!r}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"TileConfig.num_warps must be a power of two in [1, 16], got {self.num_warps!r}")
+        if not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"TileConfig.num_stages must be an int >= 1, got {self.num_stages!r}")
+
+    def label(self) -> str:
+        """Short name, e.g. ``128x64x128w4s4``."""
+        return f"{self.bm}x{self.bk}x{self.bn}w{self.num_warps}s{self.num_stages}"
+
+
+#: Hopper defaults (not tuned on the hardware yet: bench/moe.py sweeps CANDIDATES / TGMM_CANDIDATES).
+DEFAULT_CONFIG = TileConfig(128, 64, 128, 4, 4)
+DEFAULT_TGMM_CONFIG = TileConfig(64, 128, 128, 4, 4)
+
+#: gmm / transposed-gmm candidates for a sweep (shared memory per stage <= 64 KiB in bf16).
+CANDIDATES = (
+    TileConfig(128, 64, 128, 4, 4),
+    TileConfig(128, 64, 128, 8, 4),
+    TileConfig(128, 64, 256, 8, 3),
+    TileConfig(128, 128, 128, 8, 3),
+    TileConfig(256, 64, 128, 8, 3),
+    TileConfig(64, 64, 128, 4, 4),
+    TileConfig(64, 128, 128, 4, 3),
+)
+#: tgmm candidates (output tile bk x bn, bm rows per step).
+TGMM_CANDIDATES = (
+    TileConfig(64, 128, 128, 4, 4),
+    TileConfig(64, 128, 128, 8, 3),
+    TileConfig(32, 128, 128, 4, 4),
+    TileConfig(64, 128, 256, 8, 3),
+    TileConfig(128, 128, 128, 8, 3),
+    TileConfig(64, 64, 128, 4, 4),
+)
+
+_defaults = {"fwd": DEFAULT_CONFIG, "dlhs": DEFAULT_CONFIG, "tgmm": DEFAULT_TGMM_CONFIG}
+
+
+def get_default_configs() -> dict[str, TileConfig]:
+    """The configs ``gmm`` uses when none are passed: ``{"fwd", "dlhs", "tgmm"} -> TileConfig``."""
+    return dict(_defaults)
+
+
+def set_default_configs(fwd: TileConfig | None = None, dlhs: TileConfig | None = None,
+                        tgmm: TileConfig | None = None) -> dict[str, TileConfig]:
+    """Replace some of the process-wide default configs (None keeps one); returns the previous ones.
+
+    Read when a function calling ``gmm`` is traced: functions already jitted keep their configs.
+    Raises TypeError for a value that is not a TileConfig.
+    """
+    prev = get_default_configs()
+    for name, cfg in (("fwd", fwd), ("dlhs", dlhs), ("tgmm", tgmm)):
+        if cfg is None:
+            continue
+        if not isinstance(cfg, TileConfig):
+            raise TypeError(f"{name} config must be a TileConfig, got {type(cfg).__name__}")
+        _defaults[name] = cfg
+    return prev
+
+
+# ----------------------------------------------------------------------------- work lists
+def _group_bounds(group_sizes, m):
+    """(starts, sizes) int32 [G], clipped to rows [0, m) (negative sizes count as 0)."""
+    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    raw_ends = jnp.cumsum(sizes)
+    starts = jnp.minimum(raw_ends - sizes, m)
+    ends = jnp.minimum(raw_ends, m)
+    return starts, ends - starts
+
+
+def num_visits(m: int, num_groups: int, bm: int) -> int:
+    """Static upper bound of the visits of ``make_visits``: ``cdiv(m, bm) + num_groups``."""
+    return pl.cdiv(m, bm) + num_groups
+
+
+def make_visits(group_sizes: jax.Array, m: int, bm: int) -> jax.Array:
+    """Work list of the gmm kernel (XLA, O((cdiv(m, bm) + G) * log G)).
+
+    Args:
+      group_sizes: int ``[G]`` rows per group (rows sorted by group; the sum is clipped to ``m``).
+      m: rows of lhs; bm: rows per visit.
+    Returns: int32 ``[3, V]``, ``V = num_visits(m, G, bm)``; column v = ``(group, lo, hi)``: the
+      visit computes rows ``[lo, hi)`` of ``group`` (``0 < hi - lo <= bm``); ``group == G`` is the
+      pseudo-group of the rows past ``sum(group_sizes)`` (stored as zeros); unused visits have
+      ``lo == hi == 0`` and ``group == G``.
+    """
+    g = group_sizes.shape[0]
+    starts, sizes = _group_bounds(group_sizes, m)
+    total = jnp.sum(sizes)
+    starts_x = jnp.concatenate([starts, total[None]])
+    sizes_x = jnp.concatenate([sizes, (m - total)[None]])
+    blocks = (sizes_x + bm - 1) // bm
+    vend = jnp.cumsum(blocks)                       # exclusive end of each group's visits
+    vstart = vend - blocks
+    v = jnp.arange(num_visits(m, g, bm), dtype=jnp.int32)
+    grp = jnp.searchsorted(vend, v, side="right").astype(jnp.int32)   # in [0, G + 1]
+    valid = grp <= g
+    gc = jnp.minimum(grp, g)
+    lo = starts_x[gc] + (v - vstart[gc]) * bm
+    hi = jnp.minimum(lo + bm, starts_x[gc] + sizes_x[gc])
+    lo = jnp.where(valid, lo, 0)
+    hi = jnp.where(valid, hi, 0)
+    return jnp.stack([gc, lo, hi]).astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------- kernels
+def _dot(a, b, trans_a=False, trans_b=False):
+    """2-D matmul, fp32 accumulation (a Triton tensor-core dot); IEEE fp32 for fp32 inputs."""
+    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+    prec = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return jax.lax.dot_general(a, b, dims, precision=prec, preferred_element_type=jnp.float32)
+
+
+def _iota(n):
+    return jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
+
+
+def _gmm_kernel(tab_ref, lhs_ref, rhs_ref, out_ref, *, bm, bk, bn, n_groups, n_col_tiles, kdim, ndim,
+                transpose_rhs):
+    pid = pl.program_id(0)
+    v = jax.lax.div(pid, n_col_tiles)
+    j = pid - v * n_col_tiles
+    g = tab_ref[0, v]
+    lo = tab_ref[1, v]
+    hi = tab_ref[2, v]
+    n0 = pl.multiple_of(j * bn, bn)
+    rmask = (lo + _iota(bm)) < hi                                     # [bm]
+    out_mask = jnp.broadcast_to(rmask[:, None], (bm, bn))
+    if ndim % bn:
+        cmask = (n0 + _iota(bn)) < ndim
+        out_mask = out_mask & cmask[None, :]
+    else:
+        cmask = None
+    dtype = lhs_ref.dtype
+
+    @pl.when((hi > lo) & (g < n_groups))
+    def _compute():
+        def body(kk, acc):
+            k0 = pl.multiple_of(kk * bk, bk)
+            a_mask = jnp.broadcast_to(rmask[:, None], (bm, bk))
+            kmask = None
+            if kdim % bk:
+                kmask = (k0 + _iota(bk)) < kdim
+                a_mask = a_mask & kmask[None, :]
+            a = pltriton.load(lhs_ref.at[pl.ds(lo, bm), pl.ds(k0, bk)], mask=a_mask, other=jnp.zeros((), dtype))
+            if transpose_rhs:                                         # rhs [G, N, K]: tile [bn, bk]
+                b_mask = None
+                if cmask is not None or kmask is not None:
+                    b_mask = jnp.ones((bn, bk), jnp.bool_)
+                    if cmask is not None:
+                        b_mask = b_mask & cmask[:, None]
+                    if kmask is not None:
+                        b_mask = b_mask & kmask[None, :]
+                b = pltriton.load(rhs_ref.at[g, pl.ds(n0, bn), pl.ds(k0, bk)], mask=b_mask,
+                                  other=None if b_mask is None else jnp.zeros((), dtype))
+                return acc + _dot(a, b, trans_b=True)
+            b_mask = None                                             # rhs [G, K, N]: tile [bk, bn]
+            if cmask is not None or kmask is not None:
+                b_mask = jnp.ones((bk, bn), jnp.bool_)
+                if kmask is not None:
+                    b_mask = b_mask & kmask[:, None]
+                if cmask is not None:
+                    b_mask = b_mask & cmask[None, :]
+            b = pltriton.load(rhs_ref.at[g, pl.ds(k0, bk), pl.ds(n0, bn)], mask=b_mask,
+                              other=None if b_mask is None else jnp.zeros((), dtype))
+            return acc + _dot(a, b)
+
+        acc = jax.lax.fori_loop(0, pl.cdiv(kdim, bk), body, jnp.zeros((bm, bn), jnp.float32))
+        pltriton.store(out_ref.at[pl.ds(lo, bm), pl.ds(n0, bn)], acc.astype(out_ref.dtype), mask=out_mask)
+
+    @pl.when((hi > lo) & (g == n_groups))
+    def _zero_tail():
+        pltriton.store(out_ref.at[pl.ds(lo, bm), pl.ds(n0, bn)], jnp.zeros((bm, bn), out_ref.dtype), mask=out_mask)
+
+
+def _tgmm_kernel(tab_ref, lhs_ref, dout_ref, out_ref, *, bm, bk, bn, n_k_tiles, n_n_tiles, kdim, ndim):
+    pid = pl.program_id(0)
+    per_group = n_k_tiles * n_n_tiles
+    g = jax.lax.div(pid, per_group)
+    r = pid - g * per_group
+    ki = jax.lax.div(r, n_n_tiles)
+    j = r - ki * n_n_tiles
+    k0 = pl.multiple_of(ki * bk, bk)
+    n0 = pl.multiple_of(j * bn, bn)
+    start = tab_ref[0, g]
+    size = tab_ref[1, g]
+    end = start + size
+    kmask = (k0 + _iota(bk)) < kdim if kdim % bk else None
+    nmask = (n0 + _iota(bn)) < ndim if ndim % bn else None
+    dtype = lhs_ref.dtype
+    zero = jnp.zeros((), dtype)
+
+    def body(i, acc):
+        r0 = start + i * bm
+        rmask = (r0 + _iota(bm)) < end
+        a_mask = jnp.broadcast_to(rmask[:, None], (bm, bk))
+        if kmask is not None:
+            a_mask = a_mask & kmask[None, :]
+        b_mask = jnp.broadcast_to(rmask[:, None], (bm, bn))
+        if nmask is not None:
+            b_mask = b_mask & nmask[None, :]
+        a = pltriton.load(lhs_ref.at[pl.ds(r0, bm), pl.ds(k0, bk)], mask=a_mask, other=zero)
+        b = pltriton.load(dout_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], mask=b_mask, other=zero)
+        return acc + _dot(a, b, trans_a=True)
+
+    n_blocks = jax.lax.div(size + (bm - 1), bm)
+    acc = jax.lax.fori_loop(0, n_blocks, body, jnp.zeros((bk, bn), jnp.float32))
+    o_mask = None
+    if kmask is not None or nmask is not None:
+        o_mask = jnp.ones((bk, bn), jnp.bool_)
+        if kmask is not None:
+            o_mask = o_mask & kmask[:, None]
+        if nmask is not None:
+            o_mask = o_mask & nmask[None, :]
+    pltriton.store(out_ref.at[g, pl.ds(k0, bk), pl.ds(n0, bn)], acc.astype(out_ref.dtype), mask=o_mask)
+
+
+def _params(cfg: TileConfig):
+    return pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+# ----------------------------------------------------------------------------- shard_map typing
+def _varying(x) -> frozenset:
+    """Mesh axes ``x`` varies over inside ``shard_map`` (empty elsewhere)."""
+    t = jax.typeof(x)
+    mat = getattr(t, "manual_axis_type", None)
+    return frozenset(mat.varying) if mat is not None else frozenset(getattr(t, "vma", ()))
+
+
+def _common_vma(*xs):
+    """Cast every array to vary over the union of the arrays' varying axes (``jax.lax.pcast``)."""
+    axes = frozenset().union(*(_varying(x) for x in xs))
+    out = []
+    for x in xs:
+        missing = tuple(sorted(axes - _varying(x)))
+        out.append(jax.lax.pcast(x, missing, to="varying") if missing else x)
+    return tuple(out)
+
+
+def _out_struct(shape, dtype, like):
+    """Output type of a pallas_call: typed like ``like`` inside shard_map (with check_vma=True
+    pallas_call requires ``manual_axis_type`` on its out_shape); a plain struct elsewhere."""
+    mat = getattr(jax.typeof(like), "manual_axis_type", None)
+    if mat is None:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
+
+
+# ----------------------------------------------------------------------------- checks
+def _check(lhs, rhs, group_sizes, transpose_rhs):
+    if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.ndim != 1:
+        raise ValueError(f"gmm expects lhs [M, K], rhs [G, K, N] and group_sizes [G]; got {lhs.shape}, "
+                         f"{rhs.shape}, {group_sizes.shape}")
+    if group_sizes.shape[0] != rhs.shape[0]:
+        raise ValueError(f"group_sizes has {group_sizes.shape[0]} groups, rhs has {rhs.shape[0]}")
+    kc = rhs.shape[2] if transpose_rhs else rhs.shape[1]
+    if lhs.shape[1] != kc:
+        raise ValueError(f"contraction mismatch: lhs {lhs.shape} vs rhs {rhs.shape} (transpose_rhs={transpose_rhs})")
+    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise TypeError(f"group_sizes must be integer, got {group_sizes.dtype}")
+    if lhs.dtype != rhs.dtype:
+        raise TypeError(f"lhs and rhs must have the same dtype, got {lhs.dtype} and {rhs.dtype}")
+    if jnp.dtype(lhs.dtype) not in _DTYPES:
+        raise TypeError(f"gmm supports {[str(d) for d in _DTYPES]}, got {lhs.dtype}")
+
+
+# ----------------------------------------------------------------------------- entry points
+def gmm_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool = False,
+                out_dtype=None, config: TileConfig | None = None, interpret: bool = False) -> jax.Array:
+    """Grouped matmul kernel (no autodiff): ``out[rows of g] = lhs[rows of g] @ op(rhs[g])``.
+
+    Args:
+      lhs: ``[M, K]`` bf16 / f16 / f32, rows sorted by group.
+      rhs: ``[G, K, N]`` (``op`` = identity) or, with ``transpose_rhs``, ``[G, N, K]`` (``op`` =
+        transpose: ``out[rows of g] = lhs[rows of g] @ rhs[g]^T``); same dtype as lhs.
+      group_sizes: int ``[G]``, rows per group in order; ``sum <= M`` (a larger sum is clipped to M,
+        negative sizes count as 0).
+      transpose_rhs: see rhs.
+      out_dtype: output dtype (default ``lhs.dtype``); accumulation is fp32.
+      config: tile config (default ``get_default_configs()["fwd"]``).
+      interpret: run in Pallas interpret mode (any backend; for CPU tests).
+    Returns: ``[M, N]`` in out_dtype; rows past ``sum(group_sizes)`` are exactly 0.
+    Raises: ValueError on inconsistent shapes; TypeError on dtypes.
+    Math: MegaBlocks (Gale et al. 2022) block-sparse grouped GEMM; see the module docstring.
+    """
+    _check(lhs, rhs, group_sizes, transpose_rhs)
+    cfg = config or _defaults["fwd"]
+    m, kdim = lhs.shape
+    g = rhs.shape[0]
+    ndim = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+    lhs, rhs, group_sizes = _common_vma(lhs, rhs, group_sizes)
+    tab = make_visits(group_sizes, m, cfg.bm)
+    n_col = pl.cdiv(ndim, cfg.bn)
+    kernel = functools.partial(_gmm_kernel, bm=cfg.bm, bk=cfg.bk, bn=cfg.bn, n_groups=g, n_col_tiles=n_col,
+                               kdim=kdim, ndim=ndim, transpose_rhs=transpose_rhs)
+    return pl.pallas_call(
+        kernel,
+        grid=(tab.shape[1] * n_col,),
+        out_shape=_out_struct((m, ndim), out_dtype, lhs),
+        compiler_params=_params(cfg),
+        interpret=interpret,
+        name="gmm_t_gpu" if transpose_rhs else "gmm_gpu",
+    )(tab, lhs, rhs)
+
+
+def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, out_dtype=None,
+         config: TileConfig | None = None, interpret: bool = False) -> jax.Array:
+    """Transposed grouped matmul (weight gradient): ``out[g] = lhs[rows of g]^T @ dout[rows of g]``.
+
+    Args:
+      lhs: ``[M, K]``; dout: ``[M, N]``, same dtype (bf16 / f16 / f32), rows sorted by group.
+      group_sizes: int ``[G]`` (as in ``gmm_forward``; rows past the sum are not read).
+      out_dtype: default ``lhs.dtype``; accumulation is fp32.
+      config: tile config (output tile ``bk x bn``, ``bm`` rows per step; default
+        ``get_default_configs()["tgmm"]``). interpret: Pallas interpret mode.
+    Returns: ``[G, K, N]``; an empty group's matrix is exactly 0.
+    Raises: ValueError on inconsistent shapes; TypeError on dtypes.
+    Math: MegaBlocks (Gale et al. 2022) weight gradient of the grouped GEMM.
+    """
+    if lhs.ndim != 2 or dout.ndim != 2 or group_sizes.ndim != 1 or lhs.shape[0] != dout.shape[0]:
+        raise ValueError(f"tgmm expects lhs [M, K], dout [M, N], group_sizes [G]; got {lhs.shape}, {dout.shape}, "
+                         f"{group_sizes.shape}")
+    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise TypeError(f"group_sizes must be integer, got {group_sizes.dtype}")
+    if lhs.dtype != dout.dtype or jnp.dtype(lhs.dtype) not in _DTYPES:
+        raise TypeError(f"tgmm needs lhs and dout of one dtype in {[str(d) for d in _DTYPES]}, got {lhs.dtype}, "
+                        f"{dout.dtype}")
+    cfg = config or _defaults["tgmm"]
+    m, kdim = lhs.shape
+    ndim = dout.shape[1]
+    g = group_sizes.shape[0]
+    out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+    lhs, dout, group_sizes = _common_vma(lhs, dout, group_sizes)
+    starts, sizes = _group_bounds(group_sizes, m)
+    tab = jnp.stack([starts, sizes]).astype(jnp.int32)
+    nk, nn = pl.cdiv(kdim, cfg.bk), pl.cdiv(ndim, cfg.bn)
+    kernel = functools.partial(_tgmm_kernel, bm=cfg.bm, bk=cfg.bk, bn=cfg.bn, n_k_tiles=nk, n_n_tiles=nn,
+                               kdim=kdim, ndim=ndim)
+    return pl.pallas_call(
+        kernel,
+        grid=(g * nk * nn,),
+        out_shape=_out_struct((g, kdim, ndim), out_dtype, lhs),
+        compiler_params=_params(cfg),
+        interpret=interpret,
+        name="tgmm_gpu",
+    )(tab, lhs, dout)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _gmm(lhs, rhs, group_sizes, out_dtype, cfg, dlhs_cfg, tgmm_cfg, interpret):
+    return gmm_forward(lhs, rhs, group_sizes, out_dtype=out_dtype, config=cfg, interpret=interpret)
+
+
+def _gmm_fwd(lhs, rhs, group_sizes, out_dtype, cfg, dlhs_cfg, tgmm_cfg, interpret):
+    return _gmm(lhs, rhs, group_sizes, out_dtype, cfg, dlhs_cfg, tgmm_cfg, interpret), (lhs, rhs, group_sizes)
+
+
+def _gmm_bwd(out_dtype, cfg, dlhs_cfg, tgmm_cfg, interpret, res, dout):
+    lhs, rhs, group_sizes = res
+    dout = dout.astype(lhs.dtype)   # the kernels multiply operands of one dtype (documented in gmm)
+    dlhs = gmm_forward(dout, rhs, group_sizes, transpose_rhs=True, out_dtype=lhs.dtype, config=dlhs_cfg,
+                       interpret=interpret)
+    drhs = tgmm(lhs, dout, group_sizes, out_dtype=rhs.dtype, config=tgmm_cfg, interpret=interpret)
+    return dlhs, drhs, np.zeros(group_sizes.shape, jax.dtypes.float0)
+
+
+_gmm.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, config: TileConfig | None = None,
+        dlhs_config: TileConfig | None = None, tgmm_config: TileConfig | None = None, out_dtype=None,
+        interpret: bool = False) -> jax.Array:
+    """Differentiable grouped matmul: ``out[rows of g] = lhs[rows of g] @ rhs[g]`` (Pallas GPU kernels).
+
+    Args:
+      lhs: ``[M, K]`` bf16 / f16 / f32, rows sorted by group.
+      rhs: ``[G, K, N]``, same dtype as lhs.
+      group_sizes: int ``[G]`` rows per group, ``sum <= M`` (larger sums are clipped to M).
+      config / dlhs_config / tgmm_config: TileConfigs of the forward, the dlhs kernel (transposed
+        gmm) and the weight-gradient kernel (tgmm); None = ``get_default_configs()`` at trace time.
+      out_dtype: output dtype (default ``lhs.dtype``), fp32 accumulation.
+      interpret: Pallas interpret mode (any backend; CPU tests).
+    Returns: ``[M, N]`` in out_dtype; rows past ``sum(group_sizes)`` are exactly 0.
+    Gradients: dlhs = transposed gmm of the cotangent (rows past the sum get 0), drhs = tgmm (empty
+      groups get exact 0), none for group_sizes. The cotangent is cast to ``lhs.dtype`` first (a
+      bf16 model multiplies bf16 operands with fp32 accumulation, as the forward does).
+    Raises: ValueError on inconsistent shapes; TypeError on dtypes (lhs and rhs must match).
+    Math: MegaBlocks (Gale et al. 2022, arXiv 2211.15841) block-sparse grouped GEMM and its
+      transposes; module docstring for the kernel layout.
+    """
+    _check(lhs, rhs, group_sizes, False)
+    for c in (config, dlhs_config, tgmm_config):
+        if c is not None and not isinstance(c, TileConfig):
+            raise TypeError(f"configs must be TileConfig or None, got {type(c).__name__}")
+    out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+    # Inside shard_map: give the operands one varying type first (as jnp binary ops do), so the
+    # kernels' outputs and the custom VJP's cotangents are typed like their primals; JAX transposes
+    # these casts (psum) outside the custom VJP. No-op elsewhere.
+    lhs, rhs, group_sizes = _common_vma(lhs, rhs, group_sizes.astype(jnp.int32))
+    return _gmm(lhs, rhs, group_sizes, out_dtype, config or _defaults["fwd"],
+                dlhs_config or _defaults["dlhs"], tgmm_config or _defaults["tgmm"], bool(interpret))

@@ -1,0 +1,256 @@
+"""Pallas GPU grouped matmul (pallas_kernels/moe/gpu_gmm.py) in interpret mode on CPU.
+
+Oracle: ``jax.lax.ragged_dot`` and its autodiff gradients in float32 (Precision.HIGHEST), on the
+same (bf16-rounded where the case is bf16) inputs. Fresh random inputs and group sizes every run
+(empty groups, sizes not multiples of the tiles, sum < M); every element is compared.
+Tolerances: fp32 cases rtol = atol/scale = 2e-5 (accumulation order only); bf16 cases: the kernels
+accumulate in fp32 and round once to bf16, so |err| <= 2^-8 |ref| (half a bf16 ulp) plus
+1e-5 * max|ref| for the accumulation order: rtol 4e-3, atol 1e-5 * max|ref|.
+Exact checks: rows past sum(group_sizes) of y and dlhs are 0, empty groups' drhs are 0.
+A lowering test checks that the three kernels lower for CUDA at M2 shapes on this CPU machine
+(Triton IR is generated; the Triton compile itself needs the GPU).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from minimax_jax.ops import moe
+from minimax_jax.ops.common import ImplementationUnavailable, clear_implementation_report, implementation_report
+from minimax_jax.ops.grouped_matmul import grouped_matmul, resolve_gmm
+from pallas_kernels.moe import gpu_gmm
+from pallas_kernels.moe.gpu_gmm import TileConfig
+
+HI = jax.lax.Precision.HIGHEST
+SMALL = TileConfig(32, 32, 64, 4, 2)          # several row / K / N tiles at test sizes
+SMALL_T = TileConfig(32, 32, 64, 4, 2)        # tgmm: 32x64 output tiles, 32 rows per step
+
+
+def _sizes(rng, m, g, n_empty):
+    """Random group sizes with ``n_empty`` empty groups (incl. the first or last) and sum < m."""
+    total = int(rng.integers(m * 2 // 3, m - 3))
+    live = g - n_empty
+    cuts = np.sort(rng.choice(np.arange(1, total), size=live - 1, replace=False))
+    parts = np.diff(np.concatenate([[0], cuts, [total]]))
+    sizes = np.zeros(g, np.int64)
+    empty = rng.choice(np.arange(1, g - 1), size=n_empty - 1, replace=False).tolist() + [rng.choice([0, g - 1])]
+    sizes[[i for i in range(g) if i not in empty]] = parts
+    assert sizes.sum() == total < m and (sizes == 0).sum() == n_empty
+    return sizes
+
+
+def _case(seed, m, k, n, g, n_empty, dtype):
+    rng = np.random.default_rng(seed)
+    sizes = _sizes(rng, m, g, n_empty)
+    lhs = jnp.asarray(rng.normal(size=(m, k)), dtype)
+    rhs = jnp.asarray(rng.normal(size=(g, k, n)) / np.sqrt(k), dtype)
+    cot = jnp.asarray(rng.normal(size=(m, n)), dtype)
+    return lhs, rhs, jnp.asarray(sizes, jnp.int32), cot, sizes
+
+
+@jax.jit
+def _reference(lhs, rhs, gs, cot):
+    f = lambda a, b: jax.lax.ragged_dot(a, b, gs, precision=HI, preferred_element_type=jnp.float32)  # noqa: E731
+    y, vjp = jax.vjp(f, lhs.astype(jnp.float32), rhs.astype(jnp.float32))
+    return (y, *vjp(cot.astype(jnp.float32)))
+
+
+def _kernel(lhs, rhs, gs, cot, cfg=SMALL, tcfg=SMALL_T):
+    @jax.jit
+    def f(lhs, rhs, cot):
+        y, vjp = jax.vjp(lambda a, b: gpu_gmm.gmm(a, b, gs, config=cfg, dlhs_config=cfg, tgmm_config=tcfg,
+                                                  interpret=True), lhs, rhs)
+        return (y, *vjp(cot))
+    return f(lhs, rhs, cot)
+
+
+def _close(got, ref, dtype, what):
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    scale = max(np.abs(ref).max(), 1e-30)
+    if dtype == jnp.float32:
+        np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5 * scale, err_msg=what)
+    else:
+        np.testing.assert_allclose(got, ref, rtol=4e-3, atol=1e-5 * scale, err_msg=what)
+
+
+CASES = [  # (m, k, n, g, n_empty, dtype)
+    (250, 64, 192, 7, 2, jnp.float32),
+    (300, 128, 64, 9, 3, jnp.float32),
+    (217, 72, 100, 5, 1, jnp.float32),        # K and N not multiples of the tiles (masked tails)
+    (256, 128, 192, 9, 3, jnp.bfloat16),
+    (200, 64, 64, 6, 2, jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("m,k,n,g,n_empty,dtype", CASES)
+def test_gmm_forward_and_gradients_match_ragged_dot(m, k, n, g, n_empty, dtype):
+    lhs, rhs, gs, cot, sizes = _case(None, m, k, n, g, n_empty, dtype)
+    y, dlhs, drhs = _kernel(lhs, rhs, gs, cot)
+    ry, rdlhs, rdrhs = _reference(lhs, rhs, gs, cot)
+    assert y.dtype == dtype and dlhs.dtype == dtype and drhs.dtype == dtype
+    assert y.shape == (m, n) and dlhs.shape == (m, k) and drhs.shape == (g, k, n)
+    _close(y, ry, dtype, "forward")
+    _close(dlhs, rdlhs, dtype, "dlhs")
+    _close(drhs, rdrhs, dtype, "drhs")
+    total = int(sizes.sum())
+    assert np.all(np.asarray(y)[total:] == 0) and np.all(np.asarray(dlhs)[total:] == 0)
+    empty = np.flatnonzero(sizes == 0)
+    assert empty.size and np.all(np.asarray(drhs)[empty] == 0)
+
+
+def test_default_tiles_and_other_tile_shapes():
+    """The Hopper default config (tiles larger than the groups) and a 16-row tile give the same result."""
+    lhs, rhs, gs, cot, _ = _case(None, 260, 128, 128, 6, 1, jnp.float32)
+    ry, rdlhs, rdrhs = _reference(lhs, rhs, gs, cot)
+    for cfg, tcfg in ((gpu_gmm.DEFAULT_CONFIG, gpu_gmm.DEFAULT_TGMM_CONFIG),
+                      (TileConfig(16, 64, 32, 2, 1), TileConfig(16, 16, 128, 2, 1))):
+        y, dlhs, drhs = _kernel(lhs, rhs, gs, cot, cfg, tcfg)
+        for a, b, what in ((y, ry, "y"), (dlhs, rdlhs, "dlhs"), (drhs, rdrhs, "drhs")):
+            _close(a, b, jnp.float32, f"{what} {cfg.label()}")
+
+
+def test_all_groups_empty_gives_zeros():
+    rng = np.random.default_rng()
+    lhs = jnp.asarray(rng.normal(size=(70, 32)), jnp.float32)
+    rhs = jnp.asarray(rng.normal(size=(3, 32, 48)), jnp.float32)
+    gs = jnp.zeros((3,), jnp.int32)
+    y, dlhs, drhs = _kernel(lhs, rhs, gs, jnp.ones((70, 48), jnp.float32))
+    assert not np.any(np.asarray(y)) and not np.any(np.asarray(dlhs)) and not np.any(np.asarray(drhs))
+
+
+def test_make_visits_cover_every_row_once():
+    rng = np.random.default_rng()
+    visits = jax.jit(gpu_gmm.make_visits, static_argnums=(1, 2))
+    for it in range(24):
+        m, g, bm = ((300, 7, 16), (300, 7, 32), (300, 7, 128), (37, 1, 16))[it % 4]
+        sizes = rng.multinomial(int(rng.integers(0, m + 1)), rng.dirichlet(np.ones(g) * 0.5))
+        tab = np.asarray(visits(jnp.asarray(sizes, jnp.int32), m, bm))
+        assert tab.shape == (3, gpu_gmm.num_visits(m, g, bm)) and gpu_gmm.num_visits(m, g, bm) == -(-m // bm) + g
+        owner = np.full(m, -1)
+        ends = np.cumsum(sizes)
+        for grp, lo, hi in tab.T:
+            assert 0 <= hi - lo <= bm
+            if hi == lo:
+                continue
+            assert np.all(owner[lo:hi] == -1)          # no row is stored twice
+            owner[lo:hi] = grp
+        want = np.searchsorted(ends, np.arange(m), side="right")   # G for rows past the sum
+        np.testing.assert_array_equal(owner, want)
+
+
+def test_grouped_matmul_impl_and_errors():
+    lhs, rhs, gs, _, _ = _case(None, 120, 64, 64, 4, 1, jnp.float32)
+    got = grouped_matmul(lhs, rhs, gs, implementation="pallas_gpu_interpret")
+    ref = grouped_matmul(lhs, rhs, gs, implementation="xla")
+    assert got.dtype == jnp.float32
+    _close(got, ref, jnp.float32, "grouped_matmul")
+    assert resolve_gmm("auto") == "xla"
+    assert resolve_gmm("pallas_gpu_interpret") == "pallas_gpu_interpret"
+    if jax.default_backend() != "gpu":
+        with pytest.raises(ImplementationUnavailable, match="pallas_gpu"):
+            resolve_gmm("pallas_gpu")
+    with pytest.raises(ValueError, match="power of two"):
+        TileConfig(bm=48)
+    with pytest.raises(ValueError, match="groups"):
+        gpu_gmm.gmm(lhs, rhs, gs[:3], interpret=True)
+    with pytest.raises(TypeError, match="same dtype"):
+        gpu_gmm.gmm(lhs, rhs.astype(jnp.bfloat16), gs, interpret=True)
+
+
+def _act(g):
+    a, b = jnp.split(g.astype(jnp.float32), 2, axis=-1)
+    return (jax.nn.silu(a) * b).astype(g.dtype)
+
+
+def test_moe_layer_pallas_interpret_matches_ragged():
+    """moe_experts(implementation="pallas_gpu_interpret") == "ragged" (XLA), forward and gradients."""
+    n, h, e, i, k = 48, 32, 6, 16, 2
+    ks = jax.random.split(jax.random.key(np.random.default_rng().integers(1 << 30)), 5)
+    x = jax.random.normal(ks[0], (n, h), jnp.float32)
+    router = jax.random.normal(ks[1], (h, e), jnp.float32)
+    wi = 0.3 * jax.random.normal(ks[2], (e, h, 2 * i), jnp.float32)
+    wo = 0.3 * jax.random.normal(ks[3], (e, i, h), jnp.float32)
+    cot = jax.random.normal(ks[4], (n, h), jnp.float32)
+    w, ex, _ = moe.route(x, router, jnp.zeros((e,)), k)
+
+    def run(impl):
+        def loss(x, wi, wo):
+            return jnp.sum(moe.moe_experts(x, w, ex, wi, wo, _act, implementation=impl) * cot)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(x, wi, wo)
+
+    clear_implementation_report()
+    got = run("pallas_gpu_interpret")
+    assert implementation_report()["moe"] == "pallas_gpu_interpret"
+    with jax.default_matmul_precision("highest"):
+        ref = run("ragged")
+    for a, b, what in zip(jax.tree.leaves(got), jax.tree.leaves(ref), ("loss", "dx", "dwi", "dwo")):
+        _close(a, b, jnp.float32, what)
+
+
+def test_kernels_lower_for_cuda_at_m2_shapes():
+    """Forward, dlhs and tgmm lower to Triton custom calls for CUDA (M2 first projection, rhs > 4 GiB:
+    64-bit offsets) on this CPU machine."""
+    sd = jax.ShapeDtypeStruct
+    m, kd, nd, g = 65536, 3072, 3072, 256
+
+    def f(a, b, gs, c):
+        y, vjp = jax.vjp(lambda a, b: gpu_gmm.gmm(a, b, gs), a, b)
+        return y, vjp(c)
+    txt = jax.jit(f).trace(sd((m, kd), jnp.bfloat16), sd((g, kd, nd), jnp.bfloat16), sd((g,), jnp.int32),
+                           sd((m, nd), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
+    assert txt.count("__gpu$xla.gpu.triton") == 3
+
+
+def test_expert_parallel_path_lowers_for_cuda(monkeypatch):
+    """moe_impl="pallas_gpu" inside use_mesh (expert-parallel shard_map, check_vma on) lowers for
+    CUDA with gradients: the kernels' outputs and custom-VJP cotangents are typed varying like their
+    operands. The backend check is bypassed (this machine has no GPU); nothing is run."""
+    from minimax_jax import sharding as sh
+    from minimax_jax.ops import grouped_matmul as gm
+
+    monkeypatch.setattr(gm, "default_backend", lambda: "gpu")
+    n, h, e, i, k = 64, 128, 8, 64, 2
+    ks = jax.random.split(jax.random.key(0), 4)
+    x = jax.random.normal(ks[0], (n, h), jnp.bfloat16)
+    wi = jax.random.normal(ks[1], (e, h, 2 * i), jnp.bfloat16)
+    wo = jax.random.normal(ks[2], (e, i, h), jnp.bfloat16)
+    w, ex, _ = moe.route(x, jax.random.normal(ks[3], (h, e)), jnp.zeros(e), k)
+    with sh.use_mesh(sh.make_mesh(f"expert={len(jax.devices())}"), sh.load_rules("default")):
+        def loss(x, wi, wo):
+            y = moe.moe_experts(x, w, ex, wi, wo, _act, implementation="pallas_gpu", ep_transport="all_to_all")
+            return jnp.sum(y.astype(jnp.float32) ** 2)
+        txt = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, wi, wo).lower(lowering_platforms=("cuda",)).as_text()
+    assert txt.count("__gpu$xla.gpu.triton") == 6      # 2 forward, 2 dlhs, 2 tgmm
+
+
+def test_sum_above_rows_is_clipped():
+    """group sizes summing past M: rows beyond M are ignored (groups clipped), as documented."""
+    rng = np.random.default_rng()
+    lhs = jnp.asarray(rng.normal(size=(90, 32)), jnp.float32)
+    rhs = jnp.asarray(rng.normal(size=(3, 32, 48)), jnp.float32)
+    gs = jnp.asarray([40, 30, 50], jnp.int32)                          # sum 120 > 90
+    got = gpu_gmm.gmm_forward(lhs, rhs, gs, config=SMALL, interpret=True)
+    ref = jax.lax.ragged_dot(lhs, rhs, jnp.asarray([40, 30, 20], jnp.int32), precision=HI)
+    _close(got, ref, jnp.float32, "clipped")
+
+
+def test_operands_varying_over_different_mesh_axes_lower_for_cuda():
+    """Inside shard_map, lhs varying over one axis and rhs over another: gmm casts both to the union
+    (so the custom VJP's cotangents type-check) and JAX sums the gradients over the other axis."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((1, 1), ("a", "b"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    lhs = jax.device_put(jnp.ones((256, 128), jnp.bfloat16), NamedSharding(mesh, P("a", None)))
+    rhs = jax.device_put(jnp.ones((4, 128, 128), jnp.bfloat16), NamedSharding(mesh, P("b", None, None)))
+    gs = jnp.asarray([64, 0, 100, 64], jnp.int32)
+
+    def body(lhs, rhs, gs):
+        return jax.grad(lambda a, b: jnp.sum(gpu_gmm.gmm(a, b, gs).astype(jnp.float32)), argnums=(0, 1))(lhs, rhs)
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P("a", None), P("b", None, None), P()),
+                      out_specs=(P("a", None), P("b", None, None)))
+    txt = jax.jit(f).trace(lhs, rhs, gs).lower(lowering_platforms=("cuda",)).as_text()
+    assert txt.count("__gpu$xla.gpu.triton") == 2 and "all_reduce" in txt
