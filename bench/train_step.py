@@ -22,9 +22,10 @@ Both: bf16 compute, fp32 master params, ``remat=full``, AdamW, batch ``--batch``
 synthetic documents (one document per row unless ``--doc-len``), one device (mesh ``data=1``).
 
 Implementations: ``--attention-impl``, ``--moe-impl``, ``--msa-impl`` set the model's op choices
-("auto" by default: on GPU the MoE uses tokamax's grouped matmul when the tokamax wheel is carried,
-else XLA ragged_dot, which PLATFORM.md measured at ~4% of matmul speed and out of memory at full
-size). What actually ran is in the result's ``implementations``.
+("auto" by default: on GPU the MoE uses the project's Pallas grouped matmul ``pallas_gpu``, 283-432
+TFLOP/s on the H200 (bench/moe.py, 2026-11-30); elsewhere XLA ragged_dot, ``--moe-impl ragged``, which
+on GPU PLATFORM.md measured at ~4% of matmul speed and out of memory at full size; tokamax is
+opt-in, ``--moe-impl tokamax``). What actually ran is in the result's ``implementations``.
 
 Measured: compile time, the median step time over ``--steps`` timed steps after ``--warmup``
 steps (each ``block_until_ready``), tokens/s, model TFLOP/s and MFU by
@@ -149,9 +150,11 @@ def main(argv=None) -> int:
     p.add_argument("--kl-coeff", type=float, default=1.0, help="MSA indexer KL weight (0 = no KL)")
     p.add_argument("--peak-tflops", type=float, default=None, help="per-device peak (default: table by device)")
     p.add_argument("--attention-impl", default="auto", help="ModelConfig.attention_impl")
-    p.add_argument("--moe-impl", default="auto", help="ModelConfig.moe_impl ('auto' = dense for small problems, else "
-                                                      "XLA ragged_dot, slow on GPU; 'tokamax' (carry it) is the fast "
-                                                      "grouped matmul, opt-in: see minimax_jax/ops/moe.py)")
+    p.add_argument("--moe-impl", default="auto", help="ModelConfig.moe_impl: auto | dense | ragged | pallas_gpu | "
+                                                      "tokamax | capacity ('auto' = dense for small problems, else "
+                                                      "the Pallas grouped matmul 'pallas_gpu' on GPU, XLA ragged_dot "
+                                                      "elsewhere; 'tokamax' (carry it) is opt-in: see "
+                                                      "minimax_jax/ops/moe.py)")
     p.add_argument("--msa-impl", default="auto", help="ModelConfig.msa_impl (auto = Pallas kernel when present)")
     p.add_argument("--tiny", action="store_true", help="tiny model and short sequences (CPU smoke test)")
     p.add_argument("--out", required=True)

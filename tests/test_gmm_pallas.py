@@ -147,7 +147,7 @@ def test_grouped_matmul_impl_and_errors():
     ref = grouped_matmul(lhs, rhs, gs, implementation="xla")
     assert got.dtype == jnp.float32
     _close(got, ref, jnp.float32, "grouped_matmul")
-    assert resolve_gmm("auto") == "xla"
+    assert resolve_gmm("auto") == ("pallas_gpu" if jax.default_backend() == "gpu" else "xla")
     assert resolve_gmm("pallas_gpu_interpret") == "pallas_gpu_interpret"
     if jax.default_backend() != "gpu":
         with pytest.raises(ImplementationUnavailable, match="pallas_gpu"):

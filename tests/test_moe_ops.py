@@ -148,6 +148,11 @@ def test_auto_resolution_and_errors_on_cpu():
     clear_implementation_report()
     moe.moe_experts(x, w, e, wi, wo, _act, implementation="auto")
     assert implementation_report()["moe"] == "dense"  # N * E small on CPU
+    n_big = 65536 // E + 1                             # N * E > 65536: the grouped path (shapes only)
+    big = [jax.ShapeDtypeStruct((n_big, H), jnp.float32), jax.ShapeDtypeStruct((n_big, K), jnp.float32),
+           jax.ShapeDtypeStruct((n_big, K), jnp.int32)]
+    jax.eval_shape(lambda x, w, e: moe.moe_experts(x, w, e, wi, wo, _act, implementation="auto"), *big)
+    assert implementation_report()["moe"] == "ragged"  # XLA ragged_dot off GPU
     with pytest.raises(ImplementationUnavailable, match="tokamax"):
         moe.moe_experts(x, w, e, wi, wo, _act, implementation="tokamax")
     with pytest.raises(ImplementationUnavailable, match="not one of"):
@@ -156,6 +161,27 @@ def test_auto_resolution_and_errors_on_cpu():
         moe.moe_experts(x, w, e, wi, wo, _act, implementation="capacity")
     with pytest.raises(ImplementationUnavailable):
         grouped_matmul(x, wi, jnp.array([N, 0, 0, 0, 0, 0]), implementation="tokamax")
+
+
+def test_auto_picks_pallas_gpu_on_gpu(monkeypatch):
+    """On a GPU backend "auto" resolves to the Pallas grouped matmul and records that name (the
+    backend is patched and only shapes are traced: the Triton kernels are not compiled here)."""
+    from minimax_jax.ops import grouped_matmul as gm
+
+    monkeypatch.setattr(moe, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(gm, "default_backend", lambda: "gpu")
+    assert gm.resolve_gmm("auto") == "pallas_gpu"
+    x, router, bias, wi, wo = _inputs(5)
+    w, e, _ = moe.route(x, router, bias, K)
+    clear_implementation_report()
+    moe.moe_experts(x, w, e, wi, wo, _act, implementation="auto")
+    assert implementation_report()["moe"] == "dense"   # small problems stay dense on GPU too
+    n_big = 65536 // E + 1
+    big = [jax.ShapeDtypeStruct((n_big, H), jnp.float32), jax.ShapeDtypeStruct((n_big, K), jnp.float32),
+           jax.ShapeDtypeStruct((n_big, K), jnp.int32)]
+    out = jax.eval_shape(lambda x, w, e: moe.moe_experts(x, w, e, wi, wo, _act, implementation="auto"), *big)
+    assert out.shape == (n_big, H)
+    assert implementation_report()["moe"] == "pallas_gpu"
 
 
 def test_router_bias_update_exact():

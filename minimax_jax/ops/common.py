@@ -17,7 +17,11 @@ __all__ = [
     "implementation_report",
     "clear_implementation_report",
     "default_backend",
+    "varying_axes",
+    "VmaType",
+    "vma_type",
     "match_vma",
+    "match_cotangent",
 ]
 
 
@@ -52,13 +56,112 @@ def default_backend() -> str:
     return jax.default_backend()
 
 
-def match_vma(x: jax.Array, like: jax.Array) -> jax.Array:
+# ----------------------------------------------------------------------------- shard_map typing
+# Inside ``shard_map`` (with ``check_vma=True``, the default) every value carries the set of manual
+# mesh axes it varies over ("vma"). Where JAX keeps that set:
+# - jax 0.6 - 0.9: ``jax.typeof(x).vma`` (a frozenset);
+# - jax >= 0.10 (0.10.2 here, 0.11.x on the H200): ``.vma`` was removed (0.10.0 changelog); the set
+#   is ``jax.typeof(x).manual_axis_type.varying`` (``manual_axis_type`` is a ``ManualAxisType`` with
+#   ``varying`` / ``unreduced`` / ``reduced``; printed as ``f32[8,4]{V:expert}``).
+# Casting to varying: ``jax.lax.pcast(x, axes, to="varying")`` (``jax.lax.pvary`` before it, removed
+# in 0.10.0). Outside ``shard_map`` every value varies over nothing and all of this is the identity.
+
+
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes ``x`` varies over inside ``shard_map`` (empty outside; any JAX value).
+
+    Raises RuntimeError when this JAX exposes neither ``manual_axis_type.varying`` (jax >= 0.10) nor
+    ``.vma`` (jax 0.6 - 0.9) on the value's type: guessing "invariant" there would make the
+    casts below silent no-ops (the H200 failure of 2026-11-30: jax 0.11.2 has no ``.vma``).
+    """
+    t = jax.typeof(x)
+    mat = getattr(t, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    vma = getattr(t, "vma", None)
+    if vma is not None:
+        return frozenset(vma)
+    raise RuntimeError(
+        f"cannot read the varying manual axes of a {type(t).__name__} ({t}) in jax {jax.__version__}: "
+        "neither jax.typeof(x).manual_axis_type.varying (jax >= 0.10) nor jax.typeof(x).vma (jax 0.6-0.9) exists")
+
+
+def _cast_varying(x: jax.Array, axes: tuple) -> jax.Array:
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(x, axes, to="varying")
+    if hasattr(jax.lax, "pvary"):
+        return jax.lax.pvary(x, axes)
+    raise RuntimeError(f"jax {jax.__version__} has neither jax.lax.pcast nor jax.lax.pvary")
+
+
+class VmaType:
+    """The varying axes of a value, as a leafless pytree (a static custom-VJP residual).
+
+    ``vma_type(x)`` in a custom VJP's forward rule carries the primal's type to its backward rule,
+    where ``match_cotangent(ct, that)`` casts the cotangent to it, without keeping ``x`` alive.
+    """
+
+    __slots__ = ("axes",)
+
+    def __init__(self, axes):
+        self.axes = frozenset(axes)
+
+    def __eq__(self, other):
+        return isinstance(other, VmaType) and other.axes == self.axes
+
+    def __hash__(self):
+        return hash(self.axes)
+
+    def __repr__(self):
+        return f"VmaType({sorted(self.axes)})"
+
+
+jax.tree_util.register_pytree_node(VmaType, lambda t: ((), t.axes), lambda axes, _: VmaType(axes))
+
+
+def vma_type(x) -> VmaType:
+    """``VmaType(varying_axes(x))`` (see ``VmaType``)."""
+    return VmaType(varying_axes(x))
+
+
+def _axes_of(like) -> frozenset:
+    return like.axes if isinstance(like, VmaType) else varying_axes(like)
+
+
+def match_vma(x: jax.Array, like) -> jax.Array:
     """Mark ``x`` as varying over the manual mesh axes that ``like`` varies over (``shard_map`` typing).
 
-    Inside ``shard_map`` every value carries the set of mesh axes it varies over ("vma"). Values
-    made from scratch (``jnp.zeros``) or returned by kernels that do not propagate the type (a
-    ``pallas_call``, e.g. tokamax's grouped matmul) come out invariant, and a custom VJP whose
-    cotangent is varying then fails JAX's type check. Outside ``shard_map`` this is the identity.
+    ``like``: an array or a ``VmaType``. Values made from scratch (``jnp.zeros``, e.g. the receive
+    buffer of ``ragged_all_to_all``, whose output takes the buffer's type) or returned by kernels
+    that do not propagate the type (a ``pallas_call``, e.g. tokamax's grouped matmul) come out
+    invariant, and a custom VJP whose cotangent is varying then fails JAX's type check. Only adds
+    axes (``jax.lax.pcast(..., to="varying")``, transposed to a ``psum`` by autodiff); axes ``x``
+    varies over and ``like`` does not stay. Outside ``shard_map`` this is the identity.
+    Caveat: this retypes, it does not fix values. A value typed invariant whose data really differs
+    per rank (a kernel that drops the type) gets, through the transposed cast, the SUM of the
+    ranks' cotangents: right over size-1 axes (one GPU), wrong over larger ones. Kernels must type
+    their outputs (``pallas_kernels.moe.gpu_gmm`` does, through ``out_shape``).
+    Raises RuntimeError where the varying axes cannot be read (``varying_axes``).
     """
-    missing = tuple(sorted(set(getattr(jax.typeof(like), "vma", ())) - set(getattr(jax.typeof(x), "vma", ()))))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
+    missing = tuple(sorted(_axes_of(like) - varying_axes(x)))
+    return _cast_varying(x, missing) if missing else x
+
+
+def match_cotangent(ct, primal):
+    """Cast a custom-VJP cotangent to its primal input's varying type (``primal``: array or ``VmaType``).
+
+    JAX requires a custom VJP's backward rule to return cotangents typed exactly like the primal
+    inputs. Axes the primal varies over and the cotangent does not are added (``pcast`` to
+    varying); axes the cotangent varies over and the primal does not are summed over (``psum``):
+    a primal invariant over an axis is the same value on every rank, its cotangent is the sum of
+    the ranks' contributions (what autodiff gives through the implicit cast of an invariant operand
+    meeting a varying one). ``None`` (no cotangent) passes through; identity outside ``shard_map``.
+    """
+    if ct is None:
+        return None
+    want, have = _axes_of(primal), varying_axes(ct)
+    extra = tuple(sorted(have - want))
+    if extra:
+        ct = jax.lax.psum(ct, extra)
+    missing = tuple(sorted(want - have))
+    return _cast_varying(ct, missing) if missing else ct

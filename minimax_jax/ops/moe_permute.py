@@ -7,12 +7,19 @@ index arrays are computed once by ``sort_by_expert`` and carried.
 Notation: ``n`` tokens, ``k`` experts per token, ``M = n * k`` assignments (token-major: assignment
 ``a = t * k + j`` is token ``t``'s ``j``-th choice). ``order[i]`` is the assignment at sorted row
 ``i`` (sorted by expert id, stable); ``inv`` is its inverse (``inv[order[i]] == i``).
+
+Inside ``shard_map`` (expert parallelism) every backward rule casts its cotangents to the varying
+type of the primal inputs (``minimax_jax.ops.common.match_cotangent``): JAX checks that a custom
+VJP's cotangents are typed exactly like its primals, and an output cotangent can vary over axes a
+primal input does not (e.g. an input that came out of a kernel typed invariant).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from minimax_jax.ops.common import match_cotangent, vma_type
 
 __all__ = ["sort_by_expert", "permute_rows", "unpermute_combine", "gather_rows", "group_starts"]
 
@@ -52,13 +59,13 @@ def permute_rows(x: jax.Array, order: jax.Array, inv: jax.Array) -> jax.Array:
 
 def _permute_fwd(x, order, inv):
     kk = order.shape[0] // x.shape[0]
-    return jnp.take(x, order // kk, axis=0), (inv, x.shape[0])
+    return jnp.take(x, order // kk, axis=0), (inv, x.shape[0], vma_type(x))
 
 
 def _permute_bwd(res, g):
-    inv, n = res
+    inv, n, x_type = res
     dx = jnp.take(g, inv, axis=0).reshape(n, -1, g.shape[-1]).sum(axis=1)
-    return dx, None, None
+    return match_cotangent(dx, x_type), None, None
 
 
 permute_rows.defvjp(_permute_fwd, _permute_bwd)
@@ -91,7 +98,7 @@ def _unpermute_bwd(res, g):
     dys = (jnp.take(g, order // k, axis=0) * w_sorted[:, None]).astype(ys.dtype)
     rows = jnp.take(ys, inv, axis=0).reshape(n, k, -1).astype(jnp.float32)
     dw = jnp.einsum("nkh,nh->nk", rows, g).astype(weights.dtype)
-    return dys, dw, None, None
+    return match_cotangent(dys, ys), match_cotangent(dw, weights), None, None
 
 
 unpermute_combine.defvjp(_unpermute_fwd, _unpermute_bwd)
@@ -112,13 +119,13 @@ def gather_rows(x: jax.Array, idx: jax.Array, valid: jax.Array, inv_idx: jax.Arr
 
 def _gather_fwd(x, idx, valid, inv_idx, inv_valid):
     out = jnp.where(valid[:, None], jnp.take(x, idx, axis=0, mode="clip"), jnp.zeros((), x.dtype))
-    return out, (inv_idx, inv_valid)
+    return out, (inv_idx, inv_valid, vma_type(x))
 
 
 def _gather_bwd(res, g):
-    inv_idx, inv_valid = res
+    inv_idx, inv_valid, x_type = res
     dx = jnp.where(inv_valid[:, None], jnp.take(g, inv_idx, axis=0, mode="clip"), jnp.zeros((), g.dtype))
-    return dx, None, None, None, None
+    return match_cotangent(dx, x_type), None, None, None, None
 
 
 gather_rows.defvjp(_gather_fwd, _gather_bwd)

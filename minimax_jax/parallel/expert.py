@@ -69,8 +69,9 @@ def moe_expert_parallel(x: jax.Array, weights: jax.Array, experts: jax.Array, wi
 
     Args: as ``minimax_jax.ops.moe.moe_experts`` (x ``[N, H]``, weights ``[N, k]`` f32, experts
       ``[N, k]`` int32, wi ``[E, H, 2I]``, wo ``[E, I, H]``); mesh / rules: the active
-      ``minimax_jax.sharding`` context; gmm_impl: grouped-matmul implementation (``"auto" | "xla" |
-      "tokamax"``); transport: one of ``TRANSPORTS``.
+      ``minimax_jax.sharding`` context; gmm_impl: grouped-matmul implementation (one of
+      ``minimax_jax.ops.grouped_matmul.GMM_IMPLEMENTATIONS``; ``"auto"``: ``"pallas_gpu"`` on GPU,
+      ``"xla"`` elsewhere); transport: one of ``TRANSPORTS``.
     Returns: ``[N, H]`` in ``x.dtype``.
     Raises: ImplementationUnavailable for an unknown transport, ``"ragged_all_to_all"`` on CPU,
       or an unavailable grouped matmul.
@@ -125,7 +126,8 @@ def _local(x, weights, experts, wi4, wo, *, act, gmm, transport, ep, tp, p, e_pa
     else:
         ys = _exchange_ragged(xs, counts, wi, wo, act, gmm, ep, tp, p)
     # ys must vary like the local tokens: a kernel output typed invariant would give the custom VJP
-    # of unpermute_combine a varying cotangent for an invariant primal (seen on the H200 with tokamax)
+    # of unpermute_combine a varying cotangent for an invariant primal (seen on the H200 with tokamax
+    # and, while match_vma could not read jax >= 0.10's types, with the ragged receive buffer)
     ys = match_vma(ys.astype(x.dtype), x)
     return unpermute_combine(ys, weights, order, inv).astype(x.dtype)
 
@@ -209,6 +211,7 @@ def _ragged_exchange(operand, plan, axis, out_rows):
     Differentiable through JAX's own transpose rule (the reverse ragged exchange).
     """
     in_off, send_sz, out_off, recv_sz = plan
+    # the output takes the type of this buffer: it must vary like the rows it receives
     out = match_vma(jnp.zeros((out_rows,) + operand.shape[1:], operand.dtype), operand)
     return jax.lax.ragged_all_to_all(operand, out, in_off, send_sz, out_off, recv_sz, axis_name=axis)
 

@@ -1,0 +1,117 @@
+"""Expert-parallel MoE under shard_map's varying-manual-axes typing ("vma", ``check_vma=True``).
+
+Regression for the H200 failure of bench/moe.py (bench/results/moe_run8.log, jax 0.11.2): "Custom VJP
+bwd rule attached to unpermute_combine ... produced an output of type bfloat16[8192,1024]{V:expert}
+corresponding to an input of type bfloat16[8192,1024]". Since jax 0.10 the varying axes are read
+from ``jax.typeof(x).manual_axis_type.varying`` (``.vma`` was removed), so ``match_vma`` silently
+did nothing and two values reached ``unpermute_combine`` typed invariant over ``expert`` while its
+output cotangent varied: the fresh receive buffer of ``ragged_all_to_all`` (whose output takes
+the buffer's type) and a kernel output that does not propagate the type.
+
+Runs this file as a subprocess with 2 simulated CPU devices. Cases:
+- ``kernel_drops_vma``: mesh ``data=2`` (an expert axis of size 1, as on one H200), the expert MLP
+  (``moe.sorted_expert_mlp``, i.e. the grouped-matmul kernels) wrapped by a test-only ``psum`` over
+  the size-1 ``expert`` axis: the same values, typed invariant over ``expert`` like the output of a
+  kernel that does not propagate the type. Forward and gradients == the dense MoE.
+- ``ragged_buffer_trace``: the H200 path itself, ``ragged_all_to_all`` over ``expert=2``. That
+  collective does not run on CPU, so the backend check is patched to "gpu" and forward + gradient
+  are only traced (which is where the error was raised).
+The Pallas kernels in interpret mode (``pallas_gpu_interpret``) cannot run here: JAX's Pallas HLO
+interpreter fails its own vma check inside ``shard_map`` (``dynamic_slice requires varying manual
+axes to match``, jax 0.10.2), independent of this code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CASES = [  # (name, mesh, moe implementation, transport, expected record)
+    ("kernel_drops_vma", "data=2", "ragged", "auto", "expert_parallel[none,xla,ep=1,tp=1]"),
+    ("ragged_buffer_trace", "expert=2", "ragged", "ragged_all_to_all",
+     "expert_parallel[ragged_all_to_all,xla,ep=2,tp=1]"),
+]
+
+
+def test_expert_parallel_vma_typing():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
+                          timeout=900, cwd=ROOT)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0, (rows, proc.stderr[-8000:])
+    assert [r["case"] for r in rows] == [c[0] for c in CASES], rows
+    for case, row in zip(CASES, rows):
+        assert row.get("error") is None, row
+        assert row["moe"] == case[4], row
+        if row["max_rel_err"] is not None:
+            assert row["max_rel_err"] <= 1e-5, row
+
+
+def _worker():
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import minimax_jax.parallel.expert as expert_mod
+    from minimax_jax import sharding as sh
+    from minimax_jax.ops import moe
+    from minimax_jax.ops.common import clear_implementation_report, implementation_report
+
+    assert jax.device_count() == 2, jax.devices()
+
+    def act(g):
+        a, b = jnp.split(g, 2, axis=-1)
+        return jax.nn.silu(a) * b
+
+    real_mlp, real_backend = moe.sorted_expert_mlp, expert_mod.default_backend
+
+    def mlp_dropping_expert_vma(*args):
+        # the "expert" axis has size 1 here: psum keeps the values and types the output invariant
+        # over it, as a pallas_call / tokamax kernel that does not propagate the type would
+        return jax.lax.psum(real_mlp(*args), "expert")
+
+    h, k, e, width, n = 16, 2, 4, 8, 12
+    ks = jax.random.split(jax.random.key(7), 5)
+    x = jax.random.normal(ks[0], (n, h))
+    router = jax.random.normal(ks[1], (h, e))
+    wi = 0.3 * jax.random.normal(ks[2], (e, h, 2 * width))
+    wo = 0.3 * jax.random.normal(ks[3], (e, width, h))
+    cot = jax.random.normal(ks[4], (n, h))
+
+    def loss(x, router, wi, wo, impl, transport):
+        w, ex, _ = moe.route(x, router, jnp.zeros((e,)), k)
+        return jnp.sum(moe.moe_experts(x, w, ex, wi, wo, act, implementation=impl, ep_transport=transport) * cot)
+
+    f = jax.value_and_grad(loss, argnums=(0, 1, 2, 3))
+    ref = jax.jit(f, static_argnums=(4, 5))(x, router, wi, wo, "dense", "auto")
+    for name, mesh_spec, impl, transport, _ in CASES:
+        row = {"case": name, "moe": None, "max_rel_err": None, "error": None}
+        clear_implementation_report()
+        try:
+            with sh.use_mesh(sh.make_mesh(mesh_spec), sh.load_rules("default")):
+                if name == "kernel_drops_vma":
+                    moe.sorted_expert_mlp = mlp_dropping_expert_vma
+                if name == "ragged_buffer_trace":
+                    expert_mod.default_backend = lambda: "gpu"
+                    jaxpr = jax.make_jaxpr(f, static_argnums=(4, 5))(x, router, wi, wo, impl, transport)
+                    assert "ragged_all_to_all" in str(jaxpr)
+                else:
+                    got = jax.jit(f, static_argnums=(4, 5))(x, router, wi, wo, impl, transport)
+                    row["max_rel_err"] = max(
+                        float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / max(1.0, float(np.max(np.abs(b)))))
+                        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)))
+        except Exception as err:  # noqa: BLE001  (reported to the test, which shows it)
+            row["error"] = f"{type(err).__name__}: {str(err)[:600]}"
+        finally:
+            moe.sorted_expert_mlp = real_mlp
+            expert_mod.default_backend = real_backend
+        row["moe"] = implementation_report().get("moe")
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    _worker()
