@@ -9,6 +9,11 @@ Kernel layout: one program per (query token, kv group, batch row). The H/G query
 share the selected blocks, so they are stacked as the M dimension of every matmul (padded to a power
 of two >= 16, the smallest tensor-core tile Triton accepts). Each selected block is gathered from
 HBM with a data-dependent ``pl.ds(start, B)`` (see layout.py for how start is computed).
+The padding exists only in registers: the kernels read q / do / lse / delta and write o / lse / dq
+in their natural [B,T,H,...] layout, rows ``g*H/G + [0, M)`` with a row mask (masked-off rows load
+0, or +inf for lse, and are never stored). Nothing [B,T,G,M,...]-shaped is materialised in HBM:
+at M2 shapes (H/G = 6 -> M = 16) that was 2.7x the size of q per padded copy (at T = 1M: 32 GiB
+each for padded q and o in the forward, padded q, do and dq in the backward).
 
 Backward (``jax.custom_vjp``): delta = rowsum(o * do) in XLA; dq with the same query-outer kernel;
 dk/dv KV-outer: the (token, slot) selections are sorted by the storage tile they touch (stable
@@ -74,12 +79,42 @@ def _online_softmax_finish(acc, m_i, l_i, dtype):
     return o, jnp.where(l_i == 0.0, -jnp.inf, (m_i + jnp.log2(l_safe)) * _LN2)
 
 
+def _group_rows(ref, b, t, g, hg, m_pad):
+    """(ref view of rows g*hg .. g*hg+m_pad of token t, row mask or None), for [B,T,H,...] refs.
+
+    The view is the group's M = m_pad rows in the natural [B,T,H,...] layout; rows >= hg (another
+    group's heads, or past the end of the array for the last group) are masked (mask None when
+    hg == m_pad: every row is the group's own).
+    """
+    view = ref.at[(b, t, pl.ds(g * hg, m_pad)) + (slice(None),) * (len(ref.shape) - 3)]
+    if hg == m_pad:
+        return view, None
+    return view, jax.lax.broadcasted_iota(jnp.int32, view.shape, 0) < hg
+
+
+def _load_group(ref, b, t, g, hg, m_pad, fill=0.0):
+    """The group's M rows of token t of a [B,T,H,...] ref; rows >= hg read as ``fill``."""
+    view, mask = _group_rows(ref, b, t, g, hg, m_pad)
+    if mask is None:
+        return view[...]
+    return pltriton.load(view, mask=mask, other=jnp.asarray(fill, ref.dtype))
+
+
+def _store_group(ref, b, t, g, hg, m_pad, val):
+    """Write the group's first hg of M rows of ``val`` into token t of a [B,T,H,...] ref."""
+    view, mask = _group_rows(ref, b, t, g, hg, m_pad)
+    if mask is None:
+        view[...] = val
+    else:
+        pltriton.store(view, val, mask=mask)
+
+
 def _fwd_kernel(q_ref, k_ref, v_ref, ids_ref, start_ref, qpos_ref, qseg_ref, kvpos_ref, kvseg_ref,
-                o_ref, lse_ref, *, blk, topk, scale):
+                o_ref, lse_ref, *, blk, topk, scale, hg, m_pad):
     t = pl.program_id(0)
     g = pl.program_id(1)
     b = pl.program_id(2)
-    q = q_ref[b, t, g]                       # [M, D]
+    q = _load_group(q_ref, b, t, g, hg, m_pad)   # [M, D]; q_ref [B,T,H,D]
     m_rows = q.shape[0]
     d = v_ref.shape[-1]
     q_pos = qpos_ref[b, t]
@@ -99,18 +134,20 @@ def _fwd_kernel(q_ref, k_ref, v_ref, ids_ref, start_ref, qpos_ref, qseg_ref, kvp
         return _online_softmax_step(s, vb, acc, m_prev, l_prev)
 
     acc, m_i, l_i = jax.lax.fori_loop(0, topk, body, _online_softmax_init(m_rows, d))
-    o_ref[b, t, g], lse_ref[b, t, g] = _online_softmax_finish(acc, m_i, l_i, o_ref.dtype)
+    o, lse = _online_softmax_finish(acc, m_i, l_i, o_ref.dtype)
+    _store_group(o_ref, b, t, g, hg, m_pad, o)
+    _store_group(lse_ref, b, t, g, hg, m_pad, lse)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, ids_ref, start_ref, qpos_ref,
-               qseg_ref, kvpos_ref, kvseg_ref, dq_ref, *, blk, topk, scale):
+               qseg_ref, kvpos_ref, kvseg_ref, dq_ref, *, blk, topk, scale, hg, m_pad):
     t = pl.program_id(0)
     g = pl.program_id(1)
     b = pl.program_id(2)
-    q = q_ref[b, t, g]
-    do = do_ref[b, t, g]
-    lse = lse_ref[b, t, g] * _LOG2E          # [M] log2 domain
-    delta = delta_ref[b, t, g]
+    q = _load_group(q_ref, b, t, g, hg, m_pad)            # [M, D]
+    do = _load_group(do_ref, b, t, g, hg, m_pad)
+    lse = _load_group(lse_ref, b, t, g, hg, m_pad, jnp.inf) * _LOG2E   # [M] log2; pad: p = 0
+    delta = _load_group(delta_ref, b, t, g, hg, m_pad)
     q_pos = qpos_ref[b, t]
     q_seg = qseg_ref[b, t]
     qk_scale = scale * _LOG2E
@@ -129,11 +166,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, ids_ref, start_r
         return dq + _dot(ds.astype(kb.dtype), kb)
 
     dq = jax.lax.fori_loop(0, topk, body, jnp.zeros(q.shape, jnp.float32))
-    dq_ref[b, t, g] = (dq * scale).astype(dq_ref.dtype)
+    _store_group(dq_ref, b, t, g, hg, m_pad, (dq * scale).astype(dq_ref.dtype))
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, ids_ref, ent_ref, off_ref,
-                 qpos_ref, qseg_ref, kvpos_ref, kvseg_ref, dk_ref, dv_ref, *, blk, topk, scale):
+                 qpos_ref, qseg_ref, kvpos_ref, kvseg_ref, dk_ref, dv_ref, *, blk, topk, scale, hg,
+                 m_pad):
     tile = pl.program_id(0)
     g = pl.program_id(1)
     b = pl.program_id(2)
@@ -152,10 +190,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, ids_ref, ent_r
         t = jax.lax.div(flat, topk)
         slot = flat - t * topk
         n = ids_ref[b, g, t, slot]
-        q = q_ref[b, t, g]                   # [M, D]
-        do = do_ref[b, t, g]
-        lse = lse_ref[b, t, g] * _LOG2E
-        delta = delta_ref[b, t, g]
+        q = _load_group(q_ref, b, t, g, hg, m_pad)          # [M, D]
+        do = _load_group(do_ref, b, t, g, hg, m_pad)
+        lse = _load_group(lse_ref, b, t, g, hg, m_pad, jnp.inf) * _LOG2E
+        delta = _load_group(delta_ref, b, t, g, hg, m_pad)
         vis = _mask(kvp, kvs, n, qpos_ref[b, t], qseg_ref[b, t], blk)
         s = _dot(q, kb, trans_b=True) * qk_scale          # [M, B]
         p = jnp.where(vis[None, :], jnp.exp2(s - lse[:, None]), 0.0)
@@ -176,7 +214,11 @@ def _params(num_warps, num_stages):
 
 
 def _group_q(x, g, m_pad, fill=0.0):
-    """[B,T,H,...] -> [B,T,G,M,...] with the group's heads padded to m_pad rows."""
+    """[B,T,H,...] -> [B,T,G,M,...] with the group's heads padded to m_pad rows.
+
+    A materialised copy (m_pad / (H/G) times the input): the kernels of this file no longer use it
+    (they mask rows in registers, ``_load_group``); kept for gpu_attention_qtile.py and gpu_kl.py.
+    """
     bsz, t, h = x.shape[:3]
     hg = h // g
     x = x.reshape(bsz, t, g, hg, *x.shape[3:])
@@ -221,19 +263,19 @@ def _fwd(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segmen
                           block_size)
     ids = layout.dedupe_ids(block_ids)
     starts = layout.window_starts(ids, prep.base, block_size, prep.s_pad)
-    q5 = _group_q(q, g, m_pad)
     qpos = q_positions.astype(jnp.int32)
-    kernel = functools.partial(_fwd_kernel, blk=block_size, topk=topk, scale=1.0 / math.sqrt(d))
-    o5, lse4 = pl.pallas_call(
+    kernel = functools.partial(_fwd_kernel, blk=block_size, topk=topk, scale=1.0 / math.sqrt(d),
+                               hg=hg, m_pad=m_pad)
+    o, lse = pl.pallas_call(      # q, o, lse in their natural layout (no padded copies)
         kernel,
         grid=(t, g, bsz),
-        out_shape=[jax.ShapeDtypeStruct((bsz, t, g, m_pad, v.shape[-1]), q.dtype),
-                   jax.ShapeDtypeStruct((bsz, t, g, m_pad), jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct((bsz, t, h, v.shape[-1]), q.dtype),
+                   jax.ShapeDtypeStruct((bsz, t, h), jnp.float32)],
         compiler_params=_params(num_warps, num_stages),
         interpret=interpret,
         name="msa_fwd_gpu",
-    )(q5, prep.k, prep.v, ids, starts, qpos, prep.q_seg, prep.kv_pos, prep.kv_seg)
-    return _ungroup(o5, hg), _ungroup(lse4, hg)
+    )(q, prep.k, prep.v, ids, starts, qpos, prep.q_seg, prep.kv_pos, prep.kv_seg)
+    return o, lse
 
 
 def _bwd(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids, o, lse,
@@ -249,21 +291,21 @@ def _bwd(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segmen
                           block_size)
     ids = layout.dedupe_ids(block_ids)
     starts = layout.window_starts(ids, prep.base, block_size, prep.s_pad)
-    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)   # [B,T,H]
-    q5 = _group_q(q, g, m_pad)
-    do5 = _group_q(do.astype(q.dtype), g, m_pad)
-    lse5 = _group_q(lse, g, m_pad, fill=jnp.inf)
-    delta5 = _group_q(delta, g, m_pad)
+    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)   # [B,T,H] (fused)
+    do = do.astype(q.dtype)
+    lse = lse.astype(jnp.float32)
     qpos = q_positions.astype(jnp.int32)
-    common = dict(blk=block_size, topk=topk, scale=scale)
-    dq5 = pl.pallas_call(
+    # q, do, lse, delta, dq in their natural [B,T,H,...] layout: the kernels mask the group's
+    # padded rows in registers (no [B,T,G,M,...] copies in HBM).
+    common = dict(blk=block_size, topk=topk, scale=scale, hg=hg, m_pad=m_pad)
+    dq = pl.pallas_call(
         functools.partial(_dq_kernel, **common),
         grid=(t, g, bsz),
-        out_shape=jax.ShapeDtypeStruct(q5.shape, q.dtype),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=_params(num_warps, num_stages),
         interpret=interpret,
         name="msa_dq_gpu",
-    )(q5, prep.k, prep.v, do5, lse5, delta5, ids, starts, qpos, prep.q_seg, prep.kv_pos,
+    )(q, prep.k, prep.v, do, lse, delta, ids, starts, qpos, prep.q_seg, prep.kv_pos,
       prep.kv_seg)
     n_tiles = prep.s_pad // block_size
     ent, offs = _inverse_map(ids, starts, block_size, n_tiles)
@@ -275,9 +317,9 @@ def _bwd(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segmen
         compiler_params=_params(num_warps, num_stages),
         interpret=interpret,
         name="msa_dkdv_gpu",
-    )(q5, prep.k, prep.v, do5, lse5, delta5, ids, ent, offs, qpos, prep.q_seg, prep.kv_pos,
+    )(q, prep.k, prep.v, do, lse, delta, ids, ent, offs, qpos, prep.q_seg, prep.kv_pos,
       prep.kv_seg)
-    return _ungroup(dq5, hg), dk[:, :s], dv[:, :s]
+    return dq, dk[:, :s], dv[:, :s]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
