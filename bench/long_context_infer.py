@@ -61,8 +61,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 RESULT_FILE = "long_context_infer.json"
-#: Prefill chunk bounds of ``auto_chunk``.
-CHUNK_MIN, CHUNK_MAX = 256, 16384
+
 #: Choices of --prefill-impl / --prefill-widths (subsets of minimax_jax.decode.step.PREFILL_IMPLEMENTATIONS
 #: and minimax_jax.decode.engine.PREFILL_WIDTHS; spelled out so the driver does not import jax).
 PREFILL_IMPLS = ("auto", "xla", "pallas_gpu", "pallas_gpu_interpret")
@@ -75,12 +74,11 @@ def _log(msg: str) -> None:
 
 
 def auto_chunk(context: int) -> int:
-    """Prefill chunk for an engine window of ``context`` tokens: ``context // 8`` clamped to
-    ``[CHUNK_MIN, CHUNK_MAX]``. Large chunks cut the per-chunk fixed costs (a gather of the cache
-    view per layer, one kernel launch set per layer) and give the kernels enough query rows (the
-    MSA indexer runs one program per 64 tokens: 256 programs per 16384-token chunk on 132 SMs);
-    the cap keeps chunk activations small (the MoE's sorted rows, ~0.5 GB at 16384)."""
-    return max(CHUNK_MIN, min(CHUNK_MAX, context // 8))
+    """Prefill chunk for an engine window of ``context`` tokens: infer.py's own default
+    (``minimax_jax.infer.backends.auto_prefill_chunk``; on a GPU ``context // 8`` in [256, 16384])."""
+    from minimax_jax.infer.backends import auto_prefill_chunk
+
+    return auto_prefill_chunk(context)
 
 
 # ----------------------------------------------------------------------------- worker
@@ -307,7 +305,7 @@ def main(argv=None) -> int:
     ap.add_argument("--attentions", type=_modes, default=["as_trained", "dense"], help="infer.py --attention modes")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--prefill-chunk", type=int, default=0,
-                    help="infer.py --prefill_chunk; 0 = per context (auto_chunk: context // 8 in [256, 16384])")
+                    help="infer.py --prefill_chunk; 0 = infer.py's default for the context (GPU: context // 8 in [256, 16384])")
     ap.add_argument("--prefill-impl", default="auto", choices=PREFILL_IMPLS,
                     help="DecodeEngine prefill_implementation (auto: GPU kernels on a GPU, XLA on CPU)")
     ap.add_argument("--prefill-widths", default="auto", choices=WIDTHS,

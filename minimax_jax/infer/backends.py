@@ -77,6 +77,28 @@ def _hidden_last(want_hidden) -> int | None:
     raise ValueError(f"want_hidden must be False, True or a positive int, got {want_hidden!r}")
 
 
+#: Bounds of ``auto_prefill_chunk`` on a GPU.
+PREFILL_CHUNK_MIN, PREFILL_CHUNK_MAX = 256, 16384
+
+
+def auto_prefill_chunk(prompt_tokens: int, backend: str | None = None) -> int:
+    """Prompt tokens per prefill step of the paged engine for a prompt of ``prompt_tokens``.
+
+    On a GPU (the engine prefills with the Pallas kernels, whose cost follows the positions):
+    ``prompt_tokens // 8`` clamped to ``[256, 16384]`` — large chunks cut the fixed costs per chunk
+    (one cache-view gather and one set of kernel launches per layer) and give the kernels enough
+    query rows; measured on the H200 (BENCHMARKS.md, issue 8): a 1M-token prompt prefilled in 13.8 s
+    with 16384-token chunks, where 256-token chunks would run ~4000 steps. Elsewhere 256: the XLA
+    reference ops materialise ``[chunk, S]`` scores, so small chunks bound their memory.
+    ``backend`` defaults to ``jax.default_backend()``.
+    """
+    import jax
+
+    if (backend or jax.default_backend()) != "gpu":
+        return PREFILL_CHUNK_MIN
+    return max(PREFILL_CHUNK_MIN, min(PREFILL_CHUNK_MAX, int(prompt_tokens) // 8))
+
+
 class PagedBackend(Backend):
     """``DecodeEngine`` wrapper. Hidden states (for MTP drafting) need an engine whose ``prefill`` /
     ``decode_step`` accept ``return_hidden=True``; otherwise asking for them raises EngineUnavailable.

@@ -44,7 +44,8 @@ flags.DEFINE_integer("mtp_window", 64, "Positions the MTP layers attend over whi
                      "runs the MTP layers over this many tokens; larger = better drafts, slower).", lower_bound=1)
 flags.DEFINE_enum("engine", "paged", ["paged", "recompute"], "Generation engine: 'paged' = KV-cache decode engine "
                   "(minimax_jax.decode); 'recompute' = full forward each step (slow; for checking).")
-flags.DEFINE_integer("prefill_chunk", 256, "Prompt tokens per prefill step of the paged engine.", lower_bound=1)
+flags.DEFINE_integer("prefill_chunk", 0, "Prompt tokens per prefill step of the paged engine; 0 = by prompt length "
+                     "(GPU: length // 8 in [256, 16384]; elsewhere 256).", lower_bound=0)
 flags.DEFINE_string("dtype", None, "Cast parameters on load ('float32' or 'bfloat16'); also the dtype of an "
                     "on-the-fly Hugging Face conversion (default bfloat16).")
 flags.DEFINE_string("mesh", None, "Device mesh, e.g. 'fsdp=2,tensor=2' (axes data, fsdp, expert, sequence, tensor; "
@@ -127,10 +128,13 @@ def run() -> int:
         f"{k}={v}" for k, v in model.mesh.shape.items() if v > 1)
     _err(f"model: {model.checkpoint_dir} [{model.source}], {model.cfg.num_layers} layers, "
          f"vocab {model.cfg.vocab_size}, context {model.cfg.max_position_embeddings}, {where}")
+    from minimax_jax.infer.backends import auto_prefill_chunk
+
+    chunk = FLAGS.prefill_chunk or auto_prefill_chunk(len(prompt))
     gen = Generator(model.cfg, model.params, model.tokenizer, engine=FLAGS.engine,
-                    engine_options={"prefill_chunk": FLAGS.prefill_chunk} if FLAGS.engine == "paged" else None,
+                    engine_options={"prefill_chunk": chunk} if FLAGS.engine == "paged" else None,
                     log=_err)
-    out = _generate(gen, model, prompt, config)
+    out = _generate(gen, model, prompt, config, chunk)
     seq = out.sequences[0]
     if not FLAGS.stream:
         sys.stdout.write(seq.text)
@@ -154,7 +158,7 @@ def run() -> int:
     return 0
 
 
-def _generate(gen, model, prompt, config):
+def _generate(gen, model, prompt, config, chunk):
     import contextlib
 
     from tqdm.auto import tqdm
@@ -163,7 +167,7 @@ def _generate(gen, model, prompt, config):
         sys.stdout.write(delta)
         sys.stdout.flush()
 
-    long_prefill = len(prompt) > FLAGS.prefill_chunk
+    long_prefill = len(prompt) > chunk
     ctx = contextlib.nullcontext()
     if model.mesh is not None:
         from minimax_jax.sharding import use_mesh
