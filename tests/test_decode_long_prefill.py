@@ -28,9 +28,8 @@ from minimax_jax.config import ModelConfig
 from minimax_jax.decode import DecodeEngine
 from minimax_jax.decode import engine as engine_mod
 from minimax_jax.decode import step as step_mod
-from minimax_jax.model import abstract_params
 from minimax_jax.model.transformer import forward
-from minimax_jax.train.testing import MICRO_MODEL, MICRO_MSA_MODEL
+from minimax_jax.train.testing import MICRO_MODEL, MICRO_MSA_MODEL, random_params
 
 PAGE, CHUNK, MAX_LEN, REF_LEN = 8, 32, 4096, 256
 ATOL = 1e-4
@@ -42,20 +41,7 @@ def _model(kind: str):
     d = {k: v for k, v in (MICRO_MSA_MODEL if kind == "m3" else MICRO_MODEL).items() if k != "name"}
     cfg = ModelConfig.from_dict({**d, "dtype": "float32", "param_dtype": "float32", "num_mtp_modules": 0,
                                  "max_position_embeddings": MAX_LEN})
-    rng = np.random.default_rng(3)
-
-    def leaf(path, a):
-        name = jax.tree_util.keystr(path)
-        if name.endswith("['scale']"):
-            x = 1.0 + 0.1 * rng.standard_normal(a.shape)
-        elif "bias" in name:
-            x = 0.1 * rng.standard_normal(a.shape)
-        else:
-            x = rng.standard_normal(a.shape) / np.sqrt(a.shape[-2] if "embedding" not in name else 1)
-        return jnp.asarray(x, a.dtype)
-
-    params = jax.tree_util.tree_map_with_path(leaf, abstract_params(cfg))
-    return cfg, jax.device_put(params, jax.devices()[0])              # committed, as a loaded checkpoint
+    return cfg, random_params(cfg)
 
 
 @functools.partial(jax.jit, static_argnums=1)

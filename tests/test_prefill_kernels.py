@@ -29,10 +29,9 @@ import pytest
 from minimax_jax.config import ModelConfig
 from minimax_jax.decode import DecodeEngine
 from minimax_jax.decode import step as step_mod
-from minimax_jax.model import abstract_params
 from minimax_jax.ops.attention import attention
 from minimax_jax.ops.common import ImplementationUnavailable, clear_implementation_report, implementation_report
-from minimax_jax.train.testing import MICRO_MSA_MODEL
+from minimax_jax.train.testing import MICRO_MSA_MODEL, random_params
 from pallas_kernels.prefill.gpu_attention import suffix_attention_gpu, unsupported_reason
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -108,20 +107,7 @@ def _model():
     d.update(num_heads=8, num_kv_heads=2, head_dim=16, index_head_dim=16, index_block_size=16, index_topk=2,
              dtype="float32", param_dtype="float32", num_mtp_modules=0, max_position_embeddings=256)
     cfg = ModelConfig.from_dict(d)
-    rng = np.random.default_rng(3)
-
-    def leaf(path, a):
-        name = jax.tree_util.keystr(path)
-        if name.endswith("['scale']"):
-            x = 1.0 + 0.1 * rng.standard_normal(a.shape)
-        elif "bias" in name:
-            x = 0.1 * rng.standard_normal(a.shape)
-        else:
-            x = rng.standard_normal(a.shape) / np.sqrt(a.shape[-2] if "embedding" not in name else 1)
-        return jnp.asarray(x, a.dtype)
-
-    params = jax.tree_util.tree_map_with_path(leaf, abstract_params(cfg))
-    return cfg, jax.device_put(params, jax.devices()[0])
+    return cfg, random_params(cfg)
 
 
 def _run(impl, widths, prompts, nxt):

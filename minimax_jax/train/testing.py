@@ -91,3 +91,28 @@ def run_train_cli(config_path: str, *overrides: str, env: dict | None = None, ti
     if not wait:
         return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def random_params(cfg, seed: int = 3):
+    """Random params for ``cfg`` built in numpy (``init_params`` takes seconds on CPU), committed to
+    the first device like a loaded checkpoint: norm scales ~1 +- 0.1, biases ~N(0, 0.1), matrices
+    ~N(0, 1/fan_in) (embeddings N(0, 1))."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from minimax_jax.model import abstract_params
+
+    rng = np.random.default_rng(seed)
+
+    def leaf(path, a):
+        name = jax.tree_util.keystr(path)
+        if name.endswith("['scale']"):
+            x = 1.0 + 0.1 * rng.standard_normal(a.shape)
+        elif "bias" in name:
+            x = 0.1 * rng.standard_normal(a.shape)
+        else:
+            x = rng.standard_normal(a.shape) / np.sqrt(a.shape[-2] if "embedding" not in name else 1)
+        return jnp.asarray(x, a.dtype)
+
+    return jax.device_put(jax.tree_util.tree_map_with_path(leaf, abstract_params(cfg)), jax.devices()[0])
