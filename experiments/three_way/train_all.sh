@@ -21,6 +21,13 @@
 # the slowest, so that it finishes inside TRAIN_BUDGET_S; the cosine schedule then ends where the
 # run ends and the three runs see the same batches); WARMUP_FRAC share of MSA indexer warm-up [0.12];
 # PROBE_SIDE a command run on the other GPU while the probe runs (optional); CONTENTION (below).
+# Curriculum (off unless CURRICULUM_STEPS > 0; RESULTS.md run 3: no model learned to copy): stage 1
+# trains every variant for CURRICULUM_STEPS steps on a second corpus of short documents
+# (SHORT_MAX_CHARS [1500] characters, SHORT_MB [30] MB, same shares and tokenizer) in rows of
+# SHORT_SEQ [1024] x SHORT_BATCH [16], capped at CURRICULUM_CAP_S [150] s, exports it, and records
+# the copy check of experiments/learnability/induction.py (induction_<v>.txt); stage 2 (the runs
+# above) starts from those weights (init.mode=checkpoint) with a fresh optimizer; the MSA variant
+# does its indexer warm-up in stage 1 only.
 set -u
 cd "$(dirname "$0")/../.."
 W=${W:-/tmp/three_way}
@@ -53,6 +60,15 @@ $PY -m minimax_jax.data.corpus --out "$W/corpus" --max_mb "$MAX_MB" --seed 0 --s
 log "tokenizer"
 $PY -m minimax_jax.data.tokenizer train --input "$W"/corpus/train-*.jsonl --field text --vocab_size 4096 \
   --max_chars 40000000 --out "$W/tok" >> "$OUT/train_all.log" 2>&1 || exit 1
+
+CURRICULUM_STEPS=${CURRICULUM_STEPS:-0}
+if [ "$CURRICULUM_STEPS" -gt 0 ]; then
+  WARMUP_FRAC=0     # the MSA indexer warm-up happens in stage 1
+  log "short-document corpus for the curriculum"
+  $PY -m minimax_jax.data.corpus --out "$W/corpus_short" --max_mb "${SHORT_MB:-30}" --seed 1 --shares "$SHARES" \
+    --synthetic_min_chars 300 --synthetic_max_chars "${SHORT_MAX_CHARS:-1500}" \
+    --workers "$(( $(nproc) < 16 ? $(nproc) : 16 ))" > "$OUT/corpus_short.json" || exit 1
+fi
 
 if [ -z "${MSA_IMPL:-}" ]; then
   MSA_IMPL=xla
@@ -90,6 +106,38 @@ fit_budget() {
   log "training cap: $TRAIN_BUDGET_S s"
 }
 fit_budget
+
+variant_sets() {  # variant -> the --set flags of its attention layers
+  case $1 in
+    msa) echo "--set model.msa_impl=$MSA_IMPL" ;;
+    full) echo "--set model.layer_types=[full,full,full,full,full,full] --set msa.indexer_warmup_steps=0" ;;
+    sliding) echo "--set model.layer_types=[full,full,sliding,sliding,sliding,sliding] --set model.sliding_window=512 --set msa.indexer_warmup_steps=0" ;;
+    *) return 2 ;;
+  esac
+}
+dev_of() { case $1 in msa) echo "$GPUS_MSA" ;; full) echo "$GPUS_FULL" ;; *) echo "$GPUS_SLIDING" ;; esac; }
+
+stage1_one() {  # variant device
+  local v=$1 dev=$2 t0=$SECONDS warm=""
+  [ "$v" = msa ] && warm="--set msa.indexer_warmup_steps=$(( CURRICULUM_STEPS / 5 ))"
+  # shellcheck disable=SC2046,SC2086
+  tc "$dev" "${CURRICULUM_CAP_S:-150}" --set "run.run_dir=$W/runs1/$v" --set run.steps=$CURRICULUM_STEPS \
+    --set "data.sources=[$W/corpus_short/train-*.jsonl]" --set data.seq_len=${SHORT_SEQ:-1024} \
+    --set data.batch_size=${SHORT_BATCH:-16} --set schedule.warmup_steps=50 $(variant_sets "$v") $warm \
+    > "$W/stage1_$v.log" 2>&1
+  log "stage 1 $v: rc $? after $((SECONDS - t0)) s"
+  $PY -m minimax_jax.train.export --run_dir "$W/runs1/$v" --dst "$W/ckpt1/$v" >> "$W/stage1_$v.log" 2>&1
+  log "stage 1 export $v: rc $?"
+  CUDA_VISIBLE_DEVICES=$dev XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 $PY experiments/learnability/induction.py repeat \
+    --checkpoint "$W/ckpt1/$v" > "$OUT/induction_$v.txt" 2>>"$W/stage1_$v.log"
+  log "stage 1 copy check $v: $(tail -1 "$OUT/induction_$v.txt")"
+  cp "$W/runs1/$v/metrics.jsonl" "$OUT/metrics_stage1_$v.jsonl" 2>/dev/null
+}
+if [ "$CURRICULUM_STEPS" -gt 0 ]; then
+  for v in $VARIANTS; do stage1_one "$v" "$(dev_of "$v")" & done
+  wait
+  fit_budget
+fi
 
 if [ -z "${STEPS:-}" ]; then
   # Probe: the MSA run (the slowest) for 8 warm-up + 16 sparse steps, timed per phase from its
@@ -130,12 +178,13 @@ log "steps for every run: $STEPS (MSA indexer warm-up $WARM_STEPS)"
 
 train_one() {  # variant device
   local v=$1 dev=$2 sets
-  case $v in
-    msa) sets="--set model.msa_impl=$MSA_IMPL --set msa.indexer_warmup_steps=$WARM_STEPS" ;;
-    full) sets="--set model.layer_types=[full,full,full,full,full,full] --set msa.indexer_warmup_steps=0" ;;
-    sliding) sets="--set model.layer_types=[full,full,sliding,sliding,sliding,sliding] --set model.sliding_window=512 --set msa.indexer_warmup_steps=0" ;;
-    *) echo "unknown variant $v"; return 2 ;;
-  esac
+  sets=$(variant_sets "$v") || { echo "unknown variant $v"; return 2; }
+  if [ "$CURRICULUM_STEPS" -gt 0 ]; then
+    sets="$sets --set init.mode=checkpoint --set init.path=$W/ckpt1/$v"
+    [ "$v" = msa ] && sets="$sets --set msa.indexer_warmup_steps=0"
+  elif [ "$v" = msa ]; then
+    sets="$sets --set msa.indexer_warmup_steps=$WARM_STEPS"
+  fi
   local t0=$SECONDS
   # shellcheck disable=SC2086
   tc "$dev" "$TRAIN_BUDGET_S" --set "run.run_dir=$W/runs/$v" --set run.steps=$STEPS $sets > "$W/train_$v.log" 2>&1
@@ -145,10 +194,7 @@ train_one() {  # variant device
   log "export $v: rc $?"
 }
 
-for v in $VARIANTS; do
-  case $v in msa) dev=$GPUS_MSA ;; full) dev=$GPUS_FULL ;; *) dev=$GPUS_SLIDING ;; esac
-  train_one "$v" "$dev" &
-done
+for v in $VARIANTS; do train_one "$v" "$(dev_of "$v")" & done
 wait
 for v in $VARIANTS; do
   cp "$W/train_$v.log" "$OUT/" 2>/dev/null
