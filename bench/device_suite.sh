@@ -4,6 +4,9 @@
 #   GPU0 lane: bench/msa_prefill.py (M3 + M2, 8K..1M, priority order)  -> bench/msa_decode.py
 #   GPU1 lane: install the tokamax wheels -> bench/moe.py (M2 + M3, 8K/32K/64K) -> bench/train_step.py
 #   then, on whichever lane finishes first: bench/long_context_infer.py (128K and 1M, MSA and dense)
+#   after both lanes (CUDA_VISIBLE_DEVICES=0,1): step ep, bench/moe.py --ep-timing (expert parallelism
+#   over the two GPUs: EP MoE layer, the all-to-all alone per transport, the same layer on one GPU);
+#   SUITE_EP_S (default 120 s, 0 = no ep step) is kept free of the lanes' time for it.
 #
 # Run from the repository root with OUT set (the device tool's output folder):
 #     OUT=/path/to/out bash bench/device_suite.sh
@@ -14,9 +17,10 @@
 # left out; without the folder the suite still runs and moe.json says tokamax is unavailable.
 #
 # Everything finishes within SUITE_TOTAL_S (default 540 s) by per-part `timeout`s. Results come back
-# as at most 4 files in $OUT: suite_summary.log (parts, exit codes, durations), results.tar.gz (every
+# as at most 5 files in $OUT: suite_summary.log (parts, exit codes, durations), results.tar.gz (every
 # part's result folder and stdout/stderr log); while a lane is still running, lane0.tar.gz /
-# lane1.tar.gz snapshots (rewritten after each of its parts; deleted once results.tar.gz is written).
+# lane1.tar.gz snapshots (rewritten after each of its parts; deleted once results.tar.gz is written),
+# and lane_ep.tar.gz after the ep step (deleted likewise).
 #
 # CPU plumbing check (tiny shapes, interpret mode, short budgets; PYTHON picks the interpreter):
 #     SUITE_SMOKE=1 SUITE_TOTAL_S=480 OUT=/tmp/suite bash bench/device_suite.sh
@@ -25,7 +29,9 @@
 # SUITE_LANE0 / SUITE_LANE1 (the steps of each lane, in order, from: wheels prefill qtile decode moe
 # train_step impl_check flash_test long_context; defaults as above), SUITE_TRAIN_ARGS (extra
 # bench/train_step.py flags, e.g. "--attention-impl pallas_flash"), SUITE_PREFILL_CASES, SUITE_QTILE_CASES,
-# SUITE_MOE_TOKENS, SUITE_LC_CONTEXTS (long-context windows, default 131072,1048576), SUITE_LC_S (its cap).
+# SUITE_MOE_TOKENS, SUITE_LC_CONTEXTS (long-context windows, default 131072,1048576), SUITE_LC_S (its cap),
+# SUITE_EP_S (cap of the ep step after the lanes, default 120; 0 skips it), SUITE_EP_TOKENS (its tokens per
+# GPU, default 8192,32768; priority order under its budget).
 set -u
 : "${OUT:?set OUT to the output folder}"
 cd "$(dirname "$0")/.."
@@ -45,6 +51,9 @@ if [ "$SMOKE" = 1 ]; then
 fi
 PREFILL_S=${SUITE_PREFILL_S:-300}; DECODE_S=${SUITE_DECODE_S:-150}
 MOE_S=${SUITE_MOE_S:-200}; TRAIN_S=${SUITE_TRAIN_S:-200}
+EP_S=${SUITE_EP_S:-120}
+# the lanes stop EP_S before END: the ep step (both GPUs, after the lanes) gets its own time
+PART_END=$((END - (EP_S > 0 ? EP_S : 0)))
 rm -rf "$WORK" "$SITE"; mkdir -p "$WORK/logs" "$OUT"
 SUMMARY="$OUT/suite_summary.log"
 : > "$SUMMARY"
@@ -60,7 +69,7 @@ snapshot() {
 # part NAME NOMINAL_S CMD...: run CMD under `timeout min(NOMINAL_S, time left)`, log to logs/NAME.log.
 part() {
   local name=$1 nominal=$2; shift 2
-  local left=$((END - $(date +%s)))
+  local left=$((PART_END - $(date +%s)))
   local lim=$(( nominal < left ? nominal : left ))
   if [ "$lim" -lt 10 ]; then
     say "SKIP $name: ${left}s left"; echo "$name skipped" >> "$WORK/parts.txt"; return 0
@@ -78,7 +87,7 @@ part() {
 # The long-context run, on the first lane that gets here (mkdir is the lock).
 long_context() {
   mkdir "$WORK/.lc_lock" 2>/dev/null || return 0
-  local left=$((END - $(date +%s) - 10))
+  local left=$((PART_END - $(date +%s) - 10))
   [ "$left" -gt "${SUITE_LC_S:-$left}" ] && left=$SUITE_LC_S   # SUITE_LC_S caps this step
   [ -f "$SITE/.ok" ] && export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
   if [ "$SMOKE" = 1 ]; then
@@ -158,6 +167,18 @@ step_impl_check() {
   part impl_check 90 "$PY" experiments/three_way/impl_check.py $([ "$SMOKE" = 1 ] && echo --seq 256 --batch 1)
 }
 step_long_context() { long_context; }
+# Expert parallelism over two devices (run after both lanes, not as a lane step): GPUs 0,1; in the CPU
+# smoke two host-platform devices. bench/moe.py says in moe.json which transports ran.
+step_ep() {
+  if [ "$SMOKE" = 1 ]; then
+    part ep "$EP_S" env XLA_FLAGS="--xla_force_host_platform_device_count=2 ${XLA_FLAGS:-}" \
+      "$PY" bench/moe.py --out "$WORK/ep" --tiny --ep-timing --variants none --tokens 64 --reps 3 \
+      --budget-s $((EP_S - 30))
+  else
+    part ep "$EP_S" env CUDA_VISIBLE_DEVICES=0,1 "$PY" bench/moe.py --out "$WORK/ep" --ep-timing --variants none \
+      --tokens "${SUITE_EP_TOKENS:-8192,32768}" --budget-s $((EP_S - 40))
+  fi
+}
 
 run_lane() {  # LANE_NAME DEVICE STEPS...
   local lane=$1 dev=$2; shift 2
@@ -182,9 +203,14 @@ run_lane lane0 0 ${SUITE_LANE0:-prefill decode long_context} & P0=$!
 # shellcheck disable=SC2086
 run_lane lane1 1 ${SUITE_LANE1:-wheels moe train_step long_context} & P1=$!
 wait "$P0" "$P1"
+PART_END=$END
+if [ "$EP_S" -gt 0 ]; then
+  step_ep
+  snapshot lane_ep
+fi
 cp "$SUMMARY" "$WORK/suite_summary.log"
 if tar czf "$OUT/.results.tmp" -C "$WORK" . 2>/dev/null && mv -f "$OUT/.results.tmp" "$OUT/results.tar.gz"; then
-  rm -f "$OUT/lane0.tar.gz" "$OUT/lane1.tar.gz"
+  rm -f "$OUT/lane0.tar.gz" "$OUT/lane1.tar.gz" "$OUT/lane_ep.tar.gz"
 fi
 {
   echo "---- parts (name, exit code, seconds) ----"

@@ -32,6 +32,30 @@ CPU smoke run (tiny shapes; the Pallas kernels run in interpret mode):
    [T*k, I] x [I, H] with the same FLOPs. FLOPs = 6 * T * k * H * I forward, 3x that for
    forward+backward (gradients of x and both weights). A wall-clock budget stops the sweep early;
    skipped cases are listed. ``--variants`` picks a subset (names above; default all).
+3. ``--ep-timing`` (off by default; needs >= 2 visible devices, otherwise it is skipped with the
+   reason in moe.json and the table): expert parallelism over ALL visible devices (mesh
+   ``expert=<N>``, tokens sharded over the same axis, ``N * T`` tokens in all) for the M2 and M3 expert
+   shapes at ``T`` tokens per device (``--tokens``), rows with ``devices``:
+   - "ep_moe": the expert-parallel MoE layer (``moe_experts(implementation="auto")`` inside
+     ``use_mesh``: grouped matmul "pallas_gpu" on GPU, XLA elsewhere), forward and forward+backward,
+     per transport; the path that ran is recorded from the implementation report (``moe``);
+   - "ep_exchange": the token exchange alone, the dispatch + return exchange of the same sizes
+     (``all_to_all``: the fixed [N, T*k, H] buffers plus the per-expert counts; ``ragged_all_to_all``:
+     the real send sizes of this routing, plus the all_gather of the sizes), per transport, with the
+     bytes each device sends to other devices (max over devices) and the rate;
+   - "ep_1dev": the same MoE layer on one device with T tokens (the first device's share of the
+     routing; implementation = what the expert-parallel path's grouped matmul resolves to).
+   The EP rows then carry ``exchange_ms`` (forward: one dispatch + return; forward+backward: two, the
+   backward's transposed exchanges have the same sizes), ``exchange_share`` (= exchange_ms / ms),
+   ``one_device_ms``, ``ep_over_1dev`` (ms / one_device_ms; 1.0 = perfect weak scaling) and
+   ``speedup_vs_1dev`` (N * one_device_ms / ms: tokens per second of N devices vs one). Transports:
+   ragged_all_to_all and all_to_all on GPU/TPU; on CPU only all_to_all (ragged_all_to_all does not
+   run there; recorded in ``info.ep_timing.not_run``). The EP cases run first, under the same budget.
+   ``--variants none`` skips the single-device variants (checks and EP timing only). CPU smoke:
+       XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu \
+           python bench/moe.py --tiny --ep-timing --variants none --tokens 64 --out /tmp/moe_ep
+   GPU (two GPUs):  CUDA_VISIBLE_DEVICES=0,1 python3 bench/moe.py --ep-timing --variants none \
+           --tokens 8192,32768 --out $OUT
 Writes moe.json (and prints a table last).
 """
 
@@ -51,10 +75,14 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as PS  # noqa: E402
+
 from minimax_jax import sharding as sh  # noqa: E402
 from minimax_jax.ops import moe  # noqa: E402
-from minimax_jax.ops.grouped_matmul import grouped_matmul, tokamax_status  # noqa: E402
-from minimax_jax.ops.moe_permute import permute_rows, sort_by_expert  # noqa: E402
+from minimax_jax.ops.common import clear_implementation_report, implementation_report, match_vma  # noqa: E402
+from minimax_jax.ops.grouped_matmul import grouped_matmul, resolve_gmm, tokamax_status  # noqa: E402
+from minimax_jax.ops.moe_permute import group_starts, permute_rows, sort_by_expert  # noqa: E402
 from pallas_kernels.moe import gpu_gmm  # noqa: E402
 
 SHAPES = {"m2": dict(h=3072, i=1536, e=256, k=8), "m3": dict(h=6144, i=3072, e=128, k=4)}
@@ -98,17 +126,21 @@ def _timeit(f, args, reps, budget_s):
     return statistics.median(times), compile_s, len(times)
 
 
-def _variants(avail_tokamax, pallas_impl):
-    def full(impl, **kw):
-        def fwd(x, w, ex, wi, wo, cot):
-            return moe.moe_experts(x, w, ex, wi, wo, _act, implementation=impl, **kw)
+def _moe_fns(impl, **kw):
+    """(forward, forward+backward) of the whole MoE expert computation, args (x, w, ex, wi, wo, cot)."""
+    def fwd(x, w, ex, wi, wo, cot):
+        return moe.moe_experts(x, w, ex, wi, wo, _act, implementation=impl, **kw)
 
-        def fwdbwd(x, w, ex, wi, wo, cot):
-            # value_and_grad: the loss is an output, so XLA cannot drop the last forward matmul
-            # (the counted FLOPs include it)
-            return jax.value_and_grad(lambda x, wi, wo: jnp.sum((fwd(x, w, ex, wi, wo, cot) * cot).astype(jnp.float32)),
-                                      argnums=(0, 1, 2))(x, wi, wo)
-        return fwd, fwdbwd
+    def fwdbwd(x, w, ex, wi, wo, cot):
+        # value_and_grad: the loss is an output, so XLA cannot drop the last forward matmul
+        # (the counted FLOPs include it)
+        return jax.value_and_grad(lambda x, wi, wo: jnp.sum((fwd(x, w, ex, wi, wo, cot) * cot).astype(jnp.float32)),
+                                  argnums=(0, 1, 2))(x, wi, wo)
+    return fwd, fwdbwd
+
+
+def _variants(avail_tokamax, pallas_impl):
+    full = _moe_fns
 
     def gmm_only(impl):
         def fwd(xs, gs, wi, wo, cot):
@@ -167,10 +199,16 @@ def check(shapes, dtype, results, impls, ep_impls):
         errs = [_rel(y, ref_y)] + [_rel(a, b) for a, b in zip(g, ref_g)]
         results.append({"check": impl, "rel_err_y_dx_dwi_dwo": errs, "ok": bool(max(errs) < 2e-2)})
         print("check", impl, errs, flush=True)
+    # GPU/TPU: both transports (1 GPU: forced exchange; several: real EP); CPU: all_to_all only
+    # (ragged_all_to_all does not run there), with >= 2 devices (e.g. --xla_force_host_platform_device_count)
     if jax.default_backend() != "cpu":
-        mesh = sh.make_mesh(f"expert={len(jax.devices())}")   # 1 GPU: forced exchange; several: real EP
+        ep_transports = ("ragged_all_to_all", "all_to_all")
+    else:
+        ep_transports = ("all_to_all",) if len(jax.devices()) >= 2 else ()
+    if ep_transports:
+        mesh = sh.make_mesh(f"expert={len(jax.devices())}")
         for impl in ep_impls:
-            for transport in ("ragged_all_to_all", "all_to_all"):
+            for transport in ep_transports:
                 with sh.use_mesh(mesh, sh.load_rules("default")):
                     fn = jax.jit(lambda x, wi, wo, t=transport: moe.moe_experts(x, w, ex, wi, wo, _act, ep_transport=t,
                                                                               implementation=impl))
@@ -280,22 +318,28 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run with tiny shapes")
-    ap.add_argument("--tokens", default="8192,65536,32768", help="order = priority under the budget")
+    ap.add_argument("--tokens", default=None, help="order = priority under the budget (default 8192,65536,32768; "
+                    "--tiny: 64,256); with --ep-timing also the tokens PER DEVICE of the EP cases")
     ap.add_argument("--budget-s", type=float, default=110.0, help="stop starting new cases after this")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--variants", default="", help="comma-separated subset of " + ",".join(ALL_VARIANTS)
-                    + " (default: all available)")
+                    + " (default: all available; 'none': no single-device variant, e.g. with --ep-timing)")
+    ap.add_argument("--ep-timing", action="store_true",
+                    help="time expert parallelism over all visible devices (>= 2): EP MoE layer, the token exchange "
+                         "alone per transport, and the same layer on one device (module docstring, 3.)")
     ap.add_argument("--no-sweep", action="store_true", help="skip the Pallas tile-config sweep (defaults)")
     ap.add_argument("--sweep-model", default="m2", choices=sorted(SHAPES))
     ap.add_argument("--sweep-tokens", type=int, default=8192)
     args = ap.parse_args()
     chosen = [v for v in args.variants.split(",") if v] or list(ALL_VARIANTS)
+    if chosen == ["none"]:
+        chosen = []
     bad = [v for v in chosen if v not in ALL_VARIANTS]
     if bad:
         ap.error(f"unknown variants {bad}; choose from {ALL_VARIANTS}")
     t_start = time.perf_counter()
     shapes = TINY if args.tiny else SHAPES
-    tokens_list = [64, 256] if args.tiny else [int(t) for t in args.tokens.split(",")]
+    tokens_list = [int(t) for t in (args.tokens or ("64,256" if args.tiny else "8192,65536,32768")).split(",")]
     dtype = jnp.bfloat16
     tk_err = tokamax_status()
     tokamax_ok = tk_err is None and jax.default_backend() != "cpu"
@@ -306,7 +350,16 @@ def main():
     pallas_impl = "pallas_gpu" if backend == "gpu" else ("pallas_gpu_interpret" if args.tiny else None)
     info = {"backend": backend, "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
             "tokamax": tk_version, "pallas_impl": pallas_impl if want_pallas else "not selected",
-            "variants": chosen}
+            "variants": chosen, "devices": len(jax.devices())}
+    if args.ep_timing:
+        transports, not_run, why = ep_plan(backend, len(jax.devices()))
+        info["ep_timing"] = ({"skipped": why} if why else
+                             {"devices": len(jax.devices()), "mesh": f"expert={len(jax.devices())}",
+                              "tokens_sharded_over": EP_AXIS, "tokens_per_device": tokens_list,
+                              "moe_impl": "auto", "one_device_impl": _one_device_impl(),
+                              "transports": transports, "not_run": not_run})
+        if why:
+            print(f"--ep-timing skipped: {why}", flush=True)
     print(json.dumps(info), flush=True)
     checks, rows, skipped, sweep_rows = [], [], [], []
     impls = ["ragged"]
@@ -316,7 +369,7 @@ def main():
         impls.append("tokamax")
     if want_pallas and pallas_impl:
         impls.append(pallas_impl)
-    ep_impls = (["auto"] if not args.variants or "xla_ragged" in chosen else []) + (
+    ep_impls = (["auto"] if not args.variants or "xla_ragged" in chosen or args.ep_timing else []) + (
         [pallas_impl] if want_pallas and pallas_impl else [])
     try:
         check(TINY["m2"] if args.tiny else CHECK, dtype, checks, impls, ep_impls)
@@ -357,6 +410,11 @@ def main():
     plan = [(tokens, model, name) for tokens in tokens_list for model in shapes for name in variants
             if name != "xla_ragged"]
     plan += [(tokens_list[0], model, "xla_ragged") for model in shapes if "xla_ragged" in variants]   # slow: last
+    ep = info.get("ep_timing")
+    if ep and "skipped" in ep:
+        skipped.append(f"ep_timing: {ep['skipped']}")
+    elif ep:   # first: asked for explicitly
+        run_ep(shapes, tokens_list, dtype, args, t_start, rows, skipped, ep)
     for tokens, model, name in plan:
         s = shapes[model]
         kind, (fwd, fwdbwd) = variants[name]
@@ -374,13 +432,15 @@ def main():
         json.dump(out, f, indent=1)
     _sweep_table(sweep_rows)
     _table(rows, checks, skipped)
+    _ep_table(rows, info.get("ep_timing"))
 
 
 def _run_case(model, s, tokens, name, kind, mode, fn, dtype, args):
     t = tokens // 16 if kind == "full_1/16" else tokens
     h, i, k = s["h"], s["i"], s["k"]
     flops = 6.0 * t * k * h * i * (3.0 if mode == "fwd+bwd" else 1.0)
-    row = {"model": model, "tokens": tokens, "tokens_run": t, "variant": name, "mode": mode, "tflops_counted": flops / 1e12}
+    row = {"model": model, "tokens": tokens, "tokens_run": t, "devices": 1, "variant": name, "mode": mode,
+           "tflops_counted": flops / 1e12}
     try:
         x, w, ex, wi, wo, cot = _problem(s, t, dtype, seed=tokens)
         if kind == "dense":
@@ -401,6 +461,193 @@ def _run_case(model, s, tokens, name, kind, mode, fn, dtype, args):
     return row
 
 
+# ----------------------------------------------------------------------------- expert-parallel timing
+EP_AXIS = "expert"
+
+
+def ep_plan(backend, n_dev):
+    """What ``--ep-timing`` runs here: ``(transports, not_run {transport: reason}, skip_reason or None)``."""
+    if n_dev < 2:
+        return [], {}, f"EP timing needs >= 2 devices; {n_dev} visible ({backend})"
+    if backend == "cpu":
+        return ["all_to_all"], {"ragged_all_to_all": "jax.lax.ragged_all_to_all does not run on CPU "
+                                                     "(minimax_jax.parallel.expert refuses it)"}, None
+    return ["ragged_all_to_all", "all_to_all"], {}, None
+
+
+def _one_device_impl():
+    """The moe implementation the expert-parallel path's grouped matmul ("auto") resolves to."""
+    gmm = resolve_gmm("auto")
+    return {"xla": "ragged"}.get(gmm, gmm)
+
+
+def _exchange_fn(mesh, transport, p):
+    """The token exchange alone (dispatch + return, as ``minimax_jax.parallel.expert``), in shard_map.
+
+    all_to_all: args (send [P*P, M, H], counts [P*P, E/P]) sharded over the expert axis (per device
+      [P, M, H] and [P, E/P]); returns the returned rows and the received counts.
+    ragged_all_to_all: args (xs [P*M, H], send_sizes [P*P] int32) (per device: [M, H] rows sorted by
+      destination and [P] rows per destination); returns the rows back [M, H] per device.
+    """
+    ax = EP_AXIS
+    if transport == "all_to_all":
+        def body(send, counts):
+            recv = jax.lax.all_to_all(send, ax, 0, 0)                   # [P source, M, H]
+            recv_counts = jax.lax.all_to_all(counts, ax, 0, 0)
+            back = jax.lax.all_to_all(recv, ax, 0, 0)                   # [P dest, M, H]
+            return back, recv_counts
+        specs = (PS(ax, None, None), PS(ax, None))
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=specs))
+
+    def body(xs, send_sizes):
+        m, h = xs.shape
+        me = jax.lax.axis_index(ax)
+        send_start = group_starts(send_sizes)
+        sizes = jax.lax.all_gather(send_sizes, ax)                      # [P src, P dst]
+        starts = jax.lax.all_gather(send_start, ax)
+        recv_sizes = sizes[:, me]
+        recv_start = group_starts(recv_sizes)
+        peer_off = jnp.sum(jnp.where(jnp.arange(p)[:, None] < me, sizes, 0), axis=0).astype(jnp.int32)
+        back_off = starts[:, me]
+        out = match_vma(jnp.zeros((p * m, h), xs.dtype), xs)
+        recv = jax.lax.ragged_all_to_all(xs, out, send_start, send_sizes, peer_off, recv_sizes, axis_name=ax)
+        out2 = match_vma(jnp.zeros((m, h), xs.dtype), recv)
+        return jax.lax.ragged_all_to_all(recv, out2, recv_start, recv_sizes, back_off, send_sizes, axis_name=ax)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(PS(ax, None), PS(ax)), out_specs=PS(ax, None)))
+
+
+def _ep_send_sizes(ex, s, p, tokens):
+    """Rows each device sends to each device for this routing: ``[P src, P dst]`` (numpy int)."""
+    e_pad = -(-s["e"] // p) * p
+    ex = np.asarray(ex).reshape(p, tokens * s["k"])
+    counts = np.stack([np.bincount(r, minlength=e_pad) for r in ex])   # [P, E_pad]
+    return counts.reshape(p, p, e_pad // p).sum(axis=2), counts.reshape(p * p, e_pad // p)
+
+
+def run_ep(shapes, tokens_list, dtype, args, t_start, rows, skipped, ep_info):
+    """The ``--ep-timing`` cases (module docstring, 3.), appended to ``rows``; budget-skipped ones to
+    ``skipped``."""
+    transports = ep_info["transports"]
+    p = ep_info["devices"]
+    mesh = sh.make_mesh(f"expert={p}")
+    rules = sh.load_rules("default")
+    one_impl = ep_info["one_device_impl"]
+    tok_sh = NamedSharding(mesh, PS(EP_AXIS, None))
+    exp_sh = NamedSharding(mesh, PS(EP_AXIS, None, None))
+    for tokens in tokens_list:
+        for model, s in shapes.items():
+            h, i, k = s["h"], s["i"], s["k"]
+            cases = [("ep_1dev", None, mode) for mode in ("fwd", "fwd+bwd")]
+            cases += [(v, t, mode) for t in transports
+                      for v, mode in (("ep_exchange", "dispatch+return"), ("ep_moe", "fwd"), ("ep_moe", "fwd+bwd"))]
+            data = None
+            for variant, transport, mode in cases:
+                label = f"{model} {tokens}/dev {variant}" + (f"[{transport}]" if transport else "") + f" {mode}"
+                if time.perf_counter() - t_start > args.budget_s:
+                    skipped.append(label)
+                    continue
+                devices = 1 if variant == "ep_1dev" else p
+                flops = (0.0 if variant == "ep_exchange"
+                         else 6.0 * tokens * k * h * i * (3.0 if mode == "fwd+bwd" else 1.0))
+                row = {"model": model, "tokens": tokens, "tokens_run": tokens, "tokens_global": tokens * devices,
+                       "devices": devices, "variant": variant, "transport": transport, "mode": mode,
+                       "tflops_counted": flops / 1e12}
+                try:
+                    if data is None:   # the global problem (N * T tokens), once per (tokens, model)
+                        x, w, ex, wi, wo, cot = _problem(s, tokens * p, dtype, seed=tokens)
+                        sizes, counts = _ep_send_sizes(ex, s, p, tokens)
+                        data = {"one": (x[:tokens], w[:tokens], ex[:tokens], wi, wo, cot[:tokens]),
+                                "ep": tuple(jax.device_put(a, tok_sh) for a in (x, w, ex))
+                                + tuple(jax.device_put(a, exp_sh) for a in (wi, wo)) + (jax.device_put(cot, tok_sh),),
+                                "sizes": sizes, "counts": counts}
+                        del x, w, ex, wi, wo, cot
+                    row.update(_ep_case(variant, transport, mode, data, s, tokens, p, mesh, rules, one_impl, dtype,
+                                        args))
+                except Exception as e:  # OOM or a failure: record it, keep going
+                    row.update(error=f"{type(e).__name__}: {str(e)[:300]}")
+                if "ms" in row and flops:
+                    row["tflop_s"] = flops / (row["ms"] / 1e3) / 1e12
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            data = None
+    _ep_annotate(rows)
+
+
+def _ep_case(variant, transport, mode, data, s, tokens, p, mesh, rules, one_impl, dtype, args):
+    """Time one EP case; returns the fields to add to its row."""
+    out = {}
+    if variant == "ep_1dev":
+        fwd, fwdbwd = _moe_fns(one_impl)
+        clear_implementation_report()
+        med, comp, n = _timeit(jax.jit(fwd if mode == "fwd" else fwdbwd), data["one"], args.reps, budget_s=5.0)
+        rec = implementation_report().get("moe")
+        if rec != one_impl:
+            raise RuntimeError(f"the one-device MoE ran {rec!r}, not {one_impl!r}")
+        out["moe"] = rec
+    elif variant == "ep_moe":
+        fwd, fwdbwd = _moe_fns("auto", ep_transport=transport)
+        clear_implementation_report()
+        with sh.use_mesh(mesh, rules):   # the first call traces: expert parallel inside the mesh
+            med, comp, n = _timeit(jax.jit(fwd if mode == "fwd" else fwdbwd), data["ep"], args.reps, budget_s=5.0)
+        rec = implementation_report().get("moe") or ""
+        if not rec.startswith(f"expert_parallel[{transport},") or f"ep={p}," not in rec:
+            raise RuntimeError(f"the expert-parallel MoE ran {rec!r}, not expert_parallel[{transport},...,ep={p},...]")
+        out["moe"] = rec
+    else:
+        h, m = s["h"], tokens * s["k"]
+        item = jnp.dtype(dtype).itemsize
+        sizes = data["sizes"]
+        key = jax.random.key(9)
+        if transport == "all_to_all":
+            send = jax.jit(lambda: jax.random.normal(key, (p * p, m, h), dtype),
+                           out_shardings=NamedSharding(mesh, PS(EP_AXIS, None, None)))()
+            counts = jax.device_put(jnp.asarray(data["counts"], jnp.int32), NamedSharding(mesh, PS(EP_AXIS, None)))
+            fargs = (send, counts)
+            offdev = 2 * (p - 1) * m * h * item                       # the whole fixed slot to each peer
+        else:
+            xs = jax.jit(lambda: jax.random.normal(key, (p * m, h), dtype),
+                         out_shardings=NamedSharding(mesh, PS(EP_AXIS, None)))()
+            ss = jax.device_put(jnp.asarray(sizes.reshape(-1), jnp.int32), NamedSharding(mesh, PS(EP_AXIS)))
+            fargs = (xs, ss)
+            off = sizes * (1 - np.eye(p, dtype=sizes.dtype))
+            offdev = int((off.sum(axis=1) + off.sum(axis=0)).max()) * h * item   # dispatch out + return out
+        fn = _exchange_fn(mesh, transport, p)
+        med, comp, n = _timeit(fn, fargs, args.reps, budget_s=5.0)
+        # every row goes out and comes back: the returned rows must equal the sent ones (on device)
+        back = fn(*fargs)
+        back = back[0] if transport == "all_to_all" else back
+        if not bool(jax.jit(jnp.array_equal)(back, fargs[0])):
+            raise RuntimeError(f"{transport} dispatch + return did not give back the rows sent")
+        del back
+        out.update(offdev_bytes_max=int(offdev), gb_s=offdev / med / 1e9, roundtrip_exact=True,
+                   rows_sent_per_dest_max=int(sizes.max()), rows_buffer=m)
+    out.update(ms=med * 1e3, compile_s=comp, reps=n)
+    return out
+
+
+def _ep_annotate(rows):
+    """Join each ep_moe row with its exchange and one-device rows (module docstring, 3.)."""
+    def find(variant, r, transport=None, mode=None):
+        for q in rows:
+            if (q["variant"] == variant and q["model"] == r["model"] and q["tokens"] == r["tokens"] and "ms" in q
+                    and (transport is None or q.get("transport") == transport) and (mode is None or q["mode"] == mode)):
+                return q
+        return None
+
+    for r in rows:
+        if r["variant"] != "ep_moe" or "ms" not in r:
+            continue
+        xch = find("ep_exchange", r, transport=r["transport"])
+        if xch is not None:
+            r["exchange_ms"] = xch["ms"] * (2 if r["mode"] == "fwd+bwd" else 1)
+            r["exchange_share"] = r["exchange_ms"] / r["ms"]
+        one = find("ep_1dev", r, mode=r["mode"])
+        if one is not None:
+            r["one_device_ms"] = one["ms"]
+            r["ep_over_1dev"] = r["ms"] / one["ms"]
+            r["speedup_vs_1dev"] = r["devices"] * one["ms"] / r["ms"]
+
+
 def _sweep_table(rows):
     if not rows:
         return
@@ -411,15 +658,50 @@ def _sweep_table(rows):
         print(f"{r['kernel']:13} {r['config']:16} {val}")
 
 
+def _ep_table(rows, ep):
+    if not ep:
+        return
+    if "skipped" in ep:
+        print(f"\nEP timing skipped: {ep['skipped']}")
+        return
+    nr = "; ".join(f"{t} not run: {why}" for t, why in ep["not_run"].items())
+    print(f"\nEP timing: mesh {ep['mesh']}, tokens sharded over '{ep['tokens_sharded_over']}', T = tokens per device; "
+          f"one device runs '{ep['one_device_impl']}'" + (f"; {nr}" if nr else ""))
+    print("xchg = dispatch + return exchange alone (x2 for fwd+bwd); share = xchg / EP; EP/1dev = EP ms / one-device "
+          "ms at the same T (1.0 = perfect weak scaling)")
+    print(f"{'model':5} {'T/dev':>6} {'dev':>3} {'transport':17} {'mode':8} {'EP ms':>9} {'xchg ms':>9} {'share':>6} "
+          f"{'1dev ms':>9} {'EP/1dev':>7} {'TFLOP/s/dev':>11}")
+    for r in rows:
+        if r["variant"] != "ep_moe":
+            continue
+        if "ms" not in r:
+            print(f"{r['model']:5} {r['tokens']:>6} {r['devices']:>3} {r['transport']:17} {r['mode']:8}  "
+                  f"error: {r['error'][:70]}")
+            continue
+        f = lambda key, fmt: format(r[key], fmt) if key in r else "-"  # noqa: E731
+        print(f"{r['model']:5} {r['tokens']:>6} {r['devices']:>3} {r['transport']:17} {r['mode']:8} {r['ms']:9.3f} "
+              f"{f('exchange_ms', '9.3f'):>9} {f('exchange_share', '6.1%'):>6} {f('one_device_ms', '9.3f'):>9} "
+              f"{f('ep_over_1dev', '7.2f'):>7} {r['tflop_s']:11.1f}")
+    for r in rows:
+        if r["variant"] in ("ep_exchange", "ep_1dev") and "ms" not in r:
+            print(f"{r['model']} {r['tokens']}/dev {r['variant']} {r.get('transport') or ''} {r['mode']}: "
+                  f"error: {r['error'][:80]}")
+
+
 def _table(rows, checks, skipped):
     print("\nchecks: " + ", ".join(f"{c['check']}={'ok' if c.get('ok') else 'FAIL'}" for c in checks))
     if skipped:
-        print(f"skipped (budget): {len(skipped)}: " + "; ".join(skipped[:12]))
-    print(f"{'model':5} {'tokens':>6} {'variant':14} {'mode':8} {'ms':>9} {'TFLOP/s':>8}")
+        print(f"skipped (budget; EP timing without >= 2 devices): {len(skipped)}: " + "; ".join(skipped[:12]))
+    print(f"{'model':5} {'tokens':>6} {'dev':>3} {'variant':14} {'mode':15} {'ms':>9} {'TFLOP/s':>8}")
     for r in rows:
-        val = f"{r['ms']:9.3f} {r['tflop_s']:8.1f}" if "ms" in r else f"  error: {r['error'][:60]}"
+        if r["variant"] == "ep_moe":   # in the EP table
+            continue
+        if r["variant"] == "ep_exchange" and "ms" in r:
+            val = f"{r['ms']:9.3f} {r['gb_s']:8.2f} GB/s off-device, {r['transport']}"
+        else:
+            val = f"{r['ms']:9.3f} {r['tflop_s']:8.1f}" if "ms" in r else f"  error: {r['error'][:60]}"
         tok = f"{r['tokens']}" + ("/16" if r["tokens_run"] != r["tokens"] else "")
-        print(f"{r['model']:5} {tok:>6} {r['variant']:14} {r['mode']:8} {val}")
+        print(f"{r['model']:5} {tok:>6} {r.get('devices', 1):>3} {r['variant']:14} {r['mode']:15} {val}")
 
 
 if __name__ == "__main__":
