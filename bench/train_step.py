@@ -3,7 +3,14 @@
 Usage (GPU machine, one H200)::
 
     PYTHONUNBUFFERED=1 python3 bench/train_step.py --out $OUT            # dense 8K and MSA 64K
-    python3 bench/train_step.py --modes msa --seq 65536 --steps 5 --out $OUT
+    python3 bench/train_step.py --modes msa --compile-only --out $OUT     # compile + XLA's memory plan only
+    python3 bench/train_step.py --modes msa --steps 3 --warmup 1 --out $OUT
+
+CPU, no GPU needed: ``--lower-for cuda`` traces the step as the GPU runs it (ops' "auto" choices as
+on a GPU, ``minimax_jax.ops.common.assume_backend``), lowers it for CUDA and reports the Pallas
+(Triton) kernels it contains and its largest arrays; nothing is compiled or run::
+
+    python bench/train_step.py --modes msa --lower-for cuda --out /tmp/train_bench
 
 CPU smoke run (a tiny model, seconds)::
 
@@ -27,6 +34,16 @@ TFLOP/s on the H200 (bench/moe.py, 2026-11-30); elsewhere XLA ragged_dot, ``--mo
 on GPU PLATFORM.md measured at ~4% of matmul speed and out of memory at full size; tokamax is
 opt-in, ``--moe-impl tokamax``). What actually ran is in the result's ``implementations``.
 
+Progress goes to stdout as it happens (``[train_step   12.3s] msa@65536: compile start``): per mode
+building, lowering (with the number of Triton kernels), compile start / done (AOT
+``.lower().compile()``, so the compile is timed apart from the first run), XLA's memory plan of the
+compiled step (``memory_analysis()``: temp / argument / output / alias bytes), every step's
+duration, then the JSON row. On SIGTERM / SIGINT / SIGHUP (``timeout``) a watcher thread reports at
+once, even while the main thread is inside XLA (compile or a step), which phase the run was in and
+for how long, with the Python stacks, writes ``train_step.json`` with the rows done so far and the
+interrupted phase, and exits 128 + signal. ``--compile-only`` stops after the memory plan (no
+parameters are allocated).
+
 Measured: compile time, the median step time over ``--steps`` timed steps after ``--warmup``
 steps (each ``block_until_ready``), tokens/s, model TFLOP/s and MFU by
 ``minimax_jax.train.metrics.train_flops`` (6 x matmul params + attention + indexer FLOPs, causal
@@ -37,19 +54,24 @@ context per token), peak device memory, and the op implementations that ran. Wri
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
+import re
+import signal
 import statistics
 import sys
+import threading
 import time
+from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 
-from minimax_jax.ops.common import clear_implementation_report, implementation_report  # noqa: E402
+from minimax_jax.ops.common import assume_backend, clear_implementation_report, implementation_report  # noqa: E402
 from minimax_jax.train.config import from_dict  # noqa: E402
-from minimax_jax.train.data import SyntheticIterator  # noqa: E402
+from minimax_jax.train.data import SyntheticIterator, to_global  # noqa: E402
 from minimax_jax.train.loop import Trainer  # noqa: E402
 from minimax_jax.train.metrics import matmul_params_per_token, peak_flops_per_device, train_flops  # noqa: E402
 
@@ -74,8 +96,152 @@ def model_fields(mode: str, tiny: bool) -> dict:
     return m
 
 
-def bench_one(mode: str, seq: int, args) -> dict:
-    """Compile and time the train step of one mode; returns a result row."""
+# ----------------------------------------------------------------------------- progress reporting
+
+_T0 = time.perf_counter()
+_STATE = {"where": "starting", "since": _T0}
+_RESULTS: dict = {"rows": [], "errors": [], "out": None}
+_EXIT_LOCK = threading.Lock()
+_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
+
+
+def log(msg: str) -> None:
+    """One progress line on stdout, flushed, with the seconds since the script started."""
+    print(f"[train_step {time.perf_counter() - _T0:7.1f}s] {msg}", flush=True)
+
+
+def phase(where: str) -> None:
+    """Enter a phase: what a signal report says the run was doing."""
+    _STATE.update(where=where, since=time.perf_counter())
+    log(where)
+
+
+def _write_results() -> None:
+    if _RESULTS["out"] is None:
+        return
+    with open(os.path.join(_RESULTS["out"], "train_step.json"), "w") as f:
+        json.dump({"results": _RESULTS["rows"], "errors": _RESULTS["errors"], "jax": jax.__version__}, f, indent=1)
+
+
+def _report_and_exit(signum: int) -> None:
+    if not _EXIT_LOCK.acquire(blocking=False):
+        return                                  # the other reporter (thread / handler) is on it
+    name = signal.Signals(signum).name
+    now = time.perf_counter()
+    log(f"{name}: stopped during '{_STATE['where']}' (in it for {now - _STATE['since']:.1f} s); rows done: "
+        f"{[r['mode'] for r in _RESULTS['rows']] or 'none'}")
+    try:
+        sys.stdout.flush()
+        faulthandler.dump_traceback(file=sys.stdout, all_threads=True)
+        sys.stdout.flush()
+    except Exception:  # noqa: BLE001 - the report line above is what matters
+        pass
+    try:
+        _RESULTS["errors"].append({"interrupted": name, "where": _STATE["where"],
+                                   "phase_s": round(now - _STATE["since"], 1), "total_s": round(now - _T0, 1)})
+        _write_results()
+    finally:
+        os._exit(128 + signum)
+
+
+def install_signal_report() -> None:
+    """Report ``timeout``'s SIGTERM (and SIGINT / SIGHUP) immediately.
+
+    A Python signal handler runs only when the main thread returns to the interpreter, i.e. not while
+    it sits in XLA's compiler or waits for a step. So the C-level handler also writes the signal
+    number to a pipe (``signal.set_wakeup_fd``) that a daemon thread reads: it prints the phase and
+    the stacks, saves the partial results and exits (XLA's compile and waits release the GIL).
+    """
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    nums = {int(getattr(signal, n)) for n in _SIGNALS if hasattr(signal, n)}
+    for n in nums:
+        signal.signal(n, lambda signum, frame: _report_and_exit(signum))
+
+    def watch():
+        while True:
+            data = os.read(r, 1)
+            if data and data[0] in nums:        # the fd gets every signal that has a Python handler
+                _report_and_exit(data[0])
+
+    threading.Thread(target=watch, name="signal-report", daemon=True).start()
+
+
+# ----------------------------------------------------------------------------- lowered-module summary
+
+_TENSOR = re.compile(r"tensor<((?:\d+x)*)([a-z]+\d*)>")
+_DT_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "f64": 8, "i1": 1, "i8": 1, "ui8": 1, "i16": 2, "i32": 4, "ui32": 4,
+             "i64": 8, "ui64": 8}
+
+
+def kernel_counts(txt: str) -> Counter:
+    """``{kernel name: count}`` of the Pallas kernels (Triton / Mosaic custom calls) in StableHLO text."""
+    c: Counter = Counter()
+    for ln in txt.splitlines():
+        if "stablehlo.custom_call" in ln and ("triton" in ln or "tpu_custom_call" in ln):
+            m = re.search(r'\bname = "([^"]+)"', ln)
+            c[m.group(1) if m else "?"] += 1
+    return c
+
+
+def largest_arrays(txt: str, n: int = 12) -> list[tuple[int, str, int]]:
+    """The ``n`` largest array types produced by ops of StableHLO text: ``(bytes, "1x65536x32768xf32",
+    how many ops make one)``. Arrays inside loops (``lax.map`` chunks, the layer scan) count once."""
+    seen: Counter = Counter()
+    for ln in txt.splitlines():
+        if " = " not in ln or " : " not in ln:
+            continue
+        for dims, dt in _TENSOR.findall(ln.rsplit(" : ", 1)[-1].split("->")[-1]):
+            seen[dims + dt] += 1
+    out = []
+    for key, cnt in seen.items():
+        dims, dt = _TENSOR.match(f"tensor<{key}>").groups()
+        size = _DT_BYTES.get(dt, 4)
+        for d in dims.rstrip("x").split("x"):
+            size *= int(d) if d else 1
+        out.append((size, key, cnt))
+    return sorted(out, reverse=True)[:n]
+
+
+def _gib(x) -> float:
+    return round(x / 2**30, 3)
+
+
+def memory_plan(compiled) -> dict:
+    """XLA's buffer plan of a compiled step (``memory_analysis()``), bytes; {} where not reported.
+
+    ``total_est_bytes`` = argument + output - alias + temp: what the step needs at its peak with the
+    donated state aliased (the generated code is not counted)."""
+    try:
+        ma = compiled.memory_analysis()
+    except Exception as e:  # noqa: BLE001 - not every backend reports it
+        return {"memory_analysis_error": f"{type(e).__name__}: {e}"[:300]}
+    if ma is None:
+        return {}
+    out = {}
+    for k in ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+              "generated_code_size_in_bytes", "peak_memory_in_bytes"):
+        v = getattr(ma, k, None)
+        if v is not None:
+            out[k] = int(v)
+    if {"temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes"} <= out.keys():
+        out["total_est_bytes"] = (out["argument_size_in_bytes"] + out["output_size_in_bytes"]
+                                  - out.get("alias_size_in_bytes", 0) + out["temp_size_in_bytes"])
+    return out
+
+
+def _device_memory() -> dict:
+    try:
+        stats = jax.devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001 - not every backend reports memory
+        return {}
+    return {k: stats[k] for k in ("peak_bytes_in_use", "bytes_limit") if k in stats}
+
+
+# ----------------------------------------------------------------------------- one mode
+
+def make_trainer(mode: str, seq: int, args) -> Trainer:
     fields = model_fields(mode, args.tiny)
     fields.update(attention_impl=args.attention_impl, moe_impl=args.moe_impl, msa_impl=args.msa_impl)
     tc = from_dict({
@@ -90,49 +256,110 @@ def bench_one(mode: str, seq: int, args) -> dict:
         "run": {"run_dir": os.path.join(args.out, "unused"), "steps": 10**6, "compute_dtype": "bfloat16",
                 "param_dtype": "float32", "remat": args.remat, "progress": False, "tensorboard": False},
     })
-    tr = Trainer(tc)
+    return Trainer(tc)
+
+
+def bench_one(mode: str, seq: int, args) -> dict:
+    """Compile (and unless ``--compile-only`` / ``--lower-for``, time) the train step of one mode;
+    returns a result row. Progress lines on stdout (module docstring)."""
+    tag = f"{mode}@{seq}"
+    phase(f"{tag}: building (model config, optimizer, shardings)")
+    tr = make_trainer(mode, seq, args)
     cfg = tr.cfg
     counts = cfg.param_counts()
     clear_implementation_report()
-    state = tr.initial_state()
     it = SyntheticIterator(seq, args.batch, cfg.vocab_size, seed=0, mean_doc_len=args.doc_len or seq * 100)
-    phase = tr.phase_of(10**6)
+    step_phase = tr.phase_of(10**6)
     batch = next(it)
+    row = {"mode": mode, "seq_len": seq, "batch": args.batch, "params_total": counts["total"],
+           "params_active": counts["active"], "matmul_params_per_token": matmul_params_per_token(cfg),
+           "remat": args.remat, "kl_coeff": args.kl_coeff}
+    abstract = args.compile_only or args.lower_for
+    if abstract:                                      # shapes only: nothing is allocated
+        state = tr.abstract_state(step_phase)
+        gbatch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=tr.batch_sh) for k, v in batch.items()}
+    else:
+        phase(f"{tag}: initialising parameters and optimizer state")
+        state = tr.initial_state()
+        jax.block_until_ready(state)
+        gbatch = to_global(batch, tr.batch_sh)
+    phase(f"{tag}: tracing + lowering the train step" + (f" for {args.lower_for}" if args.lower_for else ""))
     t = time.perf_counter()
-    state, m = tr.run_step(phase, state, batch)
-    jax.block_until_ready(m)
-    compile_s = time.perf_counter() - t
-    for _ in range(args.warmup):
-        state, m = tr.run_step(phase, state, next(it))
-    jax.block_until_ready(m)
-    times, flops, loss = [], [], None
-    for _ in range(args.steps):
-        batch = next(it)
-        t = time.perf_counter()
-        state, m = tr.run_step(phase, state, batch)
-        jax.block_until_ready(m)
-        times.append(time.perf_counter() - t)
-        flops.append(train_flops(cfg, batch["positions"]))
-        loss = float(m["loss"])
+    with tr.mesh_context():
+        if args.lower_for:
+            with assume_backend("gpu" if args.lower_for == "cuda" else args.lower_for):
+                lowered = tr.step_fn(step_phase).trace(state, gbatch).lower(lowering_platforms=(args.lower_for,))
+        else:
+            lowered = tr.step_fn(step_phase).lower(state, gbatch)
+    row["lower_s"] = round(time.perf_counter() - t, 2)
+    row["implementations"] = implementation_report()
+    txt = lowered.as_text()
+    kernels = kernel_counts(txt)
+    row["pallas_kernels"] = dict(sorted(kernels.items()))
+    log(f"{tag}: lowered in {row['lower_s']} s: {sum(kernels.values())} Pallas kernel calls "
+        f"({', '.join(f'{k} x{v}' for k, v in sorted(kernels.items())) or 'none'}); "
+        f"implementations {row['implementations']}")
+    if args.lower_for:
+        big = largest_arrays(txt, args.top_arrays)
+        row["largest_arrays"] = [{"shape": k, "bytes": b, "ops": c} for b, k, c in big]
+        log(f"{tag}: largest arrays in the lowered step (loop bodies count once):")
+        for b, k, c in big:
+            log(f"    {b / 2**20:10.1f} MiB  {k}  ({c} ops)")
+        row["lowered_for"] = args.lower_for
+        print(json.dumps(row), flush=True)
+        return row
+    phase(f"{tag}: compile start")
+    t = time.perf_counter()
+    compiled = lowered.compile()
+    row["compile_s"] = round(time.perf_counter() - t, 2)
+    log(f"{tag}: compile done in {row['compile_s']} s")
+    mem = memory_plan(compiled)
+    row["memory_plan"] = mem
+    if "total_est_bytes" in mem:
+        limit = _device_memory().get("bytes_limit")
+        log(f"{tag}: memory plan: temp {_gib(mem['temp_size_in_bytes'])} GiB, argument "
+            f"{_gib(mem['argument_size_in_bytes'])} GiB, output {_gib(mem['output_size_in_bytes'])} GiB, alias "
+            f"{_gib(mem.get('alias_size_in_bytes', 0))} GiB -> total ~{_gib(mem['total_est_bytes'])} GiB"
+            + (f" of {_gib(limit)} GiB usable" if limit else ""))
+    else:
+        log(f"{tag}: memory plan: {mem or 'not reported by this backend'}")
     dev = jax.devices()[0]
+    row.update(device=dev.device_kind, backend=jax.default_backend())
+    if args.compile_only:
+        row["compile_only"] = True
+        row.update(_device_memory())
+        print(json.dumps(row), flush=True)
+        return row
+
+    def run(label):
+        nonlocal state
+        b = next(it)
+        phase(f"{tag}: {label}")
+        t0 = time.perf_counter()
+        state, m = compiled(state, to_global(b, tr.batch_sh))
+        jax.block_until_ready(m)
+        dt = time.perf_counter() - t0
+        log(f"{tag}: {label} took {dt:.3f} s (loss {float(m['loss']):.4f})")
+        return dt, b, m
+
+    first_s, _, _ = run("first step")
+    row["first_step_s"] = round(first_s, 3)
+    for i in range(args.warmup):
+        run(f"warmup step {i + 1}/{args.warmup}")
+    times, flops, loss = [], [], None
+    for i in range(args.steps):
+        dt, b, m = run(f"timed step {i + 1}/{args.steps}")
+        times.append(dt)
+        flops.append(train_flops(cfg, b["positions"]))
+        loss = float(m["loss"])
     step_s = statistics.median(times)
     fl = statistics.median(flops)
     peak = peak_flops_per_device(dev.device_kind, args.peak_tflops)
-    mem = {}
-    try:
-        stats = dev.memory_stats() or {}
-        mem = {k: stats[k] for k in ("peak_bytes_in_use", "bytes_limit") if k in stats}
-    except Exception:  # noqa: BLE001 - not every backend reports memory
-        pass
-    row = {
-        "mode": mode, "seq_len": seq, "batch": args.batch, "device": dev.device_kind, "backend": jax.default_backend(),
-        "params_total": counts["total"], "params_active": counts["active"],
-        "matmul_params_per_token": matmul_params_per_token(cfg), "compile_s": round(compile_s, 2),
+    row.update({
         "step_s_median": step_s, "step_s_all": times, "tokens_per_s": args.batch * seq / step_s,
         "model_tflops_per_s": fl / step_s / 1e12, "mfu": (fl / step_s / peak) if peak else None,
-        "flops_per_step": fl, "loss_last": loss, "remat": args.remat, "kl_coeff": args.kl_coeff,
-        "implementations": implementation_report(), **mem,
-    }
+        "flops_per_step": fl, "loss_last": loss, "implementations": implementation_report(), **_device_memory(),
+    })
     print(json.dumps({k: v for k, v in row.items() if k != "step_s_all"}), flush=True)
     return row
 
@@ -155,26 +382,43 @@ def main(argv=None) -> int:
                                                       "the Pallas grouped matmul 'pallas_gpu' on GPU, XLA ragged_dot "
                                                       "elsewhere; 'tokamax' (carry it) is opt-in: see "
                                                       "minimax_jax/ops/moe.py)")
-    p.add_argument("--msa-impl", default="auto", help="ModelConfig.msa_impl (auto = Pallas kernel when present)")
+    p.add_argument("--msa-impl", default="auto", help="ModelConfig.msa_impl (auto = Pallas kernels when present: "
+                                                      "block selection, sparse attention and the indexer KL)")
+    p.add_argument("--compile-only", action="store_true",
+                   help="lower + compile each mode's step and print XLA's memory plan; no parameters, no steps")
+    p.add_argument("--lower-for", default=None, choices=["cuda", "tpu"],
+                   help="trace as that platform runs it and lower for it (works on a CPU machine); report the "
+                        "Pallas kernels and the largest arrays; no compile")
+    p.add_argument("--top-arrays", type=int, default=12, help="how many arrays --lower-for lists")
     p.add_argument("--tiny", action="store_true", help="tiny model and short sequences (CPU smoke test)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     if args.tiny:
         args.dense_seq, args.msa_seq = min(args.dense_seq, 128), min(args.msa_seq, 256)
         args.steps, args.warmup = min(args.steps, 2), min(args.warmup, 1)
-    os.makedirs(args.out, exist_ok=True)
-    rows, errors = [], []
-    for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for mode in modes:
         if mode not in ("dense", "msa"):
             p.error(f"unknown mode {mode!r}")
+    os.makedirs(args.out, exist_ok=True)
+    _RESULTS["out"] = args.out
+    if threading.current_thread() is threading.main_thread():
+        install_signal_report()
+    log(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}; modes {modes}"
+        + (" (compile only)" if args.compile_only else "")
+        + (f" (lower for {args.lower_for})" if args.lower_for else ""))
+    rows, errors = _RESULTS["rows"], _RESULTS["errors"]
+    for mode in modes:
         seq = args.dense_seq if mode == "dense" else args.msa_seq
         try:
             rows.append(bench_one(mode, seq, args))
         except Exception as e:  # noqa: BLE001 - record and go on to the next mode
-            errors.append({"mode": mode, "seq_len": seq, "error": f"{type(e).__name__}: {str(e)[:2000]}"})
-            print(f"{mode} @ {seq}: FAILED {errors[-1]['error'][:500]}", flush=True)
-    with open(os.path.join(args.out, "train_step.json"), "w") as f:
-        json.dump({"results": rows, "errors": errors, "jax": jax.__version__}, f, indent=1)
+            errors.append({"mode": mode, "seq_len": seq, "where": _STATE["where"],
+                           "error": f"{type(e).__name__}: {str(e)[:2000]}"})
+            log(f"{mode} @ {seq}: FAILED during '{_STATE['where']}': {errors[-1]['error'][:500]}")
+        _write_results()
+    phase("done")
+    _write_results()
     return 1 if errors else 0
 
 

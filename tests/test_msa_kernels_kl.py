@@ -77,3 +77,45 @@ def test_kl_lowers_for_cuda():
                            sd((b, g, t, 4), jnp.int32), sd((b, t), jnp.int32)
                            ).lower(lowering_platforms=("cuda",)).as_text()
     assert txt.count("triton") >= 3
+
+
+def test_model_sparse_kl_follows_msa_impl():
+    """The model's sparse indexer KL runs the implementation of ``cfg.msa_impl`` (it ran the fp32 XLA
+    reference whatever msa_impl said: O(T^2), ~475 TFLOP per step of bench/train_step.py at 64K):
+    same KL and index-projection gradients as msa_impl="xla"; the dense warm-up KL stays on XLA."""
+    from minimax_jax.config import load_config
+    from minimax_jax.model import forward, init_params
+    from minimax_jax.ops.common import clear_implementation_report, implementation_report
+
+    base = load_config("tiny-m3")
+    params = init_params(base, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (1, 96), 0, base.vocab_size)   # 6 blocks, top-4
+    segs = jnp.asarray((np.arange(96) >= 37).astype(np.int32))[None]               # 2 packed documents
+    pos = jnp.asarray(np.where(np.arange(96) >= 37, np.arange(96) - 37, np.arange(96)).astype(np.int32))[None]
+
+    def run(impl, mode="sparse"):
+        cfg = base.replace(msa_impl=impl)
+
+        def kl(p):
+            out = forward(p, cfg, tokens, positions=pos, segment_ids=segs, indexer_kl=mode, return_msa=True)
+            return out.aux["indexer_kl_sum"], (out.aux["indexer_kl_count"], out.aux["msa"])
+        clear_implementation_report()
+        (val, (cnt, msa)), grads = jax.value_and_grad(kl, has_aux=True)(params)
+        return val, cnt, msa, grads, implementation_report()
+
+    val, cnt, msa, grads, rep = run("pallas_gpu_interpret")
+    assert rep["indexer_kl"] == "pallas_gpu_interpret", rep
+    rval, rcnt, rmsa, rgrads, rrep = run("xla")
+    assert rrep["indexer_kl"] == "xla"
+    for a, b in zip(msa, rmsa):             # same selections, so the KL must agree
+        assert np.array_equal(np.asarray(a["block_ids"]), np.asarray(b["block_ids"]))
+    assert float(cnt) == float(rcnt)
+    np.testing.assert_allclose(float(val), float(rval), rtol=1e-4)
+    n = 0
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(rgrads)):
+        if "index_" in jax.tree_util.keystr(path) and np.abs(np.asarray(b)).max() > 0:
+            assert cosine(np.asarray(a), np.asarray(b)) > 0.999, jax.tree_util.keystr(path)
+            n += 1
+    assert n >= 2
+    _, _, _, _, rep = run("pallas_gpu_interpret", mode="dense")
+    assert rep["indexer_kl"] == "xla"

@@ -8,7 +8,8 @@ packed batch):
    within 5e-3 of the (K-1)-th best), the local block always present; sparse attention on the
    reference's ids — o within atol=rtol=3e-2 (bf16), lse within 1e-3.
 2. Model: loss, logits and every parameter gradient with ``msa_impl="xla"`` vs ``"auto"`` (forward
-   with the sparse indexer KL, as in training): loss within 0.1%, every gradient's cosine >= 0.98,
+   with the sparse indexer KL, as in training; the KL follows ``msa_impl`` too, so on a GPU this
+   also checks the Pallas KL kernel through the index projections' gradients): loss within 0.1%, every gradient's cosine >= 0.98,
    and the positions whose logits differ by more than 0.05 reported. Whole-model logits are not
    compared element-wise: a near-tie selects a different block for a few queries, which at random
    initialisation changes those rows by O(1) (the first H200 run: max error 0.60, losses equal to
@@ -113,7 +114,7 @@ def main() -> int:
     for impl in ("xla", "auto"):
         (loss, logits), grads = _loss_fn(base.replace(msa_impl=impl))(params, tokens, segs)
         res[impl] = (float(loss), np.asarray(logits, np.float32), jax.tree.map(lambda g: np.asarray(g, np.float32), grads))
-        res[impl + "_ran"] = {k: v for k, v in implementation_report().items() if k.startswith("msa")}
+        res[impl + "_ran"] = {k: v for k, v in implementation_report().items() if k.startswith(("msa", "indexer_kl"))}
     lx, ox, gx = res["xla"]
     la, oa, ga = res["auto"]
     cos = []

@@ -7,6 +7,7 @@ at trace time, which is exactly when the choice is made; it costs nothing at run
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import jax
@@ -17,6 +18,7 @@ __all__ = [
     "implementation_report",
     "clear_implementation_report",
     "default_backend",
+    "assume_backend",
     "varying_axes",
     "VmaType",
     "vma_type",
@@ -51,9 +53,27 @@ def clear_implementation_report() -> None:
         _report.clear()
 
 
+_assumed_backend: list[str] = []
+
+
 def default_backend() -> str:
-    """The default JAX backend: ``"cpu"``, ``"gpu"`` or ``"tpu"``."""
-    return jax.default_backend()
+    """The default JAX backend: ``"cpu"``, ``"gpu"`` or ``"tpu"`` (or the one ``assume_backend`` sets)."""
+    return _assumed_backend[-1] if _assumed_backend else jax.default_backend()
+
+
+@contextlib.contextmanager
+def assume_backend(backend: str):
+    """Within the block, ``default_backend()`` returns ``backend``: ops' ``"auto"`` choices resolve as
+    they would on that backend, so a CPU machine can trace a step as the GPU will run it and lower it
+    with ``.lower(lowering_platforms=("cuda",))`` (bench/train_step.py ``--lower-for cuda``). Only
+    for tracing and lowering: nothing traced inside can run on this machine. Not thread-safe."""
+    if backend not in ("cpu", "gpu", "tpu"):
+        raise ValueError(f"assume_backend: expected cpu, gpu or tpu, got {backend!r}")
+    _assumed_backend.append(backend)
+    try:
+        yield
+    finally:
+        _assumed_backend.pop()
 
 
 # ----------------------------------------------------------------------------- shard_map typing
