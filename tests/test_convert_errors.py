@@ -236,3 +236,39 @@ def test_load_checkpoint_with_mismatched_config(tmp_path):
     _, params = load_checkpoint(tmp_path / "out", dtype="bfloat16")
     assert str(params["embed"]["embedding"].dtype) == "bfloat16"
     assert params["segments"][0]["mlp"]["router"].dtype == np.float32
+
+
+def test_cli_names_its_flags_and_export_files_get_the_usual_mode(tmp_path, capsys):
+    """A missing --src says the directory does not exist; an existing --dst names --overwrite (the
+    library names its argument); the exported .safetensors get the mode every other written file
+    gets (0o644 under umask 022), not safetensors' 0o600."""
+    from minimax_jax.convert.export import export_orbax_to_hf
+    from minimax_jax.train.testing import random_params
+    from tests import infer_helpers as H
+
+    nope = str(tmp_path / "nope")
+    for extra in ([], ["--export"]):
+        assert main([*extra, "--src", nope, "--dst", str(tmp_path / "out"), "--no-progress"]) == 1
+        assert capsys.readouterr().err == f"error: --src {nope}: directory does not exist\n"
+    assert not (tmp_path / "out").exists()
+
+    cfg = H.tiny_config(64)
+    ckpt = H.save_checkpoint(str(tmp_path / "ours"), cfg, random_params(cfg))
+    (tmp_path / "taken").mkdir()
+    assert main(["--export", "--src", ckpt, "--dst", str(tmp_path / "taken"), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err == f"error: --dst {tmp_path / 'taken'} already exists; pass --overwrite to replace it, or choose " \
+                  "another --dst\n"
+    with pytest.raises(FileExistsError) as e:
+        export_orbax_to_hf(ckpt, tmp_path / "taken", progress=False)
+    assert "overwrite=True" in str(e.value) and "--overwrite" not in str(e.value)
+
+    old = os.umask(0o022)
+    try:
+        assert main(["--export", "--src", ckpt, "--dst", str(tmp_path / "hf"), "--no-progress",
+                     "--max-shard-gb", "0.000001"]) == 0
+    finally:
+        os.umask(old)
+    files = sorted(os.listdir(tmp_path / "hf"))
+    assert sum(f.endswith(".safetensors") for f in files) >= 2
+    assert {f: oct(os.stat(tmp_path / "hf" / f).st_mode & 0o777) for f in files} == {f: "0o644" for f in files}

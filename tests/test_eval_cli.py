@@ -175,3 +175,68 @@ def test_raw_prompts_start_with_bos_like_training_documents(tmp_path, tok_dir, f
     assert all(p.startswith(BOS) == starts_with_bos and not p.startswith(BOS + BOS) for p in seen)  # chat: its own
     if not flags:   # the BOS is one token, then the prompt exactly as generated
         assert all(tok.encode(p, add_special_tokens=False).ids[0] == tok.token_to_id(BOS) for p in seen)
+
+
+def _config_only_checkpoint(tmp_path, tok_dir, context):
+    """A checkpoint directory as far as the up-front checks read it: config.yaml, params/, tokenizer."""
+    import shutil
+
+    import yaml
+
+    from minimax_jax.config import ModelConfig
+
+    d = tmp_path / "ckpt"
+    (d / "params").mkdir(parents=True)
+    (d / "config.yaml").write_text(yaml.safe_dump(ModelConfig(max_position_embeddings=context).to_dict()))
+    shutil.copy(os.path.join(tok_dir, "tokenizer.json"), d / "tokenizer.json")
+    return str(d)
+
+
+def test_lengths_over_the_context_fail_before_prompts_or_params(monkeypatch, tmp_path, tok_dir, capsys):
+    """--lengths (+ BOS / chat wrapper + --max_new_tokens) over the checkpoint's context, or a
+    --ppl_seq_len / --max_seq_len over it: one line, exit 2, before any prompt is built or any
+    parameter is loaded; a length that fits goes on to loading."""
+    ckpt = _config_only_checkpoint(tmp_path, tok_dir, 4096)
+
+    def never(*a, **k):
+        raise AssertionError("must not be reached")
+
+    monkeypatch.setattr(cli, "generate_suite", never)
+    monkeypatch.setattr(cli, "load_model_fns", never)
+    base = ["--checkpoint", ckpt, "--tasks", "niah_single", "--num_samples", "1", "--ppl_seq_len", "128"]
+    for extra, needles in [
+        (["--lengths", "1000,2000000"], ["--lengths 2000000", "+ --max_new_tokens 48", "exceeds the context of",
+                                         "(4096 tokens, max_position_embeddings); use --lengths of at most 40"]),
+        (["--lengths", "4090", "--chat"], ["chat-format tokens + --max_new_tokens 48"]),
+        (["--lengths", "4000", "--max_new_tokens", "5000"],
+         ["--max_new_tokens alone leaves no room for a prompt: lower it to at most 9"]),
+        (["--lengths", "1000", "--ppl_seq_len", "8192"], ["--ppl_seq_len 8192 exceeds the context", "--no_perplexity"]),
+        (["--lengths", "1000", "--max_seq_len", "8192"], ["--max_seq_len 8192 exceeds the context"]),
+    ]:
+        assert cli.main(base + extra) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("eval: error: ") and err.count("\n") == 1, err
+        for n in needles:
+            assert n in err, (n, err)
+        assert "at most 0" not in err
+
+    def stop(*a, **k):
+        raise RuntimeUnavailable("reached loading")
+
+    monkeypatch.setattr(cli, "load_model_fns", stop)
+    assert cli.main(base + ["--lengths", "4000"]) == 2       # 4000 + BOS + 48 fits in 4096
+    assert capsys.readouterr().err == "eval: error: reached loading\n"
+
+
+def test_context_too_long_from_the_runtime_is_one_line(tmp_path, tok_dir, capsys):
+    from minimax_jax.data.tokenizer import load_tokenizer
+    from minimax_jax.infer.errors import ContextTooLong
+
+    def gen(prompts, n):
+        raise ContextTooLong("the prompt has 9 tokens; ... shorten the prompt by 1 tokens")
+
+    fns = cli.ModelFns(gen, None, load_tokenizer(tok_dir))
+    code = cli.main(["--checkpoint", "x", "--tasks", "niah_single", "--lengths", "300", "--num_samples", "1",
+                     "--haystack", "noise", "--no_perplexity"], fns=fns)
+    assert code == 2
+    assert capsys.readouterr().err == "eval: error: the prompt has 9 tokens; ... shorten the prompt by 1 tokens\n"

@@ -88,3 +88,17 @@ def test_context_too_long_fails_before_loading(tmp_path, good_ckpt):
     assert r.returncode == 1
     assert "> the model's context of 2048 tokens" in r.stderr
     assert "model:" not in r.stderr    # parameters were never loaded
+
+
+def test_bad_dtype_and_unreadable_chat_file_are_flag_errors(tmp_path):
+    """--dtype takes only the dtypes loading supports (a clean flag error, no traceback); a missing
+    --chat_file is named like a missing --prompt_file."""
+    for bad in ("foo", "float8_e4m3fn", "float16"):
+        r = _run(f"--dtype={bad}", "--prompt=hi", timeout=60)
+        assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+        assert f"flag --dtype={bad}: value should be one of <float32|bfloat16>" in r.stderr
+        assert "kv_dtype" not in r.stderr
+    missing = str(tmp_path / "missing.json")
+    r = _run(f"--chat_file={missing}", timeout=60)
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines()[-1] == f"error: cannot read --chat_file {missing!r}: No such file or directory"

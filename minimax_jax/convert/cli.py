@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 __all__ = ["main", "build_parser"]
@@ -46,6 +47,14 @@ def main(argv: list[str] | None = None) -> int:
     from minimax_jax.config import ConfigError
     from minimax_jax.convert.errors import CheckpointError
 
+    if not os.path.isdir(args.src):
+        what = "is not a directory" if os.path.exists(args.src) else "directory does not exist"
+        print(f"error: --src {args.src}: {what}", file=sys.stderr)
+        return 1
+    if os.path.exists(args.dst) and not args.overwrite:
+        print(f"error: --dst {args.dst} already exists; pass --overwrite to replace it, or choose another --dst",
+              file=sys.stderr)
+        return 1
     try:
         if args.export:
             from minimax_jax.convert.export import export_orbax_to_hf

@@ -126,7 +126,7 @@ def export_orbax_to_hf(src: str | os.PathLike, dst: str | os.PathLike, fp8: bool
     src = os.fspath(src)
     cfg = read_config(src)
     if os.path.exists(dst) and not overwrite:
-        raise FileExistsError(f"destination {os.fspath(dst)} already exists (pass overwrite=True / --overwrite)")
+        raise FileExistsError(f"destination {os.fspath(dst)} already exists (pass overwrite=True to replace it)")
     total = sum(int(np.prod(m.shape)) * np.dtype(m.dtype).itemsize
                 for m in _flat_meta(checkpoint_metadata(src)))
     with atomic_output_dir(dst, overwrite=overwrite) as tmp, \
@@ -156,6 +156,7 @@ def export_orbax_to_hf(src: str | os.PathLike, dst: str | os.PathLike, fp8: bool
         for k, names in enumerate(shards):
             fn = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
             os.rename(os.path.join(tmp, f"shard-{k:05d}.tmp"), os.path.join(tmp, fn))
+            os.chmod(os.path.join(tmp, fn), _file_mode())   # safetensors writes 0600; like the other files
             for nm in names:
                 weight_map[nm] = fn
         write_json({"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))},
@@ -171,6 +172,21 @@ def export_orbax_to_hf(src: str | os.PathLike, dst: str | os.PathLike, fp8: bool
             json.dump(hf_cfg, f, indent=2)
         copy_side_files(src, tmp)
     return {"tensors": len(weight_map), "bytes": total_size, "shards": n}
+
+
+def _file_mode() -> int:
+    """The mode ``open(path, "w")`` gives a new file: 0o666 less the process umask (0o644 under the
+    usual umask 022). Read from /proc where available, so the umask is never changed, even briefly."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def _flat_meta(tree):

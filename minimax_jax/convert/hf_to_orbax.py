@@ -138,7 +138,7 @@ def convert_hf_to_orbax(src: str | os.PathLike, dst: str | os.PathLike, dtype: s
     if dtype not in ("bfloat16", "float32"):
         raise ValueError(f"dtype must be 'bfloat16' or 'float32', got {dtype!r}")
     if os.path.exists(dst) and not overwrite:
-        raise FileExistsError(f"destination {os.fspath(dst)} already exists (pass overwrite=True / --overwrite)")
+        raise FileExistsError(f"destination {os.fspath(dst)} already exists (pass overwrite=True to replace it)")
     cfg = (cfg or ModelConfig.from_hf_config(src)).replace(dtype=dtype, param_dtype=dtype)
     reader = SafetensorsReader(src)
     plan = make_plan(reader, cfg)

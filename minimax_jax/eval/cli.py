@@ -7,7 +7,9 @@ Usage::
         [--haystack prose|noise] [--ppl_files PATH ...] [--ppl_seq_len 2048] [--out results.json]
 
 Lengths are in tokens of the model's tokenizer (the task prompt; ``--chat`` adds the chat wrapper's
-few tokens). The model is reached only through :mod:`minimax_jax.eval.runner`.
+few tokens); a length that, with ``--max_new_tokens``, cannot fit the checkpoint's context is
+refused before any prompt is built or parameter loaded. The model is reached only through
+:mod:`minimax_jax.eval.runner`.
 """
 
 from __future__ import annotations
@@ -88,6 +90,51 @@ def build_parser() -> argparse.ArgumentParser:
                         "perplexity runs before it and is not counted); prompts run shortest first and the ones "
                         "not reached are reported as skipped, not scored")
     return p
+
+
+def context_error(args: argparse.Namespace) -> str | None:
+    """A one-line error when the run cannot fit the checkpoint's context, else None.
+
+    Reads only the checkpoint's config (and tokenizer, to measure the BOS / chat wrapper tokens),
+    no parameters and no prompts, so an impossible ``--lengths`` fails at once instead of after
+    building every prompt. A checkpoint whose config cannot be read is left to the runtime, whose
+    loading says what is missing.
+    """
+    try:
+        from minimax_jax.infer.loading import load_tokenizer_for, peek_config
+
+        ckpt = os.path.abspath(args.checkpoint)
+        ctx = int(peek_config(ckpt).max_position_embeddings)
+    except Exception:  # noqa: BLE001 - no runtime / not a checkpoint: reported when loading
+        return None
+    where = f"the context of {args.checkpoint} ({ctx} tokens, max_position_embeddings)"
+    if args.max_seq_len is not None and args.max_seq_len > ctx:
+        return f"--max_seq_len {args.max_seq_len} exceeds {where}; pass at most {ctx}"
+    if not args.no_perplexity and args.ppl_seq_len > ctx:
+        return f"--ppl_seq_len {args.ppl_seq_len} exceeds {where}; pass at most {ctx} (or --no_perplexity)"
+    wrapper, what = 0, ""
+    try:
+        tok = load_tokenizer_for(ckpt, args.tokenizer)
+        if args.chat:
+            wrapper = len(tok.encode(chat_prompt(""), add_special_tokens=False).ids)
+            what = f" + {wrapper} chat-format tokens"
+        elif not args.no_bos and tok.token_to_id(BOS) is not None:
+            wrapper, what = 1, " + 1 BOS token"
+    except Exception:  # noqa: BLE001 - no tokenizer: reported when loading
+        pass
+    longest = max(args.lengths)
+    if longest + wrapper + args.max_new_tokens > ctx:
+        room, new_room = ctx - wrapper - args.max_new_tokens, ctx - wrapper - longest
+        if room >= 1:
+            fix = f"use --lengths of at most {room}"
+        elif new_room >= 1:
+            fix = f"--max_new_tokens alone leaves no room for a prompt: lower it to at most {new_room}"
+        else:
+            fix = (f"--max_new_tokens alone leaves no room for a prompt: lower it and use --lengths below "
+                   f"{ctx - wrapper}")
+        return (f"--lengths {longest}{what} + --max_new_tokens {args.max_new_tokens} = "
+                f"{longest + wrapper + args.max_new_tokens} tokens exceeds {where}; {fix}")
+    return None
 
 
 def _write_json(path: str, obj: dict) -> None:
@@ -172,13 +219,17 @@ def run_eval(args: argparse.Namespace, fns: ModelFns) -> dict:
 def main(argv: Sequence[str] | None = None, fns: ModelFns | None = None) -> int:
     """CLI entry point; ``fns`` bypasses the runtime (tests, custom models)."""
     args = build_parser().parse_args(argv)
+    try:
+        from minimax_jax.infer.errors import InferenceError
+    except ImportError:            # no runtime: load_model_fns raises RuntimeUnavailable
+        InferenceError = RuntimeUnavailable
     if fns is None:
+        err = context_error(args)  # before loading params or building prompts
+        if err:
+            print(f"eval: error: {err}", file=sys.stderr)
+            return 2
         opts = {k: v for k, v in (("max_seq_len", args.max_seq_len), ("prefill_chunk", args.prefill_chunk))
                 if v is not None}
-        try:
-            from minimax_jax.infer.errors import InferenceError
-        except ImportError:            # no runtime: load_model_fns raises RuntimeUnavailable
-            InferenceError = RuntimeUnavailable
         try:
             fns = load_model_fns(args.checkpoint, tokenizer=args.tokenizer, **opts)
         except (FileNotFoundError, InferenceError, RuntimeUnavailable) as e:   # they say what is missing
@@ -189,7 +240,7 @@ def main(argv: Sequence[str] | None = None, fns: ModelFns | None = None) -> int:
 
     try:
         results = run_eval(args, fns)
-    except (MissingDataError, LengthError) as e:
+    except (MissingDataError, LengthError, InferenceError) as e:   # InferenceError: e.g. ContextTooLong
         print(f"eval: error: {e}", file=sys.stderr)
         return 2
     for task, by_len in sorted(results["tasks"].items()):

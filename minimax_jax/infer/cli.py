@@ -46,8 +46,9 @@ flags.DEFINE_enum("engine", "paged", ["paged", "recompute"], "Generation engine:
                   "(minimax_jax.decode); 'recompute' = full forward each step (slow; for checking).")
 flags.DEFINE_integer("prefill_chunk", 0, "Prompt tokens per prefill step of the paged engine; 0 = by prompt length "
                      "(GPU: length // 8 in [256, 16384]; elsewhere 256).", lower_bound=0)
-flags.DEFINE_string("dtype", None, "Cast parameters on load ('float32' or 'bfloat16'); also the dtype of an "
-                    "on-the-fly Hugging Face conversion (default bfloat16).")
+flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Parameter and compute dtype: the parameters are cast "
+                  "to it on load (default: the checkpoint's own, its config.yaml dtype / param_dtype); also the dtype "
+                  "of an on-the-fly Hugging Face conversion (default bfloat16).")
 flags.DEFINE_string("mesh", None, "Device mesh, e.g. 'fsdp=2,tensor=2' (axes data, fsdp, expert, sequence, tensor; "
                     "one may be -1); parameters are loaded sharded by --sharding_rules.")
 flags.DEFINE_string("sharding_rules", "default", "Sharding rule preset (configs/sharding.yaml) or a YAML path.")
@@ -86,7 +87,10 @@ def build_prompt() -> tuple[str, object]:
                          + (f" (got {', '.join('--' + g for g in given)})" if given else ""))
     context = _read(FLAGS.context_file, "--context_file") if FLAGS.context_file else None
     if FLAGS.chat_file:
-        req = load_chat_file(FLAGS.chat_file)
+        try:
+            req = load_chat_file(FLAGS.chat_file)
+        except OSError as e:
+            raise ValueError(f"cannot read --chat_file {FLAGS.chat_file!r}: {e.strerror}") from None
         if context is not None:
             msgs = [dict(m) for m in req.messages]
             first = next((m for m in msgs if m.get("role") == "user"), None)

@@ -91,10 +91,16 @@ def check_context(cfg: ModelConfig, prompt_lengths: Sequence[int], max_new_token
     limit = cfg.max_position_embeddings
     for i, n in enumerate(prompt_lengths):
         if n + max_new_tokens > limit:
+            over = n + max_new_tokens - limit
+            if n < limit:   # room for at least one new token: either remedy works
+                fix = f"shorten the prompt by {over} tokens or lower --max_new_tokens to at most {limit - n}"
+            else:           # the prompt alone fills the context: only shortening it helps
+                alone = "fills the context" if n == limit else f"is {n - limit} tokens over the context"
+                fix = (f"the prompt alone {alone}, so it must be shortened: by {over} tokens to keep "
+                       f"max_new_tokens={max_new_tokens}")
             raise ContextTooLong(
                 f"{_prompt_name(i, len(prompt_lengths))} has {n} tokens; with max_new_tokens={max_new_tokens} that is {n + max_new_tokens} "
-                f"> the model's context of {limit} tokens (max_position_embeddings); shorten the prompt "
-                f"or lower --max_new_tokens to at most {max(limit - n, 0)}")
+                f"> the model's context of {limit} tokens (max_position_embeddings); {fix}")
 
 
 def _round_up_pow2(n: int) -> int:

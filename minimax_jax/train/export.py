@@ -20,7 +20,11 @@ import orbax.checkpoint as ocp
 
 from minimax_jax.config import ModelConfig
 
-__all__ = ["latest_params", "export_run"]
+__all__ = ["latest_params", "export_run", "ExportMismatch"]
+
+
+class ExportMismatch(ValueError):
+    """The run's restored params do not have the shapes its ``model_config.yaml`` implies."""
 
 
 def latest_params(run_dir: str) -> tuple[int, dict]:
@@ -46,6 +50,8 @@ def export_run(run_dir: str, dst: str, *, dtype: str = "bfloat16", tokenizer: st
 
     The model config is the run's resolved ``model_config.yaml`` (written by the training loop).
     Returns: a summary dict (step, dst, hf export summary or None).
+    Raises: FileNotFoundError (no checkpoint / tokenizer); ExportMismatch when the restored params do
+      not have the shapes ``model_config.yaml`` implies (checked before anything is written).
     """
     from minimax_jax.convert.save import save_checkpoint
 
@@ -56,6 +62,7 @@ def export_run(run_dir: str, dst: str, *, dtype: str = "bfloat16", tokenizer: st
     # Kernel choices are the training machine's (e.g. msa_impl=xla forced for a run); the exported
     # model must pick what suits the machine that loads it.
     cfg = cfg.replace(attention_impl="auto", sliding_attention_impl="auto", moe_impl="auto", msa_impl="auto")
+    _check_shapes(params, cfg, run_dir, step)    # before anything is written at dst
     save_checkpoint(params, cfg, dst, dtype=dtype, tokenizer=tokenizer, overwrite=True)
     hf = None
     if hf_dst:
@@ -64,6 +71,55 @@ def export_run(run_dir: str, dst: str, *, dtype: str = "bfloat16", tokenizer: st
         hf = export_orbax_to_hf(dst, hf_dst, max_shard_bytes=int(max_shard_mb * 2 ** 20), overwrite=True,
                                 progress=False)
     return {"step": step, "dst": dst, "hf": hf}
+
+
+def param_mismatches(params, cfg: ModelConfig) -> list[tuple[str, str, str]]:
+    """``[(leaf path, config shape, params shape)]`` for every leaf of ``params`` whose shape differs
+    from ``abstract_params(cfg)`` (a shape is "absent" when the leaf exists on one side only)."""
+    import jax
+    import numpy as np
+
+    from minimax_jax.model import abstract_params
+
+    def flat(tree):
+        return {jax.tree_util.keystr(k): list(np.shape(v)) for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+    got, want = flat(params), flat(abstract_params(cfg))
+    out = []
+    for k in sorted(set(got) | set(want)):
+        w, g = want.get(k, "absent"), got.get(k, "absent")
+        if w != g:
+            out.append((f"params{k}", str(w), str(g)))
+    return out
+
+
+def _check_shapes(params, cfg: ModelConfig, run_dir: str, step: int) -> None:
+    """Raise ExportMismatch (one line: up to 3 leaves, and the config fields that differ from the
+    model the checkpoint was saved with) when ``params`` do not fit ``cfg``."""
+    bad = param_mismatches(params, cfg)
+    if not bad:
+        return
+    shown = "; ".join(f"{leaf}: config {w}, checkpoint {g}" for leaf, w, g in bad[:3])
+    more = f"; and {len(bad) - 3} more" if len(bad) > 3 else ""
+    path = os.path.join(run_dir, "model_config.yaml")
+    saved = _saved_model_config(run_dir, step)
+    mine = cfg.to_dict()
+    fields = {k: v for k, v in (saved or {}).items() if k in mine and mine[k] != v and not k.endswith("_impl")}
+    why = (f"the checkpoint was saved with {', '.join(f'{k}={v!r}' for k, v in fields.items())}: put "
+           f"{'that value' if len(fields) == 1 else 'those values'} back in model_config.yaml") if fields else \
+        "restore the run's original model_config.yaml"
+    raise ExportMismatch(f"the params of checkpoint step {step} do not match {path} ({len(bad)} parameters: "
+                         f"{shown}{more}); nothing was written; {why} and export again")
+
+
+def _saved_model_config(run_dir: str, step: int) -> dict | None:
+    """The model config stored in the ``meta`` item of checkpoint ``step`` (None if unreadable)."""
+    try:
+        mgr = ocp.CheckpointManager(os.path.join(os.path.abspath(run_dir), "checkpoints"),
+                                    item_names=("state", "data", "meta"))
+        return dict(mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]["model_config"])
+    except Exception:  # noqa: BLE001 - only used to make the error message more precise
+        return None
 
 
 def _run_tokenizer(run_dir: str) -> str | None:
@@ -105,7 +161,7 @@ def main(argv=None) -> None:
     try:
         summary = export_run(a.run_dir, a.dst, dtype=a.dtype, tokenizer=a.tokenizer, hf_dst=a.hf_dst,
                              max_shard_mb=a.max_shard_mb)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ExportMismatch) as e:
         sys.exit(f"export: {e}")
     print(json.dumps(summary, default=str))
 

@@ -191,6 +191,21 @@ def _check_meta(tr: Trainer, meta: dict[str, Any]) -> None:
                                f"(fields {diff}); use a new run.run_dir or the original model settings")
 
 
+def _write_yaml_atomic(path: str, obj: Any) -> None:
+    """Write ``obj`` as YAML to ``path`` via a temporary sibling renamed into place (never half-written)."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            yaml.safe_dump(obj, f, sort_keys=False)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
 def train(tc: TrainConfig, devices: list | None = None) -> dict[str, Any]:
     """Run training (see module docstring). Returns ``{"status", "step", "metrics", "run_dir"}``.
 
@@ -202,10 +217,6 @@ def train(tc: TrainConfig, devices: list | None = None) -> dict[str, Any]:
     is_main = jax.process_index() == 0
     if is_main:
         os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, "config.yaml"), "w") as f:
-            yaml.safe_dump(tc.to_dict(), f, sort_keys=False)
-        with open(os.path.join(run_dir, "model_config.yaml"), "w") as f:  # the resolved model (MSA layers...)
-            yaml.safe_dump(tr.cfg.to_dict(), f, sort_keys=False)
     ck = Checkpointer(os.path.join(run_dir, "checkpoints"), keep=tc.checkpoint.keep, async_save=tc.checkpoint.async_save)
     data_it = make_iterator(tc.data, tr.cfg.vocab_size)
     restored = None
@@ -221,6 +232,9 @@ def train(tc: TrainConfig, devices: list | None = None) -> dict[str, Any]:
     else:
         step, phase = 0, tr.phase_of(0)
         state = tr.initial_state()
+    if is_main:  # only now: a refused resume (another model config) leaves the run's files as they were
+        _write_yaml_atomic(os.path.join(run_dir, "config.yaml"), tc.to_dict())
+        _write_yaml_atomic(os.path.join(run_dir, "model_config.yaml"), tr.cfg.to_dict())  # the resolved model
     writer = MetricsWriter(run_dir, total_steps=tc.run.steps, start_step=step, tensorboard=tc.run.tensorboard,
                            progress=tc.run.progress, is_main=is_main)
     if restored is not None:
