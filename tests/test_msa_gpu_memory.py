@@ -1,10 +1,14 @@
-"""HBM footprint of the GPU MSA attention (pallas_kernels/msa/gpu_attention.py) at 1M tokens.
+"""HBM footprint of the GPU MSA attention (pallas_kernels/msa/gpu_attention.py) and indexer KL
+(pallas_kernels/msa/gpu_kl.py) at 1M tokens.
 
 Regression: at M2 shapes (48 q heads / 8 kv heads = 6 heads per group, D=128) and T = 1M the H200
 ran out of memory (bench/results/msa_prefill_run9.log: forward 65.5 GiB, forward+backward 98 GiB)
 because the wrapper materialised the group's heads padded to the 16-row Triton tile in HBM
 ([B,T,G,16,D] copies of q and o, and of q, do and dq in the backward: 32 GiB each, 2.7x q). The
 kernels now read and write the natural [B,T,H,...] layout and mask the padded rows in registers.
+The indexer-KL kernels had the same padded q ([B,T,G,16,D]: 32 GiB at M2 1M, 1 GiB at
+bench/train_step.py's 64K step with 16 q / 4 kv heads; none at full M3, 16 heads per group) and
+now read q and the per-head teacher lse the same way.
 
 Nothing here runs a kernel:
 * the cuda lowering (Pallas -> Triton, as on the GPU) is inspected: no operand or result of the
@@ -25,9 +29,10 @@ import numpy as np
 import pytest
 
 from pallas_kernels.msa import gpu_attention as ga
+from pallas_kernels.msa import gpu_kl as gk
 
 T = 1 << 20
-BLK, TOPK = 128, 16
+BLK, TOPK, DI = 128, 16, 128          # as bench/msa_prefill.py
 # (q heads, kv heads): M2 (6 heads per group -> rows padded to 16 inside the kernels), M3 (16)
 SHAPES = {"m2": (48, 8), "m3": (64, 4)}
 _BYTES = {"bf16": 2, "f16": 2, "f32": 4, "i32": 4, "i64": 8, "i1": 1, "i8": 1, "ui32": 4}
@@ -55,22 +60,45 @@ def _attn_fb(q, k, v, ids, do, pos):     # as bench/msa_prefill.py's attn_fb
     return vjp((do, jnp.zeros_like(lse)))
 
 
-@pytest.mark.parametrize("model", sorted(SHAPES))
-def test_cuda_lowering_has_no_padded_copies(model):
-    h, g = SHAPES[model]
-    args = _args(h, g)
-    q_bytes = T * h * 128 * 2
-    txt = jax.jit(_attn_fb).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+def _kl_args(h, g, d=128):
+    sd = jax.ShapeDtypeStruct
+    return (sd((1, T, h, d), jnp.bfloat16), sd((1, T, g, d), jnp.bfloat16),
+            sd((1, T, g, DI), jnp.bfloat16), sd((1, T, DI), jnp.bfloat16),
+            sd((1, g, T, TOPK), jnp.int32), sd((1, T), jnp.int32))
+
+
+def _kl_fb(q, k, qi, ki, ids, pos):      # as bench/msa_prefill.py's kl_fb: loss, grads (qi, ki)
+    return jax.grad(lambda qi, ki: gk.indexer_kl_gpu(q, k, qi, ki, ids, block_size=BLK,
+                                                     q_positions=pos, kv_positions=pos)[0],
+                    argnums=(0, 1))(qi, ki)
+
+
+def _check_cuda_lowering(fn, args, q_bytes, n_calls):
+    txt = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     calls = [ln for ln in txt.splitlines() if "stablehlo.custom_call" in ln and "triton" in ln]
-    assert len(calls) == 3, len(calls)                  # fwd, dq, dk/dv
+    assert len(calls) == n_calls, len(calls)
     for ln in calls:
         sig = ln.rsplit(" : ", 1)[-1]                   # (operand types) -> result types
         sizes = [_nbytes(dims, dt) for dims, dt in _TENSOR.findall(sig)]
-        assert max(sizes) <= q_bytes, (model, max(sizes) / q_bytes, sig[:300])
+        assert max(sizes) <= q_bytes, (max(sizes) / q_bytes, sig[:300])
     for ln in txt.splitlines():
         if "stablehlo.pad" in ln:
             big = [_nbytes(dims, dt) for dims, dt in _TENSOR.findall(ln.rsplit(" : ", 1)[-1])]
             assert max(big) < q_bytes // 4, ln[:300]
+
+
+@pytest.mark.parametrize("model", sorted(SHAPES))
+def test_cuda_lowering_has_no_padded_copies(model):
+    h, g = SHAPES[model]
+    _check_cuda_lowering(_attn_fb, _args(h, g), T * h * 128 * 2, 3)     # fwd, dq, dk/dv
+
+
+@pytest.mark.parametrize("model", sorted(SHAPES))
+def test_kl_cuda_lowering_has_no_padded_copies(model):
+    """Indexer KL forward + backward: no Triton operand / result (and no pad) larger than q (the
+    padded [B,T,G,16,D] q was 2.7x q at M2)."""
+    h, g = SHAPES[model]
+    _check_cuda_lowering(_kl_fb, _kl_args(h, g), T * h * 128 * 2, 3)   # fwd, dqi, dki
 
 
 def _fake_pallas_call(kernel, *, out_shape, **_):
@@ -85,11 +113,12 @@ def _fake_pallas_call(kernel, *, out_shape, **_):
 
 @pytest.fixture
 def fake_kernels(monkeypatch):
-    """Swap gpu_attention's pallas_call for the callback proxy; JAX's trace caches (custom_vjp
-    jaxprs are cached per function and shapes) are cleared on entry and exit so neither the real
-    nor the proxy trace leaks across."""
+    """Swap gpu_attention's and gpu_kl's pallas_call for the callback proxy; JAX's trace caches
+    (custom_vjp jaxprs are cached per function and shapes) are cleared on entry and exit so neither
+    the real nor the proxy trace leaks across."""
     jax.clear_caches()
     monkeypatch.setattr(ga, "pl", types.SimpleNamespace(pallas_call=_fake_pallas_call))
+    monkeypatch.setattr(gk, "pl", types.SimpleNamespace(pallas_call=_fake_pallas_call))
     yield
     monkeypatch.undo()
     jax.clear_caches()
@@ -109,3 +138,15 @@ def test_buffer_assignment_temporaries_bounded(model, fake_kernels):
     assert fwd.temp_size_in_bytes <= 0.25 * q_bytes, fwd.temp_size_in_bytes / 2**30
     assert fb.temp_size_in_bytes <= 1.25 * q_bytes, fb.temp_size_in_bytes / 2**30
     assert fwd.output_size_in_bytes <= 1.1 * q_bytes           # o [B,T,H,D] + lse [B,T,H] f32
+
+
+@pytest.mark.parametrize("model", sorted(SHAPES))
+def test_kl_buffer_assignment_temporaries_bounded(model, fake_kernels):
+    h, g = SHAPES[model]
+    q_bytes = T * h * 128 * 2
+    fb = jax.jit(_kl_fb).trace(*_kl_args(h, g)).lower().compile().memory_analysis()
+    # measured (jax 0.10.2 CPU), KL loss + grads (qi, ki): M2 1M 3.2 GiB of temporaries (q = 12 GiB;
+    # the padded q made it 35.5 GiB), M3 1M 1.5 GiB (q = 16 GiB). What stays: the deduped ids and
+    # window starts ([B,G,T,K] int32, 0.5 GiB each at M2), the d ki inverse map and its sort, the
+    # per-head teacher lse [B,T,H] f32. Nothing q-sized is a temporary (q is an argument).
+    assert fb.temp_size_in_bytes <= 0.5 * q_bytes, fb.temp_size_in_bytes / 2**30

@@ -217,7 +217,7 @@ def _group_q(x, g, m_pad, fill=0.0):
     """[B,T,H,...] -> [B,T,G,M,...] with the group's heads padded to m_pad rows.
 
     A materialised copy (m_pad / (H/G) times the input): the kernels of this file no longer use it
-    (they mask rows in registers, ``_load_group``); kept for gpu_attention_qtile.py and gpu_kl.py.
+    (they mask rows in registers, ``_load_group``); kept for gpu_attention_qtile.py.
     """
     bsz, t, h = x.shape[:3]
     hg = h // g

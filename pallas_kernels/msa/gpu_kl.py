@@ -14,6 +14,13 @@ summed over Di. Backward: d qi with the same query-outer program; d ki KV-outer:
 (key tile, batch row) walks, for every group, the selections that touch its tile (the stable
 sorted inverse map of gpu_attention), so the shared index key's gradient needs no atomics and is
 bitwise deterministic. Dense warm-up (block_ids=None) has no kernel: ImplementationUnavailable.
+
+The group's H/G heads are padded to M = max(16, next_pow2(H/G)) rows (the smallest tensor-core
+tile) only in registers: q and the per-head teacher log-sum-exp (lse_m, a forward residual) are read
+and written in their natural [B,T,H,...] layout, rows ``g*H/G + [0, M)`` with a row mask (as
+gpu_attention's ``_load_group``; masked-off rows load 0 for q, +inf for lse_m, and are never
+stored). No [B,T,G,M,...] copy is materialised in HBM: at M2 shapes (H/G = 6 -> M = 16) a padded q
+was 2.7x q (32 GiB at T = 1M).
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.msa import layout
-from pallas_kernels.msa.gpu_attention import _group_q, _inverse_map, _mask
+from pallas_kernels.msa.gpu_attention import _inverse_map, _load_group, _mask, _store_group
 
 __all__ = ["indexer_kl_gpu"]
 
@@ -47,11 +54,11 @@ def _block(k_ref, ki_ref, kvpos_ref, kvseg_ref, b, g, start, n, q_pos, q_seg, bl
 
 
 def _fwd_kernel(q_ref, k_ref, qi_ref, ki_ref, ids_ref, start_ref, qpos_ref, qseg_ref, kvpos_ref,
-                kvseg_ref, kl_ref, lsex_ref, lsem_ref, *, blk, topk, scale, iscale, hg):
+                kvseg_ref, kl_ref, lsex_ref, lsem_ref, *, blk, topk, scale, iscale, hg, m_pad):
     t = pl.program_id(0)
     g = pl.program_id(1)
     b = pl.program_id(2)
-    q = q_ref[b, t, g]                                    # [M, D]
+    q = _load_group(q_ref, b, t, g, hg, m_pad)            # [M, D]; q_ref [B,T,H,D], pad rows 0
     qi = qi_ref[b, t, g].astype(jnp.float32)              # [Di]
     q_pos = qpos_ref[b, t]
     q_seg = qseg_ref[b, t]
@@ -94,7 +101,7 @@ def _fwd_kernel(q_ref, k_ref, qi_ref, ki_ref, ids_ref, start_ref, qpos_ref, qseg
     kl = jax.lax.fori_loop(0, topk, pass2, jnp.float32(0.0)) * _LN2
     kl_ref[b, t, g] = jnp.where(lx > 0, kl, 0.0)
     lsex_ref[b, t, g] = lse_x
-    lsem_ref[b, t, g] = lse_m
+    _store_group(lsem_ref, b, t, g, hg, m_pad, lse_m)    # [B,T,H]: the group's hg rows only
 
 
 def _grad_row(q, qi, kb, kib, vis, lse_m, lse_x, scale, iscale, hg):
@@ -107,13 +114,14 @@ def _grad_row(q, qi, kb, kib, vis, lse_m, lse_x, scale, iscale, hg):
 
 
 def _dqi_kernel(q_ref, k_ref, qi_ref, ki_ref, ids_ref, start_ref, qpos_ref, qseg_ref, kvpos_ref,
-                kvseg_ref, lsex_ref, lsem_ref, ct_ref, dqi_ref, *, blk, topk, scale, iscale, hg):
+                kvseg_ref, lsex_ref, lsem_ref, ct_ref, dqi_ref, *, blk, topk, scale, iscale, hg,
+                m_pad):
     t = pl.program_id(0)
     g = pl.program_id(1)
     b = pl.program_id(2)
-    q = q_ref[b, t, g]
+    q = _load_group(q_ref, b, t, g, hg, m_pad)                      # [M, D]
     qi = qi_ref[b, t, g].astype(jnp.float32)
-    lse_m = lsem_ref[b, t, g]
+    lse_m = _load_group(lsem_ref, b, t, g, hg, m_pad, jnp.inf)      # [M]; pad rows: teacher 0
     lse_x = lsex_ref[b, t, g]
     q_pos = qpos_ref[b, t]
     q_seg = qseg_ref[b, t]
@@ -131,7 +139,7 @@ def _dqi_kernel(q_ref, k_ref, qi_ref, ki_ref, ids_ref, start_ref, qpos_ref, qseg
 
 def _dki_kernel(q_ref, k_ref, qi_ref, ki_ref, ids_ref, ent_ref, off_ref, qpos_ref, qseg_ref,
                 kvpos_ref, kvseg_ref, lsex_ref, lsem_ref, ct_ref, dki_ref, *, blk, topk, scale,
-                iscale, hg, groups):
+                iscale, hg, m_pad, groups):
     tile = pl.program_id(0)
     b = pl.program_id(1)
     sl = pl.ds(tile * blk, blk)
@@ -148,8 +156,9 @@ def _dki_kernel(q_ref, k_ref, qi_ref, ki_ref, ids_ref, ent_ref, off_ref, qpos_re
             n = ids_ref[b, g, t, flat - t * topk]
             vis = _mask(kvp, kvs, n, qpos_ref[b, t], qseg_ref[b, t], blk)
             qi = qi_ref[b, t, g].astype(jnp.float32)
-            d = _grad_row(q_ref[b, t, g], qi, kb, kib, vis, lsem_ref[b, t, g], lsex_ref[b, t, g],
-                          scale, iscale, hg)
+            q = _load_group(q_ref, b, t, g, hg, m_pad)
+            lse_m = _load_group(lsem_ref, b, t, g, hg, m_pad, jnp.inf)
+            d = _grad_row(q, qi, kb, kib, vis, lse_m, lsex_ref[b, t, g], scale, iscale, hg)
             return acc + d[:, None] * qi[None, :]
 
         return jax.lax.fori_loop(off_ref[b, g, tile], off_ref[b, g, tile + 1], body, acc)
@@ -165,10 +174,10 @@ def _setup(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, bl
     prep = layout.prepare(k, ki[:, :, None, :], q_positions, kv_positions, q_seg, kv_seg, blk)
     ids = layout.dedupe_ids(block_ids)
     starts = layout.window_starts(ids, prep.base, blk, prep.s_pad)
-    return dict(hg=hg, q5=_group_q(q, g, m_pad), prep=prep, kp=prep.k, kip=prep.v[:, :, 0, :],
+    return dict(hg=hg, prep=prep, kp=prep.k, kip=prep.v[:, :, 0, :],
                 ids=ids, starts=starts, qpos=q_positions.astype(jnp.int32),
                 consts=dict(blk=blk, topk=ids.shape[-1], scale=1.0 / math.sqrt(q.shape[-1]),
-                            iscale=1.0 / math.sqrt(qi.shape[-1]), hg=hg))
+                            iscale=1.0 / math.sqrt(qi.shape[-1]), hg=hg, m_pad=m_pad))
 
 
 def _params(interpret):
@@ -178,15 +187,16 @@ def _params(interpret):
 
 def _forward(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, blk, interpret):
     c = _setup(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, blk)
-    bsz, t, g, m, _ = c["q5"].shape
-    kl, lse_x, lse_m = pl.pallas_call(
+    bsz, t, h, _ = q.shape
+    g = k.shape[2]
+    kl, lse_x, lse_m = pl.pallas_call(     # q, lse_m in their natural layout (no padded copies)
         functools.partial(_fwd_kernel, **c["consts"]),
         grid=(t, g, bsz),
         out_shape=[jax.ShapeDtypeStruct((bsz, t, g), jnp.float32),
                    jax.ShapeDtypeStruct((bsz, t, g), jnp.float32),
-                   jax.ShapeDtypeStruct((bsz, t, g, m), jnp.float32)],
+                   jax.ShapeDtypeStruct((bsz, t, h), jnp.float32)],
         name="msa_kl_fwd_gpu", **_params(interpret),
-    )(c["q5"], c["kp"], qi, c["kip"], c["ids"], c["starts"], c["qpos"], c["prep"].q_seg,
+    )(q, c["kp"], qi, c["kip"], c["ids"], c["starts"], c["qpos"], c["prep"].q_seg,
       c["prep"].kv_pos, c["prep"].kv_seg)
     count = jnp.sum(jnp.isfinite(lse_x).astype(jnp.int32))
     return jnp.sum(kl), count, (lse_x, lse_m)
@@ -195,9 +205,10 @@ def _forward(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, 
 def _backward(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, lse_x, lse_m,
               ct, blk, interpret):
     c = _setup(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, blk)
-    bsz, t, g, m, _ = c["q5"].shape
+    bsz, t, _, _ = q.shape
+    g = k.shape[2]
     ct = jnp.reshape(ct.astype(jnp.float32), (1,))
-    common = (c["q5"], c["kp"], qi, c["kip"], c["ids"])
+    common = (q, c["kp"], qi, c["kip"], c["ids"])
     pos = (c["qpos"], c["prep"].q_seg, c["prep"].kv_pos, c["prep"].kv_seg)
     dqi = pl.pallas_call(
         functools.partial(_dqi_kernel, **c["consts"]),
