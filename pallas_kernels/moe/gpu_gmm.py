@@ -49,6 +49,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from minimax_jax.ops.common import varying_axes
+
 __all__ = ["TileConfig", "DEFAULT_CONFIG", "DEFAULT_TGMM_CONFIG", "CANDIDATES", "TGMM_CANDIDATES",
            "get_default_configs", "set_default_configs", "num_visits", "make_visits", "gmm_forward", "tgmm", "gmm"]
 
@@ -296,19 +298,12 @@ def _params(cfg: TileConfig):
 
 
 # ----------------------------------------------------------------------------- shard_map typing
-def _varying(x) -> frozenset:
-    """Mesh axes ``x`` varies over inside ``shard_map`` (empty elsewhere)."""
-    t = jax.typeof(x)
-    mat = getattr(t, "manual_axis_type", None)
-    return frozenset(mat.varying) if mat is not None else frozenset(getattr(t, "vma", ()))
-
-
 def _common_vma(*xs):
     """Cast every array to vary over the union of the arrays' varying axes (``jax.lax.pcast``)."""
-    axes = frozenset().union(*(_varying(x) for x in xs))
+    axes = frozenset().union(*(varying_axes(x) for x in xs))
     out = []
     for x in xs:
-        missing = tuple(sorted(axes - _varying(x)))
+        missing = tuple(sorted(axes - varying_axes(x)))
         out.append(jax.lax.pcast(x, missing, to="varying") if missing else x)
     return tuple(out)
 
