@@ -29,7 +29,8 @@
 # SUITE_LANE0 / SUITE_LANE1 (the steps of each lane, in order, from: wheels prefill qtile decode moe
 # train_step impl_check flash_test long_context; defaults as above), SUITE_TRAIN_ARGS (extra
 # bench/train_step.py flags, e.g. "--attention-impl pallas_flash"), SUITE_PREFILL_CASES, SUITE_QTILE_CASES,
-# SUITE_MOE_TOKENS, SUITE_LC_CONTEXTS (long-context windows, default 131072,1048576), SUITE_LC_S (its cap),
+# SUITE_PREFILL_DENSE_MAX (longest context with a measured cuDNN dense baseline, default 131072; longer
+# ones extrapolate from it by (T/T0)^2), SUITE_MOE_TOKENS, SUITE_LC_CONTEXTS (long-context windows, default 131072,1048576), SUITE_LC_S (its cap),
 # SUITE_EP_S (cap of the ep step after the lanes, default 120; 0 skips it), SUITE_EP_TOKENS (its tokens per
 # GPU, default 8192,32768; priority order under its budget).
 set -u
@@ -120,7 +121,7 @@ step_prefill() {
   else
     part prefill "$PREFILL_S" "$PY" bench/msa_prefill.py --out "$WORK/prefill" --small-check \
       --cases "${SUITE_PREFILL_CASES:-m3:131072,m3:1048576,m3:8192,m3:32768,m2:131072,m3:524288,m2:8192,m2:32768,m2:524288,m2:1048576}" \
-      --dense-max 131072 --deadline-s $((PREFILL_S - 80))
+      --dense-max "${SUITE_PREFILL_DENSE_MAX:-131072}" --deadline-s $((PREFILL_S - 80))
   fi
 }
 # The query-tiled attention forward variants (pallas_kernels/msa/gpu_attention_qtile.py), no dense baseline.

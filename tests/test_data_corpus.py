@@ -121,3 +121,33 @@ def test_cli_shares(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "minimax_jax.data.corpus", "--out", str(tmp_path / "x"),
                           "--shares", "poetry=1"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--shares expects name=fraction pairs" in bad.stderr
+
+
+def test_copy_documents_repeat_their_spans():
+    from minimax_jax.data.copying import copy_documents
+
+    hay = " ".join(f"word{i % 300}x alpha{i % 7}y" for i in range(3000))
+    docs = copy_documents(3, 20000, hay, max_chars=600)
+    assert docs and sum(len(d["text"].encode()) for d in docs) <= 20000
+    assert docs == copy_documents(3, 20000, hay, max_chars=600)           # deterministic
+    assert docs[0]["text"] != copy_documents(4, 20000, hay, max_chars=600)[0]["text"]
+    for d in docs:
+        assert d["source"] == "copy"
+        blocks = d["text"].split("\n\n")
+        # every block equals its neighbour before or after it: each span is shown 2-3 times in a row
+        for i, b in enumerate(blocks):
+            assert b and ((i > 0 and blocks[i - 1] == b) or (i + 1 < len(blocks) and blocks[i + 1] == b)), d["text"]
+    with pytest.raises(ValueError, match="max_chars >= 200"):
+        copy_documents(0, 1000, hay, max_chars=100)
+    with pytest.raises(ValueError, match="distinct words"):
+        copy_documents(0, 1000, "the cat sat " * 50)
+
+
+def test_corpus_copy_share(tmp_path):
+    from minimax_jax.data.corpus import build_corpus
+
+    m = build_corpus(str(tmp_path), max_mb=0.3, seed=0, shares={"prose": 0.5, "copy": 0.5},
+                     heldout_synthetic=0, synthetic_max_chars=1000)
+    assert m["train"]["copy"]["bytes"] > 100_000 and "synthetic" not in m["train"]
+    with pytest.raises(ValueError, match="copy"):
+        build_corpus(str(tmp_path), shares={"poetry": 1.0})

@@ -23,7 +23,9 @@
 # PROBE_SIDE a command run on the other GPU while the probe runs (optional); CONTENTION (below).
 # Curriculum (off unless CURRICULUM_STEPS > 0; RESULTS.md run 3: no model learned to copy): stage 1
 # trains every variant for CURRICULUM_STEPS steps on a second corpus of short documents
-# (SHORT_MAX_CHARS [1500] characters, SHORT_MB [30] MB, same shares and tokenizer) in rows of
+# (SHORT_MAX_CHARS [1500] characters, SHORT_MB [30] MB, SHORT_SHARES [prose=0.1,code=0.1,synthetic=0.4,
+# copy=0.4]: copy documents (minimax_jax.data.copying) repeat each span 2-3 times, the densest signal
+# for in-context copying; the CPU probe without them did not copy after 500 steps) in rows of
 # SHORT_SEQ [1024] x SHORT_BATCH [16], capped at CURRICULUM_CAP_S [150] s, exports it, and records
 # the copy check of experiments/learnability/induction.py (induction_<v>.txt); stage 2 (the runs
 # above) starts from those weights (init.mode=checkpoint) with a fresh optimizer; the MSA variant
@@ -65,7 +67,8 @@ CURRICULUM_STEPS=${CURRICULUM_STEPS:-0}
 if [ "$CURRICULUM_STEPS" -gt 0 ]; then
   WARMUP_FRAC=0     # the MSA indexer warm-up happens in stage 1
   log "short-document corpus for the curriculum"
-  $PY -m minimax_jax.data.corpus --out "$W/corpus_short" --max_mb "${SHORT_MB:-30}" --seed 1 --shares "$SHARES" \
+  $PY -m minimax_jax.data.corpus --out "$W/corpus_short" --max_mb "${SHORT_MB:-30}" --seed 1 \
+    --shares "${SHORT_SHARES:-prose=0.1,code=0.1,synthetic=0.4,copy=0.4}" \
     --synthetic_min_chars 300 --synthetic_max_chars "${SHORT_MAX_CHARS:-1500}" \
     --workers "$(( $(nproc) < 16 ? $(nproc) : 16 ))" > "$OUT/corpus_short.json" || exit 1
 fi

@@ -42,6 +42,9 @@ from minimax_jax.data.prose import (
 # Retrieval documents get the largest share: a small model trained for minutes learns to retrieve
 # only when it sees many of them (the demo's first run, with 20%, retrieved nothing at 1K tokens).
 DEFAULT_SHARES = {"prose": 0.3, "code": 0.3, "synthetic": 0.4}
+# Every source a share may name: ``copy`` (minimax_jax.data.copying, off by default) is for a short
+# first curriculum stage that teaches in-context copying.
+SOURCES = ("prose", "code", "synthetic", "copy")
 # Synthetic documents must fit the training window whole (prompt AND answer in one packed row):
 # 24000 characters is ~7K tokens of the demo tokenizer, under the demo's 8192-token sequences.
 DEFAULT_SYNTHETIC_MAX_CHARS = 24000
@@ -124,7 +127,8 @@ def build_corpus(out_dir: str, *, max_mb: float = 64.0, seed: int = 0, shares: d
       out_dir: output directory (created; existing ``train-*.jsonl`` there are replaced).
       max_mb: train text budget in MB (10^6 bytes of UTF-8).
       seed: determines every choice; the same seed and Python version give identical files.
-      shares: fractions of the budget per source (``prose``, ``code``, ``synthetic``).
+      shares: fractions of the budget per source (``prose``, ``code``, ``synthetic``, ``copy``: copy
+        documents of at most ``min(1500, synthetic_max_chars)`` characters; absent = 0).
       heldout_works, heldout_fraction: held-out Shakespeare works and share of stdlib files.
       max_code_file_kb: stdlib files larger than this are skipped.
       synthetic_min_chars, synthetic_max_chars: synthetic document lengths (characters); the
@@ -139,10 +143,10 @@ def build_corpus(out_dir: str, *, max_mb: float = 64.0, seed: int = 0, shares: d
     shares = dict(DEFAULT_SHARES if shares is None else shares)
     if max_mb <= 0 or shard_mb <= 0:
         raise ValueError(f"max_mb and shard_mb must be positive, got {max_mb}, {shard_mb}")
-    if set(shares) - set(DEFAULT_SHARES) or any(v < 0 for v in shares.values()) or sum(shares.values()) <= 0:
-        raise ValueError(f"shares must be non-negative fractions over {sorted(DEFAULT_SHARES)}, got {shares}")
+    if set(shares) - set(SOURCES) or any(v < 0 for v in shares.values()) or sum(shares.values()) <= 0:
+        raise ValueError(f"shares must be non-negative fractions over {list(SOURCES)}, got {shares}")
     total = sum(shares.values())
-    budget = {k: int(max_mb * 1e6 * shares.get(k, 0.0) / total) for k in DEFAULT_SHARES}
+    budget = {k: int(max_mb * 1e6 * shares.get(k, 0.0) / total) for k in SOURCES}
 
     prose_train, prose_held = prose_documents(seed, heldout_works)
     code_train, code_held = code_documents(seed, heldout_fraction, max_code_file_kb)
@@ -151,6 +155,9 @@ def build_corpus(out_dir: str, *, max_mb: float = 64.0, seed: int = 0, shares: d
     if budget["synthetic"] > 0:
         train += synthetic_documents(seed, budget["synthetic"], hay_text, min_chars=synthetic_min_chars,
                                      max_chars=synthetic_max_chars, mode=synthetic_mode, workers=workers)
+    if budget["copy"] > 0:
+        from minimax_jax.data.copying import copy_documents
+        train += copy_documents(seed, budget["copy"], hay_text, max_chars=max(200, min(1500, synthetic_max_chars)))
     heldout = prose_held + code_held
     if heldout_synthetic > 0:
         heldout += synthetic_documents(seed, 1 << 62, hay_text, min_chars=synthetic_min_chars,
@@ -212,12 +219,12 @@ def _shares(text: str) -> dict[str, float]:
     for item in text.split(","):
         key, sep, val = item.partition("=")
         try:
-            if not sep or key.strip() not in DEFAULT_SHARES:
+            if not sep or key.strip() not in SOURCES:
                 raise ValueError
             out[key.strip()] = float(val)
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"--shares expects name=fraction pairs over {sorted(DEFAULT_SHARES)}, got {text!r}") from None
+                f"--shares expects name=fraction pairs over {list(SOURCES)}, got {text!r}") from None
     return out
 
 
@@ -238,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--synthetic_max_chars", type=int, default=DEFAULT_SYNTHETIC_MAX_CHARS,
                    help="longest synthetic document (characters); keep it under the training sequence")
     p.add_argument("--shares", type=_shares, default=None,
-                   help=f"budget split, e.g. prose=0.3,code=0.3,synthetic=0.4 (default {DEFAULT_SHARES})")
+                   help=f"budget split over {list(SOURCES)}, e.g. prose=0.3,code=0.3,synthetic=0.4 (default {DEFAULT_SHARES})")
     p.add_argument("--shard_mb", type=float, default=16.0)
     a = p.parse_args(argv)
     m = build_corpus(a.out, max_mb=a.max_mb, seed=a.seed, heldout_works=a.heldout_works,

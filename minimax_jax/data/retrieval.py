@@ -29,6 +29,7 @@ document is at most ``max_chars`` long.
 from __future__ import annotations
 
 import collections
+import concurrent.futures as cf
 import math
 import multiprocessing as mp
 import random
@@ -199,22 +200,25 @@ def retrieval_documents(seed: int, budget_bytes: int, haystack_text: str, *, min
             start += CHUNK
         return docs
     # spawn, not fork: the caller (train.py's data preparation) may already run JAX threads.
+    # concurrent.futures, not multiprocessing.Pool: Pool.get() waits forever when a worker dies, and
+    # Pool.terminate() can deadlock on the task queue's lock (seen: a test hung 12 min with both
+    # workers defunct); the executor raises BrokenProcessPool instead and shuts down cleanly.
     # A window of 2 chunks per worker is in flight; results are taken in index order.
-    ctx = mp.get_context("spawn")
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(haystack_text, name)) as pool:
+    ex = cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
+                                initargs=(haystack_text, name))
+    try:
         pending: collections.deque = collections.deque()
         start = 0
         while not full():
             while len(pending) < 2 * workers:
-                pending.append(pool.apply_async(_chunk, ((start, kw),)))
+                pending.append(ex.submit(_chunk, (start, kw)))
                 start += CHUNK
             try:
-                take(pending.popleft().get(timeout=WORKER_TIMEOUT_S))
-            except mp.TimeoutError:
-                # Pool.get() waits forever when a worker process dies (killed, or its initializer
-                # failed): fail loudly instead
+                take(pending.popleft().result(timeout=WORKER_TIMEOUT_S))
+            except cf.TimeoutError:
                 raise RuntimeError(f"a synthetic-document worker gave no result in {WORKER_TIMEOUT_S} s (a {CHUNK}-"
                                    f"document chunk normally takes about a second); rerun with workers=1 to see "
                                    f"its error") from None
-        pool.terminate()
+    finally:
+        ex.shutdown(wait=True, cancel_futures=True)
     return docs
