@@ -61,7 +61,7 @@ $PY -m minimax_jax.data.corpus --out "$W/corpus" --max_mb "$MAX_MB" --seed 0 --s
   --synthetic_max_chars "${SYNTH_MAX_CHARS:-12000}" --workers "$(( $(nproc) < 16 ? $(nproc) : 16 ))" > "$OUT/corpus.json" || exit 1
 log "tokenizer"
 $PY -m minimax_jax.data.tokenizer train --input "$W"/corpus/train-*.jsonl --field text --vocab_size 4096 \
-  --max_chars 40000000 --out "$W/tok" >> "$OUT/train_all.log" 2>&1 || exit 1
+  --max_chars 40000000 --split_digits --out "$W/tok" >> "$OUT/train_all.log" 2>&1 || exit 1
 
 CURRICULUM_STEPS=${CURRICULUM_STEPS:-0}
 if [ "$CURRICULUM_STEPS" -gt 0 ]; then

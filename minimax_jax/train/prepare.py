@@ -6,8 +6,8 @@
 - sources that match no file: ``minimax_jax.data.corpus.build_corpus`` writes the corpus into the
   directory of the first source pattern (Shakespeare, stdlib code, synthetic retrieval documents;
   ``heldout.jsonl`` beside it);
-- a missing tokenizer: a byte-level BPE tokenizer with the model's vocabulary size is trained on
-  the (now existing) sources and saved where the config expects it.
+- a missing tokenizer: a byte-level BPE tokenizer with the model's vocabulary size (one token per
+  digit) is trained on the (now existing) sources and saved where the config expects it.
 
 Only single-process runs prepare data (a multi-host run must find it ready on shared storage).
 """
@@ -90,7 +90,11 @@ def prepare_data(tc: TrainConfig, vocab_size: int, *, max_mb: float = 64.0, log=
             raise TrainConfigError("data.tokenizer is not set")
         tok_dir = os.path.dirname(tok) if tok.endswith(".json") else tok
         log(f"prepare_data: training a {vocab_size}-token BPE tokenizer into {tok_dir}")
-        # BPE merges settle long before 40M characters; the cap bounds the time on big corpora
+        # BPE merges settle long before 40M characters; the cap bounds the time on big corpora.
+        # One token per digit: the retrieval answers are numbers, and copying them then needs the 10
+        # digit tokens only (with merged digits a 4K vocabulary holds ~1,000 rare 2-3 digit tokens,
+        # each of which a small model must learn to copy separately; RESULTS.md, run 4).
         made.append(save_tokenizer(train_tokenizer_from_paths(sources, vocab_size, field=f.get("field", "text"),
-                                                              max_chars=TOKENIZER_MAX_CHARS), tok_dir))
+                                                              max_chars=TOKENIZER_MAX_CHARS, split_digits=True),
+                                   tok_dir))
     return made

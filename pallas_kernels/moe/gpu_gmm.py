@@ -87,9 +87,11 @@ class TileConfig:
         return f"{self.bm}x{self.bk}x{self.bn}w{self.num_warps}s{self.num_stages}"
 
 
-#: Hopper defaults (not tuned on the hardware yet: bench/moe.py sweeps CANDIDATES / TGMM_CANDIDATES).
-DEFAULT_CONFIG = TileConfig(128, 64, 128, 4, 4)
-DEFAULT_TGMM_CONFIG = TileConfig(64, 128, 128, 4, 4)
+#: Hopper defaults: the best of bench/moe.py's sweep of CANDIDATES / TGMM_CANDIDATES on one H200 (M2
+#: expert shapes, 8K tokens = 64K routed rows; BENCHMARKS.md session 5): fwd 128x64x256w8s3 397 TFLOP/s
+#: (128x64x128w4s4: 324), dlhs the same config 379 (344), tgmm 32x128x128w4s4 352 (64x128x128w4s4: 247).
+DEFAULT_CONFIG = TileConfig(128, 64, 256, 8, 3)
+DEFAULT_TGMM_CONFIG = TileConfig(32, 128, 128, 4, 4)
 
 #: gmm / transposed-gmm candidates for a sweep (shared memory per stage <= 64 KiB in bf16).
 CANDIDATES = (
