@@ -126,7 +126,8 @@ def test_cli_shares(tmp_path):
 def test_copy_documents_repeat_their_spans():
     from minimax_jax.data.copying import copy_documents
 
-    hay = " ".join(f"word{i % 300}x alpha{i % 7}y" for i in range(3000))
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    hay = " ".join("w" + letters[i % 26] + letters[(i // 26) % 26] + letters[i % 7] for i in range(3000))
     docs = copy_documents(3, 20000, hay, max_chars=600)
     assert docs and sum(len(d["text"].encode()) for d in docs) <= 20000
     assert docs == copy_documents(3, 20000, hay, max_chars=600)           # deterministic

