@@ -16,6 +16,8 @@ Runs this file as a subprocess with 2 simulated CPU devices. Cases:
 - ``ragged_buffer_trace``: the H200 path itself, ``ragged_all_to_all`` over ``expert=2``. That
   collective does not run on CPU, so the backend check is patched to "gpu" and forward + gradient
   are only traced (which is where the error was raised).
+- ``gpu_auto_transport``: backend patched to "gpu", transport ``"auto"`` over ``expert=2`` picks the
+  padded ``all_to_all``; forward and gradients == the dense MoE.
 The Pallas kernels in interpret mode (``pallas_gpu_interpret``) cannot run here: JAX's Pallas HLO
 interpreter fails its own vma check inside ``shard_map`` (``dynamic_slice requires varying manual
 axes to match``, jax 0.10.2), independent of this code.
@@ -33,6 +35,9 @@ CASES = [  # (name, mesh, moe implementation, transport, expected record)
     ("kernel_drops_vma", "data=2", "ragged", "auto", "expert_parallel[none,xla,ep=1,tp=1]"),
     ("ragged_buffer_trace", "expert=2", "ragged", "ragged_all_to_all",
      "expert_parallel[ragged_all_to_all,xla,ep=2,tp=1]"),
+    # transport "auto" on a GPU backend is the padded all_to_all (measured ~100x faster than
+    # ragged_all_to_all on two H200s, BENCHMARKS.md session 5); it runs here, so values are compared
+    ("gpu_auto_transport", "expert=2", "ragged", "auto", "expert_parallel[all_to_all,xla,ep=2,tp=1]"),
 ]
 
 
@@ -91,12 +96,16 @@ def _worker():
     for name, mesh_spec, impl, transport, _ in CASES:
         row = {"case": name, "moe": None, "max_rel_err": None, "error": None}
         clear_implementation_report()
+        # the mesh context is not part of jit's cache key: without this a case with the same static
+        # arguments as an earlier one would reuse that case's trace (and record nothing)
+        jax.clear_caches()
         try:
             with sh.use_mesh(sh.make_mesh(mesh_spec), sh.load_rules("default")):
                 if name == "kernel_drops_vma":
                     moe.sorted_expert_mlp = mlp_dropping_expert_vma
-                if name == "ragged_buffer_trace":
+                if name in ("ragged_buffer_trace", "gpu_auto_transport"):
                     expert_mod.default_backend = lambda: "gpu"
+                if name == "ragged_buffer_trace":
                     jaxpr = jax.make_jaxpr(f, static_argnums=(4, 5))(x, router, wi, wo, impl, transport)
                     assert "ragged_all_to_all" in str(jaxpr)
                 else:
