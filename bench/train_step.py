@@ -19,9 +19,9 @@ CPU smoke run (a tiny model, seconds)::
 Model (``--tiny`` off): an M3-style decoder of ~1.9B total / ~0.55B active parameters: Gemma norms,
 per-head q/k norm, swigluoai, layer 0 dense full attention + dense MLP, layers 1-9 MSA + MoE
 (16 experts, top-2, shared expert), 1 MTP module, 16 query / 4 kv heads of 128, index dim 128,
-block 128, top-16 blocks. The vocabulary is 32768: ``forward`` materialises float32 logits
-``[B, T, V]``, and at 64K tokens M3's 200K vocabulary alone would need ~52 GB for them (a chunked
-lm-head + cross-entropy is the fix, not part of this benchmark).
+block 128, top-16 blocks. The vocabulary is 32768 (``--vocab``): by default the loss materialises
+float32 logits ``[B, T, V]`` (8.6 GB at 64K tokens); at M3's 200K vocabulary that would be ~52 GB, so
+``--logits-chunk N`` (``run.logits_chunk``) computes the lm head + cross-entropy N tokens at a time.
 
 Modes: ``dense`` = the same model with every MSA layer turned into full attention (``--dense-seq``,
 default 8192); ``msa`` = sparse attention with the sparse indexer KL (``--msa-seq``, default 65536).
@@ -244,6 +244,8 @@ def _device_memory() -> dict:
 def make_trainer(mode: str, seq: int, args) -> Trainer:
     fields = model_fields(mode, args.tiny)
     fields.update(attention_impl=args.attention_impl, moe_impl=args.moe_impl, msa_impl=args.msa_impl)
+    if args.vocab:
+        fields["vocab_size"] = args.vocab
     tc = from_dict({
         "model": fields,
         "data": {"kind": "synthetic", "seq_len": seq, "batch_size": args.batch, "seed": 0,
@@ -254,7 +256,8 @@ def make_trainer(mode: str, seq: int, args) -> Trainer:
         "msa": {"kl_coeff": args.kl_coeff},
         "checkpoint": {"every": 0},
         "run": {"run_dir": os.path.join(args.out, "unused"), "steps": 10**6, "compute_dtype": "bfloat16",
-                "param_dtype": "float32", "remat": args.remat, "progress": False, "tensorboard": False},
+                "param_dtype": "float32", "remat": args.remat, "logits_chunk": args.logits_chunk,
+                "progress": False, "tensorboard": False},
     })
     return Trainer(tc)
 
@@ -273,7 +276,8 @@ def bench_one(mode: str, seq: int, args) -> dict:
     batch = next(it)
     row = {"mode": mode, "seq_len": seq, "batch": args.batch, "params_total": counts["total"],
            "params_active": counts["active"], "matmul_params_per_token": matmul_params_per_token(cfg),
-           "remat": args.remat, "kl_coeff": args.kl_coeff}
+           "remat": args.remat, "kl_coeff": args.kl_coeff, "vocab_size": cfg.vocab_size,
+           "logits_chunk": args.logits_chunk}
     abstract = args.compile_only or args.lower_for
     if abstract:                                      # shapes only: nothing is allocated
         state = tr.abstract_state(step_phase)
@@ -374,6 +378,9 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--doc-len", type=int, default=0, help="mean packed document length (0 = one per row)")
     p.add_argument("--remat", default="full", choices=["none", "full", "dots"])
+    p.add_argument("--vocab", type=int, default=0, help="vocabulary size (0 = the model's: 32768, tiny 512)")
+    p.add_argument("--logits-chunk", type=int, default=0,
+                   help="tokens per lm-head + cross-entropy slice (run.logits_chunk; 0 = whole logits)")
     p.add_argument("--kl-coeff", type=float, default=1.0, help="MSA indexer KL weight (0 = no KL)")
     p.add_argument("--peak-tflops", type=float, default=None, help="per-device peak (default: table by device)")
     p.add_argument("--attention-impl", default="auto", help="ModelConfig.attention_impl")

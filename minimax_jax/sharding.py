@@ -272,12 +272,17 @@ def use_mesh(mesh: Mesh, rules: Rules) -> Iterator[None]:
     """Make ``(mesh, rules)`` current: ``constrain`` annotates and the MoE op runs expert-parallel.
 
     Must surround the *tracing* of the jitted function (the first call, or ``.lower``).
-    Nestable; restores the previous context on exit.
+    Nestable; restores the previous context on exit. The mesh is also made jax's context mesh
+    (``jax.set_mesh``), which is part of jit's cache key: a function jitted once and called under
+    another mesh (or outside any) is traced again instead of reusing a trace made for a different
+    mesh. The rules are not in that key: switching rule tables over the same mesh needs a fresh
+    ``jax.jit`` object (or ``jax.clear_caches()``).
     """
     prev = getattr(_state, "ctx", None)
     _state.ctx = (mesh, rules)
     try:
-        yield
+        with jax.set_mesh(mesh):
+            yield
     finally:
         _state.ctx = prev
 

@@ -56,7 +56,7 @@ def test_compile_only(tmp_path):
 
 
 def test_timed_run(tmp_path):
-    progress, rows, saved = _run(tmp_path, "--tiny", "--modes", "msa")
+    progress, rows, saved = _run(tmp_path, "--tiny", "--modes", "msa", "--vocab", "640", "--logits-chunk", "64")
     for s in ("initialising parameters", "compile start", "compile done in", "memory plan", "first step took",
               "warmup step 1/1 took", "timed step 1/2 took", "timed step 2/2 took"):
         _index(progress, s)
@@ -64,6 +64,7 @@ def test_timed_run(tmp_path):
             < _index(progress, "timed step 2/2")), progress
     (row,) = rows
     assert row["mode"] == "msa" and row["seq_len"] == 256 and row["compile_s"] > 0 and row["first_step_s"] > 0
+    assert row["vocab_size"] == 640 and row["logits_chunk"] == 64
     assert row["step_s_median"] > 0 and row["tokens_per_s"] > 0 and row["flops_per_step"] > 0
     assert row["loss_last"] == row["loss_last"]                                # not NaN
     assert set(row["implementations"]) >= {"msa_select_blocks", "msa_attention", "indexer_kl", "moe"}

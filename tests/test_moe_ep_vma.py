@@ -96,8 +96,8 @@ def _worker():
     for name, mesh_spec, impl, transport, _ in CASES:
         row = {"case": name, "moe": None, "max_rel_err": None, "error": None}
         clear_implementation_report()
-        # the mesh context is not part of jit's cache key: without this a case with the same static
-        # arguments as an earlier one would reuse that case's trace (and record nothing)
+        # the module globals the cases patch (backend, expert MLP) are not part of jit's cache key:
+        # without this a case could reuse an earlier case's trace (and record nothing)
         jax.clear_caches()
         try:
             with sh.use_mesh(sh.make_mesh(mesh_spec), sh.load_rules("default")):

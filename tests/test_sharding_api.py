@@ -109,3 +109,27 @@ def test_constrain_is_identity_outside_and_checks_rank_inside():
     assert sh.current() is None
     assert (y == 2 * x).all()
     assert sh.batch_sharding(mesh, sh.load_rules()).spec == P(("data", "fsdp", "expert"), "sequence")
+
+
+def test_use_mesh_is_part_of_the_jit_cache_key():
+    """A function jitted once is traced again when called under a mesh, so ``constrain`` and the
+    expert-parallel MoE see the mesh current at the call, not a stale trace from outside it (two
+    different meshes over 2 devices retrace too: checked by hand, needs a multi-device process)."""
+    traces = []
+
+    @jax.jit
+    def f(a):
+        traces.append(sh.current())
+        return sh.constrain(a * 2, ("batch", "act_embed"))
+
+    x = jnp.ones((2, 4))
+    f(x)
+    f(x)
+    assert traces == [None]                      # cached outside any mesh
+    mesh_a, rules = sh.make_mesh("data=1"), sh.load_rules()
+    with sh.use_mesh(mesh_a, rules):
+        f(x)
+        f(x)
+    assert len(traces) == 2 and traces[1][0] is mesh_a
+    f(x)
+    assert len(traces) == 2                      # back outside: the first trace again

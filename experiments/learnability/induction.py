@@ -45,15 +45,29 @@ def repeat_check(checkpoint: str, n: int = 200, rows: int = 4) -> tuple[float, f
     return float(nll[:, 10:n].mean()), float(nll[:, n + 10:].mean())
 
 
-def train_copy(steps: int, overrides: dict, seq: int = 48, batch: int = 32, lr: float = 3e-3, log=print) -> float:
-    """Train the shrunk demo config on repeated random sequences; returns the last repeat NLL."""
+def make_optimizer(kind: str, lr: float, steps: int) -> optax.GradientTransformation:
+    """``adamw``: plain AdamW at a constant ``lr``; ``train``: train.py's recipe (global-norm clip 1,
+    AdamW b2 0.95, weight decay 0.1, 5% linear warm-up then cosine decay to 10%)."""
+    if kind == "adamw":
+        return optax.adamw(lr)
+    if kind == "train":
+        sched = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 20), max(2, steps), lr * 0.1)
+        return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, b2=0.95, weight_decay=0.1))
+    raise ValueError(f"unknown optimizer {kind!r} (adamw, train)")
+
+
+def train_copy(steps: int, overrides: dict, seq: int = 48, batch: int = 32, lr: float = 3e-3, log=print,
+               optimizer: str = "adamw", log_every: int = 100, seed: int = 0) -> list[float]:
+    """Train the shrunk demo config on repeated random sequences; returns the repeat NLL logged every
+    ``log_every`` steps (the model config starts from configs/demo-m3.yaml cut to 2 dense
+    full-attention layers, vocab 512, fp32, then ``overrides``)."""
     base = yaml.safe_load(open("configs/demo-m3.yaml"))["model"]
     base.update(num_layers=2, layer_types=["full", "full"], mlp_types=["dense", "dense"], num_mtp_modules=0,
                 vocab_size=512, dtype="float32")
     base.update(overrides)
     cfg = ModelConfig(**base)
     params = init_params(cfg, jax.random.PRNGKey(0))
-    opt = optax.adamw(lr)
+    opt = make_optimizer(optimizer, lr, steps)
     state = opt.init(params)
 
     @jax.jit
@@ -65,15 +79,16 @@ def train_copy(steps: int, overrides: dict, seq: int = 48, batch: int = 32, lr: 
         u, st = opt.update(g, st, p)
         return optax.apply_updates(p, u), st, rep
 
-    rng = np.random.default_rng(0)
-    t0, rep = time.time(), float("nan")
+    rng = np.random.default_rng(seed)
+    t0, curve = time.time(), []
     for i in range(steps + 1):
         s = rng.integers(3, cfg.vocab_size, size=(batch, seq))
         toks = jnp.asarray(np.concatenate([np.ones((batch, 1), int), s, s], 1), jnp.int32)
         params, state, rep = step(params, state, toks)
-        if i % 100 == 0:
+        if i % log_every == 0:
+            curve.append(float(rep))
             log(f"step {i}: repeat NLL {float(rep):.3f} ({time.time() - t0:.0f} s)")
-    return float(rep)
+    return curve
 
 
 def main() -> None:
@@ -84,12 +99,18 @@ def main() -> None:
     t = sub.add_parser("train")
     t.add_argument("--steps", type=int, default=400)
     t.add_argument("--set", action="append", default=[], help="model config override key=value")
+    t.add_argument("--lr", type=float, default=3e-3)
+    t.add_argument("--optimizer", default="adamw", choices=["adamw", "train"])
+    t.add_argument("--seq", type=int, default=48)
+    t.add_argument("--batch", type=int, default=32)
+    t.add_argument("--log_every", type=int, default=100)
     a = ap.parse_args()
     if a.cmd == "repeat":
         first, second = repeat_check(a.checkpoint)
         print(f"{a.checkpoint}: first copy NLL {first:.3f}, repeat NLL {second:.3f}")
     else:
-        train_copy(a.steps, {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in a.set)})
+        train_copy(a.steps, {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in a.set)}, seq=a.seq,
+                   batch=a.batch, lr=a.lr, optimizer=a.optimizer, log_every=a.log_every)
 
 
 if __name__ == "__main__":

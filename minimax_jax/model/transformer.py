@@ -25,17 +25,20 @@ from minimax_jax.ops.moe import moe_experts, route
 from minimax_jax.sharding import constrain
 
 __all__ = ["ModelOutput", "forward", "mtp_forward", "project_qkv", "project_index", "attention_block",
-           "mlp_block", "decoder_layer", "embed", "unembed"]
+           "mlp_block", "decoder_layer", "embed", "unembed", "lm_head_weight"]
 
 INDEXER_KL_MODES = (None, "sparse", "dense")
 
 
 class ModelOutput(NamedTuple):
-    """logits ``[B,T,V]`` float32; hidden ``[B,T,H]`` (pre-final-norm, for MTP) or None; aux dict."""
+    """logits ``[B,T,V]`` float32 (None with ``return_logits=False``); hidden ``[B,T,H]``
+    (pre-final-norm, for MTP) or None; aux dict; head_input ``[B,T,H]`` (the final-normed hidden
+    state the lm head reads) only with ``return_logits=False``."""
 
-    logits: jax.Array
+    logits: jax.Array | None
     hidden: jax.Array | None
     aux: dict[str, Any]
+    head_input: jax.Array | None = None
 
 
 def _norm(x, p, cfg):
@@ -47,9 +50,14 @@ def embed(params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
     return jnp.take(params["embed"]["embedding"], tokens, axis=0).astype(dtype_of(cfg.dtype))
 
 
+def lm_head_weight(params, cfg: ModelConfig) -> jax.Array:
+    """The output projection ``[H, V]`` (param dtype): ``lm_head``, or the transposed embedding when tied."""
+    return params["embed"]["embedding"].T if cfg.tie_word_embeddings else params["lm_head"]
+
+
 def unembed(params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
     """Final-normed hidden ``[...,H]`` -> logits ``[...,V]`` float32 (lm_head or tied embedding)."""
-    w = params["embed"]["embedding"].T if cfg.tie_word_embeddings else params["lm_head"]
+    w = lm_head_weight(params, cfg)
     return jnp.einsum("...h,hv->...v", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
 
 
@@ -176,7 +184,8 @@ def _prepare(cfg, tokens, positions, segment_ids):
 
 def forward(params, cfg: ModelConfig, tokens: jax.Array, *, positions: jax.Array | None = None,
             segment_ids: jax.Array | None = None, indexer_kl: str | None = None,
-            return_hidden: bool = False, return_msa: bool = False, remat: str = "none") -> ModelOutput:
+            return_hidden: bool = False, return_msa: bool = False, remat: str = "none",
+            return_logits: bool = True) -> ModelOutput:
     """Full-sequence forward pass.
 
     Args:
@@ -193,7 +202,10 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, *, positions: jax.Array
         ``{"layer": i, "block_ids": [B,Hi,T,K], "lse": [B,T,H]}``.
       remat: ``"none"`` | ``"full"`` (recompute each layer in the backward pass) | ``"dots"``
         (save only matmul outputs).
-    Returns: ``ModelOutput(logits [B,T,V] f32, hidden, aux)`` with ``aux["router_load"]``
+      return_logits: False skips the lm head: ``logits`` is None and ``head_input`` holds its input
+        (for a chunked loss, ``minimax_jax.train.losses.chunked_cross_entropy_sums``, that never
+        materialises ``[B,T,V]``).
+    Returns: ``ModelOutput(logits [B,T,V] f32, hidden, aux, head_input)`` with ``aux["router_load"]``
       ``[num_moe_layers, E]`` tokens per expert, ``aux["indexer_kl_sum"]`` and
       ``aux["indexer_kl_count"]`` (float32 scalars).
     Raises: ValueError for a bad ``indexer_kl`` or token shape.
@@ -225,16 +237,18 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, *, positions: jax.Array
             msa_out.append({"layer": seg.start + j, **jax.tree.map(lambda a, j=j: a[j], extra)})
         kl_sum, kl_cnt = kl_sum + ks.sum(), kl_cnt + kc.sum()
     hidden = x
-    logits = constrain(unembed(params, cfg, _norm(x, params["final_norm"], cfg)), ("batch", "length", "act_vocab"))
+    head_input = _norm(x, params["final_norm"], cfg)
+    logits = constrain(unembed(params, cfg, head_input), ("batch", "length", "act_vocab")) if return_logits else None
     aux = {"router_load": jnp.concatenate(loads, 0) if loads else jnp.zeros((0, cfg.num_experts), jnp.float32),
            "indexer_kl_sum": kl_sum, "indexer_kl_count": kl_cnt}
     if return_msa:
         aux["msa"] = msa_out
-    return ModelOutput(logits, hidden if return_hidden else None, aux)
+    return ModelOutput(logits, hidden if return_hidden else None, aux, None if return_logits else head_input)
 
 
 def mtp_forward(params, cfg: ModelConfig, hidden: jax.Array, tokens: jax.Array, *,
-                positions: jax.Array | None = None, segment_ids: jax.Array | None = None) -> list[jax.Array]:
+                positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
+                return_logits: bool = True) -> list[jax.Array]:
     """Multi-token-prediction heads (DeepSeek-V3 style, as M3 ships them).
 
     Depth d (1-based) predicts token ``t + d + 1`` at position t:
@@ -245,6 +259,8 @@ def mtp_forward(params, cfg: ModelConfig, hidden: jax.Array, tokens: jax.Array, 
     Args:
       hidden: ``[B,T,H]`` from ``forward(..., return_hidden=True)``.
       tokens: ``[B,T]`` the same input tokens.
+      return_logits: False returns each depth's lm-head input (``[B,T,H]``, after that module's
+        final norm) instead of its logits, for a chunked loss.
     Returns: list of ``num_mtp_modules`` logits ``[B,T,V]`` float32; positions whose shifted token
       falls off the end see token 0 and must be masked by the caller's loss.
     """
@@ -259,5 +275,6 @@ def mtp_forward(params, cfg: ModelConfig, hidden: jax.Array, tokens: jax.Array, 
         e = _norm(embed(params, cfg, shifted), mod["enorm"], cfg)
         x = jnp.concatenate([e, _norm(h, mod["hnorm"], cfg)], axis=-1) @ mod["eh_proj"].astype(e.dtype)
         h, _ = decoder_layer(mod["layer"], x, cfg, lt, mt, positions, segment_ids, cos, sin, None)
-        outs.append(unembed(params, cfg, _norm(h, mod["final_norm"], cfg)))
+        head_input = _norm(h, mod["final_norm"], cfg)
+        outs.append(unembed(params, cfg, head_input) if return_logits else head_input)
     return outs

@@ -134,6 +134,9 @@ class RunConfig:
       compute_dtype: activations / matmul dtype (overrides the model's ``dtype``).
       param_dtype: master parameter dtype (overrides ``param_dtype``; float32 = fp32 master weights).
       remat: ``none`` | ``full`` | ``dots`` (forward's ``remat=``).
+      logits_chunk: tokens per slice of the lm head + cross-entropy (training and eval loss); 0 =
+        materialise the whole ``[B, T, V]`` float32 logits. Long rows with a large vocabulary need it
+        (M3's 200K vocabulary at 64K tokens: 52 GB of logits per row); costs one more lm-head matmul.
       progress: show a tqdm progress bar (loss, tokens/s, ETA).
       tensorboard: write TensorBoard scalars under ``run_dir/tensorboard``.
       peak_tflops: per-device peak for MFU (None = guess from the device kind; 0 = do not report).
@@ -153,6 +156,7 @@ class RunConfig:
     compute_dtype: str | None = None
     param_dtype: str | None = None
     remat: str = "none"
+    logits_chunk: int = 0
     progress: bool = True
     tensorboard: bool = True
     peak_tflops: float | None = None
@@ -409,6 +413,8 @@ def validate(tc: TrainConfig) -> None:
         v = getattr(r, n)
         _check(v is None or v in DTYPES, f"run.{n} must be one of {DTYPES} or null, got {v!r}")
     _check(r.remat in REMAT, f"run.remat must be one of {REMAT}, got {r.remat!r}")
+    _check(_is_int(r.logits_chunk) and r.logits_chunk >= 0,
+           f"run.logits_chunk must be an int >= 0 (0 = whole logits), got {r.logits_chunk!r}")
     _check(r.peak_tflops is None or (_is_num(r.peak_tflops) and r.peak_tflops >= 0), "run.peak_tflops must be >= 0")
     _check(_is_int(r.stop_after) and r.stop_after >= 0, "run.stop_after must be an int >= 0")
     _check(_is_int(r.recall_every) and r.recall_every >= 0, "run.recall_every must be an int >= 0")

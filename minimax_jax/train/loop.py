@@ -126,7 +126,7 @@ class Trainer:
                             aux_loss=float(tc.optim.aux_loss),
                             mtp_weights=mtp_weights_list(tc.optim.mtp_weights, cfg.num_mtp_modules),
                             grad_accum=tc.optim.grad_accum, remat=tc.run.remat,
-                            router_bias_rate=float(tc.optim.router_bias_rate))
+                            router_bias_rate=float(tc.optim.router_bias_rate), logits_chunk=tc.run.logits_chunk)
             fn = make_train_step(spec, tx, trainable, schedule, 0 if phase == PHASE_WARMUP else self.warmup_steps)
             sh = self.state_shardings(phase)
             self._steps[phase] = jax.jit(fn, in_shardings=(sh, self.batch_sh), out_shardings=(sh, self.rep),
@@ -150,7 +150,7 @@ class Trainer:
     def evaluate(self, params) -> float:
         """Mean held-out loss over ``run.eval_batches`` batches of ``run.eval_sources``."""
         if not hasattr(self, "_eval"):
-            self._eval = jax.jit(make_eval_step(self.cfg), in_shardings=(self.param_sh, self.batch_sh),
+            self._eval = jax.jit(make_eval_step(self.cfg, self.tc.run.logits_chunk), in_shardings=(self.param_sh, self.batch_sh),
                                  out_shardings=(self.rep, self.rep))
         it = make_iterator(self.tc.data, self.cfg.vocab_size, sources=self.tc.run.eval_sources, eval_mode=True)
         ce = cnt = 0.0

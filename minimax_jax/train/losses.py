@@ -10,7 +10,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["cross_entropy_sums", "mtp_targets", "mtp_weights_list"]
+from minimax_jax.sharding import constrain
+
+__all__ = ["cross_entropy_sums", "chunked_cross_entropy_sums", "mtp_targets", "mtp_weights_list"]
 
 
 def cross_entropy_sums(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -27,6 +29,55 @@ def cross_entropy_sums(logits: jax.Array, targets: jax.Array, mask: jax.Array) -
     tgt = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
     mask = mask.astype(jnp.float32)
     return jnp.sum((lse - tgt) * mask), jnp.sum(jnp.square(lse) * mask)
+
+
+def chunked_cross_entropy_sums(head_input: jax.Array, head_weight: jax.Array, targets: jax.Array, mask: jax.Array,
+                               chunk: int) -> tuple[jax.Array, jax.Array]:
+    """``cross_entropy_sums(head_input @ head_weight, targets, mask)`` without the ``[B, T, V]`` logits.
+
+    The sequence is cut into ``chunk``-token slices; a ``lax.scan`` computes each slice's logits
+    ``[B, chunk, V]`` (float32 accumulation), its log-sum-exp and target logit, and keeps only the
+    two sums. Each slice is rematerialised in the backward pass (``jax.checkpoint``), so forward and
+    backward hold one slice's logits at a time: at M3's 200,064-token vocabulary a 64K-token row's
+    full logits are 52 GB in float32, a 1,024-token slice's 0.8 GB. The extra cost is one more
+    lm-head matmul in the backward pass. ``T`` not a multiple of ``chunk`` is padded (masked out).
+
+    Args:
+      head_input: ``[B, T, H]`` final-normed hidden state (``forward(..., return_logits=False)``).
+      head_weight: ``[H, V]`` output projection (``lm_head_weight``; cast to ``head_input``'s dtype).
+      targets: ``[B, T]`` int target ids. mask: ``[B, T]`` float weights.
+      chunk: tokens per slice (>= 1).
+    Returns: ``(sum of mask * (lse - logit[target]), sum of mask * lse^2)`` float32 scalars.
+    Raises: ValueError for ``chunk < 1`` or mismatched shapes.
+    """
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    b, t, h = head_input.shape
+    if targets.shape != (b, t) or mask.shape != (b, t) or head_weight.shape[0] != h:
+        raise ValueError(f"chunked_cross_entropy_sums: head_input {head_input.shape}, head_weight "
+                         f"{head_weight.shape}, targets {targets.shape}, mask {mask.shape} do not match")
+    n = -(-t // chunk)
+    pad = n * chunk - t
+    xs = (head_input, targets.astype(jnp.int32), mask.astype(jnp.float32))
+    if pad:
+        xs = tuple(jnp.pad(a, ((0, 0), (0, pad)) + ((0, 0),) * (a.ndim - 2)) for a in xs)
+    # [B, n*chunk, ...] -> [n, B, chunk, ...]: the scan walks the slices, the batch keeps its sharding
+    xs = tuple(jnp.swapaxes(a.reshape(b, n, chunk, *a.shape[2:]), 0, 1) for a in xs)
+    w = head_weight.astype(head_input.dtype)
+
+    @jax.checkpoint
+    def slice_sums(hc, tc, mc, w):
+        logits = jnp.einsum("bth,hv->btv", hc, w, preferred_element_type=jnp.float32)
+        logits = constrain(logits, ("batch", "length", "act_vocab"))
+        return cross_entropy_sums(logits, tc, mc)
+
+    def body(carry, x):
+        ce, zs = slice_sums(*x, w)
+        return (carry[0] + ce, carry[1] + zs), None
+
+    zero = jnp.zeros((), jnp.float32)
+    (ce, zs), _ = jax.lax.scan(body, (zero, zero), xs)
+    return ce, zs
 
 
 def mtp_targets(targets: jax.Array, loss_mask: jax.Array, segment_ids: jax.Array, depth: int):

@@ -30,8 +30,9 @@ import optax
 
 from minimax_jax.config import ModelConfig
 from minimax_jax.model import forward, mtp_forward
+from minimax_jax.model.transformer import lm_head_weight
 from minimax_jax.ops.moe import update_router_biases
-from minimax_jax.train.losses import cross_entropy_sums, mtp_targets
+from minimax_jax.train.losses import chunked_cross_entropy_sums, cross_entropy_sums, mtp_targets
 
 __all__ = ["StepSpec", "init_state", "make_train_step", "make_eval_step", "BATCH_KEYS", "batch_norms"]
 
@@ -51,6 +52,7 @@ class StepSpec:
     grad_accum: int = 1
     remat: str = "none"
     router_bias_rate: float = 0.0
+    logits_chunk: int = 0     # tokens per lm-head + CE slice (0 = whole [B,T,V] logits)
 
 
 def init_state(params: Any, tx: optax.GradientTransformation, seed: int) -> dict[str, Any]:
@@ -69,16 +71,25 @@ def batch_norms(batch: dict[str, jax.Array], num_mtp: int) -> dict[str, jax.Arra
     return norms
 
 
+def _ce_sums(params, cfg: ModelConfig, chunk: int, head_out: jax.Array, targets, mask):
+    """CE / z sums from logits (``chunk == 0``) or from the lm head's input, slice by slice."""
+    if chunk:
+        return chunked_cross_entropy_sums(head_out, lm_head_weight(params, cfg), targets, mask, chunk)
+    return cross_entropy_sums(head_out, targets, mask)
+
+
 def _loss_fn(spec: StepSpec, trainable: Any):
     cfg = spec.cfg
     num_mtp = len(spec.mtp_weights)
+    chunk = spec.logits_chunk
 
     def loss(params, mb, norms):
         # Frozen leaves get no gradient at all, so XLA drops their part of the backward pass.
         p = jax.tree.map(lambda x, t: x if t else jax.lax.stop_gradient(x), params, trainable)
         out = forward(p, cfg, mb["tokens"], positions=mb["positions"], segment_ids=mb["segment_ids"],
-                      indexer_kl=spec.kl_mode, return_hidden=num_mtp > 0, remat=spec.remat)
-        ce, zs = cross_entropy_sums(out.logits, mb["targets"], mb["loss_mask"])
+                      indexer_kl=spec.kl_mode, return_hidden=num_mtp > 0, remat=spec.remat,
+                      return_logits=not chunk)
+        ce, zs = _ce_sums(p, cfg, chunk, out.head_input if chunk else out.logits, mb["targets"], mb["loss_mask"])
         m = {"lm_loss": ce / norms["tokens"]}
         total = m["lm_loss"]
         if spec.z_loss:
@@ -86,10 +97,10 @@ def _loss_fn(spec: StepSpec, trainable: Any):
             total = total + m["z_loss"]
         if num_mtp:
             outs = mtp_forward(p, cfg, out.hidden, mb["tokens"], positions=mb["positions"],
-                               segment_ids=mb["segment_ids"])
+                               segment_ids=mb["segment_ids"], return_logits=not chunk)
             for d, (lg, w) in enumerate(zip(outs, spec.mtp_weights), start=1):
                 tgt, md = mtp_targets(mb["targets"], mb["loss_mask"], mb["segment_ids"], d)
-                ce_d, _ = cross_entropy_sums(lg, tgt, md)
+                ce_d, _ = _ce_sums(p, cfg, chunk, lg, tgt, md)
                 m[f"mtp_loss/{d}"] = ce_d / norms[f"mtp{d}"]
                 total = total + w * m[f"mtp_loss/{d}"]
         if spec.kl_mode is not None:
@@ -168,10 +179,13 @@ def make_train_step(spec: StepSpec, tx: optax.GradientTransformation, trainable:
     return step
 
 
-def make_eval_step(cfg: ModelConfig) -> Callable:
-    """``eval(params, batch) -> (ce_sum, token_count)`` float32 scalars (no MTP, no KL)."""
+def make_eval_step(cfg: ModelConfig, logits_chunk: int = 0) -> Callable:
+    """``eval(params, batch) -> (ce_sum, token_count)`` float32 scalars (no MTP, no KL); ``logits_chunk``
+    as in ``StepSpec``."""
     def eval_step(params, batch):
-        out = forward(params, cfg, batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"])
-        ce, _ = cross_entropy_sums(out.logits, batch["targets"], batch["loss_mask"])
+        out = forward(params, cfg, batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"],
+                      return_logits=not logits_chunk)
+        ce, _ = _ce_sums(params, cfg, logits_chunk, out.head_input if logits_chunk else out.logits,
+                         batch["targets"], batch["loss_mask"])
         return ce, jnp.sum(batch["loss_mask"].astype(jnp.float32))
     return eval_step
