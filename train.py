@@ -104,15 +104,23 @@ def main(argv):
             print(f"# model: {cfg.param_counts()['total']:,} params; mesh {spec}; devices {jax.device_count()}")
             from minimax_jax.train.prepare import missing_data
 
-            for item in missing_data(tc):
+            missing = missing_data(tc)
+            for item in missing:
                 print(f"# data: {item}: {missing_data_action(item, prepare)}")
-            return 0
+            return 2 if missing and not prepare else 0    # the real run would fail on it
+        cfg, _ = model_configs(tc)
+        validate_against(tc, cfg, jax.device_count(), jax.process_count())  # fail before building data
         if prepare:
             from minimax_jax.train.prepare import prepare_data
 
-            cfg, _ = model_configs(tc)
-            validate_against(tc, cfg, jax.device_count(), jax.process_count())  # fail before building data
             prepare_data(tc, cfg.vocab_size)
+        else:
+            from minimax_jax.train.prepare import missing_data
+
+            missing = missing_data(tc)
+            if missing:
+                raise MissingDataError(f"{'; '.join(missing)} not found: "
+                                       f"{missing_data_action(missing[0], False).split(': ', 1)[1]}")
         from minimax_jax.train import train
 
         out = train(tc)

@@ -35,7 +35,7 @@ __all__ = ["filter_logits", "greedy", "sample"]
 
 def _check_scalar(name: str, value, lo: float | None = None, hi: float | None = None) -> None:
     if isinstance(value, numbers.Number) and not isinstance(value, bool):
-        if (lo is not None and value < lo) or (hi is not None and value > hi):
+        if value != value or (lo is not None and value < lo) or (hi is not None and value > hi):   # NaN first
             raise ValueError(f"{name}={value} is outside [{lo}, {hi}]")
 
 

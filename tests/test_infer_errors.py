@@ -55,6 +55,9 @@ def test_context_too_long_advice_when_the_prompt_alone_is_too_long():
         assert f"the prompt alone {alone}, so it must be shortened: by {by} tokens to keep max_new_tokens=48" in msg
         assert "at most 0" not in msg and "lower --max_new_tokens" not in msg and "\n" not in msg
     check_context(cfg, [52], 48)                      # exactly fits
+    with pytest.raises(ContextTooLong) as e:          # max_new_tokens alone over the context
+        check_context(cfg, [4], 2_000_000)
+    assert str(e.value).endswith("lower --max_new_tokens to at most 96") and "shorten" not in str(e.value)
 
 
 def test_mismatch_lists_every_parameter(ckpt, tmp_path):
@@ -93,6 +96,39 @@ def test_missing_files(ckpt, tmp_path, monkeypatch):
         load_model(str(empty))
 
 
+def test_corrupt_checkpoint_and_tokenizer_files(ckpt, tmp_path):
+    """Damaged files get one clear error naming the directory / file (no orbax or tokenizers traceback)."""
+    import glob
+    import shutil
+
+    from minimax_jax.convert.errors import CorruptFileError
+
+    no_manifest = str(tmp_path / "no_manifest")
+    shutil.copytree(ckpt, no_manifest)
+    for f in glob.glob(os.path.join(no_manifest, "params", "manifest.ocdbt")) + \
+            glob.glob(os.path.join(no_manifest, "params", "_METADATA")):
+        os.remove(f)
+    with pytest.raises(CorruptFileError, match=f"checkpoint {no_manifest}/params is incomplete or corrupt"):
+        load_model(no_manifest)
+
+    truncated = str(tmp_path / "truncated")
+    shutil.copytree(ckpt, truncated)
+    data = [f for f in glob.glob(os.path.join(truncated, "params", "**", "d", "*"), recursive=True)
+            if os.path.isfile(f)]
+    assert data, os.listdir(os.path.join(truncated, "params"))
+    for f in data:
+        with open(f, "r+b") as fh:
+            fh.truncate(20)
+    # orbax reads some array metadata from the data files: either check may be the one that fails
+    with pytest.raises(CorruptFileError, match=f"checkpoint {truncated}/params(:| is incomplete or) .*corrupt"):
+        load_model(truncated)
+
+    bad_tok = tmp_path / "tok.json"
+    bad_tok.write_text("x")
+    with pytest.raises(TokenizerNotFound, match=f"{bad_tok} is not a valid tokenizer.json"):
+        load_model(ckpt, tokenizer_path=str(bad_tok))
+
+
 def test_bad_prompts(ckpt):
     m = load_model(ckpt)
     gen = Generator(m.cfg, m.params, m.tokenizer)
@@ -104,3 +140,20 @@ def test_bad_prompts(ckpt):
         gen.generate([[1, 304]])
     with pytest.raises(ValueError, match="unknown engine 'fast'"):
         Generator(m.cfg, m.params, engine="fast").generate([[1]], GenerationConfig(max_new_tokens=1))
+
+
+def test_non_finite_sampling_values_and_a_file_as_checkpoint(tmp_path):
+    import jax.numpy as jnp
+
+    from minimax_jax.infer.sampler import SamplingParams
+    from minimax_jax.sampling import filter_logits
+
+    for kw in ({"temperature": float("nan")}, {"temperature": float("inf")}, {"top_p": float("nan")}):
+        with pytest.raises(ValueError, match="must be a finite number"):
+            SamplingParams(**kw)
+    with pytest.raises(ValueError, match="temperature=nan is outside"):
+        filter_logits(jnp.zeros((1, 4)), temperature=float("nan"))
+    f = tmp_path / "ckpt_file"
+    f.write_text("x")
+    with pytest.raises(CheckpointNotFound, match="is a file; pass the checkpoint directory"):
+        load_model(str(f))

@@ -63,6 +63,7 @@ def test_unknown_yaml_key_rejected(tmp_path):
     ("run", "compute_dtype", "int8", "run.compute_dtype"),
     ("checkpoint", "keep", 0, "checkpoint.keep"),
     ("init", "mode", "sparse_cpt", "needs init.path"),
+    ("init", "path", "/some/ckpt", "init.mode is 'scratch'"),
 ])
 def test_bad_values(tmp_path, section, key, value, match):
     raw = micro_train_dict(str(tmp_path / "r"), **{section: {key: value}})
@@ -106,3 +107,11 @@ def test_cli_reports_config_errors(tmp_path):
     out = run_train_cli(p, "mesh=data=64", env=subprocess_env(), timeout=120)
     assert out.returncode == 2 and "needs 64 devices" in out.stderr
     assert not (tmp_path / "r").exists()
+
+
+def test_missing_data_keys_are_named(tmp_path):
+    raw = micro_train_dict(str(tmp_path / "r"))
+    raw["data"] = {"kind": "grain", "sources": ["x"]}
+    with pytest.raises(TrainConfigError, match=r"section 'data' \(kind=grain\) needs \['tokenizer', 'seq_len', "
+                                               r"'batch_size'\]"):
+        from_dict(raw)

@@ -10,7 +10,7 @@ from minimax_jax.convert import load_checkpoint
 from minimax_jax.train.export import export_run, latest_params
 
 
-def test_export_run_roundtrip(tmp_path):
+def test_export_run_roundtrip(tmp_path, capsys):
     run = tmp_path / "run"
     subprocess.run([sys.executable, "train.py", "--config", "configs/train/tiny-m3.yaml", "--set",
                     f"run.run_dir={run}", "--set", "run.steps=1", "--set", "run.progress=false",
@@ -18,7 +18,10 @@ def test_export_run_roundtrip(tmp_path):
                    check=True, capture_output=True, timeout=600)
     step, trained = latest_params(str(run))
     out = export_run(str(run), str(tmp_path / "ckpt"), dtype="float32", hf_dst=str(tmp_path / "hf"))
-    assert out["step"] == step == 1 and out["hf"]["tensors"] > 0
+    assert out["step"] == step == 1 and out["hf"]["tensors"] > 0 and out["tokenizer"] is None
+    from minimax_jax.train.export import main
+    main(["--run_dir", str(run), "--dst", str(tmp_path / "ckpt2")])     # the CLI says the tokenizer is missing
+    assert "the run has no tokenizer (synthetic data?)" in capsys.readouterr().err
     cfg, params = load_checkpoint(tmp_path / "ckpt")
     assert (cfg.msa_impl, cfg.attention_impl, cfg.moe_impl) == ("auto",) * 3   # the run forced xla
     a = jax.tree_util.tree_flatten_with_path(trained)[0]

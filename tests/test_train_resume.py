@@ -114,3 +114,12 @@ def test_corrupt_latest_falls_back_with_warning(setup):
     rows = _rows(run_dir)
     replayed = [r for r in rows if r["step"] in (7, 8)][-2:]
     np.testing.assert_array_equal([r["loss"] for r in replayed], [ref[7], ref[8]])
+
+
+def test_resume_reports_changed_settings():
+    from minimax_jax.train.loop import settings_changes
+
+    saved = {"data": {"seq_len": 256, "sources": ["a"]}, "optim": {"lr": 1e-3}, "run": {"steps": 10}, "mesh": "data=1"}
+    now = {"data": {"seq_len": 128, "sources": ["a"]}, "optim": {"lr": 1e-3}, "run": {"steps": 20}, "mesh": "fsdp=1"}
+    assert settings_changes(saved, now) == ["data.seq_len: 256 -> 128", "mesh: 'data=1' -> 'fsdp=1'"]
+    assert settings_changes(saved, saved) == [] and settings_changes(None, now) == []

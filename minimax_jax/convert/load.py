@@ -11,18 +11,43 @@ import numpy as np
 
 from minimax_jax.config import ModelConfig
 from minimax_jax.convert.atomic_dir import PARAMS_DIR, read_config
-from minimax_jax.convert.errors import CheckpointError
+from minimax_jax.convert.errors import CheckpointError, CorruptFileError
 
 __all__ = ["load_checkpoint", "checkpoint_metadata"]
 
 
+def _first_line(e: BaseException) -> str:
+    """First line of the innermost cause (tensorstore's own message, e.g. "OUT_OF_RANGE: Error reading
+    "lm_head/0.0" ... not valid for value of size 100", is the root of orbax's wrapped errors)."""
+    seen = set()
+    while (e.__cause__ or e.__context__) is not None and id(e) not in seen:
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0][:300]
+
+
 def checkpoint_metadata(directory: str | os.PathLike) -> Any:
-    """The orbax metadata tree (per leaf: shape, dtype, name) of ``directory/params``."""
+    """The orbax metadata tree (per leaf: shape, dtype, name) of ``directory/params``.
+
+    Raises: CorruptFileError when the metadata cannot be read (a missing ``manifest.ocdbt`` or
+    ``_METADATA``, an interrupted copy): the message names the directory.
+    """
     import orbax.checkpoint as ocp
 
     # Absolute path: orbax 0.12 returns no item metadata for a relative checkpoint path.
-    md = ocp.StandardCheckpointer().metadata(os.path.join(os.path.abspath(os.fspath(directory)), PARAMS_DIR))
-    return md.item_metadata.tree if hasattr(md, "item_metadata") else md
+    path = os.path.join(os.path.abspath(os.fspath(directory)), PARAMS_DIR)
+    try:
+        md = ocp.StandardCheckpointer().metadata(path)
+        item = getattr(md, "item_metadata", md)
+        tree = getattr(item, "tree", item) if item is not None else None
+    except Exception as e:  # orbax / tensorstore raise many types for a damaged directory
+        raise CorruptFileError(f"checkpoint {path} is incomplete or corrupt: its metadata cannot be read "
+                               f"({_first_line(e)}); restore it from a good copy") from e
+    if tree is None:
+        raise CorruptFileError(f"checkpoint {path} is incomplete or corrupt: it has no readable parameter tree "
+                               f"(missing manifest.ocdbt / _METADATA?); restore it from a good copy")
+    return tree
 
 
 def load_checkpoint(directory: str | os.PathLike, cfg: ModelConfig | None = None, mesh=None, rules=None, *,
@@ -38,7 +63,8 @@ def load_checkpoint(directory: str | os.PathLike, cfg: ModelConfig | None = None
       shardings: pytree of ``jax.sharding.Sharding`` matching the params tree (takes precedence).
       dtype: cast floating leaves (except the float32 router weights) on restore, e.g. "float32".
     Returns: ``(cfg, params)`` with jax.Array leaves (on the default device without a mesh).
-    Raises: FileNotFoundError, CheckpointError (structure / shape mismatch naming the leaf).
+    Raises: FileNotFoundError, CheckpointError (structure / shape mismatch naming the leaf),
+      CorruptFileError (unreadable metadata, truncated or missing weight files).
     """
     import jax
 
@@ -85,6 +111,11 @@ def load_checkpoint(directory: str | os.PathLike, cfg: ModelConfig | None = None
     abstract = jax.tree_util.tree_map_with_path(target, want, shardings)
     import orbax.checkpoint as ocp
 
-    with ocp.StandardCheckpointer() as ck:
-        params = ck.restore(os.path.join(directory, PARAMS_DIR), abstract)
+    try:
+        with ocp.StandardCheckpointer() as ck:
+            params = ck.restore(os.path.join(directory, PARAMS_DIR), abstract)
+    except Exception as e:  # tensorstore reports truncated / missing chunks as ValueError or OSError
+        raise CorruptFileError(f"checkpoint {os.path.join(directory, PARAMS_DIR)}: reading the weights failed, "
+                               f"the files are truncated or corrupt ({_first_line(e)}); restore it from a good "
+                               f"copy") from e
     return cfg, params

@@ -27,7 +27,7 @@ flags.DEFINE_string("context_file", None, "Long document put before the prompt (
                     "of the first user message), for long-context questions.")
 flags.DEFINE_integer("max_new_tokens", 256, "Most tokens to generate.", lower_bound=1)
 flags.DEFINE_float("temperature", 1.0, "Sampling temperature; 0 = greedy (argmax).", lower_bound=0.0)
-flags.DEFINE_float("top_p", 0.95, "Nucleus sampling mass (1 = off).", lower_bound=0.0, upper_bound=1.0)
+flags.DEFINE_float("top_p", 0.95, "Nucleus sampling mass in (0, 1] (1 = off).", upper_bound=1.0)
 flags.DEFINE_integer("top_k", 40, "Keep the k most likely tokens (0 = off).", lower_bound=0)
 flags.DEFINE_float("min_p", 0.0, "Drop tokens below min_p x the top probability (0 = off).", lower_bound=0.0)
 flags.DEFINE_integer("seed", 0, "Random seed; the same seed and inputs give the same output.")

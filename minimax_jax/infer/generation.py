@@ -92,8 +92,10 @@ def check_context(cfg: ModelConfig, prompt_lengths: Sequence[int], max_new_token
     for i, n in enumerate(prompt_lengths):
         if n + max_new_tokens > limit:
             over = n + max_new_tokens - limit
-            if n < limit:   # room for at least one new token: either remedy works
+            if n < limit and over < n:   # either remedy works
                 fix = f"shorten the prompt by {over} tokens or lower --max_new_tokens to at most {limit - n}"
+            elif n < limit:              # max_new_tokens alone (nearly) fills the context
+                fix = f"lower --max_new_tokens to at most {limit - n}"
             else:           # the prompt alone fills the context: only shortening it helps
                 alone = "fills the context" if n == limit else f"is {n - limit} tokens over the context"
                 fix = (f"the prompt alone {alone}, so it must be shortened: by {over} tokens to keep "

@@ -76,6 +76,9 @@ def checkpoint_kind(directory: str) -> str:
 
     Raises: CheckpointNotFound naming what was looked for.
     """
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise CheckpointNotFound(f"checkpoint {directory!r} is a file; pass the checkpoint directory "
+                                 f"(config.yaml + params/, or config.json + *.safetensors)")
     if not os.path.isdir(directory):
         raise CheckpointNotFound(f"checkpoint directory {directory!r} does not exist")
     if os.path.isfile(os.path.join(directory, "config.yaml")) and os.path.isdir(os.path.join(directory, "params")):
@@ -113,7 +116,8 @@ def load_tokenizer_for(checkpoint_dir: str, tokenizer_path: str | None = None):
     """The ``tokenizers.Tokenizer`` of a checkpoint (``checkpoint_dir/tokenizer.json``) or of
     ``tokenizer_path`` (a file or a directory holding ``tokenizer.json``).
 
-    Raises: TokenizerNotFound naming the exact file looked for.
+    Raises: TokenizerNotFound naming the exact file looked for (also when it is not a valid
+      ``tokenizers`` JSON file).
     """
     from tokenizers import Tokenizer
 
@@ -123,7 +127,10 @@ def load_tokenizer_for(checkpoint_dir: str, tokenizer_path: str | None = None):
     if not os.path.isfile(path):
         hint = "" if tokenizer_path else " (or pass --tokenizer PATH)"
         raise TokenizerNotFound(f"no tokenizer: looked for {os.path.abspath(path)}{hint}")
-    return Tokenizer.from_file(path)
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as e:  # tokenizers raises a bare Exception for malformed JSON
+        raise TokenizerNotFound(f"{os.path.abspath(path)} is not a valid tokenizer.json ({e})") from e
 
 
 def _mesh_and_rules(mesh_spec: str | None, rules_name: str):

@@ -10,6 +10,7 @@ per-row ``numpy`` generator seeded by ``(seed, row)``.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +33,9 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self):
+        for name in ("temperature", "top_p", "min_p"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

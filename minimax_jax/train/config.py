@@ -425,6 +425,8 @@ def validate(tc: TrainConfig) -> None:
            f"msa.index must map index_* ModelConfig fields, got {m.index!r}")
     _check(i.mode in INIT_MODES, f"init.mode must be one of {INIT_MODES}, got {i.mode!r}")
     _check(i.mode == "scratch" or bool(i.path), f"init.mode={i.mode} needs init.path (a checkpoint directory)")
+    _check(i.mode != "scratch" or not i.path, f"init.path={i.path!r} is set but init.mode is 'scratch' (the path "
+           f"would be ignored); set init.mode=checkpoint or sparse_cpt, or drop init.path")
     _check(tc.data.kind in DATA_KINDS, f"data.kind must be one of {DATA_KINDS}, got {tc.data.kind!r}")
     _check(tc.data.seq_len >= 1 and tc.data.batch_size >= 1, "data.seq_len and data.batch_size must be >= 1")
     _check(tc.data.batch_size % o.grad_accum == 0,
@@ -460,6 +462,12 @@ def from_dict(raw: Mapping[str, Any], source_path: str | None = None) -> TrainCo
     if kind == "grain":
         from minimax_jax.data.pipeline import DataConfig, DataConfigError
 
+        required = [f.name for f in dataclasses.fields(DataConfig)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        absent = [k for k in required if k not in data]
+        if absent:
+            raise TrainConfigError(f"section 'data' (kind=grain) needs {absent} (set them in the YAML or with "
+                                   f"--set data.<key>=...; or use data.kind=synthetic)")
         try:
             DataConfig.from_dict(data)
         except (DataConfigError, TypeError) as e:
@@ -476,6 +484,8 @@ def load_train_config(path: str | os.PathLike, overrides: Sequence[str] = ()) ->
     p = os.fspath(path)
     if not os.path.exists(p):
         raise TrainConfigError(f"training config {p!r} does not exist")
+    if not os.path.isfile(p):
+        raise TrainConfigError(f"training config {p!r} is not a file (a directory?); pass a YAML file")
     with open(p) as f:
         raw = _yaml_load(f) or {}
     if not isinstance(raw, dict):
@@ -486,12 +496,14 @@ def load_train_config(path: str | os.PathLike, overrides: Sequence[str] = ()) ->
 def validate_against(tc: TrainConfig, model_cfg, num_devices: int, num_processes: int = 1):
     """Checks needing the model config and the devices; returns the resolved ``MeshSpec``.
 
-    Raises TrainConfigError: sequence longer than ``max_position_embeddings``, a mesh that needs more
+    Raises TrainConfigError: ``run.run_dir`` an existing file, sequence longer than ``max_position_embeddings``, a mesh that needs more
     devices than exist (or does not divide them), a batch not divisible by the data-parallel size,
     MTP weights of the wrong length, MSA settings on a model without MSA layers.
     """
     from minimax_jax.sharding import MeshSpec, ShardingError
 
+    _check(not os.path.exists(tc.run.run_dir) or os.path.isdir(tc.run.run_dir),
+           f"run.run_dir {tc.run.run_dir!r} exists and is not a directory")
     L = tc.data.seq_len
     _check(L <= model_cfg.max_position_embeddings,
            f"data.seq_len ({L}) exceeds the model's max_position_embeddings ({model_cfg.max_position_embeddings})")

@@ -70,7 +70,7 @@ def export_run(run_dir: str, dst: str, *, dtype: str = "bfloat16", tokenizer: st
 
         hf = export_orbax_to_hf(dst, hf_dst, max_shard_bytes=int(max_shard_mb * 2 ** 20), overwrite=True,
                                 progress=False)
-    return {"step": step, "dst": dst, "hf": hf}
+    return {"step": step, "dst": dst, "hf": hf, "tokenizer": tokenizer}
 
 
 def param_mismatches(params, cfg: ModelConfig) -> list[tuple[str, str, str]]:
@@ -163,6 +163,9 @@ def main(argv=None) -> None:
                              max_shard_mb=a.max_shard_mb)
     except (FileNotFoundError, ExportMismatch) as e:
         sys.exit(f"export: {e}")
+    if summary["tokenizer"] is None:
+        print(f"export: warning: the run has no tokenizer (synthetic data?), so {a.dst} has none; infer.py needs "
+              f"--tokenizer T.json for it (or export again with --tokenizer)", file=sys.stderr)
     print(json.dumps(summary, default=str))
 
 

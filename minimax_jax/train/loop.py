@@ -191,6 +191,27 @@ def _check_meta(tr: Trainer, meta: dict[str, Any]) -> None:
                                f"(fields {diff}); use a new run.run_dir or the original model settings")
 
 
+def settings_changes(saved: dict[str, Any] | None, now: dict[str, Any]) -> list[str]:
+    """``"section.key: old -> new"`` for every training setting that differs between the config a
+    checkpoint was written with and the current one (``run`` and ``checkpoint`` sections excluded:
+    extending ``run.steps`` or the save policy is a normal resume). Empty for old checkpoints
+    without a saved config."""
+    if not saved:
+        return []
+
+    def flat(d: Any, prefix: str = "") -> dict[str, Any]:
+        if not isinstance(d, dict):
+            return {prefix[:-1]: d}
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}."))
+        return out
+
+    a, b = flat(saved), flat(now)
+    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
+            if k.split(".")[0] not in ("run", "checkpoint") and a.get(k) != b.get(k)]
+
+
 def _write_yaml_atomic(path: str, obj: Any) -> None:
     """Write ``obj`` as YAML to ``path`` via a temporary sibling renamed into place (never half-written)."""
     tmp = f"{path}.tmp-{os.getpid()}"
@@ -239,6 +260,10 @@ def train(tc: TrainConfig, devices: list | None = None) -> dict[str, Any]:
                            progress=tc.run.progress, is_main=is_main)
     if restored is not None:
         writer.message(f"resumed from step {step} ({run_dir}/checkpoints)")
+        changes = settings_changes(meta.get("train_config"), tc.to_dict())
+        if changes:
+            writer.message("warning: resuming with training settings that differ from the checkpoint's "
+                           f"(the data iterator and optimizer state continue as saved): {'; '.join(changes)}")
     peak = peak_flops_per_device(tr.mesh.devices.flat[0].device_kind, tc.run.peak_tflops)
     sig = _Sigterm(tc.checkpoint.save_on_sigterm)
     status, metrics, done_here = "completed", {}, 0
