@@ -43,6 +43,7 @@ VARIANTS = {
     "heads8": V4096 + ["--set", "num_heads=8", "--set", "num_kv_heads=8", "--set", "head_dim=32",
                        "--set", "rotary_dim=16"],
     "tied": V4096 + ["--set", "tie_word_embeddings=true"],
+    "vocab2048_tied": ["--set", "vocab_size=2048", "--set", "tie_word_embeddings=true"],
 }
 
 
@@ -92,7 +93,7 @@ def main() -> None:
             row = f.result()
             with open(a.out, "a") as fh:
                 fh.write(json.dumps(row) + "\n")
-            vocab = 2048 if "vocab2048" in row["name"] else 4096
+            vocab = 2048 if row["name"].startswith("vocab2048") else 4096
             print(f"{row['name']:>12}: left plateau at {left_plateau(row, vocab)}; last {row['curve'][-1]:.3f} "
                   f"({row['seconds']} s)", flush=True)
 
