@@ -21,8 +21,8 @@
 # the slowest, so that it finishes inside TRAIN_BUDGET_S; the cosine schedule then ends where the
 # run ends and the three runs see the same batches); WARMUP_FRAC share of MSA indexer warm-up [0.12];
 # PROBE_SIDE a command run on the other GPU while the probe runs (optional); CONTENTION (below);
-# VOCAB the BPE vocabulary and the model's vocab_size [4096] (RESULTS.md run 4: the copy-task
-# plateau lengthens steeply with the vocabulary).
+# VOCAB the BPE vocabulary and the model's vocab_size [configs/demo-m3.yaml's] (RESULTS.md: the
+# copy-task plateau lengthens steeply with the vocabulary).
 # Curriculum (off unless CURRICULUM_STEPS > 0; RESULTS.md run 3: no model learned to copy): stage 1
 # trains every variant for CURRICULUM_STEPS steps on a second corpus of short documents
 # (SHORT_MAX_CHARS [1500] characters, SHORT_MB [30] MB, SHORT_SHARES [prose=0.1,code=0.1,synthetic=0.4,
@@ -43,6 +43,7 @@ TRAIN_BUDGET_S=${TRAIN_BUDGET_S:-480}
 VARIANTS=${VARIANTS:-msa full sliding}
 EXTRA_SETS=${EXTRA_SETS:-}
 PY=${PYTHON:-python3}
+VOCAB=${VOCAB:-$($PY -c "import yaml; print(yaml.safe_load(open('configs/demo-m3.yaml'))['model']['vocab_size'])")}
 export PYTHONUNBUFFERED=1
 mkdir -p "$W" "$OUT"
 log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$OUT/train_all.log"; }
@@ -62,7 +63,7 @@ log "corpus ($MAX_MB MB) and tokenizer"
 $PY -m minimax_jax.data.corpus --out "$W/corpus" --max_mb "$MAX_MB" --seed 0 --shares "$SHARES" \
   --synthetic_max_chars "${SYNTH_MAX_CHARS:-12000}" --workers "$(( $(nproc) < 16 ? $(nproc) : 16 ))" > "$OUT/corpus.json" || exit 1
 log "tokenizer"
-$PY -m minimax_jax.data.tokenizer train --input "$W"/corpus/train-*.jsonl --field text --vocab_size "${VOCAB:-4096}" \
+$PY -m minimax_jax.data.tokenizer train --input "$W"/corpus/train-*.jsonl --field text --vocab_size "$VOCAB" \
   --max_chars 40000000 --split_digits --out "$W/tok" >> "$OUT/train_all.log" 2>&1 || exit 1
 
 CURRICULUM_STEPS=${CURRICULUM_STEPS:-0}
@@ -90,7 +91,7 @@ fi
 # the XLA reference keeps [H, T, S] probabilities per layer for the backward.
 if [ -z "${ATTN_IMPL:-}" ]; then ATTN_IMPL=auto; [ "$ngpu" -ge 1 ] && ATTN_IMPL=pallas_flash; fi
 log "MSA implementation for training: $MSA_IMPL; dense attention: $ATTN_IMPL (GPUs: $ngpu)"
-COMMON_SETS="--set model.attention_impl=$ATTN_IMPL --set model.vocab_size=${VOCAB:-4096}"
+COMMON_SETS="--set model.attention_impl=$ATTN_IMPL --set model.vocab_size=$VOCAB"
 
 tc() {  # CUDA device, cap s, args...: train.py with the shared data flags
   local dev=$1 cap=$2; shift 2
