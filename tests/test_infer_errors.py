@@ -157,3 +157,12 @@ def test_non_finite_sampling_values_and_a_file_as_checkpoint(tmp_path):
     f.write_text("x")
     with pytest.raises(CheckpointNotFound, match="is a file; pass the checkpoint directory"):
         load_model(str(f))
+
+
+def test_bad_stop_rules_fail_when_the_config_is_made():
+    """Before any model is loaded (infer.py builds the GenerationConfig first)."""
+    with pytest.raises(ValueError, match="non-empty strings"):
+        GenerationConfig(stop_strings=("",))
+    with pytest.raises(ValueError, match="set both repeat_max_period and repeat_max_count"):
+        GenerationConfig(repeat_max_period=4)
+    GenerationConfig(stop_strings=["END"], repeat_max_period=4, repeat_max_count=2)

@@ -62,6 +62,9 @@ class GenerationConfig:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.speculative not in (None,) + SPECULATIVE_METHODS:
             raise ValueError(f"speculative must be None or one of {SPECULATIVE_METHODS}, got {self.speculative!r}")
+        # the stop rules' own checks (empty stop strings, half-set repetition limits), here so that a
+        # bad flag fails before the model loads rather than at the first generate()
+        StopConfig((), self.stop_strings, self.max_new_tokens, self.repeat_max_period, self.repeat_max_count)
 
 
 @dataclasses.dataclass
