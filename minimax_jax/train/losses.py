@@ -41,6 +41,9 @@ def chunked_cross_entropy_sums(head_input: jax.Array, head_weight: jax.Array, ta
     backward hold one slice's logits at a time: at M3's 200,064-token vocabulary a 64K-token row's
     full logits are 52 GB in float32, a 1,024-token slice's 0.8 GB. The extra cost is one more
     lm-head matmul in the backward pass. ``T`` not a multiple of ``chunk`` is padded (masked out).
+    The technique is the chunked ("fused linear") cross-entropy of large-vocabulary trainers (e.g.
+    Liger-Kernel's FusedLinearCrossEntropy, Wijmans et al. 2024 "Cut Your Losses"), here with XLA
+    remat instead of a custom kernel.
 
     Args:
       head_input: ``[B, T, H]`` final-normed hidden state (``forward(..., return_logits=False)``).
