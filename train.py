@@ -59,10 +59,13 @@ flags.DEFINE_bool("check_only", False, "Validate the config against the model an
                                        "without creating parameters or compiling.")
 
 
+BUILD_HINT = "build it (python -m minimax_jax.data.corpus / .tokenizer) or pass --prepare_data"
+
+
 def missing_data_action(item: str, prepare: bool) -> str:
     """What ``--check_only`` says about a missing data item (``sources ...`` / ``tokenizer ...``)."""
     if not prepare:
-        return "missing: build it (python -m minimax_jax.data.corpus / .tokenizer) or pass --prepare_data"
+        return f"missing: {BUILD_HINT}"
     if not item.startswith("sources"):
         return "missing, would be trained on the corpus first"
     from minimax_jax.data.prose import MissingDataError, shakespeare_dir
@@ -95,6 +98,8 @@ def main(argv):
     from minimax_jax.train.config import validate_against
     from minimax_jax.train.model_init import model_configs
 
+    from minimax_jax.train.prepare import missing_data, prepare_data
+
     try:
         tc = load_train_config(config, FLAGS.set)
         if FLAGS.check_only:
@@ -102,8 +107,6 @@ def main(argv):
             spec = validate_against(tc, cfg, jax.device_count(), jax.process_count())
             print(yaml.safe_dump(tc.to_dict(), sort_keys=False))
             print(f"# model: {cfg.param_counts()['total']:,} params; mesh {spec}; devices {jax.device_count()}")
-            from minimax_jax.train.prepare import missing_data
-
             missing = missing_data(tc)
             for item in missing:
                 print(f"# data: {item}: {missing_data_action(item, prepare)}")
@@ -111,16 +114,9 @@ def main(argv):
         cfg, _ = model_configs(tc)
         validate_against(tc, cfg, jax.device_count(), jax.process_count())  # fail before building data
         if prepare:
-            from minimax_jax.train.prepare import prepare_data
-
             prepare_data(tc, cfg.vocab_size)
-        else:
-            from minimax_jax.train.prepare import missing_data
-
-            missing = missing_data(tc)
-            if missing:
-                raise MissingDataError(f"{'; '.join(missing)} not found: "
-                                       f"{missing_data_action(missing[0], False).split(': ', 1)[1]}")
+        elif missing_data(tc):
+            raise MissingDataError(f"{'; '.join(missing_data(tc))} not found: {BUILD_HINT}")
         from minimax_jax.train import train
 
         out = train(tc)

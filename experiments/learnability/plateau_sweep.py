@@ -93,7 +93,7 @@ def main() -> None:
             row = f.result()
             with open(a.out, "a") as fh:
                 fh.write(json.dumps(row) + "\n")
-            vocab = 2048 if row["name"].startswith("vocab2048") else 4096
+            vocab = int(next(a.split("=", 1)[1] for a in row["args"] if a.startswith("vocab_size=")))
             print(f"{row['name']:>12}: left plateau at {left_plateau(row, vocab)}; last {row['curve'][-1]:.3f} "
                   f"({row['seconds']} s)", flush=True)
 
