@@ -364,8 +364,24 @@ def bench_one(mode: str, seq: int, args) -> dict:
         "model_tflops_per_s": fl / step_s / 1e12, "mfu": (fl / step_s / peak) if peak else None,
         "flops_per_step": fl, "loss_last": loss, "implementations": implementation_report(), **_device_memory(),
     })
-    print(json.dumps({k: v for k, v in row.items() if k != "step_s_all"}), flush=True)
+    if args.profile:
+        row["profile"] = profile_steps(tag, args, lambda i: run(f"profiled step {i + 1}/{args.profile}"))
+    print(json.dumps({k: v for k, v in row.items() if k not in ("step_s_all", "profile")}), flush=True)
     return row
+
+
+def profile_steps(tag: str, args, run_step) -> dict:
+    """Runs ``args.profile`` more steps under ``jax.profiler.trace`` (perfetto JSON under
+    ``<out>/profile_<tag>``) and returns bench/trace_summary.py's per-line top ops (ms per step)."""
+    from trace_summary import format_summary, load_events, newest_trace, summarize
+
+    pdir = os.path.join(args.out, f"profile_{tag.replace('@', '_')}")
+    with jax.profiler.trace(pdir, create_perfetto_trace=True):
+        for i in range(args.profile):
+            run_step(i)
+    rows = summarize(load_events(newest_trace(pdir)), top=30, steps=args.profile)
+    log(f"{tag}: profile of {args.profile} step(s), ms per step:\n{format_summary(rows)}")
+    return {"dir": pdir, "lines": rows[:6]}
 
 
 def main(argv=None) -> int:
@@ -397,6 +413,8 @@ def main(argv=None) -> int:
                    help="trace as that platform runs it and lower for it (works on a CPU machine); report the "
                         "Pallas kernels and the largest arrays; no compile")
     p.add_argument("--top-arrays", type=int, default=12, help="how many arrays --lower-for lists")
+    p.add_argument("--profile", type=int, default=0,
+                   help="after the timed steps, profile this many more (jax.profiler; bench/trace_summary.py)")
     p.add_argument("--tiny", action="store_true", help="tiny model and short sequences (CPU smoke test)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
