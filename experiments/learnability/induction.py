@@ -7,6 +7,12 @@
         trains configs/demo-m3.yaml shrunk to 2 full-attention layers (vocab 512, fp32) on random
         48-token sequences repeated once, printing the repeat's loss every 100 steps: can this
         architecture learn to copy at all?
+        ``--offset random`` (session 7): rows of 2 x seq + 32 random tokens in which ONE span of 10 to
+        seq tokens is repeated at a random later place. With ``--offset fixed`` (the default, every
+        row = one sequence shown twice) the copy is always ``seq`` tokens back, which a single
+        position-based attention head solves; a random offset needs a real induction circuit
+        (previous-token head + content match, Olsson et al. 2022), what copying real text needs.
+        The printed loss is then over the span's repeat minus its first token.
 """
 
 from __future__ import annotations
@@ -56,13 +62,38 @@ def make_optimizer(kind: str, lr: float, steps: int) -> optax.GradientTransforma
     raise ValueError(f"unknown optimizer {kind!r} (adamw, train)")
 
 
+def copy_batch(rng: np.random.Generator, vocab: int, batch: int, seq: int, offset: str) -> tuple[np.ndarray, np.ndarray]:
+    """Token rows int32 ``[batch, T]`` (BOS = 1 first) and the float32 ``[batch, T - 1]`` mask of the
+    next-token targets a copying model can predict (see the module docstring for ``offset``)."""
+    if offset == "fixed":
+        s = rng.integers(3, vocab, size=(batch, seq))
+        toks = np.concatenate([np.ones((batch, 1), int), s, s], 1)
+        mask = np.zeros((batch, 2 * seq), np.float32)
+        mask[:, seq + 4:] = 1.0                 # as before: the repeat after its first few tokens
+        return toks.astype(np.int32), mask
+    t = 2 * seq + 32
+    toks = rng.integers(3, vocab, size=(batch, t + 1))
+    toks[:, 0] = 1
+    mask = np.zeros((batch, t), np.float32)
+    for b in range(batch):
+        n = int(rng.integers(10, seq + 1))
+        a = int(rng.integers(1, t + 1 - 2 * n))
+        c = int(rng.integers(a + n, t + 1 - n))    # the repeat starts at c >= a + n
+        toks[b, c:c + n] = toks[b, a:a + n]
+        mask[b, c:c + n - 1] = 1.0              # target index i predicts token i + 1
+    return toks.astype(np.int32), mask
+
+
 def train_copy(steps: int, overrides: dict, seq: int = 48, batch: int = 32, lr: float = 3e-3, log=print,
-               optimizer: str = "adamw", log_every: int = 100, seed: int = 0) -> list[float]:
+               optimizer: str = "adamw", log_every: int = 100, seed: int = 0, offset: str = "fixed",
+               layers: int = 2) -> list[float]:
     """Train the shrunk demo config on repeated random sequences; returns the repeat NLL logged every
     ``log_every`` steps (the model config starts from configs/demo-m3.yaml cut to 2 dense
     full-attention layers, vocab 512, fp32, then ``overrides``)."""
     base = yaml.safe_load(open("configs/demo-m3.yaml"))["model"]
-    base.update(num_layers=2, layer_types=["full", "full"], mlp_types=["dense", "dense"], num_mtp_modules=0,
+    if offset not in ("fixed", "random"):
+        raise ValueError(f"offset must be fixed or random, got {offset!r}")
+    base.update(num_layers=layers, layer_types=["full"] * layers, mlp_types=["dense"] * layers, num_mtp_modules=0,
                 vocab_size=512, dtype="float32")
     base.update(overrides)
     cfg = ModelConfig(**base)
@@ -71,10 +102,10 @@ def train_copy(steps: int, overrides: dict, seq: int = 48, batch: int = 32, lr: 
     state = opt.init(params)
 
     @jax.jit
-    def step(p, st, toks):
+    def step(p, st, toks, rep_mask):
         def loss(p):
             nll = token_nll(p, cfg, toks)
-            return nll.mean(), nll[:, seq + 4:].mean()
+            return nll.mean(), jnp.sum(nll * rep_mask) / jnp.maximum(jnp.sum(rep_mask), 1.0)
         (_, rep), g = jax.value_and_grad(loss, has_aux=True)(p)
         u, st = opt.update(g, st, p)
         return optax.apply_updates(p, u), st, rep
@@ -82,9 +113,8 @@ def train_copy(steps: int, overrides: dict, seq: int = 48, batch: int = 32, lr: 
     rng = np.random.default_rng(seed)
     t0, curve = time.time(), []
     for i in range(steps + 1):
-        s = rng.integers(3, cfg.vocab_size, size=(batch, seq))
-        toks = jnp.asarray(np.concatenate([np.ones((batch, 1), int), s, s], 1), jnp.int32)
-        params, state, rep = step(params, state, toks)
+        toks, rep_mask = copy_batch(rng, cfg.vocab_size, batch, seq, offset)
+        params, state, rep = step(params, state, jnp.asarray(toks), jnp.asarray(rep_mask))
         if i % log_every == 0:
             curve.append(float(rep))
             log(f"step {i}: repeat NLL {float(rep):.3f} ({time.time() - t0:.0f} s)")
@@ -104,13 +134,16 @@ def main() -> None:
     t.add_argument("--seq", type=int, default=48)
     t.add_argument("--batch", type=int, default=32)
     t.add_argument("--log_every", type=int, default=100)
+    t.add_argument("--offset", default="fixed", choices=["fixed", "random"])
+    t.add_argument("--layers", type=int, default=2)
     a = ap.parse_args()
     if a.cmd == "repeat":
         first, second = repeat_check(a.checkpoint)
         print(f"{a.checkpoint}: first copy NLL {first:.3f}, repeat NLL {second:.3f}")
     else:
         train_copy(a.steps, {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in a.set)}, seq=a.seq,
-                   batch=a.batch, lr=a.lr, optimizer=a.optimizer, log_every=a.log_every)
+                   batch=a.batch, lr=a.lr, optimizer=a.optimizer, log_every=a.log_every, offset=a.offset,
+                   layers=a.layers)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,19 @@ VARIANTS = {
     "tied": V4096 + ["--set", "tie_word_embeddings=true"],
     "vocab2048_tied": ["--set", "vocab_size=2048", "--set", "tie_word_embeddings=true"],
 }
+# Random-offset copying (induction.py --offset random: the copy distance varies per row, so only a real
+# induction circuit solves it; session 7).
+T2048 = ["--set", "vocab_size=2048", "--set", "tie_word_embeddings=true", "--offset", "random"]
+VARIANTS.update({
+    "rand_tied2048": T2048,
+    "rand_untied2048": ["--set", "vocab_size=2048", "--offset", "random"],
+    "rand_tied2048_lr1e-2": T2048 + ["--lr", "1e-2"],
+    "rand_tied2048_trainopt": T2048 + ["--optimizer", "train"],
+    "rand_tied2048_6layers": T2048 + ["--layers", "6"],
+    "rand_tied512": ["--set", "vocab_size=512", "--set", "tie_word_embeddings=true", "--offset", "random"],
+    "rand_tied2048_heads8": T2048 + ["--set", "num_heads=8", "--set", "num_kv_heads=8", "--set", "head_dim=32",
+                                     "--set", "rotary_dim=16"],
+})
 
 
 def run_variant(name: str, steps: int, log_every: int, platform: str, jobs: int, out: str) -> dict:

@@ -137,14 +137,22 @@ def check_applicable(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segme
     check_layout(q_positions, q_segment_ids)
 
 
+#: GPU backward tiles ``(block_q_dkv, block_kv_dkv, block_q_dq, block_kv_dq, num_warps)`` used by default;
+#: ``None`` keeps JAX's ``mha`` defaults (32 x 32 backward tiles). bench/flash_blocks.py measures them.
+GPU_BLOCKS: tuple[int, int, int, int, int] | None = None
+
+
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
-                    backend: str) -> jax.Array:
+                    backend: str, blocks: tuple[int, int, int, int, int] | None | str = "default") -> jax.Array:
     """Causal packed GQA flash attention (no checks: call ``check_applicable`` first).
 
     Args:
       q: ``[B, T, H, D]``; k, v: ``[B, T, G, D]`` (H % G == 0; head h uses kv head h // (H/G)).
       segment_ids: ``[B, T]`` int; equal ids attend to each other, negative ids see nothing.
       backend: one of ``BACKENDS``.
+      blocks: GPU only: backward tiles ``(block_q_dkv, block_kv_dkv, block_q_dq, block_kv_dq,
+        num_warps)`` (``block_q_dq`` must equal ``block_kv_dkv``; all divide 128), ``None`` for the
+        library's defaults, ``"default"`` for ``GPU_BLOCKS``.
     Returns: ``[B, T, H, D]`` in ``q.dtype``; rows with a negative segment id are zero.
     Raises: ImplementationUnavailable when the installed jax lacks the expected kernel API.
     """
@@ -160,7 +168,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.A
         seg = jnp.pad(seg, ((0, 0), (0, tp - t)), constant_values=-1)
     scale = 1.0 / math.sqrt(d)
     if backend.startswith("gpu"):
-        o = _gpu(q, k, v, seg, scale, backend == "gpu_interpret")
+        o = _gpu(q, k, v, seg, scale, backend == "gpu_interpret", GPU_BLOCKS if blocks == "default" else blocks)
     elif backend == "tpu":
         o = _tpu(q, k, v, seg, scale)
     else:
@@ -185,9 +193,18 @@ def _gpu_mha():
     return gpu_attention.mha
 
 
-def _gpu(q, k, v, seg, scale, interpret):
+def _gpu(q, k, v, seg, scale, interpret, blocks=None):
     mha = _gpu_mha()
-    return mha(q, k, v, seg, sm_scale=scale, causal=True, interpret=interpret)
+    if blocks is None:
+        return mha(q, k, v, seg, sm_scale=scale, causal=True, interpret=interpret)
+    from jax.experimental.pallas.ops.gpu.attention import BlockSizes
+    q_dkv, kv_dkv, q_dq, kv_dq, warps = blocks
+    if q_dq != kv_dkv or any(BLOCK % b for b in (q_dkv, kv_dkv, kv_dq)):
+        raise ValueError(f"flash backward tiles {blocks}: need block_q_dq == block_kv_dkv and every tile "
+                         f"dividing {BLOCK}")
+    sizes = BlockSizes(block_q=BLOCK, block_k=BLOCK, block_q_dkv=q_dkv, block_kv_dkv=kv_dkv, block_q_dq=q_dq,
+                       block_kv_dq=kv_dq)
+    return mha(q, k, v, seg, sm_scale=scale, causal=True, block_sizes=sizes, num_warps=warps, interpret=interpret)
 
 
 def _tpu_kernel(q, k, v, seg, scale):
