@@ -320,6 +320,7 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run with tiny shapes")
     ap.add_argument("--tokens", default=None, help="order = priority under the budget (default 8192,65536,32768; "
                     "--tiny: 64,256); with --ep-timing also the tokens PER DEVICE of the EP cases")
+    ap.add_argument("--models", default="", help="comma-separated subset of the model shapes (default: all)")
     ap.add_argument("--budget-s", type=float, default=110.0, help="stop starting new cases after this")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--variants", default="", help="comma-separated subset of " + ",".join(ALL_VARIANTS)
@@ -339,6 +340,11 @@ def main():
         ap.error(f"unknown variants {bad}; choose from {ALL_VARIANTS}")
     t_start = time.perf_counter()
     shapes = TINY if args.tiny else SHAPES
+    if args.models:
+        unknown = sorted(set(args.models.split(",")) - set(shapes))
+        if unknown:
+            raise SystemExit(f"--models: unknown {unknown}; choose from {sorted(shapes)}")
+        shapes = {k: v for k, v in shapes.items() if k in args.models.split(",")}
     tokens_list = [int(t) for t in (args.tokens or ("64,256" if args.tiny else "8192,65536,32768")).split(",")]
     dtype = jnp.bfloat16
     tk_err = tokamax_status()

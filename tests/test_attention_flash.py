@@ -73,6 +73,31 @@ def test_matches_xla_outputs_and_grads(backend, h, g, dtype):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, err_msg=f"d{name} seed {seed}")
 
 
+@pytest.mark.parametrize("blocks", [None, (32, 64, 64, 32, 4), (64, 128, 128, 64, 8)])
+def test_gpu_backward_tiles_match_xla(blocks):
+    """Every backward tiling of the GPU kernel (library defaults, and candidates of bench/flash_blocks.py;
+    the default ``GPU_BLOCKS`` is covered by the test above) gives the XLA path's outputs and gradients."""
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    bsz, t, h, g, d = 1, 200, 4, 2, 32
+    q, k, v, do = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in
+                   [(bsz, t, h, d), (bsz, t, g, d), (bsz, t, g, d), (bsz, t, h, d)])
+    pos, seg = _packed(rng, bsz, t, tail=int(rng.integers(1, 30)))
+    f = lambda q, k, v: flash.flash_attention(q, k, v, seg, backend="gpu_interpret", blocks=blocks)
+    o, pull = jax.vjp(f, q, k, v)
+    ro, rgrads = _run("xla", q, k, v, pos, seg, do)
+    np.testing.assert_allclose(np.asarray(o), np.asarray(ro), atol=1e-4, err_msg=f"seed {seed}")
+    for name, a, b in zip("qkv", pull(do), rgrads):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, err_msg=f"d{name} seed {seed}")
+
+
+def test_gpu_backward_tiles_are_validated():
+    x = jnp.zeros((1, 128, 2, 32), jnp.float32)
+    seg = jnp.ones((1, 128), jnp.int32)
+    with pytest.raises(ValueError, match="block_q_dq == block_kv_dkv"):
+        flash.flash_attention(x, x, x, seg, backend="gpu_interpret", blocks=(32, 64, 128, 32, 4))
+
+
 @pytest.mark.skipif(jax.default_backend() not in ("gpu", "tpu"), reason="compiled kernels need a GPU/TPU")
 def test_compiled_kernel_on_device_matches_xla():
     """On a GPU/TPU machine: the compiled kernel (M3 head dim 128, 16:4 GQA, bf16, packed rows with a

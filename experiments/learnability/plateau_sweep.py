@@ -62,11 +62,13 @@ VARIANTS.update({
 
 def run_variant(name: str, steps: int, log_every: int, platform: str, jobs: int, out: str) -> dict:
     args = BASE + VARIANTS[name] + ["--steps", str(steps), "--log_every", str(log_every)]
+    # induction.py imports minimax_jax: from the repository, whether or not the package is installed
+    base_env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     if platform == "cpu":
-        env = dict(os.environ, XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
+        env = dict(base_env, XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
                    OMP_NUM_THREADS="1", JAX_PLATFORMS="cpu")
     else:   # processes share the GPU: split its memory instead of each preallocating 75%
-        env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=f"{0.9 / jobs:.3f}")
+        env = dict(base_env, XLA_PYTHON_CLIENT_MEM_FRACTION=f"{0.9 / jobs:.3f}")
     t0 = time.time()
     log_path = f"{out}.{name}.log"
     with open(log_path, "w") as fh:
