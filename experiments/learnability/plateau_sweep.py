@@ -55,6 +55,8 @@ VARIANTS.update({
     "rand_tied2048_trainopt": T2048 + ["--optimizer", "train"],
     "rand_tied2048_6layers": T2048 + ["--layers", "6"],
     "rand_tied512": ["--set", "vocab_size=512", "--set", "tie_word_embeddings=true", "--offset", "random"],
+    "rand_tied2048_noqknorm": T2048 + ["--set", "qk_norm=none"],
+    "rand_tied2048_rope64": T2048 + ["--set", "rotary_dim=64", "--set", "rope_theta=10000.0"],
     "rand_tied2048_heads8": T2048 + ["--set", "num_heads=8", "--set", "num_kv_heads=8", "--set", "head_dim=32",
                                      "--set", "rotary_dim=16"],
 })

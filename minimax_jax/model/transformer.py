@@ -21,6 +21,7 @@ from minimax_jax.config import ModelConfig, dtype_of
 from minimax_jax.model.layers import apply_rope, dense_mlp, rms_norm, rope_frequencies, swiglu
 from minimax_jax.model.params import layer_segments, mtp_layer_kinds
 from minimax_jax.ops.attention import attention
+from minimax_jax.ops.logits import logits_matmul
 from minimax_jax.ops.moe import moe_experts, route
 from minimax_jax.sharding import constrain
 
@@ -57,8 +58,7 @@ def lm_head_weight(params, cfg: ModelConfig) -> jax.Array:
 
 def unembed(params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
     """Final-normed hidden ``[...,H]`` -> logits ``[...,V]`` float32 (lm_head or tied embedding)."""
-    w = lm_head_weight(params, cfg)
-    return jnp.einsum("...h,hv->...v", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+    return logits_matmul(h, lm_head_weight(params, cfg).astype(h.dtype))
 
 
 def project_qkv(p: dict, x: jax.Array, cfg: ModelConfig, cos: jax.Array, sin: jax.Array):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from minimax_jax.ops.logits import logits_matmul
 from minimax_jax.sharding import constrain
 
 __all__ = ["cross_entropy_sums", "chunked_cross_entropy_sums", "mtp_targets", "mtp_weights_list"]
@@ -70,7 +71,7 @@ def chunked_cross_entropy_sums(head_input: jax.Array, head_weight: jax.Array, ta
 
     @jax.checkpoint
     def slice_sums(hc, tc, mc, w):
-        logits = jnp.einsum("bth,hv->btv", hc, w, preferred_element_type=jnp.float32)
+        logits = logits_matmul(hc, w)
         logits = constrain(logits, ("batch", "length", "act_vocab"))
         return cross_entropy_sums(logits, tc, mc)
 
