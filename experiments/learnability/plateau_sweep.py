@@ -57,6 +57,13 @@ VARIANTS.update({
     "rand_tied512": ["--set", "vocab_size=512", "--set", "tie_word_embeddings=true", "--offset", "random"],
     "rand_tied2048_noqknorm": T2048 + ["--set", "qk_norm=none"],
     "rand_tied2048_rope64": T2048 + ["--set", "rotary_dim=64", "--set", "rope_theta=10000.0"],
+    "rand_tied2048_b256": T2048 + ["--batch", "256"],
+    "rand_tied2048_b256_lr1e-3": T2048 + ["--batch", "256", "--lr", "1e-3"],
+    "rand_tied2048_b256_seq24": T2048 + ["--batch", "256", "--seq", "24"],
+    "rand_tied512_b256": ["--set", "vocab_size=512", "--set", "tie_word_embeddings=true", "--offset", "random",
+                          "--batch", "256"],
+    "rand_tied512_b256_lr1e-3": ["--set", "vocab_size=512", "--set", "tie_word_embeddings=true", "--offset",
+                                 "random", "--batch", "256", "--lr", "1e-3"],
     "rand_tied2048_heads8": T2048 + ["--set", "num_heads=8", "--set", "num_kv_heads=8", "--set", "head_dim=32",
                                      "--set", "rotary_dim=16"],
 })
