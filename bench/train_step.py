@@ -379,9 +379,12 @@ def profile_steps(tag: str, args, run_step) -> dict:
     with jax.profiler.trace(pdir, create_perfetto_trace=True):
         for i in range(args.profile):
             run_step(i)
-    rows = summarize(load_events(newest_trace(pdir)), top=30, steps=args.profile)
-    log(f"{tag}: profile of {args.profile} step(s), ms per step:\n{format_summary(rows)}")
-    return {"dir": pdir, "lines": rows[:6]}
+    events = load_events(newest_trace(pdir))
+    rows, scope = summarize(events, top=30, steps=args.profile), "device"
+    if not rows:        # a CPU run has no /device: process; its work is on the host's XLA threads
+        rows, scope = summarize(events, top=30, steps=args.profile, device_only=False), "host (no device lines)"
+    log(f"{tag}: profile of {args.profile} step(s), {scope}, ms per step:\n{format_summary(rows)}")
+    return {"dir": pdir, "scope": scope, "lines": rows[:6]}
 
 
 def main(argv=None) -> int:

@@ -56,9 +56,11 @@ def test_compile_only(tmp_path):
 
 
 def test_timed_run(tmp_path):
-    progress, rows, saved = _run(tmp_path, "--tiny", "--modes", "msa", "--vocab", "640", "--logits-chunk", "64")
+    progress, rows, saved = _run(tmp_path, "--tiny", "--modes", "msa", "--vocab", "640", "--logits-chunk", "64",
+                                 "--profile", "1")
     for s in ("initialising parameters", "compile start", "compile done in", "memory plan", "first step took",
-              "warmup step 1/1 took", "timed step 1/2 took", "timed step 2/2 took"):
+              "warmup step 1/1 took", "timed step 1/2 took", "timed step 2/2 took", "profiled step 1/1 took",
+              "profile of 1 step(s), host (no device lines)"):
         _index(progress, s)
     assert (_index(progress, "compile done in") < _index(progress, "first step took")
             < _index(progress, "timed step 2/2")), progress
@@ -69,6 +71,9 @@ def test_timed_run(tmp_path):
     assert row["loss_last"] == row["loss_last"]                                # not NaN
     assert set(row["implementations"]) >= {"msa_select_blocks", "msa_attention", "indexer_kl", "moe"}
     assert len(saved["results"][0]["step_s_all"]) == 2 and saved["errors"] == []
+    prof = saved["results"][0]["profile"]                      # bench/trace_summary.py's lines
+    assert os.path.isdir(prof["dir"]) and prof["lines"] and prof["lines"][0]["busy_ms"] > 0
+    assert "profile" not in row                                 # the printed row stays short
 
 
 def test_lower_for_cuda_lists_the_gpu_kernels(tmp_path):

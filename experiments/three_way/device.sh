@@ -3,6 +3,8 @@
 #   bash experiments/three_way/device.sh train   # wheels, corpus, tokenizer, three trainings, export
 #   bash experiments/three_way/device.sh eval    # eval, recall, timing on the checkpoints of `train`
 #   bash experiments/three_way/device.sh all     # both in one call
+#   bash experiments/three_way/device.sh stage1  # `train` up to the end of the curriculum's stage 1
+#   bash experiments/three_way/device.sh stage2  # `train` on the same warm machine, reusing W's stage 1
 # Work files stay in W (default /tmp/tw) on the machine between the two calls; the small results
 # (logs, metrics, eval JSON) come back in $OUT as one tar, the MSA checkpoint as <= 15 MiB pieces
 # (join with `cat msa_ckpt.tar.part-* | tar xf -`). Needs the .whl folder carried (grain,
@@ -24,7 +26,9 @@ case ${1:-} in
   train) OUT=$W/out bash experiments/three_way/train_all.sh ;;
   eval) OUT=$W/out bash experiments/three_way/eval_all.sh ;;
   all) OUT=$W/out bash experiments/three_way/train_all.sh && OUT=$W/out bash experiments/three_way/eval_all.sh ;;
-  *) echo "usage: device.sh train|eval|all"; exit 2 ;;
+  stage1) OUT=$W/out STOP_AFTER_STAGE1=1 bash experiments/three_way/train_all.sh ;;
+  stage2) OUT=$W/out REUSE_W=1 bash experiments/three_way/train_all.sh ;;
+  *) echo "usage: device.sh train|eval|all|stage1|stage2"; exit 2 ;;
 esac
 rc=$?
 tar czf "$OUT/three_way_$1.tgz" -C "$W" out

@@ -25,10 +25,11 @@
 # copy-task plateau lengthens steeply with the vocabulary).
 # Curriculum (off unless CURRICULUM_STEPS > 0; RESULTS.md run 3: no model learned to copy): stage 1
 # trains every variant for CURRICULUM_STEPS steps on a second corpus of short documents
-# (SHORT_MAX_CHARS [1500] characters, SHORT_MB [30] MB, SHORT_SHARES [prose=0.1,code=0.1,synthetic=0.4,
-# copy=0.4]: copy documents (minimax_jax.data.copying) repeat each span 2-3 times, the densest signal
-# for in-context copying; the CPU probe without them did not copy after 500 steps) in rows of
-# SHORT_SEQ [1024] x SHORT_BATCH [16], capped at CURRICULUM_CAP_S [150] s, exports it, and records
+# (SHORT_MAX_CHARS [1500] characters, SHORT_MB [30] MB, SHORT_SHARES [prose=0.05,code=0.05,synthetic=0.3,
+# copy=0.6]: copy documents (minimax_jax.data.copying) repeat each span 2-3 times, the densest signal
+# for in-context copying) in rows of SHORT_SEQ [1024] x SHORT_BATCH [32] (RESULTS.md "What learning to
+# copy needs": the induction circuit formed with 256 x 128 or 64 x 512 tokens per step and never with
+# 16-32 rows; run 4's 16 x 1,024 did not copy), capped at CURRICULUM_CAP_S [150] s, exports it, and records
 # the copy check of experiments/learnability/induction.py (induction_<v>.txt); stage 2 (the runs
 # above) starts from those weights (init.mode=checkpoint) with a fresh optimizer; the MSA variant
 # does its indexer warm-up in stage 1 only.
@@ -59,22 +60,28 @@ if [ -z "${MSA_IMPL:-}" ] && [ "$ngpu" -ge 1 ]; then
   CUDA_VISIBLE_DEVICES=$GPUS_MSA $PY experiments/three_way/impl_check.py > "$OUT/impl_check.json" 2>"$W/impl_check.err" &
   IMPL_PID=$!
 fi
-log "corpus ($MAX_MB MB) and tokenizer"
-$PY -m minimax_jax.data.corpus --out "$W/corpus" --max_mb "$MAX_MB" --seed 0 --shares "$SHARES" \
-  --synthetic_max_chars "${SYNTH_MAX_CHARS:-12000}" --workers "$(( $(nproc) < 16 ? $(nproc) : 16 ))" > "$OUT/corpus.json" || exit 1
-log "tokenizer"
-$PY -m minimax_jax.data.tokenizer train --input "$W"/corpus/train-*.jsonl --field text --vocab_size "$VOCAB" \
-  --max_chars 40000000 --split_digits --out "$W/tok" >> "$OUT/train_all.log" 2>&1 || exit 1
+# REUSE_W=1: keep what an earlier call on the same machine built in W (corpora, tokenizer, stage-1
+# checkpoints) instead of building it again; with STOP_AFTER_STAGE1=1 on the first call, stage 1 and
+# stage 2 fit two device calls (the machine stays warm between them).
+done_before() { [ "${REUSE_W:-0}" = 1 ] && [ -e "$1" ] && log "reusing $1"; }
+if ! done_before "$W/tok/tokenizer.json"; then
+  log "corpus ($MAX_MB MB) and tokenizer"
+  $PY -m minimax_jax.data.corpus --out "$W/corpus" --max_mb "$MAX_MB" --seed 0 --shares "$SHARES" \
+    --synthetic_max_chars "${SYNTH_MAX_CHARS:-12000}" --workers "$(( $(nproc) < 16 ? $(nproc) : 16 ))" > "$OUT/corpus.json" || exit 1
+  log "tokenizer"
+  $PY -m minimax_jax.data.tokenizer train --input "$W"/corpus/train-*.jsonl --field text --vocab_size "$VOCAB" \
+    --max_chars 40000000 --split_digits --out "$W/tok" >> "$OUT/train_all.log" 2>&1 || exit 1
+fi
 
 CURRICULUM_STEPS=${CURRICULUM_STEPS:-0}
-if [ "$CURRICULUM_STEPS" -gt 0 ]; then
-  WARMUP_FRAC=0     # the MSA indexer warm-up happens in stage 1
+if [ "$CURRICULUM_STEPS" -gt 0 ] && ! done_before "$W/corpus_short/manifest.json"; then
   log "short-document corpus for the curriculum"
   $PY -m minimax_jax.data.corpus --out "$W/corpus_short" --max_mb "${SHORT_MB:-30}" --seed 1 \
-    --shares "${SHORT_SHARES:-prose=0.1,code=0.1,synthetic=0.4,copy=0.4}" \
+    --shares "${SHORT_SHARES:-prose=0.05,code=0.05,synthetic=0.3,copy=0.6}" \
     --synthetic_min_chars 300 --synthetic_max_chars "${SHORT_MAX_CHARS:-1500}" \
     --workers "$(( $(nproc) < 16 ? $(nproc) : 16 ))" > "$OUT/corpus_short.json" || exit 1
 fi
+[ "$CURRICULUM_STEPS" -gt 0 ] && WARMUP_FRAC=0     # the MSA indexer warm-up happens in stage 1
 
 if [ -z "${MSA_IMPL:-}" ]; then
   MSA_IMPL=xla
@@ -129,7 +136,7 @@ stage1_one() {  # variant device
   # shellcheck disable=SC2046,SC2086
   tc "$dev" "${CURRICULUM_CAP_S:-150}" --set "run.run_dir=$W/runs1/$v" --set run.steps=$CURRICULUM_STEPS \
     --set "data.sources=[$W/corpus_short/train-*.jsonl]" --set data.seq_len=${SHORT_SEQ:-1024} \
-    --set data.batch_size=${SHORT_BATCH:-16} --set schedule.warmup_steps=50 $(variant_sets "$v") $warm \
+    --set data.batch_size=${SHORT_BATCH:-32} --set schedule.warmup_steps=50 $(variant_sets "$v") $warm \
     > "$W/stage1_$v.log" 2>&1
   log "stage 1 $v: rc $? after $((SECONDS - t0)) s"
   $PY -m minimax_jax.train.export --run_dir "$W/runs1/$v" --dst "$W/ckpt1/$v" >> "$W/stage1_$v.log" 2>&1
@@ -140,8 +147,9 @@ stage1_one() {  # variant device
   cp "$W/runs1/$v/metrics.jsonl" "$OUT/metrics_stage1_$v.jsonl" 2>/dev/null
 }
 if [ "$CURRICULUM_STEPS" -gt 0 ]; then
-  for v in $VARIANTS; do stage1_one "$v" "$(dev_of "$v")" & done
+  for v in $VARIANTS; do done_before "$W/ckpt1/$v" || stage1_one "$v" "$(dev_of "$v")" & done
   wait
+  if [ "${STOP_AFTER_STAGE1:-0}" = 1 ]; then log "stage 1 done (STOP_AFTER_STAGE1=1)"; exit 0; fi
   fit_budget
 fi
 
