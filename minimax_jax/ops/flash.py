@@ -157,7 +157,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.A
         num_warps)`` (``block_q_dq`` must equal ``block_kv_dkv``; all divide 128), ``None`` for the
         library's defaults, ``"default"`` for ``GPU_BLOCKS``.
     Returns: ``[B, T, H, D]`` in ``q.dtype``; rows with a negative segment id are zero.
-    Raises: ImplementationUnavailable when the installed jax lacks the expected kernel API.
+    Raises: ImplementationUnavailable when the installed jax lacks the expected kernel API;
+      ValueError for backward tiles the GPU kernel cannot use.
     """
     _, t, h, d = q.shape
     rep = h // k.shape[2]
