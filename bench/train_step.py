@@ -251,7 +251,7 @@ def make_trainer(mode: str, seq: int, args) -> Trainer:
         "data": {"kind": "synthetic", "seq_len": seq, "batch_size": args.batch, "seed": 0,
                  "mean_doc_len": args.doc_len or seq * 100},
         "mesh": "data=1",
-        "optim": {"lr": 1e-4, "mtp_weights": 0.3, "grad_accum": 1},
+        "optim": {"lr": 1e-4, "mtp_weights": 0.3, "grad_accum": 1, "mu_dtype": args.mu_dtype},
         "schedule": {"kind": "constant", "warmup_steps": 1},
         "msa": {"kl_coeff": args.kl_coeff},
         "checkpoint": {"every": 0},
@@ -277,7 +277,7 @@ def bench_one(mode: str, seq: int, args) -> dict:
     row = {"mode": mode, "seq_len": seq, "batch": args.batch, "params_total": counts["total"],
            "params_active": counts["active"], "matmul_params_per_token": matmul_params_per_token(cfg),
            "remat": args.remat, "kl_coeff": args.kl_coeff, "vocab_size": cfg.vocab_size,
-           "logits_chunk": args.logits_chunk}
+           "logits_chunk": args.logits_chunk, "mu_dtype": args.mu_dtype}
     abstract = args.compile_only or args.lower_for
     if abstract:                                      # shapes only: nothing is allocated
         state = tr.abstract_state(step_phase)
@@ -400,6 +400,8 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=0, help="vocabulary size (0 = the model's: 32768, tiny 512)")
     p.add_argument("--logits-chunk", type=int, default=0,
                    help="tokens per lm-head + cross-entropy slice (run.logits_chunk; 0 = whole logits)")
+    p.add_argument("--mu-dtype", default=None, choices=["float32", "bfloat16"],
+                   help="optim.mu_dtype: Adam first-moment dtype (default: the parameters')")
     p.add_argument("--kl-coeff", type=float, default=1.0, help="MSA indexer KL weight (0 = no KL)")
     p.add_argument("--peak-tflops", type=float, default=None, help="per-device peak (default: table by device)")
     p.add_argument("--attention-impl", default="auto", help="ModelConfig.attention_impl")

@@ -58,6 +58,7 @@ def test_unknown_yaml_key_rejected(tmp_path):
     ("optim", "grad_accum", 3, "divisible by optim.grad_accum"),
     ("optim", "b2", 1.5, "optim.b2"),
     ("optim", "freeze", ["("], "not a valid regex"),
+    ("optim", "mu_dtype", "float16", "optim.mu_dtype"),
     ("schedule", "kind", "linear", "schedule.kind"),
     ("run", "remat", "some", "run.remat"),
     ("run", "compute_dtype", "int8", "run.compute_dtype"),

@@ -64,6 +64,10 @@ class OptimConfig:
         ``aux["moe_aux_loss"]`` (e.g. ``minimax_jax.ops.moe.load_balancing_loss`` summed over layers).
       freeze: regexes over '/'-joined param paths (e.g. ``segments/0/attn/.*``); matching leaves
         are not trained. ``router_bias`` is never trained by the optimizer regardless.
+      mu_dtype: dtype of Adam's first moment (``optax.adamw(mu_dtype=)``): null = the parameters'
+        dtype, or ``bfloat16`` to halve its memory and traffic (the second moment stays float32: its
+        small values underflow in bf16). On the 1.9B-parameter bench model the optimizer update is
+        ~9 ms of a 156 ms step (BENCHMARKS.md, training step run 12).
     """
 
     lr: float = 3e-4
@@ -78,6 +82,7 @@ class OptimConfig:
     router_bias_rate: float = 1e-3
     aux_loss: float = 0.0
     freeze: tuple[str, ...] = ()
+    mu_dtype: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -387,6 +392,8 @@ def validate(tc: TrainConfig) -> None:
         v = getattr(o, n)
         _check(_is_num(v) and v >= 0, f"optim.{n} must be a number >= 0, got {v!r}")
     _check(_is_int(o.grad_accum) and o.grad_accum >= 1, f"optim.grad_accum must be an int >= 1, got {o.grad_accum!r}")
+    _check(o.mu_dtype in (None, "float32", "bfloat16"),
+           f"optim.mu_dtype must be null, float32 or bfloat16, got {o.mu_dtype!r}")
     w = o.mtp_weights
     ws = [w] if not isinstance(w, (list, tuple)) else list(w)
     _check(all(_is_num(x) and x >= 0 for x in ws), f"optim.mtp_weights must be numbers >= 0, got {w!r}")

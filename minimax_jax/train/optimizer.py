@@ -21,6 +21,7 @@ import re
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from minimax_jax.train.config import TrainConfig
@@ -126,6 +127,7 @@ def make_optimizer(tc: TrainConfig, params_like: Any, phase: str = PHASE_MAIN) -
     if o.clip_norm > 0:
         parts.append(optax.clip_by_global_norm(float(o.clip_norm)))
     parts.append(optax.adamw(schedule, b1=float(o.b1), b2=float(o.b2), eps=float(o.eps),
+                             mu_dtype=None if o.mu_dtype is None else jnp.dtype(o.mu_dtype),
                              weight_decay=float(o.weight_decay), mask=decay_mask))
     labels = jax.tree.map(lambda t: "train" if t else "frozen", train)
     tx = optax.multi_transform({"train": optax.chain(*parts), "frozen": optax.set_to_zero()}, labels)
