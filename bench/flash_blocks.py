@@ -9,9 +9,10 @@ candidate ``BlockSizes`` (backward tiles; the fused backward needs ``block_q_dq 
 and ``num_warps``, on causal packed GQA attention of the bench model's shape (B=1, T=8192, 16 query
 / 4 kv heads of 128, two documents per row) this script:
 
-1. checks outputs and q/k/v gradients against the library-default configuration (bf16 inputs,
-   relative Frobenius error < 2e-2; the default itself is checked against the XLA reference path
-   ``attention(implementation="xla")``) -- a failing candidate is reported and not timed;
+1. checks outputs and q/k/v gradients against the library-default configuration and against the
+   XLA reference path ``attention(implementation="xla")`` (bf16 inputs, relative Frobenius error
+   < 2e-2 each; on the H200 the tilings agreed with the default bit for bit, 4.9e-3 from XLA) -- a
+   failing candidate is reported and not timed;
 2. times forward and forward+backward (median of ``--reps`` calls, ``block_until_ready``) and
    reports TFLOP/s (causal FLOPs: 4 * T^2/2 * H * D forward, 2.5x that for the backward);
 3. times cuDNN's fused attention (``jax.nn.dot_product_attention(implementation="cudnn")``, causal,
@@ -103,7 +104,8 @@ def main(argv=None) -> int:
         return attention(q, k, v, q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg,
                          implementation="xla")
     xo, xvjp = jax.vjp(jax.jit(xla), q, k, v)
-    xla_err = max(_rel(r, x) for r, x in zip(ref, (xo, *xvjp(do))))
+    xref = (xo, *xvjp(do))
+    xla_err = max(_rel(r, x) for r, x in zip(ref, xref))
     print(f"default config vs XLA reference: max relative error {xla_err:.2e}", flush=True)
     for c in cands:
         blocks = None if c is None else c
@@ -113,7 +115,10 @@ def main(argv=None) -> int:
             f, fb = make(blocks)
             got = fb(q, k, v)
             row["max_rel_err"] = max(_rel(g, r) for g, r in zip(got, ref))
-            row["ok"] = row["max_rel_err"] < 2e-2
+            # Tilings can agree bit for bit (the kernels accumulate in the same order), so each is also
+            # compared with the independent XLA path.
+            row["max_rel_err_vs_xla"] = max(_rel(g, x) for g, x in zip(got, xref))
+            row["ok"] = row["max_rel_err"] < 2e-2 and row["max_rel_err_vs_xla"] < 2e-2
             if row["ok"]:
                 row["fwd_ms"] = 1e3 * _time(f, q, k, v, reps=a.reps)
                 row["fwdbwd_ms"] = 1e3 * _time(fb, q, k, v, reps=a.reps)
@@ -146,10 +151,11 @@ def main(argv=None) -> int:
             "head_dim": d, "default_vs_xla_max_rel_err": xla_err, "rows": rows}
     with open(os.path.join(a.out, "flash_blocks.json"), "w") as f:
         json.dump(info, f, indent=1)
-    print(f"\n{'config':44s} {'err':>8s} {'fwd ms':>8s} {'TF/s':>6s} {'f+b ms':>8s} {'TF/s':>6s}")
+    print(f"\n{'config':44s} {'err':>8s} {'vs xla':>8s} {'fwd ms':>8s} {'TF/s':>6s} {'f+b ms':>8s} {'TF/s':>6s}")
     for r in rows:
         if r.get("ok"):
-            print(f"{r['config']:44s} {r.get('max_rel_err', 0):8.1e} {r['fwd_ms']:8.3f} {r['fwd_tflops']:6.0f} "
+            print(f"{r['config']:44s} {r.get('max_rel_err', 0):8.1e} {r.get('max_rel_err_vs_xla', 0):8.1e} "
+                  f"{r['fwd_ms']:8.3f} {r['fwd_tflops']:6.0f} "
                   f"{r['fwdbwd_ms']:8.3f} {r['fwdbwd_tflops']:6.0f}")
         else:
             print(f"{r['config']:44s} FAILED {r.get('error', '')[:80]} {r.get('max_rel_err', '')}")

@@ -26,11 +26,16 @@ import sys
 
 
 def newest_trace(profile_dir: str) -> str:
-    """Path of the newest ``perfetto_trace.json.gz`` under ``profile_dir``.
+    """Path of the newest ``perfetto_trace.json.gz`` under ``profile_dir`` (or ``profile_dir`` itself
+    when it is a trace file).
 
     Raises:
-      FileNotFoundError: none found.
+      FileNotFoundError: the path does not exist, or no trace is under it.
     """
+    if os.path.isfile(profile_dir):
+        return profile_dir
+    if not os.path.isdir(profile_dir):
+        raise FileNotFoundError(f"{profile_dir} does not exist")
     paths = glob.glob(os.path.join(profile_dir, "**", "perfetto_trace.json.gz"), recursive=True)
     if not paths:
         raise FileNotFoundError(f"no perfetto_trace.json.gz under {profile_dir} (was the trace taken with "
@@ -98,15 +103,23 @@ def format_summary(rows: list[dict], max_lines: int = 4) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("profile_dir")
-    p.add_argument("--top", type=int, default=25)
+    p.add_argument("profile_dir", help="the folder given to jax.profiler.trace, or a perfetto_trace.json.gz")
+    p.add_argument("--top", type=int, default=25, help="names listed per line (by total time)")
     p.add_argument("--steps", type=int, default=1, help="profiled steps (times are divided by it)")
     p.add_argument("--all-processes", action="store_true", help="include host (CPU) processes")
     a = p.parse_args(argv)
-    path = newest_trace(a.profile_dir)
-    rows = summarize(load_events(path), a.top, a.steps, device_only=not a.all_processes)
+    if a.steps < 1 or a.top < 1:
+        p.error("--steps and --top must be >= 1")
+    try:
+        path = newest_trace(a.profile_dir)
+        events = load_events(path)
+    except (OSError, ValueError) as e:      # missing / unreadable / not JSON
+        print(f"trace_summary: {e}", file=sys.stderr)
+        return 2
+    rows = summarize(events, a.top, a.steps, device_only=not a.all_processes)
     print(f"{path}")
-    print(format_summary(rows) if rows else "no device events in the trace")
+    print(format_summary(rows) if rows else
+          "no device events in the trace (a CPU run has none: --all-processes lists the host's lines)")
     return 0
 
 

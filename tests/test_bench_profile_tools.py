@@ -46,6 +46,10 @@ def test_sums_per_line_divided_by_steps():
 def test_reads_the_newest_gzipped_trace_and_names_a_missing_one(tmp_path, capsys):
     with pytest.raises(FileNotFoundError, match="create_perfetto_trace"):
         ts.newest_trace(str(tmp_path))
+    assert ts.main([str(tmp_path / "nowhere")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ts.main([str(tmp_path), "--steps", "0"])
     d = tmp_path / "plugins" / "profile" / "run1"
     d.mkdir(parents=True)
     with gzip.open(d / "perfetto_trace.json.gz", "wt") as f:
@@ -53,6 +57,8 @@ def test_reads_the_newest_gzipped_trace_and_names_a_missing_one(tmp_path, capsys
     assert ts.main([str(tmp_path), "--steps", "2"]) == 0
     out = capsys.readouterr().out
     assert "Stream #14(Compute): busy 5.00 ms" in out
+    assert ts.main([str(d / "perfetto_trace.json.gz")]) == 0            # the file itself
+    assert "flash_bwd" in capsys.readouterr().out
 
 
 def test_cli_on_a_real_cpu_trace(tmp_path):
@@ -75,3 +81,4 @@ def test_flash_blocks_bench_tiny(tmp_path):
     info = json.load(open(tmp_path / "flash_blocks.json"))
     assert info["default_vs_xla_max_rel_err"] < 2e-2
     assert len(info["rows"]) == 2 and all(row["ok"] and row["fwdbwd_ms"] > 0 for row in info["rows"])
+    assert all(0 < row["max_rel_err_vs_xla"] < 2e-2 for row in info["rows"])

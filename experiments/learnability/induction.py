@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import jax
@@ -29,6 +30,8 @@ import yaml
 from minimax_jax.config import ModelConfig
 from minimax_jax.model.params import init_params
 from minimax_jax.model.transformer import forward
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def token_nll(params, cfg, toks):
@@ -90,13 +93,20 @@ def train_copy(steps: int, overrides: dict, seq: int = 48, batch: int = 32, lr: 
     """Train the shrunk demo config on repeated random sequences; returns the repeat NLL logged every
     ``log_every`` steps (the model config starts from configs/demo-m3.yaml cut to 2 dense
     full-attention layers, vocab 512, fp32, then ``overrides``)."""
-    base = yaml.safe_load(open("configs/demo-m3.yaml"))["model"]
+    base = yaml.safe_load(open(os.path.join(ROOT, "configs", "demo-m3.yaml")))["model"]
     if offset not in ("fixed", "random"):
         raise ValueError(f"offset must be fixed or random, got {offset!r}")
+    if offset == "random" and seq < 10:
+        raise ValueError(f"--offset random hides spans of 10 to seq tokens: seq must be >= 10, got {seq}")
     base.update(num_layers=layers, layer_types=["full"] * layers, mlp_types=["dense"] * layers, num_mtp_modules=0,
                 vocab_size=512, dtype="float32")
+    unknown = sorted(set(overrides) - set(ModelConfig.__dataclass_fields__))
+    if unknown:
+        raise ValueError(f"--set: unknown model config keys {unknown}")
     base.update(overrides)
     cfg = ModelConfig(**base)
+    if cfg.vocab_size <= 4:
+        raise ValueError(f"vocab_size must be > 4 (ids 0-2 are special), got {cfg.vocab_size}")
     params = init_params(cfg, jax.random.PRNGKey(0))
     opt = make_optimizer(optimizer, lr, steps)
     state = opt.init(params)
@@ -127,7 +137,8 @@ def main() -> None:
     r = sub.add_parser("repeat")
     r.add_argument("--checkpoint", default="checkpoints/demo")
     t = sub.add_parser("train")
-    t.add_argument("--steps", type=int, default=400)
+    t.add_argument("--steps", type=int, default=400, help="the loss is logged after updates 0, log_every, ..., "
+                   "steps (steps + 1 updates)")
     t.add_argument("--set", action="append", default=[], help="model config override key=value")
     t.add_argument("--lr", type=float, default=3e-3)
     t.add_argument("--optimizer", default="adamw", choices=["adamw", "train"])
@@ -141,6 +152,9 @@ def main() -> None:
         first, second = repeat_check(a.checkpoint)
         print(f"{a.checkpoint}: first copy NLL {first:.3f}, repeat NLL {second:.3f}")
     else:
+        bad = [s for s in a.set if "=" not in s]
+        if bad:
+            ap.error(f"--set needs key=value, got {bad}")
         train_copy(a.steps, {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in a.set)}, seq=a.seq,
                    batch=a.batch, lr=a.lr, optimizer=a.optimizer, log_every=a.log_every, offset=a.offset,
                    layers=a.layers)

@@ -5,6 +5,7 @@
 #   bash experiments/three_way/device.sh all     # both in one call
 #   bash experiments/three_way/device.sh stage1  # `train` up to the end of the curriculum's stage 1
 #   bash experiments/three_way/device.sh stage2  # `train` on the same warm machine, reusing W's stage 1
+# (stage1 / stage2 need CURRICULUM_STEPS > 0, the same in both calls; train_all.sh stops otherwise)
 # Work files stay in W (default /tmp/tw) on the machine between the two calls; the small results
 # (logs, metrics, eval JSON) come back in $OUT as one tar, the MSA checkpoint as <= 15 MiB pieces
 # (join with `cat msa_ckpt.tar.part-* | tar xf -`). Needs the .whl folder carried (grain,

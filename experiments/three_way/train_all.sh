@@ -48,6 +48,11 @@ VOCAB=${VOCAB:-$($PY -c "import yaml; print(yaml.safe_load(open('configs/demo-m3
 export PYTHONUNBUFFERED=1
 mkdir -p "$W" "$OUT"
 log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$OUT/train_all.log"; }
+CURRICULUM_STEPS=${CURRICULUM_STEPS:-0}
+if [ "$CURRICULUM_STEPS" -le 0 ] && { [ "${STOP_AFTER_STAGE1:-0}" = 1 ] || [ "${REUSE_W:-0}" = 1 ]; }; then
+  log "STOP_AFTER_STAGE1 / REUSE_W split the curriculum's two stages: set CURRICULUM_STEPS > 0 (the same in both calls)"
+  exit 2
+fi
 
 ngpu=0
 if command -v nvidia-smi >/dev/null 2>&1; then ngpu=$(nvidia-smi -L | wc -l); fi
@@ -73,7 +78,6 @@ if ! done_before "$W/tok/tokenizer.json"; then
     --max_chars 40000000 --split_digits --out "$W/tok" >> "$OUT/train_all.log" 2>&1 || exit 1
 fi
 
-CURRICULUM_STEPS=${CURRICULUM_STEPS:-0}
 if [ "$CURRICULUM_STEPS" -gt 0 ] && ! done_before "$W/corpus_short/manifest.json"; then
   log "short-document corpus for the curriculum"
   $PY -m minimax_jax.data.corpus --out "$W/corpus_short" --max_mb "${SHORT_MB:-30}" --seed 1 \

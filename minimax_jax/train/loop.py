@@ -263,7 +263,8 @@ def train(tc: TrainConfig, devices: list | None = None) -> dict[str, Any]:
         changes = settings_changes(meta.get("train_config"), tc.to_dict())
         if changes:
             writer.message("warning: resuming with training settings that differ from the checkpoint's "
-                           f"(the data iterator and optimizer state continue as saved): {'; '.join(changes)}")
+                           f"(the data iterator and the optimizer state continue from the checkpoint, its moments "
+                           f"cast to this run's optim.mu_dtype / parameter dtypes): {'; '.join(changes)}")
     peak = peak_flops_per_device(tr.mesh.devices.flat[0].device_kind, tc.run.peak_tflops)
     sig = _Sigterm(tc.checkpoint.save_on_sigterm)
     status, metrics, done_here = "completed", {}, 0
