@@ -55,6 +55,8 @@ flags.DEFINE_multi_string("set", [], "Override one key: section.key=value (YAML 
 flags.DEFINE_bool("distributed", False, "Call minimax_jax.distributed.initialize() first (multi-host runs).")
 flags.DEFINE_bool("prepare_data", None, "Build the offline corpus / tokenizer the data section names when they "
                   "are missing (minimax_jax.train.prepare). Default: on without --config (the demo), else off.")
+flags.DEFINE_float("prepare_max_mb", 64.0, "With --prepare_data: MB of text in the offline corpus it builds "
+                   "(a CPU try-out can use a few MB).", lower_bound=0.01)
 flags.DEFINE_bool("check_only", False, "Validate the config against the model and devices, print it, and exit "
                                        "without creating parameters or compiling.")
 
@@ -114,7 +116,7 @@ def main(argv):
         cfg, _ = model_configs(tc)
         validate_against(tc, cfg, jax.device_count(), jax.process_count())  # fail before building data
         if prepare:
-            prepare_data(tc, cfg.vocab_size)
+            prepare_data(tc, cfg.vocab_size, max_mb=FLAGS.prepare_max_mb)
         elif missing_data(tc):
             raise MissingDataError(f"{'; '.join(missing_data(tc))} not found: {BUILD_HINT}")
         from minimax_jax.train import train
