@@ -117,8 +117,8 @@ def main(argv):
         validate_against(tc, cfg, jax.device_count(), jax.process_count())  # fail before building data
         if prepare:
             prepare_data(tc, cfg.vocab_size, max_mb=FLAGS.prepare_max_mb)
-        elif missing_data(tc):
-            raise MissingDataError(f"{'; '.join(missing_data(tc))} not found: {BUILD_HINT}")
+        elif missing := missing_data(tc):
+            raise MissingDataError(f"{'; '.join(missing)} not found: {BUILD_HINT}")
         from minimax_jax.train import train
 
         out = train(tc)
