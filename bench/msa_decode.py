@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -110,6 +111,67 @@ def check(impl, rng, interpret=False):
     return res
 
 
+# ----------------------------------------------------------------------------- scoring-kernel sweep
+
+def score_candidates():
+    """Launch configs of the scoring kernel to sweep (``pallas_kernels.decode.gpu._score_launch`` keys)."""
+    c = [dict(num_warps=4, num_stages=st, unroll=u) for u in (1, 2, 4) for st in (2, 3, 4)]
+    c += [dict(num_warps=8, num_stages=3, unroll=u) for u in (2, 4)]
+    c += [dict(num_warps=4, num_stages=3, unroll=2, ppp=p) for p in (8, 16, 64, 128)]
+    return c
+
+
+def sweep_scores(cases, min_steps, l2_bytes=200 * 1024 * 1024):
+    """Time the page-scoring kernel for each candidate config, bf16 and fp8 index keys, at each
+    (batch, context) of ``cases``; returns (rows, best {"bf16", "fp8"} -> config dict). The best config
+    minimises the geometric mean over the cases of time / time of the current default."""
+    from pallas_kernels.decode import gpu
+    rows, best = [], {}
+    for b, ctx in cases:
+        npg = ctx // PAGE
+        reps = max(1, min(12, -(-l2_bytes // (b * ctx * DI * 2))))
+        steps = max(reps, min_steps)
+        p = reps * b * npg + 1
+        kib = fill((p, PAGE, DI), 3, jnp.bfloat16)
+        ki8, ks8 = jax.jit(lambda x: quantize(x, "float8_e4m3fn"))(kib)
+        rng = np.random.default_rng(b * 7 + ctx)
+        tables = jnp.asarray(rng.permutation(np.arange(1, p)).reshape(reps, b, npg), jnp.int32)
+        qi = jax.random.normal(jax.random.PRNGKey(ctx + b), (steps, b, 1, G, DI), jnp.bfloat16)
+        pos = jnp.full((b, 1), ctx - 1, jnp.int32)
+        for label, ki, ks, nbytes in (("bf16", kib, None, b * ctx * DI * 2), ("fp8", ki8, ks8, b * ctx * (DI + 4))):
+            for cfg in [None] + score_candidates():
+                def run(qi, ki, ks, tables, cfg=cfg):
+                    acc = jnp.zeros((), jnp.float32)
+                    for r in range(steps):
+                        sc = gpu.page_scores_gpu(qi[r], ki, tables[r % reps], pos, ks, **(cfg or {}))
+                        acc = acc + sc[0, 0, 0, 0]
+                    return acc
+                row = dict(batch=b, context=ctx, keys=label, config="default" if cfg is None else cfg)
+                try:
+                    t, n = timeit(jax.jit(run), qi, ki, ks, tables, budget_s=0.3)
+                    row.update(ms=t / steps * 1e3, gbps=nbytes / (t / steps) / 1e9)
+                except Exception as e:  # a config that does not compile: record it, go on
+                    row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        del kib, ki8, ks8
+    for label in ("bf16", "fp8"):
+        base = {(r["batch"], r["context"]): r["ms"] for r in rows
+                if r["keys"] == label and r["config"] == "default" and "ms" in r}
+        score = {}
+        for r in rows:
+            if r["keys"] != label or r["config"] == "default" or "ms" not in r or (r["batch"], r["context"]) not in base:
+                continue
+            key = json.dumps(r["config"], sort_keys=True)
+            score.setdefault(key, []).append(math.log(r["ms"] / base[(r["batch"], r["context"])]))
+        full = {k: v for k, v in score.items() if len(v) == len(base)}
+        if full:
+            k = min(full, key=lambda k: sum(full[k]))
+            if sum(full[k]) < 0:
+                best[label] = dict(json.loads(k), gain=float(math.exp(-sum(full[k]) / len(full[k]))))
+    return rows, best
+
+
 # ----------------------------------------------------------------------------- timing
 
 def bench_one(b, ctx, min_steps, impl, l2_bytes=200 * 1024 * 1024, dry=False):
@@ -191,6 +253,9 @@ def main():
     ap.add_argument("--steps", type=int, default=4, help="minimum decode steps per timed call")
     ap.add_argument("--contexts", default="32768,131072,1048576")
     ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--sweep-scores", default="",
+                    help="batch x context cases, e.g. 32x1048576,1x1048576: sweep the scoring kernel's launch "
+                         "configs there first and time the table with the best (bf16 and fp8 separately)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     rng = np.random.default_rng(int(time.time()))
@@ -222,6 +287,21 @@ def main():
             json.dump(out, f, indent=1)
         print("no kernel variant passed the check; not timing")
         return
+    if a.sweep_scores and impl == "pallas_gpu":
+        from pallas_kernels.decode import gpu
+        cases = [tuple(int(v) for v in c.split("x")) for c in a.sweep_scores.split(",")]
+        sweep_rows, best = sweep_scores(cases, a.steps)
+        out["score_sweep"] = {"rows": sweep_rows, "best": best, "default": dict(gpu.CONFIG)}
+        for label, cfg in best.items():
+            cfg = {k: v for k, v in cfg.items() if k != "gain"}
+            keys = {("score_" + k.replace("num_", "")): v for k, v in cfg.items()}
+            if label == "bf16":
+                gpu.CONFIG.update(keys)
+            else:
+                gpu.CONFIG["score_fp8"] = {k: v for k, v in cfg.items()}
+        print("score sweep best:", json.dumps(best), "-> CONFIG", json.dumps(gpu.CONFIG), flush=True)
+        out["check_tuned"] = check(impl, rng)
+        print("check with the tuned configs:", json.dumps(out["check_tuned"]), flush=True)
     out["implementations"] = implementation_report()
     out["hbm_copy_gbps"] = hbm_copy_bandwidth(64 << 20 if a.smoke else 4 * GIB) / 1e9
     print(f"HBM copy (x+1 bf16, read+write): {out['hbm_copy_gbps']:.0f} GB/s", flush=True)

@@ -40,7 +40,10 @@ _NEG = -1e30
 
 # Launch variant used when a call passes None. "loop": "dynamic" = data-dependent trip counts
 # (pages past the end are never read), "static" = fixed trip counts with clamped, masked slots.
-CONFIG = {"loop": "dynamic", "score_warps": 4, "score_stages": 3, "attn_warps": 4, "attn_stages": 2}
+# "score_unroll": pages per loop iteration of the scoring kernel; "score_ppp": pages per program (None =
+# sized to fill the GPU); "score_fp8": overrides of the score_* entries for 1-byte (fp8) index keys.
+CONFIG = {"loop": "dynamic", "score_warps": 4, "score_stages": 3, "score_unroll": 1, "score_ppp": None,
+          "score_fp8": {}, "attn_warps": 4, "attn_stages": 2}
 
 
 def _precision(a):
@@ -61,7 +64,7 @@ def _dot(a, b):
 
 # ----------------------------------------------------------------------------- page scores
 
-def _score_kernel(pt_ref, n_ref, qi_ref, ki_ref, *rest, page, ppp, scale, has_scale, cdt, loop):
+def _score_kernel(pt_ref, n_ref, qi_ref, ki_ref, *rest, page, ppp, unroll, scale, has_scale, cdt, loop):
     if has_scale:
         ks_ref, o_ref = rest
     else:
@@ -70,34 +73,45 @@ def _score_kernel(pt_ref, n_ref, qi_ref, ki_ref, *rest, page, ppp, scale, has_sc
     c = pl.program_id(1)
     qi = qi_ref[b]                                           # [R, Di]
     n_pages = n_ref[b]
+    last = jnp.maximum(n_pages - 1, 0)
 
     def body(j, carry):
-        p = c * ppp + j
-        pc = p if loop == "dynamic" else jnp.clip(p, 0, jnp.maximum(n_pages - 1, 0))
-        start = pt_ref[b, pc] * page
-        kb = ki_ref[pl.ds(start, page), :].astype(cdt)       # [page, Di]
-        s = _dot_t(qi, kb)                                   # [R, page]
-        if has_scale:
-            s = s * ks_ref[pl.ds(start, page)][None, :]
-        o_ref[b, :, p] = jnp.max(s, axis=1) * scale
+        # ``unroll`` pages per iteration: independent loads in flight (page ids are data-dependent,
+        # so Triton's software pipelining alone keeps few bytes in flight per program). Slots past
+        # n_pages re-read the last needed page (never an unallocated page id); their scores are junk.
+        for u in range(unroll):
+            p = c * ppp + j * unroll + u
+            pc = jnp.minimum(p, last) if (unroll > 1 or loop != "dynamic") else p
+            start = pt_ref[b, pc] * page
+            kb = ki_ref[pl.ds(start, page), :].astype(cdt)   # [page, Di]
+            s = _dot_t(qi, kb)                               # [R, page]
+            if has_scale:
+                s = s * ks_ref[pl.ds(start, page)][None, :]
+            o_ref[b, :, p] = jnp.max(s, axis=1) * scale
         return carry
 
-    # Dynamic trip count (lowered to scf.for, software-pipelined): pages past n_pages are never read.
+    # Dynamic trip count (lowered to scf.for, software-pipelined): pages past n_pages are never read
+    # (up to unroll - 1 clamped slots in the last iteration).
     # ("static": a fixed ppp-step loop re-reading the last needed page; outputs past n_pages are junk.)
-    n_iter = jnp.clip(n_pages - c * ppp, 0, ppp) if loop == "dynamic" else ppp
+    steps = ppp // unroll
+    n_iter = (jnp.clip(n_pages - c * ppp, 0, ppp) + unroll - 1) // unroll if loop == "dynamic" else steps
     jax.lax.fori_loop(jnp.int32(0), jnp.asarray(n_iter, jnp.int32), body, 0)
 
 
 def _page_scores_raw(qi, ki_pages, page_table, q_positions, ki_scale, *, interpret, ppp, num_warps, num_stages,
-                     loop):
+                     loop, unroll=1):
     """Raw page scores ``[B, R, W]`` float32, row ``q * Hi + h`` (max over each page's tokens of ``<qi, ki>/sqrt(Di)``).
 
     Only pages ``< max_i(pos_i // page)`` of each request are computed; the others hold garbage and
     must be masked by the caller (``select_from_page_scores`` does).
     Args: qi ``[B, Q, Hi, Di]``; ki_pages ``[P, page, Di]``; page_table ``[B, NP]`` int32;
       q_positions ``[B, Q]`` int32; ki_scale ``[P, page]`` f32 or None; ppp: pages per program;
-      num_warps / num_stages / loop ("dynamic" | "static"): launch variant, None = ``CONFIG``.
+      num_warps / num_stages / loop ("dynamic" | "static"): launch variant, None = ``CONFIG``;
+      unroll: pages scored per loop iteration (a power of two; ppp is raised to at least unroll).
+    Raises ValueError for an unroll that is not a power of two >= 1.
     """
+    if unroll < 1 or unroll & (unroll - 1):
+        raise ValueError(f"unroll must be a power of two >= 1, got {unroll}")
     b, nq, hi, di = qi.shape
     n_phys, page, _ = ki_pages.shape
     npg = page_table.shape[1]
@@ -107,12 +121,15 @@ def _page_scores_raw(qi, ki_pages, page_table, q_positions, ki_scale, *, interpr
     n_score = jnp.clip(jnp.max(q_positions, axis=1) // page, 0, npg).astype(jnp.int32)
     if ppp is None:
         ppp = _pages_per_program(b * npg, 264, 32)
+    ppp = max(ppp, unroll)
+    if ppp % unroll:
+        raise ValueError(f"ppp ({ppp}) must be a multiple of unroll ({unroll})")
     nchunk = -(-npg // ppp)
     width = next_pow2(nchunk * ppp)
     args = [page_table.astype(jnp.int32), n_score, q2, ki_pages.reshape(n_phys * page, di)]
     if ki_scale is not None:
         args.append(ki_scale.reshape(n_phys * page).astype(jnp.float32))
-    kernel = functools.partial(_score_kernel, page=page, ppp=ppp, scale=1.0 / math.sqrt(di),
+    kernel = functools.partial(_score_kernel, page=page, ppp=ppp, unroll=unroll, scale=1.0 / math.sqrt(di),
                                has_scale=ki_scale is not None, cdt=cdt, loop=loop)
     return pl.pallas_call(
         kernel, grid=(b, nchunk),
@@ -136,11 +153,12 @@ def _unpack_scores(raw, nq, hi, npg):
     return raw[:, : nq * hi, :npg].reshape(b, nq, hi, npg).transpose(0, 2, 1, 3)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "ppp", "num_warps", "num_stages", "loop"))
-def _page_scores(qi, ki_pages, page_table, q_positions, ki_scale, *, interpret, ppp, num_warps, num_stages, loop):
+@functools.partial(jax.jit, static_argnames=("interpret", "ppp", "num_warps", "num_stages", "loop", "unroll"))
+def _page_scores(qi, ki_pages, page_table, q_positions, ki_scale, *, interpret, ppp, num_warps, num_stages, loop,
+                 unroll):
     """Raw page scores ``[B, Hi, Q, NP]`` float32 (see ``_page_scores_raw``)."""
     raw = _page_scores_raw(qi, ki_pages, page_table, q_positions, ki_scale, interpret=interpret, ppp=ppp,
-                           num_warps=num_warps, num_stages=num_stages, loop=loop)
+                           num_warps=num_warps, num_stages=num_stages, loop=loop, unroll=unroll)
     return _unpack_scores(raw, qi.shape[1], qi.shape[2], page_table.shape[1])
 
 
@@ -171,12 +189,12 @@ def _select_kernel(sc_ref, pos_ref, o_ref, *, page, topk, init_blocks, local_blo
 
 
 @functools.partial(jax.jit, static_argnames=("page", "topk", "init_blocks", "local_blocks", "interpret",
-                                             "ppp", "num_warps", "num_stages", "loop"))
+                                             "ppp", "num_warps", "num_stages", "loop", "unroll"))
 def _select(qi, ki_pages, page_table, q_positions, ki_scale, *, page, topk, init_blocks, local_blocks,
-            interpret, ppp, num_warps, num_stages, loop):
+            interpret, ppp, num_warps, num_stages, loop, unroll):
     b, nq, hi, _ = qi.shape
     raw = _page_scores_raw(qi, ki_pages, page_table, q_positions, ki_scale, interpret=interpret, ppp=ppp,
-                           num_warps=num_warps, num_stages=num_stages, loop=loop)   # [B, R, W]
+                           num_warps=num_warps, num_stages=num_stages, loop=loop, unroll=unroll)   # [B, R, W]
     r, width = raw.shape[1], raw.shape[2]
     pos = pad_rows(jnp.repeat(q_positions, hi, axis=1), 1, r, -1).astype(jnp.int32)  # row = q * hi + h
     kernel = functools.partial(_select_kernel, page=page, topk=topk, init_blocks=init_blocks,
@@ -302,12 +320,23 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_sc
     return o.astype(q.dtype), lse
 
 
+def _score_launch(ki_dtype, ppp, num_warps, num_stages, loop, unroll):
+    """Launch parameters of the scoring kernel: explicit values, else ``CONFIG`` (``score_fp8`` entries
+    override the others for 1-byte index keys)."""
+    cfg = {"ppp": CONFIG.get("score_ppp"), "num_warps": CONFIG["score_warps"],
+           "num_stages": CONFIG["score_stages"], "loop": CONFIG["loop"], "unroll": CONFIG.get("score_unroll", 1)}
+    if jnp.dtype(ki_dtype).itemsize == 1:
+        cfg.update(CONFIG.get("score_fp8", {}))
+    given = {"ppp": ppp, "num_warps": num_warps, "num_stages": num_stages, "loop": loop, "unroll": unroll}
+    cfg.update({k: v for k, v in given.items() if v is not None})
+    return cfg
+
+
 def page_scores_gpu(qi, ki_pages, page_table, q_positions, ki_scale=None, *, interpret=False, ppp=None,
-                    num_warps=None, num_stages=None, loop=None):
+                    num_warps=None, num_stages=None, loop=None, unroll=None):
     """See ``_page_scores``; launch parameters left as None come from ``CONFIG``."""
-    return _page_scores(qi, ki_pages, page_table, q_positions, ki_scale, interpret=interpret, ppp=ppp,
-                        num_warps=num_warps or CONFIG["score_warps"], num_stages=num_stages or CONFIG["score_stages"],
-                        loop=loop or CONFIG["loop"])
+    return _page_scores(qi, ki_pages, page_table, q_positions, ki_scale, interpret=interpret,
+                        **_score_launch(ki_pages.dtype, ppp, num_warps, num_stages, loop, unroll))
 
 
 def paged_attention_gpu(q, k_pages, v_pages, page_table, q_positions, k_scale=None, v_scale=None, block_ids=None,
@@ -320,7 +349,7 @@ def paged_attention_gpu(q, k_pages, v_pages, page_table, q_positions, k_scale=No
 
 
 def select_pages_gpu(qi, ki_pages, page_table, q_positions, ki_scale=None, *, topk, init_blocks=0, local_blocks=1,
-                     interpret=False, ppp=None, num_warps=None, num_stages=None, loop=None):
+                     interpret=False, ppp=None, num_warps=None, num_stages=None, loop=None, unroll=None):
     """Page scoring plus in-kernel top-(K-1) selection: logical page ids ``[B, Hi, Q, K]`` int32.
 
     Same sets and order as ``minimax_jax.decode.ops.select_from_page_scores`` (forced pages first in
@@ -329,6 +358,5 @@ def select_pages_gpu(qi, ki_pages, page_table, q_positions, ki_scale=None, *, to
     page scores in registers and extracts the maximum ``K - 1`` times (no sort).
     """
     return _select(qi, ki_pages, page_table, q_positions, ki_scale, page=ki_pages.shape[1], topk=topk,
-                   init_blocks=init_blocks, local_blocks=local_blocks, interpret=interpret, ppp=ppp,
-                   num_warps=num_warps or CONFIG["score_warps"], num_stages=num_stages or CONFIG["score_stages"],
-                   loop=loop or CONFIG["loop"])
+                   init_blocks=init_blocks, local_blocks=local_blocks, interpret=interpret,
+                   **_score_launch(ki_pages.dtype, ppp, num_warps, num_stages, loop, unroll))

@@ -93,24 +93,27 @@ class TileConfig:
 DEFAULT_CONFIG = TileConfig(128, 64, 256, 8, 3)
 DEFAULT_TGMM_CONFIG = TileConfig(32, 128, 128, 4, 4)
 
-#: gmm / transposed-gmm candidates for a sweep (shared memory per stage <= 64 KiB in bf16).
+#: gmm / transposed-gmm candidates for a sweep (shared memory per stage <= 64 KiB in bf16). Session 5's
+#: sweep (BENCHMARKS.md run 10) put every 128-column tile 15-30% behind 128x64x256w8s3, so these vary
+#: around it: deeper pipelines, 64-row tiles (half the group-tail padding at ~256 rows per expert),
+#: 16 warps for the larger accumulators.
 CANDIDATES = (
-    TileConfig(128, 64, 128, 4, 4),
-    TileConfig(128, 64, 128, 8, 4),
     TileConfig(128, 64, 256, 8, 3),
-    TileConfig(128, 128, 128, 8, 3),
-    TileConfig(256, 64, 128, 8, 3),
-    TileConfig(64, 64, 128, 4, 4),
-    TileConfig(64, 128, 128, 4, 3),
+    TileConfig(128, 64, 256, 8, 4),
+    TileConfig(64, 64, 256, 4, 4),
+    TileConfig(64, 64, 256, 8, 4),
+    TileConfig(128, 32, 256, 8, 5),
+    TileConfig(128, 64, 256, 16, 3),
+    TileConfig(256, 64, 256, 16, 3),
 )
-#: tgmm candidates (output tile bk x bn, bm rows per step).
+#: tgmm candidates (output tile bk x bn, bm rows per step); run 10's best was 32x128x128w4s4.
 TGMM_CANDIDATES = (
-    TileConfig(64, 128, 128, 4, 4),
-    TileConfig(64, 128, 128, 8, 3),
     TileConfig(32, 128, 128, 4, 4),
-    TileConfig(64, 128, 256, 8, 3),
-    TileConfig(128, 128, 128, 8, 3),
-    TileConfig(64, 64, 128, 4, 4),
+    TileConfig(32, 128, 128, 8, 4),
+    TileConfig(32, 128, 256, 8, 3),
+    TileConfig(16, 128, 128, 4, 4),
+    TileConfig(32, 256, 128, 8, 3),
+    TileConfig(64, 128, 128, 8, 3),
 )
 
 _defaults = {"fwd": DEFAULT_CONFIG, "dlhs": DEFAULT_CONFIG, "tgmm": DEFAULT_TGMM_CONFIG}
