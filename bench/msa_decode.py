@@ -113,11 +113,13 @@ def check(impl, rng, interpret=False):
 
 # ----------------------------------------------------------------------------- scoring-kernel sweep
 
-def score_candidates():
-    """Launch configs of the scoring kernel to sweep (``pallas_kernels.decode.gpu._score_launch`` keys)."""
-    c = [dict(num_warps=4, num_stages=st, unroll=u) for u in (1, 2, 4) for st in (2, 3, 4)]
-    c += [dict(num_warps=8, num_stages=3, unroll=u) for u in (2, 4)]
-    c += [dict(num_warps=4, num_stages=3, unroll=2, ppp=p) for p in (8, 16, 64, 128)]
+def score_candidates(label):
+    """Launch configs of the scoring kernel to sweep (``pallas_kernels.decode.gpu._score_launch`` keys);
+    label "fp8" adds the f16-compute variants. Session 8's first sweep (BENCHMARKS.md): unroll 2 with
+    8 pages per program led; 8 warps and 64-128 pages per program lost."""
+    c = [dict(num_warps=4, num_stages=st, unroll=u, ppp=p) for u in (1, 2, 4) for st in (2, 3) for p in (4, 8, 16)]
+    if label == "fp8":
+        c += [dict(x, f16=True) for x in c]
     return c
 
 
@@ -139,7 +141,7 @@ def sweep_scores(cases, min_steps, l2_bytes=200 * 1024 * 1024):
         qi = jax.random.normal(jax.random.PRNGKey(ctx + b), (steps, b, 1, G, DI), jnp.bfloat16)
         pos = jnp.full((b, 1), ctx - 1, jnp.int32)
         for label, ki, ks, nbytes in (("bf16", kib, None, b * ctx * DI * 2), ("fp8", ki8, ks8, b * ctx * (DI + 4))):
-            for cfg in [None] + score_candidates():
+            for cfg in [None] + score_candidates(label):
                 def run(qi, ki, ks, tables, cfg=cfg):
                     acc = jnp.zeros((), jnp.float32)
                     for r in range(steps):

@@ -40,7 +40,7 @@ def _cuda_text(f, args):
 def test_gpu_kernels_lower_to_triton(dt):
     txt = _cuda_text(lambda *a: select_pages_gpu(*a, topk=K), _index_args(dt))
     assert txt.count("__gpu$xla.gpu.triton") == 2           # scoring + selection kernels
-    txt = _cuda_text(lambda *a: select_pages_gpu(*a, topk=K, unroll=4, num_stages=4), _index_args(dt))
+    txt = _cuda_text(lambda *a: select_pages_gpu(*a, topk=K, unroll=4, num_stages=4, f16=True), _index_args(dt))
     assert txt.count("__gpu$xla.gpu.triton") == 2           # the unrolled scoring variant
     for sparse in (False, True):
         txt = _cuda_text(lambda *a: paged_attention_gpu(*a), _attn_args(dt, sparse))

@@ -112,6 +112,27 @@ def test_default_tiles_and_other_tile_shapes():
             _close(a, b, jnp.float32, f"{what} {cfg.label()}")
 
 
+def test_half_tail_tiles():
+    """half_tail (visits of <= bm/2 rows run a half-height tile) equals the reference, with group sizes
+    chosen so that tails of 1, bm/2 and bm/2 + 1 rows and groups smaller than half a tile all occur."""
+    rng = np.random.default_rng()
+    sizes = np.array([64 + 1, 0, 16, 17, 32 + 16, 5, 64 + 33, 12])     # bm = 32: tails 1, 16, 17, ...
+    m = int(sizes.sum()) + 7
+    lhs = jnp.asarray(rng.normal(size=(m, 48)), jnp.float32)
+    rhs = jnp.asarray(rng.normal(size=(8, 48, 80)) / 7, jnp.float32)
+    cot = jnp.asarray(rng.normal(size=(m, 80)), jnp.float32)
+    gs = jnp.asarray(sizes, jnp.int32)
+    ry, rdlhs, rdrhs = _reference(lhs, rhs, gs, cot)
+    cfg = TileConfig(32, 32, 64, 4, 2, half_tail=True)
+    assert cfg.label().endswith("h")
+    y, dlhs, drhs = _kernel(lhs, rhs, gs, cot, cfg, SMALL_T)
+    for a, b, what in ((y, ry, "y"), (dlhs, rdlhs, "dlhs"), (drhs, rdrhs, "drhs")):
+        _close(a, b, jnp.float32, f"{what} half_tail")
+    assert np.all(np.asarray(y)[int(sizes.sum()):] == 0)
+    with pytest.raises(ValueError, match="half_tail"):
+        TileConfig(16, 32, 64, 4, 2, half_tail=True)
+
+
 def test_all_groups_empty_gives_zeros():
     rng = np.random.default_rng()
     lhs = jnp.asarray(rng.normal(size=(70, 32)), jnp.float32)
@@ -196,12 +217,13 @@ def test_kernels_lower_for_cuda_at_m2_shapes():
     sd = jax.ShapeDtypeStruct
     m, kd, nd, g = 65536, 3072, 3072, 256
 
-    def f(a, b, gs, c):
-        y, vjp = jax.vjp(lambda a, b: gpu_gmm.gmm(a, b, gs), a, b)
-        return y, vjp(c)
-    txt = jax.jit(f).trace(sd((m, kd), jnp.bfloat16), sd((g, kd, nd), jnp.bfloat16), sd((g,), jnp.int32),
-                           sd((m, nd), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
-    assert txt.count("__gpu$xla.gpu.triton") == 3
+    for cfg in (None, TileConfig(128, 64, 256, 8, 3, half_tail=True)):
+        def f(a, b, gs, c, cfg=cfg):
+            y, vjp = jax.vjp(lambda a, b: gpu_gmm.gmm(a, b, gs, config=cfg, dlhs_config=cfg), a, b)
+            return y, vjp(c)
+        txt = jax.jit(f).trace(sd((m, kd), jnp.bfloat16), sd((g, kd, nd), jnp.bfloat16), sd((g,), jnp.int32),
+                               sd((m, nd), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
+        assert txt.count("__gpu$xla.gpu.triton") == 3
 
 
 def test_expert_parallel_path_lowers_for_cuda(monkeypatch):

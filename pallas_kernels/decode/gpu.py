@@ -41,9 +41,13 @@ _NEG = -1e30
 # Launch variant used when a call passes None. "loop": "dynamic" = data-dependent trip counts
 # (pages past the end are never read), "static" = fixed trip counts with clamped, masked slots.
 # "score_unroll": pages per loop iteration of the scoring kernel; "score_ppp": pages per program (None =
-# sized to fill the GPU); "score_fp8": overrides of the score_* entries for 1-byte (fp8) index keys.
-CONFIG = {"loop": "dynamic", "score_warps": 4, "score_stages": 3, "score_unroll": 1, "score_ppp": None,
-          "score_fp8": {}, "attn_warps": 4, "attn_stages": 2}
+# sized to fill the GPU); "score_fp8": overrides for 1-byte (fp8) index keys, keyed like
+# ``_score_launch``'s result (ppp, num_warps, num_stages, loop, unroll, f16).
+# Scoring defaults: the best geometric mean over batch 32 and batch 1 at 1M tokens of
+# bench/msa_decode.py --sweep-scores on one H200 (BENCHMARKS.md, session 8: bf16 1.04x, fp8 1.16x over
+# unroll 1 with ~32 pages per program).
+CONFIG = {"loop": "dynamic", "score_warps": 4, "score_stages": 3, "score_unroll": 2, "score_ppp": 8,
+          "score_fp8": {"unroll": 2, "ppp": 8}, "attn_warps": 4, "attn_stages": 2}
 
 
 def _precision(a):
@@ -99,7 +103,7 @@ def _score_kernel(pt_ref, n_ref, qi_ref, ki_ref, *rest, page, ppp, unroll, scale
 
 
 def _page_scores_raw(qi, ki_pages, page_table, q_positions, ki_scale, *, interpret, ppp, num_warps, num_stages,
-                     loop, unroll=1):
+                     loop, unroll=1, f16=False):
     """Raw page scores ``[B, R, W]`` float32, row ``q * Hi + h`` (max over each page's tokens of ``<qi, ki>/sqrt(Di)``).
 
     Only pages ``< max_i(pos_i // page)`` of each request are computed; the others hold garbage and
@@ -107,7 +111,10 @@ def _page_scores_raw(qi, ki_pages, page_table, q_positions, ki_scale, *, interpr
     Args: qi ``[B, Q, Hi, Di]``; ki_pages ``[P, page, Di]``; page_table ``[B, NP]`` int32;
       q_positions ``[B, Q]`` int32; ki_scale ``[P, page]`` f32 or None; ppp: pages per program;
       num_warps / num_stages / loop ("dynamic" | "static"): launch variant, None = ``CONFIG``;
-      unroll: pages scored per loop iteration (a power of two; ppp is raised to at least unroll).
+      unroll: pages scored per loop iteration (a power of two; ppp is raised to at least unroll);
+      f16: with fp8 index keys, convert them to float16 (exact for e4m3; sm_89+ has a paired
+      e4m3 -> f16 convert instruction) instead of bf16 and run the product in f16 (index queries are
+      rounded to f16: more mantissa than bf16, overflow past 65504); ignored for other key dtypes.
     Raises ValueError for an unroll that is not a power of two >= 1.
     """
     if unroll < 1 or unroll & (unroll - 1):
@@ -116,6 +123,8 @@ def _page_scores_raw(qi, ki_pages, page_table, q_positions, ki_scale, *, interpr
     n_phys, page, _ = ki_pages.shape
     npg = page_table.shape[1]
     cdt = compute_dtype(ki_pages.dtype)
+    if f16 and jnp.dtype(ki_pages.dtype).itemsize == 1:
+        cdt = jnp.dtype(jnp.float16)
     r = max(16, next_pow2(nq * hi))
     q2 = pad_rows(qi.reshape(b, nq * hi, di).astype(cdt), 1, r)
     n_score = jnp.clip(jnp.max(q_positions, axis=1) // page, 0, npg).astype(jnp.int32)
@@ -153,12 +162,12 @@ def _unpack_scores(raw, nq, hi, npg):
     return raw[:, : nq * hi, :npg].reshape(b, nq, hi, npg).transpose(0, 2, 1, 3)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "ppp", "num_warps", "num_stages", "loop", "unroll"))
+@functools.partial(jax.jit, static_argnames=("interpret", "ppp", "num_warps", "num_stages", "loop", "unroll", "f16"))
 def _page_scores(qi, ki_pages, page_table, q_positions, ki_scale, *, interpret, ppp, num_warps, num_stages, loop,
-                 unroll):
+                 unroll, f16):
     """Raw page scores ``[B, Hi, Q, NP]`` float32 (see ``_page_scores_raw``)."""
     raw = _page_scores_raw(qi, ki_pages, page_table, q_positions, ki_scale, interpret=interpret, ppp=ppp,
-                           num_warps=num_warps, num_stages=num_stages, loop=loop, unroll=unroll)
+                           num_warps=num_warps, num_stages=num_stages, loop=loop, unroll=unroll, f16=f16)
     return _unpack_scores(raw, qi.shape[1], qi.shape[2], page_table.shape[1])
 
 
@@ -189,12 +198,13 @@ def _select_kernel(sc_ref, pos_ref, o_ref, *, page, topk, init_blocks, local_blo
 
 
 @functools.partial(jax.jit, static_argnames=("page", "topk", "init_blocks", "local_blocks", "interpret",
-                                             "ppp", "num_warps", "num_stages", "loop", "unroll"))
+                                             "ppp", "num_warps", "num_stages", "loop", "unroll", "f16"))
 def _select(qi, ki_pages, page_table, q_positions, ki_scale, *, page, topk, init_blocks, local_blocks,
-            interpret, ppp, num_warps, num_stages, loop, unroll):
+            interpret, ppp, num_warps, num_stages, loop, unroll, f16):
     b, nq, hi, _ = qi.shape
     raw = _page_scores_raw(qi, ki_pages, page_table, q_positions, ki_scale, interpret=interpret, ppp=ppp,
-                           num_warps=num_warps, num_stages=num_stages, loop=loop, unroll=unroll)   # [B, R, W]
+                           num_warps=num_warps, num_stages=num_stages, loop=loop, unroll=unroll,
+                           f16=f16)   # [B, R, W]
     r, width = raw.shape[1], raw.shape[2]
     pos = pad_rows(jnp.repeat(q_positions, hi, axis=1), 1, r, -1).astype(jnp.int32)  # row = q * hi + h
     kernel = functools.partial(_select_kernel, page=page, topk=topk, init_blocks=init_blocks,
@@ -320,23 +330,25 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_sc
     return o.astype(q.dtype), lse
 
 
-def _score_launch(ki_dtype, ppp, num_warps, num_stages, loop, unroll):
+def _score_launch(ki_dtype, ppp, num_warps, num_stages, loop, unroll, f16=None):
     """Launch parameters of the scoring kernel: explicit values, else ``CONFIG`` (``score_fp8`` entries
     override the others for 1-byte index keys)."""
     cfg = {"ppp": CONFIG.get("score_ppp"), "num_warps": CONFIG["score_warps"],
-           "num_stages": CONFIG["score_stages"], "loop": CONFIG["loop"], "unroll": CONFIG.get("score_unroll", 1)}
+           "num_stages": CONFIG["score_stages"], "loop": CONFIG["loop"], "unroll": CONFIG.get("score_unroll", 1),
+           "f16": False}
     if jnp.dtype(ki_dtype).itemsize == 1:
         cfg.update(CONFIG.get("score_fp8", {}))
-    given = {"ppp": ppp, "num_warps": num_warps, "num_stages": num_stages, "loop": loop, "unroll": unroll}
+    given = {"ppp": ppp, "num_warps": num_warps, "num_stages": num_stages, "loop": loop, "unroll": unroll,
+             "f16": f16}
     cfg.update({k: v for k, v in given.items() if v is not None})
     return cfg
 
 
 def page_scores_gpu(qi, ki_pages, page_table, q_positions, ki_scale=None, *, interpret=False, ppp=None,
-                    num_warps=None, num_stages=None, loop=None, unroll=None):
-    """See ``_page_scores``; launch parameters left as None come from ``CONFIG``."""
+                    num_warps=None, num_stages=None, loop=None, unroll=None, f16=None):
+    """See ``_page_scores_raw``; launch parameters left as None come from ``CONFIG``."""
     return _page_scores(qi, ki_pages, page_table, q_positions, ki_scale, interpret=interpret,
-                        **_score_launch(ki_pages.dtype, ppp, num_warps, num_stages, loop, unroll))
+                        **_score_launch(ki_pages.dtype, ppp, num_warps, num_stages, loop, unroll, f16))
 
 
 def paged_attention_gpu(q, k_pages, v_pages, page_table, q_positions, k_scale=None, v_scale=None, block_ids=None,
@@ -349,7 +361,8 @@ def paged_attention_gpu(q, k_pages, v_pages, page_table, q_positions, k_scale=No
 
 
 def select_pages_gpu(qi, ki_pages, page_table, q_positions, ki_scale=None, *, topk, init_blocks=0, local_blocks=1,
-                     interpret=False, ppp=None, num_warps=None, num_stages=None, loop=None, unroll=None):
+                     interpret=False, ppp=None, num_warps=None, num_stages=None, loop=None, unroll=None,
+                     f16=None):
     """Page scoring plus in-kernel top-(K-1) selection: logical page ids ``[B, Hi, Q, K]`` int32.
 
     Same sets and order as ``minimax_jax.decode.ops.select_from_page_scores`` (forced pages first in
@@ -359,4 +372,4 @@ def select_pages_gpu(qi, ki_pages, page_table, q_positions, ki_scale=None, *, to
     """
     return _select(qi, ki_pages, page_table, q_positions, ki_scale, page=ki_pages.shape[1], topk=topk,
                    init_blocks=init_blocks, local_blocks=local_blocks, interpret=interpret,
-                   **_score_launch(ki_pages.dtype, ppp, num_warps, num_stages, loop, unroll))
+                   **_score_launch(ki_pages.dtype, ppp, num_warps, num_stages, loop, unroll, f16))

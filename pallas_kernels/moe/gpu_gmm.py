@@ -51,7 +51,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from minimax_jax.ops.common import varying_axes
 
-__all__ = ["TileConfig", "DEFAULT_CONFIG", "DEFAULT_TGMM_CONFIG", "CANDIDATES", "TGMM_CANDIDATES",
+__all__ = ["TileConfig", "DEFAULT_CONFIG", "DEFAULT_DLHS_CONFIG", "DEFAULT_TGMM_CONFIG", "CANDIDATES", "TGMM_CANDIDATES",
            "get_default_configs", "set_default_configs", "num_visits", "make_visits", "gmm_forward", "tgmm", "gmm"]
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -64,13 +64,15 @@ class TileConfig:
     gmm / transposed gmm: output tile ``[bm rows, bn columns]``, contraction step ``bk``.
     tgmm: output tile ``[bk, bn]`` of ``drhs[g]``, ``bm`` rows of the group per loop step.
     bm, bk, bn: powers of two >= 16; num_warps: power of two in [1, 16]; num_stages >= 1 (software
-    pipelining depth of the contraction loop). Raises ValueError otherwise.
+    pipelining depth of the contraction loop); half_tail (gmm only, bm >= 32): visits of at most
+    ``bm / 2`` rows run a ``[bm/2, bn]`` tile instead (tgmm ignores it). Raises ValueError otherwise.
     """
     bm: int = 128
     bk: int = 64
     bn: int = 128
     num_warps: int = 4
     num_stages: int = 4
+    half_tail: bool = False
 
     def __post_init__(self):
         for name in ("bm", "bk", "bn"):
@@ -81,16 +83,20 @@ class TileConfig:
             raise ValueError(f"TileConfig.num_warps must be a power of two in [1, 16], got {self.num_warps!r}")
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"TileConfig.num_stages must be an int >= 1, got {self.num_stages!r}")
+        if self.half_tail and self.bm < 32:
+            raise ValueError(f"TileConfig.half_tail needs bm >= 32 (a half tile of >= 16 rows), got bm={self.bm}")
 
     def label(self) -> str:
-        """Short name, e.g. ``128x64x128w4s4``."""
-        return f"{self.bm}x{self.bk}x{self.bn}w{self.num_warps}s{self.num_stages}"
+        """Short name, e.g. ``128x64x128w4s4`` (suffix ``h``: half-height tiles for short visits)."""
+        return f"{self.bm}x{self.bk}x{self.bn}w{self.num_warps}s{self.num_stages}" + ("h" if self.half_tail else "")
 
 
 #: Hopper defaults: the best of bench/moe.py's sweep of CANDIDATES / TGMM_CANDIDATES on one H200 (M2
 #: expert shapes, 8K tokens = 64K routed rows; BENCHMARKS.md session 5): fwd 128x64x256w8s3 397 TFLOP/s
 #: (128x64x128w4s4: 324), dlhs the same config 379 (344), tgmm 32x128x128w4s4 352 (64x128x128w4s4: 247).
+#: Session 8's sweep (same shape): dlhs 128x64x256w8s4 429 vs 399 for w8s3 (the forward kept w8s3).
 DEFAULT_CONFIG = TileConfig(128, 64, 256, 8, 3)
+DEFAULT_DLHS_CONFIG = TileConfig(128, 64, 256, 8, 4)
 DEFAULT_TGMM_CONFIG = TileConfig(32, 128, 128, 4, 4)
 
 #: gmm / transposed-gmm candidates for a sweep (shared memory per stage <= 64 KiB in bf16). Session 5's
@@ -101,10 +107,10 @@ CANDIDATES = (
     TileConfig(128, 64, 256, 8, 3),
     TileConfig(128, 64, 256, 8, 4),
     TileConfig(64, 64, 256, 4, 4),
-    TileConfig(64, 64, 256, 8, 4),
     TileConfig(128, 32, 256, 8, 5),
-    TileConfig(128, 64, 256, 16, 3),
-    TileConfig(256, 64, 256, 16, 3),
+    TileConfig(128, 64, 256, 8, 3, half_tail=True),
+    TileConfig(128, 64, 256, 8, 4, half_tail=True),
+    TileConfig(128, 32, 256, 8, 5, half_tail=True),
 )
 #: tgmm candidates (output tile bk x bn, bm rows per step); run 10's best was 32x128x128w4s4.
 TGMM_CANDIDATES = (
@@ -116,7 +122,7 @@ TGMM_CANDIDATES = (
     TileConfig(64, 128, 128, 8, 3),
 )
 
-_defaults = {"fwd": DEFAULT_CONFIG, "dlhs": DEFAULT_CONFIG, "tgmm": DEFAULT_TGMM_CONFIG}
+_defaults = {"fwd": DEFAULT_CONFIG, "dlhs": DEFAULT_DLHS_CONFIG, "tgmm": DEFAULT_TGMM_CONFIG}
 
 
 def get_default_configs() -> dict[str, TileConfig]:
@@ -199,7 +205,7 @@ def _iota(n):
 
 
 def _gmm_kernel(tab_ref, lhs_ref, rhs_ref, out_ref, *, bm, bk, bn, n_groups, n_col_tiles, kdim, ndim,
-                transpose_rhs):
+                transpose_rhs, half_tail):
     pid = pl.program_id(0)
     v = jax.lax.div(pid, n_col_tiles)
     j = pid - v * n_col_tiles
@@ -207,25 +213,24 @@ def _gmm_kernel(tab_ref, lhs_ref, rhs_ref, out_ref, *, bm, bk, bn, n_groups, n_c
     lo = tab_ref[1, v]
     hi = tab_ref[2, v]
     n0 = pl.multiple_of(j * bn, bn)
-    rmask = (lo + _iota(bm)) < hi                                     # [bm]
-    out_mask = jnp.broadcast_to(rmask[:, None], (bm, bn))
-    if ndim % bn:
-        cmask = (n0 + _iota(bn)) < ndim
-        out_mask = out_mask & cmask[None, :]
-    else:
-        cmask = None
+    cmask = (n0 + _iota(bn)) < ndim if ndim % bn else None
     dtype = lhs_ref.dtype
 
-    @pl.when((hi > lo) & (g < n_groups))
-    def _compute():
+    def out_mask_of(rm):
+        m = jnp.broadcast_to(((lo + _iota(rm)) < hi)[:, None], (rm, bn))
+        return m if cmask is None else m & cmask[None, :]
+
+    def tile(rm):   # rows [lo, lo + rm) of the visit (masked at hi) x columns [n0, n0 + bn)
+        rmask = (lo + _iota(rm)) < hi
+
         def body(kk, acc):
             k0 = pl.multiple_of(kk * bk, bk)
-            a_mask = jnp.broadcast_to(rmask[:, None], (bm, bk))
+            a_mask = jnp.broadcast_to(rmask[:, None], (rm, bk))
             kmask = None
             if kdim % bk:
                 kmask = (k0 + _iota(bk)) < kdim
                 a_mask = a_mask & kmask[None, :]
-            a = pltriton.load(lhs_ref.at[pl.ds(lo, bm), pl.ds(k0, bk)], mask=a_mask, other=jnp.zeros((), dtype))
+            a = pltriton.load(lhs_ref.at[pl.ds(lo, rm), pl.ds(k0, bk)], mask=a_mask, other=jnp.zeros((), dtype))
             if transpose_rhs:                                         # rhs [G, N, K]: tile [bn, bk]
                 b_mask = None
                 if cmask is not None or kmask is not None:
@@ -248,12 +253,23 @@ def _gmm_kernel(tab_ref, lhs_ref, rhs_ref, out_ref, *, bm, bk, bn, n_groups, n_c
                               other=None if b_mask is None else jnp.zeros((), dtype))
             return acc + _dot(a, b)
 
-        acc = jax.lax.fori_loop(0, pl.cdiv(kdim, bk), body, jnp.zeros((bm, bn), jnp.float32))
-        pltriton.store(out_ref.at[pl.ds(lo, bm), pl.ds(n0, bn)], acc.astype(out_ref.dtype), mask=out_mask)
+        acc = jax.lax.fori_loop(0, pl.cdiv(kdim, bk), body, jnp.zeros((rm, bn), jnp.float32))
+        pltriton.store(out_ref.at[pl.ds(lo, rm), pl.ds(n0, bn)], acc.astype(out_ref.dtype), mask=out_mask_of(rm))
+
+    active = (hi > lo) & (g < n_groups)
+    if half_tail:
+        # A visit of <= bm/2 rows (a group's tail, or a small group) runs a half-height tile: at ~256
+        # rows per expert (M2, 8K tokens) most groups end in such a tail, a large share of the work.
+        small = (hi - lo) <= bm // 2
+        pl.when(active & jnp.logical_not(small))(lambda: tile(bm))
+        pl.when(active & small)(lambda: tile(bm // 2))
+    else:
+        pl.when(active)(lambda: tile(bm))
 
     @pl.when((hi > lo) & (g == n_groups))
     def _zero_tail():
-        pltriton.store(out_ref.at[pl.ds(lo, bm), pl.ds(n0, bn)], jnp.zeros((bm, bn), out_ref.dtype), mask=out_mask)
+        pltriton.store(out_ref.at[pl.ds(lo, bm), pl.ds(n0, bn)], jnp.zeros((bm, bn), out_ref.dtype),
+                       mask=out_mask_of(bm))
 
 
 def _tgmm_kernel(tab_ref, lhs_ref, dout_ref, out_ref, *, bm, bk, bn, n_k_tiles, n_n_tiles, kdim, ndim):
@@ -369,7 +385,7 @@ def gmm_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, trans
     tab = make_visits(group_sizes, m, cfg.bm)
     n_col = pl.cdiv(ndim, cfg.bn)
     kernel = functools.partial(_gmm_kernel, bm=cfg.bm, bk=cfg.bk, bn=cfg.bn, n_groups=g, n_col_tiles=n_col,
-                               kdim=kdim, ndim=ndim, transpose_rhs=transpose_rhs)
+                               kdim=kdim, ndim=ndim, transpose_rhs=transpose_rhs, half_tail=cfg.half_tail)
     return pl.pallas_call(
         kernel,
         grid=(tab.shape[1] * n_col,),
