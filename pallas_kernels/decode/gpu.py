@@ -44,10 +44,10 @@ _NEG = -1e30
 # sized to fill the GPU); "score_fp8": overrides for 1-byte (fp8) index keys, keyed like
 # ``_score_launch``'s result (ppp, num_warps, num_stages, loop, unroll, f16).
 # Scoring defaults: the best geometric mean over batch 32 and batch 1 at 1M tokens of
-# bench/msa_decode.py --sweep-scores on one H200 (BENCHMARKS.md, session 8: bf16 1.04x, fp8 1.16x over
-# unroll 1 with ~32 pages per program).
-CONFIG = {"loop": "dynamic", "score_warps": 4, "score_stages": 3, "score_unroll": 2, "score_ppp": 8,
-          "score_fp8": {"unroll": 2, "ppp": 8}, "attn_warps": 4, "attn_stages": 2}
+# bench/msa_decode.py --sweep-scores on one H200 (BENCHMARKS.md, session 8, second sweep: bf16 1.08x,
+# fp8 1.38x over the previous defaults; fp8 gains most from the f16 product).
+CONFIG = {"loop": "dynamic", "score_warps": 4, "score_stages": 2, "score_unroll": 1, "score_ppp": 4,
+          "score_fp8": {"f16": True, "num_stages": 3, "unroll": 1, "ppp": 4}, "attn_warps": 4, "attn_stages": 2}
 
 
 def _precision(a):
