@@ -51,12 +51,11 @@ def test_unrolled_scoring_matches_reference(unroll, ppp, kv_dtype, f16):
     table[1, 7:] = 10 ** 6
     table, pos = jnp.asarray(table, jnp.int32), jnp.asarray(pos, jnp.int32)
     got = page_scores_gpu(qi, ki, table, pos, ks, interpret=True, ppp=ppp, unroll=unroll, f16=f16)
-    base = page_scores_gpu(qi, ki, table, pos, ks, interpret=True, ppp=ppp, unroll=1)
+    base = page_scores_gpu(qi, ki, table, pos, ks, interpret=True, ppp=ppp, unroll=1, f16=f16)
     ref = ops._xla_page_scores(qi, ki, ks, jnp.minimum(table, n_phys - 1))
     for r in range(b):
         n = int(pos[r].max()) // page                      # pages before the local one are scored
-        if not f16:   # f16 compute rounds the queries differently from the bf16 default
-            np.testing.assert_allclose(np.asarray(got[r, ..., :n]), np.asarray(base[r, ..., :n]), rtol=0, atol=0)
+        np.testing.assert_allclose(np.asarray(got[r, ..., :n]), np.asarray(base[r, ..., :n]), rtol=0, atol=0)
         np.testing.assert_allclose(np.asarray(got[r, ..., :n]), np.asarray(ref[r, ..., :n]), rtol=2e-2, atol=2e-2)
     ids = select_pages_gpu(qi, ki, table, pos, ks, topk=topk, interpret=True, ppp=ppp, unroll=unroll, f16=f16)
     ids_base = select_pages_gpu(qi, ki, table, pos, ks, topk=topk, interpret=True, ppp=ppp, unroll=1, f16=f16)
