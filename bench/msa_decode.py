@@ -2,6 +2,9 @@
 
 Usage (GPU machine):  PYTHONUNBUFFERED=1 python3 bench/msa_decode.py --out $OUT
 CPU smoke run:        python bench/msa_decode.py --smoke --contexts 2048 --batches 1,2 --out /tmp/msa_decode
+Tuning first:         python3 bench/msa_decode.py --sweep-scores 32x1048576,1x1048576 --out $OUT
+  (times every ``score_candidates`` launch config of the page-scoring kernel at those batch x context
+  cases, bf16 and fp8 keys separately, adopts the best geometric mean, re-checks, then the table)
 
 One layer, M3 shapes (H=64 query heads, G=4 kv heads, D=128, Di=128, page = block = 128, K=16),
 Q=1 query row per request, bf16 K/V. For each (batch, context):
