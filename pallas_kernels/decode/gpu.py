@@ -80,9 +80,9 @@ def _score_kernel(pt_ref, n_ref, qi_ref, ki_ref, *rest, page, ppp, unroll, scale
     last = jnp.maximum(n_pages - 1, 0)
 
     def body(j, carry):
-        # ``unroll`` pages per iteration: independent loads in flight (page ids are data-dependent,
-        # so Triton's software pipelining alone keeps few bytes in flight per program). Slots past
-        # n_pages re-read the last needed page (never an unallocated page id); their scores are junk.
+        # ``unroll`` pages per iteration (more independent loads per iteration; the H200 sweeps put it
+        # within the run-to-run spread of unroll 1, the default). Slots past n_pages re-read the last
+        # needed page (never an unallocated page id); their scores are junk.
         for u in range(unroll):
             p = c * ppp + j * unroll + u
             pc = jnp.minimum(p, last) if (unroll > 1 or loop != "dynamic") else p

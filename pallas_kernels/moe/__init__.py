@@ -5,9 +5,9 @@ Use through ``minimax_jax.ops.grouped_matmul`` (implementation="pallas_gpu" |
 and ``gpu_gmm.tgmm`` (the three kernels without autodiff).
 """
 
-from pallas_kernels.moe.gpu_gmm import (CANDIDATES, DEFAULT_CONFIG, DEFAULT_DLHS_CONFIG, DEFAULT_TGMM_CONFIG, TGMM_CANDIDATES, TileConfig,
-                                        get_default_configs, gmm, gmm_forward, make_visits, num_visits,
+from pallas_kernels.moe.gpu_gmm import (CANDIDATES, DEFAULT_CONFIG, DEFAULT_DLHS_CONFIG, DEFAULT_TGMM_CONFIG,
+                                        TGMM_CANDIDATES, TileConfig, get_default_configs, gmm, gmm_forward, make_visits, num_visits,
                                         set_default_configs, tgmm)
 
-__all__ = ["CANDIDATES", "DEFAULT_CONFIG", "DEFAULT_DLHS_CONFIG", "DEFAULT_TGMM_CONFIG", "TGMM_CANDIDATES", "TileConfig",
-           "get_default_configs", "gmm", "gmm_forward", "make_visits", "num_visits", "set_default_configs", "tgmm"]
+__all__ = ["CANDIDATES", "DEFAULT_CONFIG", "DEFAULT_DLHS_CONFIG", "DEFAULT_TGMM_CONFIG", "TGMM_CANDIDATES",
+           "TileConfig", "get_default_configs", "gmm", "gmm_forward", "make_visits", "num_visits", "set_default_configs", "tgmm"]

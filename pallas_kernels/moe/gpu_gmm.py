@@ -51,7 +51,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from minimax_jax.ops.common import varying_axes
 
-__all__ = ["TileConfig", "DEFAULT_CONFIG", "DEFAULT_DLHS_CONFIG", "DEFAULT_TGMM_CONFIG", "CANDIDATES", "TGMM_CANDIDATES",
+__all__ = ["TileConfig", "DEFAULT_CONFIG", "DEFAULT_DLHS_CONFIG", "DEFAULT_TGMM_CONFIG", "CANDIDATES",
+           "TGMM_CANDIDATES",
            "get_default_configs", "set_default_configs", "num_visits", "make_visits", "gmm_forward", "tgmm", "gmm"]
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -94,15 +95,17 @@ class TileConfig:
 #: Hopper defaults: the best of bench/moe.py's sweep of CANDIDATES / TGMM_CANDIDATES on one H200 (M2
 #: expert shapes, 8K tokens = 64K routed rows; BENCHMARKS.md session 5): fwd 128x64x256w8s3 397 TFLOP/s
 #: (128x64x128w4s4: 324), dlhs the same config 379 (344), tgmm 32x128x128w4s4 352 (64x128x128w4s4: 247).
-#: Session 8's sweep (same shape): dlhs 128x64x256w8s4 429 vs 399 for w8s3 (the forward kept w8s3).
+#: Session 8's sweeps (same shape): dlhs 128x64x256w8s4 429 vs 399 (call 1) and 456 vs 437 (call 2) for
+#: w8s3; the forward kept w8s3 (the two were within the ~3% run-to-run spread).
 DEFAULT_CONFIG = TileConfig(128, 64, 256, 8, 3)
 DEFAULT_DLHS_CONFIG = TileConfig(128, 64, 256, 8, 4)
 DEFAULT_TGMM_CONFIG = TileConfig(32, 128, 128, 4, 4)
 
 #: gmm / transposed-gmm candidates for a sweep (shared memory per stage <= 64 KiB in bf16). Session 5's
 #: sweep (BENCHMARKS.md run 10) put every 128-column tile 15-30% behind 128x64x256w8s3, so these vary
-#: around it: deeper pipelines, 64-row tiles (half the group-tail padding at ~256 rows per expert),
-#: 16 warps for the larger accumulators.
+#: around it: deeper pipelines, 64-row tiles and half-height tails (less group-tail padding at ~256 rows
+#: per expert; neither paid in session 8's sweeps). 16-warp tiles were dropped: 128x64x256w16s3 ran
+#: ~10% slower and 256x64x256w16s3 did not compile (ptxas out of resources).
 CANDIDATES = (
     TileConfig(128, 64, 256, 8, 3),
     TileConfig(128, 64, 256, 8, 4),
@@ -259,7 +262,8 @@ def _gmm_kernel(tab_ref, lhs_ref, rhs_ref, out_ref, *, bm, bk, bn, n_groups, n_c
     active = (hi > lo) & (g < n_groups)
     if half_tail:
         # A visit of <= bm/2 rows (a group's tail, or a small group) runs a half-height tile: at ~256
-        # rows per expert (M2, 8K tokens) most groups end in such a tail, a large share of the work.
+        # rows per expert (M2, 8K tokens) most groups end in such a tail. Measured on the H200 within
+        # the run-to-run spread (BENCHMARKS.md run 13), hence off by default.
         small = (hi - lo) <= bm // 2
         pl.when(active & jnp.logical_not(small))(lambda: tile(bm))
         pl.when(active & small)(lambda: tile(bm // 2))
