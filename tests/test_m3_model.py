@@ -7,6 +7,7 @@ import optax
 
 from minimax_jax.config import load_config
 from minimax_jax.model import add_index_params, forward, init_params, mtp_forward
+from minimax_jax.model.params import abstract_params
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -41,6 +42,25 @@ def test_msa_on_m2_equals_dense_when_context_fits():
     b = fwd(params, long, cfg)
     np.testing.assert_allclose(a[:, :24], b[:, :24], rtol=1e-5, atol=1e-5)   # still within K*B
     assert float(jnp.abs(a[:, 40:] - b[:, 40:]).max()) > 1e-6               # sparsity bites later
+
+
+def test_add_index_params_covers_mtp_modules():
+    """A dense M3-style model with MTP (its module takes the last layer's kind) turned into MSA on
+    the last layers: the converted tree has exactly the MSA config's structure and shapes, MTP
+    included, and the backbone weights are kept."""
+    cfg = load_config("tiny-m3")
+    dense = cfg.replace(layer_types=("full",) * cfg.num_layers)
+    assert dense.num_mtp_modules >= 1
+    params = init_params(dense, jax.random.key(0))
+    msa_cfg = dense.with_msa([cfg.num_layers - 1])
+    out = add_index_params(params, dense, msa_cfg, jax.random.key(1))
+    want = abstract_params(msa_cfg)
+    assert jax.tree.structure(out) == jax.tree.structure(want)
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), out) == jax.tree.map(lambda a: (a.shape, a.dtype), want)
+    assert "index_q_proj" in out["mtp"][0]["layer"]["attn"]
+    np.testing.assert_array_equal(out["mtp"][0]["layer"]["attn"]["q_proj"], params["mtp"][0]["layer"]["attn"]["q_proj"])
+    back = add_index_params(out, msa_cfg, dense, jax.random.key(2))     # and back to dense
+    assert jax.tree.structure(back) == jax.tree.structure(params)
 
 
 def test_sliding_window_layer():

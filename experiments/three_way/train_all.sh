@@ -33,6 +33,13 @@
 # the copy check of experiments/learnability/induction.py (induction_<v>.txt); stage 2 (the runs
 # above) starts from those weights (init.mode=checkpoint) with a fresh optimizer; the MSA variant
 # does its indexer warm-up in stage 1 only.
+# SHARED_STAGE1=1 (session 9): stage 1 trains ONE model, all layers full attention, alone on the GPU
+# (MEM_FRACTION_STAGE1 [0.6]), and all three stage-2 runs start from it: full and sliding load it as
+# is (init.mode=checkpoint; sliding swaps layers 2-5 to windows), MSA turns layers 2-5 into MSA
+# (init.mode=sparse_cpt: fresh index branches) and warms its indexer up for WARMUP_FRAC of stage 2.
+# Three stage-1 runs side by side cost three times the GPU time for a weaker copy circuit each
+# (RESULTS.md "Stage 1 with 32K-token batches"); a shared start also removes stage-1 luck from the
+# comparison, which is then about long-context training with each attention kind.
 set -u
 cd "$(dirname "$0")/../.."
 W=${W:-/tmp/three_way}
@@ -62,29 +69,43 @@ GPUS_MSA=${GPUS_MSA:-0}; GPUS_FULL=${GPUS_FULL:-$d_full}; GPUS_SLIDING=${GPUS_SL
 # The Pallas-vs-XLA MSA check (impl_check.py) runs on the GPU while the CPU builds the corpus.
 IMPL_PID=
 if [ -z "${MSA_IMPL:-}" ] && [ "$ngpu" -ge 1 ]; then
-  CUDA_VISIBLE_DEVICES=$GPUS_MSA $PY experiments/three_way/impl_check.py > "$OUT/impl_check.json" 2>"$W/impl_check.err" &
+  CUDA_VISIBLE_DEVICES=$GPUS_MSA XLA_PYTHON_CLIENT_MEM_FRACTION=${IMPL_MEM_FRACTION:-0.25} $PY experiments/three_way/impl_check.py > "$OUT/impl_check.json" 2>"$W/impl_check.err" &
   IMPL_PID=$!
 fi
 # REUSE_W=1: keep what an earlier call on the same machine built in W (corpora, tokenizer, stage-1
 # checkpoints) instead of building it again; with STOP_AFTER_STAGE1=1 on the first call, stage 1 and
 # stage 2 fit two device calls (the machine stays warm between them).
 done_before() { [ "${REUSE_W:-0}" = 1 ] && [ -e "$1" ] && log "reusing $1"; }
-if ! done_before "$W/tok/tokenizer.json"; then
-  log "corpus ($MAX_MB MB) and tokenizer"
-  $PY -m minimax_jax.data.corpus --out "$W/corpus" --max_mb "$MAX_MB" --seed 0 --shares "$SHARES" \
-    --synthetic_max_chars "${SYNTH_MAX_CHARS:-12000}" --workers "$(( $(nproc) < 16 ? $(nproc) : 16 ))" > "$OUT/corpus.json" || exit 1
-  log "tokenizer"
-  $PY -m minimax_jax.data.tokenizer train --input "$W"/corpus/train-*.jsonl --field text --vocab_size "$VOCAB" \
-    --max_chars 40000000 --split_digits --out "$W/tok" >> "$OUT/train_all.log" 2>&1 || exit 1
-fi
-
-if [ "$CURRICULUM_STEPS" -gt 0 ] && ! done_before "$W/corpus_short/manifest.json"; then
+# The short-document corpus (stage 1 only) builds on the CPU next to the main corpus; it is not needed
+# when every stage-1 checkpoint is already there (a stage-2 call on a fresh machine, see device.sh).
+NWORK=$(( $(nproc) < 16 ? $(nproc) : 16 ))
+SHORT_PID=
+stage1_needed() {
+  local v
+  [ "$CURRICULUM_STEPS" -gt 0 ] || return 1
+  for v in $(stage1_variants); do [ -e "$W/ckpt1/$v" ] || return 0; done
+  return 1
+}
+stage1_variants() { if [ "${SHARED_STAGE1:-0}" = 1 ]; then echo full; else echo "$VARIANTS"; fi; }
+if stage1_needed && ! done_before "$W/corpus_short/manifest.json"; then
   log "short-document corpus for the curriculum"
   $PY -m minimax_jax.data.corpus --out "$W/corpus_short" --max_mb "${SHORT_MB:-30}" --seed 1 \
     --shares "${SHORT_SHARES:-prose=0.05,code=0.05,synthetic=0.3,copy=0.6}" \
     --synthetic_min_chars 300 --synthetic_max_chars "${SHORT_MAX_CHARS:-1500}" \
-    --workers "$(( $(nproc) < 16 ? $(nproc) : 16 ))" > "$OUT/corpus_short.json" || exit 1
+    --workers "$NWORK" > "$OUT/corpus_short.json" &
+  SHORT_PID=$!
 fi
+if ! done_before "$W/corpus/manifest.json"; then
+  log "corpus ($MAX_MB MB)"
+  $PY -m minimax_jax.data.corpus --out "$W/corpus" --max_mb "$MAX_MB" --seed 0 --shares "$SHARES" \
+    --synthetic_max_chars "${SYNTH_MAX_CHARS:-12000}" --workers "$NWORK" > "$OUT/corpus.json" || exit 1
+fi
+if ! done_before "$W/tok/tokenizer.json"; then
+  log "tokenizer"
+  $PY -m minimax_jax.data.tokenizer train --input "$W"/corpus/train-*.jsonl --field text --vocab_size "$VOCAB" \
+    --max_chars 40000000 --split_digits --out "$W/tok" >> "$OUT/train_all.log" 2>&1 || exit 1
+fi
+if [ -n "$SHORT_PID" ]; then wait "$SHORT_PID" || { log "short-document corpus failed"; exit 1; }; fi
 [ "$CURRICULUM_STEPS" -gt 0 ] && WARMUP_FRAC=0     # the MSA indexer warm-up happens in stage 1
 
 if [ -z "${MSA_IMPL:-}" ]; then
@@ -135,10 +156,11 @@ variant_sets() {  # variant -> the --set flags of its attention layers
 dev_of() { case $1 in msa) echo "$GPUS_MSA" ;; full) echo "$GPUS_FULL" ;; *) echo "$GPUS_SLIDING" ;; esac; }
 
 stage1_one() {  # variant device
-  local v=$1 dev=$2 t0=$SECONDS warm=""
+  local v=$1 dev=$2 t0=$SECONDS warm="" mem=${MEM_FRACTION:-0.45}
   [ "$v" = msa ] && warm="--set msa.indexer_warmup_steps=$(( CURRICULUM_STEPS / 5 ))"
+  [ "${SHARED_STAGE1:-0}" = 1 ] && mem=${MEM_FRACTION_STAGE1:-0.6}
   # shellcheck disable=SC2046,SC2086
-  tc "$dev" "${CURRICULUM_CAP_S:-150}" --set "run.run_dir=$W/runs1/$v" --set run.steps=$CURRICULUM_STEPS \
+  MEM_FRACTION=$mem tc "$dev" "${CURRICULUM_CAP_S:-150}" --set "run.run_dir=$W/runs1/$v" --set run.steps=$CURRICULUM_STEPS \
     --set "data.sources=[$W/corpus_short/train-*.jsonl]" --set data.seq_len=${SHORT_SEQ:-1024} \
     --set data.batch_size=${SHORT_BATCH:-32} --set schedule.warmup_steps=50 $(variant_sets "$v") $warm \
     > "$W/stage1_$v.log" 2>&1
@@ -151,11 +173,12 @@ stage1_one() {  # variant device
   cp "$W/runs1/$v/metrics.jsonl" "$OUT/metrics_stage1_$v.jsonl" 2>/dev/null
 }
 if [ "$CURRICULUM_STEPS" -gt 0 ]; then
-  for v in $VARIANTS; do done_before "$W/ckpt1/$v" || stage1_one "$v" "$(dev_of "$v")" & done
+  for v in $(stage1_variants); do done_before "$W/ckpt1/$v" || stage1_one "$v" "$(dev_of "$v")" & done
   wait
   if [ "${STOP_AFTER_STAGE1:-0}" = 1 ]; then log "stage 1 done (STOP_AFTER_STAGE1=1)"; exit 0; fi
   fit_budget
 fi
+[ "${SHARED_STAGE1:-0}" = 1 ] && [ "$CURRICULUM_STEPS" -gt 0 ] && WARMUP_FRAC=${WARMUP_FRAC_SHARED:-0.12}
 
 if [ -z "${STEPS:-}" ]; then
   # Probe: the MSA run (the slowest) for 8 warm-up + 16 sparse steps, timed per phase from its
@@ -197,7 +220,14 @@ log "steps for every run: $STEPS (MSA indexer warm-up $WARM_STEPS)"
 train_one() {  # variant device
   local v=$1 dev=$2 sets
   sets=$(variant_sets "$v") || { echo "unknown variant $v"; return 2; }
-  if [ "$CURRICULUM_STEPS" -gt 0 ]; then
+  if [ "$CURRICULUM_STEPS" -gt 0 ] && [ "${SHARED_STAGE1:-0}" = 1 ]; then
+    if [ "$v" = msa ]; then   # the dense stage-1 model with MSA index branches added on layers 2-5
+      sets="$sets --set init.mode=sparse_cpt --set init.path=$W/ckpt1/full --set msa.layers=[2,3,4,5]"
+      sets="$sets --set msa.indexer_warmup_steps=$WARM_STEPS --set msa.freeze_backbone_in_warmup=false"
+    else
+      sets="$sets --set init.mode=checkpoint --set init.path=$W/ckpt1/full"
+    fi
+  elif [ "$CURRICULUM_STEPS" -gt 0 ]; then
     sets="$sets --set init.mode=checkpoint --set init.path=$W/ckpt1/$v"
     [ "$v" = msa ] && sets="$sets --set msa.indexer_warmup_steps=0"
   elif [ "$v" = msa ]; then
@@ -210,6 +240,9 @@ train_one() {  # variant device
   log "train $v: rc $rc after $((SECONDS - t0)) s (124 = stopped by the time cap with a SIGTERM save)"
   $PY -m minimax_jax.train.export --run_dir "$W/runs/$v" --dst "$W/ckpt/$v" >> "$W/train_$v.log" 2>&1
   log "export $v: rc $?"
+  CUDA_VISIBLE_DEVICES=$dev XLA_PYTHON_CLIENT_MEM_FRACTION=0.1 $PY experiments/learnability/induction.py repeat \
+    --checkpoint "$W/ckpt/$v" > "$OUT/induction_final_$v.txt" 2>>"$W/train_$v.log"
+  log "copy check $v: $(tail -1 "$OUT/induction_final_$v.txt")"
 }
 
 for v in $VARIANTS; do train_one "$v" "$(dev_of "$v")" & done

@@ -224,21 +224,28 @@ def add_index_params(params: dict[str, Any], old_cfg: ModelConfig, new_cfg: Mode
     diff = [n for n in sorted(keep) if getattr(old_cfg, n) != getattr(new_cfg, n)]
     if diff:
         raise ValueError(f"add_index_params: configs differ in {diff}; only layer types / index fields may change")
-    layers = unstack_layers(params, old_cfg)
-    keys = jax.random.split(key, new_cfg.num_layers)
-    new_layers = []
-    for i, lp in enumerate(layers):
-        lp = jax.tree.map(lambda x: x, lp)
+    n_mtp = len(params.get("mtp", ()))
+    keys = jax.random.split(key, new_cfg.num_layers + n_mtp)
+
+    def convert(lp: dict[str, Any], layer_type: str, k: jax.Array) -> dict[str, Any]:
+        lp = dict(lp)
         attn = dict(lp["attn"])
-        if new_cfg.layer_types[i] == "msa" and "index_q_proj" not in attn:
-            attn.update(_index_params(new_cfg, keys[i]))
-        if new_cfg.layer_types[i] != "msa":
+        if layer_type == "msa" and "index_q_proj" not in attn:
+            attn.update(_index_params(new_cfg, k))
+        if layer_type != "msa":
             for n in ("index_q_proj", "index_k_proj", "index_q_norm", "index_k_norm"):
                 attn.pop(n, None)
         lp["attn"] = attn
-        new_layers.append(lp)
+        return lp
+
+    new_layers = [convert(lp, new_cfg.layer_types[i], keys[i])
+                  for i, lp in enumerate(unstack_layers(params, old_cfg))]
     out = dict(params)
     out["segments"] = stack_layers(new_layers, new_cfg)
+    if n_mtp:   # MTP modules take the last layer's kind (mtp_layer_kinds), which with_msa may change
+        lt, _ = mtp_layer_kinds(new_cfg)
+        out["mtp"] = [{**m, "layer": convert(m["layer"], lt, keys[new_cfg.num_layers + j])}
+                      for j, m in enumerate(params["mtp"])]
     return out
 
 
