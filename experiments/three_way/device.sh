@@ -35,6 +35,7 @@ case ${1:-} in
     if [ ! -d "$W/ckpt1" ] && ls .exp/stage1.tar.part-* >/dev/null 2>&1; then
       mkdir -p "$W" && cat .exp/stage1.tar.part-* | tar xf - -C "$W" && echo "stage 1 state from .exp/ (fresh machine)"
     fi
+    if [ ! -d "$W/ckpt1" ]; then echo "stage2: no stage-1 checkpoints in $W/ckpt1 and none carried in .exp/"; exit 3; fi
     OUT=$W/out REUSE_W=1 bash experiments/three_way/train_all.sh ;;
   *) echo "usage: device.sh train|eval|all|stage1|stage2"; exit 2 ;;
 esac
