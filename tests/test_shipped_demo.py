@@ -1,8 +1,9 @@
 """The shipped demo checkpoint (checkpoints/demo): it loads with its tokenizer and generates
 deterministic text, the same on the paged engine and the full-recompute engine (issue 10).
 
-The golden prefix was recorded on CPU when the checkpoint was shipped (2026-11-30, the MSA run of
-experiments/three_way run 3, step 2688); a different checkpoint must update it.
+The golden prefix was recorded on CPU when the checkpoint was shipped (2026-12-01, the MSA run of
+experiments/three_way run 5, RESULTS.md: a shared copy-curriculum stage 1, then 1,400 steps of 8 x 4,096
+tokens); a different checkpoint must update it.
 """
 
 import os
@@ -13,7 +14,7 @@ from minimax_jax.infer.generation import GenerationConfig, Generator
 from minimax_jax.infer.loading import DEFAULT_CHECKPOINT, load_model
 
 PROMPTS = ["ROMEO:", "def main("]
-GOLDEN_PREFIX = [[207, 41, 363, 1000, 44, 45, 71, 53], [91, 90, 75, 91, 91, 91, 91, 91]]
+GOLDEN_PREFIX = [[229, 25, 26, 26, 26, 26, 26, 26], [92, 92, 92, 92, 92, 17, 17, 17]]
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def _greedy(m, engine):
 def test_shipped_checkpoint_is_the_documented_model(demo):
     cfg = demo.cfg
     assert cfg.layer_types == ("full", "full", "msa", "msa", "msa", "msa")
-    assert cfg.max_position_embeddings == 1 << 20 and cfg.vocab_size == 4096
+    assert cfg.max_position_embeddings == 1 << 20 and cfg.vocab_size == 2048 and cfg.tie_word_embeddings
     assert demo.tokenizer.get_vocab_size() == cfg.vocab_size
 
 

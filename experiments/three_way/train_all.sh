@@ -40,6 +40,7 @@
 # Three stage-1 runs side by side cost three times the GPU time for a weaker copy circuit each
 # (RESULTS.md "Stage 1 with 32K-token batches"); a shared start also removes stage-1 luck from the
 # comparison, which is then about long-context training with each attention kind.
+# RESULTS.md run 5 is this mode (its commands are there); the first run whose models retrieve.
 set -u
 cd "$(dirname "$0")/../.."
 W=${W:-/tmp/three_way}
