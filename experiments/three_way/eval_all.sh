@@ -10,7 +10,7 @@
 #
 #   W=/tmp/three_way bash experiments/three_way/eval_all.sh
 #
-# Environment: W [/tmp/three_way]; OUT [$W/out]; VARIANTS [msa full sliding]; LENGTHS
+# Environment: W [/tmp/three_way]; OUT [$W/out]; CKPT_ROOT [$W/ckpt]; VARIANTS [msa full sliding]; LENGTHS
 # [2048,4096,8192,16384,32768,65536]; NUM_SAMPLES [8]; BATCH [8]; EVAL_BUDGET_S [240] (the eval CLI's
 # own budget) and EVAL_SLACK_S [240] (hard cap = budget + slack: loading, compilation, perplexity);
 # RECALL_LENGTH [4096: the training row]; CTX_TOKENS [32768]; PREFILL_CHUNK paged-engine prefill step [1024];
@@ -20,6 +20,7 @@ cd "$(dirname "$0")/../.."
 W=${W:-/tmp/three_way}
 OUT=${OUT:-$W/out}
 VARIANTS=${VARIANTS:-msa full sliding}
+CKPT_ROOT=${CKPT_ROOT:-$W/ckpt}    # <root>/<variant>: train_all.sh's exports, or long_stage.sh's (stage 3)
 LENGTHS=${LENGTHS:-2048,4096,8192,16384,32768,65536}
 NUM_SAMPLES=${NUM_SAMPLES:-8}
 BATCH=${BATCH:-8}
@@ -50,19 +51,19 @@ EOF
 eval_one() {  # variant device
   local v=$1 dev=$2 t0=$SECONDS
   export CUDA_VISIBLE_DEVICES=$dev XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.45}
-  timeout -k 30 $((EVAL_BUDGET_S + ${EVAL_SLACK_S:-240})) $PY -m minimax_jax.eval --checkpoint "$W/ckpt/$v" --tasks all \
+  timeout -k 30 $((EVAL_BUDGET_S + ${EVAL_SLACK_S:-240})) $PY -m minimax_jax.eval --checkpoint "$CKPT_ROOT/$v" --tasks all \
     --lengths "$LENGTHS" --num_samples "$NUM_SAMPLES" --batch_size "$BATCH" --time_budget_s "$EVAL_BUDGET_S" \
     --prefill_chunk "$PREFILL_CHUNK" \
     --ppl_seq_len "$PPL_SEQ" --ppl_max_tokens 65536 --out "$OUT/eval_$v.json" > "$W/eval_$v.log" 2>&1
   log "eval $v: rc $? after $((SECONDS - t0)) s"
   if [ "$v" = msa ]; then
-    timeout -k 10 180 $PY -m minimax_jax.eval.recall --checkpoint "$W/ckpt/$v" --text_file "$W/heldout_prose.txt" \
+    timeout -k 10 180 $PY -m minimax_jax.eval.recall --checkpoint "$CKPT_ROOT/$v" --text_file "$W/heldout_prose.txt" \
       --length "$RECALL_LENGTH" --out "$OUT/recall_$v.json" >> "$W/eval_$v.log" 2>&1
     log "recall $v: rc $?"
   fi
   # About 3.3 characters per token for this tokenizer on Shakespeare.
   head -c $((CTX_TOKENS * 33 / 10)) "$W/heldout_prose.txt" > "$W/ctx_$v.txt"
-  timeout -k 10 180 $PY infer.py --checkpoint "$W/ckpt/$v" --context_file "$W/ctx_$v.txt" \
+  timeout -k 10 180 $PY infer.py --checkpoint "$CKPT_ROOT/$v" --context_file "$W/ctx_$v.txt" \
     --prompt "Summarise the scene above." --max_new_tokens 64 --show_stats --nostream --prefill_chunk "$PREFILL_CHUNK" \
     > "$OUT/infer_$v.txt" 2>&1
   log "infer $v: rc $?"
