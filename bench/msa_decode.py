@@ -5,6 +5,15 @@ CPU smoke run:        python bench/msa_decode.py --smoke --contexts 2048 --batch
 Tuning first:         python3 bench/msa_decode.py --sweep-scores 32x1048576,1x1048576 --out $OUT
   (times every ``score_candidates`` launch config of the page-scoring kernel at those batch x context
   cases, bf16 and fp8 keys separately, adopts the best geometric mean, re-checks, then the table)
+Selection / sparse-attention launch sweeps (after --sweep-scores when both are given):
+  python3 bench/msa_decode.py --sweep-select 1,2,4,8,16,auto --sweep-sparse-pps 1,2,4,8 --out $OUT
+  (at the --sweep-scores cases, else --sweep-cases, default 32x1048576,1x1048576: times
+  select_pages_gpu per select_splits value, ids checked equal to S=1's, and sparse paged_attention_gpu
+  per sparse_pages_per_split value over real selections, o/lse checked against pps=1; each keeps its
+  best geometric mean in gpu.CONFIG for the table; rows under "select_sweep" / "sparse_pps_sweep")
+CPU plumbing of the sweeps (kernels in interpret mode):
+  python bench/msa_decode.py --smoke --contexts 2048 --batches 1 --steps 1 --sweep-cases 1x4096 \
+      --sweep-select 1,2,auto --sweep-sparse-pps 1,4 --out /tmp/msa_decode
 
 One layer, M3 shapes (H=64 query heads, G=4 kv heads, D=128, Di=128, page = block = 128, K=16),
 Q=1 query row per request, bf16 K/V. For each (batch, context):
@@ -177,6 +186,153 @@ def sweep_scores(cases, min_steps, l2_bytes=200 * 1024 * 1024):
     return rows, best
 
 
+# ----------------------------------------------------------------------------- selection / sparse-attention sweeps
+
+def _parse_cases(text):
+    return [tuple(int(v) for v in c.split("x")) for c in text.split(",") if c]
+
+
+def _parse_values(text):
+    """``1,2,auto`` -> [1, 2, "auto"]."""
+    return [v if v == "auto" else int(v) for v in (x.strip() for x in text.split(",")) if v]
+
+
+def _geomean_best(rows, key, base_value):
+    """{value: geometric mean over cases of ms / ms at ``base_value``} over the values timed (and
+    checked equal) at every case, and the value with the smallest mean."""
+    base = {(r["batch"], r["context"]): r["ms"] for r in rows if r[key] == base_value and "ms" in r}
+    score = {}
+    for r in rows:
+        if "ms" in r and r.get("match", True) and (r["batch"], r["context"]) in base:
+            score.setdefault(json.dumps(r[key]), []).append(math.log(r["ms"] / base[(r["batch"], r["context"])]))
+    full = {k: math.exp(sum(v) / len(v)) for k, v in score.items() if len(v) == len(base) and base}
+    best = json.loads(min(full, key=full.get)) if full else base_value
+    return {k: float(v) for k, v in full.items()}, best
+
+
+def sweep_select(cases, values, min_steps, interpret=False, l2_bytes=200 * 1024 * 1024):
+    """Time ``select_pages_gpu`` (bf16 index keys, scoring launch from CONFIG) for each
+    ``select_splits`` value at each (batch, context); also the top-k kernels alone
+    (``gpu._select_rows`` on precomputed raw scores). Every value's ids must equal the S = 1 ids.
+    Returns (rows, {value: geomean of select ms / S=1 select ms}, best value)."""
+    from pallas_kernels.decode import gpu
+    from pallas_kernels.decode.common import pad_rows
+    values = [1] + [v for v in values if v != 1]
+    rows = []
+    for b, ctx in cases:
+        npg = ctx // PAGE
+        reps = max(1, min(12, -(-l2_bytes // (b * ctx * DI * 2))))
+        steps = max(reps, min_steps)
+        p = reps * b * npg + 1
+        kib = fill((p, PAGE, DI), 3, jnp.bfloat16)
+        rng = np.random.default_rng(b * 7 + ctx)
+        tables = jnp.asarray(rng.permutation(np.arange(1, p)).reshape(reps, b, npg), jnp.int32)
+        qi = jax.random.normal(jax.random.PRNGKey(ctx + b), (steps, b, 1, G, DI), jnp.bfloat16)
+        pos = jnp.full((b, 1), ctx - 1, jnp.int32)
+        launch = gpu._score_launch(kib.dtype, None, None, None, None, None)
+
+        @jax.jit
+        def raw_scores(qi, ki, tables):
+            return jnp.stack([gpu._page_scores_raw(qi[r], ki, tables[r % reps], pos, None, interpret=interpret,
+                                                   **launch) for r in range(steps)])
+        raw = raw_scores(qi, kib, tables)                        # [steps, B, R, W]
+        pos_rows = pad_rows(jnp.repeat(pos, G, axis=1), 1, raw.shape[2], -1)
+        ids1 = None
+        for s in values:
+            row = dict(batch=b, context=ctx, select_splits=s, width=int(raw.shape[-1]),
+                       slices=gpu._resolve_select_splits(s, b, G, raw.shape[-1]) if s == "auto" else s)
+            try:
+                sel = jax.jit(lambda qi, ki, t, s=s: gpu.select_pages_gpu(qi, ki, t, pos, topk=K, interpret=interpret,
+                                                                         select_splits=s))
+                ids = np.asarray(sel(qi[0], kib, tables[0]))
+                ids1 = ids if s == 1 else ids1
+                row["match"] = bool(np.array_equal(ids, ids1))
+
+                def run(qi, ki, tables, s=s):
+                    acc = jnp.zeros((), jnp.int32)
+                    for r in range(steps):
+                        acc = acc + gpu.select_pages_gpu(qi[r], ki, tables[r % reps], pos, topk=K,
+                                                         interpret=interpret, select_splits=s)[0, 0, 0, 0]
+                    return acc
+
+                def topk_only(raw, s=s):
+                    acc = jnp.zeros((), jnp.int32)
+                    for r in range(steps):
+                        acc = acc + gpu._select_rows(raw[r], pos_rows, n_rows=G, page=PAGE, topk=K, init_blocks=0,
+                                                     local_blocks=1, interpret=interpret, splits=s)[0, 0, 0]
+                    return acc
+                t, n = timeit(jax.jit(run), qi, kib, tables, budget_s=0.3)
+                t2, _ = timeit(jax.jit(topk_only), raw, budget_s=0.3)
+                row.update(ms=t / steps * 1e3, topk_ms=t2 / steps * 1e3, calls=n)
+            except Exception as e:  # a value that does not compile / is invalid here: record it, go on
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del kib, raw
+    ratios, best = _geomean_best(rows, "select_splits", 1)
+    return rows, ratios, best
+
+
+def sweep_sparse_pps(cases, values, min_steps, mem_gib, interpret=False, l2_bytes=200 * 1024 * 1024):
+    """Time sparse (MSA) ``paged_attention_gpu`` for each ``sparse_pages_per_split`` value at each
+    (batch, context), over block ids from a real selection (bf16 index keys, one per step); o and
+    lse are checked against pps = 1. Returns (rows, {value: geomean of ms / pps=1 ms}, best value)."""
+    from pallas_kernels.decode import gpu
+    values = [1] + [v for v in values if v != 1]
+    rows = []
+    for b, ctx in cases:
+        npg = ctx // PAGE
+        reps = max(1, min(12, -(-l2_bytes // (b * ctx * DI * 2))))
+        steps = max(reps, min_steps)
+        p = reps * b * npg + 1
+        need = p * PAGE * (G * D * 2 * 2 + DI * 2) / GIB
+        if need > mem_gib:
+            rows.append(dict(batch=b, context=ctx, skipped=f"cache {need:.0f} GiB > {mem_gib} GiB"))
+            print(json.dumps(rows[-1]), flush=True)
+            continue
+        kp = fill((G, p, PAGE, D), 1, jnp.bfloat16)
+        vp = fill((G, p, PAGE, D), 2, jnp.bfloat16)
+        kib = fill((p, PAGE, DI), 3, jnp.bfloat16)
+        rng = np.random.default_rng(b * 7 + ctx)
+        tables = jnp.asarray(rng.permutation(np.arange(1, p)).reshape(reps, b, npg), jnp.int32)
+        kq = jax.random.split(jax.random.PRNGKey(ctx + b), 2)
+        q = jax.random.normal(kq[0], (steps, b, 1, H, D), jnp.bfloat16)
+        qi = jax.random.normal(kq[1], (steps, b, 1, G, DI), jnp.bfloat16)
+        pos = jnp.full((b, 1), ctx - 1, jnp.int32)
+        sel = jax.jit(lambda qi, t: gpu.select_pages_gpu(qi, kib, t, pos, topk=K, interpret=interpret))
+        ids = jnp.stack([sel(qi[r], tables[r % reps]) for r in range(steps)])   # [steps, B, G, 1, K]
+        del kib
+        ref = None
+        for pps in values:
+            row = dict(batch=b, context=ctx, sparse_pps=pps)
+            try:
+                att = jax.jit(lambda q, kp, vp, t, i, pps=pps: gpu.paged_attention_gpu(
+                    q, kp, vp, t, pos, block_ids=i, interpret=interpret, sparse_pages_per_split=pps))
+                o, lse = att(q[0], kp, vp, tables[0], ids[0])
+                o = np.asarray(o.astype(jnp.float32))
+                lse = np.asarray(lse)
+                ref = (o, lse) if pps == 1 else ref
+                row.update(o_maxerr=float(np.max(np.abs(o - ref[0]))), lse_maxerr=float(np.max(np.abs(lse - ref[1]))))
+                row["match"] = bool(row["o_maxerr"] < 2e-2 and row["lse_maxerr"] < 1e-3)
+
+                def run(q, kp, vp, tables, ids, pps=pps):
+                    acc = jnp.zeros((), jnp.float32)
+                    for r in range(steps):
+                        o, _ = gpu.paged_attention_gpu(q[r], kp, vp, tables[r % reps], pos, block_ids=ids[r],
+                                                       interpret=interpret, sparse_pages_per_split=pps)
+                        acc = acc + o[0, 0, 0, 0].astype(jnp.float32)
+                    return acc
+                t, n = timeit(jax.jit(run), q, kp, vp, tables, ids, budget_s=0.3)
+                row.update(ms=t / steps * 1e3, calls=n)
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del kp, vp
+    ratios, best = _geomean_best([r for r in rows if "skipped" not in r], "sparse_pps", 1)
+    return rows, ratios, best
+
+
 # ----------------------------------------------------------------------------- timing
 
 def bench_one(b, ctx, min_steps, impl, l2_bytes=200 * 1024 * 1024, dry=False):
@@ -261,6 +417,14 @@ def main():
     ap.add_argument("--sweep-scores", default="",
                     help="batch x context cases, e.g. 32x1048576,1x1048576: sweep the scoring kernel's launch "
                          "configs there first and time the table with the best (bf16 and fp8 separately)")
+    ap.add_argument("--sweep-cases", default="32x1048576,1x1048576",
+                    help="batch x context cases of --sweep-select / --sweep-sparse-pps when --sweep-scores is not given")
+    ap.add_argument("--sweep-select", default="",
+                    help="select_splits values, e.g. 1,2,4,8,16,auto: time select_pages_gpu with each (ids must equal "
+                         "S=1's) and keep the best geometric mean in gpu.CONFIG['select_splits'] for the rest of the run")
+    ap.add_argument("--sweep-sparse-pps", default="",
+                    help="sparse_pages_per_split values, e.g. 1,2,4,8: time sparse paged_attention_gpu with each (o/lse "
+                         "checked against pps=1) and keep the best in gpu.CONFIG['sparse_pps']")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     rng = np.random.default_rng(int(time.time()))
@@ -307,6 +471,30 @@ def main():
         print("score sweep best:", json.dumps(best), "-> CONFIG", json.dumps(gpu.CONFIG), flush=True)
         out["check_tuned"] = check(impl, rng)
         print("check with the tuned configs:", json.dumps(out["check_tuned"]), flush=True)
+    # GPU: the real kernels; CPU with --smoke: the same plumbing with the kernels in interpret mode.
+    sweep_interp = impl != "pallas_gpu"
+    sweep_cases = _parse_cases(a.sweep_scores or a.sweep_cases)
+    if a.sweep_select and (impl == "pallas_gpu" or a.smoke):
+        from pallas_kernels.decode import gpu
+        before = gpu.CONFIG["select_splits"]
+        sel_rows, ratios, best = sweep_select(sweep_cases, _parse_values(a.sweep_select), a.steps,
+                                              interpret=sweep_interp, **({"l2_bytes": 1} if sweep_interp else {}))
+        gpu.CONFIG["select_splits"] = best
+        out["select_sweep"] = {"rows": sel_rows, "geomean_vs_s1": ratios, "best": best, "before": before}
+        print("select sweep (geomean select ms / S=1):", json.dumps(ratios), f"-> CONFIG select_splits={best!r}",
+              flush=True)
+    if a.sweep_sparse_pps and (impl == "pallas_gpu" or a.smoke):
+        from pallas_kernels.decode import gpu
+        before = gpu.CONFIG["sparse_pps"]
+        pps_rows, ratios, best = sweep_sparse_pps(sweep_cases, _parse_values(a.sweep_sparse_pps), a.steps, a.mem_gib,
+                                                  interpret=sweep_interp, **({"l2_bytes": 1} if sweep_interp else {}))
+        gpu.CONFIG["sparse_pps"] = best
+        out["sparse_pps_sweep"] = {"rows": pps_rows, "geomean_vs_pps1": ratios, "best": best, "before": before}
+        print("sparse pps sweep (geomean attention ms / pps=1):", json.dumps(ratios), f"-> CONFIG sparse_pps={best!r}",
+              flush=True)
+    if impl == "pallas_gpu":
+        from pallas_kernels.decode import gpu
+        out["gpu_config"] = dict(gpu.CONFIG)
     out["implementations"] = implementation_report()
     out["hbm_copy_gbps"] = hbm_copy_bandwidth(64 << 20 if a.smoke else 4 * GIB) / 1e9
     print(f"HBM copy (x+1 bf16, read+write): {out['hbm_copy_gbps']:.0f} GB/s", flush=True)

@@ -2,7 +2,8 @@
 
 GPU: Pallas -> Triton IR through ``.lower(lowering_platforms=("cuda",))`` (the final Triton
 compile needs the GPU). TPU: ``jax.export`` for platform "tpu" runs Mosaic's lowering and catches
-layout errors (block shapes, unsupported ops). bf16 and fp8 e4m3 caches, dense and sparse modes.
+layout errors (block shapes, unsupported ops). bf16 and fp8 e4m3 caches, dense and sparse modes
+(GPU: also the split top-k selection and sparse attention with several pages per program).
 """
 
 from __future__ import annotations
@@ -42,8 +43,15 @@ def test_gpu_kernels_lower_to_triton(dt):
     assert txt.count("__gpu$xla.gpu.triton") == 2           # scoring + selection kernels
     txt = _cuda_text(lambda *a: select_pages_gpu(*a, topk=K, unroll=4, num_stages=4, f16=True), _index_args(dt))
     assert txt.count("__gpu$xla.gpu.triton") == 2           # the unrolled scoring variant
+    txt = _cuda_text(lambda *a: select_pages_gpu(*a, topk=K, select_splits=4, init_blocks=1, local_blocks=2),
+                     _index_args(dt))
+    assert txt.count("__gpu$xla.gpu.triton") == 3           # scoring + split top-k (slices, merge)
     for sparse in (False, True):
         txt = _cuda_text(lambda *a: paged_attention_gpu(*a), _attn_args(dt, sparse))
+        assert "__gpu$xla.gpu.triton" in txt
+    for loop in ("dynamic", "static"):                       # sparse, 4 selected pages per program
+        txt = _cuda_text(lambda *a: paged_attention_gpu(*a, sparse_pages_per_split=4, loop=loop),
+                         _attn_args(dt, True))
         assert "__gpu$xla.gpu.triton" in txt
 
 

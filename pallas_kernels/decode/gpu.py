@@ -13,13 +13,16 @@ skipped (never read). fp8 index keys are dequantised by a per-token scale applie
 ``select_pages_gpu``: the scoring kernel, then one selection program per (request, row x group)
 that holds the row's page scores in registers and extracts the best page ``K - 1`` times (ties to
 the lower id; forced pages first; the local page in the last valid slot): no sort, no XLA top-k.
+With ``select_splits`` S > 1 the selection runs in two stages: S programs per row each take the
+top-(K-1) of one slice of the row's pages, then one program per row takes the top-(K-1) of the S
+candidate lists (exact: same ids as S = 1).
 
 ``paged_attention_gpu``: split-KV flash decoding. One program per (request x kv group, row block,
 split); a split walks ``pps`` pages with an online softmax (all H/G heads of the group, and in
 dense mode all Q rows, stacked as the matmul M dimension) and writes a normalised partial output
 and its log-sum-exp; ``combine_splits`` merges them. Dense mode walks logical pages in order (pages
 past the longest row are skipped); sparse (MSA) mode walks each row's selected logical page ids
-(``-1`` slots skipped), one page per split.
+(``-1`` slots skipped), ``sparse_pps`` slots per split (default one).
 """
 
 from __future__ import annotations
@@ -46,8 +49,15 @@ _NEG = -1e30
 # Scoring defaults: the best geometric mean over batch 32 and batch 1 at 1M tokens of
 # bench/msa_decode.py --sweep-scores on one H200 (BENCHMARKS.md, session 8, second sweep: bf16 1.08x,
 # fp8 1.38x over the previous defaults; fp8 gains most from the f16 product).
+# "select_splits": slices per score row of the top-k selection (``_select_rows``): 1 = one program
+# per row (single stage), a power of two S > 1 = two-stage split top-k, "auto" = the largest power of
+# two S with W / S >= 512 pages per slice and B * rows * S <= 4096 programs (``_auto_select_splits``).
+# Left at 1 until measured on a GPU (bench/msa_decode.py --sweep-select).
+# "sparse_pps": selected-page slots per program of sparse (MSA) attention (a power of two; 1 = one
+# page per split). Left at 1 until measured (bench/msa_decode.py --sweep-sparse-pps).
 CONFIG = {"loop": "dynamic", "score_warps": 4, "score_stages": 2, "score_unroll": 1, "score_ppp": 4,
-          "score_fp8": {"f16": True, "num_stages": 3, "unroll": 1, "ppp": 4}, "attn_warps": 4, "attn_stages": 2}
+          "score_fp8": {"f16": True, "num_stages": 3, "unroll": 1, "ppp": 4}, "attn_warps": 4, "attn_stages": 2,
+          "select_splits": 1, "sparse_pps": 1}
 
 
 def _precision(a):
@@ -173,6 +183,9 @@ def _page_scores(qi, ki_pages, page_table, q_positions, ki_scale, *, interpret, 
 
 # ----------------------------------------------------------------------------- selection
 
+_NO_ID = 1 << 30     # id of an unused candidate slot (above every page id)
+
+
 def _select_kernel(sc_ref, pos_ref, o_ref, *, page, topk, init_blocks, local_blocks):
     b = pl.program_id(0)
     r = pl.program_id(1)
@@ -197,25 +210,151 @@ def _select_kernel(sc_ref, pos_ref, o_ref, *, page, topk, init_blocks, local_blo
     o_ref[b, r, :] = out
 
 
+def _select_slice_kernel(sc_ref, pos_ref, v_ref, i_ref, *, page, n_ranked, kp, width, init_blocks, local_blocks):
+    """Stage A of the split top-k: program (b, r, s) ranks pages ``[s * width, (s + 1) * width)``.
+
+    Same masks as ``_select_kernel`` on the global page ids (the local page and later pages are not
+    "before", hence -inf and never taken); writes the slice's best ``n_ranked`` (value desc, id asc)
+    as values ``v_ref[b, r, s] [kp]`` f32 and ids ``i_ref[b, r, s] [kp]`` int32, unused slots
+    ``-inf`` / ``_NO_ID``.
+    """
+    b = pl.program_id(0)
+    r = pl.program_id(1)
+    s = pl.program_id(2)
+    x = sc_ref[b, r, pl.ds(s * width, width)]                # [width] f32
+    pos = pos_ref[b, r]
+    local = jnp.where(pos >= 0, pos // page, -1)
+    ids = s * width + jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)
+    before = ids < local
+    forced = before & ((ids < init_blocks) | (ids > local - local_blocks))
+    x = jnp.where(forced, jnp.inf, jnp.where(before, x, -jnp.inf))
+    slot = jax.lax.broadcasted_iota(jnp.int32, (kp,), 0)
+    vals = jnp.full((kp,), -jnp.inf, jnp.float32)
+    out = jnp.full((kp,), _NO_ID, jnp.int32)
+    for k in range(n_ranked):                                # best remaining, ties -> lowest id
+        m = jnp.max(x)
+        am = jnp.min(jnp.where(x == m, ids, jnp.int32(_NO_ID)))
+        put = (slot == k) & (m > -jnp.inf)
+        vals = jnp.where(put, m, vals)
+        out = jnp.where(put, am, out)
+        x = jnp.where(ids == am, -jnp.inf, x)
+    v_ref[b, r, s, :] = vals
+    i_ref[b, r, s, :] = out
+
+
+def _select_merge_kernel(v_ref, i_ref, pos_ref, o_ref, *, page, topk):
+    """Stage B of the split top-k: program (b, r) extracts the best ``topk - 1`` of the row's
+    ``S * kp`` candidates (value desc, id asc: forced ``+inf`` pages first in ascending id) and puts
+    the local page after the last valid one, exactly as ``_select_kernel``."""
+    b = pl.program_id(0)
+    r = pl.program_id(1)
+    x = v_ref[b, r, :]                                       # [S * kp] f32
+    ids = i_ref[b, r, :]                                     # [S * kp] int32 (global page ids)
+    pos = pos_ref[b, r]
+    local = jnp.where(pos >= 0, pos // page, -1)
+    slot = jax.lax.broadcasted_iota(jnp.int32, (topk,), 0)
+    out = jnp.full((topk,), -1, jnp.int32)
+    n_valid = jnp.int32(0)
+    for k in range(topk - 1):
+        m = jnp.max(x)
+        am = jnp.min(jnp.where(x == m, ids, jnp.int32(_NO_ID)))
+        take = m > -jnp.inf
+        out = jnp.where((slot == k) & take, am, out)
+        n_valid = n_valid + take.astype(jnp.int32)
+        x = jnp.where(ids == am, -jnp.inf, x)
+    out = jnp.where((slot == n_valid) & (local >= 0), local, out)
+    o_ref[b, r, :] = out
+
+
+def _auto_select_splits(b: int, rows: int, width: int) -> int:
+    """``select_splits="auto"``: the largest power of two S with ``width / S >= 512`` pages per slice
+    and ``b * rows * S <= 4096`` stage-A programs (1 when ``width < 1024``)."""
+    s = 1
+    while width // (2 * s) >= 512 and b * rows * 2 * s <= 4096:
+        s *= 2
+    return s
+
+
+def _resolve_select_splits(splits, b: int, rows: int, width: int) -> int:
+    """Slices per score row for ``_select_rows``; raises ValueError for a bad value."""
+    if splits == "auto":
+        return _auto_select_splits(b, rows, width)
+    if isinstance(splits, bool) or not isinstance(splits, int) or splits < 1 or splits & (splits - 1):
+        raise ValueError(f"select_splits must be a power of two >= 1 or 'auto', got {splits!r}")
+    if splits > width:
+        raise ValueError(f"select_splits ({splits}) exceeds the padded score width ({width} pages): "
+                         f"at most {width} slices of one page each")
+    return splits
+
+
+def _select_rows(raw, pos, *, n_rows, page, topk, init_blocks, local_blocks, interpret, splits=1):
+    """Top-(K-1) selection plus the local page from raw page scores.
+
+    Args: raw ``[B, R, W]`` f32 page scores (only pages before each row's local page are read:
+      the rest may hold junk); pos ``[B, R]`` int32 row positions (-1 = padding row); n_rows: rows
+      ``< n_rows`` are selected (the rest are padding); splits: ``select_splits`` (a power of two
+      ``<= W``, or "auto", see ``_auto_select_splits``). S = 1: one program per row holds the whole
+      row (``_select_kernel``). S > 1: stage A, grid (B, n_rows, S), takes each slice's top-(K-1)
+      as ``[B, n_rows, S, KP]`` f32 values / int32 ids (KP = next power of two >= K - 1); stage B,
+      grid (B, n_rows), takes the top-(K-1) of the ``S * KP`` candidates. Exact: under the strict
+      total order (value desc, id asc) every member of the row's top-(K-1) has fewer than K - 1
+      better pages in its own slice, so it is among that slice's candidates, and the top-(K-1) of
+      a subset holding the global top-(K-1) is the global top-(K-1) (in the same order; valid
+      counts equal too, so the local page lands in the same slot).
+    Returns: ``[B, n_rows, K]`` int32 logical page ids (forced pages first in ascending id, then by
+      score, the local page in the last valid slot, -1 after).
+    Raises ValueError for a bad ``splits``.
+    """
+    b, _, width = raw.shape
+    s = _resolve_select_splits(splits, b, n_rows, width)
+    if s == 1:
+        kernel = functools.partial(_select_kernel, page=page, topk=topk, init_blocks=init_blocks,
+                                   local_blocks=local_blocks)
+        ids = pl.pallas_call(
+            kernel, grid=(b, n_rows),
+            out_shape=jax.ShapeDtypeStruct((b, raw.shape[1], topk), jnp.int32),
+            compiler_params=pltriton.CompilerParams(num_warps=8 if width >= 4096 else 4, num_stages=1),
+            interpret=interpret, name="msa_decode_select_topk",
+        )(raw, pos)
+        return ids[:, :n_rows]
+    wp = next_pow2(width)                                    # W is a power of two today; pad otherwise
+    if wp != width:
+        raw = pad_rows(raw, 2, wp, -jnp.inf)
+    ws = wp // s
+    kp = next_pow2(topk - 1)
+    kernel = functools.partial(_select_slice_kernel, page=page, n_ranked=topk - 1, kp=kp, width=ws,
+                               init_blocks=init_blocks, local_blocks=local_blocks)
+    vals, cids = pl.pallas_call(
+        kernel, grid=(b, n_rows, s),
+        out_shape=[jax.ShapeDtypeStruct((b, n_rows, s, kp), jnp.float32),
+                   jax.ShapeDtypeStruct((b, n_rows, s, kp), jnp.int32)],
+        compiler_params=pltriton.CompilerParams(num_warps=8 if ws >= 4096 else 4, num_stages=1),
+        interpret=interpret, name="msa_decode_select_topk_slices",
+    )(raw, pos)
+    kernel = functools.partial(_select_merge_kernel, page=page, topk=topk)
+    return pl.pallas_call(
+        kernel, grid=(b, n_rows),
+        out_shape=jax.ShapeDtypeStruct((b, n_rows, topk), jnp.int32),
+        compiler_params=pltriton.CompilerParams(num_warps=8 if s * kp >= 4096 else 4, num_stages=1),
+        interpret=interpret, name="msa_decode_select_topk_merge",
+    )(vals.reshape(b, n_rows, s * kp), cids.reshape(b, n_rows, s * kp), pos)
+
+
 @functools.partial(jax.jit, static_argnames=("page", "topk", "init_blocks", "local_blocks", "interpret",
-                                             "ppp", "num_warps", "num_stages", "loop", "unroll", "f16"))
+                                             "ppp", "num_warps", "num_stages", "loop", "unroll", "f16",
+                                             "select_splits"))
 def _select(qi, ki_pages, page_table, q_positions, ki_scale, *, page, topk, init_blocks, local_blocks,
-            interpret, ppp, num_warps, num_stages, loop, unroll, f16):
+            interpret, ppp, num_warps, num_stages, loop, unroll, f16, select_splits=1):
+    """Page scores (``_page_scores_raw``) then ``_select_rows``: ids ``[B, Hi, Q, K]`` int32."""
     b, nq, hi, _ = qi.shape
     raw = _page_scores_raw(qi, ki_pages, page_table, q_positions, ki_scale, interpret=interpret, ppp=ppp,
                            num_warps=num_warps, num_stages=num_stages, loop=loop, unroll=unroll,
                            f16=f16)   # [B, R, W]
-    r, width = raw.shape[1], raw.shape[2]
+    r = raw.shape[1]
     pos = pad_rows(jnp.repeat(q_positions, hi, axis=1), 1, r, -1).astype(jnp.int32)  # row = q * hi + h
-    kernel = functools.partial(_select_kernel, page=page, topk=topk, init_blocks=init_blocks,
-                               local_blocks=local_blocks)
-    ids = pl.pallas_call(
-        kernel, grid=(b, nq * hi),
-        out_shape=jax.ShapeDtypeStruct((b, r, topk), jnp.int32),
-        compiler_params=pltriton.CompilerParams(num_warps=8 if width >= 4096 else 4, num_stages=1),
-        interpret=interpret, name="msa_decode_select_topk",
-    )(raw, pos)
-    return ids[:, : nq * hi].reshape(b, nq, hi, topk).transpose(0, 2, 1, 3)
+    ids = _select_rows(raw, pos, n_rows=nq * hi, page=page, topk=topk, init_blocks=init_blocks,
+                       local_blocks=local_blocks, interpret=interpret, splits=select_splits)
+    return ids.reshape(b, nq, hi, topk).transpose(0, 2, 1, 3)
 
 
 # ----------------------------------------------------------------------------- attention
@@ -264,14 +403,18 @@ def _attn_kernel(pt_ref, pos_ref, lim_ref, ids_ref, q_ref, k_ref, v_ref, *rest, 
         return acc, m_next, l_next
 
     # Dynamic trip counts (scf.for): dense splits stop at the last needed page; a sparse split
-    # visits its one slot only when it holds a page (-1 = empty).
+    # visits its one slot only when it holds a page (-1 = empty), or with pps > 1 its slots up to
+    # the last one holding a page (-1 slots before it are masked).
     # ("static": a fixed pps-step loop; slots past the end are masked.)
     if loop != "dynamic":
         n_iter = pps
     elif dense:
         n_iter = jnp.clip(lim_ref[b] - sp * pps, 0, pps)
-    else:
+    elif pps == 1:
         n_iter = jnp.where(ids_ref[b, g, r, sp] >= 0, jnp.int32(1), jnp.int32(0))
+    else:
+        slots = ids_ref[b, g, r, pl.ds(sp * pps, pps)]     # [pps]
+        n_iter = jnp.max(jnp.where(slots >= 0, jax.lax.broadcasted_iota(jnp.int32, (pps,), 0) + 1, 0))
     acc0 = jnp.zeros((m_rows, d), jnp.float32)
     m0 = jnp.full((m_rows,), _NEG, jnp.float32)
     l0 = jnp.zeros((m_rows,), jnp.float32)
@@ -282,16 +425,24 @@ def _attn_kernel(pt_ref, pos_ref, lim_ref, ids_ref, q_ref, k_ref, v_ref, *rest, 
     l_ref[b, g, r, sp] = jnp.where(l_i == 0.0, -jnp.inf, m_i + jnp.log(l_safe))
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "pages_per_split", "num_warps", "num_stages", "loop"))
+@functools.partial(jax.jit, static_argnames=("interpret", "pages_per_split", "num_warps", "num_stages", "loop",
+                                             "sparse_pages_per_split"))
 def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_scale, block_ids, *, interpret,
-                     pages_per_split, num_warps, num_stages, loop):
+                     pages_per_split, num_warps, num_stages, loop, sparse_pages_per_split=1):
     """Split-KV paged decode attention (dense, or sparse over ``block_ids``).
 
     Args: as ``minimax_jax.decode.ops.paged_attention`` (q ``[B,Q,H,D]``, pages ``[G,P,page,D]``,
       page_table ``[B,NP]``, q_positions ``[B,Q]``, scales ``[G,P,page]`` or None, block_ids
       ``[B,G,Q,K]`` or None); pages_per_split: dense-mode pages per program;
-      num_warps / num_stages / loop: launch variant, None = ``CONFIG``.
+      num_warps / num_stages / loop: launch variant, None = ``CONFIG``;
+      sparse_pages_per_split: sparse-mode ``block_ids`` slots per program (pps, a power of two >= 1;
+      ``ceil(K / pps)`` splits, block_ids padded with -1 to a multiple of pps). pps = 1: one slot per
+      split (the page is read only when the slot holds one). pps > 1: with loop "dynamic" a split
+      walks its slots up to its last valid one (selections put valid slots first), skipping none
+      before it but masking -1 slots; "static" walks all pps slots, masked. Same result as pps = 1
+      up to float rounding (another split / log-sum-exp grouping).
     Returns: ``(o [B,Q,H,D] q.dtype, lse [B,Q,H] f32)``.
+    Raises ValueError for a sparse_pages_per_split that is not a power of two >= 1.
     """
     b, nq, h, d = q.shape
     g, n_phys, page, _ = k_pages.shape
@@ -308,9 +459,14 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_sc
         lim = jnp.clip(jnp.max(q_positions, axis=1) // page + 1, 0, npg).astype(jnp.int32)
         ids = jnp.zeros((1, 1, 1, 1), jnp.int32)
     else:
-        pps, nsplit = 1, block_ids.shape[-1]
+        pps = sparse_pages_per_split
+        if isinstance(pps, bool) or not isinstance(pps, int) or pps < 1 or pps & (pps - 1):
+            raise ValueError(f"sparse_pages_per_split must be a power of two >= 1, got {pps!r}")
+        nsplit = -(-block_ids.shape[-1] // pps)
         lim = jnp.zeros((b,), jnp.int32)
         ids = block_ids.astype(jnp.int32)
+        if nsplit * pps != ids.shape[-1]:
+            ids = pad_rows(ids, 3, nsplit * pps, -1)
     args = [page_table.astype(jnp.int32), pos, lim, ids, qr,
             k_pages.reshape(g, n_phys * page, d), v_pages.reshape(g, n_phys * page, d)]
     if k_scale is not None:
@@ -352,24 +508,40 @@ def page_scores_gpu(qi, ki_pages, page_table, q_positions, ki_scale=None, *, int
 
 
 def paged_attention_gpu(q, k_pages, v_pages, page_table, q_positions, k_scale=None, v_scale=None, block_ids=None,
-                        *, interpret=False, pages_per_split=None, num_warps=None, num_stages=None, loop=None):
-    """See ``_paged_attention``; launch parameters left as None come from ``CONFIG``."""
+                        *, interpret=False, pages_per_split=None, num_warps=None, num_stages=None, loop=None,
+                        sparse_pages_per_split=None):
+    """See ``_paged_attention``; launch parameters left as None come from ``CONFIG``
+    (``sparse_pages_per_split``: ``CONFIG["sparse_pps"]``)."""
     return _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_scale, block_ids,
                             interpret=interpret, pages_per_split=pages_per_split,
                             num_warps=num_warps or CONFIG["attn_warps"],
-                            num_stages=num_stages or CONFIG["attn_stages"], loop=loop or CONFIG["loop"])
+                            num_stages=num_stages or CONFIG["attn_stages"], loop=loop or CONFIG["loop"],
+                            sparse_pages_per_split=(CONFIG.get("sparse_pps", 1) if sparse_pages_per_split is None
+                                                    else sparse_pages_per_split))
 
 
 def select_pages_gpu(qi, ki_pages, page_table, q_positions, ki_scale=None, *, topk, init_blocks=0, local_blocks=1,
                      interpret=False, ppp=None, num_warps=None, num_stages=None, loop=None, unroll=None,
-                     f16=None):
+                     f16=None, select_splits=None):
     """Page scoring plus in-kernel top-(K-1) selection: logical page ids ``[B, Hi, Q, K]`` int32.
 
-    Same sets and order as ``minimax_jax.decode.ops.select_from_page_scores`` (forced pages first in
-    ascending id, then by score descending with ties to the lower id, the local page in the last
-    valid slot, ``-1`` after). One selection program per (request, row x group) keeps the row's
-    page scores in registers and extracts the maximum ``K - 1`` times (no sort).
+    Args: qi ``[B, Q, Hi, Di]``; ki_pages ``[P, page, Di]``; page_table ``[B, NP]`` int32;
+      q_positions ``[B, Q]`` int32 (-1 = padding row); ki_scale ``[P, page]`` f32 or None; topk,
+      init_blocks, local_blocks: as ``minimax_jax.decode.ops.msa_decode_select``; ppp ... f16: the
+      scoring kernel's launch (``_page_scores_raw``); select_splits: slices per score row of the
+      selection, a power of two S (at most the padded page width W) or "auto"; None =
+      ``CONFIG["select_splits"]``. S = 1: one program per (request, row x group) keeps the row's page
+      scores in registers and extracts the maximum ``K - 1`` times (no sort). S > 1: S programs per
+      row each select from ``W / S`` pages, then one program per row merges the ``S`` candidate lists
+      (``_select_rows``); the ids are exactly those of S = 1 for every input (ties included).
+    Returns the same sets and order as ``minimax_jax.decode.ops.select_from_page_scores`` (forced
+    pages first in ascending id, then by score descending with ties to the lower id, the local page
+    in the last valid slot, ``-1`` after).
+    Raises ValueError for a bad ``select_splits`` (not a power of two >= 1 / "auto", or above W).
     """
+    if select_splits is None:
+        select_splits = CONFIG.get("select_splits", 1)
     return _select(qi, ki_pages, page_table, q_positions, ki_scale, page=ki_pages.shape[1], topk=topk,
                    init_blocks=init_blocks, local_blocks=local_blocks, interpret=interpret,
+                   select_splits=select_splits,
                    **_score_launch(ki_pages.dtype, ppp, num_warps, num_stages, loop, unroll, f16))
