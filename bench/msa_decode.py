@@ -69,6 +69,15 @@ def fill(shape, seed, dtype):
     return f()
 
 
+def case_sizes(b, ctx, min_steps, l2_bytes):
+    """(pages per request, cache replicas, steps per timed call, physical pages) of one (batch, context):
+    enough replicas (at most 12) that the index keys the timed steps read exceed ``l2_bytes``
+    (rotating through them measures HBM, not the L2), and at least one step per replica."""
+    npg = ctx // PAGE
+    reps = max(1, min(12, -(-l2_bytes // (b * ctx * DI * 2))))
+    return npg, reps, max(reps, min_steps), reps * b * npg + 1
+
+
 def timeit(f, *args, budget_s=0.5, max_reps=12):
     jax.block_until_ready(f(*args))
     times = []
@@ -125,27 +134,36 @@ def check(impl, rng, interpret=False):
 
 # ----------------------------------------------------------------------------- scoring-kernel sweep
 
-def score_candidates(label):
-    """Launch configs of the scoring kernel to sweep (``pallas_kernels.decode.gpu._score_launch`` keys);
-    label "fp8" adds the f16-compute variants. Session 8's first sweep (BENCHMARKS.md): unroll 2 with
-    8 pages per program led; 8 warps and 64-128 pages per program lost."""
+SCORE_FAMILIES = ("wide", "narrow")
+
+
+def score_candidates(label, family="wide"):
+    """Launch configs of the scoring kernel to sweep (``pallas_kernels.decode.gpu._score_launch`` keys).
+
+    family "wide": 4 warps, unroll x stages x pages per program (label "fp8" adds the f16-compute
+    variants); session 8's sweeps (BENCHMARKS.md): unroll 1-2 with 4-8 pages per program led, 8 warps and
+    64-128 pages per program lost. family "narrow": 1 or 2 warps per program (a [16, page] score tile
+    whose max over the page's tokens needs no cross-warp reduction with one warp), stages 2-4, 4 or 8
+    pages per program; fp8 only with the f16 product (session 8: always better)."""
+    if family not in SCORE_FAMILIES:
+        raise ValueError(f"unknown score family {family!r}; known: {SCORE_FAMILIES}")
+    if family == "narrow":
+        c = [dict(num_warps=w, num_stages=st, unroll=1, ppp=p) for w in (1, 2) for st in (2, 3, 4) for p in (4, 8)]
+        return [dict(x, f16=True) for x in c] if label == "fp8" else c
     c = [dict(num_warps=4, num_stages=st, unroll=u, ppp=p) for u in (1, 2, 4) for st in (2, 3) for p in (4, 8, 16)]
     if label == "fp8":
         c += [dict(x, f16=True) for x in c]
     return c
 
 
-def sweep_scores(cases, min_steps, l2_bytes=200 * 1024 * 1024):
+def sweep_scores(cases, min_steps, l2_bytes=200 * 1024 * 1024, family="wide"):
     """Time the page-scoring kernel for each candidate config, bf16 and fp8 index keys, at each
     (batch, context) of ``cases``; returns (rows, best {"bf16", "fp8"} -> config dict). The best config
     minimises the geometric mean over the cases of time / time of the current default."""
     from pallas_kernels.decode import gpu
     rows, best = [], {}
     for b, ctx in cases:
-        npg = ctx // PAGE
-        reps = max(1, min(12, -(-l2_bytes // (b * ctx * DI * 2))))
-        steps = max(reps, min_steps)
-        p = reps * b * npg + 1
+        npg, reps, steps, p = case_sizes(b, ctx, min_steps, l2_bytes)
         kib = fill((p, PAGE, DI), 3, jnp.bfloat16)
         ki8, ks8 = jax.jit(lambda x: quantize(x, "float8_e4m3fn"))(kib)
         rng = np.random.default_rng(b * 7 + ctx)
@@ -153,7 +171,7 @@ def sweep_scores(cases, min_steps, l2_bytes=200 * 1024 * 1024):
         qi = jax.random.normal(jax.random.PRNGKey(ctx + b), (steps, b, 1, G, DI), jnp.bfloat16)
         pos = jnp.full((b, 1), ctx - 1, jnp.int32)
         for label, ki, ks, nbytes in (("bf16", kib, None, b * ctx * DI * 2), ("fp8", ki8, ks8, b * ctx * (DI + 4))):
-            for cfg in [None] + score_candidates(label):
+            for cfg in [None] + score_candidates(label, family):
                 def run(qi, ki, ks, tables, cfg=cfg):
                     acc = jnp.zeros((), jnp.float32)
                     for r in range(steps):
@@ -220,10 +238,7 @@ def sweep_select(cases, values, min_steps, interpret=False, l2_bytes=200 * 1024 
     values = [1] + [v for v in values if v != 1]
     rows = []
     for b, ctx in cases:
-        npg = ctx // PAGE
-        reps = max(1, min(12, -(-l2_bytes // (b * ctx * DI * 2))))
-        steps = max(reps, min_steps)
-        p = reps * b * npg + 1
+        npg, reps, steps, p = case_sizes(b, ctx, min_steps, l2_bytes)
         kib = fill((p, PAGE, DI), 3, jnp.bfloat16)
         rng = np.random.default_rng(b * 7 + ctx)
         tables = jnp.asarray(rng.permutation(np.arange(1, p)).reshape(reps, b, npg), jnp.int32)
@@ -281,10 +296,7 @@ def sweep_sparse_pps(cases, values, min_steps, mem_gib, interpret=False, l2_byte
     values = [1] + [v for v in values if v != 1]
     rows = []
     for b, ctx in cases:
-        npg = ctx // PAGE
-        reps = max(1, min(12, -(-l2_bytes // (b * ctx * DI * 2))))
-        steps = max(reps, min_steps)
-        p = reps * b * npg + 1
+        npg, reps, steps, p = case_sizes(b, ctx, min_steps, l2_bytes)
         need = p * PAGE * (G * D * 2 * 2 + DI * 2) / GIB
         if need > mem_gib:
             rows.append(dict(batch=b, context=ctx, skipped=f"cache {need:.0f} GiB > {mem_gib} GiB"))
@@ -299,8 +311,10 @@ def sweep_sparse_pps(cases, values, min_steps, mem_gib, interpret=False, l2_byte
         q = jax.random.normal(kq[0], (steps, b, 1, H, D), jnp.bfloat16)
         qi = jax.random.normal(kq[1], (steps, b, 1, G, DI), jnp.bfloat16)
         pos = jnp.full((b, 1), ctx - 1, jnp.int32)
-        sel = jax.jit(lambda qi, t: gpu.select_pages_gpu(qi, kib, t, pos, topk=K, interpret=interpret))
-        ids = jnp.stack([sel(qi[r], tables[r % reps]) for r in range(steps)])   # [steps, B, G, 1, K]
+        # kib is an argument, not a closure: a captured array becomes an XLA constant (an 8.6 GB copy
+        # at batch 32 x 1M, after which the sweep's first attention call failed on the H200, session 10).
+        sel = jax.jit(lambda qi, ki, t: gpu.select_pages_gpu(qi, ki, t, pos, topk=K, interpret=interpret))
+        ids = jnp.stack([sel(qi[r], kib, tables[r % reps]) for r in range(steps)])   # [steps, B, G, 1, K]
         del kib
         ref = None
         for pps in values:
@@ -336,11 +350,8 @@ def sweep_sparse_pps(cases, values, min_steps, mem_gib, interpret=False, l2_byte
 # ----------------------------------------------------------------------------- timing
 
 def bench_one(b, ctx, min_steps, impl, l2_bytes=200 * 1024 * 1024, dry=False):
-    npg = ctx // PAGE
     kv_bytes = b * ctx * G * D * 2 * 2
-    reps = max(1, min(12, -(-l2_bytes // (b * ctx * DI * 2))))    # replicas: index keys exceed the L2
-    steps = max(reps, min_steps)
-    p = reps * b * npg + 1
+    npg, reps, steps, p = case_sizes(b, ctx, min_steps, l2_bytes)
     need = p * PAGE * (G * D * 2 * 2 + DI * 2 + DI + 4)
     row = dict(batch=b, context=ctx, replicas=reps, steps_per_call=steps, cache_gib=need / GIB)
     if dry:
@@ -417,6 +428,9 @@ def main():
     ap.add_argument("--sweep-scores", default="",
                     help="batch x context cases, e.g. 32x1048576,1x1048576: sweep the scoring kernel's launch "
                          "configs there first and time the table with the best (bf16 and fp8 separately)")
+    ap.add_argument("--score-family", default="wide", choices=SCORE_FAMILIES,
+                    help="launch configs that --sweep-scores times (score_candidates): wide = 4 warps x unroll x "
+                         "stages x pages per program; narrow = 1-2 warps per program")
     ap.add_argument("--sweep-cases", default="32x1048576,1x1048576",
                     help="batch x context cases of --sweep-select / --sweep-sparse-pps when --sweep-scores is not given")
     ap.add_argument("--sweep-select", default="",
@@ -459,7 +473,7 @@ def main():
     if a.sweep_scores and impl == "pallas_gpu":
         from pallas_kernels.decode import gpu
         cases = [tuple(int(v) for v in c.split("x")) for c in a.sweep_scores.split(",")]
-        sweep_rows, best = sweep_scores(cases, a.steps)
+        sweep_rows, best = sweep_scores(cases, a.steps, family=a.score_family)
         out["score_sweep"] = {"rows": sweep_rows, "best": best, "default": dict(gpu.CONFIG)}
         for label, cfg in best.items():
             cfg = {k: v for k, v in cfg.items() if k != "gain"}

@@ -192,22 +192,40 @@ def test_split_select_matches_single_stage(kv_dtype, init_blocks, local_blocks):
 
 
 def test_split_select_config_default():
-    """select_splits=None takes CONFIG["select_splits"] (1 by default)."""
+    """select_splits=None takes CONFIG["select_splits"] (4 by default, from the H200 sweep)."""
     import numpy as np
 
     from pallas_kernels.decode import gpu
     from tests.test_decode_oracle import K, make_case
 
-    assert gpu.CONFIG["select_splits"] == 1 and gpu.CONFIG["sparse_pps"] == 1
+    assert gpu.CONFIG["select_splits"] == 4 and gpu.CONFIG["sparse_pps"] == 4
     c = make_case(np.random.default_rng(), 1, kv_dtype="bfloat16", index_dtype="bfloat16")
     args = (c["qi"], c["ki"], c["table"], c["pos"], c["ki_scale"])
     base = np.asarray(gpu.select_pages_gpu(*args, topk=K, interpret=True, select_splits=1))
     old = gpu.CONFIG["select_splits"]
     try:
-        gpu.CONFIG["select_splits"] = 4
+        gpu.CONFIG["select_splits"] = 1
         np.testing.assert_array_equal(np.asarray(gpu.select_pages_gpu(*args, topk=K, interpret=True)), base)
     finally:
         gpu.CONFIG["select_splits"] = old
+
+
+def test_config_splits_fit_narrow_score_rows():
+    """The CONFIG default (4 slices) is lowered to the padded score width when fewer pages exist (one
+    page per program, two pages: W = 2); an explicit S above W still raises."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels.decode import gpu
+    qi = jnp.asarray(np.random.default_rng().normal(size=(1, 1, 2, 16)), jnp.float32)
+    ki = jnp.asarray(np.random.default_rng().normal(size=(3, 8, 16)), jnp.float32)
+    table, pos = jnp.asarray([[2, 1]], jnp.int32), jnp.full((1, 1), 15, jnp.int32)
+    assert gpu.CONFIG["select_splits"] > 2
+    got = gpu.select_pages_gpu(qi, ki, table, pos, topk=2, interpret=True, ppp=1)
+    want = gpu.select_pages_gpu(qi, ki, table, pos, topk=2, interpret=True, ppp=1, select_splits=1)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    with pytest.raises(ValueError, match="exceeds the padded score width"):
+        gpu.select_pages_gpu(qi, ki, table, pos, topk=2, interpret=True, ppp=1, select_splits=4)
 
 
 def test_bad_launch_options_raise():
@@ -215,12 +233,12 @@ def test_bad_launch_options_raise():
 
     from pallas_kernels.decode.gpu import paged_attention_gpu, select_pages_gpu
     qi, ki = jnp.zeros((1, 1, 1, 16)), jnp.zeros((4, 16, 16))
-    table, pos = jnp.zeros((1, 4), jnp.int32), jnp.full((1, 1), 40, jnp.int32)   # padded width W = 4
+    table, pos = jnp.zeros((1, 4), jnp.int32), jnp.full((1, 1), 40, jnp.int32)   # W = 4 with ppp = 4
     for s in (3, 0, -2, 6, "fast", 2.0):
         with pytest.raises(ValueError, match="select_splits must be a power of two"):
             select_pages_gpu(qi, ki, table, pos, topk=4, interpret=True, select_splits=s)
     with pytest.raises(ValueError, match="exceeds the padded score width"):
-        select_pages_gpu(qi, ki, table, pos, topk=4, interpret=True, select_splits=8)
+        select_pages_gpu(qi, ki, table, pos, topk=4, interpret=True, ppp=4, select_splits=8)
     q, kv = jnp.zeros((1, 1, 2, 16)), jnp.zeros((1, 4, 16, 16))
     ids = jnp.zeros((1, 1, 1, 4), jnp.int32)
     for pps in (3, 0, 6):

@@ -40,8 +40,11 @@ def _cuda_text(f, args):
 @pytest.mark.parametrize("dt", DTYPES)
 def test_gpu_kernels_lower_to_triton(dt):
     txt = _cuda_text(lambda *a: select_pages_gpu(*a, topk=K), _index_args(dt))
-    assert txt.count("__gpu$xla.gpu.triton") == 2           # scoring + selection kernels
-    txt = _cuda_text(lambda *a: select_pages_gpu(*a, topk=K, unroll=4, num_stages=4, f16=True), _index_args(dt))
+    assert txt.count("__gpu$xla.gpu.triton") == 3           # scoring + the default split top-k (slices, merge)
+    txt = _cuda_text(lambda *a: select_pages_gpu(*a, topk=K, select_splits=1), _index_args(dt))
+    assert txt.count("__gpu$xla.gpu.triton") == 2           # scoring + single-stage selection
+    txt = _cuda_text(lambda *a: select_pages_gpu(*a, topk=K, unroll=4, num_stages=4, f16=True, select_splits=1),
+                     _index_args(dt))
     assert txt.count("__gpu$xla.gpu.triton") == 2           # the unrolled scoring variant
     txt = _cuda_text(lambda *a: select_pages_gpu(*a, topk=K, select_splits=4, init_blocks=1, local_blocks=2),
                      _index_args(dt))

@@ -104,8 +104,15 @@ def check_against_oracle(impl, nq, kv_dtype, ordered=True):
     n = c["np"]
     # Kernels compute bf16 / fp8 caches with bf16 matmul operands: the index queries they rank with
     # are the bf16-rounded ones (otherwise near-ties could legitimately flip).
+    # The GPU scorer's f16 product for fp8 keys (CONFIG["score_fp8"]["f16"]) rounds them to float16
+    # instead: the oracle must rank with the same rounding (with bf16 ones, ~1 in 30 random cases
+    # flipped a near-tie).
     exact = impl == "xla" or kv_dtype == "float32"
-    qi_seen = n["qi"] if exact else np.asarray(jnp.asarray(n["qi"], jnp.bfloat16).astype(jnp.float32), np.float64)
+    seen_dt = jnp.bfloat16
+    if impl == "gpu_interpret" and jnp.dtype(kv_dtype).itemsize == 1:
+        from pallas_kernels.decode.gpu import _score_launch
+        seen_dt = jnp.float16 if _score_launch(jnp.dtype(kv_dtype), *[None] * 6)["f16"] else jnp.bfloat16
+    qi_seen = n["qi"] if exact else np.asarray(jnp.asarray(n["qi"], seen_dt).astype(jnp.float32), np.float64)
     want_ids = oracle_select(qi_seen, n["ki"], n["table"], n["pos"], K)
     ids = np.asarray(_select(c, impl))
     assert ids.shape == want_ids.shape and ids.dtype == np.int32

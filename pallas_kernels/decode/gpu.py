@@ -47,17 +47,21 @@ _NEG = -1e30
 # sized to fill the GPU); "score_fp8": overrides for 1-byte (fp8) index keys, keyed like
 # ``_score_launch``'s result (ppp, num_warps, num_stages, loop, unroll, f16).
 # Scoring defaults: the best geometric mean over batch 32 and batch 1 at 1M tokens of
-# bench/msa_decode.py --sweep-scores on one H200 (BENCHMARKS.md, session 8, second sweep: bf16 1.08x,
-# fp8 1.38x over the previous defaults; fp8 gains most from the f16 product).
+# bench/msa_decode.py --sweep-scores on one H200. Session 8 (4 warps: unroll x stages x ppp; fp8 gained
+# most from the f16 product); session 10, --score-family narrow (1-2 warps per program): bf16 2 warps,
+# 4 stages, 8 pages per program (1.05x over session 8's geomean), fp8 1 warp, 3 stages, 8 pages (1.11x;
+# batch 32 x 1M fp8 scoring 1.155 -> ~1.11 ms).
 # "select_splits": slices per score row of the top-k selection (``_select_rows``): 1 = one program
 # per row (single stage), a power of two S > 1 = two-stage split top-k, "auto" = the largest power of
 # two S with W / S >= 512 pages per slice and B * rows * S <= 4096 programs (``_auto_select_splits``).
-# Left at 1 until measured on a GPU (bench/msa_decode.py --sweep-select).
+# 4 from bench/msa_decode.py --sweep-select on one H200 (session 10: top-k alone 0.058 vs 0.063 ms at
+# batch 32 x 1M, 0.043 vs 0.046 ms at batch 1 x 1M; ids identical to S = 1 by construction).
 # "sparse_pps": selected-page slots per program of sparse (MSA) attention (a power of two; 1 = one
-# page per split). Left at 1 until measured (bench/msa_decode.py --sweep-sparse-pps).
-CONFIG = {"loop": "dynamic", "score_warps": 4, "score_stages": 2, "score_unroll": 1, "score_ppp": 4,
-          "score_fp8": {"f16": True, "num_stages": 3, "unroll": 1, "ppp": 4}, "attn_warps": 4, "attn_stages": 2,
-          "select_splits": 1, "sparse_pps": 1}
+# page per split). 4 from --sweep-sparse-pps (session 10, second sweep, K = 16: batch 32 x 1M 0.084 ms
+# vs 0.094 (2) and 0.108 (1); batch 1 x 1M 0.047 vs 0.050 and 0.059).
+CONFIG = {"loop": "dynamic", "score_warps": 2, "score_stages": 4, "score_unroll": 1, "score_ppp": 8,
+          "score_fp8": {"f16": True, "num_warps": 1, "num_stages": 3, "unroll": 1, "ppp": 8}, "attn_warps": 4,
+          "attn_stages": 2, "select_splits": 4, "sparse_pps": 4}
 
 
 def _precision(a):
@@ -138,11 +142,7 @@ def _page_scores_raw(qi, ki_pages, page_table, q_positions, ki_scale, *, interpr
     r = max(16, next_pow2(nq * hi))
     q2 = pad_rows(qi.reshape(b, nq * hi, di).astype(cdt), 1, r)
     n_score = jnp.clip(jnp.max(q_positions, axis=1) // page, 0, npg).astype(jnp.int32)
-    if ppp is None:
-        ppp = _pages_per_program(b * npg, 264, 32)
-    ppp = max(ppp, unroll)
-    if ppp % unroll:
-        raise ValueError(f"ppp ({ppp}) must be a multiple of unroll ({unroll})")
+    ppp = _resolve_ppp(ppp, b, npg, unroll)
     nchunk = -(-npg // ppp)
     width = next_pow2(nchunk * ppp)
     args = [page_table.astype(jnp.int32), n_score, q2, ki_pages.reshape(n_phys * page, di)]
@@ -156,6 +156,17 @@ def _page_scores_raw(qi, ki_pages, page_table, q_positions, ki_scale, *, interpr
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="msa_decode_page_scores",
     )(*args)
+
+
+def _resolve_ppp(ppp, b: int, npg: int, unroll: int) -> int:
+    """Pages per scoring program: ``ppp`` (None = enough programs to fill the GPU), at least ``unroll``;
+    raises ValueError when it is not a multiple of ``unroll``."""
+    if ppp is None:
+        ppp = _pages_per_program(b * npg, 264, 32)
+    ppp = max(ppp, unroll)
+    if ppp % unroll:
+        raise ValueError(f"ppp ({ppp}) must be a multiple of unroll ({unroll})")
+    return ppp
 
 
 def _pages_per_program(total_pages: int, target_programs: int, cap: int) -> int:
@@ -186,6 +197,24 @@ def _page_scores(qi, ki_pages, page_table, q_positions, ki_scale, *, interpret, 
 _NO_ID = 1 << 30     # id of an unused candidate slot (above every page id)
 
 
+def _extract_topk(x, ids, local, topk):
+    """``[topk]`` int32: the ids of the best ``topk - 1`` finite-or-+inf entries of ``x`` (value desc,
+    ties to the lower id; ``-inf`` entries are never taken), then ``local`` (when >= 0) in the first
+    slot after them, ``-1`` after. ``x`` f32 and ``ids`` int32 have one shape (ids distinct, below
+    ``_NO_ID``). Repeated max extraction in registers: no sort."""
+    slot = jax.lax.broadcasted_iota(jnp.int32, (topk,), 0)
+    out = jnp.full((topk,), -1, jnp.int32)
+    n_valid = jnp.int32(0)
+    for k in range(topk - 1):                                # best remaining, ties -> lowest id
+        m = jnp.max(x)
+        am = jnp.min(jnp.where(x == m, ids, jnp.int32(_NO_ID)))
+        take = m > -jnp.inf
+        out = jnp.where((slot == k) & take, am, out)
+        n_valid = n_valid + take.astype(jnp.int32)
+        x = jnp.where(ids == am, -jnp.inf, x)
+    return jnp.where((slot == n_valid) & (local >= 0), local, out)
+
+
 def _select_kernel(sc_ref, pos_ref, o_ref, *, page, topk, init_blocks, local_blocks):
     b = pl.program_id(0)
     r = pl.program_id(1)
@@ -196,18 +225,7 @@ def _select_kernel(sc_ref, pos_ref, o_ref, *, page, topk, init_blocks, local_blo
     before = ids < local
     forced = before & ((ids < init_blocks) | (ids > local - local_blocks))
     x = jnp.where(forced, jnp.inf, jnp.where(before, x, -jnp.inf))
-    slot = jax.lax.broadcasted_iota(jnp.int32, (topk,), 0)
-    out = jnp.full((topk,), -1, jnp.int32)
-    n_valid = jnp.int32(0)
-    for k in range(topk - 1):                                # best remaining, ties -> lowest id
-        m = jnp.max(x)
-        am = jnp.min(jnp.where(x == m, ids, jnp.int32(1 << 30)))
-        take = m > -jnp.inf
-        out = jnp.where((slot == k) & take, am, out)
-        n_valid = n_valid + take.astype(jnp.int32)
-        x = jnp.where(ids == am, -jnp.inf, x)
-    out = jnp.where((slot == n_valid) & (local >= 0), local, out)
-    o_ref[b, r, :] = out
+    o_ref[b, r, :] = _extract_topk(x, ids, local, topk)
 
 
 def _select_slice_kernel(sc_ref, pos_ref, v_ref, i_ref, *, page, n_ranked, kp, width, init_blocks, local_blocks):
@@ -252,18 +270,7 @@ def _select_merge_kernel(v_ref, i_ref, pos_ref, o_ref, *, page, topk):
     ids = i_ref[b, r, :]                                     # [S * kp] int32 (global page ids)
     pos = pos_ref[b, r]
     local = jnp.where(pos >= 0, pos // page, -1)
-    slot = jax.lax.broadcasted_iota(jnp.int32, (topk,), 0)
-    out = jnp.full((topk,), -1, jnp.int32)
-    n_valid = jnp.int32(0)
-    for k in range(topk - 1):
-        m = jnp.max(x)
-        am = jnp.min(jnp.where(x == m, ids, jnp.int32(_NO_ID)))
-        take = m > -jnp.inf
-        out = jnp.where((slot == k) & take, am, out)
-        n_valid = n_valid + take.astype(jnp.int32)
-        x = jnp.where(ids == am, -jnp.inf, x)
-    out = jnp.where((slot == n_valid) & (local >= 0), local, out)
-    o_ref[b, r, :] = out
+    o_ref[b, r, :] = _extract_topk(x, ids, local, topk)
 
 
 def _auto_select_splits(b: int, rows: int, width: int) -> int:
@@ -530,7 +537,7 @@ def select_pages_gpu(qi, ki_pages, page_table, q_positions, ki_scale=None, *, to
       init_blocks, local_blocks: as ``minimax_jax.decode.ops.msa_decode_select``; ppp ... f16: the
       scoring kernel's launch (``_page_scores_raw``); select_splits: slices per score row of the
       selection, a power of two S (at most the padded page width W) or "auto"; None =
-      ``CONFIG["select_splits"]``. S = 1: one program per (request, row x group) keeps the row's page
+      ``CONFIG["select_splits"]``, lowered to W where W is smaller. S = 1: one program per (request, row x group) keeps the row's page
       scores in registers and extracts the maximum ``K - 1`` times (no sort). S > 1: S programs per
       row each select from ``W / S`` pages, then one program per row merges the ``S`` candidate lists
       (``_select_rows``); the ids are exactly those of S = 1 for every input (ties included).
@@ -539,9 +546,14 @@ def select_pages_gpu(qi, ki_pages, page_table, q_positions, ki_scale=None, *, to
     in the last valid slot, ``-1`` after).
     Raises ValueError for a bad ``select_splits`` (not a power of two >= 1 / "auto", or above W).
     """
+    launch = _score_launch(ki_pages.dtype, ppp, num_warps, num_stages, loop, unroll, f16)
     if select_splits is None:
+        # The default applies where it fits: at most one slice per page of the padded score width.
         select_splits = CONFIG.get("select_splits", 1)
+        if isinstance(select_splits, int) and not isinstance(select_splits, bool):
+            npg = page_table.shape[1]
+            ppp_r = _resolve_ppp(launch["ppp"], qi.shape[0], npg, launch["unroll"])
+            select_splits = max(1, min(select_splits, next_pow2(-(-npg // ppp_r) * ppp_r)))
     return _select(qi, ki_pages, page_table, q_positions, ki_scale, page=ki_pages.shape[1], topk=topk,
                    init_blocks=init_blocks, local_blocks=local_blocks, interpret=interpret,
-                   select_splits=select_splits,
-                   **_score_launch(ki_pages.dtype, ppp, num_warps, num_stages, loop, unroll, f16))
+                   select_splits=select_splits, **launch)
