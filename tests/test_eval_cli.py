@@ -82,6 +82,21 @@ def test_cli_scores_a_reading_model_perfectly(monkeypatch, tmp_path, tok_dir, ca
     assert "niah_single" in capsys.readouterr().out
 
 
+def test_attention_dense_is_forwarded_and_recorded(monkeypatch, tmp_path, tok_dir):
+    """--attention dense reaches the runtime's loader (MSA layers as full attention) and the results say
+    which attention ran; the default forwards nothing and records as_trained."""
+    calls = []
+    install_fake_infer(monkeypatch, tok_dir, reader, calls)
+    assert cli.main(args(tmp_path, "--no_perplexity", "--attention", "dense")) == 0
+    assert calls[-1] == ("ckpt", {"attention": "dense"})
+    assert json.load(open(tmp_path / "r.json"))["attention"] == "dense"
+    assert cli.main(args(tmp_path, "--no_perplexity")) == 0
+    assert calls[-1] == ("ckpt", {})
+    assert json.load(open(tmp_path / "r.json"))["attention"] == "as_trained"
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["--checkpoint", "c", "--attention", "sparse"])
+
+
 def test_cli_scores_a_guessing_model_zero(monkeypatch, tmp_path, tok_dir):
     install_fake_infer(monkeypatch, tok_dir, lambda p: " 1234.", [])
     cli.main(args(tmp_path, "--no_perplexity"))

@@ -5,6 +5,7 @@ Usage::
     python -m minimax_jax.eval --checkpoint DIR [--tasks niah_single,variable_tracking|all]
         [--lengths 2048,4096] [--num_samples 4] [--seed 0] [--max_new_tokens 48] [--chat]
         [--haystack prose|noise] [--ppl_files PATH ...] [--ppl_seq_len 2048] [--out results.json]
+        [--attention as_trained|dense]
 
 Lengths are in tokens of the model's tokenizer (the task prompt; ``--chat`` adds the chat wrapper's
 few tokens); a length that, with ``--max_new_tokens``, cannot fit the checkpoint's context is
@@ -82,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max_seq_len", type=int, default=None, help="forwarded to the runtime")
     p.add_argument("--prefill_chunk", type=int, default=None,
                    help="prompt tokens per prefill step of the runtime's paged engine (forwarded)")
+    p.add_argument("--attention", choices=("as_trained", "dense"), default="as_trained",
+                   help="as_trained (default): the checkpoint's layers; dense: its MSA layers run as full causal "
+                        "attention with the same weights (the dense baseline of the same model: what top-k block "
+                        "selection costs)")
     p.add_argument("--out", default=None,
                    help="write the results JSON here (rewritten atomically after every batch, so a killed "
                         "run leaves the results so far)")
@@ -150,6 +155,7 @@ def _results(args, examples, outputs, timing, perplexity=None) -> dict:
     extra = {} if perplexity is None else {"perplexity": perplexity}
     return {**extra,
         "checkpoint": args.checkpoint,
+        "attention": getattr(args, "attention", "as_trained"),
         "metric": args.metric,
         "tasks": scores["by_task"],
         "mean": scores["mean"],
@@ -230,6 +236,8 @@ def main(argv: Sequence[str] | None = None, fns: ModelFns | None = None) -> int:
             return 2
         opts = {k: v for k, v in (("max_seq_len", args.max_seq_len), ("prefill_chunk", args.prefill_chunk))
                 if v is not None}
+        if args.attention != "as_trained":
+            opts["attention"] = args.attention
         try:
             fns = load_model_fns(args.checkpoint, tokenizer=args.tokenizer, **opts)
         except (FileNotFoundError, InferenceError, RuntimeUnavailable) as e:   # they say what is missing

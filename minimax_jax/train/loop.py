@@ -113,6 +113,14 @@ class Trainer:
         tx, _, _ = self.optimizer(phase)
         return jax.jit(tx.init, out_shardings=self.state_shardings(phase)["opt_state"])(params)
 
+    def router_bias_rate(self, phase: str) -> float:
+        """The aux-loss-free balancing rate of ``phase``: 0 in an MSA warm-up with a frozen backbone
+        (the router biases are backbone state: an indexer-only warm-up must leave the network that
+        the selection serves unchanged), else ``optim.router_bias_rate``."""
+        if phase == PHASE_WARMUP and self.tc.msa.freeze_backbone_in_warmup:
+            return 0.0
+        return float(self.tc.optim.router_bias_rate)
+
     def step_fn(self, phase: str):
         """The jitted train step of ``phase`` (compiled on first use)."""
         if phase not in self._steps:
@@ -126,7 +134,7 @@ class Trainer:
                             aux_loss=float(tc.optim.aux_loss),
                             mtp_weights=mtp_weights_list(tc.optim.mtp_weights, cfg.num_mtp_modules),
                             grad_accum=tc.optim.grad_accum, remat=tc.run.remat,
-                            router_bias_rate=float(tc.optim.router_bias_rate), logits_chunk=tc.run.logits_chunk)
+                            router_bias_rate=self.router_bias_rate(phase), logits_chunk=tc.run.logits_chunk)
             fn = make_train_step(spec, tx, trainable, schedule, 0 if phase == PHASE_WARMUP else self.warmup_steps)
             sh = self.state_shardings(phase)
             self._steps[phase] = jax.jit(fn, in_shardings=(sh, self.batch_sh), out_shardings=(sh, self.rep),
