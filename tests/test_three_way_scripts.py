@@ -17,3 +17,29 @@ def test_impl_check_interpret():
     ops = out["ops"]
     assert out["ok"] and ops["ok"] and ops["impl"] == "pallas_gpu_interpret" and ops["rows"] == 2 * 192
     assert ops["bad_rows"] == 0 and ops["lse_max_err"] <= 1e-3 and out["worst_grad_cosine"] >= 0.98
+
+
+def _eval_json(path, tasks):
+    json.dump({"tasks": tasks, "examples": [{}] * 3, "skipped": []}, open(path, "w"))
+
+
+def test_summarize_lists_msa_dense_only_when_evaluated(tmp_path):
+    """summarize.py: the three core variants always have rows (blank where absent); msa_dense (eval_all.sh's
+    MSA checkpoint with --attention dense) appears exactly when its eval file exists."""
+    sys.path.insert(0, "experiments/three_way")
+    import summarize
+
+    _eval_json(tmp_path / "eval_msa.json", {"niah_single": {"2048": 1.0, "4096": 0.75}})
+    _eval_json(tmp_path / "eval_full.json", {"niah_single": {"2048": 1.0, "4096": 1.0}})
+    table = summarize.accuracy_table(str(tmp_path))
+    assert "| niah_single | msa | 1.00 | 0.75 |" in table and "| niah_single | sliding |  |  |" in table
+    assert "msa_dense" not in table
+    _eval_json(tmp_path / "eval_msa_dense.json", {"niah_single": {"2048": 0.5, "4096": 0.25}})
+    table = summarize.accuracy_table(str(tmp_path))
+    assert "| niah_single | msa_dense | 0.50 | 0.25 |" in table and "msa_dense 3 / 0" in table
+
+
+@pytest.mark.parametrize("script", ["train_all.sh", "eval_all.sh", "device.sh", "long_stage.sh", "indexer_stage.sh"])
+def test_experiment_scripts_are_valid_bash(script):
+    r = subprocess.run(["bash", "-n", f"experiments/three_way/{script}"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr

@@ -10,6 +10,9 @@
 #
 #   W=/tmp/three_way bash experiments/three_way/eval_all.sh
 #
+# VARIANTS may also name msa_dense: the MSA checkpoint evaluated with `--attention dense` (its MSA layers
+# run as full attention: the ceiling of any indexer of that backbone; RESULTS.md, session 10); give each
+# of N variants sharing one GPU MEM_FRACTION <= 0.9 / N.
 # Environment: W [/tmp/three_way]; OUT [$W/out]; CKPT_ROOT [$W/ckpt]; VARIANTS [msa full sliding]; LENGTHS
 # [2048,4096,8192,16384,32768,65536]; NUM_SAMPLES [8]; BATCH [8]; EVAL_BUDGET_S [240] (the eval CLI's
 # own budget) and EVAL_SLACK_S [240] (hard cap = budget + slack: loading, compilation, perplexity);
@@ -49,9 +52,10 @@ open(f"{w}/heldout_prose.txt", "w", encoding="utf-8").write(text)
 EOF
 
 eval_one() {  # variant device
-  local v=$1 dev=$2 t0=$SECONDS
+  local v=$1 dev=$2 t0=$SECONDS ck=$CKPT_ROOT/$1 att=as_trained
+  [ "$v" = msa_dense ] && { ck=$CKPT_ROOT/msa; att=dense; }
   export CUDA_VISIBLE_DEVICES=$dev XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.45}
-  timeout -k 30 $((EVAL_BUDGET_S + ${EVAL_SLACK_S:-240})) $PY -m minimax_jax.eval --checkpoint "$CKPT_ROOT/$v" --tasks all \
+  timeout -k 30 $((EVAL_BUDGET_S + ${EVAL_SLACK_S:-240})) $PY -m minimax_jax.eval --checkpoint "$ck" --attention "$att" --tasks all \
     --lengths "$LENGTHS" --num_samples "$NUM_SAMPLES" --batch_size "$BATCH" --time_budget_s "$EVAL_BUDGET_S" \
     --prefill_chunk "$PREFILL_CHUNK" \
     --ppl_seq_len "$PPL_SEQ" --ppl_max_tokens 65536 --out "$OUT/eval_$v.json" > "$W/eval_$v.log" 2>&1
@@ -63,7 +67,7 @@ eval_one() {  # variant device
   fi
   # About 3.3 characters per token for this tokenizer on Shakespeare.
   head -c $((CTX_TOKENS * 33 / 10)) "$W/heldout_prose.txt" > "$W/ctx_$v.txt"
-  timeout -k 10 180 $PY infer.py --checkpoint "$CKPT_ROOT/$v" --context_file "$W/ctx_$v.txt" \
+  timeout -k 10 180 $PY infer.py --checkpoint "$ck" --attention "$att" --context_file "$W/ctx_$v.txt" \
     --prompt "Summarise the scene above." --max_new_tokens 64 --show_stats --nostream --prefill_chunk "$PREFILL_CHUNK" \
     > "$OUT/infer_$v.txt" 2>&1
   log "infer $v: rc $?"
@@ -71,7 +75,7 @@ eval_one() {  # variant device
 }
 
 for v in $VARIANTS; do
-  case $v in msa) dev=$GPUS_MSA ;; full) dev=$GPUS_FULL ;; *) dev=$GPUS_SLIDING ;; esac
+  case $v in msa|msa_dense) dev=$GPUS_MSA ;; full) dev=$GPUS_FULL ;; *) dev=$GPUS_SLIDING ;; esac
   eval_one "$v" "$dev" &
 done
 wait

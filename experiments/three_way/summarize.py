@@ -4,7 +4,7 @@
 
 Reads eval_<v>.json (task x length accuracy, perplexity, per-batch timing), metrics_<v>.jsonl
 (training curve), train_<v>.log (the step it stopped at), recall_msa.json and infer_<v>.txt (the stats line of infer.py) for the variants
-msa / full / sliding, and prints: the accuracy table (a cell is blank where the length was not
+msa / full / sliding (and msa_dense where eval_all.sh ran it), and prints: the accuracy table (a cell is blank where the length was not
 reached in the time budget), a training summary and a timing summary.
 """
 
@@ -15,7 +15,13 @@ import os
 import re
 import sys
 
-VARIANTS = ("msa", "full", "sliding")
+CORE = ("msa", "full", "sliding")
+# msa_dense (eval_all.sh): the MSA checkpoint with --attention dense; listed only where its files exist.
+OPTIONAL = ("msa_dense",)
+
+
+def _variants(d: str) -> tuple[str, ...]:
+    return CORE + tuple(v for v in OPTIONAL if os.path.exists(os.path.join(d, f"eval_{v}.json")))
 
 
 def _load(path):
@@ -23,13 +29,13 @@ def _load(path):
 
 
 def accuracy_table(d: str) -> str:
-    evals = {v: _load(os.path.join(d, f"eval_{v}.json")) for v in VARIANTS}
+    evals = {v: _load(os.path.join(d, f"eval_{v}.json")) for v in _variants(d)}
     tasks = sorted({t for r in evals.values() if r for t in r["tasks"]})
     lengths = sorted({int(L) for r in evals.values() if r for by in r["tasks"].values() for L in by})
     head = "| task | attention | " + " | ".join(f"{L // 1024}K" for L in lengths) + " |"
     rows = [head, "|" + "---|" * (len(lengths) + 2)]
     for t in tasks:
-        for v in VARIANTS:
+        for v in evals:
             r = evals[v]
             by = r["tasks"].get(t, {}) if r else {}
             cells = [f"{by[str(L)]:.2f}" if str(L) in by else "" for L in lengths]
@@ -45,7 +51,7 @@ def training_summary(d: str) -> str:
     rows = ["| attention | stopped at step | tokens (non-pad, approx.) | LM loss at first log (step) | "
             "LM loss at last log (step) | lr at last log | tokens/s (median) | held-out ppl |",
             "|---|---|---|---|---|---|---|---|"]
-    for v in VARIANTS:
+    for v in CORE:
         p = os.path.join(d, f"metrics_{v}.jsonl")
         if not os.path.exists(p):
             continue
@@ -77,7 +83,7 @@ def _stop_step(log_path: str) -> int | None:
 def timing_summary(d: str) -> str:
     rows = ["| attention | prompt tokens | TTFT s | prefill s | decode tok/s | implementations |", "|---|---|---|---|---|---|"]
     pat = re.compile(r"prompt (\d+) tok, prefill ([\d.]+)s \| TTFT ([\d.]+)s \| generated \d+ tok in [\d.]+s \(([\d.]+) tok/s\)")
-    for v in VARIANTS:
+    for v in _variants(d):
         p = os.path.join(d, f"infer_{v}.txt")
         if not os.path.exists(p):
             continue
