@@ -9,11 +9,13 @@ Examples::
 Thin wrapper; the flags and the logic live in ``minimax_jax.infer.cli``.
 """
 
-from absl import app, flags
+from absl import flags
+
+from minimax_jax import absl_main
 
 from minimax_jax.infer import cli
 
 flags.adopt_module_key_flags(cli)
 
 if __name__ == "__main__":
-    app.run(cli.main)
+    absl_main.run(cli.main)

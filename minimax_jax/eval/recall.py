@@ -107,16 +107,26 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m minimax_jax.eval.recall", description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", required=True, help="orbax checkpoint directory (minimax_jax.convert)")
     ap.add_argument("--text_file", required=True, help="text to score (e.g. a held-out play)")
-    ap.add_argument("--length", type=int, default=4096, help="tokens of the text to use")
+    ap.add_argument("--length", type=int, default=4096, help="tokens of the text to use (>= 2)")
     ap.add_argument("--out", help="write the result JSON here")
     a = ap.parse_args(argv)
+    if a.length < 2:
+        ap.error(f"--length must be >= 2 tokens, got {a.length}")
     from minimax_jax.convert import load_checkpoint
     from minimax_jax.data.tokenizer import load_tokenizer
 
-    for what, path, ok in (("checkpoint directory", a.checkpoint, os.path.isdir), ("--text_file", a.text_file,
-                                                                                   os.path.isfile)):
-        if not ok(path):
+    for what, path, want_dir in (("--checkpoint", a.checkpoint, True), ("--text_file", a.text_file, False)):
+        if not os.path.exists(path):
             raise SystemExit(f"recall: {what} {path!r} does not exist")
+        if os.path.isdir(path) != want_dir:
+            kind = "a directory" if os.path.isdir(path) else "a file"
+            raise SystemExit(f"recall: {what} {path!r} is {kind}; expected "
+                             + ("a checkpoint directory" if want_dir else "a text file"))
+    if a.out:
+        parent = os.path.dirname(os.path.abspath(a.out))
+        if os.path.isdir(a.out) or not os.path.isdir(parent):
+            raise SystemExit(f"recall: --out {a.out!r} cannot be written: "
+                             + ("it is a directory" if os.path.isdir(a.out) else f"no directory {parent!r}"))
     cfg, params = load_checkpoint(a.checkpoint)
     tok = load_tokenizer(a.checkpoint)
     with open(a.text_file) as f:

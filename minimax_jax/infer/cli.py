@@ -79,6 +79,10 @@ def build_prompt() -> tuple[str, object]:
 
     Raises: ValueError when zero or several prompt sources are given; ChatFormatError for bad chat files.
     """
+    if FLAGS["sharding_rules"].present and not FLAGS.mesh:
+        _err("error: --sharding_rules applies only with --mesh (the parameters are sharded by those rules over "
+             "that mesh); pass --mesh too, e.g. --mesh fsdp=-1")
+        sys.exit(2)
     from minimax_jax.chat import ChatFormatError, ChatRequest, load_chat_file
 
     given = [n for n in ("prompt", "prompt_file", "chat_file") if getattr(FLAGS, n) is not None]
@@ -191,6 +195,10 @@ def main(argv) -> None:
         absl_logging.set_verbosity(absl_logging.WARNING)
     if len(argv) > 1:
         _err(f"error: unexpected arguments {argv[1:]} (flags are --name=value; see --help)")
+        sys.exit(2)
+    if FLAGS["sharding_rules"].present and not FLAGS.mesh:
+        _err("error: --sharding_rules applies only with --mesh (the parameters are sharded by those rules over "
+             "that mesh); pass --mesh too, e.g. --mesh fsdp=-1")
         sys.exit(2)
     from minimax_jax.chat import ChatFormatError
     from minimax_jax.config import ConfigError

@@ -494,7 +494,9 @@ def load_train_config(path: str | os.PathLike, overrides: Sequence[str] = ()) ->
     if not os.path.isfile(p):
         raise TrainConfigError(f"training config {p!r} is not a file (a directory?); pass a YAML file")
     with open(p) as f:
-        raw = _yaml_load(f) or {}
+        raw = _yaml_load(f)
+    if raw is None:
+        raise TrainConfigError(f"training config {p!r} is empty; expected a mapping of sections {list(TOP_LEVEL)}")
     if not isinstance(raw, dict):
         raise TrainConfigError(f"{p}: expected a mapping of sections {list(TOP_LEVEL)}")
     return from_dict(apply_overrides(raw, overrides), source_path=p)

@@ -268,6 +268,9 @@ def train(tc: TrainConfig, devices: list | None = None) -> dict[str, Any]:
                            progress=tc.run.progress, is_main=is_main)
     if restored is not None:
         writer.message(f"resumed from step {step} ({run_dir}/checkpoints)")
+        if step >= tc.run.steps:
+            writer.message(f"warning: the run is already at step {step} >= run.steps {tc.run.steps}: nothing to "
+                           f"train; raise run.steps to continue it, or use a new run.run_dir for a new run")
         changes = settings_changes(meta.get("train_config"), tc.to_dict())
         if changes:
             writer.message("warning: resuming with training settings that differ from the checkpoint's "
