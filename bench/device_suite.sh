@@ -137,7 +137,7 @@ step_qtile() {
 }
 step_decode() {
   if [ "$SMOKE" = 1 ]; then
-    part decode "$DECODE_S" "$PY" bench/msa_decode.py --out "$WORK/decode" --smoke --contexts 2048 --batches 1,2
+    part decode "$DECODE_S" "$PY" bench/msa_decode.py --out "$WORK/decode" --smoke --contexts 2048 --batches 1,2 --steps 1
   else
     part decode "$DECODE_S" "$PY" bench/msa_decode.py --out "$WORK/decode" --contexts 32768,131072,1048576 \
       --batches 1,32

@@ -11,11 +11,15 @@ CPU smoke run (tiny shapes; the Pallas kernels run in interpret mode):
    "pallas_gpu_interpret"), when a pallas variant is selected: a kernel-level check (bf16 inputs,
    groups with empty ones and sizes off the tiles, rows past the sum) of y, dlhs, drhs against an
    fp32 reference (masked dense einsum, Precision.HIGHEST): relative Frobenius error, pass < 1e-2;
-   then a sweep of the tile configs (``CANDIDATES`` / ``TGMM_CANDIDATES``) at one shape
-   (``--sweep-model`` / ``--sweep-tokens``, default M2 first projection at 8K tokens:
+   then a sweep of the tile configs (``CANDIDATES`` / ``TGMM_CANDIDATES``, incl. tail folding) at one
+   shape (``--sweep-model`` / ``--sweep-tokens``, default M2 first projection at 8K tokens:
    [65536, 3072] x [256, 3072, 3072]) timing the forward, dlhs (transposed) and tgmm kernels
-   separately next to a dense matmul of the same FLOPs; the best config per kernel becomes the
-   default for the timings below (and is checked again). ``--no-sweep`` keeps the defaults.
+   (``--sweep-kernels`` picks a subset) separately next to a dense matmul of the same FLOPs
+   (``vs_dense`` = rate / dense rate). Each config's output is compared with the first config's
+   (``CANDIDATES[0]``, a default without folding; ``rel_err_vs_first``, relative Frobenius error): a
+   config above 1e-2 is flagged and never adopted. The fastest config per kernel becomes the default for the timings
+   below (printed, marked ``*`` in the sweep table, recorded in ``info.pallas_configs``, and checked
+   again as above). ``--no-sweep`` keeps the defaults. ``--tiny`` sweeps the first 3 candidates.
 
 1. Checks (small shapes, fresh random bf16 inputs): every available implementation of
    ``moe_experts`` against the fp32 dense reference (relative Frobenius error, forward and the
@@ -30,8 +34,10 @@ CPU smoke run (tiny shapes; the Pallas kernels run in interpret mode):
    two grouped matmuls alone on pre-sorted rows ("pallas_gpu_gmm", "tokamax_gmm"), the fixed-shape capacity path with
    capacity factor 1.25 ("capacity"), and "dense_matmul": plain matmuls [T*k, H] x [H, 2I] and
    [T*k, I] x [I, H] with the same FLOPs. FLOPs = 6 * T * k * H * I forward, 3x that for
-   forward+backward (gradients of x and both weights). A wall-clock budget stops the sweep early;
-   skipped cases are listed. ``--variants`` picks a subset (names above; default all).
+   forward+backward (gradients of x and both weights); each row's ``vs_dense`` = its rate / the
+   dense matmul's rate at the same model, tokens and mode in the same run (also a table column). A
+   wall-clock budget (``--budget-s``, counted from the start, checks and sweep included) stops
+   starting new cases; skipped cases are listed. ``--variants`` picks a subset (names above; default all).
 3. ``--ep-timing`` (off by default; needs >= 2 visible devices, otherwise it is skipped with the
    reason in moe.json and the table): expert parallelism over ALL visible devices (mesh
    ``expert=<N>``, tokens sharded over the same axis, ``N * T`` tokens in all) for the M2 and M3 expert
@@ -93,6 +99,8 @@ GMM_CHECK = dict(m=4096, kd=1024, nd=1536, g=32, empty=3)
 GMM_CHECK_TINY = dict(m=200, kd=64, nd=96, g=6, empty=2)
 ALL_VARIANTS = ("pallas_gpu", "pallas_gpu_gmm", "tokamax", "tokamax_gmm", "capacity", "dense_matmul", "xla_ragged")
 HI = jax.lax.Precision.HIGHEST
+SWEEP_KERNELS = ("fwd", "dlhs", "tgmm")
+SWEEP_MAX_REL_ERR = 1e-2   # a swept config whose output is further from the first config's is not adopted
 
 
 def _act(g):
@@ -269,9 +277,20 @@ def check_gmm(c, dtype, results, impl, configs, name):
     print("check", json.dumps(row), flush=True)
 
 
-def sweep(model, s, tokens, dtype, impl, args, tiny):
-    """Time each tile config of the forward, dlhs and tgmm kernels at one shape (the first projection
-    [T*k, H] x [E, H, 2I]); returns (rows, best {"fwd", "dlhs", "tgmm"} -> TileConfig or None)."""
+@jax.jit
+def _rel_dev(a, b):
+    """Relative Frobenius error ||a - b|| / ||b|| in fp32, on the device (large outputs)."""
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30)
+
+
+def sweep(model, s, tokens, dtype, impl, args, tiny, kernel_names=SWEEP_KERNELS):
+    """Time each tile config of the forward, dlhs and tgmm kernels (``kernel_names``) at one shape (the
+    first projection [T*k, H] x [E, H, 2I]) next to a dense matmul of the same FLOPs; check each
+    config's output against the first config's (module docstring, 0.).
+
+    Returns (rows, best {kernel name -> TileConfig or None}): the fastest config whose output passed,
+    None where no config ran; its row carries ``adopted: True``."""
     x, w, ex, wi, wo, cot = _problem(s, tokens, dtype, seed=tokens)
     order, inv, gs = sort_by_expert(ex, s["e"])
     xs = permute_rows(x, order, inv)
@@ -290,22 +309,34 @@ def sweep(model, s, tokens, dtype, impl, args, tiny):
     rows, best = [], {}
     base = {"sweep": f"{model} {tokens} tokens: [{m}, {kd}] x [{s['e']}, {kd}, {nd}]", "tflops_counted": flops / 1e12}
     med, _, _ = _timeit(jax.jit(lambda a, b: a @ b), (xs, wi[0]), args.reps, budget_s=3.0)
-    rows.append({**base, "kernel": "dense_matmul", "config": "-", "ms": med * 1e3, "tflop_s": flops / med / 1e12})
+    dense = flops / med / 1e12
+    rows.append({**base, "kernel": "dense_matmul", "config": "-", "ms": med * 1e3, "tflop_s": dense})
     print(json.dumps(rows[-1]), flush=True)
-    for kname, (cands, make, fargs) in kernels.items():
-        top = None
-        for c in (cands[:2] if tiny else cands):
+    for kname in kernel_names:
+        cands, make, fargs = kernels[kname]
+        top, first = None, None    # (tflop_s, config, row); (label, output) of the first config that ran
+        for c in (cands[:3] if tiny else cands):
             row = {**base, "kernel": kname, "config": c.label()}
             try:
-                med, comp, n = _timeit(make(c), fargs, args.reps, budget_s=3.0)
-                row.update(ms=med * 1e3, tflop_s=flops / med / 1e12, compile_s=comp, reps=n)
-                if top is None or row["tflop_s"] > top[0]:
-                    top = (row["tflop_s"], c)
+                f = make(c)
+                med, comp, n = _timeit(f, fargs, args.reps, budget_s=3.0)
+                out = f(*fargs)
+                first = first or (c.label(), out)
+                err = float(_rel_dev(out, first[1]))
+                del out
+                row.update(ms=med * 1e3, tflop_s=flops / med / 1e12, vs_dense=flops / med / 1e12 / dense,
+                           compile_s=comp, reps=n, rel_err_vs_first=err, first=first[0],
+                           ok=err < SWEEP_MAX_REL_ERR)
+                if row["ok"] and (top is None or row["tflop_s"] > top[0]):
+                    top = (row["tflop_s"], c, row)
             except Exception as e:  # a config that does not compile (e.g. shared memory): record it
                 row.update(error=f"{type(e).__name__}: {str(e)[:300]}")
             rows.append(row)
             print(json.dumps(row), flush=True)
+        first = None
         best[kname] = None if top is None else top[1]
+        if top is not None:
+            top[2]["adopted"] = True
     return rows, best
 
 
@@ -331,6 +362,9 @@ def main():
     ap.add_argument("--no-sweep", action="store_true", help="skip the Pallas tile-config sweep (defaults)")
     ap.add_argument("--sweep-model", default="m2", choices=sorted(SHAPES))
     ap.add_argument("--sweep-tokens", type=int, default=8192)
+    ap.add_argument("--sweep-kernels", default=",".join(SWEEP_KERNELS),
+                    help="comma-separated subset of " + ",".join(SWEEP_KERNELS) + " to sweep (the others keep "
+                    "their defaults)")
     args = ap.parse_args()
     chosen = [v for v in args.variants.split(",") if v] or list(ALL_VARIANTS)
     if chosen == ["none"]:
@@ -338,6 +372,9 @@ def main():
     bad = [v for v in chosen if v not in ALL_VARIANTS]
     if bad:
         ap.error(f"unknown variants {bad}; choose from {ALL_VARIANTS}")
+    sweep_kernels = [k for k in args.sweep_kernels.split(",") if k]
+    if not sweep_kernels or set(sweep_kernels) - set(SWEEP_KERNELS):
+        ap.error(f"--sweep-kernels: choose from {SWEEP_KERNELS}, got {args.sweep_kernels!r}")
     t_start = time.perf_counter()
     shapes = TINY if args.tiny else SHAPES
     if args.models:
@@ -399,11 +436,12 @@ def main():
         if not args.no_sweep:
             ss = (TINY if args.tiny else SHAPES)[args.sweep_model]
             res = guarded("pallas_sweep", lambda: sweep(args.sweep_model, ss, 64 if args.tiny else args.sweep_tokens,
-                                                        dtype, pallas_impl, args, args.tiny))
+                                                        dtype, pallas_impl, args, args.tiny, sweep_kernels))
             if res is not None:
                 sweep_rows, best = res
                 gpu_gmm.set_default_configs(**{k: v for k, v in best.items() if v is not None})
                 tuned = gpu_gmm.get_default_configs()
+                print("sweep adopted: " + ", ".join(f"{k}={v.label()}" for k, v in tuned.items()), flush=True)
                 tuned = (tuned["fwd"], tuned["dlhs"], tuned["tgmm"])
                 if tuned != default_cfgs:
                     guarded("pallas_gmm[best]", lambda: check_gmm(gc, dtype, checks, pallas_impl, tuned,
@@ -431,13 +469,14 @@ def main():
             row = _run_case(model, s, tokens, name, kind, mode, fn, dtype, args)
             rows.append(row)
             print(json.dumps(row), flush=True)
+    _annotate_vs_dense(rows)
     out = {"info": info, "checks": checks, "sweep": sweep_rows, "rows": rows, "skipped": skipped,
            "wall_s": time.perf_counter() - t_start}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "moe.json"), "w") as f:
         json.dump(out, f, indent=1)
     _sweep_table(sweep_rows)
-    _table(rows, checks, skipped)
+    _table(rows, checks, skipped, info)
     _ep_table(rows, info.get("ep_timing"))
 
 
@@ -654,14 +693,31 @@ def _ep_annotate(rows):
             r["speedup_vs_1dev"] = r["devices"] * one["ms"] / r["ms"]
 
 
+def _annotate_vs_dense(rows):
+    """Add ``vs_dense`` (rate / the dense matmul's rate, same model, tokens and mode) to the
+    single-device rows that ran, where this run timed that dense matmul."""
+    dense = {(r["model"], r["tokens"], r["mode"]): r["tflop_s"] for r in rows
+             if r["variant"] == "dense_matmul" and "tflop_s" in r}
+    for r in rows:
+        key = (r["model"], r["tokens"], r["mode"])
+        if not r["variant"].startswith("ep_") and "tflop_s" in r and key in dense:
+            r["vs_dense"] = r["tflop_s"] / dense[key]
+
+
 def _sweep_table(rows):
     if not rows:
         return
-    print(f"\nPallas tile sweep, {rows[0]['sweep']}")
-    print(f"{'kernel':13} {'config':16} {'ms':>9} {'TFLOP/s':>8}")
+    print(f"\nPallas tile sweep, {rows[0]['sweep']} (* = adopted; err = rel. error vs the first config)")
+    print(f"{'kernel':13} {'config':22} {'ms':>9} {'TFLOP/s':>8} {'vs dense':>8} {'err':>8}")
     for r in rows:
-        val = f"{r['ms']:9.3f} {r['tflop_s']:8.1f}" if "ms" in r else f"  error: {r['error'][:60]}"
-        print(f"{r['kernel']:13} {r['config']:16} {val}")
+        if "ms" not in r:
+            val = f"  error: {r['error'][:60]}"
+        elif "vs_dense" not in r:
+            val = f"{r['ms']:9.3f} {r['tflop_s']:8.1f}"
+        else:
+            val = (f"{r['ms']:9.3f} {r['tflop_s']:8.1f} {r['vs_dense']:8.1%} {r['rel_err_vs_first']:8.1e}"
+                   + ("" if r["ok"] else "  FAIL (not adopted)"))
+        print(f"{r['kernel']:13} {r['config'] + ('*' if r.get('adopted') else ''):22} {val}")
 
 
 def _ep_table(rows, ep):
@@ -694,11 +750,13 @@ def _ep_table(rows, ep):
                   f"error: {r['error'][:80]}")
 
 
-def _table(rows, checks, skipped):
+def _table(rows, checks, skipped, info):
     print("\nchecks: " + ", ".join(f"{c['check']}={'ok' if c.get('ok') else 'FAIL'}" for c in checks))
     if skipped:
         print(f"skipped (budget; EP timing without >= 2 devices): {len(skipped)}: " + "; ".join(skipped[:12]))
-    print(f"{'model':5} {'tokens':>6} {'dev':>3} {'variant':14} {'mode':15} {'ms':>9} {'TFLOP/s':>8}")
+    if info.get("pallas_impl") not in (None, "not selected"):
+        print("Pallas configs: " + ", ".join(f"{k}={v}" for k, v in info["pallas_configs"].items()))
+    print(f"{'model':5} {'tokens':>6} {'dev':>3} {'variant':14} {'mode':15} {'ms':>9} {'TFLOP/s':>8} {'vs dense':>8}")
     for r in rows:
         if r["variant"] == "ep_moe":   # in the EP table
             continue
@@ -706,6 +764,7 @@ def _table(rows, checks, skipped):
             val = f"{r['ms']:9.3f} {r['gb_s']:8.2f} GB/s off-device, {r['transport']}"
         else:
             val = f"{r['ms']:9.3f} {r['tflop_s']:8.1f}" if "ms" in r else f"  error: {r['error'][:60]}"
+            val += f" {r['vs_dense']:8.1%}" if "vs_dense" in r else ""
         tok = f"{r['tokens']}" + ("/16" if r["tokens_run"] != r["tokens"] else "")
         print(f"{r['model']:5} {tok:>6} {r.get('devices', 1):>3} {r['variant']:14} {r['mode']:15} {val}")
 

@@ -1,10 +1,15 @@
 """MSA decode vs dense paged decode on GPU: correctness vs the XLA reference, then timings.
 
 Usage (GPU machine):  PYTHONUNBUFFERED=1 python3 bench/msa_decode.py --out $OUT
-CPU smoke run:        python bench/msa_decode.py --smoke --contexts 2048 --batches 1,2 --out /tmp/msa_decode
-Tuning first:         python3 bench/msa_decode.py --sweep-scores 32x1048576,1x1048576 --out $OUT
-  (times every ``score_candidates`` launch config of the page-scoring kernel at those batch x context
-  cases, bf16 and fp8 keys separately, adopts the best geometric mean, re-checks, then the table)
+CPU smoke run:        python bench/msa_decode.py --smoke --contexts 2048 --batches 1,2 --steps 1 --out /tmp/msa_decode
+Tuning first:         python3 bench/msa_decode.py --sweep-scores 32x1048576,1x1048576 \
+                          --score-family persistent,evict --sweep-budget-s 200 --out $OUT
+  (times the current launch table and every ``score_candidates`` config of the given families of the
+  page-scoring kernel at those batch x context cases, bf16 and fp8 keys separately; records the best
+  config of each case and installs, per size class of gpu.CONFIG["score"], the case's winner (the best
+  geometric mean when several swept cases share a class), re-checks every class's launch (restoring
+  the old table if the check fails), then the table, which prints the launch each case ran;
+  --sweep-budget-s caps the sweep's wall time, candidates past a group's share left untimed)
 Selection / sparse-attention launch sweeps (after --sweep-scores when both are given):
   python3 bench/msa_decode.py --sweep-select 1,2,4,8,16,auto --sweep-sparse-pps 1,2,4,8 --out $OUT
   (at the --sweep-scores cases, else --sweep-cases, default 32x1048576,1x1048576: times
@@ -12,8 +17,10 @@ Selection / sparse-attention launch sweeps (after --sweep-scores when both are g
   per sparse_pages_per_split value over real selections, o/lse checked against pps=1; each keeps its
   best geometric mean in gpu.CONFIG for the table; rows under "select_sweep" / "sparse_pps_sweep")
 CPU plumbing of the sweeps (kernels in interpret mode):
-  python bench/msa_decode.py --smoke --contexts 2048 --batches 1 --steps 1 --sweep-cases 1x4096 \
+  python bench/msa_decode.py --smoke --contexts 2048 --batches 1 --steps 1 --sweep-steps 1 --sweep-cases 1x4096 \
       --sweep-select 1,2,auto --sweep-sparse-pps 1,4 --out /tmp/msa_decode
+  python bench/msa_decode.py --smoke --contexts 2048 --batches 1 --steps 1 --sweep-steps 1 --sweep-scores 1x2048 \
+      --score-family evict --sms 2 --out /tmp/msa_decode
 
 One layer, M3 shapes (H=64 query heads, G=4 kv heads, D=128, Di=128, page = block = 128, K=16),
 Q=1 query row per request, bf16 K/V. For each (batch, context):
@@ -25,7 +32,10 @@ Q=1 query row per request, bf16 K/V. For each (batch, context):
   scores_*   the page-scoring kernel alone.
 Timing: each timed call runs ``--steps`` decode steps inside one jit, over page-table replicas
 that point at disjoint physical pages when the cache is small (so the L2 never holds the data);
-time per step = median call time / steps. Bytes per step (fewest bytes a step must read): dense
+time per step = median call time / steps. The host's dispatch of each call (~0.3-0.5 ms on the H200)
+is spread over the steps: session 11 measured batch 32 x 1M MSA bf16 at 2.09 ms per step with 4 steps
+per call, 1.98 with 32 and 1.97 with 64, while the kernels' device time (``--profile``) was 1.96 ms; so
+the default is 64 (dense steps, 15 ms, move < 1%). Bytes per step (fewest bytes a step must read): dense
 = B*ctx*G*D*2 (K,V) * 2 B; MSA = B*ctx*(Di*bytes(ki) [+4 scale]) + B*G*K*page*D*2*2 (selected K/V).
 HBM reference: a large bf16 ``x + 1`` (read + write) in the same run.
 Writes msa_decode.json under --out.
@@ -34,6 +44,7 @@ Writes msa_decode.json under --out.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -100,8 +111,16 @@ def hbm_copy_bandwidth(n_bytes=4 * GIB):
 # ----------------------------------------------------------------------------- correctness
 
 def check(impl, rng, interpret=False):
-    """Kernels vs the xla reference on fresh random inputs; returns a dict of max errors."""
+    """Kernels vs the xla reference on fresh random inputs; returns a dict of max errors.
+
+    With ``impl="pallas_gpu"`` or ``interpret`` (the GPU kernels in interpret mode, CPU) also the
+    selection with the scoring launch of every size class of ``gpu.CONFIG["score"]`` (forced with
+    ``size_class``: the check's case itself is small), keys ``select_{bf16,fp8}_{class}_set_mismatch_rows``."""
     res = {}
+    classes = []
+    if impl == "pallas_gpu" or interpret:
+        from pallas_kernels.decode import gpu
+        classes = [name for name, _ in gpu.SCORE_CLASSES]
     b, nq, npg = 2, 4, 24
     p = b * npg + 5
     kd = jax.random.split(jax.random.PRNGKey(int(rng.integers(1 << 30))), 6)
@@ -117,15 +136,18 @@ def check(impl, rng, interpret=False):
         kq, ks = (kip, None) if kis is None else quantize(kip, "float8_e4m3fn")
         ids_ref = ops.msa_decode_select(qi, kq, pt, pos, ki_scale=ks, topk=K, implementation="xla")
         ids = ops.msa_decode_select(qi, kq, pt, pos, ki_scale=ks, topk=K, implementation=impl)
-        a, r = np.sort(np.asarray(ids), -1), np.sort(np.asarray(ids_ref), -1)
-        res[f"select_{label}_set_mismatch_rows"] = int(np.sum(np.any(a != r, -1)))
+        r = np.sort(np.asarray(ids_ref), -1)
+        res[f"select_{label}_set_mismatch_rows"] = int(np.sum(np.any(np.sort(np.asarray(ids), -1) != r, -1)))
+        for cls in classes:
+            ids = gpu.select_pages_gpu(qi, kq, pt, pos, ks, topk=K, interpret=interpret, size_class=cls)
+            res[f"select_{label}_{cls}_set_mismatch_rows"] = int(np.sum(np.any(np.sort(np.asarray(ids), -1) != r, -1)))
     for label, ids in (("dense", None), ("sparse", ids_ref)):
         o_r, l_r = ops.paged_attention(q, kp, vp, pt, pos, block_ids=ids, implementation="xla")
         o, l = ops.paged_attention(q, kp, vp, pt, pos, block_ids=ids, implementation=impl)
         res[f"attn_{label}_o_maxerr"] = float(jnp.max(jnp.abs(o.astype(jnp.float32) - o_r.astype(jnp.float32))))
         res[f"attn_{label}_lse_maxerr"] = float(jnp.max(jnp.abs(l - l_r)))
         res[f"attn_{label}_finite"] = bool(jnp.all(jnp.isfinite(o.astype(jnp.float32))))
-    ok = (res["select_bf16_set_mismatch_rows"] <= 1 and res["select_fp8_set_mismatch_rows"] <= 1
+    ok = (all(v <= 1 for k, v in res.items() if k.endswith("_set_mismatch_rows"))
           and all(res[f"attn_{x}_o_maxerr"] < 3e-2 and res[f"attn_{x}_lse_maxerr"] < 1e-2 and res[f"attn_{x}_finite"]
                   for x in ("dense", "sparse")))
     res["ok"] = bool(ok)
@@ -134,36 +156,69 @@ def check(impl, rng, interpret=False):
 
 # ----------------------------------------------------------------------------- scoring-kernel sweep
 
-SCORE_FAMILIES = ("wide", "narrow")
+SCORE_FAMILIES = ("wide", "narrow", "persistent", "evict")
 
 
-def score_candidates(label, family="wide"):
+def score_candidates(label, family="wide", sms=132):
     """Launch configs of the scoring kernel to sweep (``pallas_kernels.decode.gpu._score_launch`` keys).
 
     family "wide": 4 warps, unroll x stages x pages per program (label "fp8" adds the f16-compute
     variants); session 8's sweeps (BENCHMARKS.md): unroll 1-2 with 4-8 pages per program led, 8 warps and
     64-128 pages per program lost. family "narrow": 1 or 2 warps per program (a [16, page] score tile
     whose max over the page's tokens needs no cross-warp reduction with one warp), stages 2-4, 4 or 8
-    pages per program; fp8 only with the f16 product (session 8: always better)."""
+    pages per program; fp8 only with the f16 product (session 8: always better). family "persistent":
+    the persistent scorer, ``programs`` = ``sms`` x {1, 2, 4} (SMs of the GPU), 1 / 2 / 4 warps, stages
+    2-4. family "evict": the current ``gpu.CONFIG["score"]`` entries of ``label`` and persistent configs
+    (1-2 warps, 3-4 stages, 2 x sms programs) with ``evict="evict_first"`` (streaming key loads).
+    Persistent, evict and fp8 narrow candidates use the f16 product for fp8.
+    Raises ValueError for an unknown family."""
+    from pallas_kernels.decode import gpu
     if family not in SCORE_FAMILIES:
         raise ValueError(f"unknown score family {family!r}; known: {SCORE_FAMILIES}")
+    f16 = {"f16": True} if label == "fp8" else {}
     if family == "narrow":
-        c = [dict(num_warps=w, num_stages=st, unroll=1, ppp=p) for w in (1, 2) for st in (2, 3, 4) for p in (4, 8)]
-        return [dict(x, f16=True) for x in c] if label == "fp8" else c
+        return [dict(num_warps=w, num_stages=st, unroll=1, ppp=p, **f16) for w in (1, 2) for st in (2, 3, 4)
+                for p in (4, 8)]
+    if family == "persistent":
+        return [dict(num_warps=w, num_stages=st, unroll=1, programs=sms * k, **f16) for w in (1, 2, 4)
+                for st in (2, 3, 4) for k in (1, 2, 4)]
+    if family == "evict":
+        current = [dict(gpu.SCORE_LAUNCH_BASE, **e) for e in gpu.CONFIG["score"][label].values()]
+        pers = [dict(num_warps=w, num_stages=st, unroll=1, programs=2 * sms, **f16) for w in (1, 2) for st in (3, 4)]
+        return [dict(c, evict="evict_first") for c in current + pers]
     c = [dict(num_warps=4, num_stages=st, unroll=u, ppp=p) for u in (1, 2, 4) for st in (2, 3) for p in (4, 8, 16)]
     if label == "fp8":
         c += [dict(x, f16=True) for x in c]
     return c
 
 
-def sweep_scores(cases, min_steps, l2_bytes=200 * 1024 * 1024, family="wide"):
-    """Time the page-scoring kernel for each candidate config, bf16 and fp8 index keys, at each
-    (batch, context) of ``cases``; returns (rows, best {"bf16", "fp8"} -> config dict). The best config
-    minimises the geometric mean over the cases of time / time of the current default."""
+def family_candidates(label, families, sms=132):
+    """The candidates of several families (``score_candidates``), duplicates dropped, in order."""
+    seen, out = set(), []
+    for fam in families:
+        for c in score_candidates(label, fam, sms):
+            key = json.dumps(c, sort_keys=True)
+            if key not in seen:
+                seen.add(key)
+                out.append(c)
+    return out
+
+
+def sweep_scores(cases, min_steps, candidates, l2_bytes=200 * 1024 * 1024, interpret=False, budget_s=None):
+    """Time the page-scoring kernel with the current launch table ("default": ``gpu.CONFIG["score"]``
+    of the case's size class) and each candidate config of ``candidates`` {"bf16" / "fp8": [config]},
+    bf16 and fp8 index keys, at each (batch, context) of ``cases``. A candidate runs as given over
+    ``gpu.SCORE_LAUNCH_BASE`` (nothing inherited from the table). ``budget_s``: wall seconds for the
+    whole sweep, shared equally by the (case, keys) groups; a group's candidates left when its share
+    is spent are not timed (rows with ``skipped``; the default is always timed). Returns rows (batch,
+    context, keys, size_class, config, launch = the launch that ran, ms, gbps, wall_s = compile +
+    timing; or error / skipped)."""
     from pallas_kernels.decode import gpu
-    rows, best = [], {}
+    rows = []
+    share = None if budget_s is None else budget_s / (2 * len(cases))
     for b, ctx in cases:
         npg, reps, steps, p = case_sizes(b, ctx, min_steps, l2_bytes)
+        cls = gpu.score_size_class(b * npg)
         kib = fill((p, PAGE, DI), 3, jnp.bfloat16)
         ki8, ks8 = jax.jit(lambda x: quantize(x, "float8_e4m3fn"))(kib)
         rng = np.random.default_rng(b * 7 + ctx)
@@ -171,37 +226,72 @@ def sweep_scores(cases, min_steps, l2_bytes=200 * 1024 * 1024, family="wide"):
         qi = jax.random.normal(jax.random.PRNGKey(ctx + b), (steps, b, 1, G, DI), jnp.bfloat16)
         pos = jnp.full((b, 1), ctx - 1, jnp.int32)
         for label, ki, ks, nbytes in (("bf16", kib, None, b * ctx * DI * 2), ("fp8", ki8, ks8, b * ctx * (DI + 4))):
-            for cfg in [None] + score_candidates(label, family):
-                def run(qi, ki, ks, tables, cfg=cfg):
+            t_group = time.perf_counter()
+            for cfg in [None] + list(candidates.get(label, [])):
+                launch = (gpu._score_launch(ki.dtype, total_pages=b * npg) if cfg is None
+                          else {k: v for k, v in dict(gpu.SCORE_LAUNCH_BASE, **cfg).items() if v is not None})
+                if cfg is not None and share is not None and time.perf_counter() - t_group > share:
+                    rows.append(dict(batch=b, context=ctx, keys=label, size_class=cls, config=cfg, launch=launch,
+                                     skipped=f"sweep budget ({share:.0f} s per case and key dtype) spent"))
+                    continue
+
+                def run(qi, ki, ks, tables, launch=launch):
                     acc = jnp.zeros((), jnp.float32)
                     for r in range(steps):
-                        sc = gpu.page_scores_gpu(qi[r], ki, tables[r % reps], pos, ks, **(cfg or {}))
+                        sc = gpu.page_scores_gpu(qi[r], ki, tables[r % reps], pos, ks, interpret=interpret, **launch)
                         acc = acc + sc[0, 0, 0, 0]
                     return acc
-                row = dict(batch=b, context=ctx, keys=label, config="default" if cfg is None else cfg)
+                row = dict(batch=b, context=ctx, keys=label, size_class=cls,
+                           config="default" if cfg is None else cfg, launch=launch)
+                t0 = time.perf_counter()
                 try:
                     t, n = timeit(jax.jit(run), qi, ki, ks, tables, budget_s=0.3)
                     row.update(ms=t / steps * 1e3, gbps=nbytes / (t / steps) / 1e9)
                 except Exception as e:  # a config that does not compile: record it, go on
                     row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                row["wall_s"] = time.perf_counter() - t0
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         del kib, ki8, ks8
-    for label in ("bf16", "fp8"):
-        base = {(r["batch"], r["context"]): r["ms"] for r in rows
-                if r["keys"] == label and r["config"] == "default" and "ms" in r}
-        score = {}
-        for r in rows:
-            if r["keys"] != label or r["config"] == "default" or "ms" not in r or (r["batch"], r["context"]) not in base:
-                continue
-            key = json.dumps(r["config"], sort_keys=True)
-            score.setdefault(key, []).append(math.log(r["ms"] / base[(r["batch"], r["context"])]))
-        full = {k: v for k, v in score.items() if len(v) == len(base)}
-        if full:
-            k = min(full, key=lambda k: sum(full[k]))
-            if sum(full[k]) < 0:
-                best[label] = dict(json.loads(k), gain=float(math.exp(-sum(full[k]) / len(full[k]))))
-    return rows, best
+    return rows
+
+
+def pick_score_configs(rows):
+    """Winners of a scoring sweep (``sweep_scores`` rows).
+
+    Returns ``(per_case, per_class)``: per_case[keys]["BxCTX"] = the fastest config of that case
+    (config, launch, ms, default_ms, speedup over the default); per_class[keys][size class] = the
+    config with the best geometric mean of ms / default ms over the swept cases of that class (one case:
+    its fastest), only where it beats the default (config, gain, cases)."""
+    per_case, per_class = {}, {}
+    for label in sorted({r["keys"] for r in rows}):
+        mine = [r for r in rows if r["keys"] == label]
+        for b, ctx in sorted({(r["batch"], r["context"]) for r in mine}):
+            timed = [r for r in mine if (r["batch"], r["context"]) == (b, ctx) and "ms" in r]
+            base = [r["ms"] for r in timed if r["config"] == "default"]
+            if timed:
+                top = min(timed, key=lambda r: r["ms"])
+                per_case.setdefault(label, {})[f"{b}x{ctx}"] = dict(
+                    config=top["config"], launch=top["launch"], ms=top["ms"], default_ms=base[0] if base else None,
+                    speedup=base[0] / top["ms"] if base else None)
+        for cls in sorted({r["size_class"] for r in mine}):
+            sub = [r for r in mine if r["size_class"] == cls]
+            ratios, best = _geomean_best(sub, "config", "default")
+            if best != "default":
+                per_class.setdefault(label, {})[cls] = dict(
+                    config=best, gain=1.0 / ratios[json.dumps(best)],
+                    cases=sorted(f"{r['batch']}x{r['context']}" for r in sub if r["config"] == "default"))
+    return per_case, per_class
+
+
+def install_score_configs(per_class):
+    """Puts the per-class winners (``pick_score_configs``) into ``gpu.CONFIG["score"]``, each over
+    ``gpu.SCORE_LAUNCH_BASE`` (as timed); returns the new table."""
+    from pallas_kernels.decode import gpu
+    for label, by_cls in per_class.items():
+        for cls, pick in by_cls.items():
+            gpu.CONFIG["score"][label][cls] = dict(gpu.SCORE_LAUNCH_BASE, **pick["config"])
+    return gpu.CONFIG["score"]
 
 
 # ----------------------------------------------------------------------------- selection / sparse-attention sweeps
@@ -244,7 +334,7 @@ def sweep_select(cases, values, min_steps, interpret=False, l2_bytes=200 * 1024 
         tables = jnp.asarray(rng.permutation(np.arange(1, p)).reshape(reps, b, npg), jnp.int32)
         qi = jax.random.normal(jax.random.PRNGKey(ctx + b), (steps, b, 1, G, DI), jnp.bfloat16)
         pos = jnp.full((b, 1), ctx - 1, jnp.int32)
-        launch = gpu._score_launch(kib.dtype, None, None, None, None, None)
+        launch = gpu._score_launch(kib.dtype, total_pages=b * npg)
 
         @jax.jit
         def raw_scores(qi, ki, tables):
@@ -349,13 +439,35 @@ def sweep_sparse_pps(cases, values, min_steps, mem_gib, interpret=False, l2_byte
 
 # ----------------------------------------------------------------------------- timing
 
-def bench_one(b, ctx, min_steps, impl, l2_bytes=200 * 1024 * 1024, dry=False):
+def profile_cases(runs, steps, profile_dir):
+    """One more call of each ``runs`` entry ``name -> (jitted fn, args)`` under ``jax.profiler`` (perfetto
+    trace in ``profile_dir/name``); returns ``name -> trace_summary rows`` (device ms per decode step) and
+    prints the busiest device lines of each: where the time between the kernels goes (XLA glue, gaps)."""
+    import trace_summary
+    out = {}
+    for name, (fn, args) in runs.items():
+        d = os.path.join(profile_dir, name)
+        jax.block_until_ready(fn(*args))                  # compiled and warm before the trace
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            jax.block_until_ready(fn(*args))
+        rows = trace_summary.summarize(trace_summary.load_events(trace_summary.newest_trace(d)), top=12, steps=steps)
+        out[name] = rows
+        print(f"profile {name} (ms per decode step):\n" + trace_summary.format_summary(rows, max_lines=2), flush=True)
+    return out
+
+
+def bench_one(b, ctx, min_steps, impl, l2_bytes=200 * 1024 * 1024, dry=False, profile_dir=None):
     kv_bytes = b * ctx * G * D * 2 * 2
     npg, reps, steps, p = case_sizes(b, ctx, min_steps, l2_bytes)
     need = p * PAGE * (G * D * 2 * 2 + DI * 2 + DI + 4)
     row = dict(batch=b, context=ctx, replicas=reps, steps_per_call=steps, cache_gib=need / GIB)
     if dry:
         return row
+    if impl == "pallas_gpu":   # the scoring launch this case runs (gpu.CONFIG["score"], by size class)
+        from pallas_kernels.decode import gpu
+        row["score_class"] = gpu.score_size_class(b * npg)
+        for label, dt in (("bf16", jnp.bfloat16), ("fp8", jnp.float8_e4m3fn)):
+            row[f"score_launch_{label}"] = gpu._score_launch(dt, total_pages=b * npg)
     kp = fill((G, p, PAGE, D), 1, jnp.bfloat16)
     vp = fill((G, p, PAGE, D), 2, jnp.bfloat16)
     kib = fill((p, PAGE, DI), 3, jnp.bfloat16)
@@ -413,6 +525,11 @@ def bench_one(b, ctx, min_steps, impl, l2_bytes=200 * 1024 * 1024, dry=False):
         row[f"{name}_calls"] = n
     row["speedup_bf16"] = row["dense_ms"] / row["msa_bf16_ms"]
     row["speedup_fp8"] = row["dense_ms"] / row["msa_fp8_ms"]
+    if profile_dir:
+        runs = {n: (many(cases[n][0]), (q, qi, kp, vp, cases[n][1], cases[n][2], tables))
+                for n in ("msa_bf16", "msa_fp8", "dense")}
+        rows = profile_cases(runs, steps, os.path.join(profile_dir, f"b{b}_ctx{ctx}"))
+        row["profile"] = {n: r[:2] for n, r in rows.items()}
     del kp, vp, kib, ki8, ks8
     return row
 
@@ -422,15 +539,25 @@ def main():
     ap.add_argument("--out", default="/tmp/msa_decode")
     ap.add_argument("--smoke", action="store_true", help="small HBM copy (CPU plumbing run)")
     ap.add_argument("--mem-gib", type=float, default=110.0, help="skip combos whose cache exceeds this")
-    ap.add_argument("--steps", type=int, default=4, help="minimum decode steps per timed call")
+    ap.add_argument("--steps", type=int, default=64,
+                    help="minimum decode steps per timed call (each call's host dispatch, ~0.3-0.5 ms on the H200, "
+                         "is spread over them: at 4 steps it added ~0.1 ms to a 2 ms MSA step)")
     ap.add_argument("--contexts", default="32768,131072,1048576")
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--sweep-scores", default="",
                     help="batch x context cases, e.g. 32x1048576,1x1048576: sweep the scoring kernel's launch "
-                         "configs there first and time the table with the best (bf16 and fp8 separately)")
-    ap.add_argument("--score-family", default="wide", choices=SCORE_FAMILIES,
-                    help="launch configs that --sweep-scores times (score_candidates): wide = 4 warps x unroll x "
-                         "stages x pages per program; narrow = 1-2 warps per program")
+                         "configs there first (bf16 and fp8 separately), install each case's winner into its size "
+                         "class of gpu.CONFIG['score'] and time the table with them")
+    ap.add_argument("--score-family", default="wide",
+                    help=f"comma-separated families of launch configs that --sweep-scores times (score_candidates; "
+                         f"{', '.join(SCORE_FAMILIES)}): wide = 4 warps x unroll x stages x pages per program; "
+                         "narrow = 1-2 warps per program; persistent = the persistent scorer with SMs x {1,2,4} "
+                         "programs; evict = streaming (evict_first) key loads")
+    ap.add_argument("--sweep-budget-s", type=float, default=None,
+                    help="wall seconds for --sweep-scores, shared by its (case, key dtype) groups; candidates left "
+                         "when a group's share is spent are not timed (default: no limit)")
+    ap.add_argument("--sms", type=int, default=0,
+                    help="SMs for the persistent candidates' program counts (0 = the device's core_count, else 132)")
     ap.add_argument("--sweep-cases", default="32x1048576,1x1048576",
                     help="batch x context cases of --sweep-select / --sweep-sparse-pps when --sweep-scores is not given")
     ap.add_argument("--sweep-select", default="",
@@ -439,7 +566,16 @@ def main():
     ap.add_argument("--sweep-sparse-pps", default="",
                     help="sparse_pages_per_split values, e.g. 1,2,4,8: time sparse paged_attention_gpu with each (o/lse "
                          "checked against pps=1) and keep the best in gpu.CONFIG['sparse_pps']")
+    ap.add_argument("--sweep-steps", type=int, default=4,
+                    help="minimum decode steps per timed call in the sweeps (fewer than --steps: each candidate "
+                         "compiles its own unrolled steps; the sweeps compare candidates, the table reports)")
+    ap.add_argument("--profile", action="store_true",
+                    help="after timing each case, profile one more call of msa_bf16 / msa_fp8 / dense under "
+                         "jax.profiler (traces under --out/profile) and print the top device ops per step")
     a = ap.parse_args()
+    families = [f for f in a.score_family.split(",") if f]
+    if unknown := [f for f in families if f not in SCORE_FAMILIES]:
+        ap.error(f"unknown --score-family {unknown}; known: {SCORE_FAMILIES}")
     os.makedirs(a.out, exist_ok=True)
     rng = np.random.default_rng(int(time.time()))
     out = {"device": str(jax.devices()[0]), "jax": jax.__version__}
@@ -470,28 +606,42 @@ def main():
             json.dump(out, f, indent=1)
         print("no kernel variant passed the check; not timing")
         return
-    if a.sweep_scores and impl == "pallas_gpu":
-        from pallas_kernels.decode import gpu
-        cases = [tuple(int(v) for v in c.split("x")) for c in a.sweep_scores.split(",")]
-        sweep_rows, best = sweep_scores(cases, a.steps, family=a.score_family)
-        out["score_sweep"] = {"rows": sweep_rows, "best": best, "default": dict(gpu.CONFIG)}
-        for label, cfg in best.items():
-            cfg = {k: v for k, v in cfg.items() if k != "gain"}
-            keys = {("score_" + k.replace("num_", "")): v for k, v in cfg.items()}
-            if label == "bf16":
-                gpu.CONFIG.update(keys)
-            else:
-                gpu.CONFIG["score_fp8"] = {k: v for k, v in cfg.items()}
-        print("score sweep best:", json.dumps(best), "-> CONFIG", json.dumps(gpu.CONFIG), flush=True)
-        out["check_tuned"] = check(impl, rng)
-        print("check with the tuned configs:", json.dumps(out["check_tuned"]), flush=True)
     # GPU: the real kernels; CPU with --smoke: the same plumbing with the kernels in interpret mode.
     sweep_interp = impl != "pallas_gpu"
     sweep_cases = _parse_cases(a.sweep_scores or a.sweep_cases)
+    if a.sweep_scores and (impl == "pallas_gpu" or a.smoke):
+        from pallas_kernels.decode import gpu
+        sms = a.sms or getattr(jax.devices()[0], "core_count", 0) or 132
+        before = copy.deepcopy(gpu.CONFIG["score"])
+        cands = {label: family_candidates(label, families, sms) for label in ("bf16", "fp8")}
+        print(f"score sweep: families {families}, {sms} SMs, {len(cands['bf16'])} bf16 / {len(cands['fp8'])} fp8 "
+              f"candidates per case", flush=True)
+        t0 = time.time()
+        sweep_rows = sweep_scores(sweep_cases, a.sweep_steps, cands, interpret=sweep_interp, budget_s=a.sweep_budget_s,
+                                  **({"l2_bytes": 1} if sweep_interp else {}))
+        n_skip = sum("skipped" in r for r in sweep_rows)
+        print(f"score sweep: {len(sweep_rows) - n_skip} configs timed in {time.time() - t0:.0f} s, {n_skip} left "
+              f"untimed (--sweep-budget-s)", flush=True)
+        per_case, per_class = pick_score_configs(sweep_rows)
+        table = install_score_configs(per_class)
+        out["score_sweep"] = {"families": families, "sms": sms, "rows": sweep_rows, "best_per_case": per_case,
+                              "installed": per_class, "before": before, "after": copy.deepcopy(table)}
+        for label, by_case in per_case.items():
+            for case, w in by_case.items():
+                print(f"score sweep {label} {case}: best {json.dumps(w['config'])} {w['ms']:.4f} ms "
+                      f"(default {w['default_ms'] or float('nan'):.4f} ms)", flush=True)
+        print("score sweep installed per size class:", json.dumps(per_class), "->", json.dumps(table), flush=True)
+        out["check_tuned"] = check(impl, rng, interpret=sweep_interp)
+        print("check with the tuned configs:", json.dumps(out["check_tuned"]), flush=True)
+        if not out["check_tuned"]["ok"]:
+            gpu.CONFIG["score"] = before
+            print("the tuned configs failed the check: the table is back to", json.dumps(before), flush=True)
+        with open(os.path.join(a.out, "msa_decode.json"), "w") as f:   # kept if a later step fails
+            json.dump(out, f, indent=1)
     if a.sweep_select and (impl == "pallas_gpu" or a.smoke):
         from pallas_kernels.decode import gpu
         before = gpu.CONFIG["select_splits"]
-        sel_rows, ratios, best = sweep_select(sweep_cases, _parse_values(a.sweep_select), a.steps,
+        sel_rows, ratios, best = sweep_select(sweep_cases, _parse_values(a.sweep_select), a.sweep_steps,
                                               interpret=sweep_interp, **({"l2_bytes": 1} if sweep_interp else {}))
         gpu.CONFIG["select_splits"] = best
         out["select_sweep"] = {"rows": sel_rows, "geomean_vs_s1": ratios, "best": best, "before": before}
@@ -500,7 +650,7 @@ def main():
     if a.sweep_sparse_pps and (impl == "pallas_gpu" or a.smoke):
         from pallas_kernels.decode import gpu
         before = gpu.CONFIG["sparse_pps"]
-        pps_rows, ratios, best = sweep_sparse_pps(sweep_cases, _parse_values(a.sweep_sparse_pps), a.steps, a.mem_gib,
+        pps_rows, ratios, best = sweep_sparse_pps(sweep_cases, _parse_values(a.sweep_sparse_pps), a.sweep_steps, a.mem_gib,
                                                   interpret=sweep_interp, **({"l2_bytes": 1} if sweep_interp else {}))
         gpu.CONFIG["sparse_pps"] = best
         out["sparse_pps_sweep"] = {"rows": pps_rows, "geomean_vs_pps1": ratios, "best": best, "before": before}
@@ -522,7 +672,7 @@ def main():
                 continue
             t0 = time.time()
             try:
-                row = bench_one(b, ctx, a.steps, impl)
+                row = bench_one(b, ctx, a.steps, impl, profile_dir=os.path.join(a.out, "profile") if a.profile else None)
             except Exception as e:  # e.g. out of memory: record and go on
                 msg = "".join(ch for ch in str(e) if 32 <= ord(ch) < 127)[:600]
                 skipped.append(dict(dry, reason=f"{type(e).__name__}: {msg}"))
@@ -539,13 +689,20 @@ def main():
     bw = out["hbm_copy_gbps"]
     print(f"\nHBM copy {bw:.0f} GB/s; check ok={out['check']['ok']}")
     print(f"{'B':>3} {'ctx':>8} {'dense ms':>9} {'msa16 ms':>9} {'msa8 ms':>9} {'x bf16':>7} {'x fp8':>7} "
-          f"{'dense %bw':>9} {'msa16 %bw':>9} {'msa8 %bw':>9} {'scor16 %bw':>10} {'scor8 %bw':>9} {'scor16 ms':>9} {'sel16 ms':>8}")
+          f"{'dense %bw':>9} {'msa16 %bw':>9} {'msa8 %bw':>9} {'scor16 %bw':>10} {'scor8 %bw':>9} {'scor16 ms':>9} "
+          f"{'scor8 ms':>8} {'sel16 ms':>8} {'class':>6}")
+    nan = float("nan")
     for r in rows:
         print(f"{r['batch']:>3} {r['context']:>8} {r['dense_ms']:>9.3f} {r['msa_bf16_ms']:>9.3f} "
               f"{r['msa_fp8_ms']:>9.3f} {r['speedup_bf16']:>7.2f} {r['speedup_fp8']:>7.2f} "
               f"{100 * r['dense_gbps'] / bw:>9.1f} {100 * r['msa_bf16_gbps'] / bw:>9.1f} "
-              f"{100 * r['msa_fp8_gbps'] / bw:>9.1f} {100 * r.get('scores_bf16_gbps', float('nan')) / bw:>10.1f} "
-              f"{100 * r.get('scores_fp8_gbps', float('nan')) / bw:>9.1f} {r.get('scores_bf16_ms', float('nan')):>9.3f} {r['select_bf16_ms']:>8.3f}")
+              f"{100 * r['msa_fp8_gbps'] / bw:>9.1f} {100 * r.get('scores_bf16_gbps', nan) / bw:>10.1f} "
+              f"{100 * r.get('scores_fp8_gbps', nan) / bw:>9.1f} {r.get('scores_bf16_ms', nan):>9.3f} "
+              f"{r.get('scores_fp8_ms', nan):>8.3f} {r['select_bf16_ms']:>8.3f} {r.get('score_class', '-'):>6}")
+    for r in rows:   # the scoring launch each case ran (gpu.CONFIG["score"] of its size class)
+        if "score_class" in r:
+            print(f"scoring launch B={r['batch']} ctx={r['context']} ({r['score_class']}): "
+                  f"bf16 {json.dumps(r['score_launch_bf16'])}; fp8 {json.dumps(r['score_launch_fp8'])}")
     for r in skipped:
         print("skipped:", r)
 

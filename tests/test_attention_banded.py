@@ -89,3 +89,25 @@ def test_auto_on_gpu_picks_flash_for_packed_rows(monkeypatch):
     attention(q, k, v, q_positions=bad, kv_positions=bad, q_segment_ids=seg, kv_segment_ids=seg,
               implementation="auto")
     assert implementation_report()["attention"] == "xla"
+
+
+@pytest.mark.parametrize("case", ["segments", "suffix", "window"])
+def test_cudnn_refuses_what_its_causal_mask_cannot_express(case, monkeypatch):
+    """implementation="cudnn" masks by storage index: packed segment ids, queries that are a suffix of the
+    keys (T != S) or a sliding window must raise (it would silently attend across documents otherwise),
+    even where a GPU backend is present."""
+    import minimax_jax.ops.attention as att
+    monkeypatch.setattr(att, "default_backend", lambda: "gpu")
+    rng = np.random.default_rng()
+    b, t, h, g, d = 1, 16, 4, 2, 8
+    s = t + 4 if case == "suffix" else t
+    q = jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(b, s, g, d)), jnp.float32)
+    kw = dict(q_positions=jnp.arange(s - t, s, dtype=jnp.int32)[None], kv_positions=jnp.arange(s, dtype=jnp.int32)[None])
+    if case == "segments":
+        seg = jnp.asarray((np.arange(t) >= 7).astype(np.int32))[None]
+        kw.update(q_segment_ids=seg, kv_segment_ids=seg)
+    if case == "window":
+        kw.update(sliding_window=4)
+    with pytest.raises(ImplementationUnavailable, match="plain causal"):
+        attention(q, k, k, implementation="cudnn", **kw)

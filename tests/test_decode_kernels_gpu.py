@@ -3,7 +3,9 @@
 Selection sets and order, dense and sparse attention (o and lse, every element),
 Q in {1, 2, 8, 16}, float32 / bf16 / fp8 e4m3 caches, the all-equal-scores tie case; the split
 (two-stage) top-k selection equals the single-stage one exactly; sparse attention with several
-selected pages per program equals one page per program.
+selected pages per program equals one page per program; the persistent page scorer equals the chunked
+one bit for bit (and the XLA reference / oracle); the scoring launch is chosen per size class of the
+work from ``CONFIG["score"]``.
 """
 
 from __future__ import annotations
@@ -280,3 +282,160 @@ def test_sparse_pages_per_split(kv_dtype, loop):
         np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(l1)[fin], atol=1e-5, rtol=1e-5)
         np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(o_r, np.float32), atol=tol, rtol=tol)
         np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(l_r)[fin], atol=max(tol, 1e-5), rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- persistent scoring, size classes
+
+def _uneven_case(rng, nq, kv_dtype, b=5, hi=2, di=32, page=16, npg=13):
+    """Requests of different lengths on a shuffled page table: full, 6 pages, 0 pages (position in the
+    first page), 1 page, 0 pages (all rows padding); padding rows; table entries past each request's
+    scored pages hold a huge id (never read). Returns (qi, ki, ks, table, pos, ref_table): ref_table
+    clips those ids for the XLA reference, which gathers every page."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from minimax_jax.decode.cache import quantize
+    n_phys = b * npg + 3
+    keys = jax.random.split(jax.random.PRNGKey(int(rng.integers(1 << 30))), 2)
+    qi = jax.random.normal(keys[0], (b, nq, hi, di), jnp.float32)
+    ki = jax.random.normal(keys[1], (n_phys, page, di), jnp.float32)
+    ks = None
+    if kv_dtype == "float8_e4m3fn":
+        ki, ks = quantize(ki, kv_dtype)
+    else:
+        ki = ki.astype(kv_dtype)
+    table = rng.permutation(np.arange(n_phys))[: b * npg].reshape(b, npg)
+    last = np.asarray([npg * page - 1, 6 * page + 3, 5, page + 2, -1])[:b]   # each request's last position
+    pos = np.maximum(last[:, None] - np.arange(nq)[None, ::-1], 0)
+    pos[last < 0] = -1
+    if nq > 1:
+        pos[0, 0] = -1                                                      # a padding row
+    for r, n_score in enumerate(np.maximum(last, 0) // page):
+        table[r, n_score:] = 10 ** 6                                        # not scored: never read
+    ref_table = np.minimum(table, n_phys - 1)
+    return qi, ki, ks, jnp.asarray(table, jnp.int32), jnp.asarray(pos, jnp.int32), jnp.asarray(ref_table, jnp.int32)
+
+
+@pytest.mark.parametrize("nq,kv_dtype,f16", [(1, "bfloat16", False), (2, "float8_e4m3fn", True), (8, "float32", False),
+                                             (16, "float8_e4m3fn", False)])
+def test_persistent_scoring_matches_chunked(nq, kv_dtype, f16):
+    """The persistent scorer (1 program for everything; 5 programs over the 19 items, ranges crossing
+    requests and skipping an empty one; more programs than items; each key-load eviction policy)
+    writes the chunked kernel's scores bit for bit on every scored page and selects the same ids;
+    scores equal the XLA reference, and with float32 keys the selected sets equal the XLA selection's.
+    Requests of 0 and 1 scored pages, padding rows, unread huge page ids past each request's pages
+    (``_uneven_case``)."""
+    import numpy as np
+
+    from minimax_jax.decode import ops
+    from pallas_kernels.decode.gpu import page_scores_gpu, select_pages_gpu
+
+    rng = np.random.default_rng()
+    qi, ki, ks, table, pos, ref_table = _uneven_case(rng, nq, kv_dtype)
+    page, topk = ki.shape[1], 4
+    n_score = np.clip(np.asarray(pos).max(1) // page, 0, None)
+    assert sorted(set(n_score.tolist())) == [0, 1, 6, 12]
+    kw = dict(interpret=True, f16=f16)
+    base = np.asarray(page_scores_gpu(qi, ki, table, pos, ks, programs=0, ppp=4, **kw))
+    ref = np.asarray(ops._xla_page_scores(qi, ki, ks, ref_table))
+    ids_base = np.asarray(select_pages_gpu(qi, ki, table, pos, ks, topk=topk, programs=0, ppp=4, **kw))
+    for programs, evict in ((1, "evict_normal"), (5, "evict_first"), (64, "evict_last")):   # 5: chunks of 4
+        got = np.asarray(page_scores_gpu(qi, ki, table, pos, ks, programs=programs, evict=evict, **kw))
+        for r, n in enumerate(n_score):
+            np.testing.assert_array_equal(got[r, ..., :n], base[r, ..., :n], err_msg=f"{programs} {r}")
+            np.testing.assert_allclose(got[r, ..., :n], ref[r, ..., :n], rtol=2e-2, atol=2e-2)
+        ids = np.asarray(select_pages_gpu(qi, ki, table, pos, ks, topk=topk, programs=programs, evict=evict, **kw))
+        np.testing.assert_array_equal(ids, ids_base, err_msg=str(programs))
+    if kv_dtype == "float32":
+        ids_ref = ops.msa_decode_select(qi, ki, ref_table, pos, ki_scale=ks, topk=topk, implementation="xla")
+        np.testing.assert_array_equal(np.sort(ids_base, -1), np.sort(np.asarray(ids_ref), -1))
+
+
+@pytest.mark.parametrize("nq,kv_dtype", [(1, "bfloat16"), (2, "float8_e4m3fn"), (8, "float32"), (16, "bfloat16")])
+def test_persistent_table_matches_oracle(nq, kv_dtype, monkeypatch):
+    """A persistent launch in every size class of ``CONFIG["score"]``: the API path (``api.select_pages``,
+    launch from the table) gives the NumPy oracle's selection (sets and order) and attention."""
+    import copy
+
+    from pallas_kernels.decode import gpu
+
+    table = copy.deepcopy(gpu.CONFIG["score"])
+    for by_cls in table.values():
+        for cls in by_cls:
+            by_cls[cls] = dict(by_cls[cls], programs=3)
+    monkeypatch.setitem(gpu.CONFIG, "score", table)
+    check_against_oracle("gpu_interpret", nq, kv_dtype, ordered=True)
+
+
+def test_size_class_picks_the_launch(monkeypatch):
+    """``CONFIG["score"]`` entries are chosen by the size class of B * NP (``SCORE_CLASSES``) when the
+    call is traced; explicit kwargs override them key by key; ``size_class`` forces a class; a class
+    missing from the table runs ``SCORE_LAUNCH_BASE``. Every class's launch gives the same scores
+    (bit for bit on the scored pages) and ids."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels.decode import gpu
+
+    monkeypatch.setattr(gpu, "SCORE_CLASSES", (("small", 16), ("mid", 40), ("large", None)))
+    monkeypatch.setitem(gpu.CONFIG, "score", {
+        "bf16": {"small": dict(programs=3, num_warps=1), "mid": dict(ppp=2, num_warps=2),
+                 "large": dict(ppp=4, unroll=2, evict="evict_first")},
+        "fp8": {"small": dict(ppp=4, f16=True), "large": dict(programs=5, f16=True)}})
+    assert [gpu.score_size_class(n) for n in (None, 1, 16, 17, 40, 41, 10 ** 9)] == \
+        ["small", "small", "small", "mid", "mid", "large", "large"]
+    launch = gpu._score_launch
+    assert launch(jnp.bfloat16, total_pages=10)["programs"] == 3
+    mid = launch(jnp.bfloat16, total_pages=30)
+    assert (mid["ppp"], mid["num_warps"], mid["programs"]) == (2, 2, 0)
+    assert launch(jnp.bfloat16, 8, total_pages=30, programs=7)["programs"] == 7      # explicit kwargs win
+    assert launch(jnp.bfloat16, 8, total_pages=30, programs=7)["ppp"] == 8
+    assert launch(jnp.float8_e4m3fn, total_pages=30) == dict(gpu.SCORE_LAUNCH_BASE, loop=gpu.CONFIG["loop"])
+    assert launch(jnp.float32, size_class="large", total_pages=1)["evict"] == "evict_first"
+    with pytest.raises(ValueError, match="unknown size class"):
+        launch(jnp.bfloat16, size_class="huge")
+
+    seen = []
+    real = gpu._page_scores
+    monkeypatch.setattr(gpu, "_page_scores", lambda *a, **k: seen.append(k) or real(*a, **k))
+    rng = np.random.default_rng()
+    qi, ki, ks, table, pos, _ = _uneven_case(rng, 2, "bfloat16")         # B * NP = 5 * 13 = 65: large
+    n_score = np.clip(np.asarray(pos).max(1) // ki.shape[1], 0, None)
+    got = {}
+    for b, cls in ((5, None), (1, None), (2, None), (5, "small"), (5, "mid")):
+        got[(b, cls)] = np.asarray(gpu.page_scores_gpu(qi[:b], ki, table[:b], pos[:b], ks, interpret=True,
+                                                       size_class=cls))
+    assert [k["programs"] for k in seen] == [0, 3, 0, 3, 0]                   # large, small, mid, small, mid
+    assert seen[0]["unroll"] == 2 and seen[2]["ppp"] == 2 and seen[4]["ppp"] == 2
+    for (b, cls), sc in got.items():
+        for r in range(b):
+            np.testing.assert_array_equal(sc[r, ..., :n_score[r]], got[(5, None)][r, ..., : n_score[r]])
+    ids = {cls: np.asarray(gpu.select_pages_gpu(qi, ki, table, pos, ks, topk=4, interpret=True, size_class=cls))
+           for cls in ("small", "mid", "large")}
+    np.testing.assert_array_equal(ids["small"], ids["large"])
+    np.testing.assert_array_equal(ids["mid"], ids["large"])
+
+
+def test_bad_scoring_launch_raises():
+    """Bad persistent / eviction options raise; the default select_splits fits a persistent launch's
+    score width (next power of two of NP: 2 pages here)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels.decode.gpu import page_scores_gpu, select_pages_gpu
+    qi, ki = jnp.zeros((1, 1, 1, 16)), jnp.zeros((4, 16, 16))
+    table, pos = jnp.zeros((1, 4), jnp.int32), jnp.full((1, 1), 40, jnp.int32)
+    for programs in (-1, True, 2.0):
+        with pytest.raises(ValueError, match="programs must be an int"):
+            page_scores_gpu(qi, ki, table, pos, interpret=True, programs=programs)
+    with pytest.raises(ValueError, match="takes unroll 1"):
+        select_pages_gpu(qi, ki, table, pos, topk=2, interpret=True, programs=3, unroll=2)
+    with pytest.raises(ValueError, match="evict must be one of"):
+        page_scores_gpu(qi, ki, table, pos, interpret=True, evict="evict_always")
+    qi = jnp.asarray(np.random.default_rng().normal(size=(1, 1, 2, 16)), jnp.float32)
+    ki = jnp.asarray(np.random.default_rng().normal(size=(3, 8, 16)), jnp.float32)
+    table, pos = jnp.asarray([[2, 1]], jnp.int32), jnp.full((1, 1), 15, jnp.int32)
+    got = select_pages_gpu(qi, ki, table, pos, topk=2, interpret=True, programs=3)
+    want = select_pages_gpu(qi, ki, table, pos, topk=2, interpret=True, ppp=1, select_splits=1)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -3,7 +3,8 @@
 GPU: Pallas -> Triton IR through ``.lower(lowering_platforms=("cuda",))`` (the final Triton
 compile needs the GPU). TPU: ``jax.export`` for platform "tpu" runs Mosaic's lowering and catches
 layout errors (block shapes, unsupported ops). bf16 and fp8 e4m3 caches, dense and sparse modes
-(GPU: also the split top-k selection and sparse attention with several pages per program).
+(GPU: also the split top-k selection, sparse attention with several pages per program, the
+persistent page-scoring kernel and key loads with an L2 eviction policy).
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ B, Q, G, HG, D, DI, PAGE, P, NP, K = 2, 2, 4, 16, 128, 128, 128, 1100, 512, 16
 DTYPES = [jnp.bfloat16, jnp.float8_e4m3fn]
 
 
-def _index_args(dt):
+def _index_args(dt, b=B):
     fp8 = dt == jnp.float8_e4m3fn
-    return (S((B, Q, G, DI), jnp.bfloat16), S((P, PAGE, DI), dt), S((B, NP), jnp.int32), S((B, Q), jnp.int32),
+    return (S((b, Q, G, DI), jnp.bfloat16), S((P, PAGE, DI), dt), S((b, NP), jnp.int32), S((b, Q), jnp.int32),
             S((P, PAGE), jnp.float32) if fp8 else None)
 
 
@@ -49,6 +50,14 @@ def test_gpu_kernels_lower_to_triton(dt):
     txt = _cuda_text(lambda *a: select_pages_gpu(*a, topk=K, select_splits=4, init_blocks=1, local_blocks=2),
                      _index_args(dt))
     assert txt.count("__gpu$xla.gpu.triton") == 3           # scoring + split top-k (slices, merge)
+    for b in (B, 1, 3):                                      # persistent scoring (B padded to a power of two)
+        for kw in (dict(programs=264), dict(programs=132, num_warps=1, num_stages=4, evict="evict_first")):
+            txt = _cuda_text(lambda *a: select_pages_gpu(*a, topk=K, **kw), _index_args(dt, b))
+            assert txt.count("__gpu$xla.gpu.triton") == 3, (b, kw)
+    txt = _cuda_text(lambda *a: select_pages_gpu(*a, topk=K), _index_args(dt, 40))
+    assert txt.count("__gpu$xla.gpu.triton") == 3           # the "large" size class's launch (40 x 512 pages)
+    txt = _cuda_text(lambda *a: select_pages_gpu(*a, topk=K, evict="evict_last", select_splits=1), _index_args(dt))
+    assert txt.count("__gpu$xla.gpu.triton") == 2           # chunked scoring with an eviction policy
     for sparse in (False, True):
         txt = _cuda_text(lambda *a: paged_attention_gpu(*a), _attn_args(dt, sparse))
         assert "__gpu$xla.gpu.triton" in txt

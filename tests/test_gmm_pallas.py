@@ -7,11 +7,18 @@ Tolerances: fp32 cases rtol = atol/scale = 2e-5 (accumulation order only); bf16 
 accumulate in fp32 and round once to bf16, so |err| <= 2^-8 |ref| (half a bf16 ulp) plus
 1e-5 * max|ref| for the accumulation order: rtol 4e-3, atol 1e-5 * max|ref|.
 Exact checks: rows past sum(group_sizes) of y and dlhs are 0, empty groups' drhs are 0.
+Tail folding (TileConfig.fold): group sizes built to hit every case of the work list (remainder 0,
+remainder <= fold after one and after several full blocks, at the fold bound, remainder > fold,
+groups smaller than a block or than fold, empty groups, rows past the sum, a folded group ending at
+the last row, a single group), in a fresh random order each run; compared with the oracle and with
+the same config without folding (forward, dlhs, drhs), and the work list's invariants directly.
 A lowering test checks that the three kernels lower for CUDA at M2 shapes on this CPU machine
 (Triton IR is generated; the Triton compile itself needs the GPU).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -142,24 +149,128 @@ def test_all_groups_empty_gives_zeros():
     assert not np.any(np.asarray(y)) and not np.any(np.asarray(dlhs)) and not np.any(np.asarray(drhs))
 
 
+_visits = jax.jit(gpu_gmm.make_visits, static_argnums=(1, 2, 3))
+
+
+def _check_visits(sizes, m, bm, fold):
+    """make_visits(sizes, m, bm, fold) against its documented invariants: every row of [0, m) in exactly
+    one visit of its group (G past the sum), visits in row order and group-relative (a group's visits
+    start at its first row, every bm rows), at most bm rows except a folded group's last visit (bm + r
+    rows, 0 < r <= fold, after >= 1 full block; never the pseudo-group), the expected visit count,
+    unused visits (G, 0, 0) at the end. Returns the table."""
+    g = len(sizes)
+    tab = np.asarray(_visits(jnp.asarray(sizes, jnp.int32), m, bm, fold))
+    assert tab.shape == (3, gpu_gmm.num_visits(m, g, bm)) and gpu_gmm.num_visits(m, g, bm) == -(-m // bm) + g
+    ends = np.minimum(np.cumsum(sizes), m)
+    starts = np.concatenate([[0], ends[:-1]])
+    used = tab[2] > tab[1]
+    n_used = int(used.sum())
+    assert used[:n_used].all() and np.all(tab[:, n_used:].T == (g, 0, 0))     # unused visits last
+    sz = np.append(ends - starts, m - ends[-1])                                  # + the pseudo-group
+    folded = (sz > bm) & (sz % bm > 0) & (sz % bm <= fold) & (np.arange(g + 1) < g)
+    assert n_used == int(np.sum(-(-sz // bm)) - folded.sum())
+    owner = np.full(m, -1)
+    row = 0
+    for grp, lo, hi in tab[:, :n_used].T:
+        assert lo == row, "visits are in row order and tile the rows"
+        start = starts[grp] if grp < g else ends[-1]
+        assert (lo - start) % bm == 0, "row blocks are group-relative"
+        if hi - lo > bm:
+            assert folded[grp] and hi - lo == bm + sz[grp] % bm and hi == start + sz[grp]
+        assert np.all(owner[lo:hi] == -1)              # no row is stored twice
+        owner[lo:hi] = grp
+        row = hi
+    want = np.searchsorted(ends, np.arange(m), side="right")   # G for rows past the sum
+    np.testing.assert_array_equal(owner, want)
+    return tab
+
+
 def test_make_visits_cover_every_row_once():
     rng = np.random.default_rng()
-    visits = jax.jit(gpu_gmm.make_visits, static_argnums=(1, 2))
     for it in range(24):
         m, g, bm = ((300, 7, 16), (300, 7, 32), (300, 7, 128), (37, 1, 16))[it % 4]
         sizes = rng.multinomial(int(rng.integers(0, m + 1)), rng.dirichlet(np.ones(g) * 0.5))
-        tab = np.asarray(visits(jnp.asarray(sizes, jnp.int32), m, bm))
-        assert tab.shape == (3, gpu_gmm.num_visits(m, g, bm)) and gpu_gmm.num_visits(m, g, bm) == -(-m // bm) + g
-        owner = np.full(m, -1)
-        ends = np.cumsum(sizes)
-        for grp, lo, hi in tab.T:
-            assert 0 <= hi - lo <= bm
-            if hi == lo:
-                continue
-            assert np.all(owner[lo:hi] == -1)          # no row is stored twice
-            owner[lo:hi] = grp
-        want = np.searchsorted(ends, np.arange(m), side="right")   # G for rows past the sum
-        np.testing.assert_array_equal(owner, want)
+        tab = _check_visits(sizes, m, bm, 0)
+        assert np.all(tab[2] - tab[1] <= bm)
+        for fold in (64,):
+            if 2 * fold <= bm:
+                _check_visits(sizes, m, bm, fold)
+    # ~256 +- 16 rows per group (M2 at 8K tokens): folding remainders of <= 64 rows removes about G/2 visits
+    sizes = rng.integers(240, 273, 64)
+    m = int(sizes.sum())
+    n_plain = int((_check_visits(sizes, m, 128, 0)[2] > 0).sum())
+    n_fold = int((_check_visits(sizes, m, 128, 64)[2] > 0).sum())
+    assert n_plain - n_fold == int(np.sum(sizes > 256))
+
+
+def _fold_sizes(rng, bm, fold):
+    """Group sizes hitting every tail-folding case, shuffled, an empty group first or last."""
+    pattern = [2 * bm,                     # remainder 0
+               bm + 1, bm + fold,          # remainder <= fold after one full block (1, the bound)
+               3 * bm + 1, 2 * bm + fold // 2,   # ... after several full blocks
+               bm + fold + 1, 2 * bm + bm - 1,   # remainder > fold: a visit of its own
+               bm, bm - 1,                 # one (partial) block
+               3, fold, fold - 5,          # smaller than fold / a block
+               0, 0]                       # empty
+    sizes = np.array(rng.permutation(pattern[:-1]).tolist(), np.int64)
+    return np.insert(sizes, 0 if rng.integers(2) else len(sizes), 0)
+
+
+def _fold_case(rng, sizes, m, k, n, dtype):
+    lhs = jnp.asarray(rng.normal(size=(m, k)), dtype)
+    rhs = jnp.asarray(rng.normal(size=(len(sizes), k, n)) / np.sqrt(k), dtype)
+    cot = jnp.asarray(rng.normal(size=(m, n)), dtype)
+    return lhs, rhs, jnp.asarray(sizes, jnp.int32), cot
+
+
+@pytest.mark.parametrize("cfg,k,n,dtype,past", [
+    (TileConfig(128, 32, 64, 4, 2, fold=64), 48, 80, jnp.float32, 7),       # K, N off the tiles; rows past sum
+    (TileConfig(128, 32, 64, 4, 2, fold=64), 64, 128, jnp.bfloat16, 0),     # last group folded at row M
+    (TileConfig(128, 32, 64, 4, 2, fold=64, half_tail=True), 32, 64, jnp.float32, 5),   # with half tiles
+])
+def test_fold_matches_reference_and_fold_off(cfg, k, n, dtype, past):
+    """Tail folding: forward, dlhs and drhs equal the fp32 oracle and the same tiles without folding."""
+    rng = np.random.default_rng()
+    sizes = _fold_sizes(rng, cfg.bm, cfg.fold)
+    if not past:   # the last live group ends at row M with a folded remainder (loads masked at the array end)
+        sizes = np.append(sizes[sizes > 0], 2 * cfg.bm + 3)
+    m = int(sizes.sum()) + past
+    tab = _check_visits(sizes, m, cfg.bm, cfg.fold)
+    assert np.sum(tab[2] - tab[1] > cfg.bm) == 4 + (not past)    # the folded groups of the pattern
+    lhs, rhs, gs, cot = _fold_case(rng, sizes, m, k, n, dtype)
+    got = _kernel(lhs, rhs, gs, cot, cfg, SMALL_T)
+    off = _kernel(lhs, rhs, gs, cot, dataclasses.replace(cfg, fold=0), SMALL_T)
+    ref = _reference(lhs, rhs, gs, cot)
+    for a, b, r, what in zip(got, off, ref, ("y", "dlhs", "drhs")):
+        assert a.dtype == dtype
+        _close(a, r, dtype, f"{what} {cfg.label()} vs oracle")
+        # fold on / off: fp32 sums in another order; in bf16 each is within half an ulp: one ulp apart
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        rtol = 2e-5 if dtype == jnp.float32 else 2.0 ** -7
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=2e-5 * np.abs(b).max(), err_msg=f"{what} vs fold off")
+    total = int(sizes.sum())
+    assert np.all(np.asarray(got[0])[total:] == 0) and np.all(np.asarray(got[1])[total:] == 0)
+    empty = np.flatnonzero(sizes == 0)
+    assert np.all(np.asarray(got[2])[empty] == 0)
+
+
+def test_fold_single_group_and_config_errors():
+    """One group (folded remainder, rows past it) vs the oracle; TileConfig rejects bad fold values."""
+    rng = np.random.default_rng()
+    cfg = TileConfig(128, 32, 64, 4, 2, fold=64)
+    for size, m in ((3 * 128 + 9, 3 * 128 + 9), (128 + 64, 200), (10, 12)):
+        sizes = np.array([size])
+        _check_visits(sizes, m, cfg.bm, cfg.fold)
+        lhs, rhs, gs, cot = _fold_case(rng, sizes, m, 32, 64, jnp.float32)
+        for a, r, what in zip(_kernel(lhs, rhs, gs, cot, cfg, SMALL_T), _reference(lhs, rhs, gs, cot),
+                              ("y", "dlhs", "drhs")):
+            _close(a, r, jnp.float32, f"{what} single group of {size} rows, M = {m}")
+    assert cfg.label() == "128x32x64w4s2fold64" and TileConfig().fold == 0
+    for bad in (8, 16, 32, 96, 128, -64, 1, True, 64.0):      # < 64: wrong results on the H200 (module doc)
+        with pytest.raises(ValueError, match="fold"):
+            TileConfig(128, 32, 64, 4, 2, fold=bad)
+    with pytest.raises(ValueError, match="fold"):
+        TileConfig(64, 32, 64, 4, 2, fold=64)
 
 
 def test_grouped_matmul_impl_and_errors():
@@ -213,11 +324,11 @@ def test_moe_layer_pallas_interpret_matches_ragged():
 
 def test_kernels_lower_for_cuda_at_m2_shapes():
     """Forward, dlhs and tgmm lower to Triton custom calls for CUDA (M2 first projection, rhs > 4 GiB:
-    64-bit offsets) on this CPU machine."""
+    64-bit offsets) on this CPU machine: default tiles, half-height tails and tail folding."""
     sd = jax.ShapeDtypeStruct
     m, kd, nd, g = 65536, 3072, 3072, 256
 
-    for cfg in (None, TileConfig(128, 64, 256, 8, 3, half_tail=True)):
+    for cfg in (None, TileConfig(128, 64, 256, 8, 3, half_tail=True), TileConfig(128, 64, 256, 8, 3, fold=64)):
         def f(a, b, gs, c, cfg=cfg):
             y, vjp = jax.vjp(lambda a, b: gpu_gmm.gmm(a, b, gs, config=cfg, dlhs_config=cfg), a, b)
             return y, vjp(c)

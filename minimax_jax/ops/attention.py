@@ -121,6 +121,12 @@ def attention(
         record_implementation("attention", f"pallas_flash_{backend}")
         return flash.flash_attention(q, k, v, q_segment_ids, backend=backend)
     if impl == "cudnn":
+        # cuDNN's causal mask is by storage index: packed segments, T != S and windows are not expressible.
+        if user_segments is not None or t != s or sliding_window is not None:
+            raise ImplementationUnavailable(
+                f"cudnn attention serves only plain causal self-attention (no segment ids, T == S, no window); got "
+                f"segment ids: {user_segments is not None}, T={t}, S={s}, window={sliding_window}: use pallas_flash "
+                f"or xla")
         if default_backend() != "gpu":
             raise ImplementationUnavailable("cudnn attention needs a GPU backend")
         record_implementation("attention", "cudnn")

@@ -4,11 +4,14 @@ Math: MSA_SPEC.md section 5 (via ``minimax_jax.decode.ops``, which validates inp
 selection). Caches are flattened so a physical page ``p`` is the row range ``[p*page, (p+1)*page)``
 and is gathered with a data-dependent ``pl.ds(page_id * page, page)`` load.
 
-``page_scores_gpu``: one program per (request, chunk of ``ppp`` logical pages). The index queries of
-all rows and groups of the request (``Q * Hi`` rows, padded to >= 16 for the tensor cores) share
-the single index key, so one ``[R, Di] x [Di, page]`` product per page gives every row's token
-scores; the program keeps the max over the page's tokens. Pages past the last row's local page are
-skipped (never read). fp8 index keys are dequantised by a per-token scale applied to the scores.
+``page_scores_gpu``: one program per (request, chunk of ``ppp`` logical pages), or with
+``programs`` N >= 1 the persistent variant: N programs, each walking one contiguous range of the
+flattened (request, page) work list. The index queries of all rows and groups of the request
+(``Q * Hi`` rows, padded to >= 16 for the tensor cores) share the single index key, so one
+``[R, Di] x [Di, page]`` product per page gives every row's token scores; the program keeps the max
+over the page's tokens. Pages past the last row's local page are skipped (never read). fp8 index
+keys are dequantised by a per-token scale applied to the scores. Launch defaults come from a table
+keyed by the key dtype and a size class of the work (``CONFIG["score"]``, ``SCORE_CLASSES``).
 
 ``select_pages_gpu``: the scoring kernel, then one selection program per (request, row x group)
 that holds the row's page scores in registers and extracts the best page ``K - 1`` times (ties to
@@ -37,20 +40,33 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.decode.common import combine_splits, compute_dtype, next_pow2, pack_rows, pad_rows, unpack_rows
 
-__all__ = ["page_scores_gpu", "select_pages_gpu", "paged_attention_gpu", "CONFIG"]
+__all__ = ["page_scores_gpu", "select_pages_gpu", "paged_attention_gpu", "score_size_class",
+           "score_keys_label", "CONFIG", "SCORE_CLASSES", "SCORE_LAUNCH_BASE"]
 
 _NEG = -1e30
 
-# Launch variant used when a call passes None. "loop": "dynamic" = data-dependent trip counts
-# (pages past the end are never read), "static" = fixed trip counts with clamped, masked slots.
-# "score_unroll": pages per loop iteration of the scoring kernel; "score_ppp": pages per program (None =
-# sized to fill the GPU); "score_fp8": overrides for 1-byte (fp8) index keys, keyed like
-# ``_score_launch``'s result (ppp, num_warps, num_stages, loop, unroll, f16).
-# Scoring defaults: the best geometric mean over batch 32 and batch 1 at 1M tokens of
-# bench/msa_decode.py --sweep-scores on one H200. Session 8 (4 warps: unroll x stages x ppp; fp8 gained
-# most from the f16 product); session 10, --score-family narrow (1-2 warps per program): bf16 2 warps,
-# 4 stages, 8 pages per program (1.05x over session 8's geomean), fp8 1 warp, 3 stages, 8 pages (1.11x;
-# batch 32 x 1M fp8 scoring 1.155 -> ~1.11 ms).
+# Launch defaults used when a call passes None. "loop": "dynamic" = data-dependent trip counts
+# (pages past the end are never read), "static" = fixed trip counts with clamped, masked slots (the
+# persistent scorer always uses dynamic trip counts).
+#
+# "score": launch table of the page-scoring kernel, ``CONFIG["score"][keys][size class]``, keys "fp8"
+# for 1-byte index keys and "bf16" for the others (``score_keys_label``). Rule: the size class of a
+# call is chosen at trace time from static shapes, the first entry of ``SCORE_CLASSES`` whose bound is
+# >= B * NP (logical pages of the page table; bound None = no limit): batch 1 x 1M tokens (8192 pages)
+# and batch 32 x 32K are "small", batch 32 x 128K (32768) and batch 32 x 1M (262144) "large" (the bound,
+# 16384 pages = 2M tokens, lies between the two swept cases, 1 x 1M and 32 x 1M; it is not tuned). An entry
+# holds ``_score_launch`` keys over ``SCORE_LAUNCH_BASE``; explicit launch kwargs override it key by
+# key. Keys: "ppp" pages per program (None = sized to fill the GPU), "unroll" pages per loop iteration,
+# "num_warps", "num_stages", "f16" (fp8 keys: f16 product), "programs" (0 = one program per (request,
+# chunk of ppp pages); N >= 1 = the persistent scorer: N programs, each walking one contiguous range of
+# the flattened (request, page) work list), "evict" (L2 eviction policy of the key loads:
+# "evict_normal" (a plain load), "evict_first" or "evict_last").
+# bench/msa_decode.py --sweep-scores installs the best config of each swept case into that case's class
+# (the best geometric mean when several swept cases fall into one class). Entries now: session 10's
+# per-case winners on one H200 (--score-family narrow; scoring alone): bf16 small 2 warps / 4 stages /
+# 8 pages (batch 1 x 1M 0.099 ms), bf16 large 1 warp / 2 stages / 8 pages (batch 32 x 1M 1.979 ms),
+# fp8 small 1 warp / 3 stages / 8 pages (0.068 ms), fp8 large 1 warp / 3 stages / 4 pages (1.089 ms),
+# fp8 with the f16 product.
 # "select_splits": slices per score row of the top-k selection (``_select_rows``): 1 = one program
 # per row (single stage), a power of two S > 1 = two-stage split top-k, "auto" = the largest power of
 # two S with W / S >= 512 pages per slice and B * rows * S <= 4096 programs (``_auto_select_splits``).
@@ -59,9 +75,18 @@ _NEG = -1e30
 # "sparse_pps": selected-page slots per program of sparse (MSA) attention (a power of two; 1 = one
 # page per split). 4 from --sweep-sparse-pps (session 10, second sweep, K = 16: batch 32 x 1M 0.084 ms
 # vs 0.094 (2) and 0.108 (1); batch 1 x 1M 0.047 vs 0.050 and 0.059).
-CONFIG = {"loop": "dynamic", "score_warps": 2, "score_stages": 4, "score_unroll": 1, "score_ppp": 8,
-          "score_fp8": {"f16": True, "num_warps": 1, "num_stages": 3, "unroll": 1, "ppp": 8}, "attn_warps": 4,
-          "attn_stages": 2, "select_splits": 4, "sparse_pps": 4}
+SCORE_CLASSES = (("small", 16384), ("large", None))
+SCORE_LAUNCH_BASE = {"ppp": None, "num_warps": 4, "num_stages": 3, "unroll": 1, "f16": False, "programs": 0,
+                     "evict": "evict_normal"}
+CONFIG = {"loop": "dynamic",
+          "score": {"bf16": {"small": {"num_warps": 2, "num_stages": 4, "ppp": 8},
+                             "large": {"num_warps": 1, "num_stages": 2, "ppp": 8}},
+                    "fp8": {"small": {"num_warps": 1, "num_stages": 3, "ppp": 8, "f16": True},
+                            "large": {"num_warps": 1, "num_stages": 3, "ppp": 4, "f16": True}}},
+          "attn_warps": 4, "attn_stages": 2, "select_splits": 4, "sparse_pps": 4}
+
+_EVICT = ("evict_normal", "evict_first", "evict_last")
+_SCORE_STATIC = ("ppp", "num_warps", "num_stages", "loop", "unroll", "f16", "programs", "evict")
 
 
 def _precision(a):
@@ -82,11 +107,25 @@ def _dot(a, b):
 
 # ----------------------------------------------------------------------------- page scores
 
-def _score_kernel(pt_ref, n_ref, qi_ref, ki_ref, *rest, page, ppp, unroll, scale, has_scale, cdt, loop):
-    if has_scale:
-        ks_ref, o_ref = rest
+def _score_page(qi, pt_ref, ki_ref, ks_ref, b, p, *, page, scale, cdt, evict):
+    """Scores of logical page ``p`` of request ``b`` for every row: ``[R]`` f32, the max over the page's
+    tokens of ``<qi, ki>`` (times the token's key scale when ``ks_ref`` is not None), times ``scale``.
+    Both scoring kernels call this, so they compute the same products."""
+    start = pt_ref[b, p] * page
+    rows = pl.ds(start, page)
+    if evict == "evict_normal":
+        kb = ki_ref[rows, :]
     else:
-        (o_ref,) = rest
+        kb = pltriton.load(ki_ref.at[rows, :], eviction_policy=evict)
+    s = _dot_t(qi, kb.astype(cdt))                           # [R, page]
+    if ks_ref is not None:
+        s = s * ks_ref[rows][None, :]
+    return jnp.max(s, axis=1) * scale
+
+
+def _score_kernel(pt_ref, n_ref, qi_ref, ki_ref, *rest, ppp, unroll, loop, **page_kw):
+    """Chunked scoring: program (b, c) scores logical pages ``[c * ppp, (c + 1) * ppp)`` of request b."""
+    ks_ref, o_ref = rest if len(rest) == 2 else (None, *rest)
     b = pl.program_id(0)
     c = pl.program_id(1)
     qi = qi_ref[b]                                           # [R, Di]
@@ -100,12 +139,7 @@ def _score_kernel(pt_ref, n_ref, qi_ref, ki_ref, *rest, page, ppp, unroll, scale
         for u in range(unroll):
             p = c * ppp + j * unroll + u
             pc = jnp.minimum(p, last) if (unroll > 1 or loop != "dynamic") else p
-            start = pt_ref[b, pc] * page
-            kb = ki_ref[pl.ds(start, page), :].astype(cdt)   # [page, Di]
-            s = _dot_t(qi, kb)                               # [R, page]
-            if has_scale:
-                s = s * ks_ref[pl.ds(start, page)][None, :]
-            o_ref[b, :, p] = jnp.max(s, axis=1) * scale
+            o_ref[b, :, p] = _score_page(qi, pt_ref, ki_ref, ks_ref, b, pc, **page_kw)
         return carry
 
     # Dynamic trip count (lowered to scf.for, software-pipelined): pages past n_pages are never read
@@ -116,23 +150,80 @@ def _score_kernel(pt_ref, n_ref, qi_ref, ki_ref, *rest, page, ppp, unroll, scale
     jax.lax.fori_loop(jnp.int32(0), jnp.asarray(n_iter, jnp.int32), body, 0)
 
 
+def _score_persistent_kernel(pt_ref, n_ref, st_ref, qi_ref, ki_ref, *rest, programs, **page_kw):
+    """Persistent scoring: program i of ``programs`` scores the items ``[lo, hi)`` of the flattened work
+    list of (request b, logical page j < n[b]) in request-major order (item ``st[b] + j``), in equal
+    contiguous ranges of ``ceil(total / programs)`` items. One dynamic-trip-count (software-pipelined)
+    loop per request the range touches, usually one: the pipeline prologue and epilogue are paid about
+    once per program, and the request's index queries are loaded once per request, not once per chunk.
+    ``n_ref`` / ``st_ref`` ``[Bp]`` int32 (Bp = B padded to a power of two with n = 0, st = total)."""
+    ks_ref, o_ref = rest if len(rest) == 2 else (None, *rest)
+    n_all, st_all = n_ref[...], st_ref[...]
+    total = jnp.sum(n_all)
+    chunk = (total + programs - 1) // programs
+    lo = jnp.minimum(pl.program_id(0) * chunk, total)
+    hi = jnp.minimum(lo + chunk, total)
+    b_lo = jnp.sum((st_all + n_all <= lo).astype(jnp.int32))   # the first request ending after lo
+    b_hi = jnp.sum((st_all < hi).astype(jnp.int32))            # one past the last starting before hi
+
+    def request(b, carry):
+        j_lo = jnp.maximum(lo - st_ref[b], 0)
+        j_hi = jnp.minimum(hi - st_ref[b], n_ref[b])
+        qi = qi_ref[b]                                       # [R, Di]
+
+        def body(i, c):
+            j = j_lo + i
+            o_ref[b, :, j] = _score_page(qi, pt_ref, ki_ref, ks_ref, b, j, **page_kw)
+            return c
+
+        jax.lax.fori_loop(jnp.int32(0), jnp.maximum(j_hi - j_lo, 0), body, 0)
+        return carry
+
+    jax.lax.fori_loop(b_lo, jnp.maximum(b_hi, b_lo), request, 0)
+
+
+def _check_score_options(unroll, programs, evict):
+    """Raises ValueError for a bad ``unroll`` / ``programs`` / ``evict`` of the scoring kernel."""
+    if isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1 or unroll & (unroll - 1):
+        raise ValueError(f"unroll must be a power of two >= 1, got {unroll!r}")
+    if isinstance(programs, bool) or not isinstance(programs, int) or programs < 0:
+        raise ValueError(f"programs must be an int >= 0 (0 = chunked grid, N = persistent), got {programs!r}")
+    if programs and unroll != 1:
+        raise ValueError(f"the persistent scorer (programs={programs}) takes unroll 1, got {unroll}")
+    if evict not in _EVICT:
+        raise ValueError(f"evict must be one of {_EVICT}, got {evict!r}")
+
+
+def _score_width(b: int, npg: int, ppp, unroll: int, programs: int) -> int:
+    """Padded page width W of the raw scores: a power of two >= the pages the launch can write."""
+    if programs:
+        return next_pow2(npg)
+    ppp = _resolve_ppp(ppp, b, npg, unroll)
+    return next_pow2(-(-npg // ppp) * ppp)
+
+
 def _page_scores_raw(qi, ki_pages, page_table, q_positions, ki_scale, *, interpret, ppp, num_warps, num_stages,
-                     loop, unroll=1, f16=False):
+                     loop, unroll=1, f16=False, programs=0, evict="evict_normal"):
     """Raw page scores ``[B, R, W]`` float32, row ``q * Hi + h`` (max over each page's tokens of ``<qi, ki>/sqrt(Di)``).
 
     Only pages ``< max_i(pos_i // page)`` of each request are computed; the others hold garbage and
     must be masked by the caller (``select_from_page_scores`` does).
     Args: qi ``[B, Q, Hi, Di]``; ki_pages ``[P, page, Di]``; page_table ``[B, NP]`` int32;
       q_positions ``[B, Q]`` int32; ki_scale ``[P, page]`` f32 or None; ppp: pages per program;
-      num_warps / num_stages / loop ("dynamic" | "static"): launch variant, None = ``CONFIG``;
+      num_warps / num_stages / loop ("dynamic" | "static"): launch variant;
       unroll: pages scored per loop iteration (a power of two; ppp is raised to at least unroll);
       f16: with fp8 index keys, convert them to float16 (exact for e4m3; sm_89+ has a paired
       e4m3 -> f16 convert instruction) instead of bf16 and run the product in f16 (index queries are
-      rounded to f16: more mantissa than bf16, overflow past 65504); ignored for other key dtypes.
-    Raises ValueError for an unroll that is not a power of two >= 1.
+      rounded to f16: more mantissa than bf16, overflow past 65504); ignored for other key dtypes;
+      programs: 0 = grid (B, ceil(NP / ppp)) of ``_score_kernel``; N >= 1 = grid (N,) of
+      ``_score_persistent_kernel`` (ppp and loop unused, unroll must be 1; the work list's ranges are
+      computed in the kernel from the per-request page counts and their prefix sums, B values);
+      evict: L2 eviction policy of the key loads ("evict_normal" = plain loads).
+    The per-page scores of both kernels are the same products (``_score_page``), bit for bit.
+    Raises ValueError for a bad unroll / programs / evict (``_check_score_options``) or a ppp that is
+    not a multiple of unroll.
     """
-    if unroll < 1 or unroll & (unroll - 1):
-        raise ValueError(f"unroll must be a power of two >= 1, got {unroll}")
+    _check_score_options(unroll, programs, evict)
     b, nq, hi, di = qi.shape
     n_phys, page, _ = ki_pages.shape
     npg = page_table.shape[1]
@@ -142,16 +233,25 @@ def _page_scores_raw(qi, ki_pages, page_table, q_positions, ki_scale, *, interpr
     r = max(16, next_pow2(nq * hi))
     q2 = pad_rows(qi.reshape(b, nq * hi, di).astype(cdt), 1, r)
     n_score = jnp.clip(jnp.max(q_positions, axis=1) // page, 0, npg).astype(jnp.int32)
-    ppp = _resolve_ppp(ppp, b, npg, unroll)
-    nchunk = -(-npg // ppp)
-    width = next_pow2(nchunk * ppp)
-    args = [page_table.astype(jnp.int32), n_score, q2, ki_pages.reshape(n_phys * page, di)]
+    width = _score_width(b, npg, ppp, unroll, programs)
+    keys = [q2, ki_pages.reshape(n_phys * page, di)]
     if ki_scale is not None:
-        args.append(ki_scale.reshape(n_phys * page).astype(jnp.float32))
-    kernel = functools.partial(_score_kernel, page=page, ppp=ppp, unroll=unroll, scale=1.0 / math.sqrt(di),
-                               has_scale=ki_scale is not None, cdt=cdt, loop=loop)
+        keys.append(ki_scale.reshape(n_phys * page).astype(jnp.float32))
+    page_kw = dict(page=page, scale=1.0 / math.sqrt(di), cdt=cdt, evict=evict)
+    if programs:
+        bp = next_pow2(b)
+        starts = jnp.cumsum(n_score) - n_score               # first work-list item of each request
+        total = jnp.sum(n_score)
+        n_pad = jnp.zeros((bp,), jnp.int32).at[:b].set(n_score)
+        st_pad = jnp.full((bp,), total, jnp.int32).at[:b].set(starts)
+        kernel = functools.partial(_score_persistent_kernel, programs=programs, **page_kw)
+        grid, args = (programs,), [page_table.astype(jnp.int32), n_pad, st_pad, *keys]
+    else:
+        ppp = _resolve_ppp(ppp, b, npg, unroll)
+        kernel = functools.partial(_score_kernel, ppp=ppp, unroll=unroll, loop=loop, **page_kw)
+        grid, args = (b, -(-npg // ppp)), [page_table.astype(jnp.int32), n_score, *keys]
     return pl.pallas_call(
-        kernel, grid=(b, nchunk),
+        kernel, grid=grid,
         out_shape=jax.ShapeDtypeStruct((b, r, width), jnp.float32),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="msa_decode_page_scores",
@@ -183,12 +283,10 @@ def _unpack_scores(raw, nq, hi, npg):
     return raw[:, : nq * hi, :npg].reshape(b, nq, hi, npg).transpose(0, 2, 1, 3)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "ppp", "num_warps", "num_stages", "loop", "unroll", "f16"))
-def _page_scores(qi, ki_pages, page_table, q_positions, ki_scale, *, interpret, ppp, num_warps, num_stages, loop,
-                 unroll, f16):
+@functools.partial(jax.jit, static_argnames=("interpret", *_SCORE_STATIC))
+def _page_scores(qi, ki_pages, page_table, q_positions, ki_scale, *, interpret, **launch):
     """Raw page scores ``[B, Hi, Q, NP]`` float32 (see ``_page_scores_raw``)."""
-    raw = _page_scores_raw(qi, ki_pages, page_table, q_positions, ki_scale, interpret=interpret, ppp=ppp,
-                           num_warps=num_warps, num_stages=num_stages, loop=loop, unroll=unroll, f16=f16)
+    raw = _page_scores_raw(qi, ki_pages, page_table, q_positions, ki_scale, interpret=interpret, **launch)
     return _unpack_scores(raw, qi.shape[1], qi.shape[2], page_table.shape[1])
 
 
@@ -348,15 +446,14 @@ def _select_rows(raw, pos, *, n_rows, page, topk, init_blocks, local_blocks, int
 
 
 @functools.partial(jax.jit, static_argnames=("page", "topk", "init_blocks", "local_blocks", "interpret",
-                                             "ppp", "num_warps", "num_stages", "loop", "unroll", "f16",
-                                             "select_splits"))
+                                             "select_splits", *_SCORE_STATIC))
 def _select(qi, ki_pages, page_table, q_positions, ki_scale, *, page, topk, init_blocks, local_blocks,
-            interpret, ppp, num_warps, num_stages, loop, unroll, f16, select_splits=1):
-    """Page scores (``_page_scores_raw``) then ``_select_rows``: ids ``[B, Hi, Q, K]`` int32."""
+            interpret, select_splits=1, **launch):
+    """Page scores (``_page_scores_raw`` with the ``launch`` options) then ``_select_rows``: ids
+    ``[B, Hi, Q, K]`` int32."""
     b, nq, hi, _ = qi.shape
-    raw = _page_scores_raw(qi, ki_pages, page_table, q_positions, ki_scale, interpret=interpret, ppp=ppp,
-                           num_warps=num_warps, num_stages=num_stages, loop=loop, unroll=unroll,
-                           f16=f16)   # [B, R, W]
+    raw = _page_scores_raw(qi, ki_pages, page_table, q_positions, ki_scale, interpret=interpret,
+                           **launch)   # [B, R, W]
     r = raw.shape[1]
     pos = pad_rows(jnp.repeat(q_positions, hi, axis=1), 1, r, -1).astype(jnp.int32)  # row = q * hi + h
     ids = _select_rows(raw, pos, n_rows=nq * hi, page=page, topk=topk, init_blocks=init_blocks,
@@ -493,25 +590,50 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_sc
     return o.astype(q.dtype), lse
 
 
-def _score_launch(ki_dtype, ppp, num_warps, num_stages, loop, unroll, f16=None):
-    """Launch parameters of the scoring kernel: explicit values, else ``CONFIG`` (``score_fp8`` entries
-    override the others for 1-byte index keys)."""
-    cfg = {"ppp": CONFIG.get("score_ppp"), "num_warps": CONFIG["score_warps"],
-           "num_stages": CONFIG["score_stages"], "loop": CONFIG["loop"], "unroll": CONFIG.get("score_unroll", 1),
-           "f16": False}
-    if jnp.dtype(ki_dtype).itemsize == 1:
-        cfg.update(CONFIG.get("score_fp8", {}))
+def score_size_class(total_pages: int | None) -> str:
+    """Size class of a scoring call (see ``CONFIG``): the first entry of ``SCORE_CLASSES`` whose bound is
+    >= ``total_pages`` = B * NP (the page table's logical pages); None = the first class."""
+    if total_pages is None:
+        return SCORE_CLASSES[0][0]
+    for name, bound in SCORE_CLASSES:
+        if bound is None or total_pages <= bound:
+            return name
+    return SCORE_CLASSES[-1][0]
+
+
+def score_keys_label(ki_dtype) -> str:
+    """Key of ``CONFIG["score"]`` for an index-key dtype: "fp8" for 1-byte keys, else "bf16"."""
+    return "fp8" if jnp.dtype(ki_dtype).itemsize == 1 else "bf16"
+
+
+def _score_launch(ki_dtype, ppp=None, num_warps=None, num_stages=None, loop=None, unroll=None, f16=None, *,
+                  total_pages=None, size_class=None, programs=None, evict=None):
+    """Launch parameters of the scoring kernel (``_SCORE_STATIC`` keys): ``SCORE_LAUNCH_BASE`` and
+    ``CONFIG["loop"]``, overridden by the ``CONFIG["score"]`` entry of the key dtype and of
+    ``size_class`` (None = the class of ``total_pages``, ``score_size_class``), overridden by the
+    explicit values (not None). Raises ValueError for an unknown size class."""
+    if size_class is None:
+        size_class = score_size_class(total_pages)
+    elif size_class not in dict(SCORE_CLASSES):
+        raise ValueError(f"unknown size class {size_class!r}; known: {[n for n, _ in SCORE_CLASSES]}")
+    cfg = dict(SCORE_LAUNCH_BASE, loop=CONFIG["loop"])
+    cfg.update(CONFIG["score"][score_keys_label(ki_dtype)].get(size_class, {}))
     given = {"ppp": ppp, "num_warps": num_warps, "num_stages": num_stages, "loop": loop, "unroll": unroll,
-             "f16": f16}
+             "f16": f16, "programs": programs, "evict": evict}
     cfg.update({k: v for k, v in given.items() if v is not None})
     return cfg
 
 
 def page_scores_gpu(qi, ki_pages, page_table, q_positions, ki_scale=None, *, interpret=False, ppp=None,
-                    num_warps=None, num_stages=None, loop=None, unroll=None, f16=None):
-    """See ``_page_scores_raw``; launch parameters left as None come from ``CONFIG``."""
-    return _page_scores(qi, ki_pages, page_table, q_positions, ki_scale, interpret=interpret,
-                        **_score_launch(ki_pages.dtype, ppp, num_warps, num_stages, loop, unroll, f16))
+                    num_warps=None, num_stages=None, loop=None, unroll=None, f16=None, programs=None, evict=None,
+                    size_class=None):
+    """See ``_page_scores_raw``: raw page scores ``[B, Hi, Q, NP]`` f32. Launch parameters left as None
+    come from ``CONFIG["score"]`` for the key dtype and ``size_class`` (None = the size class of
+    B * NP; see ``_score_launch``)."""
+    launch = _score_launch(ki_pages.dtype, ppp, num_warps, num_stages, loop, unroll, f16,
+                           total_pages=qi.shape[0] * page_table.shape[1], size_class=size_class,
+                           programs=programs, evict=evict)
+    return _page_scores(qi, ki_pages, page_table, q_positions, ki_scale, interpret=interpret, **launch)
 
 
 def paged_attention_gpu(q, k_pages, v_pages, page_table, q_positions, k_scale=None, v_scale=None, block_ids=None,
@@ -529,31 +651,36 @@ def paged_attention_gpu(q, k_pages, v_pages, page_table, q_positions, k_scale=No
 
 def select_pages_gpu(qi, ki_pages, page_table, q_positions, ki_scale=None, *, topk, init_blocks=0, local_blocks=1,
                      interpret=False, ppp=None, num_warps=None, num_stages=None, loop=None, unroll=None,
-                     f16=None, select_splits=None):
+                     f16=None, programs=None, evict=None, size_class=None, select_splits=None):
     """Page scoring plus in-kernel top-(K-1) selection: logical page ids ``[B, Hi, Q, K]`` int32.
 
     Args: qi ``[B, Q, Hi, Di]``; ki_pages ``[P, page, Di]``; page_table ``[B, NP]`` int32;
       q_positions ``[B, Q]`` int32 (-1 = padding row); ki_scale ``[P, page]`` f32 or None; topk,
-      init_blocks, local_blocks: as ``minimax_jax.decode.ops.msa_decode_select``; ppp ... f16: the
-      scoring kernel's launch (``_page_scores_raw``); select_splits: slices per score row of the
-      selection, a power of two S (at most the padded page width W) or "auto"; None =
-      ``CONFIG["select_splits"]``, lowered to W where W is smaller. S = 1: one program per (request, row x group) keeps the row's page
-      scores in registers and extracts the maximum ``K - 1`` times (no sort). S > 1: S programs per
-      row each select from ``W / S`` pages, then one program per row merges the ``S`` candidate lists
-      (``_select_rows``); the ids are exactly those of S = 1 for every input (ties included).
+      init_blocks, local_blocks: as ``minimax_jax.decode.ops.msa_decode_select``; ppp ... evict: the
+      scoring kernel's launch (``_page_scores_raw``; None = the ``CONFIG["score"]`` entry of the key
+      dtype and ``size_class``, itself None = the size class of B * NP; see ``_score_launch``);
+      select_splits: slices per score row of the selection, a power of two S (at most the padded page
+      width W) or "auto"; None = ``CONFIG["select_splits"]``, lowered to W where W is smaller. S = 1:
+      one program per (request, row x group) keeps the row's page scores in registers and extracts the
+      maximum ``K - 1`` times (no sort). S > 1: S programs per row each select from ``W / S`` pages,
+      then one program per row merges the ``S`` candidate lists (``_select_rows``); the ids are
+      exactly those of S = 1 for every input (ties included).
     Returns the same sets and order as ``minimax_jax.decode.ops.select_from_page_scores`` (forced
     pages first in ascending id, then by score descending with ties to the lower id, the local page
     in the last valid slot, ``-1`` after).
-    Raises ValueError for a bad ``select_splits`` (not a power of two >= 1 / "auto", or above W).
+    Raises ValueError for a bad ``select_splits`` (not a power of two >= 1 / "auto", or above W), a bad
+    scoring launch (``_check_score_options``) or an unknown ``size_class``.
     """
-    launch = _score_launch(ki_pages.dtype, ppp, num_warps, num_stages, loop, unroll, f16)
+    npg = page_table.shape[1]
+    launch = _score_launch(ki_pages.dtype, ppp, num_warps, num_stages, loop, unroll, f16,
+                           total_pages=qi.shape[0] * npg, size_class=size_class, programs=programs, evict=evict)
+    _check_score_options(launch["unroll"], launch["programs"], launch["evict"])
     if select_splits is None:
         # The default applies where it fits: at most one slice per page of the padded score width.
         select_splits = CONFIG.get("select_splits", 1)
         if isinstance(select_splits, int) and not isinstance(select_splits, bool):
-            npg = page_table.shape[1]
-            ppp_r = _resolve_ppp(launch["ppp"], qi.shape[0], npg, launch["unroll"])
-            select_splits = max(1, min(select_splits, next_pow2(-(-npg // ppp_r) * ppp_r)))
+            width = _score_width(qi.shape[0], npg, launch["ppp"], launch["unroll"], launch["programs"])
+            select_splits = max(1, min(select_splits, width))
     return _select(qi, ki_pages, page_table, q_positions, ki_scale, page=ki_pages.shape[1], topk=topk,
                    init_blocks=init_blocks, local_blocks=local_blocks, interpret=interpret,
                    select_splits=select_splits, **launch)

@@ -25,6 +25,16 @@ data-dependent ``pl.ds`` slices and masked ``pallas.triton`` loads / stores):
   visit do nothing. Program id -> (visit, column tile) with the column tile fastest, so the
   programs running at the same time share an lhs row block and walk one group's weights (L2 reuse).
   fp32 accumulation over a static loop of ``cdiv(K, bk)`` steps, output in the requested dtype.
+- tail folding (``TileConfig.fold = f > 0``): a group of ``s = q * bm + r`` rows with ``q >= 1`` full
+  blocks and a remainder ``0 < r <= f`` gets ``q`` visits instead of ``q + 1``: its last visit is
+  *extended* to ``bm + r`` rows (``hi - lo > bm`` marks it). Its program loads each weight tile
+  ``[bk, bn]`` once per K step and feeds two dots, ``[bm, bk]`` for rows ``[lo, lo + bm)`` (all live,
+  loaded unmasked) and ``[f, bk]`` for rows ``[lo + bm, lo + bm + f)`` (masked at ``hi``), into two
+  fp32 accumulators; so the remainder costs a small dot but no second pass over the expert's weight
+  column block. The program branches (``pl.when``) between a plain and an extended K loop, each
+  pipelined on its own, so plain visits pay nothing for the option. The pseudo-group is never folded.
+  Folding only removes visits (the same grid bound holds) and only moves rows from a group's
+  remainder visit into the visit before it, so every row is still stored by exactly one visit.
 - transpose_rhs: the same kernel loads ``rhs[g]`` tiles ``[bn, bk]`` and contracts their last
   dimension (``dot_general`` with a transposed operand; Triton transposes in shared memory), so
   dlhs needs no transposed copy of the weights.
@@ -66,7 +76,11 @@ class TileConfig:
     tgmm: output tile ``[bk, bn]`` of ``drhs[g]``, ``bm`` rows of the group per loop step.
     bm, bk, bn: powers of two >= 16; num_warps: power of two in [1, 16]; num_stages >= 1 (software
     pipelining depth of the contraction loop); half_tail (gmm only, bm >= 32): visits of at most
-    ``bm / 2`` rows run a ``[bm/2, bn]`` tile instead (tgmm ignores it). Raises ValueError otherwise.
+    ``bm / 2`` rows run a ``[bm/2, bn]`` tile instead; fold (gmm only): 0 = off, else a power of two
+    in ``[64, bm / 2]`` (so bm >= 128): a group remainder of at most ``fold`` rows after at least one full ``bm``
+    block is computed by the group's previous visit, with an extra ``[fold, bn]`` tile that shares
+    its weight loads (module docstring, "tail folding"). tgmm ignores half_tail and fold.
+    Raises ValueError for values outside these ranges.
     """
     bm: int = 128
     bk: int = 64
@@ -74,6 +88,7 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 4
     half_tail: bool = False
+    fold: int = 0
 
     def __post_init__(self):
         for name in ("bm", "bk", "bn"):
@@ -86,10 +101,19 @@ class TileConfig:
             raise ValueError(f"TileConfig.num_stages must be an int >= 1, got {self.num_stages!r}")
         if self.half_tail and self.bm < 32:
             raise ValueError(f"TileConfig.half_tail needs bm >= 32 (a half tile of >= 16 rows), got bm={self.bm}")
+        f = self.fold
+        # fold >= 64: on the H200 (Triton 3.6) an extra dot of 16 or 32 rows beside the main one gave wrong
+        # results (relative error 0.6-4.4% in bench/moe.py's sweep, session 11) while 64 rows were exact.
+        if (not isinstance(f, int) or isinstance(f, bool)
+                or (f != 0 and (f < 64 or f & (f - 1) or 2 * f > self.bm))):
+            raise ValueError(f"TileConfig.fold must be 0 (off) or a power of two in [64, bm/2 = {self.bm // 2}], "
+                             f"got {f!r}")
 
     def label(self) -> str:
-        """Short name, e.g. ``128x64x128w4s4`` (suffix ``h``: half-height tiles for short visits)."""
-        return f"{self.bm}x{self.bk}x{self.bn}w{self.num_warps}s{self.num_stages}" + ("h" if self.half_tail else "")
+        """Short name, e.g. ``128x64x128w4s4`` (suffix ``h``: half-height tiles for short visits;
+        ``fold64``: group remainders of <= 64 rows folded into the previous visit)."""
+        return (f"{self.bm}x{self.bk}x{self.bn}w{self.num_warps}s{self.num_stages}" + ("h" if self.half_tail else "")
+                + (f"fold{self.fold}" if self.fold else ""))
 
 
 #: Hopper defaults: the best of bench/moe.py's sweep of CANDIDATES / TGMM_CANDIDATES on one H200 (M2
@@ -97,23 +121,30 @@ class TileConfig:
 #: (128x64x128w4s4: 324), dlhs the same config 379 (344), tgmm 32x128x128w4s4 352 (64x128x128w4s4: 247).
 #: Session 8's sweeps (same shape): dlhs 128x64x256w8s4 429 vs 399 (call 1) and 456 vs 437 (call 2) for
 #: w8s3; the forward kept w8s3 (the two were within the ~3% run-to-run spread).
-DEFAULT_CONFIG = TileConfig(128, 64, 256, 8, 3)
-DEFAULT_DLHS_CONFIG = TileConfig(128, 64, 256, 8, 4)
+#: Session 11 (three sweeps in two calls, M2 8K): 128x64x256w8s4 with half-height tails was the fastest
+#: forward (443-451 vs 416-438 for w8s3) and dlhs (442-476 vs 395-423 for w8s4) in all three.
+DEFAULT_CONFIG = TileConfig(128, 64, 256, 8, 4, half_tail=True)
+DEFAULT_DLHS_CONFIG = TileConfig(128, 64, 256, 8, 4, half_tail=True)
 DEFAULT_TGMM_CONFIG = TileConfig(32, 128, 128, 4, 4)
 
-#: gmm / transposed-gmm candidates for a sweep (shared memory per stage <= 64 KiB in bf16). Session 5's
-#: sweep (BENCHMARKS.md run 10) put every 128-column tile 15-30% behind 128x64x256w8s3, so these vary
-#: around it: deeper pipelines, 64-row tiles and half-height tails (less group-tail padding at ~256 rows
-#: per expert; neither paid in session 8's sweeps). 16-warp tiles were dropped: 128x64x256w16s3 ran
-#: ~10% slower and 256x64x256w16s3 did not compile (ptxas out of resources).
+#: gmm / transposed-gmm candidates for a sweep (shared memory per stage <= 64 KiB in bf16), in priority
+#: order (bench/moe.py --tiny sweeps the first three). Session 5's sweep (BENCHMARKS.md run 10) put every
+#: 128-column tile 15-30% behind 128x64x256w8s3, so these vary around it: the defaults, tail folding
+#: (``fold``; the bench's M2 8K routing has 256 +- 22 rows per expert: 127 of the 256 groups end in a
+#: remainder visit and fold 64 removes 126 of the 639 visits; M3 8K: 59 of 316), a smaller K step with a
+#: deeper pipeline, and half-height tails. Session 11's sweep (one H200, M2 8K, fwd / dlhs TFLOP/s):
+#: w8s3 438 / 406, w8s3fold64 456 / 416, w8s4 434 / 395, w8s4h 451 / 476; fold 16 and 32 computed wrong
+#: results there (hence ``fold >= 64``); four stages of a 128 + 64-row tile would need ~224 KiB of shared
+#: memory, so fold 64 runs with three (or with bk = 32). Dropped earlier: 64x64x256w4s4 (~20% behind),
+#: the other half-tail tiles (within the ~3% spread), 16-warp tiles (128x64x256w16s3 ~10% slower,
+#: 256x64x256w16s3 did not compile: ptxas out of resources).
 CANDIDATES = (
     TileConfig(128, 64, 256, 8, 3),
+    TileConfig(128, 64, 256, 8, 3, fold=64),
     TileConfig(128, 64, 256, 8, 4),
-    TileConfig(64, 64, 256, 4, 4),
-    TileConfig(128, 32, 256, 8, 5),
-    TileConfig(128, 64, 256, 8, 3, half_tail=True),
     TileConfig(128, 64, 256, 8, 4, half_tail=True),
-    TileConfig(128, 32, 256, 8, 5, half_tail=True),
+    TileConfig(128, 32, 256, 8, 5, fold=64),
+    TileConfig(128, 32, 256, 8, 4, fold=64),
 )
 #: tgmm candidates (output tile bk x bn, bm rows per step); run 10's best was 32x128x128w4s4.
 TGMM_CANDIDATES = (
@@ -161,20 +192,23 @@ def _group_bounds(group_sizes, m):
 
 
 def num_visits(m: int, num_groups: int, bm: int) -> int:
-    """Static upper bound of the visits of ``make_visits``: ``cdiv(m, bm) + num_groups``."""
+    """Static upper bound of the visits of ``make_visits`` (any fold): ``cdiv(m, bm) + num_groups``."""
     return pl.cdiv(m, bm) + num_groups
 
 
-def make_visits(group_sizes: jax.Array, m: int, bm: int) -> jax.Array:
+def make_visits(group_sizes: jax.Array, m: int, bm: int, fold: int = 0) -> jax.Array:
     """Work list of the gmm kernel (XLA, O((cdiv(m, bm) + G) * log G)).
 
     Args:
       group_sizes: int ``[G]`` rows per group (rows sorted by group; the sum is clipped to ``m``).
       m: rows of lhs; bm: rows per visit.
+      fold: 0, or (tail folding, module docstring) a group of ``q * bm + r`` rows with ``q >= 1`` and
+        ``0 < r <= fold`` gets ``q`` visits, the last one of ``bm + r`` rows (``TileConfig.fold``).
     Returns: int32 ``[3, V]``, ``V = num_visits(m, G, bm)``; column v = ``(group, lo, hi)``: the
-      visit computes rows ``[lo, hi)`` of ``group`` (``0 < hi - lo <= bm``); ``group == G`` is the
-      pseudo-group of the rows past ``sum(group_sizes)`` (stored as zeros); unused visits have
-      ``lo == hi == 0`` and ``group == G``.
+      visit computes rows ``[lo, hi)`` of ``group`` (``0 < hi - lo <= bm``, or ``bm < hi - lo <= bm +
+      fold`` for a folded group's last visit); ``group == G`` is the pseudo-group of the rows past
+      ``sum(group_sizes)`` (stored as zeros, never folded); unused visits have ``lo == hi == 0`` and
+      ``group == G``. Visits are ordered by row; every row in ``[0, m)`` lies in exactly one visit.
     """
     g = group_sizes.shape[0]
     starts, sizes = _group_bounds(group_sizes, m)
@@ -182,6 +216,10 @@ def make_visits(group_sizes: jax.Array, m: int, bm: int) -> jax.Array:
     starts_x = jnp.concatenate([starts, total[None]])
     sizes_x = jnp.concatenate([sizes, (m - total)[None]])
     blocks = (sizes_x + bm - 1) // bm
+    if fold:
+        rem = sizes_x - (blocks - 1) * bm                 # rows of the last block (1..bm if the group is live)
+        folded = (blocks >= 2) & (rem <= fold) & (jnp.arange(g + 1) < g)
+        blocks = blocks - folded.astype(blocks.dtype)
     vend = jnp.cumsum(blocks)                       # exclusive end of each group's visits
     vstart = vend - blocks
     v = jnp.arange(num_visits(m, g, bm), dtype=jnp.int32)
@@ -189,7 +227,10 @@ def make_visits(group_sizes: jax.Array, m: int, bm: int) -> jax.Array:
     valid = grp <= g
     gc = jnp.minimum(grp, g)
     lo = starts_x[gc] + (v - vstart[gc]) * bm
-    hi = jnp.minimum(lo + bm, starts_x[gc] + sizes_x[gc])
+    if fold:   # a group's last visit ends at the group's end (bm + r rows if folded), the others after bm rows
+        hi = jnp.where(v == vend[gc] - 1, starts_x[gc] + sizes_x[gc], lo + bm)
+    else:
+        hi = jnp.minimum(lo + bm, starts_x[gc] + sizes_x[gc])
     lo = jnp.where(valid, lo, 0)
     hi = jnp.where(valid, hi, 0)
     return jnp.stack([gc, lo, hi]).astype(jnp.int32)
@@ -207,8 +248,25 @@ def _iota(n):
     return jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
 
 
+def _mask(shape, rows=None, cols=None):
+    """Bool ``shape`` mask from optional row ``[shape[0]]`` / column ``[shape[1]]`` masks; None (an
+    unmasked access) when both are None."""
+    if rows is None and cols is None:
+        return None
+    if rows is None:
+        return jnp.broadcast_to(cols[None, :], shape)
+    m = jnp.broadcast_to(rows[:, None], shape)
+    return m if cols is None else m & cols[None, :]
+
+
+def _load(ref, rows=None, cols=None):
+    """Load a 2-D block, masked by optional row / column masks (masked elements read as 0)."""
+    mask = _mask(ref.shape, rows, cols)
+    return pltriton.load(ref, mask=mask, other=None if mask is None else jnp.zeros((), ref.dtype))
+
+
 def _gmm_kernel(tab_ref, lhs_ref, rhs_ref, out_ref, *, bm, bk, bn, n_groups, n_col_tiles, kdim, ndim,
-                transpose_rhs, half_tail):
+                transpose_rhs, half_tail, fold):
     pid = pl.program_id(0)
     v = jax.lax.div(pid, n_col_tiles)
     j = pid - v * n_col_tiles
@@ -217,63 +275,53 @@ def _gmm_kernel(tab_ref, lhs_ref, rhs_ref, out_ref, *, bm, bk, bn, n_groups, n_c
     hi = tab_ref[2, v]
     n0 = pl.multiple_of(j * bn, bn)
     cmask = (n0 + _iota(bn)) < ndim if ndim % bn else None
-    dtype = lhs_ref.dtype
 
-    def out_mask_of(rm):
-        m = jnp.broadcast_to(((lo + _iota(rm)) < hi)[:, None], (rm, bn))
-        return m if cmask is None else m & cmask[None, :]
+    def tile(rm, extra=0):
+        """Rows [lo, lo + rm) of the visit (masked at hi) x columns [n0, n0 + bn). With extra > 0 (an
+        extended visit, hi - lo > rm: its first rm rows are all live and go unmasked) also rows
+        [lo + rm, lo + rm + extra), masked at hi: a second dot on the same weight tile per K step."""
+        parts = ((lo, rm, True),) if not extra else ((lo, rm, False), (lo + rm, extra, True))   # (row0, rows, masked)
+        rmasks = [(r0 + _iota(r)) < hi if masked else None for r0, r, masked in parts]
 
-    def tile(rm):   # rows [lo, lo + rm) of the visit (masked at hi) x columns [n0, n0 + bn)
-        rmask = (lo + _iota(rm)) < hi
-
-        def body(kk, acc):
+        def body(kk, accs):
             k0 = pl.multiple_of(kk * bk, bk)
-            a_mask = jnp.broadcast_to(rmask[:, None], (rm, bk))
-            kmask = None
-            if kdim % bk:
-                kmask = (k0 + _iota(bk)) < kdim
-                a_mask = a_mask & kmask[None, :]
-            a = pltriton.load(lhs_ref.at[pl.ds(lo, rm), pl.ds(k0, bk)], mask=a_mask, other=jnp.zeros((), dtype))
+            kmask = (k0 + _iota(bk)) < kdim if kdim % bk else None
+            a = [_load(lhs_ref.at[pl.ds(r0, r), pl.ds(k0, bk)], rmask, kmask)
+                 for (r0, r, _), rmask in zip(parts, rmasks)]
             if transpose_rhs:                                         # rhs [G, N, K]: tile [bn, bk]
-                b_mask = None
-                if cmask is not None or kmask is not None:
-                    b_mask = jnp.ones((bn, bk), jnp.bool_)
-                    if cmask is not None:
-                        b_mask = b_mask & cmask[:, None]
-                    if kmask is not None:
-                        b_mask = b_mask & kmask[None, :]
-                b = pltriton.load(rhs_ref.at[g, pl.ds(n0, bn), pl.ds(k0, bk)], mask=b_mask,
-                                  other=None if b_mask is None else jnp.zeros((), dtype))
-                return acc + _dot(a, b, trans_b=True)
-            b_mask = None                                             # rhs [G, K, N]: tile [bk, bn]
-            if cmask is not None or kmask is not None:
-                b_mask = jnp.ones((bk, bn), jnp.bool_)
-                if kmask is not None:
-                    b_mask = b_mask & kmask[:, None]
-                if cmask is not None:
-                    b_mask = b_mask & cmask[None, :]
-            b = pltriton.load(rhs_ref.at[g, pl.ds(k0, bk), pl.ds(n0, bn)], mask=b_mask,
-                              other=None if b_mask is None else jnp.zeros((), dtype))
-            return acc + _dot(a, b)
+                b = _load(rhs_ref.at[g, pl.ds(n0, bn), pl.ds(k0, bk)], cmask, kmask)
+            else:                                                     # rhs [G, K, N]: tile [bk, bn]
+                b = _load(rhs_ref.at[g, pl.ds(k0, bk), pl.ds(n0, bn)], kmask, cmask)
+            return tuple(acc + _dot(ai, b, trans_b=transpose_rhs) for acc, ai in zip(accs, a))
 
-        acc = jax.lax.fori_loop(0, pl.cdiv(kdim, bk), body, jnp.zeros((rm, bn), jnp.float32))
-        pltriton.store(out_ref.at[pl.ds(lo, rm), pl.ds(n0, bn)], acc.astype(out_ref.dtype), mask=out_mask_of(rm))
+        accs = jax.lax.fori_loop(0, pl.cdiv(kdim, bk), body,
+                                 tuple(jnp.zeros((r, bn), jnp.float32) for _, r, _ in parts))
+        for acc, (r0, r, _), rmask in zip(accs, parts, rmasks):
+            pltriton.store(out_ref.at[pl.ds(r0, r), pl.ds(n0, bn)], acc.astype(out_ref.dtype),
+                           mask=_mask((r, bn), rmask, cmask))
 
     active = (hi > lo) & (g < n_groups)
+    plain = active
+    if fold:
+        # Tail folding: a visit of bm + r rows (a group's last full block plus its remainder of
+        # r <= fold rows) runs its own K loop with the extra [fold, bn] tile; the others never see it.
+        ext = (hi - lo) > bm
+        pl.when(active & ext)(lambda: tile(bm, fold))
+        plain = active & jnp.logical_not(ext)
     if half_tail:
         # A visit of <= bm/2 rows (a group's tail, or a small group) runs a half-height tile: at ~256
         # rows per expert (M2, 8K tokens) most groups end in such a tail. Measured on the H200 within
         # the run-to-run spread (BENCHMARKS.md run 13), hence off by default.
         small = (hi - lo) <= bm // 2
-        pl.when(active & jnp.logical_not(small))(lambda: tile(bm))
-        pl.when(active & small)(lambda: tile(bm // 2))
+        pl.when(plain & jnp.logical_not(small))(lambda: tile(bm))
+        pl.when(plain & small)(lambda: tile(bm // 2))
     else:
-        pl.when(active)(lambda: tile(bm))
+        pl.when(plain)(lambda: tile(bm))
 
     @pl.when((hi > lo) & (g == n_groups))
     def _zero_tail():
         pltriton.store(out_ref.at[pl.ds(lo, bm), pl.ds(n0, bn)], jnp.zeros((bm, bn), out_ref.dtype),
-                       mask=out_mask_of(bm))
+                       mask=_mask((bm, bn), (lo + _iota(bm)) < hi, cmask))
 
 
 def _tgmm_kernel(tab_ref, lhs_ref, dout_ref, out_ref, *, bm, bk, bn, n_k_tiles, n_n_tiles, kdim, ndim):
@@ -373,7 +421,8 @@ def gmm_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, trans
         negative sizes count as 0).
       transpose_rhs: see rhs.
       out_dtype: output dtype (default ``lhs.dtype``); accumulation is fp32.
-      config: tile config (default ``get_default_configs()["fwd"]``).
+      config: tile config (default ``get_default_configs()["fwd"]``); ``config.fold > 0`` turns on
+        tail folding (module docstring), with the same result up to fp32 accumulation order.
       interpret: run in Pallas interpret mode (any backend; for CPU tests).
     Returns: ``[M, N]`` in out_dtype; rows past ``sum(group_sizes)`` are exactly 0.
     Raises: ValueError on inconsistent shapes; TypeError on dtypes.
@@ -386,10 +435,11 @@ def gmm_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, trans
     ndim = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     lhs, rhs, group_sizes = _common_vma(lhs, rhs, group_sizes)
-    tab = make_visits(group_sizes, m, cfg.bm)
+    tab = make_visits(group_sizes, m, cfg.bm, cfg.fold)
     n_col = pl.cdiv(ndim, cfg.bn)
     kernel = functools.partial(_gmm_kernel, bm=cfg.bm, bk=cfg.bk, bn=cfg.bn, n_groups=g, n_col_tiles=n_col,
-                               kdim=kdim, ndim=ndim, transpose_rhs=transpose_rhs, half_tail=cfg.half_tail)
+                               kdim=kdim, ndim=ndim, transpose_rhs=transpose_rhs, half_tail=cfg.half_tail,
+                               fold=cfg.fold)
     return pl.pallas_call(
         kernel,
         grid=(tab.shape[1] * n_col,),
