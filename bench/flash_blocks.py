@@ -16,7 +16,13 @@ and ``num_warps``, on causal packed GQA attention of the bench model's shape (B=
 2. times forward and forward+backward (median of ``--reps`` calls, ``block_until_ready``) and
    reports TFLOP/s (causal FLOPs: 4 * T^2/2 * H * D forward, 2.5x that for the backward);
 3. times cuDNN's fused attention (``jax.nn.dot_product_attention(implementation="cudnn")``, causal,
-   one document per row: it has no segment ids here) as the baseline of the same run.
+   one document per row: it has no segment ids here) as the baseline of the same run;
+4. checks (against the XLA reference, same bound) and times cuDNN's packed layout on the same
+   two-document rows (``minimax_jax.ops.cudnn_packed``, ``attention(implementation="cudnn_packed")``)
+   for each ``--max-segments`` (the static runs-per-row bound cuDNN's grid is sized by).
+
+``--candidates current`` times only the tiles ``flash.GPU_BLOCKS`` in use (with the library default
+as the reference).
 
 Writes ``flash_blocks.json``; prints a table last.
 """
@@ -59,6 +65,36 @@ def _time(fn, *args, reps: int) -> float:
     return statistics.median(ts)
 
 
+def cudnn_packed_default():
+    from minimax_jax.ops import cudnn_packed
+    return cudnn_packed.DEFAULT_MAX_SEGMENTS
+
+
+def _cudnn_packed_row(q, k, v, do, seg, max_segments, xref, fwd_flops, reps) -> dict:
+    """Check cuDNN's packed attention against the XLA reference outputs / gradients and time it."""
+    from minimax_jax.ops import cudnn_packed
+
+    def f(q, k, v):
+        return cudnn_packed.packed_attention(q, k, v, seg, max_segments=max_segments)
+
+    def fb(q, k, v):
+        o, vjp = jax.vjp(f, q, k, v)
+        return (o, *vjp(do))
+    row = {"config": f"cudnn_packed (two documents, max_segments={max_segments})"}
+    try:
+        got = jax.jit(fb)(q, k, v)
+        row["max_rel_err_vs_xla"] = max(_rel(g, x) for g, x in zip(got, xref))
+        row["ok"] = row["max_rel_err_vs_xla"] < 2e-2
+        if row["ok"]:
+            row["fwd_ms"] = 1e3 * _time(jax.jit(f), q, k, v, reps=reps)
+            row["fwdbwd_ms"] = 1e3 * _time(jax.jit(fb), q, k, v, reps=reps)
+            row["fwd_tflops"] = fwd_flops / row["fwd_ms"] * 1e-9
+            row["fwdbwd_tflops"] = 3.5 * fwd_flops / row["fwdbwd_ms"] * 1e-9
+    except Exception as e:  # noqa: BLE001 - reported in the table, not fatal
+        row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+    return row
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seq", type=int, default=8192)
@@ -66,11 +102,14 @@ def main(argv=None) -> int:
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--candidates", choices=("all", "current"), default="all")
+    p.add_argument("--max-segments", default="2,16,64,default",
+                   help="cudnn_packed runs-per-row bounds to time ('default': the op's default buckets)")
     p.add_argument("--tiny", action="store_true", help="CPU interpret-mode plumbing run (T=256, 2 candidates)")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     backend = "gpu"
-    cands = CANDIDATES
+    cands = CANDIDATES if a.candidates == "all" else [None, flash.GPU_BLOCKS]
     if a.tiny:
         a.seq, a.heads, a.kv_heads, a.head_dim, a.reps = 256, 2, 1, 32, 1
         backend, cands = "gpu_interpret", CANDIDATES[:2]
@@ -147,6 +186,9 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001
             row = {"config": "cudnn", "ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
         rows.append(row)
+        for m in (cudnn_packed_default() if x == "default" else int(x) for x in a.max_segments.split(",") if x):
+            rows.append(_cudnn_packed_row(q, k, v, do, seg, m, xref, fwd_flops, a.reps))
+            print(json.dumps(rows[-1]), flush=True)
     info = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "seq": t, "heads": h, "kv_heads": hk,
             "head_dim": d, "default_vs_xla_max_rel_err": xla_err, "rows": rows}
     with open(os.path.join(a.out, "flash_blocks.json"), "w") as f:

@@ -297,6 +297,10 @@ def bench_one(mode: str, seq: int, args) -> dict:
             lowered = tr.step_fn(step_phase).lower(state, gbatch)
     row["lower_s"] = round(time.perf_counter() - t, 2)
     row["implementations"] = implementation_report()
+    if row["implementations"].get("attention") == "cudnn_packed":
+        from minimax_jax.ops import cudnn_packed
+        row["cudnn_packed"] = {"max_segments": cudnn_packed.DEFAULT_MAX_SEGMENTS,
+                               "overflow": cudnn_packed.DEFAULT_OVERFLOW}
     txt = lowered.as_text()
     kernels = kernel_counts(txt)
     row["pallas_kernels"] = dict(sorted(kernels.items()))
@@ -396,7 +400,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--doc-len", type=int, default=0, help="mean packed document length (0 = one per row)")
-    p.add_argument("--remat", default="full", choices=["none", "full", "dots"])
+    p.add_argument("--remat", default="full", choices=["none", "full", "dots", "dots_kernels"])
     p.add_argument("--vocab", type=int, default=0, help="vocabulary size (0 = the model's: 32768, tiny 512)")
     p.add_argument("--logits-chunk", type=int, default=0,
                    help="tokens per lm-head + cross-entropy slice (run.logits_chunk; 0 = whole logits)")
@@ -405,6 +409,10 @@ def main(argv=None) -> int:
     p.add_argument("--kl-coeff", type=float, default=1.0, help="MSA indexer KL weight (0 = no KL)")
     p.add_argument("--peak-tflops", type=float, default=None, help="per-device peak (default: table by device)")
     p.add_argument("--attention-impl", default="auto", help="ModelConfig.attention_impl")
+    p.add_argument("--cudnn-packed-segments", default=None,
+                   help="cudnn_packed runs-per-row bounds, e.g. 2,8,32 (sets cudnn_packed.DEFAULT_MAX_SEGMENTS)")
+    p.add_argument("--cudnn-packed-overflow", default=None, choices=["flash", "nan"],
+                   help="cudnn_packed overflow (sets cudnn_packed.DEFAULT_OVERFLOW)")
     p.add_argument("--moe-impl", default="auto", help="ModelConfig.moe_impl: auto | dense | ragged | pallas_gpu | "
                                                       "tokamax | capacity ('auto' = dense for small problems, else "
                                                       "the Pallas grouped matmul 'pallas_gpu' on GPU, XLA ragged_dot "
@@ -427,6 +435,12 @@ def main(argv=None) -> int:
         args.dense_seq, args.msa_seq = min(args.dense_seq, 128), min(args.msa_seq, 256)
         args.steps, args.warmup = min(args.steps, 2), min(args.warmup, 1)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    from minimax_jax.ops import cudnn_packed
+    if args.cudnn_packed_segments:
+        bounds = tuple(int(x) for x in args.cudnn_packed_segments.split(","))
+        cudnn_packed.DEFAULT_MAX_SEGMENTS = bounds[0] if len(bounds) == 1 else bounds
+    if args.cudnn_packed_overflow:
+        cudnn_packed.DEFAULT_OVERFLOW = args.cudnn_packed_overflow
     for mode in modes:
         if mode not in ("dense", "msa"):
             p.error(f"unknown mode {mode!r}")

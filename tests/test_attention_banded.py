@@ -42,7 +42,8 @@ def test_banded_equals_reference(t, window, chunk):
             o = attention(q, k, v, q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg,
                           sliding_window=window, implementation=impl, chunk_size=chunk)
             return jnp.sum(o * do), o
-        (_, o), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        # a fresh jit per call: traced anew (the report is recorded), compiled once instead of per op
+        (_, o), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
         return o, grads
 
     clear_implementation_report()

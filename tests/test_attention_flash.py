@@ -40,10 +40,15 @@ def _packed(rng, bsz, t, tail):
 
 
 def _run(impl, q, k, v, pos, seg, do):
+    """Output and (dq, dk, dv) for cotangent ``do``, under a fresh jit (traced anew, so the
+    implementation report is recorded; one compile instead of one per op)."""
     f = lambda q, k, v: attention(q, k, v, q_positions=pos, kv_positions=pos, q_segment_ids=seg,
                                   kv_segment_ids=seg, implementation=impl)
-    o, pull = jax.vjp(f, q, k, v)
-    return o, pull(do)
+
+    def run(q, k, v, do):
+        o, pull = jax.vjp(f, q, k, v)
+        return o, pull(do)
+    return jax.jit(run)(q, k, v, do)
 
 
 # T = 200: not a multiple of the 128 block; boundaries fall mid-block; a padding tail of -1.
@@ -84,10 +89,14 @@ def test_gpu_backward_tiles_match_xla(blocks):
                    [(bsz, t, h, d), (bsz, t, g, d), (bsz, t, g, d), (bsz, t, h, d)])
     pos, seg = _packed(rng, bsz, t, tail=int(rng.integers(1, 30)))
     f = lambda q, k, v: flash.flash_attention(q, k, v, seg, backend="gpu_interpret", blocks=blocks)
-    o, pull = jax.vjp(f, q, k, v)
+
+    def fwd_bwd(q, k, v, do):
+        o, pull = jax.vjp(f, q, k, v)
+        return o, pull(do)
+    o, grads = jax.jit(fwd_bwd)(q, k, v, do)
     ro, rgrads = _run("xla", q, k, v, pos, seg, do)
     np.testing.assert_allclose(np.asarray(o), np.asarray(ro), atol=1e-4, err_msg=f"seed {seed}")
-    for name, a, b in zip("qkv", pull(do), rgrads):
+    for name, a, b in zip("qkv", grads, rgrads):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, err_msg=f"d{name} seed {seed}")
 
 
@@ -142,7 +151,7 @@ def test_interpreted_kernels_work_under_remat():
     def loss(impl):
         f = lambda q: attention(q, k, v, q_positions=pos, kv_positions=pos, q_segment_ids=seg,
                                 kv_segment_ids=seg, implementation=impl)
-        return jax.grad(lambda q: jnp.sum(jax.checkpoint(f)(q) ** 2))(q)
+        return jax.jit(jax.grad(lambda q: jnp.sum(jax.checkpoint(f)(q) ** 2)))(q)
     np.testing.assert_allclose(np.asarray(loss("pallas_flash_tpu_interpret")), np.asarray(loss("xla")),
                                atol=1e-4)
 

@@ -15,7 +15,7 @@ SCRIPT = os.path.join(ROOT, "bench", "moe.py")
 
 def _env(devices):
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
     return env
 
 

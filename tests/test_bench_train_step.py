@@ -16,8 +16,11 @@ SCRIPT = os.path.join(ROOT, "bench", "train_step.py")
 LINE = re.compile(r"^\[train_step +\d+\.\ds\] ")
 
 
-def _env():
-    return dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+def _env(compile_cache=True):
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    if not compile_cache:      # the suite's shared cache (tests/conftest.py) would skip the compile
+        env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    return env
 
 
 def _run(out, *args, timeout=300):
@@ -92,7 +95,7 @@ def test_lower_for_cuda_lists_the_gpu_kernels(tmp_path):
 
 def test_sigterm_reports_where_it_was(tmp_path):
     p = subprocess.Popen([sys.executable, SCRIPT, f"--out={tmp_path}", "--tiny", "--modes", "msa"],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT)
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(compile_cache=False), cwd=ROOT)
     seen = []
     try:
         for ln in p.stdout:

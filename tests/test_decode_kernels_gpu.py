@@ -15,6 +15,35 @@ import pytest
 from tests.test_decode_oracle import check_against_oracle, check_all_equal_scores
 
 
+def _jit(fn, *args, **kw):
+    """``fn(*args, **kw)`` under jit, keywords static (launch options, sizes): one compile of the whole
+    call instead of one per eager primitive of its wrapper."""
+    import jax
+    return jax.jit(lambda *a: fn(*a, **kw))(*args)
+
+
+def _index_keys(rng, b, nq, hi, di, page, npg, kv_dtype):
+    """Random index queries ``[b, nq, hi, di]`` f32, an index-key page pool of ``b * npg + 3`` pages in
+    ``kv_dtype`` (fp8 with per-page scales ``ks``, else ``ks`` None) and a shuffled page table
+    ``[b, npg]`` (numpy). Returns (qi, ki, ks, table, n_phys)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from minimax_jax.decode.cache import quantize
+    n_phys = b * npg + 3
+    keys = jax.random.split(jax.random.PRNGKey(int(rng.integers(1 << 30))), 2)
+    qi = jax.random.normal(keys[0], (b, nq, hi, di), jnp.float32)
+    ki = jax.random.normal(keys[1], (n_phys, page, di), jnp.float32)
+    ks = None
+    if kv_dtype == "float8_e4m3fn":
+        ki, ks = quantize(ki, kv_dtype)
+    else:
+        ki = ki.astype(kv_dtype)
+    table = rng.permutation(np.arange(n_phys))[: b * npg].reshape(b, npg)
+    return qi, ki, ks, table, n_phys
+
+
 @pytest.mark.parametrize("nq,kv_dtype", [(1, "float32"), (2, "float8_e4m3fn"), (8, "bfloat16"), (16, "float32")])
 def test_kernels_match_oracle(nq, kv_dtype):
     check_against_oracle("gpu_interpret", nq, kv_dtype, ordered=True)
@@ -30,43 +59,32 @@ def test_unrolled_scoring_matches_reference(unroll, ppp, kv_dtype, f16):
     """Several pages per loop iteration (the tail slots clamp to the last needed page): the scores of
     every needed page and the selected sets equal the XLA reference, on a shuffled page table whose
     entries past each request's pages are out-of-range ids (never read)."""
-    import jax
     import jax.numpy as jnp
     import numpy as np
 
     from minimax_jax.decode import ops
-    from minimax_jax.decode.cache import quantize
     from pallas_kernels.decode.gpu import page_scores_gpu, select_pages_gpu
 
     rng = np.random.default_rng()
     b, nq, hi, di, page, npg, topk = 2, 2, 2, 32, 16, 13, 4
-    n_phys = b * npg + 3
-    keys = jax.random.split(jax.random.PRNGKey(int(rng.integers(1 << 30))), 2)
-    qi = jax.random.normal(keys[0], (b, nq, hi, di), jnp.float32)
-    ki = jax.random.normal(keys[1], (n_phys, page, di), jnp.float32)
-    ks = None
-    if kv_dtype == "float8_e4m3fn":
-        ki, ks = quantize(ki, kv_dtype)
-    else:
-        ki = ki.astype(kv_dtype)
-    table = rng.permutation(np.arange(n_phys))[: b * npg].reshape(b, npg)
+    qi, ki, ks, table, n_phys = _index_keys(rng, b, nq, hi, di, page, npg, kv_dtype)
     # request 1 uses 7 pages (positions up to 6 pages + 3): entries past them hold a huge id
     pos = np.array([[npg * page - 2, npg * page - 1], [6 * page + 2, 6 * page + 3]])
     table[1, 7:] = 10 ** 6
     table, pos = jnp.asarray(table, jnp.int32), jnp.asarray(pos, jnp.int32)
-    got = page_scores_gpu(qi, ki, table, pos, ks, interpret=True, ppp=ppp, unroll=unroll, f16=f16)
-    base = page_scores_gpu(qi, ki, table, pos, ks, interpret=True, ppp=ppp, unroll=1, f16=f16)
-    ref = ops._xla_page_scores(qi, ki, ks, jnp.minimum(table, n_phys - 1))
+    got = _jit(page_scores_gpu, qi, ki, table, pos, ks, interpret=True, ppp=ppp, unroll=unroll, f16=f16)
+    base = _jit(page_scores_gpu, qi, ki, table, pos, ks, interpret=True, ppp=ppp, unroll=1, f16=f16)
+    ref = _jit(ops._xla_page_scores, qi, ki, ks, jnp.minimum(table, n_phys - 1))
     for r in range(b):
         n = int(pos[r].max()) // page                      # pages before the local one are scored
         np.testing.assert_allclose(np.asarray(got[r, ..., :n]), np.asarray(base[r, ..., :n]), rtol=0, atol=0)
         np.testing.assert_allclose(np.asarray(got[r, ..., :n]), np.asarray(ref[r, ..., :n]), rtol=2e-2, atol=2e-2)
-    ids = select_pages_gpu(qi, ki, table, pos, ks, topk=topk, interpret=True, ppp=ppp, unroll=unroll, f16=f16)
-    ids_base = select_pages_gpu(qi, ki, table, pos, ks, topk=topk, interpret=True, ppp=ppp, unroll=1, f16=f16)
+    ids = _jit(select_pages_gpu, qi, ki, table, pos, ks, topk=topk, interpret=True, ppp=ppp, unroll=unroll, f16=f16)
+    ids_base = _jit(select_pages_gpu, qi, ki, table, pos, ks, topk=topk, interpret=True, ppp=ppp, unroll=1, f16=f16)
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids_base))
     if kv_dtype == "float32":   # bf16 / fp8: the kernel's bf16 queries may reorder near-ties vs the f32 reference
-        ids_ref = ops.msa_decode_select(qi, ki, jnp.minimum(table, n_phys - 1), pos, ki_scale=ks, topk=topk,
-                                        implementation="xla")
+        ids_ref = _jit(ops.msa_decode_select, qi, ki, jnp.minimum(table, n_phys - 1), pos, ki_scale=ks, topk=topk,
+                       implementation="xla")
         np.testing.assert_array_equal(np.sort(np.asarray(ids), -1), np.sort(np.asarray(ids_ref), -1))
 
 
@@ -116,12 +134,13 @@ def test_split_select_rows_exact(init_blocks, local_blocks):
     kw = dict(n_rows=n_rows, page=page, topk=topk, init_blocks=init_blocks, local_blocks=local_blocks,
               interpret=True)
     raw_j, pos_j = jnp.asarray(raw), jnp.asarray(pos)
-    base = np.asarray(_select_rows(raw_j, pos_j, splits=1, **kw))
-    ref = ops.select_from_page_scores(raw_j[:, None, :n_rows], pos_j[:, :n_rows], page, topk=topk,
-                                      init_blocks=init_blocks, local_blocks=local_blocks)
+    base = np.asarray(_jit(_select_rows, raw_j, pos_j, splits=1, **kw))
+    ref = _jit(ops.select_from_page_scores, raw_j[:, None, :n_rows], pos_j[:, :n_rows], page_size=page, topk=topk,
+               init_blocks=init_blocks, local_blocks=local_blocks)
     np.testing.assert_array_equal(base, np.asarray(ref)[:, 0])
     for s in (2, 4, 8, 16, 64, "auto"):
-        np.testing.assert_array_equal(np.asarray(_select_rows(raw_j, pos_j, splits=s, **kw)), base, err_msg=str(s))
+        got = _jit(_select_rows, raw_j, pos_j, splits=s, **kw)
+        np.testing.assert_array_equal(np.asarray(got), base, err_msg=str(s))
 
 
 def test_split_select_auto_wide_rows():
@@ -140,8 +159,8 @@ def test_split_select_auto_wide_rows():
     pos[0, 1] = width * page - 5
     kw = dict(n_rows=rows, page=page, topk=topk, init_blocks=1, local_blocks=2, interpret=True)
     raw_j, pos_j = jnp.asarray(raw), jnp.asarray(pos)
-    base = np.asarray(_select_rows(raw_j, pos_j, splits=1, **kw))
-    np.testing.assert_array_equal(np.asarray(_select_rows(raw_j, pos_j, splits="auto", **kw)), base)
+    base = np.asarray(_jit(_select_rows, raw_j, pos_j, splits=1, **kw))
+    np.testing.assert_array_equal(np.asarray(_jit(_select_rows, raw_j, pos_j, splits="auto", **kw)), base)
 
 
 @pytest.mark.parametrize("kv_dtype,init_blocks,local_blocks", [("bfloat16", 1, 2), ("float8_e4m3fn", 0, 1),
@@ -180,16 +199,17 @@ def test_split_select_matches_single_stage(kv_dtype, init_blocks, local_blocks):
     pos = jnp.asarray([[npg * page - 2, 3 * page + 5], [21 * page + 7, -1]], jnp.int32)
     table = jnp.asarray(table, jnp.int32)
     kw = dict(topk=topk, init_blocks=init_blocks, local_blocks=local_blocks, interpret=True)
-    base = np.asarray(select_pages_gpu(qi, ki, table, pos, ks, select_splits=1, **kw))
-    sc = page_scores_gpu(qi, ki, table, pos, ks, interpret=True)
-    want = ops.select_from_page_scores(sc, pos, page, topk=topk, init_blocks=init_blocks, local_blocks=local_blocks)
+    base = np.asarray(_jit(select_pages_gpu, qi, ki, table, pos, ks, select_splits=1, **kw))
+    sc = _jit(page_scores_gpu, qi, ki, table, pos, ks, interpret=True)
+    want = _jit(ops.select_from_page_scores, sc, pos, page_size=page, topk=topk, init_blocks=init_blocks,
+                local_blocks=local_blocks)
     np.testing.assert_array_equal(base, np.asarray(want))
-    ref = ops.msa_decode_select(qi, ki, table, pos, ki_scale=ks, topk=topk, init_blocks=init_blocks,
-                                local_blocks=local_blocks, implementation="xla")
+    ref = _jit(ops.msa_decode_select, qi, ki, table, pos, ki_scale=ks, topk=topk, init_blocks=init_blocks,
+               local_blocks=local_blocks, implementation="xla")
     np.testing.assert_array_equal(np.sort(base, -1), np.sort(np.asarray(ref), -1))
     assert (base[1, :, 1] == -1).all() and (base[0, :, 1, 4:] == -1).all()   # padding row, short row
     for s in (2, 4, 8, "auto"):
-        got = select_pages_gpu(qi, ki, table, pos, ks, select_splits=s, **kw)
+        got = _jit(select_pages_gpu, qi, ki, table, pos, ks, select_splits=s, **kw)
         np.testing.assert_array_equal(np.asarray(got), base, err_msg=str(s))
 
 
@@ -270,12 +290,12 @@ def test_sparse_pages_per_split(kv_dtype, loop):
     ids[0, 0, 0, 1] = -1                                       # a hole before valid slots
     ids = jnp.asarray(ids, jnp.int32)
     args = (c["q"], c["k"], c["v"], c["table"], c["pos"], c["k_scale"], c["v_scale"], ids)
-    o1, l1 = paged_attention_gpu(*args, interpret=True, loop=loop, sparse_pages_per_split=1)
-    o_r, l_r = ops.paged_attention(*args[:5], k_scale=c["k_scale"], v_scale=c["v_scale"], block_ids=ids,
-                                   implementation="xla")
+    o1, l1 = _jit(paged_attention_gpu, *args, interpret=True, loop=loop, sparse_pages_per_split=1)
+    o_r, l_r = _jit(ops.paged_attention, *args[:5], k_scale=c["k_scale"], v_scale=c["v_scale"], block_ids=ids,
+                    implementation="xla")
     tol = 2e-5 if kv_dtype == "float32" else 2e-2
     for pps in (2, 4):
-        o, lse = paged_attention_gpu(*args, interpret=True, loop=loop, sparse_pages_per_split=pps)
+        o, lse = _jit(paged_attention_gpu, *args, interpret=True, loop=loop, sparse_pages_per_split=pps)
         np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(o1, np.float32), atol=tol, rtol=tol)
         np.testing.assert_array_equal(np.isinf(np.asarray(lse)), np.isinf(np.asarray(l1)))
         fin = np.isfinite(np.asarray(l1))
@@ -291,21 +311,10 @@ def _uneven_case(rng, nq, kv_dtype, b=5, hi=2, di=32, page=16, npg=13):
     first page), 1 page, 0 pages (all rows padding); padding rows; table entries past each request's
     scored pages hold a huge id (never read). Returns (qi, ki, ks, table, pos, ref_table): ref_table
     clips those ids for the XLA reference, which gathers every page."""
-    import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from minimax_jax.decode.cache import quantize
-    n_phys = b * npg + 3
-    keys = jax.random.split(jax.random.PRNGKey(int(rng.integers(1 << 30))), 2)
-    qi = jax.random.normal(keys[0], (b, nq, hi, di), jnp.float32)
-    ki = jax.random.normal(keys[1], (n_phys, page, di), jnp.float32)
-    ks = None
-    if kv_dtype == "float8_e4m3fn":
-        ki, ks = quantize(ki, kv_dtype)
-    else:
-        ki = ki.astype(kv_dtype)
-    table = rng.permutation(np.arange(n_phys))[: b * npg].reshape(b, npg)
+    qi, ki, ks, table, n_phys = _index_keys(rng, b, nq, hi, di, page, npg, kv_dtype)
     last = np.asarray([npg * page - 1, 6 * page + 3, 5, page + 2, -1])[:b]   # each request's last position
     pos = np.maximum(last[:, None] - np.arange(nq)[None, ::-1], 0)
     pos[last < 0] = -1
@@ -337,18 +346,19 @@ def test_persistent_scoring_matches_chunked(nq, kv_dtype, f16):
     n_score = np.clip(np.asarray(pos).max(1) // page, 0, None)
     assert sorted(set(n_score.tolist())) == [0, 1, 6, 12]
     kw = dict(interpret=True, f16=f16)
-    base = np.asarray(page_scores_gpu(qi, ki, table, pos, ks, programs=0, ppp=4, **kw))
-    ref = np.asarray(ops._xla_page_scores(qi, ki, ks, ref_table))
-    ids_base = np.asarray(select_pages_gpu(qi, ki, table, pos, ks, topk=topk, programs=0, ppp=4, **kw))
+    base = np.asarray(_jit(page_scores_gpu, qi, ki, table, pos, ks, programs=0, ppp=4, **kw))
+    ref = np.asarray(_jit(ops._xla_page_scores, qi, ki, ks, ref_table))
+    ids_base = np.asarray(_jit(select_pages_gpu, qi, ki, table, pos, ks, topk=topk, programs=0, ppp=4, **kw))
     for programs, evict in ((1, "evict_normal"), (5, "evict_first"), (64, "evict_last")):   # 5: chunks of 4
-        got = np.asarray(page_scores_gpu(qi, ki, table, pos, ks, programs=programs, evict=evict, **kw))
+        got = np.asarray(_jit(page_scores_gpu, qi, ki, table, pos, ks, programs=programs, evict=evict, **kw))
         for r, n in enumerate(n_score):
             np.testing.assert_array_equal(got[r, ..., :n], base[r, ..., :n], err_msg=f"{programs} {r}")
             np.testing.assert_allclose(got[r, ..., :n], ref[r, ..., :n], rtol=2e-2, atol=2e-2)
-        ids = np.asarray(select_pages_gpu(qi, ki, table, pos, ks, topk=topk, programs=programs, evict=evict, **kw))
+        ids = np.asarray(_jit(select_pages_gpu, qi, ki, table, pos, ks, topk=topk, programs=programs, evict=evict,
+                              **kw))
         np.testing.assert_array_equal(ids, ids_base, err_msg=str(programs))
     if kv_dtype == "float32":
-        ids_ref = ops.msa_decode_select(qi, ki, ref_table, pos, ki_scale=ks, topk=topk, implementation="xla")
+        ids_ref = _jit(ops.msa_decode_select, qi, ki, ref_table, pos, ki_scale=ks, topk=topk, implementation="xla")
         np.testing.assert_array_equal(np.sort(ids_base, -1), np.sort(np.asarray(ids_ref), -1))
 
 
@@ -404,14 +414,14 @@ def test_size_class_picks_the_launch(monkeypatch):
     n_score = np.clip(np.asarray(pos).max(1) // ki.shape[1], 0, None)
     got = {}
     for b, cls in ((5, None), (1, None), (2, None), (5, "small"), (5, "mid")):
-        got[(b, cls)] = np.asarray(gpu.page_scores_gpu(qi[:b], ki, table[:b], pos[:b], ks, interpret=True,
-                                                       size_class=cls))
+        got[(b, cls)] = np.asarray(_jit(gpu.page_scores_gpu, qi[:b], ki, table[:b], pos[:b], ks, interpret=True,
+                                        size_class=cls))
     assert [k["programs"] for k in seen] == [0, 3, 0, 3, 0]                   # large, small, mid, small, mid
     assert seen[0]["unroll"] == 2 and seen[2]["ppp"] == 2 and seen[4]["ppp"] == 2
     for (b, cls), sc in got.items():
         for r in range(b):
             np.testing.assert_array_equal(sc[r, ..., :n_score[r]], got[(5, None)][r, ..., : n_score[r]])
-    ids = {cls: np.asarray(gpu.select_pages_gpu(qi, ki, table, pos, ks, topk=4, interpret=True, size_class=cls))
+    ids = {cls: np.asarray(_jit(gpu.select_pages_gpu, qi, ki, table, pos, ks, topk=4, interpret=True, size_class=cls))
            for cls in ("small", "mid", "large")}
     np.testing.assert_array_equal(ids["small"], ids["large"])
     np.testing.assert_array_equal(ids["mid"], ids["large"])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -81,18 +82,22 @@ def make_case(rng, nq, kv_dtype="float32", index_dtype="float32", b=2, npg=12):
 
 
 def _select(c, impl, topk=K):
-    kw = dict(ki_scale=c["ki_scale"], topk=topk)
-    if impl == "gpu_interpret":
-        return api.select_pages(c["qi"], c["ki"], c["table"], c["pos"], backend="gpu_interpret", **kw)
-    return ops.msa_decode_select(c["qi"], c["ki"], c["table"], c["pos"], implementation=impl, **kw)
+    # under jit: one compile of the op instead of one per eager primitive
+    def f(qi, ki, table, pos, ki_scale):
+        kw = dict(ki_scale=ki_scale, topk=topk)
+        if impl == "gpu_interpret":
+            return api.select_pages(qi, ki, table, pos, backend="gpu_interpret", **kw)
+        return ops.msa_decode_select(qi, ki, table, pos, implementation=impl, **kw)
+    return jax.jit(f)(c["qi"], c["ki"], c["table"], c["pos"], c["ki_scale"])
 
 
 def _attend(c, impl, ids):
-    kw = dict(k_scale=c["k_scale"], v_scale=c["v_scale"], block_ids=ids)
-    if impl == "gpu_interpret":
-        return api.paged_attention(c["q"], c["k"], c["v"], c["table"], c["pos"], backend="gpu_interpret",
-                                   pages_per_split=3, **kw)
-    return ops.paged_attention(c["q"], c["k"], c["v"], c["table"], c["pos"], implementation=impl, **kw)
+    def f(q, k, v, table, pos, k_scale, v_scale, ids):
+        kw = dict(k_scale=k_scale, v_scale=v_scale, block_ids=ids)
+        if impl == "gpu_interpret":
+            return api.paged_attention(q, k, v, table, pos, backend="gpu_interpret", pages_per_split=3, **kw)
+        return ops.paged_attention(q, k, v, table, pos, implementation=impl, **kw)
+    return jax.jit(f)(c["q"], c["k"], c["v"], c["table"], c["pos"], c["k_scale"], c["v_scale"], ids)
 
 
 
@@ -104,7 +109,7 @@ def check_against_oracle(impl, nq, kv_dtype, ordered=True):
     n = c["np"]
     # Kernels compute bf16 / fp8 caches with bf16 matmul operands: the index queries they rank with
     # are the bf16-rounded ones (otherwise near-ties could legitimately flip).
-    # The GPU scorer's f16 product for fp8 keys (CONFIG["score_fp8"]["f16"]) rounds them to float16
+    # The GPU scorer's f16 product for fp8 keys (CONFIG["score"]["fp8"][size class]["f16"]) rounds them to float16
     # instead: the oracle must rank with the same rounding (with bf16 ones, ~1 in 30 random cases
     # flipped a near-tie).
     exact = impl == "xla" or kv_dtype == "float32"

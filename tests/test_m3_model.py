@@ -69,9 +69,10 @@ def test_sliding_window_layer():
     tokens = jax.random.randint(jax.random.key(1), (1, 30), 0, base.vocab_size)
     wide = base.replace(layer_types=("sliding",) * 3, sliding_window=64)
     narrow = base.replace(layer_types=("sliding",) * 3, sliding_window=4)
-    full = forward(params, base, tokens).logits
-    np.testing.assert_allclose(forward(params, wide, tokens).logits, full, rtol=1e-5, atol=1e-5)
-    n = forward(params, narrow, tokens).logits
+    fwd = jax.jit(lambda p, t, c: forward(p, c, t).logits, static_argnums=2)
+    full = fwd(params, tokens, base)
+    np.testing.assert_allclose(fwd(params, tokens, wide), full, rtol=1e-5, atol=1e-5)
+    n = fwd(params, tokens, narrow)
     np.testing.assert_allclose(n[:, :4], full[:, :4], rtol=1e-5, atol=1e-5)
     assert float(jnp.abs(n[:, 10:] - full[:, 10:]).max()) > 1e-6
 
@@ -89,18 +90,19 @@ def test_lm_loss_gives_zero_gradient_to_index_branch_and_kl_only_to_it():
         aux = forward(p, cfg, tokens, indexer_kl=mode).aux
         return aux["indexer_kl_sum"] / aux["indexer_kl_count"]
 
-    g = jax.jit(jax.grad(lm_loss))(params)
+    # one compiled program for the three gradients (they share the forward), checked in numpy
+    g, *gks = jax.jit(lambda p: (jax.grad(lm_loss)(p),) + tuple(jax.grad(kl_loss)(p, m) for m in ("sparse", "dense"))
+                      )(params)
     seg = g["segments"][1]["attn"]
     for name in ("index_q_proj", "index_k_proj"):
-        assert float(jnp.abs(seg[name]).max()) == 0.0, name
-    assert float(jnp.abs(seg["q_proj"]).max()) > 0
-    for mode in ("sparse", "dense"):
-        gk = jax.jit(jax.grad(kl_loss), static_argnums=1)(params, mode)
+        assert float(np.abs(seg[name]).max()) == 0.0, name
+    assert float(np.abs(seg["q_proj"]).max()) > 0
+    for mode, gk in zip(("sparse", "dense"), gks):
         flat = jax.tree_util.tree_flatten_with_path(gk)[0]
         for path, leaf in flat:
             name = jax.tree_util.keystr(path)
-            nonzero = float(jnp.abs(leaf).max()) > 0
+            nonzero = float(np.abs(np.asarray(leaf)).max()) > 0
             if "index_" in name:
                 continue
             assert not nonzero, f"KL ({mode}) reached {name}"
-        assert float(jnp.abs(gk["segments"][1]["attn"]["index_q_proj"]).max()) > 0
+        assert float(np.abs(gk["segments"][1]["attn"]["index_q_proj"]).max()) > 0

@@ -41,6 +41,22 @@ def _naive_fns(block_size, topk, init_blocks, local_blocks):
     )
 
 
+@functools.lru_cache(maxsize=None)
+def _chunked_fns(block_size, topk, init_blocks, local_blocks, chunk_size):
+    """The chunked reference (minimax_jax.ops.msa, XLA) under jit, per static configuration."""
+    kw = dict(block_size=block_size, chunk_size=chunk_size)
+
+    def m(qp, kp, qs, ks):
+        return dict(q_positions=qp, kv_positions=kp, q_segment_ids=qs, kv_segment_ids=ks)
+    return dict(
+        scores=jax.jit(lambda qi, ki, *mm: msa.msa_index_scores(qi, ki, **kw, **m(*mm))),
+        select=jax.jit(lambda qi, ki, *mm: msa.msa_select_blocks(
+            qi, ki, topk=topk, init_blocks=init_blocks, local_blocks=local_blocks, **kw, **m(*mm))),
+        attention=jax.jit(lambda q, k, v, ids, *mm: msa.msa_attention(q, k, v, ids, **kw, **m(*mm))),
+        kl=jax.jit(lambda q, k, qi, ki, ids, *mm: msa.indexer_kl(q, k, qi, ki, ids, **kw, **m(*mm))),
+    )
+
+
 @st.composite
 def cases(draw):
     cfg = draw(st.sampled_from(CONFIGS))
@@ -91,23 +107,22 @@ def test_chunked_reference_equals_naive(case):
 
     q, k, v = draw(b, t, g * r, d), draw(b, s, g, d), draw(b, s, g, d)
     qi, ki = draw(b, t, g, di), draw(b, s, di)
-    kw = dict(q_positions=q_pos, kv_positions=kv_pos, q_segment_ids=q_seg, kv_segment_ids=kv_seg)
     nv = _naive_fns(block, topk, init, local)
+    ch = _chunked_fns(block, topk, init, local, chunk)
     m = (jnp.asarray(q_pos), jnp.asarray(kv_pos), jnp.asarray(q_seg), jnp.asarray(kv_seg))
 
-    scores = np.asarray(msa.msa_index_scores(qi, ki, block_size=block, chunk_size=chunk, **kw))
+    scores = np.asarray(ch["scores"](qi, ki, *m))
     want_scores = np.asarray(nv["scores"](qi, ki, *m))
     assert np.array_equal(np.isneginf(scores), np.isneginf(want_scores))
     np.testing.assert_allclose(scores[np.isfinite(scores)], want_scores[np.isfinite(want_scores)],
                                rtol=1e-6, atol=1e-6)
 
-    ids = msa.msa_select_blocks(qi, ki, block_size=block, topk=topk, init_blocks=init, local_blocks=local,
-                                chunk_size=chunk, **kw)
+    ids = ch["select"](qi, ki, *m)
     want_ids = nv["select"](qi, ki, *m)
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
 
     for block_ids in (ids, jnp.asarray(rand_ids)):
-        o, lse = msa.msa_attention(q, k, v, block_ids, block_size=block, chunk_size=chunk, **kw)
+        o, lse = ch["attention"](q, k, v, block_ids, *m)
         want_o, want_lse = nv["attention"](q, k, v, block_ids, *m)
         np.testing.assert_allclose(np.asarray(o), np.asarray(want_o), rtol=1e-5, atol=1e-6)
         lse, want_lse = np.asarray(lse), np.asarray(want_lse)
@@ -115,7 +130,7 @@ def test_chunked_reference_equals_naive(case):
         np.testing.assert_allclose(lse[np.isfinite(lse)], want_lse[np.isfinite(want_lse)], rtol=1e-5, atol=1e-6)
 
     for block_ids in (ids, None):
-        kl, count = msa.indexer_kl(q, k, qi, ki, block_ids, block_size=block, chunk_size=chunk, **kw)
+        kl, count = ch["kl"](q, k, qi, ki, block_ids, *m)
         want_kl, want_count = nv["kl"](q, k, qi, ki, block_ids, *m)
         assert int(count) == int(want_count)
         np.testing.assert_allclose(float(kl), float(want_kl), rtol=1e-5, atol=1e-5)

@@ -73,9 +73,18 @@ def _reference(c, ids):
         o, _ = msa_ops.msa_attention(q, k, v, jnp.asarray(ids), block_size=BLK,
                                      implementation="xla", **pos)
         return jnp.sum(o * jnp.asarray(c["do"]))
-    o, lse = msa_ops.msa_attention(q, k, v, jnp.asarray(ids), block_size=BLK,
-                                   implementation="xla", **pos)
-    return o, lse, jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    @jax.jit    # one compile instead of one per op
+    def ref(q, k, v):
+        o, lse = msa_ops.msa_attention(q, k, v, jnp.asarray(ids), block_size=BLK,
+                                       implementation="xla", **pos)
+        return o, lse, jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    return ref(q, k, v)
+
+
+def _select_gpu(qi, ki, **kw):
+    """msa_select_blocks_gpu in interpret mode under jit (array keywords become constants)."""
+    return jax.jit(lambda qi, ki: msa_select_blocks_gpu(qi, ki, interpret=True, **kw))(qi, ki)
 
 
 CASES = {
@@ -134,9 +143,9 @@ def test_attention_bf16_tolerances_and_determinism():
 
 
 def _check_selection(ids, c, qi, ki, topk, init_blocks=0, local_blocks=1):
-    ref = msa_ops.msa_select_blocks(jnp.asarray(qi), jnp.asarray(ki), block_size=BLK, topk=topk,
-                                    init_blocks=init_blocks, local_blocks=local_blocks,
-                                    implementation="xla", **positions(c))
+    ref = jax.jit(lambda qi, ki: msa_ops.msa_select_blocks(
+        qi, ki, block_size=BLK, topk=topk, init_blocks=init_blocks, local_blocks=local_blocks,
+        implementation="xla", **positions(c)))(jnp.asarray(qi), jnp.asarray(ki))
     got, want = id_sets(np.asarray(ids)), id_sets(np.asarray(ref))
     assert got == want
     local = c["q_pos"] // BLK
@@ -157,9 +166,8 @@ def test_select_blocks_sets_match_reference(name, init_blocks, local_blocks):
     hi = kw["g"]
     qi = rng.standard_normal((kw["bsz"], kw["t"], hi, 16)).astype(np.float32)
     ki = rng.standard_normal((kw["bsz"], kw["s"], 16)).astype(np.float32)
-    ids = msa_select_blocks_gpu(jnp.asarray(qi), jnp.asarray(ki), block_size=BLK, topk=topk,
-                                init_blocks=init_blocks, local_blocks=local_blocks, rows=16,
-                                interpret=True, **positions(c))
+    ids = _select_gpu(jnp.asarray(qi), jnp.asarray(ki), block_size=BLK, topk=topk,
+                      init_blocks=init_blocks, local_blocks=local_blocks, rows=16, **positions(c))
     ref = _check_selection(ids, c, qi, ki, topk, init_blocks, local_blocks)
     if init_blocks == 0 and local_blocks == 1:   # same order as the reference, too
         np.testing.assert_array_equal(np.asarray(ids), ref)
@@ -177,8 +185,8 @@ def test_length_cases_block128_top16(s):
     ki = rng.standard_normal((1, s, 16)).astype(np.float32)
     old, BLK = BLK, 128
     try:
-        ids = msa_select_blocks_gpu(jnp.asarray(qi), jnp.asarray(ki), block_size=128, topk=16,
-                                    rows=16, interpret=True, **positions(c))
+        ids = _select_gpu(jnp.asarray(qi), jnp.asarray(ki), block_size=128, topk=16, rows=16,
+                          **positions(c))
         _check_selection(ids, c, qi, ki, 16)
         o, lse, grads = _run_attention(c, np.asarray(ids), jnp.float32)
         ro, rlse, rgrads = _reference(c, np.asarray(ids))
@@ -199,12 +207,12 @@ def test_short_context_equals_dense_causal_attention():
     qi = rng.standard_normal((1, 60, 2, 16)).astype(np.float32)
     ki = rng.standard_normal((1, 60, 16)).astype(np.float32)
     pos = positions(c)
-    ids = msa_select_blocks_gpu(jnp.asarray(qi), jnp.asarray(ki), block_size=BLK, topk=4,
-                                rows=16, interpret=True, **pos)
-    o, _ = msa_attention_gpu(jnp.asarray(c["q"]), jnp.asarray(c["k"]), jnp.asarray(c["v"]), ids,
-                             block_size=BLK, interpret=True, **pos)
-    ref = dense_attention(jnp.asarray(c["q"]), jnp.asarray(c["k"]), jnp.asarray(c["v"]),
-                          q_positions=pos["q_positions"], kv_positions=pos["kv_positions"])
+    ids = _select_gpu(jnp.asarray(qi), jnp.asarray(ki), block_size=BLK, topk=4, rows=16, **pos)
+    o, _ = jax.jit(lambda q, k, v, ids: msa_attention_gpu(q, k, v, ids, block_size=BLK, interpret=True, **pos))(
+        jnp.asarray(c["q"]), jnp.asarray(c["k"]), jnp.asarray(c["v"]), ids)
+    ref = jax.jit(lambda q, k, v: dense_attention(q, k, v, q_positions=pos["q_positions"],
+                                                  kv_positions=pos["kv_positions"]))(
+        jnp.asarray(c["q"]), jnp.asarray(c["k"]), jnp.asarray(c["v"]))
     np.testing.assert_allclose(np.asarray(o), np.asarray(ref), atol=2e-5, rtol=2e-5)
 
 
@@ -305,8 +313,9 @@ def test_duplicate_and_out_of_range_ids_count_once():
                             np.full(ids.shape[:3] + (1,), -7, np.int32)], axis=-1)
     pos = positions(c)
     args = (jnp.asarray(c["q"]), jnp.asarray(c["k"]), jnp.asarray(c["v"]))
-    o1, l1 = msa_attention_gpu(*args, jnp.asarray(messy), block_size=BLK, interpret=True, **pos)
-    o2, l2 = msa_attention_gpu(*args, jnp.asarray(ids), block_size=BLK, interpret=True, **pos)
+    attn = jax.jit(lambda q, k, v, ids: msa_attention_gpu(q, k, v, ids, block_size=BLK, interpret=True, **pos))
+    o1, l1 = attn(*args, jnp.asarray(messy))
+    o2, l2 = attn(*args, jnp.asarray(ids))
     np.testing.assert_allclose(np.asarray(o1), np.asarray(o2), atol=1e-6, rtol=1e-6)
     np.testing.assert_allclose(np.asarray(l1), np.asarray(l2), atol=1e-6)
 
@@ -323,8 +332,7 @@ def test_decode_like_layout_queries_not_at_the_end():
     qi = rng.standard_normal((2, t, 2, 16)).astype(np.float32)
     ki = rng.standard_normal((2, s, 16)).astype(np.float32)
     pos = positions(c)
-    ids = msa_select_blocks_gpu(jnp.asarray(qi), jnp.asarray(ki), block_size=BLK, topk=3, rows=16,
-                                interpret=True, **pos)
+    ids = _select_gpu(jnp.asarray(qi), jnp.asarray(ki), block_size=BLK, topk=3, rows=16, **pos)
     _check_selection(ids, c, qi, ki, 3)
     o, lse, grads = _run_attention(c, np.asarray(ids), jnp.float32)
     ro, rlse, rgrads = _reference(c, np.asarray(ids))
@@ -348,8 +356,8 @@ def test_selection_under_grad():
             ids = msa_ops.msa_select_blocks(qi, ki, q_positions=pos, kv_positions=pos, block_size=16, topk=2,
                                             implementation=impl)
             return jnp.sum(qi * ids[..., 0].transpose(0, 2, 1)[..., None]) + jnp.sum(ki ** 2)
-        gq, gk = jax.grad(f, argnums=(0, 1))(qi, ki)
-        ids = msa_ops.msa_select_blocks(qi, ki, q_positions=pos, kv_positions=pos, block_size=16, topk=2,
-                                        implementation="xla")
-        np.testing.assert_array_equal(gq, jnp.broadcast_to(ids[..., 0].transpose(0, 2, 1)[..., None], qi.shape))
-        np.testing.assert_allclose(gk, 2 * ki, rtol=1e-6)
+        gq, gk = jax.jit(jax.grad(f, argnums=(0, 1)))(qi, ki)     # traced under grad, then compiled once
+        ids = np.asarray(msa_ops.msa_select_blocks(qi, ki, q_positions=pos, kv_positions=pos, block_size=16,
+                                                   topk=2, implementation="xla"))
+        np.testing.assert_array_equal(gq, np.broadcast_to(ids[..., 0].transpose(0, 2, 1)[..., None], qi.shape))
+        np.testing.assert_allclose(gk, 2 * np.asarray(ki), rtol=1e-6)

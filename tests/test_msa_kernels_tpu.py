@@ -32,6 +32,12 @@ def _grads(impl, c, ids, dtype):
     return f(q, k, v)
 
 
+def _op(fn, **kw):
+    """``fn(*arrays, **kw)`` under jit (one compile instead of one per op; array keywords become
+    constants)."""
+    return jax.jit(lambda *a: fn(*a, **kw))
+
+
 def test_attention_packed_matches_reference_and_reports():
     rng = np.random.default_rng()
     c = make_case(rng, bsz=2, t=28, s=28, h=6, g=2, d=16, segments=[[11, 13, 2], [28]])
@@ -77,8 +83,8 @@ def test_select_blocks_sets_match_reference(init_blocks, local_blocks, segments)
     ki = rng.standard_normal((2, 40, 16)).astype(np.float32)
     kw = dict(block_size=BLK, topk=4, init_blocks=init_blocks, local_blocks=local_blocks,
               **positions(c))
-    got = msa_ops.msa_select_blocks(qi, ki, implementation="pallas_interpret", **kw)
-    ref = msa_ops.msa_select_blocks(qi, ki, implementation="xla", **kw)
+    got = _op(msa_ops.msa_select_blocks, implementation="pallas_interpret", **kw)(qi, ki)
+    ref = _op(msa_ops.msa_select_blocks, implementation="xla", **kw)(qi, ki)
     assert id_sets(np.asarray(got)) == id_sets(np.asarray(ref))
     local = c["q_pos"] // BLK
     for (b, r, i), st in id_sets(np.asarray(got)).items():
@@ -101,8 +107,8 @@ def test_forward_with_race_detection():
     o = jax.block_until_ready(o)
     races = mosaic_interpret.races   # RaceDetectionState of the last interpreted kernel
     assert races is not None and not races.races_found
-    ro, _ = msa_ops.msa_attention(c["q"], c["k"], c["v"], ids, block_size=BLK,
-                                  implementation="xla", **positions(c))
+    ro, _ = _op(msa_ops.msa_attention, block_size=BLK, implementation="xla", **positions(c))(
+        c["q"], c["k"], c["v"], ids)
     np.testing.assert_allclose(np.asarray(o), np.asarray(ro), atol=2e-5, rtol=2e-5)
 
 
@@ -137,11 +143,10 @@ def test_decode_like_layout_queries_not_at_the_end():
     qi = rng.standard_normal((1, 3, 1, 16)).astype(np.float32)
     ki = rng.standard_normal((1, 48, 16)).astype(np.float32)
     kw = dict(block_size=BLK, **positions(c))
-    ids = msa_ops.msa_select_blocks(qi, ki, topk=3, implementation="pallas_interpret", **kw)
-    ref = msa_ops.msa_select_blocks(qi, ki, topk=3, implementation="xla", **kw)
+    ids = _op(msa_ops.msa_select_blocks, topk=3, implementation="pallas_interpret", **kw)(qi, ki)
+    ref = _op(msa_ops.msa_select_blocks, topk=3, implementation="xla", **kw)(qi, ki)
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(ref))
-    o, lse = msa_ops.msa_attention(c["q"], c["k"], c["v"], ids, implementation="pallas_interpret",
-                                   **kw)
-    ro, rlse = msa_ops.msa_attention(c["q"], c["k"], c["v"], ids, implementation="xla", **kw)
+    o, lse = _op(msa_ops.msa_attention, implementation="pallas_interpret", **kw)(c["q"], c["k"], c["v"], ids)
+    ro, rlse = _op(msa_ops.msa_attention, implementation="xla", **kw)(c["q"], c["k"], c["v"], ids)
     np.testing.assert_allclose(np.asarray(o), np.asarray(ro), atol=2e-5, rtol=2e-5)
     np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), np.isfinite(np.asarray(rlse)))

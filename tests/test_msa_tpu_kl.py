@@ -174,8 +174,9 @@ def test_kl_through_op_and_auto_on_tpu(monkeypatch):
     monkeypatch.setattr(msa_ops, "default_backend", lambda: "tpu")
     monkeypatch.setattr(api, "indexer_kl", spy)
     clear_implementation_report()
-    kl, cnt = msa_ops.indexer_kl(c["q"], c["k"], c["qi"], c["ki"], c["ids"], block_size=blk,
-                                 implementation="auto", **positions(c))
+    kl, cnt = jax.jit(lambda q, k, qi, ki: msa_ops.indexer_kl(q, k, qi, ki, c["ids"], block_size=blk,
+                                                              implementation="auto", **positions(c))
+                      )(c["q"], c["k"], c["qi"], c["ki"])
     assert seen == ["tpu"] and implementation_report()["indexer_kl"] == "pallas_tpu"
     assert int(cnt) == int(ref[1])
     np.testing.assert_allclose(float(kl), float(ref[0]), rtol=1e-4)

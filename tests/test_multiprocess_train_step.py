@@ -29,7 +29,8 @@ def _free_port() -> int:
 
 
 def _env(devices: int) -> dict:
-    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+    flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
+    return dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu",
                 PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 

@@ -123,15 +123,22 @@ def _run(impl, widths, prompts, nxt):
     return logits, out, report
 
 
-@pytest.mark.skipif(ON_GPU, reason="exact f32 equality is an interpret-mode (CPU) check: on a GPU f32 dots run "
-                                   "as TF32 and can flip near-tied selections; see test_device_engine_prefill")
-@pytest.mark.parametrize("widths", ["pow2", "full"])
-def test_engine_prefill_kernels_match_xla(widths):
+@pytest.fixture(scope="module")
+def xla_prefill():
+    """Two prompts (4 and 3 chunks), their next tokens, and the ``"xla"`` prefill + decode step that
+    every parametrization below compares with (computed once)."""
     cfg, _ = _model()
     rng = np.random.default_rng(5)
     prompts = [[int(x) for x in rng.integers(3, cfg.vocab_size, n)] for n in (90, 61)]   # 4 and 3 chunks
     nxt = [[int(x) for x in rng.integers(3, cfg.vocab_size, 2)] for _ in prompts]
-    ref_logits, ref_out, ref_report = _run("xla", "pow2", prompts, nxt)
+    return prompts, nxt, _run("xla", "pow2", prompts, nxt)
+
+
+@pytest.mark.skipif(ON_GPU, reason="exact f32 equality is an interpret-mode (CPU) check: on a GPU f32 dots run "
+                                   "as TF32 and can flip near-tied selections; see test_device_engine_prefill")
+@pytest.mark.parametrize("widths", ["pow2", "full"])
+def test_engine_prefill_kernels_match_xla(widths, xla_prefill):
+    prompts, nxt, (ref_logits, ref_out, ref_report) = xla_prefill
     assert ref_report["msa_attention"] == "xla" and ref_report["prefill_attention"] == "xla"
     logits, out, report = _run(KERNELS, widths, prompts, nxt)
     assert report["msa_select_blocks"] == report["msa_attention"] == report["prefill_attention"] == KERNELS

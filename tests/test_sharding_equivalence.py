@@ -1,8 +1,8 @@
 """Sharded forward and gradients equal the unsharded ones (fp32) on 8 simulated CPU devices.
 
-Each test starts a subprocess with ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (the
-flag must be set before JAX starts, and the rest of the suite must keep one device), which runs
-this file as a script: it computes the loss, logits and parameter gradients of a tiny model once
+Each test starts a subprocess with ``--xla_force_host_platform_device_count=8`` added to
+``XLA_FLAGS`` (the flag must be set before JAX starts, and the rest of the suite must keep one
+device), which runs this file as a script: it computes the loss, logits and parameter gradients of a tiny model once
 without a mesh and once per mesh (params placed with ``params_shardings``, tokens with
 ``batch_sharding``, traced inside ``use_mesh`` so the MoE runs expert-parallel in shard_map), and
 compares every element. The script prints one JSON line per mesh; the test checks them.
@@ -24,8 +24,8 @@ TOL = 1e-5
 
 
 def _run_worker(model: str, meshes: list[str], timeout: int = 600) -> list[dict]:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), model, ";".join(meshes)], env=env,
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     if proc.returncode != 0:

@@ -68,8 +68,8 @@ def test_freeze_and_router_bias_rule(one_and_two):
     assert changed["segments/0/attn/v_proj"] and changed["segments/1/attn/index_q_proj"]
     assert changed["embed/embedding"] and changed["mtp/0/eh_proj"]
     # router_bias moved by exactly rate * sign(mean_load - load), with the load of the whole batch.
-    out = forward(p0, cfg, jnp.asarray(batch["tokens"]), positions=jnp.asarray(batch["positions"]),
-                  segment_ids=jnp.asarray(batch["segment_ids"]))
+    out = jax.jit(lambda p, t, pos, seg: forward(p, cfg, t, positions=pos, segment_ids=seg))(
+        p0, jnp.asarray(batch["tokens"]), jnp.asarray(batch["positions"]), jnp.asarray(batch["segment_ids"]))
     load = out.aux["router_load"]
     want = update_router_bias(p0["segments"][1]["mlp"]["router_bias"], load, 0.01)
     np.testing.assert_allclose(s1["params"]["segments"][1]["mlp"]["router_bias"], want, atol=1e-7)
@@ -96,7 +96,9 @@ def test_bf16_first_moment(tmp_path):
 
     p0, s32, m32 = run(None)
     _, s16, m16 = run("bfloat16")
-    moved = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(s32["params"]), jax.tree.leaves(p0)))
+    # (host-side numpy: one tiny XLA compile per leaf shape would cost more than the steps)
+    s16, s32, p0 = jax.device_get((s16, s32, p0))
+    moved = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(s32["params"]), jax.tree.leaves(p0)))
     assert moved > 1e-3                                          # the steps did update the parameters
     mus = [x for p, x in jax.tree_util.tree_flatten_with_path(s16["opt_state"])[0]
            if any(getattr(k, "name", None) == "mu" for k in p)]
@@ -109,6 +111,6 @@ def test_bf16_first_moment(tmp_path):
     diff = move = 0.0
     for a, b, c in zip(jax.tree.leaves(s16["params"]), jax.tree.leaves(s32["params"]), jax.tree.leaves(p0)):
         assert a.dtype == b.dtype
-        diff += float(jnp.sum(jnp.abs(a - b)))
-        move += float(jnp.sum(jnp.abs(b - c)))
+        diff += float(np.sum(np.abs(a - b)))
+        move += float(np.sum(np.abs(b - c)))
     assert diff < 0.01 * move, (diff, move)

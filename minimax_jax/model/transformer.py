@@ -182,6 +182,20 @@ def _prepare(cfg, tokens, positions, segment_ids):
     return positions.astype(jnp.int32), segment_ids.astype(jnp.int32), cos, sin
 
 
+#: Primitives whose outputs ``remat="dots_kernels"`` saves besides matmuls. The fused kernels (Pallas
+#: grouped matmuls, flash attention, MSA kernels; cuDNN's attention) sit behind custom VJPs, and under
+#: ``jax.checkpoint`` the policy sees the ``custom_vjp_call`` (with its residuals: outputs, softmax
+#: statistics), not the kernels inside; bare Pallas calls and cuDNN's forward primitive are listed too.
+#: (This also keeps the custom-VJP MoE permutation's outputs.)
+_KERNEL_PRIMITIVES = frozenset({"custom_vjp_call", "pallas_call", "dot_product_attention_fwd_wrapper"})
+
+
+def _save_dots_and_kernels(prim, *args, **params) -> bool:
+    """``jax.checkpoint`` policy of ``remat="dots_kernels"`` (see ``forward``)."""
+    return prim.name in _KERNEL_PRIMITIVES or jax.checkpoint_policies.dots_with_no_batch_dims_saveable(
+        prim, *args, **params)
+
+
 def forward(params, cfg: ModelConfig, tokens: jax.Array, *, positions: jax.Array | None = None,
             segment_ids: jax.Array | None = None, indexer_kl: str | None = None,
             return_hidden: bool = False, return_msa: bool = False, remat: str = "none",
@@ -201,7 +215,9 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, *, positions: jax.Array
         ``aux["msa"]``: a list (one entry per MSA layer, in layer order) of
         ``{"layer": i, "block_ids": [B,Hi,T,K], "lse": [B,T,H]}``.
       remat: ``"none"`` | ``"full"`` (recompute each layer in the backward pass) | ``"dots"``
-        (save only matmul outputs).
+        (save only matmul outputs) | ``"dots_kernels"`` (save matmul outputs and the outputs of the
+        fused kernels: Pallas calls such as the grouped matmuls and flash attention, and cuDNN's
+        attention forward, with their softmax statistics, so the backward pass re-runs none of them).
       return_logits: False skips the lm head: ``logits`` is None and ``head_input`` holds its input
         (for a chunked loss, ``minimax_jax.train.losses.chunked_cross_entropy_sums``, that never
         materialises ``[B,T,V]``).
@@ -228,8 +244,10 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, *, positions: jax.Array
             body = jax.checkpoint(body)
         elif remat == "dots":
             body = jax.checkpoint(body, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+        elif remat == "dots_kernels":
+            body = jax.checkpoint(body, policy=_save_dots_and_kernels)
         elif remat != "none":
-            raise ValueError(f"remat must be none|full|dots, got {remat!r}")
+            raise ValueError(f"remat must be none|full|dots|dots_kernels, got {remat!r}")
         x, (load, ks, kc, extra) = jax.lax.scan(body, x, sp)
         if seg.mlp_type == "moe":
             loads.append(load)

@@ -8,6 +8,10 @@ Implementations:
 - ``"xla"``: reference in plain JAX, queries processed in chunks so memory is O(chunk * S).
 - ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")`` (GPU only; only for the
   plain causal case T == S with default positions, no segments; raises otherwise).
+- ``"cudnn_packed"``: cuDNN's fused flash attention in its packed (ragged) layout for packed causal
+  self-attention with segment ids (minimax_jax/ops/cudnn_packed.py; GPU, Hopper or newer, bf16/fp16).
+  The same contract as ``"pallas_flash"`` (below); a call with a row of more segment runs than the
+  largest of ``cudnn_packed.DEFAULT_MAX_SEGMENTS`` runs the flash kernel instead and prints so.
 - ``"pallas_flash"``: flash attention with O(T) memory in forward AND backward for packed causal
   self-attention (minimax_jax/ops/flash.py): JAX's Pallas Triton ``mha`` on GPU, the Pallas TPU
   ``flash_attention`` on TPU. Self-attention only (T == S, the same positions / segment-id arrays
@@ -22,9 +26,11 @@ Implementations:
   rows, whole-sequence forward), so that every key within W positions of a query lies within W
   storage slots of it; the visibility mask is still applied exactly inside the slice.
 - ``"auto"``: on GPU, ``"cudnn"`` for plain causal self-attention (T == S, no segment ids, no
-  window) and ``"pallas_flash"`` for packed self-attention (segment ids; one positions array and one
-  segment-id array for queries and keys) when ``flash.check_applicable`` accepts the call (validated
-  on the H200 on 2026-11-30: compiled kernels vs XLA outputs and gradients, and three training runs);
+  window) and, for packed self-attention (segment ids; one positions array and one segment-id array
+  for queries and keys) when ``flash.check_applicable`` accepts the call, ``"cudnn_packed"`` where
+  cuDNN's packed layout runs (Hopper or newer, bf16/fp16; validated on the H200 on 2026-12-02:
+  compiled kernels vs XLA outputs and gradients, 8K training steps 2x faster attention than the flash
+  kernel) and ``"pallas_flash"`` otherwise (validated on the H200 on 2026-11-30);
   ``"xla_banded"`` for a sliding window when its conditions hold; else ``"xla"``. The choice is
   recorded. On TPU ``"auto"`` does not pick the flash kernel (not yet run on TPU hardware).
   Sliding-window layers of the model use ``ModelConfig.sliding_attention_impl`` (no flash kernel here
@@ -38,7 +44,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from minimax_jax.ops import flash
+from minimax_jax.ops import cudnn_packed, flash
 from minimax_jax.ops.common import ImplementationUnavailable, default_backend, record_implementation
 
 __all__ = ["attention", "visibility_mask"]
@@ -80,7 +86,7 @@ def attention(
       q_segment_ids / kv_segment_ids: ``[B, T]`` / ``[B, S]`` int32 or None (all zero); -1 marks an
         empty key slot.
       sliding_window: None or window W in tokens (query included).
-      implementation: ``"xla" | "xla_banded" | "cudnn" | "pallas_flash" |
+      implementation: ``"xla" | "xla_banded" | "cudnn" | "cudnn_packed" | "pallas_flash" |
         "pallas_flash_gpu_interpret" | "pallas_flash_tpu_interpret" | "auto"`` (module docstring).
       chunk_size: query chunk of the XLA path (memory O(chunk * S)).
     Returns: ``[B, T, H, D]`` in ``q.dtype``. Rows with no visible key return zeros.
@@ -106,7 +112,7 @@ def attention(
         if default_backend() == "gpu" and plain:
             impl = "cudnn"
         elif default_backend() == "gpu" and packed and _flash_applies(q, k, v, q_positions, kv_positions, seg_args):
-            impl = "pallas_flash"
+            impl = "cudnn_packed" if _cudnn_packed_applies(q) else "pallas_flash"
         elif sliding_window is not None and t == s and q_positions is kv_positions:
             impl = "xla_banded"
         else:
@@ -120,6 +126,11 @@ def attention(
         flash.check_applicable(q, k, v, q_positions, kv_positions, *seg_args, sliding_window, backend)
         record_implementation("attention", f"pallas_flash_{backend}")
         return flash.flash_attention(q, k, v, q_segment_ids, backend=backend)
+    if impl == "cudnn_packed":
+        flash.check_applicable(q, k, v, q_positions, kv_positions, *seg_args, sliding_window, "gpu")
+        cudnn_packed.check_available(q)
+        record_implementation("attention", "cudnn_packed")
+        return cudnn_packed.packed_attention(q, k, v, q_segment_ids)
     if impl == "cudnn":
         # cuDNN's causal mask is by storage index: packed segments, T != S and windows are not expressible.
         if user_segments is not None or t != s or sliding_window is not None:
@@ -143,10 +154,19 @@ def attention(
     if impl != "xla":
         raise ImplementationUnavailable(
             f"attention implementation {implementation!r} is not one of "
-            f"xla|xla_banded|cudnn|auto|{'|'.join(_FLASH)}")
+            f"xla|xla_banded|cudnn|cudnn_packed|auto|{'|'.join(_FLASH)}")
     record_implementation("attention", "xla")
     return _xla_chunked(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, sliding_window,
                         chunk_size)
+
+
+def _cudnn_packed_applies(q) -> bool:
+    """Whether cuDNN's packed attention can run here (``cudnn_packed.check_available``), for ``"auto"``."""
+    try:
+        cudnn_packed.check_available(q)
+    except ImplementationUnavailable:
+        return False
+    return True
 
 
 def _flash_applies(q, k, v, q_positions, kv_positions, seg_args) -> bool:

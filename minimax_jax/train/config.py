@@ -36,7 +36,7 @@ __all__ = ["TrainConfigError", "TrainConfig", "OptimConfig", "ScheduleConfig", "
 
 SCHEDULES = ("cosine", "wsd", "constant")
 INIT_MODES = ("scratch", "checkpoint", "sparse_cpt")
-REMAT = ("none", "full", "dots")
+REMAT = ("none", "full", "dots", "dots_kernels")
 DATA_KINDS = ("grain", "synthetic")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -138,7 +138,7 @@ class RunConfig:
       eval_sources: held-out data paths (same tokenizer/seq_len/batch_size as ``data``).
       compute_dtype: activations / matmul dtype (overrides the model's ``dtype``).
       param_dtype: master parameter dtype (overrides ``param_dtype``; float32 = fp32 master weights).
-      remat: ``none`` | ``full`` | ``dots`` (forward's ``remat=``).
+      remat: ``none`` | ``full`` | ``dots`` | ``dots_kernels`` (forward's ``remat=``).
       logits_chunk: tokens per slice of the lm head + cross-entropy (training and eval loss); 0 =
         materialise the whole ``[B, T, V]`` float32 logits. Long rows with a large vocabulary need it
         (M3's 200K vocabulary at 64K tokens: 52 GB of logits per row); costs one more lm-head matmul.

@@ -310,8 +310,8 @@ def _gmm_kernel(tab_ref, lhs_ref, rhs_ref, out_ref, *, bm, bk, bn, n_groups, n_c
         plain = active & jnp.logical_not(ext)
     if half_tail:
         # A visit of <= bm/2 rows (a group's tail, or a small group) runs a half-height tile: at ~256
-        # rows per expert (M2, 8K tokens) most groups end in such a tail. Measured on the H200 within
-        # the run-to-run spread (BENCHMARKS.md run 13), hence off by default.
+        # rows per expert (M2, 8K tokens) most groups end in such a tail. On the H200 within the run-to-run
+        # spread in run 13, the fastest forward and dlhs in all three of session 11's sweeps: the default.
         small = (hi - lo) <= bm // 2
         pl.when(plain & jnp.logical_not(small))(lambda: tile(bm))
         pl.when(plain & small)(lambda: tile(bm // 2))
