@@ -168,3 +168,67 @@ def test_auto_picks_cudnn_packed_where_it_runs(monkeypatch):
         clear_implementation_report()
         out = call()
         assert implementation_report()["attention"] == want and float(out[0, 0, 0, 0]) == value
+
+
+def _emulated_cudnn(calls):
+    """A stand-in for JAX's private cuDNN entry point with the packed layout's meaning (attention causal
+    inside each [offset, offset + seqlen) run, nothing outside the runs), printing the bound it got."""
+    def dpa(q, k, v, bias, mask, q_seqlen, kv_seqlen, q_offsets, kv_offsets, *, scale, mask_type, qkv_layout):
+        assert bias is None and mask is None and qkv_layout == "BTNH" and k.shape == q.shape   # GQA repeated
+        assert q_seqlen is kv_seqlen and q_offsets is kv_offsets
+        calls.append(q_seqlen.shape[1])                            # at trace time: every bucket's branch
+        jax.debug.print("emulated cudnn bound={m}", m=q_seqlen.shape[1])
+        t = q.shape[1]
+        idx = jnp.arange(t)
+        off, n = q_offsets[:, :-1, None], q_seqlen[:, :, None]
+        member = (idx >= off) & (idx < off + n) & (n > 0)             # [B, M, T]
+        run = jnp.where(member.any(1), jnp.argmax(member, 1), -1)     # [B, T]
+        vis = (run[:, :, None] == run[:, None, :]) & (run[:, :, None] >= 0) & (idx[None, :] <= idx[:, None])
+        s = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32) * scale
+        s = jnp.where(vis[:, None], s, -jnp.inf)
+        p = jnp.nan_to_num(jnp.exp(s - jnp.max(s, -1, keepdims=True)))
+        p = p / jnp.maximum(p.sum(-1, keepdims=True), 1e-30)
+        return jnp.einsum("bhts,bshd->bthd", p, v.astype(jnp.float32)).astype(q.dtype)
+    return dpa
+
+
+@pytest.mark.parametrize("n_docs,pad,bounds,overflow,want", [
+    (1, 0, (2, 8), "flash", "bound=2"), (3, 5, (2, 8), "flash", "bound=8"), (9, 5, (2, 8), "flash", "flash"),
+    (9, 5, (2, 8), "nan", "nan"), (3, 0, 4, "nan", "bound=4"), (6, 0, 4, "nan", "nan")])
+def test_bucket_switch_and_overflow_wiring(monkeypatch, capfd, n_docs, pad, bounds, overflow, want):
+    """The op's own logic on a CPU, with cuDNN emulated: the smallest bucket that holds the most-packed
+    row runs (printed by the stand-in), beyond the largest the flash kernel runs (interpret mode here) or
+    NaN comes back; every served call equals the XLA reference of the op's contract."""
+    from jax._src.cudnn import fused_attention_stablehlo as fas
+
+    from minimax_jax.ops import flash
+
+    calls = []
+    monkeypatch.setattr(fas, "dot_product_attention", _emulated_cudnn(calls))
+    monkeypatch.setattr(cudnn_packed, "check_available", lambda q: None)
+    interp = flash.flash_attention
+    monkeypatch.setattr(cudnn_packed.flash, "flash_attention",
+                        lambda q, k, v, seg, backend: interp(q, k, v, seg, backend="gpu_interpret"))
+    rng = np.random.default_rng()
+    b, t, h, g, d = 2, 64, 4, 2, 16
+    rows = [_packed_row(rng, t, n_docs, pad), _packed_row(rng, t, min(n_docs, 2), 0)]
+    seg, pos = jnp.asarray(np.stack([r[0] for r in rows])), jnp.asarray(np.stack([r[1] for r in rows]))
+    q, k, v = (jnp.asarray(rng.standard_normal((b, t, n, d)), jnp.float32) for n in (h, g, g))
+    got = np.asarray(jax.jit(lambda q, k, v: cudnn_packed.packed_attention(
+        q, k, v, seg, max_segments=bounds, overflow=overflow))(q, k, v))
+    printed = capfd.readouterr().out
+    assert sorted(set(calls)) == sorted({bounds} if isinstance(bounds, int) else set(bounds))
+    if want == "nan":
+        assert np.isnan(got[np.asarray(seg) >= 0]).all() and "pallas_flash" not in printed
+        # one bound: cuDNN ran (no conditional) and its output was replaced; buckets: no branch ran cuDNN
+        assert ("emulated cudnn" in printed) == isinstance(bounds, int)
+        return
+    with jax.default_matmul_precision("highest"):
+        ref = np.asarray(attention(q, k, v, q_positions=pos, kv_positions=pos, q_segment_ids=seg,
+                                   kv_segment_ids=seg, implementation="xla"))
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    if want == "flash":
+        assert "ran pallas_flash_gpu" in printed and "emulated cudnn" not in printed
+    else:
+        assert f"emulated cudnn {want}" in printed and "pallas_flash" not in printed
+        assert printed.count("emulated cudnn") == 1

@@ -51,6 +51,12 @@ DEFAULT_OVERFLOW = "flash"
 OVERFLOWS = ("flash", "nan")
 
 
+def _run_starts(segment_ids: jax.Array) -> jax.Array:
+    """``[B, T]`` bool: where a run of equal segment ids starts."""
+    first = jnp.ones(segment_ids.shape[:1] + (1,), bool)
+    return jnp.concatenate([first, segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+
+
 def segment_runs(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Offsets and lengths of the contiguous runs of equal segment id in each row.
 
@@ -66,7 +72,7 @@ def segment_runs(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, 
     if max_segments < 1:
         raise ValueError(f"max_segments must be >= 1, got {max_segments}")
     b, t = segment_ids.shape
-    starts = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    starts = _run_starts(segment_ids)
     count = starts.sum(axis=1, dtype=jnp.int32)
     # the storage index of the i-th run start, i < M (t where there is none)
     start_idx = jax.vmap(lambda s: jnp.nonzero(s, size=max_segments + 1, fill_value=t)[0])(starts)
@@ -132,7 +138,7 @@ def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
 
     b, t, h, d = q.shape
     rep = h // k.shape[2]
-    _, _, count = segment_runs(segment_ids, 1)
+    count = _run_starts(segment_ids).sum(axis=1, dtype=jnp.int32)      # runs per row
 
     def cudnn(m):
         def run(q, k, v):
