@@ -16,7 +16,9 @@ Outputs under ``run.run_dir``: ``config.yaml``, ``model_config.yaml`` (the resol
 ``checkpoints/<step>/`` (orbax), ``metrics.jsonl``, ``tensorboard/`` (``tensorboard --logdir RUN_DIR``).
 
 Precision and memory: ``run.compute_dtype=bfloat16 run.param_dtype=float32`` (fp32 master weights),
-``run.remat=full|dots``, ``optim.grad_accum=N``.
+``run.remat=full|dots|dots_kernels`` (``dots_kernels``: keep matmul and fused-kernel outputs, the
+fastest on a GPU when memory allows), ``optim.grad_accum=N``. Kernel choices: ``model.attention_impl``
+(``auto``; on a Hopper GPU packed rows run ``cudnn_packed``), ``model.moe_impl``, ``model.msa_impl``.
 
 Sparse continued pre-training of a dense checkpoint (MSA)::
 
@@ -108,7 +110,7 @@ def main(argv):
         tc = load_train_config(config, FLAGS.set)
         if FLAGS.check_only:
             cfg, _ = model_configs(tc)
-            spec = validate_against(tc, cfg, jax.device_count(), jax.process_count())
+            spec = validate_against(tc, cfg, jax.device_count(), jax.process_count(), jax.default_backend())
             print(yaml.safe_dump(tc.to_dict(), sort_keys=False))
             print(f"# model: {cfg.param_counts()['total']:,} params; mesh {spec}; devices {jax.device_count()}")
             missing = missing_data(tc)
@@ -116,7 +118,7 @@ def main(argv):
                 print(f"# data: {item}: {missing_data_action(item, prepare)}")
             return 2 if missing and not prepare else 0    # the real run would fail on it
         cfg, _ = model_configs(tc)
-        validate_against(tc, cfg, jax.device_count(), jax.process_count())  # fail before building data
+        validate_against(tc, cfg, jax.device_count(), jax.process_count(), jax.default_backend())  # fail before building data
         if prepare:
             prepare_data(tc, cfg.vocab_size, max_mb=FLAGS.prepare_max_mb)
         elif missing := missing_data(tc):

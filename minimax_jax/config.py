@@ -31,6 +31,22 @@ class ConfigError(ValueError):
     """A configuration is unknown, inconsistent or malformed; the message names the field."""
 
 
+def _implementation_names() -> dict[str, tuple[str, ...]]:
+    """ModelConfig field -> the op's ``implementation=`` names (imported here: the ops own them)."""
+    from minimax_jax.ops import attention, moe, msa
+    return {"attention_impl": attention.IMPLEMENTATIONS, "sliding_attention_impl": attention.IMPLEMENTATIONS,
+            "moe_impl": moe.MOE_IMPLEMENTATIONS, "msa_impl": msa.IMPLEMENTATIONS}
+
+
+def implementation_backends(cfg) -> dict[str, tuple[str, ...]]:
+    """The config's explicitly chosen implementations that run only on some backends:
+    ``{"model.<field>=<name>": (backends...)}`` (``"auto"`` and portable ones are left out)."""
+    from minimax_jax.ops import attention, moe, msa
+    tables = {"attention_impl": attention.BACKENDS_OF, "sliding_attention_impl": attention.BACKENDS_OF,
+              "moe_impl": moe.BACKENDS_OF, "msa_impl": msa.BACKENDS_OF}
+    return {f"model.{f}={getattr(cfg, f)}": t[getattr(cfg, f)] for f, t in tables.items() if getattr(cfg, f) in t}
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Architecture of an M2/M3-style decoder. See docs/ARCHITECTURE.md for every field."""
@@ -112,6 +128,9 @@ class ModelConfig:
             raise ConfigError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
         for name, allowed in (("norm_kind", NORM_KINDS), ("qk_norm", QK_NORMS),
                               ("mlp_activation", ACTIVATIONS), ("dtype", DTYPES), ("param_dtype", DTYPES)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        for name, allowed in _implementation_names().items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         for name, allowed in (("layer_types", LAYER_TYPES), ("mlp_types", MLP_TYPES)):

@@ -89,6 +89,27 @@ def test_model_dependent_checks(tmp_path):
         validate_against(tc, model_configs(tc)[0], 1)
 
 
+@pytest.mark.parametrize("field,name,backends", [("attention_impl", "cudnn_packed", "gpu"),
+                                                 ("attention_impl", "pallas_flash", "gpu/tpu"),
+                                                 ("moe_impl", "pallas_gpu", "gpu"), ("msa_impl", "pallas_tpu", "tpu")])
+def test_implementation_for_another_backend_is_refused(tmp_path, field, name, backends):
+    tc = from_dict(micro_train_dict(str(tmp_path / "r"), model={field: name}))
+    cfg, _ = model_configs(tc)
+    with pytest.raises(TrainConfigError, match=f"model.{field}={name} runs only on {backends}, but .* 'cpu'"):
+        validate_against(tc, cfg, 1, backend="cpu")
+    assert not os.path.exists(tmp_path / "r")
+    validate_against(tc, cfg, 1)                                  # no backend given: not checked
+    ok = from_dict(micro_train_dict(str(tmp_path / "r"), model={field: "auto"}))
+    validate_against(ok, model_configs(ok)[0], 1, backend="cpu")
+
+
+@pytest.mark.parametrize("field", ["attention_impl", "sliding_attention_impl", "moe_impl", "msa_impl"])
+def test_unknown_implementation_name_is_a_config_error(field):
+    from minimax_jax.config import ConfigError, load_config
+    with pytest.raises(ConfigError, match=f"{field} must be one of .*'auto'.*got 'nonsense'"):
+        load_config("tiny-m3").replace(**{field: "nonsense"})
+
+
 def test_train_fails_before_compiling(tmp_path):
     """train() raises on a bad config without creating params, compiling, or writing a run dir."""
     from minimax_jax.train import train

@@ -47,12 +47,16 @@ import jax.numpy as jnp
 from minimax_jax.ops import cudnn_packed, flash
 from minimax_jax.ops.common import ImplementationUnavailable, default_backend, record_implementation
 
-__all__ = ["attention", "visibility_mask"]
+__all__ = ["BACKENDS_OF", "IMPLEMENTATIONS", "attention", "visibility_mask"]
 
 _NEG = -1e30
 #: flash implementation name -> flash.py backend (None: the default backend's kernel).
 _FLASH = {"pallas_flash": None, "pallas_flash_gpu_interpret": "gpu_interpret",
           "pallas_flash_tpu_interpret": "tpu_interpret"}
+#: Every ``implementation=`` name (module docstring).
+IMPLEMENTATIONS = ("auto", "xla", "xla_banded", "cudnn", "cudnn_packed", *_FLASH)
+#: Implementations that run only on some backends (the others run anywhere): name -> backends.
+BACKENDS_OF = {"cudnn": ("gpu",), "cudnn_packed": ("gpu",), "pallas_flash": ("gpu", "tpu")}
 
 
 def visibility_mask(q_pos, kv_pos, q_seg, kv_seg, sliding_window=None):
@@ -153,8 +157,7 @@ def attention(
         return _xla_banded(q, k, v, q_positions, q_segment_ids, kv_segment_ids, int(sliding_window), chunk_size)
     if impl != "xla":
         raise ImplementationUnavailable(
-            f"attention implementation {implementation!r} is not one of "
-            f"xla|xla_banded|cudnn|cudnn_packed|auto|{'|'.join(_FLASH)}")
+            f"attention implementation {implementation!r} is not one of {'|'.join(IMPLEMENTATIONS)}")
     record_implementation("attention", "xla")
     return _xla_chunked(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, sliding_window,
                         chunk_size)

@@ -47,10 +47,12 @@ from minimax_jax.ops.common import (ImplementationUnavailable, default_backend, 
 from minimax_jax.ops.grouped_matmul import grouped_matmul
 from minimax_jax.ops.moe_permute import gather_rows, group_starts, permute_rows, sort_by_expert, unpermute_combine
 
-__all__ = ["MOE_IMPLEMENTATIONS", "router_scores", "route", "moe_experts", "sorted_expert_mlp",
+__all__ = ["BACKENDS_OF", "MOE_IMPLEMENTATIONS", "router_scores", "route", "moe_experts", "sorted_expert_mlp",
            "capacity_of", "update_router_bias", "update_router_biases", "load_balancing_loss"]
 
 MOE_IMPLEMENTATIONS = ("auto", "dense", "ragged", "tokamax", "pallas_gpu", "pallas_gpu_interpret", "capacity")
+#: Implementations that run only on some backends (the others run anywhere): name -> backends.
+BACKENDS_OF = {"pallas_gpu": ("gpu",), "tokamax": ("gpu", "tpu")}
 # dropless implementations -> grouped-matmul implementation (minimax_jax.ops.grouped_matmul)
 _GMM_OF = {"auto": "auto", "ragged": "xla", "tokamax": "tokamax", "pallas_gpu": "pallas_gpu",
            "pallas_gpu_interpret": "pallas_gpu_interpret"}

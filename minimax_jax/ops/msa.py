@@ -36,12 +36,14 @@ from minimax_jax.msa import kl as _kl
 from minimax_jax.msa import reference as _ref
 from minimax_jax.ops.common import ImplementationUnavailable, default_backend, record_implementation
 
-__all__ = ["msa_index_scores", "msa_select_blocks", "msa_attention", "indexer_kl", "IMPLEMENTATIONS",
+__all__ = ["msa_index_scores", "msa_select_blocks", "msa_attention", "indexer_kl", "IMPLEMENTATIONS", "BACKENDS_OF",
            "DEFAULT_CHUNK_SIZE"]
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas_gpu", "pallas_tpu", "pallas_interpret", "pallas_gpu_interpret")
 _PALLAS = {"pallas_gpu": "gpu", "pallas_tpu": "tpu", "pallas_interpret": "interpret",
            "pallas_gpu_interpret": "gpu_interpret"}
+#: Implementations that run only on some backends (the others run anywhere): name -> backends.
+BACKENDS_OF = {"pallas_gpu": ("gpu",), "pallas_tpu": ("tpu",)}
 DEFAULT_CHUNK_SIZE = 256
 
 

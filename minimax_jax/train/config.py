@@ -502,15 +502,25 @@ def load_train_config(path: str | os.PathLike, overrides: Sequence[str] = ()) ->
     return from_dict(apply_overrides(raw, overrides), source_path=p)
 
 
-def validate_against(tc: TrainConfig, model_cfg, num_devices: int, num_processes: int = 1):
+def validate_against(tc: TrainConfig, model_cfg, num_devices: int, num_processes: int = 1,
+                     backend: str | None = None):
     """Checks needing the model config and the devices; returns the resolved ``MeshSpec``.
 
-    Raises TrainConfigError: ``run.run_dir`` an existing file, sequence longer than ``max_position_embeddings``, a mesh that needs more
+    ``backend``: the JAX backend the run will use (``jax.default_backend()``); when given, a model
+    implementation chosen explicitly that cannot run there (``model.attention_impl=cudnn_packed`` on a
+    CPU, ...) is refused here, before anything is built.
+
+    Raises TrainConfigError: an implementation for another backend, ``run.run_dir`` an existing file, sequence longer than ``max_position_embeddings``, a mesh that needs more
     devices than exist (or does not divide them), a batch not divisible by the data-parallel size,
     MTP weights of the wrong length, MSA settings on a model without MSA layers.
     """
+    from minimax_jax.config import implementation_backends
     from minimax_jax.sharding import MeshSpec, ShardingError
 
+    if backend is not None:
+        for choice, backends in implementation_backends(model_cfg).items():
+            _check(backend in backends, f"{choice} runs only on {'/'.join(backends)}, but this run's JAX backend is "
+                                        f"{backend!r} (use 'auto', or an *_interpret implementation on a CPU)")
     _check(not os.path.exists(tc.run.run_dir) or os.path.isdir(tc.run.run_dir),
            f"run.run_dir {tc.run.run_dir!r} exists and is not a directory")
     L = tc.data.seq_len

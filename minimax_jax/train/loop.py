@@ -71,7 +71,8 @@ class Trainer:
         self.tc = tc
         self.cfg, self.src_cfg = model_configs(tc)
         devices = list(jax.devices() if devices is None else devices)
-        spec = validate_against(tc, self.cfg, len(devices), jax.process_count())
+        platform = {"cuda": "gpu", "rocm": "gpu"}.get(devices[0].platform, devices[0].platform)
+        spec = validate_against(tc, self.cfg, len(devices), jax.process_count(), platform)
         n = spec.data * spec.fsdp * spec.expert * spec.sequence * spec.tensor
         self.mesh = make_mesh(spec, devices[:n])
         self.rules = load_rules("default")
