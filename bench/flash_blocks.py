@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from minimax_jax.ops import flash  # noqa: E402
+from minimax_jax.ops import cudnn_packed, flash  # noqa: E402
 from minimax_jax.ops.attention import attention  # noqa: E402
 
 #: (block_q_dkv, block_kv_dkv, block_q_dq, block_kv_dq, num_warps); None = the library default.
@@ -65,15 +65,8 @@ def _time(fn, *args, reps: int) -> float:
     return statistics.median(ts)
 
 
-def cudnn_packed_default():
-    from minimax_jax.ops import cudnn_packed
-    return cudnn_packed.DEFAULT_MAX_SEGMENTS
-
-
 def _cudnn_packed_row(q, k, v, do, seg, max_segments, xref, fwd_flops, reps) -> dict:
     """Check cuDNN's packed attention against the XLA reference outputs / gradients and time it."""
-    from minimax_jax.ops import cudnn_packed
-
     def f(q, k, v):
         return cudnn_packed.packed_attention(q, k, v, seg, max_segments=max_segments)
 
@@ -186,7 +179,7 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001
             row = {"config": "cudnn", "ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
         rows.append(row)
-        for m in (cudnn_packed_default() if x == "default" else int(x) for x in a.max_segments.split(",") if x):
+        for m in (cudnn_packed.DEFAULT_MAX_SEGMENTS if x == "default" else int(x) for x in a.max_segments.split(",") if x):
             rows.append(_cudnn_packed_row(q, k, v, do, seg, m, xref, fwd_flops, a.reps))
             print(json.dumps(rows[-1]), flush=True)
     info = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "seq": t, "heads": h, "kv_heads": hk,

@@ -31,20 +31,20 @@ class ConfigError(ValueError):
     """A configuration is unknown, inconsistent or malformed; the message names the field."""
 
 
-def _implementation_names() -> dict[str, tuple[str, ...]]:
-    """ModelConfig field -> the op's ``implementation=`` names (imported here: the ops own them)."""
+def _implementation_tables() -> dict[str, tuple[tuple[str, ...], dict[str, tuple[str, ...]]]]:
+    """ModelConfig field -> (the op's ``implementation=`` names, name -> the only backends it runs on).
+    Imported here because the ops own them."""
     from minimax_jax.ops import attention, moe, msa
-    return {"attention_impl": attention.IMPLEMENTATIONS, "sliding_attention_impl": attention.IMPLEMENTATIONS,
-            "moe_impl": moe.MOE_IMPLEMENTATIONS, "msa_impl": msa.IMPLEMENTATIONS}
+    att = (attention.IMPLEMENTATIONS, attention.BACKENDS_OF)
+    return {"attention_impl": att, "sliding_attention_impl": att, "moe_impl": (moe.MOE_IMPLEMENTATIONS, moe.BACKENDS_OF),
+            "msa_impl": (msa.IMPLEMENTATIONS, msa.BACKENDS_OF)}
 
 
 def implementation_backends(cfg) -> dict[str, tuple[str, ...]]:
     """The config's explicitly chosen implementations that run only on some backends:
     ``{"model.<field>=<name>": (backends...)}`` (``"auto"`` and portable ones are left out)."""
-    from minimax_jax.ops import attention, moe, msa
-    tables = {"attention_impl": attention.BACKENDS_OF, "sliding_attention_impl": attention.BACKENDS_OF,
-              "moe_impl": moe.BACKENDS_OF, "msa_impl": msa.BACKENDS_OF}
-    return {f"model.{f}={getattr(cfg, f)}": t[getattr(cfg, f)] for f, t in tables.items() if getattr(cfg, f) in t}
+    return {f"model.{f}={getattr(cfg, f)}": backends[getattr(cfg, f)]
+            for f, (_, backends) in _implementation_tables().items() if getattr(cfg, f) in backends}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +130,7 @@ class ModelConfig:
                               ("mlp_activation", ACTIVATIONS), ("dtype", DTYPES), ("param_dtype", DTYPES)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        for name, allowed in _implementation_names().items():
+        for name, (allowed, _) in _implementation_tables().items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         for name, allowed in (("layer_types", LAYER_TYPES), ("mlp_types", MLP_TYPES)):

@@ -140,8 +140,8 @@ def attention(
         if user_segments is not None or t != s or sliding_window is not None:
             raise ImplementationUnavailable(
                 f"cudnn attention serves only plain causal self-attention (no segment ids, T == S, no window); got "
-                f"segment ids: {user_segments is not None}, T={t}, S={s}, window={sliding_window}: use pallas_flash "
-                f"or xla")
+                f"segment ids: {user_segments is not None}, T={t}, S={s}, window={sliding_window}: use cudnn_packed, "
+                f"pallas_flash or xla")
         if default_backend() != "gpu":
             raise ImplementationUnavailable("cudnn attention needs a GPU backend")
         record_implementation("attention", "cudnn")

@@ -38,7 +38,8 @@ import jax.numpy as jnp
 from minimax_jax.ops import flash
 from minimax_jax.ops.common import ImplementationUnavailable
 
-__all__ = ["DEFAULT_MAX_SEGMENTS", "DEFAULT_OVERFLOW", "OVERFLOWS", "bucket_index", "check_available", "packed_attention", "segment_runs"]
+__all__ = ["DEFAULT_MAX_SEGMENTS", "DEFAULT_OVERFLOW", "OVERFLOWS", "bucket_index", "check_available",
+           "packed_attention", "segment_runs"]
 
 #: Runs-per-row bounds ("buckets") of cuDNN's packed calls: cuDNN's grid covers B x bound sequences,
 #: so a call uses the smallest bound that holds its most-packed row (bench/flash_blocks.py, H200,
@@ -85,8 +86,14 @@ def segment_runs(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, 
 
 
 def check_available(q: jax.Array) -> None:
-    """Raise ImplementationUnavailable unless cuDNN's packed attention can run here (a CUDA GPU of
-    compute capability >= 9.0 with cuDNN, bf16/fp16 inputs, head dim a multiple of 8 up to 256)."""
+    """Whether cuDNN's packed attention can serve queries like ``q`` on this machine.
+
+    Args: q: ``[B, T, H, D]`` (only its dtype and D are read).
+    Raises: ImplementationUnavailable (naming the reason) unless the default backend is a CUDA GPU of
+      compute capability >= 9.0 (Hopper; cuDNN's packed layout needs it), q is bfloat16/float16 and D
+      is a multiple of 8 up to 256 (cuDNN's fused-attention limits, per JAX's
+      ``fused_attention_stablehlo.check_is_flash_attention``).
+    """
     if jax.default_backend() != "gpu":
         raise ImplementationUnavailable(f"cudnn_packed needs a CUDA GPU backend (got {jax.default_backend()!r})")
     dev = jax.local_devices(backend="gpu")[0]
@@ -101,7 +108,12 @@ def check_available(q: jax.Array) -> None:
 
 
 def bucket_index(count: jax.Array, buckets: tuple[int, ...]) -> jax.Array:
-    """Index of the smallest bucket >= the largest entry of ``count`` (``len(buckets)`` if none is)."""
+    """Which bound serves a call: the index of the smallest of ``buckets`` (increasing ints) that is
+    >= ``max(count)``, or ``len(buckets)`` when none is (the overflow branch).
+
+    Args: count: int ``[B]`` runs per row (``segment_runs``' third output); buckets: static bounds.
+    Returns: int32 scalar in ``[0, len(buckets)]`` (a ``lax.switch`` index).
+    """
     worst = jnp.max(count)
     return sum((worst > m).astype(jnp.int32) for m in buckets)
 
