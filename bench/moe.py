@@ -365,6 +365,9 @@ def main():
     ap.add_argument("--sweep-kernels", default=",".join(SWEEP_KERNELS),
                     help="comma-separated subset of " + ",".join(SWEEP_KERNELS) + " to sweep (the others keep "
                     "their defaults)")
+    ap.add_argument("--profile", type=int, default=0,
+                    help="after the table, run N more fwd+bwd calls of each Pallas variant at the first --tokens "
+                         "under jax.profiler and print the device time per kernel (bench/trace_summary.py)")
     args = ap.parse_args()
     chosen = [v for v in args.variants.split(",") if v] or list(ALL_VARIANTS)
     if chosen == ["none"]:
@@ -469,15 +472,63 @@ def main():
             row = _run_case(model, s, tokens, name, kind, mode, fn, dtype, args)
             rows.append(row)
             print(json.dumps(row), flush=True)
+    profiles = []
+    if args.profile:
+        for model in shapes:
+            for name in (v for v in variants if v.startswith("pallas_gpu")):
+                kind, (_, fwdbwd) = variants[name]
+                profiles.append(_profile_case(model, shapes[model], tokens_list[0], name, kind, fwdbwd, dtype, args))
     _annotate_vs_dense(rows)
     out = {"info": info, "checks": checks, "sweep": sweep_rows, "rows": rows, "skipped": skipped,
-           "wall_s": time.perf_counter() - t_start}
+           "profiles": profiles, "wall_s": time.perf_counter() - t_start}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "moe.json"), "w") as f:
         json.dump(out, f, indent=1)
     _sweep_table(sweep_rows)
     _table(rows, checks, skipped, info)
     _ep_table(rows, info.get("ep_timing"))
+
+
+def _case_args(s, t, tokens, kind, dtype):
+    """The arguments of a variant's functions (``kind`` from ``_variants``) at ``t`` tokens."""
+    h, i, k = s["h"], s["i"], s["k"]
+    x, w, ex, wi, wo, cot = _problem(s, t, dtype, seed=tokens)
+    if kind == "dense":
+        a = jax.random.normal(jax.random.key(1), (t * k, h), dtype)
+        b = jax.random.normal(jax.random.key(2), (t * k, i), dtype)
+        c1 = jax.random.normal(jax.random.key(4), (t * k, 2 * i), dtype)
+        return (a, wi[0], b, wo[0], c1, jax.random.normal(jax.random.key(5), (t * k, h), dtype))
+    if kind == "gmm":
+        order, inv, gs = sort_by_expert(ex, s["e"])
+        xs = permute_rows(x, order, inv)
+        return (xs, gs, wi, wo, jax.random.normal(jax.random.key(3), (t * k, h), dtype))
+    return (x, w, ex, wi, wo, cot)
+
+
+def _profile_case(model, s, tokens, name, kind, fn, dtype, args):
+    """``args.profile`` fwd+bwd calls under ``jax.profiler.trace`` (perfetto JSON under
+    ``<out>/profile_<model>_<tokens>_<name>``); prints and returns the device time per kernel (ms per call)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from trace_summary import format_summary, load_events, newest_trace, summarize  # noqa: PLC0415
+
+    tag = f"{model}_{tokens}_{name}"
+    try:
+        fargs = _case_args(s, tokens, tokens, kind, dtype)
+        f = jax.jit(fn)
+        jax.block_until_ready(f(*fargs))
+        pdir = os.path.join(args.out, f"profile_{tag}")
+        with jax.profiler.trace(pdir, create_perfetto_trace=True):
+            for _ in range(args.profile):
+                jax.block_until_ready(f(*fargs))
+        events = load_events(newest_trace(pdir))
+        lines, scope = summarize(events, top=20, steps=args.profile), "device"
+        if not lines:   # a CPU run has no /device: process
+            lines, scope = summarize(events, top=20, steps=args.profile, device_only=False), "host (no device lines)"
+        print(f"\nprofile {tag} fwd+bwd, {scope} ms per call:\n{format_summary(lines, max_lines=3)}", flush=True)
+        return {"case": tag, "lines": lines[:3]}
+    except Exception as e:   # the profile is extra: record why it failed, keep the results
+        print(f"profile {tag} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return {"case": tag, "error": f"{type(e).__name__}: {str(e)[:300]}"}
 
 
 def _run_case(model, s, tokens, name, kind, mode, fn, dtype, args):
@@ -487,18 +538,7 @@ def _run_case(model, s, tokens, name, kind, mode, fn, dtype, args):
     row = {"model": model, "tokens": tokens, "tokens_run": t, "devices": 1, "variant": name, "mode": mode,
            "tflops_counted": flops / 1e12}
     try:
-        x, w, ex, wi, wo, cot = _problem(s, t, dtype, seed=tokens)
-        if kind == "dense":
-            a = jax.random.normal(jax.random.key(1), (t * k, h), dtype)
-            b = jax.random.normal(jax.random.key(2), (t * k, i), dtype)
-            c1 = jax.random.normal(jax.random.key(4), (t * k, 2 * i), dtype)
-            fargs = (a, wi[0], b, wo[0], c1, jax.random.normal(jax.random.key(5), (t * k, h), dtype))
-        elif kind == "gmm":
-            order, inv, gs = sort_by_expert(ex, s["e"])
-            xs = permute_rows(x, order, inv)
-            fargs = (xs, gs, wi, wo, jax.random.normal(jax.random.key(3), (t * k, h), dtype))
-        else:
-            fargs = (x, w, ex, wi, wo, cot)
+        fargs = _case_args(s, t, tokens, kind, dtype)
         med, comp, n = _timeit(jax.jit(fn), fargs, args.reps, budget_s=5.0)
         row.update(ms=med * 1e3, tflop_s=flops / med / 1e12, compile_s=comp, reps=n)
     except Exception as e:  # OOM or a kernel failure: record it, keep going
