@@ -273,77 +273,6 @@ def test_fold_single_group_and_config_errors():
         TileConfig(64, 32, 64, 4, 2, fold=64)
 
 
-def _check_tgmm_steps(sizes, m, bm, chunk):
-    """make_tgmm_steps against its documented invariants: each group owns max(1, ceil(size / bm))
-    consecutive steps in group order covering exactly its rows [start, start + size) in blocks of bm
-    (an empty group: one step with lo == hi), ``last`` only at its final step, unused steps (G, 0, 0,
-    0); each chunk's step range is the steps of its groups."""
-    g = len(sizes)
-    steps, pieces = jax.jit(gpu_gmm.make_tgmm_steps, static_argnums=(1, 2, 3))(jnp.asarray(sizes, jnp.int32), m, bm,
-                                                                             chunk)
-    steps, pieces = np.asarray(steps), np.asarray(pieces)
-    assert steps.shape == (4, gpu_gmm.num_visits(m, g, bm)) and pieces.shape == (2, -(-g // chunk))
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    v = 0
-    bounds = []
-    for grp, (st, sz) in enumerate(zip(starts, sizes)):
-        first = v
-        n = max(1, -(-sz // bm))
-        for i in range(n):
-            lo, hi = st + i * bm, min(st + (i + 1) * bm, st + sz)
-            assert tuple(steps[:, v]) == (grp, lo, max(hi, lo), int(i == n - 1)), (grp, i, steps[:, v])
-            v += 1
-        bounds.append((first, v))
-    assert np.all(steps[:, v:] == np.array([[g], [0], [0], [0]]))
-    for p in range(pieces.shape[1]):
-        grps = range(p * chunk, min((p + 1) * chunk, g))
-        assert tuple(pieces[:, p]) == (bounds[grps[0]][0], bounds[grps[-1]][1])
-
-
-@pytest.mark.parametrize("tcfg,k,n,dtype,past", [
-    (TileConfig(32, 32, 64, 4, 2, group_chunk=3), 48, 80, jnp.float32, 7),      # K, N off the tiles; G % chunk != 0
-    (TileConfig(16, 32, 64, 4, 2, group_chunk=4), 64, 128, jnp.bfloat16, 0),    # the last group ends at row M
-    (TileConfig(32, 64, 32, 4, 2, group_chunk=32), 32, 64, jnp.float32, 3),     # one chunk holds every group
-])
-def test_chunked_tgmm_matches_reference(tcfg, k, n, dtype, past):
-    """Chunked tgmm (group_chunk > 1): drhs equals the fp32 oracle and the one-group-per-program kernel,
-    empty groups (first / last / inside a chunk / a whole chunk) are exact zeros; group sizes include
-    groups of 1 row, of exactly bm rows, of several blocks and tails, in a fresh random order."""
-    rng = np.random.default_rng()
-    bm = tcfg.bm
-    sizes = np.array([0, 1, bm, bm + 1, 3 * bm - 1, 5, 0, 0, 0, 2 * bm, bm // 2, 7 * bm + 3, 0])
-    rng.shuffle(sizes)
-    sizes = np.concatenate([[0], sizes, [4 * bm + 5]])    # an empty first group, a long last one
-    if past:                                              # an empty last group, rows past the sum
-        sizes = np.append(sizes, 0)
-    m = int(sizes.sum()) + past
-    _check_tgmm_steps(sizes, m, bm, tcfg.group_chunk)
-    lhs, rhs, gs, cot = _fold_case(rng, sizes, m, k, n, dtype)
-    got = _kernel(lhs, rhs, gs, cot, SMALL, tcfg)[2]
-    one = _kernel(lhs, rhs, gs, cot, SMALL, dataclasses.replace(tcfg, group_chunk=1))[2]
-    ref = _reference(lhs, rhs, gs, cot)[2]
-    assert got.dtype == dtype and got.shape == (len(sizes), k, n)
-    _close(got, ref, dtype, f"drhs {tcfg.label()} vs oracle")
-    np.testing.assert_array_equal(np.asarray(got, np.float64), np.asarray(one, np.float64),
-                                  err_msg="chunked vs one group per program (same sums, same order)")
-    assert np.all(np.asarray(got)[sizes == 0] == 0)
-
-
-def test_tgmm_steps_invariants_and_chunk_errors():
-    """Step tables of random ~256-row groups (M2 at 8K tokens, scaled), a single group, all-empty
-    groups; group_chunk must be an int >= 1."""
-    rng = np.random.default_rng()
-    sizes = rng.multinomial(64 * 40, np.full(64, 1 / 64))
-    for bm, chunk in ((32, 4), (64, 8), (32, 1), (16, 64)):
-        _check_tgmm_steps(sizes, int(sizes.sum()) + 5, bm, chunk)
-    _check_tgmm_steps(np.array([300]), 300, 32, 4)
-    _check_tgmm_steps(np.zeros(5, np.int64), 16, 32, 2)
-    assert TileConfig(32, 128, 256, 8, 3, group_chunk=4).label() == "32x128x256w8s3c4"
-    for bad in (0, -1, 2.0, True):
-        with pytest.raises(ValueError, match="group_chunk"):
-            TileConfig(group_chunk=bad)
-
-
 def test_grouped_matmul_impl_and_errors():
     lhs, rhs, gs, _, _ = _case(None, 120, 64, 64, 4, 1, jnp.float32)
     got = grouped_matmul(lhs, rhs, gs, implementation="pallas_gpu_interpret")
@@ -395,14 +324,13 @@ def test_moe_layer_pallas_interpret_matches_ragged():
 
 def test_kernels_lower_for_cuda_at_m2_shapes():
     """Forward, dlhs and tgmm lower to Triton custom calls for CUDA (M2 first projection, rhs > 4 GiB:
-    64-bit offsets) on this CPU machine: default tiles, half-height tails, tail folding, chunked tgmm."""
+    64-bit offsets) on this CPU machine: default tiles, half-height tails and tail folding."""
     sd = jax.ShapeDtypeStruct
     m, kd, nd, g = 65536, 3072, 3072, 256
 
-    for cfg, tcfg in ((None, None), (TileConfig(128, 64, 256, 8, 3, half_tail=True), TileConfig(32, 128, 256, 8, 3, group_chunk=4)),
-                      (TileConfig(128, 64, 256, 8, 3, fold=64), TileConfig(64, 128, 128, 4, 3, group_chunk=8))):
-        def f(a, b, gs, c, cfg=cfg, tcfg=tcfg):
-            y, vjp = jax.vjp(lambda a, b: gpu_gmm.gmm(a, b, gs, config=cfg, dlhs_config=cfg, tgmm_config=tcfg), a, b)
+    for cfg in (None, TileConfig(128, 64, 256, 8, 3, half_tail=True), TileConfig(128, 64, 256, 8, 3, fold=64)):
+        def f(a, b, gs, c, cfg=cfg):
+            y, vjp = jax.vjp(lambda a, b: gpu_gmm.gmm(a, b, gs, config=cfg, dlhs_config=cfg), a, b)
             return y, vjp(c)
         txt = jax.jit(f).trace(sd((m, kd), jnp.bfloat16), sd((g, kd, nd), jnp.bfloat16), sd((g,), jnp.int32),
                                sd((m, nd), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()

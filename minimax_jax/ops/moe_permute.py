@@ -36,8 +36,10 @@ def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax
     inv = jnp.zeros((m,), jnp.int32).at[order].set(jnp.arange(m, dtype=jnp.int32))
     sorted_ids = jnp.take(flat, order)
     ids = jnp.arange(num_experts, dtype=jnp.int32)
-    group_sizes = (jnp.searchsorted(sorted_ids, ids, side="right")
-                   - jnp.searchsorted(sorted_ids, ids, side="left")).astype(jnp.int32)
+    # scan_unrolled: the default "scan" method is an XLA while loop, which a GPU runs with a host round
+    # trip per iteration (~40 us each, 16 iterations at 64K rows: idle device time in every step)
+    group_sizes = (jnp.searchsorted(sorted_ids, ids, side="right", method="scan_unrolled")
+                   - jnp.searchsorted(sorted_ids, ids, side="left", method="scan_unrolled")).astype(jnp.int32)
     return order, inv, group_sizes
 
 

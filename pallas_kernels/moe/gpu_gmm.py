@@ -42,16 +42,6 @@ data-dependent ``pl.ds`` slices and masked ``pallas.triton`` loads / stores):
   its tiles run); a loop with dynamic bounds over the group's row blocks (``bm`` rows, starting at
   the group's first row, tail rows masked to zero) accumulates ``lhs_blk^T @ dout_blk`` in fp32.
   An empty group runs zero iterations and stores exact zeros.
-- chunked tgmm (``TileConfig.group_chunk = c > 1``): one program per (chunk of ``c`` consecutive
-  groups, K tile, N tile). A work list of *steps* (``make_tgmm_steps``: per group
-  ``max(1, ceil(size / bm))`` row blocks, each ``(group, lo, hi, last)``) is walked by ONE loop over
-  the chunk's steps; at a group's last step the program stores the group's tile and restarts its
-  accumulator. At ~256 rows per group (M2 at 8K tokens) a group is only ~8 steps of 32 rows, so a
-  program per group spends much of its time in the loop's prologue (loads not yet in flight) and
-  epilogue (the store); one loop over several groups keeps the next group's loads in flight during
-  the store, and lets a larger output tile (8 warps, one program per SM) run without the gaps that
-  several small programs per SM used to fill. An empty group gets one step with ``lo == hi`` (all
-  rows masked), so it stores exact zeros.
 
 Tile shapes: ``TileConfig`` (powers of two >= 16, as Triton's tensor-core dots need). K and N need
 not be multiples of the tiles (tails are masked, with static checks so aligned shapes pay nothing).
@@ -73,8 +63,7 @@ from minimax_jax.ops.common import varying_axes
 
 __all__ = ["TileConfig", "DEFAULT_CONFIG", "DEFAULT_DLHS_CONFIG", "DEFAULT_TGMM_CONFIG", "CANDIDATES",
            "TGMM_CANDIDATES",
-           "get_default_configs", "set_default_configs", "num_visits", "make_visits", "make_tgmm_steps", "gmm_forward",
-           "tgmm", "gmm"]
+           "get_default_configs", "set_default_configs", "num_visits", "make_visits", "gmm_forward", "tgmm", "gmm"]
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -91,8 +80,6 @@ class TileConfig:
     in ``[64, bm / 2]`` (so bm >= 128): a group remainder of at most ``fold`` rows after at least one full ``bm``
     block is computed by the group's previous visit, with an extra ``[fold, bn]`` tile that shares
     its weight loads (module docstring, "tail folding"). tgmm ignores half_tail and fold.
-    group_chunk (tgmm only, int >= 1): groups per program; > 1 runs the chunked tgmm (module
-    docstring); gmm ignores it.
     Raises ValueError for values outside these ranges.
     """
     bm: int = 128
@@ -102,7 +89,6 @@ class TileConfig:
     num_stages: int = 4
     half_tail: bool = False
     fold: int = 0
-    group_chunk: int = 1
 
     def __post_init__(self):
         for name in ("bm", "bk", "bn"):
@@ -122,16 +108,12 @@ class TileConfig:
                 or (f != 0 and (f < 64 or f & (f - 1) or 2 * f > self.bm))):
             raise ValueError(f"TileConfig.fold must be 0 (off) or a power of two in [64, bm/2 = {self.bm // 2}], "
                              f"got {f!r}")
-        c = self.group_chunk
-        if not isinstance(c, int) or isinstance(c, bool) or c < 1:
-            raise ValueError(f"TileConfig.group_chunk must be an int >= 1, got {c!r}")
 
     def label(self) -> str:
         """Short name, e.g. ``128x64x128w4s4`` (suffix ``h``: half-height tiles for short visits;
-        ``fold64``: group remainders of <= 64 rows folded into the previous visit; ``c4``: tgmm over
-        chunks of 4 groups)."""
+        ``fold64``: group remainders of <= 64 rows folded into the previous visit)."""
         return (f"{self.bm}x{self.bk}x{self.bn}w{self.num_warps}s{self.num_stages}" + ("h" if self.half_tail else "")
-                + (f"fold{self.fold}" if self.fold else "") + (f"c{self.group_chunk}" if self.group_chunk > 1 else ""))
+                + (f"fold{self.fold}" if self.fold else ""))
 
 
 #: Hopper defaults: the best of bench/moe.py's sweep of CANDIDATES / TGMM_CANDIDATES on one H200 (M2
@@ -164,20 +146,17 @@ CANDIDATES = (
     TileConfig(128, 32, 256, 8, 5, fold=64),
     TileConfig(128, 32, 256, 8, 4, fold=64),
 )
-#: tgmm candidates (output tile bk x bn, bm rows per step). Session 5's sweep: 32x128x128w4s4 best
-#: (352 TFLOP/s at M2 8K; 8-warp, 256-wide or 64-row tiles 291-337), ~the rate at which L2 can feed
-#: 128 x 128 tiles. The chunked kernel (``group_chunk``) is there to let the larger 8-warp tiles run
-#: without per-group loop prologues and epilogues.
+#: tgmm candidates (output tile bk x bn, bm rows per step); run 10's best was 32x128x128w4s4. Tried and
+#: dropped in session 13: one program per chunk of 4-8 groups walking their row blocks in one loop that
+#: stores at each group's end (so a group's ~8 short steps would not each pay a loop prologue): 178-264
+#: TFLOP/s vs 354 (the store and accumulator reset under a condition in the loop defeat Triton's pipelining).
 TGMM_CANDIDATES = (
     TileConfig(32, 128, 128, 4, 4),
-    TileConfig(32, 128, 128, 4, 4, group_chunk=4),
-    TileConfig(32, 128, 256, 8, 3, group_chunk=4),
-    TileConfig(32, 256, 128, 8, 3, group_chunk=4),
-    TileConfig(64, 128, 256, 8, 3, group_chunk=4),
-    TileConfig(32, 128, 256, 8, 4, group_chunk=8),
-    TileConfig(32, 128, 128, 4, 4, group_chunk=8),
-    TileConfig(64, 128, 128, 4, 3, group_chunk=4),
+    TileConfig(32, 128, 128, 8, 4),
     TileConfig(32, 128, 256, 8, 3),
+    TileConfig(16, 128, 128, 4, 4),
+    TileConfig(32, 256, 128, 8, 3),
+    TileConfig(64, 128, 128, 8, 3),
 )
 
 _defaults = {"fwd": DEFAULT_CONFIG, "dlhs": DEFAULT_DLHS_CONFIG, "tgmm": DEFAULT_TGMM_CONFIG}
@@ -247,7 +226,9 @@ def make_visits(group_sizes: jax.Array, m: int, bm: int, fold: int = 0) -> jax.A
     vend = jnp.cumsum(blocks)                       # exclusive end of each group's visits
     vstart = vend - blocks
     v = jnp.arange(num_visits(m, g, bm), dtype=jnp.int32)
-    grp = jnp.searchsorted(vend, v, side="right").astype(jnp.int32)   # in [0, G + 1]
+    # scan_unrolled: the default method is an XLA while loop, run on a GPU with a host round trip per
+    # iteration (seen in a profile: ~0.5 ms of idle device time per work list at M2 8K)
+    grp = jnp.searchsorted(vend, v, side="right", method="scan_unrolled").astype(jnp.int32)   # in [0, G + 1]
     valid = grp <= g
     gc = jnp.minimum(grp, g)
     lo = starts_x[gc] + (v - vstart[gc]) * bm
@@ -258,42 +239,6 @@ def make_visits(group_sizes: jax.Array, m: int, bm: int, fold: int = 0) -> jax.A
     lo = jnp.where(valid, lo, 0)
     hi = jnp.where(valid, hi, 0)
     return jnp.stack([gc, lo, hi]).astype(jnp.int32)
-
-
-def make_tgmm_steps(group_sizes: jax.Array, m: int, bm: int, chunk: int) -> tuple[jax.Array, jax.Array]:
-    """Work list of the chunked tgmm kernel (XLA, O((cdiv(m, bm) + G) * log G)).
-
-    Args:
-      group_sizes: int ``[G]`` rows per group (rows sorted by group; the sum is clipped to ``m``).
-      m: rows of lhs / dout; bm: rows per step; chunk: groups per program (>= 1).
-    Returns: ``(steps, pieces)``: ``steps`` int32 ``[4, V]``, ``V = num_visits(m, G, bm)``, column v =
-      ``(group, lo, hi, last)``: rows ``[lo, hi)`` (``0 <= hi - lo <= bm``) of ``group``; ``last`` is 1
-      at a group's final step (the kernel stores there). Group g owns ``max(1, ceil(size_g / bm))``
-      consecutive steps in group order (an empty group one step with ``lo == hi``); unused steps are
-      ``(G, 0, 0, 0)``. ``pieces`` int32 ``[2, cdiv(G, chunk)]``: the step range ``[start, end)`` of
-      each chunk of ``chunk`` consecutive groups.
-    Raises: ValueError for chunk < 1.
-    """
-    if chunk < 1:
-        raise ValueError(f"chunk must be >= 1, got {chunk}")
-    g = group_sizes.shape[0]
-    starts, sizes = _group_bounds(group_sizes, m)
-    steps_g = jnp.maximum((sizes + bm - 1) // bm, 1)
-    vend = jnp.cumsum(steps_g)
-    vstart = vend - steps_g
-    v = jnp.arange(num_visits(m, g, bm), dtype=jnp.int32)
-    grp = jnp.searchsorted(vend, v, side="right").astype(jnp.int32)   # in [0, G]
-    valid = grp < g
-    gc = jnp.minimum(grp, g - 1)
-    lo = starts[gc] + (v - vstart[gc]) * bm
-    hi = jnp.minimum(lo + bm, starts[gc] + sizes[gc])
-    last = valid & (v == vend[gc] - 1)
-    steps = jnp.stack([jnp.where(valid, gc, g), jnp.where(valid, lo, 0), jnp.where(valid, hi, 0),
-                       last.astype(jnp.int32)]).astype(jnp.int32)
-    first_group = jnp.arange(0, g, chunk)
-    last_group = jnp.minimum(first_group + chunk, g) - 1
-    pieces = jnp.stack([vstart[first_group], vend[last_group]]).astype(jnp.int32)
-    return steps, pieces
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -426,39 +371,6 @@ def _tgmm_kernel(tab_ref, lhs_ref, dout_ref, out_ref, *, bm, bk, bn, n_k_tiles, 
     pltriton.store(out_ref.at[g, pl.ds(k0, bk), pl.ds(n0, bn)], acc.astype(out_ref.dtype), mask=o_mask)
 
 
-def _tgmm_chunk_kernel(steps_ref, pieces_ref, lhs_ref, dout_ref, out_ref, *, bm, bk, bn, n_k_tiles, n_n_tiles,
-                       kdim, ndim):
-    """Chunked tgmm (module docstring): one loop over the steps of a chunk of groups for one output tile."""
-    pid = pl.program_id(0)
-    per_piece = n_k_tiles * n_n_tiles
-    p = jax.lax.div(pid, per_piece)
-    r = pid - p * per_piece
-    ki = jax.lax.div(r, n_n_tiles)
-    j = r - ki * n_n_tiles
-    k0 = pl.multiple_of(ki * bk, bk)
-    n0 = pl.multiple_of(j * bn, bn)
-    kmask = (k0 + _iota(bk)) < kdim if kdim % bk else None
-    nmask = (n0 + _iota(bn)) < ndim if ndim % bn else None
-    o_mask = _mask((bk, bn), kmask, nmask)
-
-    def body(s, acc):
-        g = steps_ref[0, s]
-        lo = steps_ref[1, s]
-        hi = steps_ref[2, s]
-        rmask = (lo + _iota(bm)) < hi
-        a = _load(lhs_ref.at[pl.ds(lo, bm), pl.ds(k0, bk)], rmask, kmask)
-        b = _load(dout_ref.at[pl.ds(lo, bm), pl.ds(n0, bn)], rmask, nmask)
-        acc = acc + _dot(a, b, trans_a=True)
-
-        def flush(acc):
-            pltriton.store(out_ref.at[g, pl.ds(k0, bk), pl.ds(n0, bn)], acc.astype(out_ref.dtype), mask=o_mask)
-            return jnp.zeros_like(acc)
-
-        return jax.lax.cond(steps_ref[3, s] > 0, flush, lambda acc: acc, acc)
-
-    jax.lax.fori_loop(pieces_ref[0, p], pieces_ref[1, p], body, jnp.zeros((bk, bn), jnp.float32))
-
-
 def _params(cfg: TileConfig):
     return pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
@@ -571,21 +483,9 @@ def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, out_dtype=N
     g = group_sizes.shape[0]
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     lhs, dout, group_sizes = _common_vma(lhs, dout, group_sizes)
-    nk, nn = pl.cdiv(kdim, cfg.bk), pl.cdiv(ndim, cfg.bn)
-    if cfg.group_chunk > 1:
-        steps, pieces = make_tgmm_steps(group_sizes, m, cfg.bm, cfg.group_chunk)
-        kernel = functools.partial(_tgmm_chunk_kernel, bm=cfg.bm, bk=cfg.bk, bn=cfg.bn, n_k_tiles=nk, n_n_tiles=nn,
-                                   kdim=kdim, ndim=ndim)
-        return pl.pallas_call(
-            kernel,
-            grid=(pieces.shape[1] * nk * nn,),
-            out_shape=_out_struct((g, kdim, ndim), out_dtype, lhs),
-            compiler_params=_params(cfg),
-            interpret=interpret,
-            name="tgmm_gpu",
-        )(steps, pieces, lhs, dout)
     starts, sizes = _group_bounds(group_sizes, m)
     tab = jnp.stack([starts, sizes]).astype(jnp.int32)
+    nk, nn = pl.cdiv(kdim, cfg.bk), pl.cdiv(ndim, cfg.bn)
     kernel = functools.partial(_tgmm_kernel, bm=cfg.bm, bk=cfg.bk, bn=cfg.bn, n_k_tiles=nk, n_n_tiles=nn,
                                kdim=kdim, ndim=ndim)
     return pl.pallas_call(
