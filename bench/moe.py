@@ -370,6 +370,11 @@ def main():
     ap.add_argument("--sweep-kernels", default=",".join(SWEEP_KERNELS),
                     help="comma-separated subset of " + ",".join(SWEEP_KERNELS) + " to sweep (the others keep "
                     "their defaults)")
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="after the table, time pallas_gpu_gmm and dense_matmul alternately in R rounds per model, "
+                         "tokens and mode (each round: median of --reps calls of each) and report the median of the "
+                         "per-round ratios: the chip's clock drifts by several percent within a call, which one "
+                         "measurement of each can land on either side of")
     ap.add_argument("--profile", type=int, default=0,
                     help="after the table, run N more fwd+bwd calls of each Pallas variant at the first --tokens "
                          "under jax.profiler and print the device time per kernel (bench/trace_summary.py)")
@@ -477,6 +482,14 @@ def main():
             row = _run_case(model, s, tokens, name, kind, mode, fn, dtype, args)
             rows.append(row)
             print(json.dumps(row), flush=True)
+    interleaved = []
+    if args.rounds and {"pallas_gpu_gmm", "dense_matmul"} <= set(variants):
+        for tokens in tokens_list:
+            for model in shapes:
+                if time.perf_counter() - t_start > args.budget_s:
+                    skipped.append(f"{model} {tokens} interleaved rounds")
+                    continue
+                interleaved += _interleaved(model, shapes[model], tokens, variants, dtype, args)
     profiles = []
     if args.profile:
         for model in shapes:
@@ -485,12 +498,13 @@ def main():
                 profiles.append(_profile_case(model, shapes[model], tokens_list[0], name, kind, fwdbwd, dtype, args))
     _annotate_vs_dense(rows)
     out = {"info": info, "checks": checks, "sweep": sweep_rows, "rows": rows, "skipped": skipped,
-           "profiles": profiles, "wall_s": time.perf_counter() - t_start}
+           "interleaved": interleaved, "profiles": profiles, "wall_s": time.perf_counter() - t_start}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "moe.json"), "w") as f:
         json.dump(out, f, indent=1)
     _sweep_table(sweep_rows)
     _table(rows, checks, skipped, info)
+    _interleaved_table(interleaved)
     _ep_table(rows, info.get("ep_timing"))
 
 
@@ -534,6 +548,50 @@ def _profile_case(model, s, tokens, name, kind, fn, dtype, args):
     except Exception as e:   # the profile is extra: record why it failed, keep the results
         print(f"profile {tag} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
         return {"case": tag, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+
+
+def _interleaved(model, s, tokens, variants, dtype, args):
+    """``args.rounds`` rounds of (grouped matmuls, dense matmul), each timed as the median of ``args.reps``
+    synced calls, for fwd and fwd+bwd; one row per mode with the per-round ratios and their median."""
+    out = []
+    for mode_i, mode in enumerate(("fwd", "fwd+bwd")):
+        flops = 6.0 * tokens * s["k"] * s["h"] * s["i"] * (3.0 if mode == "fwd+bwd" else 1.0)
+        row = {"model": model, "tokens": tokens, "mode": mode, "rounds": args.rounds}
+        try:
+            fns = {}
+            for name in ("pallas_gpu_gmm", "dense_matmul"):
+                kind, pair = variants[name]
+                fns[name] = (jax.jit(pair[mode_i]), _case_args(s, tokens, tokens, kind, dtype))
+            ms = {name: [] for name in fns}
+            for _ in range(args.rounds):
+                for name, (f, fargs) in fns.items():
+                    med, _, _ = _timeit(f, fargs, args.reps, budget_s=5.0)
+                    ms[name].append(med * 1e3)
+            ratios = [d / g for g, d in zip(ms["pallas_gpu_gmm"], ms["dense_matmul"])]
+            row.update(gmm_ms=ms["pallas_gpu_gmm"], dense_ms=ms["dense_matmul"], ratios=ratios,
+                       ratio_median=statistics.median(ratios),
+                       gmm_tflop_s_median=flops / statistics.median(ms["pallas_gpu_gmm"]) / 1e9,
+                       dense_tflop_s_median=flops / statistics.median(ms["dense_matmul"]) / 1e9)
+        except Exception as e:  # recorded; the other rows go on
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        out.append(row)
+        print(json.dumps(row), flush=True)
+    return out
+
+
+def _interleaved_table(rows):
+    if not rows:
+        return
+    print("\nInterleaved rounds (grouped matmuls vs dense matmul of the same FLOPs, alternating; ratio = dense ms / "
+          "gmm ms per round)")
+    print(f"{'model':5} {'tokens':>6} {'mode':8} {'gmm TFLOP/s':>11} {'dense':>7} {'median ratio':>12}  per-round ratios")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['model']:5} {r['tokens']:6d} {r['mode']:8} error: {r['error'][:100]}")
+            continue
+        print(f"{r['model']:5} {r['tokens']:6d} {r['mode']:8} {r['gmm_tflop_s_median']:11.1f} "
+              f"{r['dense_tflop_s_median']:7.1f} {100 * r['ratio_median']:11.1f}%  "
+              + " ".join(f"{100 * x:.1f}" for x in r["ratios"]))
 
 
 def _run_case(model, s, tokens, name, kind, mode, fn, dtype, args):

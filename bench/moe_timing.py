@@ -104,16 +104,20 @@ def _device(f, args, out_dir, tag):
         if ts + dur >= prev_end:
             prev_end, prev_name = ts + dur, name
     gaps.sort(reverse=True)
-    return {"line": line, "span_ms": (end - start) / 1e3, "busy_ms": sum(e[1] for e in ev) / 1e3,
+    by_name = {}
+    for e in ev:
+        by_name[e[2]] = by_name.get(e[2], 0.0) + e[1]
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:8]
+    return {"line": line, "kernels_ms": [(n[:40], round(t / 1e3, 3)) for n, t in top], "span_ms": (end - start) / 1e3, "busy_ms": sum(e[1] for e in ev) / 1e3,
             "kernels": len(ev), "idle_ms": sum(g[0] for g in gaps) / 1e3,
             "largest_gaps_us": [(round(g[0], 1), g[1][:40], g[2][:40]) for g in gaps[:6]]}
 
 
-def timing_rows(shapes, tokens, reps, out_dir):
+def timing_rows(shapes, tokens, reps, out_dir, names=("pallas_gpu_gmm", "dense_matmul")):
     variants = moe_bench._variants(False, "pallas_gpu" if jax.default_backend() == "gpu" else "pallas_gpu_interpret")
     rows = []
     for model, s in shapes.items():
-        for name in ("pallas_gpu_gmm", "dense_matmul"):
+        for name in names:
             kind, fns = variants[name]
             args = moe_bench._case_args(s, tokens, tokens, kind, jnp.bfloat16)
             for mode, fn in zip(("fwd", "fwd+bwd"), fns):
@@ -172,6 +176,7 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run (tiny shapes, interpret-mode kernels)")
     ap.add_argument("--tokens", type=int, default=None, help="default 8192 (--tiny: 64)")
     ap.add_argument("--models", default="m2,m3")
+    ap.add_argument("--variants", default="pallas_gpu_gmm,dense_matmul", help="bench/moe.py variants to time")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--mgpu", action="store_true", help="also time JAX's Mosaic GPU transposed ragged dot (GPU)")
     args = ap.parse_args()
@@ -183,10 +188,11 @@ def main():
     tokens = args.tokens or (64 if args.tiny else 8192)
     os.makedirs(args.out, exist_ok=True)
     info = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "pallas_configs": {k: v.label() for k, v in gpu_gmm.get_default_configs().items()}}
     print(json.dumps(info), flush=True)
     extra = mgpu_rows(tokens, args.reps) if args.mgpu and jax.default_backend() == "gpu" else []
-    rows = timing_rows(shapes, tokens, args.reps, args.out)
+    rows = timing_rows(shapes, tokens, args.reps, args.out, args.variants.split(","))
     with open(os.path.join(args.out, "moe_timing.json"), "w") as f:
         json.dump({"info": info, "rows": rows, "mgpu": extra}, f, indent=1)
     print(f"\n{'model':5} {'variant':15} {'mode':8} {'synced':>8} {'pipelined':>9} {'span':>8} {'busy':>8} "
@@ -196,6 +202,9 @@ def main():
               f"{r.get('span_ms', float('nan')):8.3f} {r.get('busy_ms', float('nan')):8.3f} "
               f"{r.get('idle_ms', float('nan')):7.3f}   {r['synced_tflop_s']:.0f} / {r['pipelined_tflop_s']:.0f} / "
               f"{r.get('span_tflop_s', float('nan')):.0f}")
+    for r in rows:
+        if r.get("kernels_ms"):
+            print(f"{r['model']} {r['variant']} {r['mode']}: kernels (ms): {r['kernels_ms']}")
     for r in rows:
         if r.get("largest_gaps_us"):
             print(f"{r['model']} {r['variant']} {r['mode']}: largest gaps (us, before, after): {r['largest_gaps_us']}")
