@@ -42,14 +42,6 @@ data-dependent ``pl.ds`` slices and masked ``pallas.triton`` loads / stores):
   its tiles run); a loop with dynamic bounds over the group's row blocks (``bm`` rows, starting at
   the group's first row, tail rows masked to zero) accumulates ``lhs_blk^T @ dout_blk`` in fp32.
   An empty group runs zero iterations and stores exact zeros.
-- tgmm with ``TileConfig.transpose_lhs``: the kernel reads ``lhs^T`` (``[K, M]``, an XLA transpose,
-  zero-padded to whole row blocks) so the dot's first operand is K-major like the forward kernel's
-  (tiles ``[bk, bm]`` of ``lhs^T``) instead of a transposed ``[bm, bk]`` tile. Its row blocks are aligned
-  to multiples of ``bm`` (a group of s rows starting at row r costs ``ceil((r + s) / bm) - floor(r / bm)``
-  steps: about one more than ``ceil(s / bm)``), so the ``lhs^T`` loads are aligned along its contiguous
-  dimension and unmasked; the rows of other groups in a block are zeroed through ``dout``'s row mask.
-  (So a non-finite ``lhs`` value could reach a neighbouring group's gradient as ``inf * 0 = nan``;
-  activations of a working model are finite.)
 
 Tile shapes: ``TileConfig`` (powers of two >= 16, as Triton's tensor-core dots need). K and N need
 not be multiples of the tiles (tails are masked, with static checks so aligned shapes pay nothing).
@@ -88,7 +80,6 @@ class TileConfig:
     in ``[64, bm / 2]`` (so bm >= 128): a group remainder of at most ``fold`` rows after at least one full ``bm``
     block is computed by the group's previous visit, with an extra ``[fold, bn]`` tile that shares
     its weight loads (module docstring, "tail folding"). tgmm ignores half_tail and fold.
-    transpose_lhs (tgmm only): read ``lhs^T`` with row blocks aligned to ``bm`` (module docstring).
     Raises ValueError for values outside these ranges.
     """
     bm: int = 128
@@ -98,7 +89,6 @@ class TileConfig:
     num_stages: int = 4
     half_tail: bool = False
     fold: int = 0
-    transpose_lhs: bool = False
 
     def __post_init__(self):
         for name in ("bm", "bk", "bn"):
@@ -121,10 +111,9 @@ class TileConfig:
 
     def label(self) -> str:
         """Short name, e.g. ``128x64x128w4s4`` (suffix ``h``: half-height tiles for short visits;
-        ``fold64``: group remainders of <= 64 rows folded into the previous visit; ``t``: tgmm reading
-        ``lhs^T``)."""
+        ``fold64``: group remainders of <= 64 rows folded into the previous visit)."""
         return (f"{self.bm}x{self.bk}x{self.bn}w{self.num_warps}s{self.num_stages}" + ("h" if self.half_tail else "")
-                + (f"fold{self.fold}" if self.fold else "") + ("t" if self.transpose_lhs else ""))
+                + (f"fold{self.fold}" if self.fold else ""))
 
 
 #: Hopper defaults: the best of bench/moe.py's sweep of CANDIDATES / TGMM_CANDIDATES on one H200 (M2
@@ -157,18 +146,17 @@ CANDIDATES = (
     TileConfig(128, 32, 256, 8, 5, fold=64),
     TileConfig(128, 32, 256, 8, 4, fold=64),
 )
-#: tgmm candidates (output tile bk x bn, bm rows per step); run 10's best was 32x128x128w4s4 (352 TFLOP/s
-#: at M2 8K; 32x128x128w8s4, 16x128x128w4s4, 32x256x128w8s3, 64x128x128w8s3: 291-353). Tried and dropped
-#: in session 13: one program per chunk of 4-8 groups walking their row blocks in one loop that stores at
-#: each group's end (178-264 TFLOP/s: the store and accumulator reset under a condition in the loop defeat
-#: Triton's pipelining). ``transpose_lhs`` variants: the same contraction with a K-major first operand.
+#: tgmm candidates (output tile bk x bn, bm rows per step); run 10's best was 32x128x128w4s4. Tried and
+#: dropped in session 13: one program per chunk of 4-8 groups walking their row blocks in one loop that
+#: stores at each group's end (so a group's ~8 short steps would not each pay a loop prologue): 178-264
+#: TFLOP/s vs 354 (the store and accumulator reset under a condition in the loop defeat Triton's pipelining).
 TGMM_CANDIDATES = (
     TileConfig(32, 128, 128, 4, 4),
-    TileConfig(32, 128, 128, 4, 4, transpose_lhs=True),
-    TileConfig(64, 128, 128, 4, 3, transpose_lhs=True),
-    TileConfig(32, 128, 256, 8, 3, transpose_lhs=True),
-    TileConfig(16, 128, 128, 4, 5, transpose_lhs=True),
+    TileConfig(32, 128, 128, 8, 4),
     TileConfig(32, 128, 256, 8, 3),
+    TileConfig(16, 128, 128, 4, 4),
+    TileConfig(32, 256, 128, 8, 3),
+    TileConfig(64, 128, 128, 8, 3),
 )
 
 _defaults = {"fwd": DEFAULT_CONFIG, "dlhs": DEFAULT_DLHS_CONFIG, "tgmm": DEFAULT_TGMM_CONFIG}
@@ -383,35 +371,6 @@ def _tgmm_kernel(tab_ref, lhs_ref, dout_ref, out_ref, *, bm, bk, bn, n_k_tiles, 
     pltriton.store(out_ref.at[g, pl.ds(k0, bk), pl.ds(n0, bn)], acc.astype(out_ref.dtype), mask=o_mask)
 
 
-def _tgmm_t_kernel(tab_ref, lhs_t_ref, dout_ref, out_ref, *, bm, bk, bn, n_k_tiles, n_n_tiles, kdim, ndim):
-    """tgmm reading ``lhs^T [K, M_pad]`` in row blocks aligned to ``bm`` (module docstring)."""
-    pid = pl.program_id(0)
-    per_group = n_k_tiles * n_n_tiles
-    g = jax.lax.div(pid, per_group)
-    r = pid - g * per_group
-    ki = jax.lax.div(r, n_n_tiles)
-    j = r - ki * n_n_tiles
-    k0 = pl.multiple_of(ki * bk, bk)
-    n0 = pl.multiple_of(j * bn, bn)
-    start = tab_ref[0, g]
-    end = start + tab_ref[1, g]
-    first = jax.lax.div(start, bm)
-    n_blocks = jnp.where(end > start, jax.lax.div(end + (bm - 1), bm) - first, 0)
-    kmask = (k0 + _iota(bk)) < kdim if kdim % bk else None
-    nmask = (n0 + _iota(bn)) < ndim if ndim % bn else None
-
-    def body(i, acc):
-        r0 = pl.multiple_of((first + i) * bm, bm)
-        rows = r0 + _iota(bm)
-        a = _load(lhs_t_ref.at[pl.ds(k0, bk), pl.ds(r0, bm)], kmask)          # [bk, bm], in bounds (padded)
-        b = _load(dout_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], (rows >= start) & (rows < end), nmask)
-        return acc + _dot(a, b)
-
-    acc = jax.lax.fori_loop(0, n_blocks, body, jnp.zeros((bk, bn), jnp.float32))
-    pltriton.store(out_ref.at[g, pl.ds(k0, bk), pl.ds(n0, bn)], acc.astype(out_ref.dtype),
-                   mask=_mask((bk, bn), kmask, nmask))
-
-
 def _params(cfg: TileConfig):
     return pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
@@ -527,10 +486,7 @@ def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, out_dtype=N
     starts, sizes = _group_bounds(group_sizes, m)
     tab = jnp.stack([starts, sizes]).astype(jnp.int32)
     nk, nn = pl.cdiv(kdim, cfg.bk), pl.cdiv(ndim, cfg.bn)
-    body = _tgmm_t_kernel if cfg.transpose_lhs else _tgmm_kernel
-    if cfg.transpose_lhs:   # [K, M] zero-padded to whole bm-row blocks: the aligned blocks stay in bounds
-        lhs = jnp.pad(lhs.T, ((0, 0), (0, pl.cdiv(m, cfg.bm) * cfg.bm - m)))
-    kernel = functools.partial(body, bm=cfg.bm, bk=cfg.bk, bn=cfg.bn, n_k_tiles=nk, n_n_tiles=nn,
+    kernel = functools.partial(_tgmm_kernel, bm=cfg.bm, bk=cfg.bk, bn=cfg.bn, n_k_tiles=nk, n_n_tiles=nn,
                                kdim=kdim, ndim=ndim)
     return pl.pallas_call(
         kernel,
