@@ -322,6 +322,38 @@ def test_moe_layer_pallas_interpret_matches_ragged():
         _close(a, b, jnp.float32, what)
 
 
+def test_sorted_expert_mlp_rows_past_sum_without_mask():
+    """sorted_expert_mlp skips its row mask for the Pallas kernels (zeros_past_sum): with sum(group_sizes)
+    < M (expert-parallel padding rows), output and gradients equal the masked XLA path, every row compared,
+    and the rows past the sum are exactly 0 in both output dtypes."""
+    from minimax_jax.ops.grouped_matmul import zeros_past_sum
+
+    assert zeros_past_sum("pallas_gpu_interpret") and not zeros_past_sum("xla")
+    rng = np.random.default_rng()
+    g, h, i = 5, 32, 16
+    sizes = _sizes(rng, 90, g, 1)
+    m = 90
+    xs = jnp.asarray(rng.normal(size=(m, h)), jnp.float32)
+    wi = jnp.asarray(0.3 * rng.normal(size=(g, h, 2 * i)), jnp.float32)
+    wo = jnp.asarray(0.3 * rng.normal(size=(g, i, h)), jnp.float32)
+    cot = jnp.asarray(rng.normal(size=(m, h)), jnp.float32)
+    gs = jnp.asarray(sizes, jnp.int32)
+    total = int(sizes.sum())
+
+    def run(impl, out_dtype):
+        f = lambda xs, wi, wo: moe.sorted_expert_mlp(xs, gs, wi, wo, _act, impl, out_dtype=out_dtype)  # noqa: E731
+        y, vjp = jax.vjp(f, xs, wi, wo)
+        return (y, *vjp(cot.astype(y.dtype)))
+
+    for out_dtype in (jnp.float32, jnp.bfloat16):
+        got = jax.jit(lambda: run("pallas_gpu_interpret", out_dtype))()
+        with jax.default_matmul_precision("highest"):
+            ref = jax.jit(lambda: run("xla", out_dtype))()
+        assert got[0].dtype == out_dtype and np.all(np.asarray(got[0])[total:] == 0)
+        for a, b, what in zip(got, ref, ("y", "dxs", "dwi", "dwo")):
+            _close(a, b, jnp.float32 if out_dtype == jnp.float32 else jnp.bfloat16, f"{what} {jnp.dtype(out_dtype)}")
+
+
 def test_kernels_lower_for_cuda_at_m2_shapes():
     """Forward, dlhs and tgmm lower to Triton custom calls for CUDA (M2 first projection, rhs > 4 GiB:
     64-bit offsets) on this CPU machine: default tiles, half-height tails and tail folding."""

@@ -36,9 +36,19 @@ import jax.numpy as jnp
 
 from minimax_jax.ops.common import ImplementationUnavailable, default_backend, match_vma
 
-__all__ = ["GMM_IMPLEMENTATIONS", "resolve_gmm", "grouped_matmul", "tokamax_status"]
+__all__ = ["GMM_IMPLEMENTATIONS", "resolve_gmm", "grouped_matmul", "tokamax_status", "zeros_past_sum"]
 
 GMM_IMPLEMENTATIONS = ("auto", "xla", "tokamax", "pallas_gpu", "pallas_gpu_interpret")
+# implementations whose output rows past sum(group_sizes) are exactly 0 (tested in tests/test_gmm_pallas.py);
+# for the others callers mask those rows
+_ZEROS_PAST_SUM = frozenset({"pallas_gpu", "pallas_gpu_interpret"})
+
+
+def zeros_past_sum(implementation: str) -> bool:
+    """Whether ``grouped_matmul(..., implementation=...)`` returns exact zeros in the rows past
+    ``sum(group_sizes)`` (then a caller need not mask them). Resolves ``"auto"``; raises like
+    ``resolve_gmm``."""
+    return resolve_gmm(implementation) in _ZEROS_PAST_SUM
 
 
 @functools.lru_cache(maxsize=1)

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 
 from minimax_jax.ops.common import (ImplementationUnavailable, default_backend, match_cotangent, record_implementation,
                                     vma_type)
-from minimax_jax.ops.grouped_matmul import grouped_matmul
+from minimax_jax.ops.grouped_matmul import grouped_matmul, zeros_past_sum
 from minimax_jax.ops.moe_permute import gather_rows, group_starts, permute_rows, sort_by_expert, unpermute_combine
 
 __all__ = ["BACKENDS_OF", "MOE_IMPLEMENTATIONS", "router_scores", "route", "moe_experts", "sorted_expert_mlp",
@@ -170,15 +170,22 @@ def capacity_of(num_tokens: int, top_k: int, num_experts: int, capacity_factor: 
 
 
 def sorted_expert_mlp(xs: jax.Array, group_sizes: jax.Array, wi: jax.Array, wo: jax.Array, act: Callable,
-                      gmm_impl: str) -> jax.Array:
-    """Gated expert MLP on rows sorted by expert: ``[M, H] -> [M, H]`` float32.
+                      gmm_impl: str, out_dtype=jnp.float32) -> jax.Array:
+    """Gated expert MLP on rows sorted by expert: ``[M, H] -> [M, H]`` in ``out_dtype``.
 
     ``wi [G, H, 2I]`` (gate columns first), ``wo [G, I, H]``; rows past ``sum(group_sizes)`` are 0.
+    Both grouped matmuls accumulate in float32; ``out_dtype`` is the second one's output type (a caller
+    that narrows the result anyway passes its dtype: the same values, without a float32 copy of ``[M, H]``
+    written and read again, ~0.3 ms per pass at M2 8K on the H200).
     """
     h = grouped_matmul(xs, wi, group_sizes, implementation=gmm_impl)
-    y = grouped_matmul(act(h.astype(xs.dtype)), wo, group_sizes, implementation=gmm_impl)
+    y = grouped_matmul(act(h.astype(xs.dtype)), wo, group_sizes, implementation=gmm_impl).astype(out_dtype)
+    if zeros_past_sum(gmm_impl):
+        # the kernels already store exact zeros there: a mask would be a pass over [M, H] in the forward
+        # and another over its cotangent (0.3 + 0.44 ms of M2's 8K layer on the H200, session 13 profile)
+        return y
     live = jnp.arange(xs.shape[0]) < jnp.sum(group_sizes)
-    return jnp.where(live[:, None], y, 0.0)
+    return jnp.where(live[:, None], y, jnp.zeros((), y.dtype))
 
 
 def moe_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, wi: jax.Array, wo: jax.Array, act: Callable,
@@ -238,7 +245,7 @@ def _dense(x, weights, experts, wi, wo, act):
 def _dropless(x, weights, experts, wi, wo, act, gmm_impl):
     order, inv, group_sizes = sort_by_expert(experts, wi.shape[0])
     xs = permute_rows(x, order, inv)
-    ys = sorted_expert_mlp(xs, group_sizes, wi, wo, act, gmm_impl).astype(x.dtype)
+    ys = sorted_expert_mlp(xs, group_sizes, wi, wo, act, gmm_impl, out_dtype=x.dtype)
     return unpermute_combine(ys, weights, order, inv).astype(x.dtype)
 
 
