@@ -18,9 +18,10 @@ Implementations (``implementation=``):
   Tile configs: ``pallas_kernels.moe.gpu_gmm.get_default_configs``. H200 check (bench/moe.py,
   2026-11-30, jax 0.11.2, bench/results/moe_run8.log), MoE layer in bf16: relative Frobenius error
   against the fp32 reference y 0.0039, dx 0.0042, d wi 0.0038, d wo 0.0039 (``"xla"``:
-  0.0035-0.0042; ``"tokamax"``: 0.063 / 0.080 on the weight gradients); 283-432 TFLOP/s forward and
-  299-427 TFLOP/s forward+backward (the whole MoE layer and the two grouped matmuls alone, M2 / M3
-  expert shapes, 8K and 32K tokens; ``"xla"``: 3-22 TFLOP/s).
+  0.0035-0.0042; ``"tokamax"``: 0.063 / 0.080 on the weight gradients). Rates (BENCHMARKS.md, session
+  13, 2026-12-02): the two grouped matmuls alone 479-565 TFLOP/s forward and 410-542 forward+backward
+  (M2 / M3 expert shapes, 8K-64K tokens; 66-82% / 57-78% of a dense matmul of the same FLOPs), the whole
+  MoE layer 424-529 / 397-514; ``"xla"``: 3-22 TFLOP/s.
 - ``"pallas_gpu_interpret"``: the same kernels in Pallas interpret mode (any backend; CPU tests).
 - ``"auto"``: ``"pallas_gpu"`` on a GPU backend (the numbers above), ``"xla"`` elsewhere (CPU, and
   TPU, where no project kernel exists and tokamax is opt-in).
