@@ -19,7 +19,8 @@ CPU smoke run (tiny shapes; the Pallas kernels run in interpret mode):
    (``CANDIDATES[0]``, a default without folding; ``rel_err_vs_first``, relative Frobenius error): a
    config above 1e-2 is flagged and never adopted. The fastest config per kernel becomes the default for the timings
    below (printed, marked ``*`` in the sweep table, recorded in ``info.pallas_configs``, and checked
-   again as above). ``--no-sweep`` keeps the defaults. ``--tiny`` sweeps the first 3 candidates.
+   again as above). ``--no-sweep`` keeps the defaults. ``--tiny`` sweeps the first 3 candidates (interpret-mode
+   timings on a CPU mean nothing: there the sweep only exercises the code).
 
 1. Checks (small shapes, fresh random bf16 inputs): every available implementation of
    ``moe_experts`` against the fp32 dense reference (relative Frobenius error, forward and the
@@ -31,13 +32,19 @@ CPU smoke run (tiny shapes; the Pallas kernels run in interpret mode):
    activation, un-permute + combine) with the Pallas kernels ("pallas_gpu"), with tokamax
    ("tokamax") and with XLA ragged_dot
    ("xla_ragged", run on 1/16 of the tokens because XLA materialises [rows, experts, dim]), the
-   two grouped matmuls alone on pre-sorted rows ("pallas_gpu_gmm", "tokamax_gmm"), the fixed-shape capacity path with
+   two grouped matmuls alone on pre-sorted rows with the gated activation between ("pallas_gpu_gmm",
+   "tokamax_gmm"; bf16 outputs and, for forward+backward, the VJP of a given cotangent, as the dense
+   variant), the fixed-shape capacity path with
    capacity factor 1.25 ("capacity"), and "dense_matmul": plain matmuls [T*k, H] x [H, 2I] and
    [T*k, I] x [I, H] with the same FLOPs. FLOPs = 6 * T * k * H * I forward, 3x that for
    forward+backward (gradients of x and both weights); each row's ``vs_dense`` = its rate / the
    dense matmul's rate at the same model, tokens and mode in the same run (also a table column). A
    wall-clock budget (``--budget-s``, counted from the start, checks and sweep included) stops
    starting new cases; skipped cases are listed. ``--variants`` picks a subset (names above; default all).
+   ``--rounds R``: then, per model and tokens, "pallas_gpu_gmm" and "dense_matmul" alternately R times
+   (each the median of ``--reps`` calls) and the median of the per-round ratios (the chip's clock drifts
+   by several percent within a call). ``--profile N``: N forward+backward calls of each Pallas variant under
+   ``jax.profiler``, device ms per kernel (traces under ``<out>/profile_*``).
 3. ``--ep-timing`` (off by default; needs >= 2 visible devices, otherwise it is skipped with the
    reason in moe.json and the table): expert parallelism over ALL visible devices (mesh
    ``expert=<N>``, tokens sharded over the same axis, ``N * T`` tokens in all) for the M2 and M3 expert
@@ -351,22 +358,23 @@ def _rel(a, b):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--tiny", action="store_true", help="CPU smoke run with tiny shapes")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench/results", help="folder for moe.json (and profiles)")
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke run with tiny shapes (Pallas kernels interpreted)")
     ap.add_argument("--tokens", default=None, help="order = priority under the budget (default 8192,65536,32768; "
                     "--tiny: 64,256); with --ep-timing also the tokens PER DEVICE of the EP cases")
     ap.add_argument("--models", default="", help="comma-separated subset of the model shapes (default: all)")
-    ap.add_argument("--budget-s", type=float, default=110.0, help="stop starting new cases after this")
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="seconds from the start after which no new case starts (default 110; --tiny: 900)")
+    ap.add_argument("--reps", type=int, default=10, help="timed calls per case (the median is reported)")
     ap.add_argument("--variants", default="", help="comma-separated subset of " + ",".join(ALL_VARIANTS)
                     + " (default: all available; 'none': no single-device variant, e.g. with --ep-timing)")
     ap.add_argument("--ep-timing", action="store_true",
                     help="time expert parallelism over all visible devices (>= 2): EP MoE layer, the token exchange "
                          "alone per transport, and the same layer on one device (module docstring, 3.)")
     ap.add_argument("--no-sweep", action="store_true", help="skip the Pallas tile-config sweep (defaults)")
-    ap.add_argument("--sweep-model", default="m2", choices=sorted(SHAPES))
-    ap.add_argument("--sweep-tokens", type=int, default=8192)
+    ap.add_argument("--sweep-model", default="m2", choices=sorted(SHAPES), help="model shape of the tile sweep")
+    ap.add_argument("--sweep-tokens", type=int, default=8192, help="tokens of the tile sweep's problem")
     ap.add_argument("--sweep-kernels", default=",".join(SWEEP_KERNELS),
                     help="comma-separated subset of " + ",".join(SWEEP_KERNELS) + " to sweep (the others keep "
                     "their defaults)")
@@ -375,10 +383,15 @@ def main():
                          "tokens and mode (each round: median of --reps calls of each) and report the median of the "
                          "per-round ratios: the chip's clock drifts by several percent within a call, which one "
                          "measurement of each can land on either side of")
-    ap.add_argument("--profile", type=int, default=0,
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after the table, run N more fwd+bwd calls of each Pallas variant at the first --tokens "
                          "under jax.profiler and print the device time per kernel (bench/trace_summary.py)")
     args = ap.parse_args()
+    if args.budget_s is None:
+        args.budget_s = 900.0 if args.tiny else 110.0
+    for name in ("reps", "rounds", "profile", "sweep_tokens"):
+        if getattr(args, name) < (1 if name in ("reps", "sweep_tokens") else 0):
+            ap.error(f"--{name.replace('_', '-')} must be >= {1 if name in ('reps', 'sweep_tokens') else 0}")
     chosen = [v for v in args.variants.split(",") if v] or list(ALL_VARIANTS)
     if chosen == ["none"]:
         chosen = []
@@ -393,13 +406,20 @@ def main():
     if args.models:
         unknown = sorted(set(args.models.split(",")) - set(shapes))
         if unknown:
-            raise SystemExit(f"--models: unknown {unknown}; choose from {sorted(shapes)}")
+            ap.error(f"--models: unknown {unknown}; choose from {sorted(shapes)}")
         shapes = {k: v for k, v in shapes.items() if k in args.models.split(",")}
-    tokens_list = [int(t) for t in (args.tokens or ("64,256" if args.tiny else "8192,65536,32768")).split(",")]
+    try:
+        tokens_list = [int(t) for t in (args.tokens or ("64,256" if args.tiny else "8192,65536,32768")).split(",")]
+    except ValueError:
+        ap.error(f"--tokens: comma-separated positive integers, got {args.tokens!r}")
+    if not tokens_list or min(tokens_list) < 1:
+        ap.error(f"--tokens: comma-separated positive integers, got {args.tokens!r}")
     dtype = jnp.bfloat16
     tk_err = tokamax_status()
     tokamax_ok = tk_err is None and jax.default_backend() != "cpu"
     tk_version = getattr(sys.modules.get("tokamax"), "__version__", "?") if tk_err is None else f"unavailable: {tk_err}"
+    if any(v.startswith("tokamax") for v in chosen) and not tokamax_ok:
+        print(f"tokamax variants skipped: {tk_err or 'needs a GPU or TPU backend'}", flush=True)
     backend = jax.default_backend()
     want_pallas = any(v.startswith("pallas_gpu") for v in chosen)
     # the Pallas kernels: compiled on GPU; interpret mode only for the tiny CPU smoke run
@@ -584,13 +604,14 @@ def _interleaved_table(rows):
         return
     print("\nInterleaved rounds (grouped matmuls vs dense matmul of the same FLOPs, alternating; ratio = dense ms / "
           "gmm ms per round)")
-    print(f"{'model':5} {'tokens':>6} {'mode':8} {'gmm TFLOP/s':>11} {'dense':>7} {'median ratio':>12}  per-round ratios")
+    print(f"{'model':5} {'tokens':>6} {'mode':8} {'gmm TFLOP/s':>11} {'dense TFLOP/s':>13} {'median ratio':>12}  "
+          "per-round ratios (%)")
     for r in rows:
         if "error" in r:
             print(f"{r['model']:5} {r['tokens']:6d} {r['mode']:8} error: {r['error'][:100]}")
             continue
         print(f"{r['model']:5} {r['tokens']:6d} {r['mode']:8} {r['gmm_tflop_s_median']:11.1f} "
-              f"{r['dense_tflop_s_median']:7.1f} {100 * r['ratio_median']:11.1f}%  "
+              f"{r['dense_tflop_s_median']:13.1f} {100 * r['ratio_median']:11.1f}%  "
               + " ".join(f"{100 * x:.1f}" for x in r["ratios"]))
 
 
@@ -856,7 +877,7 @@ def _ep_table(rows, ep):
 def _table(rows, checks, skipped, info):
     print("\nchecks: " + ", ".join(f"{c['check']}={'ok' if c.get('ok') else 'FAIL'}" for c in checks))
     if skipped:
-        print(f"skipped (budget; EP timing without >= 2 devices): {len(skipped)}: " + "; ".join(skipped[:12]))
+        print(f"skipped ({len(skipped)}; over --budget-s, or EP timing without >= 2 devices): " + "; ".join(skipped))
     if info.get("pallas_impl") not in (None, "not selected"):
         print("Pallas configs: " + ", ".join(f"{k}={v}" for k, v in info["pallas_configs"].items()))
     print(f"{'model':5} {'tokens':>6} {'dev':>3} {'variant':14} {'mode':15} {'ms':>9} {'TFLOP/s':>8} {'vs dense':>8}")

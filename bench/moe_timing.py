@@ -44,6 +44,10 @@ from minimax_jax.ops.moe_permute import permute_rows, sort_by_expert  # noqa: E4
 from pallas_kernels.moe import gpu_gmm  # noqa: E402
 
 
+# the variants of bench/moe.py this script can time (the tokamax ones need tokamax, the others a Pallas backend)
+TIMED_VARIANTS = ("pallas_gpu_gmm", "dense_matmul", "pallas_gpu")
+
+
 def _synced(f, args, reps):
     jax.block_until_ready(f(*args))
     times = []
@@ -172,20 +176,30 @@ def mgpu_rows(tokens, reps):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="bench/results/moe_timing")
+    ap.add_argument("--out", default="bench/results/moe_timing", help="folder for moe_timing.json and the profiles")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run (tiny shapes, interpret-mode kernels)")
     ap.add_argument("--tokens", type=int, default=None, help="default 8192 (--tiny: 64)")
-    ap.add_argument("--models", default="m2,m3")
-    ap.add_argument("--variants", default="pallas_gpu_gmm,dense_matmul", help="bench/moe.py variants to time")
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--models", default="m2,m3", help="comma-separated subset of m2,m3")
+    ap.add_argument("--variants", default="pallas_gpu_gmm,dense_matmul",
+                    help="comma-separated subset of " + ",".join(TIMED_VARIANTS) + " (bench/moe.py's variants)")
+    ap.add_argument("--reps", type=int, default=10, help="calls per synced / back-to-back measurement")
     ap.add_argument("--mgpu", action="store_true", help="also time JAX's Mosaic GPU transposed ragged dot (GPU)")
     args = ap.parse_args()
+    bad = sorted(set(args.variants.split(",")) - set(TIMED_VARIANTS))
+    if bad:
+        ap.error(f"--variants: unknown {bad}; choose from {TIMED_VARIANTS}")
+    if args.tokens is not None and args.tokens < 1:
+        ap.error(f"--tokens must be >= 1, got {args.tokens}")
+    if args.reps < 1:
+        ap.error(f"--reps must be >= 1, got {args.reps}")
+    if args.mgpu and jax.default_backend() != "gpu":
+        print(f"--mgpu skipped: JAX's Mosaic GPU kernel needs a GPU backend, not {jax.default_backend()!r}", flush=True)
     shapes = moe_bench.TINY if args.tiny else moe_bench.SHAPES
     unknown = set(args.models.split(",")) - set(shapes)
     if unknown:
         ap.error(f"--models: unknown {sorted(unknown)}; choose from {sorted(shapes)}")
     shapes = {k: shapes[k] for k in args.models.split(",")}
-    tokens = args.tokens or (64 if args.tiny else 8192)
+    tokens = args.tokens if args.tokens is not None else (64 if args.tiny else 8192)
     os.makedirs(args.out, exist_ok=True)
     info = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
             "xla_flags": os.environ.get("XLA_FLAGS", ""),
