@@ -389,9 +389,10 @@ def main():
     args = ap.parse_args()
     if args.budget_s is None:
         args.budget_s = 900.0 if args.tiny else 110.0
-    for name in ("reps", "rounds", "profile", "sweep_tokens"):
-        if getattr(args, name) < (1 if name in ("reps", "sweep_tokens") else 0):
-            ap.error(f"--{name.replace('_', '-')} must be >= {1 if name in ('reps', 'sweep_tokens') else 0}")
+    for flag, value, least in (("--reps", args.reps, 1), ("--sweep-tokens", args.sweep_tokens, 1),
+                               ("--rounds", args.rounds, 0), ("--profile", args.profile, 0)):
+        if value < least:
+            ap.error(f"{flag} must be >= {least}, got {value}")
     chosen = [v for v in args.variants.split(",") if v] or list(ALL_VARIANTS)
     if chosen == ["none"]:
         chosen = []
@@ -547,7 +548,6 @@ def _case_args(s, t, tokens, kind, dtype):
 def _profile_case(model, s, tokens, name, kind, fn, dtype, args):
     """``args.profile`` fwd+bwd calls under ``jax.profiler.trace`` (perfetto JSON under
     ``<out>/profile_<model>_<tokens>_<name>``); prints and returns the device time per kernel (ms per call)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from trace_summary import format_summary, load_events, newest_trace, summarize  # noqa: PLC0415
 
     tag = f"{model}_{tokens}_{name}"

@@ -34,11 +34,10 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moe as moe_bench  # noqa: E402  (bench/moe.py: shapes, problems, variants)
-from trace_summary import load_events, newest_trace  # noqa: E402
+from trace_summary import line_names, load_events, newest_trace  # noqa: E402
 
 from minimax_jax.ops.moe_permute import permute_rows, sort_by_expert  # noqa: E402
 from pallas_kernels.moe import gpu_gmm  # noqa: E402
@@ -46,16 +45,6 @@ from pallas_kernels.moe import gpu_gmm  # noqa: E402
 
 # the variants of bench/moe.py this script can time (the tokamax ones need tokamax, the others a Pallas backend)
 TIMED_VARIANTS = ("pallas_gpu_gmm", "dense_matmul", "pallas_gpu")
-
-
-def _synced(f, args, reps):
-    jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
 
 
 def _pipelined(f, args, reps):
@@ -74,12 +63,7 @@ def _pipelined(f, args, reps):
 def _device_events(pdir):
     """Complete events of the device processes, sorted by start: (ts_us, dur_us, name, line)."""
     events = load_events(newest_trace(pdir))
-    procs, threads = {}, {}
-    for e in events:
-        if e.get("ph") == "M" and e.get("name") == "process_name":
-            procs[e["pid"]] = e.get("args", {}).get("name", "")
-        elif e.get("ph") == "M" and e.get("name") == "thread_name":
-            threads[(e["pid"], e.get("tid"))] = e.get("args", {}).get("name", "")
+    procs, threads = line_names(events)
     out = [(float(e["ts"]), float(e["dur"]), e.get("name", "?"), threads.get((e["pid"], e.get("tid")), ""))
            for e in events if e.get("ph") == "X" and "dur" in e and procs.get(e.get("pid"), "").startswith("/device:")]
     return sorted(out)
@@ -112,7 +96,8 @@ def _device(f, args, out_dir, tag):
     for e in ev:
         by_name[e[2]] = by_name.get(e[2], 0.0) + e[1]
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:8]
-    return {"line": line, "kernels_ms": [(n[:40], round(t / 1e3, 3)) for n, t in top], "span_ms": (end - start) / 1e3, "busy_ms": sum(e[1] for e in ev) / 1e3,
+    return {"line": line, "kernels_ms": [(n[:40], round(t / 1e3, 3)) for n, t in top],
+            "span_ms": (end - start) / 1e3, "busy_ms": sum(e[1] for e in ev) / 1e3,
             "kernels": len(ev), "idle_ms": sum(g[0] for g in gaps) / 1e3,
             "largest_gaps_us": [(round(g[0], 1), g[1][:40], g[2][:40]) for g in gaps[:6]]}
 
@@ -128,7 +113,8 @@ def timing_rows(shapes, tokens, reps, out_dir, names=("pallas_gpu_gmm", "dense_m
                 f = jax.jit(fn)
                 flops = 6.0 * tokens * s["k"] * s["h"] * s["i"] * (3.0 if mode == "fwd+bwd" else 1.0)
                 row = {"model": model, "tokens": tokens, "variant": name, "mode": mode,
-                       "synced_ms": 1e3 * _synced(f, args, reps), "pipelined_ms": 1e3 * _pipelined(f, args, reps)}
+                       "synced_ms": 1e3 * moe_bench._timeit(f, args, reps, budget_s=float("inf"))[0],
+                       "pipelined_ms": 1e3 * _pipelined(f, args, reps)}
                 row.update(_device(f, args, out_dir, f"{model}_{name}_{mode.replace('+', '')}"))
                 for k in ("synced", "pipelined", "span", "busy"):
                     if f"{k}_ms" in row:

@@ -43,6 +43,19 @@ def newest_trace(profile_dir: str) -> str:
     return max(paths, key=os.path.getmtime)
 
 
+def line_names(events: list[dict]) -> tuple[dict, dict]:
+    """``({pid: process name}, {(pid, tid): line name})`` from the trace's metadata ("ph" == "M") events."""
+    procs, threads = {}, {}
+    for e in events:
+        if e.get("ph") != "M":
+            continue
+        if e.get("name") == "process_name":
+            procs[e["pid"]] = e.get("args", {}).get("name", str(e["pid"]))
+        elif e.get("name") == "thread_name":
+            threads[(e["pid"], e.get("tid"))] = e.get("args", {}).get("name", str(e.get("tid")))
+    return procs, threads
+
+
 def summarize(events: list[dict], top: int = 25, steps: int = 1, device_only: bool = True) -> list[dict]:
     """Per (process, line): busy ms and the ``top`` event names by total ms, all divided by ``steps``.
 
@@ -53,14 +66,7 @@ def summarize(events: list[dict], top: int = 25, steps: int = 1, device_only: bo
       list of {"process", "line", "busy_ms", "events", "top": [{"name", "ms", "count", "share"}]},
       busiest line first.
     """
-    procs, threads = {}, {}
-    for e in events:
-        if e.get("ph") != "M":
-            continue
-        if e.get("name") == "process_name":
-            procs[e["pid"]] = e.get("args", {}).get("name", str(e["pid"]))
-        elif e.get("name") == "thread_name":
-            threads[(e["pid"], e.get("tid"))] = e.get("args", {}).get("name", str(e.get("tid")))
+    procs, threads = line_names(events)
     sums: dict = collections.defaultdict(lambda: collections.defaultdict(lambda: [0.0, 0]))
     for e in events:
         if e.get("ph") != "X" or "dur" not in e:

@@ -47,8 +47,9 @@ _ZEROS_PAST_SUM = frozenset({"pallas_gpu", "pallas_gpu_interpret"})
 
 def zeros_past_sum(implementation: str) -> bool:
     """Whether ``grouped_matmul(..., implementation=...)`` returns exact zeros in the rows past
-    ``sum(group_sizes)`` (then a caller need not mask them). Resolves ``"auto"``; raises like
-    ``resolve_gmm``."""
+    ``sum(group_sizes)`` (then a caller need not mask them): True for the Pallas kernels (their tests check
+    those rows), False for XLA ``ragged_dot`` and tokamax. Resolves ``"auto"`` first.
+    Raises ImplementationUnavailable like ``resolve_gmm``."""
     return resolve_gmm(implementation) in _ZEROS_PAST_SUM
 
 

@@ -173,10 +173,14 @@ def sorted_expert_mlp(xs: jax.Array, group_sizes: jax.Array, wi: jax.Array, wo: 
                       gmm_impl: str, out_dtype=jnp.float32) -> jax.Array:
     """Gated expert MLP on rows sorted by expert: ``[M, H] -> [M, H]`` in ``out_dtype``.
 
-    ``wi [G, H, 2I]`` (gate columns first), ``wo [G, I, H]``; rows past ``sum(group_sizes)`` are 0.
-    Both grouped matmuls accumulate in float32; ``out_dtype`` is the second one's output type (a caller
-    that narrows the result anyway passes its dtype: the same values, without a float32 copy of ``[M, H]``
-    written and read again, ~0.3 ms per pass at M2 8K on the H200).
+    Args: ``xs [M, H]`` compute dtype, rows sorted by expert; ``group_sizes [G]`` int32, sum <= M;
+      ``wi [G, H, 2I]`` (gate columns first), ``wo [G, I, H]``; ``act`` maps ``[..., 2I] -> [..., I]``;
+      ``gmm_impl`` a grouped-matmul implementation (``grouped_matmul.GMM_IMPLEMENTATIONS``); ``out_dtype``
+      of the result (both grouped matmuls accumulate in float32; a caller that narrows the result anyway
+      passes its dtype, the values are the same).
+    Returns ``[M, H]`` in ``out_dtype``; rows past ``sum(group_sizes)`` are 0 (masked here unless the
+    implementation already stores zeros there, ``grouped_matmul.zeros_past_sum``).
+    Raises ImplementationUnavailable for an implementation that cannot run here.
     """
     h = grouped_matmul(xs, wi, group_sizes, implementation=gmm_impl)
     y = grouped_matmul(act(h.astype(xs.dtype)), wo, group_sizes, implementation=gmm_impl).astype(out_dtype)

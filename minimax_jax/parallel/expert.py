@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as PS
 
-from minimax_jax.ops.common import ImplementationUnavailable, default_backend, match_vma, record_implementation
+from minimax_jax.ops.common import (ImplementationUnavailable, default_backend, match_vma, record_implementation,
+                                    searchsorted)
 from minimax_jax.ops.grouped_matmul import resolve_gmm
 from minimax_jax.ops.moe_permute import gather_rows, group_starts, permute_rows, sort_by_expert, unpermute_combine
 
@@ -170,7 +171,7 @@ def _exchange_all_to_all(xs, experts, order, counts, wi, wo, act, gmm, ep, tp, p
     recv = jax.lax.all_to_all(send, axis, 0, 0)                          # [P source, M, H]
     recv_counts = jax.lax.all_to_all(counts.reshape(p, e_loc), axis, 0, 0)   # [P source, E/P]
     cum = jnp.cumsum(recv_counts, axis=1)
-    local_e = jax.vmap(lambda cu: jnp.searchsorted(cu, c, side="right", method="scan_unrolled"))(cum)   # [P, M]; E/P = empty slot
+    local_e = jax.vmap(lambda cu: searchsorted(cu, c, side="right"))(cum)   # [P, M]; E/P = empty slot
     order2, inv2 = _regroup(local_e.reshape(-1).astype(jnp.int32))
     every = jnp.ones((p * m,), bool)
     rows2 = gather_rows(recv.reshape(p * m, h), order2, every, inv2, every)
@@ -197,8 +198,7 @@ def _exchange_ragged(xs, counts, wi, wo, act, gmm, ep, tp, p):
     fwd_plan = (send_start, send_sizes, peer_off, recv_sizes)
     recv = _ragged_exchange(xs, fwd_plan, axis, recv_rows)               # [P*M, H], source-major, live first
     recv_counts = jax.lax.all_to_all(counts.reshape(p, e_loc), axis, 0, 0)    # [P source, E/P]
-    seg = jnp.searchsorted(jnp.cumsum(recv_counts.reshape(-1)), jnp.arange(recv_rows), side="right",
-                           method="scan_unrolled")   # no XLA while loop (a host round trip per step on GPU)
+    seg = searchsorted(jnp.cumsum(recv_counts.reshape(-1)), jnp.arange(recv_rows), side="right")
     local_e = jnp.where(seg < p * e_loc, seg % e_loc, e_loc).astype(jnp.int32)
     order2, inv2 = _regroup(local_e)
     every = jnp.ones((recv_rows,), bool)

@@ -59,7 +59,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from minimax_jax.ops.common import varying_axes
+from minimax_jax.ops.common import searchsorted, varying_axes
 
 __all__ = ["TileConfig", "DEFAULT_CONFIG", "DEFAULT_DLHS_CONFIG", "DEFAULT_TGMM_CONFIG", "CANDIDATES",
            "TGMM_CANDIDATES",
@@ -149,7 +149,8 @@ CANDIDATES = (
 #: tgmm candidates (output tile bk x bn, bm rows per step); run 10's best was 32x128x128w4s4. Tried and
 #: dropped in session 13: one program per chunk of 4-8 groups walking their row blocks in one loop that
 #: stores at each group's end (so a group's ~8 short steps would not each pay a loop prologue): 178-264
-#: TFLOP/s vs 354 (the store and accumulator reset under a condition in the loop defeat Triton's pipelining).
+#: TFLOP/s vs 354 (the store and accumulator reset under a condition in the loop defeat Triton's pipelining);
+#: reading an XLA-transposed lhs^T (K-major first operand, row blocks aligned to bm): 261-313 vs 355.
 TGMM_CANDIDATES = (
     TileConfig(32, 128, 128, 4, 4),
     TileConfig(32, 128, 128, 8, 4),
@@ -226,9 +227,7 @@ def make_visits(group_sizes: jax.Array, m: int, bm: int, fold: int = 0) -> jax.A
     vend = jnp.cumsum(blocks)                       # exclusive end of each group's visits
     vstart = vend - blocks
     v = jnp.arange(num_visits(m, g, bm), dtype=jnp.int32)
-    # scan_unrolled: the default method is an XLA while loop, run on a GPU with a host round trip per
-    # iteration (seen in a profile: ~0.5 ms of idle device time per work list at M2 8K)
-    grp = jnp.searchsorted(vend, v, side="right", method="scan_unrolled").astype(jnp.int32)   # in [0, G + 1]
+    grp = searchsorted(vend, v, side="right")                      # in [0, G + 1] (no XLA while loop)
     valid = grp <= g
     gc = jnp.minimum(grp, g)
     lo = starts_x[gc] + (v - vstart[gc]) * bm

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from minimax_jax.ops.common import searchsorted
 from pallas_kernels.msa import layout
 
 __all__ = ["msa_attention_gpu"]
@@ -247,9 +248,8 @@ def _inverse_map(block_ids, starts, blk, n_tiles):
     flat = jnp.broadcast_to(jnp.concatenate([flat, flat]), tiles.shape)
     tiles, flat = jax.lax.sort((tiles, flat), dimension=2, num_keys=1, is_stable=True)
     bounds = jnp.arange(n_tiles + 1, dtype=jnp.int32)
-    offs = jax.vmap(jax.vmap(lambda a: jnp.searchsorted(a, bounds, side="left",
-                                                        method="scan_unrolled")))(tiles)
-    return flat, offs.astype(jnp.int32)
+    offs = jax.vmap(jax.vmap(lambda a: searchsorted(a, bounds, side="left")))(tiles)
+    return flat, offs
 
 
 def _fwd(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids, *,

@@ -20,6 +20,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from minimax_jax.ops.common import searchsorted
+
 __all__ = ["Prepared", "prepare", "next_pow2", "pad_query_rows"]
 
 
@@ -116,7 +118,7 @@ def _segment_base(kv_pos, kv_seg, q_seg):
     """Per query: j - kv_pos[j] for a key j of the query's segment (0 when it has none). [S],[S],[T]."""
     order = jnp.argsort(kv_seg, stable=True)
     sorted_seg = kv_seg[order]
-    idx = jnp.clip(jnp.searchsorted(sorted_seg, q_seg, side="left", method="scan_unrolled"), 0, kv_seg.shape[0] - 1)
+    idx = jnp.clip(searchsorted(sorted_seg, q_seg, side="left"), 0, kv_seg.shape[0] - 1)
     j = order[idx]
     found = (sorted_seg[idx] == q_seg) & (q_seg >= 0)
     return jnp.where(found, j - kv_pos[j], 0).astype(jnp.int32)
