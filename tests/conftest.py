@@ -16,6 +16,12 @@
    ``MINIMAX_TEST_FAST_COMPILE=0`` keeps XLA's defaults.
 3. Scheduling under xdist: a module with a module-scoped fixture runs on one worker, and the
    longest scheduling units (``tests/durations.txt``) start first.
+4. Lowering Pallas Triton kernels for CUDA on a machine without a GPU (the ``lowering_platforms=("cuda",)``
+   tests): jax >= 0.11 asks the local GPU for its compute capability and raises "No supported GPU devices
+   found" on a CPU; there the target is taken to be an H200 (sm_90, the GPU these kernels are tuned
+   for), as jax 0.10 assumed. A machine with a GPU keeps its own answer. (Patched in this process only,
+   through jax's private ``gpu_info`` module, because jax's public way, an abstract mesh with an
+   ``AbstractDevice``, would change the meshes these tests build.)
 """
 
 from __future__ import annotations
@@ -63,6 +69,24 @@ if os.environ.get("MINIMAX_TEST_FAST_COMPILE", "1") != "0" and not os.environ.ge
     if _extra and not _xla_accepts(" ".join([_base] + _extra)):
         _extra = [f for f in _extra if f.startswith("--xla_backend_optimization_level")]   # a long-standing flag
     os.environ["XLA_FLAGS"] = " ".join([_base] + _extra).strip()
+
+
+def pytest_configure(config):
+    try:
+        from jax._src.pallas.triton import gpu_info
+    except ImportError:          # another jax layout: nothing to patch
+        return
+    if not hasattr(gpu_info, "get_gpu_info_from_version") or getattr(gpu_info.get_gpu_info, "_h200", False):
+        return
+    local = gpu_info.get_gpu_info
+
+    def get_gpu_info():
+        try:
+            return local()
+        except ValueError:       # no GPU here: lower for an H200
+            return gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+    get_gpu_info._h200 = True
+    gpu_info.get_gpu_info = get_gpu_info
 
 
 def pytest_unconfigure(config):

@@ -63,3 +63,23 @@ def test_moe_timing_rows(tmp_path):
 def test_bad_flags_are_usage_errors(script, args, flag):
     r = _run(script, "--tiny", *args, timeout=120)
     assert r.returncode == 2 and flag in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_tgmm_ws_probe_flags_and_cpu_run(tmp_path):
+    """bench/tgmm_ws_probe.py: bad flags are argparse errors; with the Mosaic GPU interpreter (jax >= 0.11) a
+    --cpu run checks the candidate against the Triton tgmm at both projections of both models (error 0 or
+    small) and runs the gmm-level comparison with it; without one, --cpu is refused naming the jax version."""
+    from pallas_kernels.moe.gpu_tgmm_ws import interpreter_available
+
+    r = _run("tgmm_ws_probe.py", "--rounds=0")
+    assert r.returncode == 2 and "--rounds" in r.stderr
+    r = _run("tgmm_ws_probe.py", "--cpu", "--rounds=1", "--reps=1", f"--out={tmp_path}", timeout=600)
+    if not interpreter_available():
+        assert r.returncode == 2 and "jax >= 0.11" in r.stderr
+        return
+    assert r.returncode == 0, r.stderr[-3000:]
+    with open(os.path.join(tmp_path, "tgmm_ws_probe.json")) as f:
+        rows = json.load(f)
+    kern = [x for x in rows if "kernel" in x]
+    assert len(kern) == 8 and all("error" not in x and x["rel_vs_triton"] < 1e-2 for x in kern), kern
+    assert [x["model"] for x in rows if "mode" in x] == ["m2", "m3"]

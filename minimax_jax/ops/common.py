@@ -26,6 +26,7 @@ __all__ = [
     "match_vma",
     "match_cotangent",
     "searchsorted",
+    "typed_out_struct",
 ]
 
 
@@ -40,6 +41,16 @@ def searchsorted(sorted_values: jax.Array, queries: jax.Array, side: str = "left
     log2(len) fused steps.
     """
     return jnp.searchsorted(sorted_values, queries, side=side, method="scan_unrolled").astype(jnp.int32)
+
+
+def typed_out_struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
+    """A kernel's output type (``pallas_call`` out_shape / ``plgpu.kernel`` out_type): typed like ``like``
+    inside ``shard_map`` (with check_vma=True a kernel's output needs ``manual_axis_type``), a plain
+    ``ShapeDtypeStruct(shape, dtype)`` elsewhere."""
+    mat = getattr(jax.typeof(like), "manual_axis_type", None)
+    if mat is None:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
 
 
 class ImplementationUnavailable(RuntimeError):

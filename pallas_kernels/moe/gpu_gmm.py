@@ -59,7 +59,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from minimax_jax.ops.common import searchsorted, varying_axes
+from minimax_jax.ops.common import searchsorted, typed_out_struct, varying_axes
+from pallas_kernels.moe.gpu_tgmm_ws import WsTgmmConfig, tgmm_ws
 
 __all__ = ["TileConfig", "DEFAULT_CONFIG", "DEFAULT_DLHS_CONFIG", "DEFAULT_TGMM_CONFIG", "CANDIDATES",
            "TGMM_CANDIDATES",
@@ -169,18 +170,20 @@ def get_default_configs() -> dict[str, TileConfig]:
 
 
 def set_default_configs(fwd: TileConfig | None = None, dlhs: TileConfig | None = None,
-                        tgmm: TileConfig | None = None) -> dict[str, TileConfig]:
+                        tgmm: TileConfig | WsTgmmConfig | None = None) -> dict[str, TileConfig]:
     """Replace some of the process-wide default configs (None keeps one); returns the previous ones.
 
+    tgmm may also be a ``gpu_tgmm_ws.WsTgmmConfig`` (the warp-specialized Mosaic GPU weight gradient).
     Read when a function calling ``gmm`` is traced: functions already jitted keep their configs.
-    Raises TypeError for a value that is not a TileConfig.
+    Raises TypeError for a value that is not a TileConfig (or, for tgmm, a WsTgmmConfig).
     """
     prev = get_default_configs()
     for name, cfg in (("fwd", fwd), ("dlhs", dlhs), ("tgmm", tgmm)):
         if cfg is None:
             continue
-        if not isinstance(cfg, TileConfig):
-            raise TypeError(f"{name} config must be a TileConfig, got {type(cfg).__name__}")
+        if not isinstance(cfg, TileConfig) and not (name == "tgmm" and isinstance(cfg, WsTgmmConfig)):
+            raise TypeError(f"{name} config must be a TileConfig{' or WsTgmmConfig' if name == 'tgmm' else ''}, "
+                            f"got {type(cfg).__name__}")
         _defaults[name] = cfg
     return prev
 
@@ -385,15 +388,6 @@ def _common_vma(*xs):
     return tuple(out)
 
 
-def _out_struct(shape, dtype, like):
-    """Output type of a pallas_call: typed like ``like`` inside shard_map (with check_vma=True
-    pallas_call requires ``manual_axis_type`` on its out_shape); a plain struct elsewhere."""
-    mat = getattr(jax.typeof(like), "manual_axis_type", None)
-    if mat is None:
-        return jax.ShapeDtypeStruct(shape, dtype)
-    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
-
-
 # ----------------------------------------------------------------------------- checks
 def _check(lhs, rhs, group_sizes, transpose_rhs):
     if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.ndim != 1:
@@ -447,7 +441,7 @@ def gmm_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, trans
     return pl.pallas_call(
         kernel,
         grid=(tab.shape[1] * n_col,),
-        out_shape=_out_struct((m, ndim), out_dtype, lhs),
+        out_shape=typed_out_struct((m, ndim), out_dtype, lhs),
         compiler_params=_params(cfg),
         interpret=interpret,
         name="gmm_t_gpu" if transpose_rhs else "gmm_gpu",
@@ -455,7 +449,7 @@ def gmm_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, trans
 
 
 def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, out_dtype=None,
-         config: TileConfig | None = None, interpret: bool = False) -> jax.Array:
+         config: TileConfig | WsTgmmConfig | None = None, interpret: bool = False) -> jax.Array:
     """Transposed grouped matmul (weight gradient): ``out[g] = lhs[rows of g]^T @ dout[rows of g]``.
 
     Args:
@@ -463,7 +457,8 @@ def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, out_dtype=N
       group_sizes: int ``[G]`` (as in ``gmm_forward``; rows past the sum are not read).
       out_dtype: default ``lhs.dtype``; accumulation is fp32.
       config: tile config (output tile ``bk x bn``, ``bm`` rows per step; default
-        ``get_default_configs()["tgmm"]``). interpret: Pallas interpret mode.
+        ``get_default_configs()["tgmm"]``); a ``gpu_tgmm_ws.WsTgmmConfig`` runs ``gpu_tgmm_ws.tgmm_ws``
+        instead (bf16 / f16 only, its own shape constraints). interpret: Pallas interpret mode.
     Returns: ``[G, K, N]``; an empty group's matrix is exactly 0.
     Raises: ValueError on inconsistent shapes; TypeError on dtypes.
     Math: MegaBlocks (Gale et al. 2022) weight gradient of the grouped GEMM.
@@ -477,6 +472,9 @@ def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, out_dtype=N
         raise TypeError(f"tgmm needs lhs and dout of one dtype in {[str(d) for d in _DTYPES]}, got {lhs.dtype}, "
                         f"{dout.dtype}")
     cfg = config or _defaults["tgmm"]
+    if isinstance(cfg, WsTgmmConfig):    # the warp-specialized Mosaic GPU weight gradient (opt-in)
+        lhs, dout, group_sizes = _common_vma(lhs, dout, group_sizes)
+        return tgmm_ws(lhs, dout, group_sizes, config=cfg, out_dtype=out_dtype, interpret=interpret)
     m, kdim = lhs.shape
     ndim = dout.shape[1]
     g = group_sizes.shape[0]
@@ -490,7 +488,7 @@ def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, out_dtype=N
     return pl.pallas_call(
         kernel,
         grid=(g * nk * nn,),
-        out_shape=_out_struct((g, kdim, ndim), out_dtype, lhs),
+        out_shape=typed_out_struct((g, kdim, ndim), out_dtype, lhs),
         compiler_params=_params(cfg),
         interpret=interpret,
         name="tgmm_gpu",
@@ -529,6 +527,8 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, config: TileC
       group_sizes: int ``[G]`` rows per group, ``sum <= M`` (larger sums are clipped to M).
       config / dlhs_config / tgmm_config: TileConfigs of the forward, the dlhs kernel (transposed
         gmm) and the weight-gradient kernel (tgmm); None = ``get_default_configs()`` at trace time.
+        A ``gpu_tgmm_ws.WsTgmmConfig`` as tgmm_config runs the warp-specialized Mosaic GPU weight
+        gradient instead (opt-in, bf16 / f16, its shape constraints raise ValueError).
       out_dtype: output dtype (default ``lhs.dtype``), fp32 accumulation.
       interpret: Pallas interpret mode (any backend; CPU tests).
     Returns: ``[M, N]`` in out_dtype; rows past ``sum(group_sizes)`` are exactly 0.
@@ -540,9 +540,11 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, config: TileC
       transposes; module docstring for the kernel layout.
     """
     _check(lhs, rhs, group_sizes, False)
-    for c in (config, dlhs_config, tgmm_config):
+    for c in (config, dlhs_config):
         if c is not None and not isinstance(c, TileConfig):
             raise TypeError(f"configs must be TileConfig or None, got {type(c).__name__}")
+    if tgmm_config is not None and not isinstance(tgmm_config, (TileConfig, WsTgmmConfig)):
+        raise TypeError(f"tgmm_config must be a TileConfig, a WsTgmmConfig or None, got {type(tgmm_config).__name__}")
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     # Inside shard_map: give the operands one varying type first (as jnp binary ops do), so the
     # kernels' outputs and the custom VJP's cotangents are typed like their primals; JAX transposes

@@ -1,0 +1,305 @@
+"""Weight gradient of the grouped matmul (tgmm) on Hopper: a warp-specialized, persistent Pallas Mosaic GPU kernel.
+
+Math: ``out[g] = lhs[rows of g]^T @ dout[rows of g]`` (the drhs of MegaBlocks' grouped GEMM, Gale et al.
+2022, arXiv 2211.15841; same contract as ``gpu_gmm.tgmm``), fp32 accumulation, rows sorted by group.
+
+Why a second tgmm: at ~256 rows per expert (M2 / M3, 8K tokens per step) each output tile of the Triton
+tgmm (``gpu_gmm._tgmm_kernel``) is a loop of only 8 short steps, so every tile pays its pipeline fill and
+its epilogue, and the one-CTA-per-SM 128 x 256 tiles that would halve the L2 traffic were slower still
+(BENCHMARKS.md, MoE, sessions 5-13: 317-390 TFLOP/s vs 470-590 for the forward kernels). This kernel
+keeps loads streaming across tiles instead:
+
+- one CTA per SM (``plgpu.kernel`` grid = SM count) walks the output tiles ``(group, K tile, N tile)``
+  (N tile fastest, group outermost: a group's rows stay in L2) with ``plgpu.nd_loop``;
+- three warpgroups: a memory warpgroup issues TMA loads of ``[block_rows, block_k]`` lhs and
+  ``[block_rows, block_n]`` dout blocks into a ring of ``stages`` SMEM slots, one running slot counter
+  across all tiles of the CTA (the next tile's loads are in flight during this tile's epilogue); two
+  compute warpgroups each own half of the tile's columns: ``wgmma`` of the transposed lhs block
+  (``[block_k, block_rows]`` from SMEM) with its half of the dout block into a ``[block_k, block_n / 2]``
+  fp32 accumulator, releasing each slot one step later (``wgmma_wait(1)``), then convert, write SMEM
+  and TMA-store the tile;
+- ragged rows: TMA row offsets into 8-row tiled SMEM must be multiples of 8, so a group's row blocks
+  start at ``8 * floor(start / 8)``; the compute warpgroup zeroes the dout rows outside the group in the
+  first and last block of each tile (in SMEM, its own column half, then ``commit_smem``) before the
+  ``wgmma``. Rows past M read as zeros (TMA out-of-bounds fill). lhs rows outside the group are not
+  zeroed: they meet zero dout rows, so a non-finite value in *another* group's lhs rows (or a NaN) would
+  leak into this group's gradient (0 * inf). An empty group stores exact zeros.
+
+Status: correct in the Mosaic GPU interpreter (tests/test_tgmm_ws.py, jax >= 0.11) and lowers for CUDA
+on a CPU machine; it has NOT yet run on a GPU (session 14 had no device time left), so it is opt-in:
+pass a ``WsTgmmConfig`` as ``tgmm_config`` of ``gpu_gmm.gmm`` / ``set_default_configs(tgmm=...)``;
+``bench/tgmm_ws_probe.py`` checks and times it against the Triton tgmm in one call.
+
+Requirements (ValueError / TypeError otherwise, never a silent fallback): bf16 / f16 operands (the
+Hopper ``wgmma`` of fp32 is TF32, not the IEEE fp32 the fp32 path promises), K % block_k == 0 and
+N % block_n == 0 (M2: K, N in {1536, 3072}; M3: {3072, 6144}).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from minimax_jax.ops.common import match_vma, typed_out_struct
+
+__all__ = ["WsTgmmConfig", "WS_TGMM_CANDIDATES", "interpreter_available", "tgmm_ws"]
+
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_SMEM_BYTES = 227 * 1024          # Hopper: dynamic shared memory per CTA
+_MEMORY_REGISTERS = 40            # per thread of the memory warpgroup (JAX's Hopper matmul uses 40)
+_COMPUTE_REGISTERS = 232          # (512 - 40) / 2 rounded down to a multiple of 8
+
+
+@dataclasses.dataclass(frozen=True)
+class WsTgmmConfig:
+    """Tile shape of ``tgmm_ws``: output tile ``[block_k, block_n]`` (two compute warpgroups of
+    ``block_n / 2`` columns each), ``block_rows`` group rows per pipeline step, ``stages`` SMEM slots.
+
+    block_rows: 64 or 128 (the ``wgmma`` contraction; the row mask of a [rows, block_n / 2] block in
+    registers needs a multiple of 64 rows: with 16 or 32, Mosaic GPU's layout inference found no layout); block_k: 64 or 128 (rows of the
+    fp32 accumulator); block_n: 128 or 256 (two warpgroups of 64 or 128 columns: at most 128 fp32
+    accumulator registers per thread). num_sms: CTAs
+    (default: the device's SM count). Raises ValueError for other values or a ring plus epilogue
+    buffers over 227 KiB of shared memory.
+    """
+    block_rows: int = 64
+    block_k: int = 128
+    block_n: int = 256
+    stages: int = 3
+    num_sms: int | None = None
+
+    def __post_init__(self):
+        if self.block_rows not in (64, 128):
+            raise ValueError(f"WsTgmmConfig.block_rows must be 64 or 128, got {self.block_rows!r}")
+        if self.block_k not in (64, 128):
+            raise ValueError(f"WsTgmmConfig.block_k must be 64 or 128, got {self.block_k!r}")
+        if self.block_n not in (128, 256):
+            raise ValueError(f"WsTgmmConfig.block_n must be 128 or 256, got {self.block_n!r}")
+        if not isinstance(self.stages, int) or self.stages < 2:
+            raise ValueError(f"WsTgmmConfig.stages must be an int >= 2, got {self.stages!r}")
+        if self.num_sms is not None and (not isinstance(self.num_sms, int) or self.num_sms < 1):
+            raise ValueError(f"WsTgmmConfig.num_sms must be None or an int >= 1, got {self.num_sms!r}")
+        if self.smem_bytes(2) > _SMEM_BYTES:
+            raise ValueError(f"WsTgmmConfig {self.label()} needs {self.smem_bytes(2) // 1024} KiB of shared memory "
+                             f"(> {_SMEM_BYTES // 1024} KiB on Hopper): fewer stages or smaller blocks")
+
+    def smem_bytes(self, itemsize: int) -> int:
+        """Shared memory of the ring (lhs + dout blocks per stage) plus the two epilogue tiles."""
+        ring = self.stages * self.block_rows * (self.block_k + self.block_n) * itemsize
+        return ring + self.block_k * self.block_n * itemsize
+
+    def label(self) -> str:
+        """Short name, e.g. ``ws64r128x256s3``."""
+        return f"ws{self.block_rows}r{self.block_k}x{self.block_n}s{self.stages}"
+
+
+#: Candidates for a sweep (bench/tgmm_ws_probe.py), none measured yet (ring + epilogue <= 208 KiB in bf16):
+#: 128 x 256 output tiles with 64-row steps and 2-3 stages, 64 x 256 tiles with 4 stages of 64 rows or 2
+#: of 128, and 128 x 128 tiles with 4 stages.
+WS_TGMM_CANDIDATES = (
+    WsTgmmConfig(64, 128, 256, 3),
+    WsTgmmConfig(64, 128, 256, 2),
+    WsTgmmConfig(64, 64, 256, 4),
+    WsTgmmConfig(128, 64, 256, 2),
+    WsTgmmConfig(64, 128, 128, 4),
+)
+
+
+def _interpret_params():
+    """The Mosaic GPU interpreter's params (jax >= 0.11 exports them); None where there is none."""
+    return getattr(plgpu, "InterpretGPUParams", None)
+
+
+def interpreter_available() -> bool:
+    """Whether this jax has the Mosaic GPU interpreter that ``tgmm_ws(interpret=True)`` needs (jax >= 0.11;
+    jax 0.10's cannot interpret ``transpose_ref`` SMEM views)."""
+    return _interpret_params() is not None
+
+
+def _transposed(ref):
+    """The 2-D SMEM ref transposed (a view for ``wgmma``): ``ref.transpose`` where jax has it (0.11 deprecates
+    ``plgpu.transpose_ref``), ``plgpu.transpose_ref`` before."""
+    if hasattr(ref, "transpose"):
+        return ref.transpose((1, 0))
+    return plgpu.transpose_ref(ref, (1, 0))
+
+
+def _transforms(minor: int, itemsize: int):
+    """8-row tiling and the widest swizzle for a minor dimension of ``minor`` elements (wgmma / TMA)."""
+    swizzle = plgpu.find_swizzle(minor * itemsize * 8)
+    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
+def tgmm_ws(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, config: WsTgmmConfig | None = None,
+            out_dtype=None, interpret: bool = False) -> jax.Array:
+    """Grouped weight gradient ``out[g] = lhs[rows of g]^T @ dout[rows of g]`` (warp-specialized Mosaic GPU).
+
+    Args:
+      lhs: ``[M, K]`` bf16 / f16, rows sorted by group; dout: ``[M, N]``, same dtype.
+      group_sizes: int ``[G]`` rows per group in order (negative sizes count as 0; the sum is clipped to M;
+        rows past the sum are not used).
+      config: ``WsTgmmConfig`` (default ``WsTgmmConfig()``); out_dtype: bf16 / f16 (default lhs.dtype).
+      interpret: run in the Mosaic GPU interpreter (any backend, jax >= 0.11; tests). On a CPU pass
+        ``config.num_sms`` (the CTAs the interpreter runs).
+    Returns: ``[G, K, N]`` in out_dtype, fp32 accumulation; an empty group's matrix is exactly 0.
+    Raises: ValueError on shapes (ranks, M mismatch, K % block_k, N % block_n) or a device without an SM
+      count and no ``config.num_sms``; TypeError on dtypes or config;
+      NotImplementedError for ``interpret=True`` on a jax without the Mosaic GPU interpreter.
+    Math: MegaBlocks (Gale et al. 2022) weight gradient; kernel layout in the module docstring.
+    """
+    cfg = config or WsTgmmConfig()
+    if not isinstance(cfg, WsTgmmConfig):
+        raise TypeError(f"config must be a WsTgmmConfig, got {type(cfg).__name__}")
+    if lhs.ndim != 2 or dout.ndim != 2 or group_sizes.ndim != 1 or lhs.shape[0] != dout.shape[0]:
+        raise ValueError(f"tgmm_ws expects lhs [M, K], dout [M, N], group_sizes [G]; got {lhs.shape}, {dout.shape}, "
+                         f"{group_sizes.shape}")
+    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise TypeError(f"group_sizes must be integer, got {group_sizes.dtype}")
+    out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+    if lhs.dtype != dout.dtype or jnp.dtype(lhs.dtype) not in _DTYPES or out_dtype not in _DTYPES:
+        raise TypeError(f"tgmm_ws needs bf16 / f16 lhs and dout of one dtype and a bf16 / f16 output, got "
+                        f"{lhs.dtype}, {dout.dtype} -> {out_dtype} (gpu_gmm.tgmm covers fp32)")
+    m, kdim = lhs.shape
+    ndim = dout.shape[1]
+    br, bk, bn, stages = cfg.block_rows, cfg.block_k, cfg.block_n, cfg.stages
+    if kdim % bk or ndim % bn:
+        raise ValueError(f"tgmm_ws {cfg.label()} needs K % {bk} == 0 and N % {bn} == 0, got K={kdim}, N={ndim} "
+                         f"(gpu_gmm.tgmm has no such constraint)")
+    interpret_params = None
+    if interpret:
+        params = _interpret_params()
+        if params is None:
+            raise NotImplementedError(f"tgmm_ws(interpret=True) needs the Mosaic GPU interpreter of jax >= 0.11 "
+                                      f"(this is jax {jax.__version__})")
+        interpret_params = params()
+    g = group_sizes.shape[0]
+    bh = bn // 2                                   # columns per compute warpgroup
+    nk, nn = kdim // bk, ndim // bn
+    num_tiles = g * nk * nn
+    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    ends = jnp.minimum(jnp.cumsum(sizes), m)
+    starts = jnp.minimum(jnp.cumsum(sizes) - sizes, m)
+    tab = jnp.stack([starts, ends - starts]).astype(jnp.int32)
+    itemsize = jnp.dtype(lhs.dtype).itemsize
+
+    def decode(t):
+        gi = lax.div(t, nk * nn)
+        r = t - gi * (nk * nn)
+        ki = lax.div(r, nn)
+        return gi, ki, r - ki * nn
+
+    def body(tab_ref, lhs_ref, dout_ref, out_ref):
+        def rows_of(gi):
+            """(first row of the first block, steps, live rows [lo, hi) relative to that row)."""
+            start, size = tab_ref[0, gi], tab_ref[1, gi]
+            a0 = lax.div(start, 8) * 8                 # TMA row offsets into 8-row tiled SMEM: multiples of 8
+            lo = start - a0
+            nsteps = jnp.where(size > 0, lax.div(lo + size + (br - 1), br), 0)
+            return a0, nsteps, lo, lo + size
+
+        def scope(lhs_smem, dout_smem, out_smem, produced, consumed):
+            wg = lax.axis_index("wg")
+
+            @pl.when(wg == 2)
+            def _memory():
+                plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+
+                @plgpu.nd_loop((num_tiles,), collective_axes="sm", init_carry=jnp.int32(0))
+                def used(info, carry):
+                    gi, ki, ni = decode(info.index[0])
+                    a0, nsteps, _, _ = rows_of(gi)
+
+                    def step(s, c):
+                        slot = lax.rem(c, stages)
+
+                        @pl.when(c >= stages)
+                        def _():
+                            plgpu.barrier_wait(consumed.at[slot])    # both compute warpgroups released it
+                        rows = pl.ds(pl.multiple_of(a0 + s * br, 8), br)
+                        plgpu.copy_gmem_to_smem(lhs_ref.at[rows, pl.ds(ki * bk, bk)], lhs_smem.at[slot],
+                                                produced.at[slot])
+                        plgpu.copy_gmem_to_smem(dout_ref.at[rows, pl.ds(ni * bn, bn)], dout_smem.at[slot],
+                                                produced.at[slot])
+                        return c + 1
+                    return lax.fori_loop(0, nsteps, step, carry)
+
+                def drain(j, carry):     # observe the last release of each slot before the barriers go away
+                    plgpu.barrier_wait(consumed.at[lax.rem(j, stages)])
+                    return carry
+                lax.fori_loop(jnp.maximum(used - stages, 0), used, drain, None)
+
+            @pl.when(wg < 2)
+            def _compute():
+                plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+
+                @plgpu.nd_loop((num_tiles,), collective_axes="sm", init_carry=jnp.int32(0))
+                def _tiles(info, carry):
+                    gi, ki, ni = decode(info.index[0])
+                    _, nsteps, lo, hi = rows_of(gi)
+
+                    def acc_scope(acc_ref):
+                        def step(s, c):
+                            slot = lax.rem(c, stages)
+                            plgpu.barrier_wait(produced.at[slot])
+                            d_ref = dout_smem.at[slot, :, pl.ds(wg * bh, bh)]
+                            r_lo, r_hi = lo - s * br, hi - s * br          # live rows of this block
+
+                            @pl.when((r_lo > 0) | (r_hi < br))
+                            def _mask():
+                                x = d_ref[...]
+                                idx = lax.broadcasted_iota(jnp.int32, (br, bh), 0)
+                                d_ref[...] = jnp.where((idx >= r_lo) & (idx < r_hi), x, jnp.zeros_like(x))
+                                plgpu.commit_smem()
+                            plgpu.wgmma(acc_ref, _transposed(lhs_smem.at[slot]), d_ref)
+                            plgpu.wgmma_wait(1)                    # the previous step's wgmma is done
+
+                            @pl.when(s > 0)
+                            def _():
+                                plgpu.barrier_arrive(consumed.at[lax.rem(c + (stages - 1), stages)])
+                            return c + 1
+                        c_end = lax.fori_loop(0, nsteps, step, carry)
+                        plgpu.wgmma_wait(0)
+
+                        @pl.when(nsteps > 0)
+                        def _():
+                            plgpu.barrier_arrive(consumed.at[lax.rem(c_end + (stages - 1), stages)])
+                        return acc_ref[...], c_end
+
+                    acc, c_end = pl.run_scoped(acc_scope, plgpu.ACC((bk, bh), jnp.float32))
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)      # the previous tile's store read its SMEM
+                    out_smem.at[wg][...] = acc.astype(out_dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(out_smem.at[wg],
+                                            out_ref.at[gi, pl.ds(ki * bk, bk), pl.ds(ni * bn + wg * bh, bh)])
+                    return c_end
+                plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(
+            scope,
+            lhs_smem=plgpu.SMEM((stages, br, bk), lhs.dtype, transforms=_transforms(bk, itemsize)),
+            dout_smem=plgpu.SMEM((stages, br, bn), lhs.dtype, transforms=_transforms(bh, itemsize)),
+            out_smem=plgpu.SMEM((2, bk, bh), out_dtype, transforms=_transforms(bh, out_dtype.itemsize)),
+            produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            collective_axes="wg",
+        )
+
+    num_sms = cfg.num_sms or getattr(jax.devices()[0], "core_count", None)
+    if not num_sms:
+        raise ValueError(f"tgmm_ws: {jax.devices()[0].device_kind} reports no SM count; pass WsTgmmConfig(num_sms=...)")
+    kernel = plgpu.kernel(
+        body,
+        out_type=typed_out_struct((g, kdim, ndim), out_dtype, lhs),
+        grid=(num_sms,), grid_names=("sm",),
+        num_threads=3, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=interpret_params,
+    )
+    # Inside shard_map, plgpu.kernel returns its output typed invariant whatever out_type says (seen in the
+    # Mosaic GPU interpreter, jax 0.11.2); its data is per rank, like lhs: retype it so (a custom VJP needs it).
+    return match_vma(kernel(tab, lhs, dout), lhs)

@@ -1,0 +1,150 @@
+"""The warp-specialized Mosaic GPU weight gradient (pallas_kernels/moe/gpu_tgmm_ws.py) on a CPU.
+
+Correctness runs in the Mosaic GPU interpreter (jax >= 0.11; jax 0.10's interpreter cannot interpret
+``transpose_ref`` views, so those tests skip there and say so), against an fp32 oracle, every element:
+ragged groups with unaligned starts (the 8-row-aligned blocks and both masks), empty groups, a sum
+below M (rows past the sum unused), the last group ending at M, several tile configs, and through
+``gpu_gmm.gmm``'s VJP. The CUDA lowering (Mosaic GPU layout inference included) is checked at M2 shapes
+on any jax. Config and input errors are checked everywhere.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.moe import gpu_gmm
+from pallas_kernels.moe.gpu_tgmm_ws import WS_TGMM_CANDIDATES, WsTgmmConfig, interpreter_available, tgmm_ws
+
+needs_interpreter = pytest.mark.skipif(
+    not interpreter_available(),
+    reason=f"the Mosaic GPU interpreter of jax >= 0.11 is needed (jax {jax.__version__})")
+
+
+def _oracle(lhs, dout, sizes):
+    lhs, dout = np.asarray(lhs, np.float64), np.asarray(dout, np.float64)
+    out = np.zeros((len(sizes), lhs.shape[1], dout.shape[1]))
+    start = 0
+    for g, s in enumerate(sizes):
+        out[g] = lhs[start:start + s].T @ dout[start:start + s]
+        start += s
+    return out
+
+
+def _check(got, ref, what):
+    got = np.asarray(got, np.float64)
+    # bf16 output of an fp32 sum: within half a bf16 ulp of the exact value, plus fp32 summation order
+    np.testing.assert_allclose(got, ref, rtol=2.0 ** -8, atol=1e-5 * np.abs(ref).max(), err_msg=what)
+
+
+def _case(rng, sizes, m, k, n):
+    lhs = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
+    dout = jnp.asarray(rng.normal(size=(m, n)), jnp.bfloat16)
+    return lhs, dout, jnp.asarray(sizes, jnp.int32)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("cfg", [WsTgmmConfig(64, 128, 256, 3, num_sms=3), WsTgmmConfig(64, 64, 128, 2, num_sms=2),
+                                 WsTgmmConfig(128, 64, 256, 2, num_sms=5)], ids=lambda c: c.label())
+def test_matches_fp32_oracle_ragged_groups(cfg):
+    rng = np.random.default_rng()
+    # unaligned starts (3, 70, 203 ...), an empty group, groups shorter than one block and longer than
+    # two, a block-multiple group; sum < M: the rows past it belong to no group
+    sizes = np.array([3, 67, 0, 133, cfg.block_rows, 9, 1])
+    m = int(sizes.sum()) + 21
+    k, n = 2 * cfg.block_k, cfg.block_n
+    lhs, dout, gs = _case(rng, sizes, m, k, n)
+    got = tgmm_ws(lhs, dout, gs, config=cfg, interpret=True)
+    assert got.shape == (len(sizes), k, n) and got.dtype == jnp.bfloat16
+    _check(got, _oracle(lhs, dout, sizes), cfg.label())
+    assert np.all(np.asarray(got[2]) == 0)              # the empty group: exact zeros
+
+
+@needs_interpreter
+def test_last_group_ends_at_m_and_random_sizes():
+    """Random sizes summing to M exactly (the last block reads past M: TMA zero fill), f16 in and out."""
+    rng = np.random.default_rng()
+    sizes = rng.integers(0, 90, size=6)
+    m = int(sizes.sum())
+    cfg = WsTgmmConfig(64, 64, 128, 3, num_sms=4)
+    lhs = jnp.asarray(rng.normal(size=(m, 128)), jnp.float16)
+    dout = jnp.asarray(rng.normal(size=(m, 256)), jnp.float16)
+    got = tgmm_ws(lhs, dout, jnp.asarray(sizes, jnp.int32), config=cfg, interpret=True)
+    assert got.dtype == jnp.float16
+    _check(got, _oracle(lhs, dout, sizes), f"sizes {sizes.tolist()}")
+
+
+@needs_interpreter
+def test_gmm_vjp_with_ws_weight_gradient():
+    """gpu_gmm.gmm with tgmm_config=WsTgmmConfig: drhs from the Mosaic kernel equals the Triton tgmm's
+    (both in their interpreters) and the fp32 oracle; y and dlhs are untouched."""
+    rng = np.random.default_rng()
+    sizes = np.array([40, 0, 77, 13])
+    m = int(sizes.sum()) + 6
+    lhs, _, gs = _case(rng, sizes, m, 128, 8)
+    rhs = jnp.asarray(0.2 * rng.normal(size=(4, 128, 256)), jnp.bfloat16)
+    cot = jnp.asarray(rng.normal(size=(m, 256)), jnp.bfloat16)
+
+    def run(tcfg):
+        y, vjp = jax.vjp(lambda a, b: gpu_gmm.gmm(a, b, gs, tgmm_config=tcfg, interpret=True), lhs, rhs)
+        return (y, *vjp(cot))
+    got = run(WsTgmmConfig(64, 128, 256, 2, num_sms=3))
+    tri = run(None)
+    for a, b in zip(got[:2], tri[:2]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    _check(got[2], _oracle(lhs, cot, sizes), "drhs vs oracle")
+    np.testing.assert_allclose(np.asarray(got[2], np.float64), np.asarray(tri[2], np.float64), rtol=2.0 ** -7,
+                               atol=1e-5 * float(jnp.abs(tri[2].astype(jnp.float32)).max()))
+
+
+def test_lowers_for_cuda_at_m2_shapes():
+    """The kernel lowers for CUDA on this CPU machine (Mosaic GPU layout inference included) at M2's
+    first-projection weight gradient ([65536, 3072]^T x [65536, 3072], 256 groups), every candidate."""
+    sd = jax.ShapeDtypeStruct
+    for cfg in WS_TGMM_CANDIDATES:
+        c = WsTgmmConfig(cfg.block_rows, cfg.block_k, cfg.block_n, cfg.stages, num_sms=132)
+        f = jax.jit(lambda a, b, g, c=c: tgmm_ws(a, b, g, config=c))
+        low = f.trace(sd((65536, 3072), jnp.bfloat16), sd((65536, 3072), jnp.bfloat16),
+                      sd((256,), jnp.int32)).lower(lowering_platforms=("cuda",))
+        assert "mosaic_gpu" in low.as_text(), c.label()
+
+
+def test_config_and_input_errors():
+    with pytest.raises(ValueError, match="block_rows"):
+        WsTgmmConfig(block_rows=32)
+    with pytest.raises(ValueError, match="block_k"):
+        WsTgmmConfig(block_k=256)
+    with pytest.raises(ValueError, match="block_n"):
+        WsTgmmConfig(block_n=512)
+    with pytest.raises(ValueError, match="stages"):
+        WsTgmmConfig(stages=1)
+    with pytest.raises(ValueError, match="shared memory"):
+        WsTgmmConfig(128, 128, 256, 3)
+    x = jnp.zeros((64, 128), jnp.bfloat16)
+    gs = jnp.array([64], jnp.int32)
+    with pytest.raises(TypeError, match="bf16 / f16"):
+        tgmm_ws(x.astype(jnp.float32), jnp.zeros((64, 256), jnp.float32), gs)
+    with pytest.raises(ValueError, match="N % 256"):
+        tgmm_ws(x, jnp.zeros((64, 192), jnp.bfloat16), gs)
+    with pytest.raises(ValueError, match=r"lhs \[M, K\]"):
+        tgmm_ws(x, jnp.zeros((32, 256), jnp.bfloat16), gs)
+    with pytest.raises(TypeError, match="WsTgmmConfig"):
+        tgmm_ws(x, jnp.zeros((64, 256), jnp.bfloat16), gs, config=gpu_gmm.DEFAULT_TGMM_CONFIG)
+    with pytest.raises(TypeError, match="tgmm_config"):
+        gpu_gmm.gmm(x, jnp.zeros((1, 128, 256), jnp.bfloat16), gs, tgmm_config="ws")
+    if not interpreter_available():
+        with pytest.raises(NotImplementedError, match="jax >= 0.11"):
+            tgmm_ws(x, jnp.zeros((64, 256), jnp.bfloat16), gs, config=WsTgmmConfig(num_sms=1), interpret=True)
+
+
+def test_set_default_configs_accepts_ws_for_tgmm_only():
+    ws = WsTgmmConfig(num_sms=2)
+    prev = gpu_gmm.set_default_configs(tgmm=ws)
+    try:
+        assert gpu_gmm.get_default_configs()["tgmm"] is ws
+        with pytest.raises(TypeError, match="fwd config must be a TileConfig"):
+            gpu_gmm.set_default_configs(fwd=ws)
+    finally:
+        gpu_gmm.set_default_configs(**prev)
