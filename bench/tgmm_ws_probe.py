@@ -27,7 +27,6 @@ import json
 import os
 import statistics
 import sys
-import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -47,13 +46,8 @@ CPU_SHAPES = {"m2": dict(h=256, i=128, e=8, k=2), "m3": dict(h=256, i=128, e=4, 
 
 
 def _timeit(f, args, reps):
-    jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
+    """Median of ``reps`` synced calls (bench/moe.py's timer, warmed up, no time budget)."""
+    return bench_moe._timeit(f, args, reps, budget_s=float("inf"))[0]
 
 
 def _rel(a, b):

@@ -202,6 +202,14 @@ def tgmm_ws(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, config: 
             nsteps = jnp.where(size > 0, lax.div(lo + size + (br - 1), br), 0)
             return a0, nsteps, lo, lo + size
 
+        def over_tiles(per_tile):
+            """This CTA's output tiles in order (``nd_loop`` over the SMs), a running slot count as the carry:
+            ``per_tile(group, K tile, N tile, count) -> count``; returns the final count."""
+            @plgpu.nd_loop((num_tiles,), collective_axes="sm", init_carry=jnp.int32(0))
+            def run(info, carry):
+                return per_tile(*decode(info.index[0]), carry)
+            return run
+
         def scope(lhs_smem, dout_smem, out_smem, produced, consumed):
             wg = lax.axis_index("wg")
 
@@ -209,9 +217,8 @@ def tgmm_ws(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, config: 
             def _memory():
                 plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
 
-                @plgpu.nd_loop((num_tiles,), collective_axes="sm", init_carry=jnp.int32(0))
-                def used(info, carry):
-                    gi, ki, ni = decode(info.index[0])
+                @over_tiles
+                def used(gi, ki, ni, carry):
                     a0, nsteps, _, _ = rows_of(gi)
 
                     def step(s, c):
@@ -237,9 +244,8 @@ def tgmm_ws(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, config: 
             def _compute():
                 plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
 
-                @plgpu.nd_loop((num_tiles,), collective_axes="sm", init_carry=jnp.int32(0))
-                def _tiles(info, carry):
-                    gi, ki, ni = decode(info.index[0])
+                @over_tiles
+                def _tiles(gi, ki, ni, carry):
                     _, nsteps, lo, hi = rows_of(gi)
 
                     def acc_scope(acc_ref):
