@@ -18,10 +18,9 @@
    longest scheduling units (``tests/durations.txt``) start first.
 4. Lowering Pallas Triton kernels for CUDA on a machine without a GPU (the ``lowering_platforms=("cuda",)``
    tests): jax >= 0.11 asks the local GPU for its compute capability and raises "No supported GPU devices
-   found" on a CPU; there the target is taken to be an H200 (sm_90, the GPU these kernels are tuned
-   for), as jax 0.10 assumed. A machine with a GPU keeps its own answer. (Patched in this process only,
-   through jax's private ``gpu_info`` module, because jax's public way, an abstract mesh with an
-   ``AbstractDevice``, would change the meshes these tests build.)
+   found" on a CPU; there the target is taken to be an H200 (``minimax_jax.ops.common.triton_cuda_target``,
+   entered for the session in this process; subprocesses that lower for CUDA go through
+   ``assume_backend("gpu")``, which enters it too). A machine with a GPU keeps its own answer.
 """
 
 from __future__ import annotations
@@ -72,21 +71,9 @@ if os.environ.get("MINIMAX_TEST_FAST_COMPILE", "1") != "0" and not os.environ.ge
 
 
 def pytest_configure(config):
-    try:
-        from jax._src.pallas.triton import gpu_info
-    except ImportError:          # another jax layout: nothing to patch
-        return
-    if not hasattr(gpu_info, "get_gpu_info_from_version") or getattr(gpu_info.get_gpu_info, "_h200", False):
-        return
-    local = gpu_info.get_gpu_info
-
-    def get_gpu_info():
-        try:
-            return local()
-        except ValueError:       # no GPU here: lower for an H200
-            return gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
-    get_gpu_info._h200 = True
-    gpu_info.get_gpu_info = get_gpu_info
+    from minimax_jax.ops.common import triton_cuda_target
+    config._cuda_target = triton_cuda_target()      # 4.: for the whole session, this process
+    config._cuda_target.__enter__()
 
 
 def pytest_unconfigure(config):

@@ -20,6 +20,7 @@ __all__ = [
     "clear_implementation_report",
     "default_backend",
     "assume_backend",
+    "triton_cuda_target",
     "varying_axes",
     "VmaType",
     "vma_type",
@@ -97,9 +98,42 @@ def assume_backend(backend: str):
         raise ValueError(f"assume_backend: expected cpu, gpu or tpu, got {backend!r}")
     _assumed_backend.append(backend)
     try:
-        yield
+        with (triton_cuda_target() if backend == "gpu" else contextlib.nullcontext()):
+            yield
     finally:
         _assumed_backend.pop()
+
+
+@contextlib.contextmanager
+def triton_cuda_target(gpu: str = "H200"):
+    """Within the block, Pallas Triton kernels lower for CUDA on a machine without a GPU, for ``gpu``
+    (a ``GpuVersion`` name of jax's ``gpu_info``; default the H200, sm_90, the GPU our kernels are tuned
+    for). jax >= 0.11 asks the local GPU for its compute capability and raises "No supported GPU devices
+    found" without one (jax 0.10 lowered without asking). A machine with a GPU keeps its own answer;
+    where jax has no such module this is a no-op. Entered by ``assume_backend("gpu")``.
+    Why a private jax module: jax's public way, an abstract mesh with an ``AbstractDevice``, would replace
+    the (concrete) mesh the caller traces under. Not thread-safe.
+    """
+    try:
+        from jax._src.pallas.triton import gpu_info
+    except ImportError:
+        gpu_info = None
+    if gpu_info is None or not hasattr(gpu_info, "get_gpu_info_from_version"):
+        yield
+        return
+    version = gpu_info.GpuVersion[gpu]
+    local = gpu_info.get_gpu_info
+
+    def get_gpu_info():
+        try:
+            return local()
+        except ValueError:      # no GPU here
+            return gpu_info.get_gpu_info_from_version(version)
+    gpu_info.get_gpu_info = get_gpu_info
+    try:
+        yield
+    finally:
+        gpu_info.get_gpu_info = local
 
 
 # ----------------------------------------------------------------------------- shard_map typing
