@@ -5,7 +5,7 @@ Math: ``out[g] = lhs[rows of g]^T @ dout[rows of g]`` (the drhs of MegaBlocks' g
 
 Why a second tgmm: at ~256 rows per expert (M2 / M3, 8K tokens per step) each output tile of the Triton
 tgmm (``gpu_gmm._tgmm_kernel``) is a loop of only 8 short steps, so every tile pays its pipeline fill and
-its epilogue, and the one-CTA-per-SM 128 x 256 tiles that would halve the L2 traffic were slower still
+its epilogue, and its one-CTA-per-SM 128 x 256 tiles (a quarter less L2 traffic per FLOP) were slower still
 (BENCHMARKS.md, MoE, sessions 5-13: 317-390 TFLOP/s vs 470-590 for the forward kernels). This kernel
 keeps loads streaming across tiles instead:
 
