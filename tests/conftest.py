@@ -77,6 +77,8 @@ def pytest_configure(config):
 
 
 def pytest_unconfigure(config):
+    if getattr(config, "_cuda_target", None) is not None:
+        config._cuda_target.__exit__(None, None, None)
     if os.environ.get(_OWNER) == str(os.getpid()):
         shutil.rmtree(os.environ.get("JAX_COMPILATION_CACHE_DIR", ""), ignore_errors=True)
 

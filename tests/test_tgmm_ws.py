@@ -1,7 +1,7 @@
 """The warp-specialized Mosaic GPU weight gradient (pallas_kernels/moe/gpu_tgmm_ws.py) on a CPU.
 
 Correctness runs in the Mosaic GPU interpreter (jax >= 0.11; jax 0.10's interpreter cannot interpret
-``transpose_ref`` views, so those tests skip there and say so), against an fp32 oracle, every element:
+``transpose_ref`` views, so those tests skip there and say so), against an fp64 numpy oracle, every element:
 ragged groups with unaligned starts (the 8-row-aligned blocks and both masks), empty groups, a sum
 below M (rows past the sum unused), the last group ending at M, several tile configs, and through
 ``gpu_gmm.gmm``'s VJP. The CUDA lowering (Mosaic GPU layout inference included) is checked at M2 shapes
@@ -49,7 +49,8 @@ def _case(rng, sizes, m, k, n):
 @pytest.mark.parametrize("cfg", [WsTgmmConfig(64, 128, 256, 3, num_sms=3), WsTgmmConfig(64, 64, 128, 2, num_sms=2),
                                  WsTgmmConfig(128, 64, 256, 2, num_sms=5)], ids=lambda c: c.label())
 def test_matches_fp32_oracle_ragged_groups(cfg):
-    rng = np.random.default_rng()
+    seed = int(np.random.default_rng().integers(1 << 31))
+    rng = np.random.default_rng(seed)
     # unaligned starts (3, 70, 203 ...), an empty group, groups shorter than one block and longer than
     # two, a block-multiple group; sum < M: the rows past it belong to no group
     sizes = np.array([3, 67, 0, 133, cfg.block_rows, 9, 1])
@@ -58,14 +59,15 @@ def test_matches_fp32_oracle_ragged_groups(cfg):
     lhs, dout, gs = _case(rng, sizes, m, k, n)
     got = tgmm_ws(lhs, dout, gs, config=cfg, interpret=True)
     assert got.shape == (len(sizes), k, n) and got.dtype == jnp.bfloat16
-    _check(got, _oracle(lhs, dout, sizes), cfg.label())
+    _check(got, _oracle(lhs, dout, sizes), f"{cfg.label()} seed {seed}")
     assert np.all(np.asarray(got[2]) == 0)              # the empty group: exact zeros
 
 
 @needs_interpreter
 def test_last_group_ends_at_m_and_random_sizes():
     """Random sizes summing to M exactly (the last block reads past M: TMA zero fill), f16 in and out."""
-    rng = np.random.default_rng()
+    seed = int(np.random.default_rng().integers(1 << 31))
+    rng = np.random.default_rng(seed)
     sizes = rng.integers(0, 90, size=6)
     m = int(sizes.sum())
     cfg = WsTgmmConfig(64, 64, 128, 3, num_sms=4)
@@ -73,14 +75,15 @@ def test_last_group_ends_at_m_and_random_sizes():
     dout = jnp.asarray(rng.normal(size=(m, 256)), jnp.float16)
     got = tgmm_ws(lhs, dout, jnp.asarray(sizes, jnp.int32), config=cfg, interpret=True)
     assert got.dtype == jnp.float16
-    _check(got, _oracle(lhs, dout, sizes), f"sizes {sizes.tolist()}")
+    _check(got, _oracle(lhs, dout, sizes), f"sizes {sizes.tolist()} seed {seed}")
 
 
 @needs_interpreter
 def test_gmm_vjp_with_ws_weight_gradient():
     """gpu_gmm.gmm with tgmm_config=WsTgmmConfig: drhs from the Mosaic kernel equals the Triton tgmm's
     (both in their interpreters) and the fp32 oracle; y and dlhs are untouched."""
-    rng = np.random.default_rng()
+    seed = int(np.random.default_rng().integers(1 << 31))
+    rng = np.random.default_rng(seed)
     sizes = np.array([40, 0, 77, 13])
     m = int(sizes.sum()) + 6
     lhs, _, gs = _case(rng, sizes, m, 128, 8)
@@ -94,9 +97,23 @@ def test_gmm_vjp_with_ws_weight_gradient():
     tri = run(None)
     for a, b in zip(got[:2], tri[:2]):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    _check(got[2], _oracle(lhs, cot, sizes), "drhs vs oracle")
+    _check(got[2], _oracle(lhs, cot, sizes), f"drhs vs oracle, seed {seed}")
     np.testing.assert_allclose(np.asarray(got[2], np.float64), np.asarray(tri[2], np.float64), rtol=2.0 ** -7,
                                atol=1e-5 * float(jnp.abs(tri[2].astype(jnp.float32)).max()))
+
+
+@needs_interpreter
+def test_clipped_sizes_and_no_groups():
+    """Negative sizes count as 0, a size past M (near 2**31) is clipped to the rows left, M = 83 (not a
+    multiple of 8: padded); G = 0 gives an empty result."""
+    rng = np.random.default_rng(0)
+    lhs, dout, _ = _case(rng, [], 83, 64, 128)
+    sizes = [20, -5, 2**31 - 1, 7]
+    got = tgmm_ws(lhs, dout, jnp.asarray(sizes, jnp.int32), config=WsTgmmConfig(64, 64, 128, 2, num_sms=3),
+                  interpret=True)
+    _check(got, _oracle(lhs, dout, [20, 0, 63, 0]), "clipped sizes")
+    empty = tgmm_ws(lhs, dout, jnp.zeros((0,), jnp.int32), config=WsTgmmConfig(64, 64, 128, 2, num_sms=3))
+    assert empty.shape == (0, 64, 128)
 
 
 def test_lowers_for_cuda_at_m2_shapes():
@@ -109,6 +126,11 @@ def test_lowers_for_cuda_at_m2_shapes():
         low = f.trace(sd((65536, 3072), jnp.bfloat16), sd((65536, 3072), jnp.bfloat16),
                       sd((256,), jnp.int32)).lower(lowering_platforms=("cuda",))
         assert "mosaic_gpu" in low.as_text(), c.label()
+    # M not a multiple of 8 (Mosaic GPU's 8-row SMEM tiling): padded, lowers
+    f = jax.jit(lambda a, b, g: tgmm_ws(a, b, g, config=WsTgmmConfig(num_sms=132)))
+    low = f.trace(sd((65535, 3072), jnp.bfloat16), sd((65535, 3072), jnp.bfloat16),
+                  sd((256,), jnp.int32)).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in low.as_text()
 
 
 def test_config_and_input_errors():
@@ -120,6 +142,11 @@ def test_config_and_input_errors():
         WsTgmmConfig(block_n=512)
     with pytest.raises(ValueError, match="stages"):
         WsTgmmConfig(stages=1)
+    with pytest.raises(ValueError, match="block_rows must be an int"):
+        WsTgmmConfig(block_rows=64.0)
+    with pytest.raises(ValueError, match="num_sms"):
+        WsTgmmConfig(num_sms=True)
+    assert WsTgmmConfig(stages=np.int64(2), num_sms=np.int64(4)) == WsTgmmConfig(stages=2, num_sms=4)
     with pytest.raises(ValueError, match="shared memory"):
         WsTgmmConfig(128, 128, 256, 3)
     x = jnp.zeros((64, 128), jnp.bfloat16)

@@ -110,7 +110,8 @@ def triton_cuda_target(gpu: str = "H200"):
     (a ``GpuVersion`` name of jax's ``gpu_info``; default the H200, sm_90, the GPU our kernels are tuned
     for). jax >= 0.11 asks the local GPU for its compute capability and raises "No supported GPU devices
     found" without one (jax 0.10 lowered without asking). A machine with a GPU keeps its own answer;
-    where jax has no such module this is a no-op. Entered by ``assume_backend("gpu")``.
+    where jax has no such module this is a no-op. Entered by ``assume_backend("gpu")``. Raises ValueError
+    for a ``gpu`` jax does not know. Exit nested blocks in reverse order (a ``with`` statement does).
     Why a private jax module: jax's public way, an abstract mesh with an ``AbstractDevice``, would replace
     the (concrete) mesh the caller traces under. Not thread-safe.
     """
@@ -121,19 +122,35 @@ def triton_cuda_target(gpu: str = "H200"):
     if gpu_info is None or not hasattr(gpu_info, "get_gpu_info_from_version"):
         yield
         return
-    version = gpu_info.GpuVersion[gpu]
+    try:
+        version = gpu_info.GpuVersion[gpu]
+    except KeyError:
+        raise ValueError(f"triton_cuda_target: unknown GPU {gpu!r}; one of "
+                         f"{[v.name for v in gpu_info.GpuVersion]}") from None
     local = gpu_info.get_gpu_info
 
     def get_gpu_info():
         try:
             return local()
-        except ValueError:      # no GPU here
+        except ValueError:
+            # Only where no GPU is visible and no abstract device names one (jax 0.10's situation): a GPU
+            # or an abstract target jax cannot map keeps jax's error.
+            if _gpu_visible() or getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None) is not None:
+                raise
             return gpu_info.get_gpu_info_from_version(version)
+    get_gpu_info.__wrapped_local__ = local      # jax's own lookup (tests)
     gpu_info.get_gpu_info = get_gpu_info
     try:
         yield
     finally:
         gpu_info.get_gpu_info = local
+
+
+def _gpu_visible() -> bool:
+    try:
+        return bool(jax.local_devices(backend="gpu"))
+    except RuntimeError:
+        return False
 
 
 # ----------------------------------------------------------------------------- shard_map typing

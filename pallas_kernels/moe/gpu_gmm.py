@@ -61,6 +61,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from minimax_jax.ops.common import searchsorted, typed_out_struct, varying_axes
 from pallas_kernels.moe.gpu_tgmm_ws import WsTgmmConfig, tgmm_ws
+from pallas_kernels.moe.groups import group_bounds
 
 __all__ = ["TileConfig", "DEFAULT_CONFIG", "DEFAULT_DLHS_CONFIG", "DEFAULT_TGMM_CONFIG", "CANDIDATES",
            "TGMM_CANDIDATES",
@@ -189,15 +190,6 @@ def set_default_configs(fwd: TileConfig | None = None, dlhs: TileConfig | None =
 
 
 # ----------------------------------------------------------------------------- work lists
-def _group_bounds(group_sizes, m):
-    """(starts, sizes) int32 [G], clipped to rows [0, m) (negative sizes count as 0)."""
-    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-    raw_ends = jnp.cumsum(sizes)
-    starts = jnp.minimum(raw_ends - sizes, m)
-    ends = jnp.minimum(raw_ends, m)
-    return starts, ends - starts
-
-
 def num_visits(m: int, num_groups: int, bm: int) -> int:
     """Static upper bound of the visits of ``make_visits`` (any fold): ``cdiv(m, bm) + num_groups``."""
     return pl.cdiv(m, bm) + num_groups
@@ -218,7 +210,7 @@ def make_visits(group_sizes: jax.Array, m: int, bm: int, fold: int = 0) -> jax.A
       ``group == G``. Visits are ordered by row; every row in ``[0, m)`` lies in exactly one visit.
     """
     g = group_sizes.shape[0]
-    starts, sizes = _group_bounds(group_sizes, m)
+    starts, sizes = group_bounds(group_sizes, m)
     total = jnp.sum(sizes)
     starts_x = jnp.concatenate([starts, total[None]])
     sizes_x = jnp.concatenate([sizes, (m - total)[None]])
@@ -454,7 +446,8 @@ def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, out_dtype=N
 
     Args:
       lhs: ``[M, K]``; dout: ``[M, N]``, same dtype (bf16 / f16 / f32), rows sorted by group.
-      group_sizes: int ``[G]`` (as in ``gmm_forward``; rows past the sum are not read).
+      group_sizes: int ``[G]`` (as in ``gmm_forward``; rows past the sum are not read by this kernel;
+        with a ``WsTgmmConfig`` see ``gpu_tgmm_ws.tgmm_ws`` on rows outside a group).
       out_dtype: default ``lhs.dtype``; accumulation is fp32.
       config: tile config (output tile ``bk x bn``, ``bm`` rows per step; default
         ``get_default_configs()["tgmm"]``); a ``gpu_tgmm_ws.WsTgmmConfig`` runs ``gpu_tgmm_ws.tgmm_ws``
@@ -480,7 +473,7 @@ def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, out_dtype=N
     g = group_sizes.shape[0]
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     lhs, dout, group_sizes = _common_vma(lhs, dout, group_sizes)
-    starts, sizes = _group_bounds(group_sizes, m)
+    starts, sizes = group_bounds(group_sizes, m)
     tab = jnp.stack([starts, sizes]).astype(jnp.int32)
     nk, nn = pl.cdiv(kdim, cfg.bk), pl.cdiv(ndim, cfg.bn)
     kernel = functools.partial(_tgmm_kernel, bm=cfg.bm, bk=cfg.bk, bn=cfg.bn, n_k_tiles=nk, n_n_tiles=nn,
@@ -517,7 +510,7 @@ _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
 def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, config: TileConfig | None = None,
-        dlhs_config: TileConfig | None = None, tgmm_config: TileConfig | None = None, out_dtype=None,
+        dlhs_config: TileConfig | None = None, tgmm_config: TileConfig | WsTgmmConfig | None = None, out_dtype=None,
         interpret: bool = False) -> jax.Array:
     """Differentiable grouped matmul: ``out[rows of g] = lhs[rows of g] @ rhs[g]`` (Pallas GPU kernels).
 

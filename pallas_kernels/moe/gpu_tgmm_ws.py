@@ -21,9 +21,10 @@ keeps loads streaming across tiles instead:
 - ragged rows: TMA row offsets into 8-row tiled SMEM must be multiples of 8, so a group's row blocks
   start at ``8 * floor(start / 8)``; the compute warpgroup zeroes the dout rows outside the group in the
   first and last block of each tile (in SMEM, its own column half, then ``commit_smem``) before the
-  ``wgmma``. Rows past M read as zeros (TMA out-of-bounds fill). lhs rows outside the group are not
-  zeroed: they meet zero dout rows, so a non-finite value in *another* group's lhs rows (or a NaN) would
-  leak into this group's gradient (0 * inf). An empty group stores exact zeros.
+  ``wgmma``. Rows past M read as zeros (TMA out-of-bounds fill; M is padded to a multiple of 8). lhs rows
+  outside the group are not zeroed (both warpgroups read the whole lhs block): they meet zero dout rows,
+  so a non-finite value in another group's lhs rows or in rows past the sum leaks into this group's
+  gradient as NaN (0 * inf), which the Triton tgmm does not do. An empty group stores exact zeros.
 
 Status: correct in the Mosaic GPU interpreter (tests/test_tgmm_ws.py, jax >= 0.11) and lowers for CUDA
 on a CPU machine; it has NOT yet run on a GPU (session 14 had no device time left), so it is opt-in:
@@ -32,7 +33,7 @@ pass a ``WsTgmmConfig`` as ``tgmm_config`` of ``gpu_gmm.gmm`` / ``set_default_co
 
 Requirements (ValueError / TypeError otherwise, never a silent fallback): bf16 / f16 operands (the
 Hopper ``wgmma`` of fp32 is TF32, not the IEEE fp32 the fp32 path promises), K % block_k == 0 and
-N % block_n == 0 (M2: K, N in {1536, 3072}; M3: {3072, 6144}).
+N % block_n == 0 (M2: K, N in {1536, 3072}; M3: {3072, 6144}). Any M (padded to a multiple of 8).
 """
 
 from __future__ import annotations
@@ -41,11 +42,13 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from minimax_jax.ops.common import match_vma, typed_out_struct
+from pallas_kernels.moe.groups import group_bounds
 
 __all__ = ["WsTgmmConfig", "WS_TGMM_CANDIDATES", "interpreter_available", "tgmm_ws"]
 
@@ -74,16 +77,23 @@ class WsTgmmConfig:
     num_sms: int | None = None
 
     def __post_init__(self):
+        for name in ("block_rows", "block_k", "block_n", "stages"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise ValueError(f"WsTgmmConfig.{name} must be an int, got {v!r}")
+            object.__setattr__(self, name, int(v))
+        if self.num_sms is not None:
+            if isinstance(self.num_sms, bool) or not isinstance(self.num_sms, (int, np.integer)) or self.num_sms < 1:
+                raise ValueError(f"WsTgmmConfig.num_sms must be None or an int >= 1, got {self.num_sms!r}")
+            object.__setattr__(self, "num_sms", int(self.num_sms))
         if self.block_rows not in (64, 128):
             raise ValueError(f"WsTgmmConfig.block_rows must be 64 or 128, got {self.block_rows!r}")
         if self.block_k not in (64, 128):
             raise ValueError(f"WsTgmmConfig.block_k must be 64 or 128, got {self.block_k!r}")
         if self.block_n not in (128, 256):
             raise ValueError(f"WsTgmmConfig.block_n must be 128 or 256, got {self.block_n!r}")
-        if not isinstance(self.stages, int) or self.stages < 2:
+        if self.stages < 2:
             raise ValueError(f"WsTgmmConfig.stages must be an int >= 2, got {self.stages!r}")
-        if self.num_sms is not None and (not isinstance(self.num_sms, int) or self.num_sms < 1):
-            raise ValueError(f"WsTgmmConfig.num_sms must be None or an int >= 1, got {self.num_sms!r}")
         if self.smem_bytes(2) > _SMEM_BYTES:
             raise ValueError(f"WsTgmmConfig {self.label()} needs {self.smem_bytes(2) // 1024} KiB of shared memory "
                              f"(> {_SMEM_BYTES // 1024} KiB on Hopper): fewer stages or smaller blocks")
@@ -141,12 +151,16 @@ def tgmm_ws(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, config: 
 
     Args:
       lhs: ``[M, K]`` bf16 / f16, rows sorted by group; dout: ``[M, N]``, same dtype.
-      group_sizes: int ``[G]`` rows per group in order (negative sizes count as 0; the sum is clipped to M;
-        rows past the sum are not used).
+      group_sizes: int ``[G]`` rows per group in order (negative sizes count as 0; the sum is clipped to M).
+        Rows outside a group are zeroed on the dout side only: a non-finite lhs value in another group's
+        rows or in rows past the sum (up to 7 rows before a group's start and the rest of its last block)
+        makes this group's gradient NaN (0 * inf), where ``gpu_gmm.tgmm`` reads none of them. M need not
+        be a multiple of 8 (the operands are then padded with zero rows: a copy).
       config: ``WsTgmmConfig`` (default ``WsTgmmConfig()``); out_dtype: bf16 / f16 (default lhs.dtype).
       interpret: run in the Mosaic GPU interpreter (any backend, jax >= 0.11; tests). On a CPU pass
         ``config.num_sms`` (the CTAs the interpreter runs).
-    Returns: ``[G, K, N]`` in out_dtype, fp32 accumulation; an empty group's matrix is exactly 0.
+    Returns: ``[G, K, N]`` in out_dtype, fp32 accumulation; an empty group's matrix is exactly 0 (G = 0:
+      an empty array).
     Raises: ValueError on shapes (ranks, M mismatch, K % block_k, N % block_n) or a device without an SM
       count and no ``config.num_sms``; TypeError on dtypes or config;
       NotImplementedError for ``interpret=True`` on a jax without the Mosaic GPU interpreter.
@@ -181,10 +195,15 @@ def tgmm_ws(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, config: 
     bh = bn // 2                                   # columns per compute warpgroup
     nk, nn = kdim // bk, ndim // bn
     num_tiles = g * nk * nn
-    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-    ends = jnp.minimum(jnp.cumsum(sizes), m)
-    starts = jnp.minimum(jnp.cumsum(sizes) - sizes, m)
-    tab = jnp.stack([starts, ends - starts]).astype(jnp.int32)
+    if g == 0:
+        return jnp.zeros((0, kdim, ndim), out_dtype)
+    if m % 8:
+        # TMA row offsets into 8-row tiled SMEM must be multiples of 8 and so must M (Mosaic GPU: "dimension 0
+        # must have size smaller or a multiple of its tiling 8"): pad with zero rows, which no group owns.
+        lhs = jnp.pad(lhs, ((0, 8 - m % 8), (0, 0)))
+        dout = jnp.pad(dout, ((0, 8 - m % 8), (0, 0)))
+    starts, sizes = group_bounds(group_sizes, m)
+    tab = jnp.stack([starts, sizes]).astype(jnp.int32)
     itemsize = jnp.dtype(lhs.dtype).itemsize
 
     def decode(t):
