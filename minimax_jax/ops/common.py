@@ -133,9 +133,11 @@ def triton_cuda_target(gpu: str = "H200"):
         try:
             return local()
         except ValueError:
-            # Only where no GPU is visible and no abstract device names one (jax 0.10's situation): a GPU
-            # or an abstract target jax cannot map keeps jax's error.
-            if _gpu_visible() or getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None) is not None:
+            # Only where no GPU is visible and no abstract GPU device is set (jax 0.10's situation): a GPU
+            # or an abstract GPU target jax cannot map keeps jax's error. (Inside a mesh of CPU devices the
+            # abstract device is a CPU: that is the no-GPU case.)
+            target = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+            if _gpu_visible() or getattr(target, "platform", None) == "gpu":
                 raise
             return gpu_info.get_gpu_info_from_version(version)
     get_gpu_info.__wrapped_local__ = local      # jax's own lookup (tests)
