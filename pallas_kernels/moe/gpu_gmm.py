@@ -465,14 +465,13 @@ def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, out_dtype=N
         raise TypeError(f"tgmm needs lhs and dout of one dtype in {[str(d) for d in _DTYPES]}, got {lhs.dtype}, "
                         f"{dout.dtype}")
     cfg = config or _defaults["tgmm"]
+    lhs, dout, group_sizes = _common_vma(lhs, dout, group_sizes)
     if isinstance(cfg, WsTgmmConfig):    # the warp-specialized Mosaic GPU weight gradient (opt-in)
-        lhs, dout, group_sizes = _common_vma(lhs, dout, group_sizes)
         return tgmm_ws(lhs, dout, group_sizes, config=cfg, out_dtype=out_dtype, interpret=interpret)
     m, kdim = lhs.shape
     ndim = dout.shape[1]
     g = group_sizes.shape[0]
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
-    lhs, dout, group_sizes = _common_vma(lhs, dout, group_sizes)
     starts, sizes = group_bounds(group_sizes, m)
     tab = jnp.stack([starts, sizes]).astype(jnp.int32)
     nk, nn = pl.cdiv(kdim, cfg.bk), pl.cdiv(ndim, cfg.bn)
