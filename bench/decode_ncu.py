@@ -1,7 +1,7 @@
 """One launch of each MSA decode kernel at one (batch, context), for Nsight Compute (issue 7).
 
 Runs, in this order and once each: the page-scoring kernel with bf16 index keys, the same with fp8
-index keys (``gpu.CONFIG`` launch defaults), the top-k selection, the sparse (MSA) attention over
+index keys (``gpu_config.CONFIG`` launch defaults), the top-k selection, the sparse (MSA) attention over
 the selected pages, and the dense paged decode attention over the same cache: M3 shapes of
 ``bench/msa_decode.py`` (64 / 4 heads of 128, index head dim 128, 128-token pages, K = 16), Q = 1,
 shuffled page tables. Each output is checked finite, so a kernel that silently wrote nothing fails.
@@ -41,7 +41,7 @@ def main():
     a = ap.parse_args()
     if a.context % PAGE or a.context < 2 * PAGE or a.batch < 1:
         ap.error(f"--context must be a multiple of {PAGE} (>= {2 * PAGE}) and --batch >= 1")
-    from pallas_kernels.decode import gpu
+    from pallas_kernels.decode import gpu_attention, gpu_config, gpu_select
 
     b, npg = a.batch, a.context // PAGE
     p = b * npg + 1
@@ -53,18 +53,19 @@ def main():
     qi = jax.random.normal(jax.random.PRNGKey(1), (b, 1, G, DI), jnp.bfloat16)
     q = jax.random.normal(jax.random.PRNGKey(2), (b, 1, H, D), jnp.bfloat16)
     it = a.interpret
-    print("config", gpu.CONFIG, flush=True)
-    s16 = jax.block_until_ready(gpu.page_scores_gpu(qi, kib, table, pos, interpret=it))
-    s8 = jax.block_until_ready(gpu.page_scores_gpu(qi, ki8, table, pos, ks8, interpret=it))
-    ids = jax.block_until_ready(gpu.select_pages_gpu(qi, kib, table, pos, topk=K, interpret=it))
+    print("config", gpu_config.CONFIG, flush=True)
+    s16 = jax.block_until_ready(gpu_select.page_scores_gpu(qi, kib, table, pos, interpret=it))
+    s8 = jax.block_until_ready(gpu_select.page_scores_gpu(qi, ki8, table, pos, ks8, interpret=it))
+    ids = jax.block_until_ready(gpu_select.select_pages_gpu(qi, kib, table, pos, topk=K, interpret=it))
     done = [("scores_bf16", s16[..., : npg - 1]), ("scores_fp8", s8[..., : npg - 1])]
     del kib, ki8, ks8
     kp = fill((G, p, PAGE, D), 1, jnp.bfloat16)
     vp = fill((G, p, PAGE, D), 2, jnp.bfloat16)
-    o_s, _ = jax.block_until_ready(gpu.paged_attention_gpu(q, kp, vp, table, pos, block_ids=ids, interpret=it))
+    o_s, _ = jax.block_until_ready(gpu_attention.paged_attention_gpu(q, kp, vp, table, pos, block_ids=ids,
+                                                                      interpret=it))
     done += [("sparse_attention", o_s)]
     if not a.no_dense:
-        o_d, _ = jax.block_until_ready(gpu.paged_attention_gpu(q, kp, vp, table, pos, interpret=it))
+        o_d, _ = jax.block_until_ready(gpu_attention.paged_attention_gpu(q, kp, vp, table, pos, interpret=it))
         done += [("dense_attention", o_d)]
     assert int(jnp.min(ids[..., 0])) >= 0, "selection left a row empty"
     for name, x in done:

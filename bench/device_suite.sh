@@ -28,7 +28,7 @@
 # folder), SUITE_LC_ARGS (extra long_context_infer.py flags), SUITE_WORK (scratch folder),
 # SUITE_LANE0 / SUITE_LANE1 (the steps of each lane, in order, from: wheels prefill qtile decode moe
 # train_step impl_check flash_test long_context; defaults as above), SUITE_TRAIN_ARGS (extra
-# bench/train_step.py flags, e.g. "--attention-impl pallas_flash"), SUITE_PREFILL_CASES, SUITE_QTILE_CASES,
+# bench/train_step.py flags, e.g. "--attention-impl pallas_flash_gpu"), SUITE_PREFILL_CASES, SUITE_QTILE_CASES,
 # SUITE_PREFILL_DENSE_MAX (longest context with a measured cuDNN dense baseline, default 131072; longer
 # ones extrapolate from it by (T/T0)^2), SUITE_MOE_TOKENS, SUITE_LC_CONTEXTS (long-context windows, default 131072,1048576), SUITE_LC_S (its cap),
 # SUITE_EP_S (cap of the ep step after the lanes, default 120; 0 skips it), SUITE_EP_TOKENS (its tokens per

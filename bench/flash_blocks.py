@@ -1,4 +1,4 @@
-"""Tile sizes of the GPU flash-attention backward (``minimax_jax.ops.flash``, JAX's Pallas Triton ``mha``).
+"""Tile sizes of the GPU flash-attention backward (``minimax_jax.ops.attention.flash``, JAX's Pallas Triton ``mha``).
 
     PYTHONUNBUFFERED=1 python3 bench/flash_blocks.py --out $OUT             # GPU
     python bench/flash_blocks.py --tiny --out /tmp/flash_blocks             # CPU plumbing (interpret)
@@ -18,7 +18,7 @@ and ``num_warps``, on causal packed GQA attention of the bench model's shape (B=
 3. times cuDNN's fused attention (``jax.nn.dot_product_attention(implementation="cudnn")``, causal,
    one document per row: it has no segment ids here) as the baseline of the same run;
 4. checks (against the XLA reference, same bound) and times cuDNN's packed layout on the same
-   two-document rows (``minimax_jax.ops.cudnn_packed``, ``attention(implementation="cudnn_packed")``)
+   two-document rows (``minimax_jax.ops.attention.cudnn``, ``attention(implementation="cudnn_packed")``)
    for each ``--max-segments`` (the static runs-per-row bound cuDNN's grid is sized by).
 
 ``--candidates current`` times only the tiles ``flash.GPU_BLOCKS`` in use (with the library default
@@ -41,8 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from minimax_jax.ops import cudnn_packed, flash  # noqa: E402
-from minimax_jax.ops.attention import attention  # noqa: E402
+from minimax_jax.ops.attention import attention, flash  # noqa: E402
+from minimax_jax.ops.attention import cudnn as cudnn_packed  # noqa: E402
 
 #: (block_q_dkv, block_kv_dkv, block_q_dq, block_kv_dq, num_warps); None = the library default.
 CANDIDATES = [None, (32, 64, 64, 32, 4), (32, 128, 128, 32, 8), (64, 128, 128, 64, 8), (64, 64, 64, 64, 4),

@@ -17,9 +17,10 @@ CPU smoke run (tiny shapes; the Pallas kernels run in interpret mode):
    (``--sweep-kernels`` picks a subset) separately next to a dense matmul of the same FLOPs
    (``vs_dense`` = rate / dense rate). Each config's output is compared with the first config's
    (``CANDIDATES[0]``, a default without folding; ``rel_err_vs_first``, relative Frobenius error): a
-   config above 1e-2 is flagged and never adopted. The fastest config per kernel becomes the default for the timings
-   below (printed, marked ``*`` in the sweep table, recorded in ``info.pallas_configs``, and checked
-   again as above). ``--no-sweep`` keeps the defaults. ``--tiny`` sweeps the first 3 candidates (interpret-mode
+   config above 1e-2 is flagged and never adopted. The fastest config per kernel is passed explicitly to the
+   Pallas timings below (printed, marked ``*`` in the sweep table, recorded in ``info.pallas_configs``, and
+   checked again as above); the kernels' own defaults are ``gpu_gmm.DEFAULT_CONFIGS``. ``--no-sweep`` keeps
+   the defaults. ``--tiny`` sweeps the first 3 candidates (interpret-mode
    timings on a CPU mean nothing: there the sweep only exercises the code).
 
 1. Checks (small shapes, fresh random bf16 inputs): every available implementation of
@@ -35,7 +36,7 @@ CPU smoke run (tiny shapes; the Pallas kernels run in interpret mode):
    two grouped matmuls alone on pre-sorted rows with the gated activation between ("pallas_gpu_gmm",
    "tokamax_gmm"; bf16 outputs and, for forward+backward, the VJP of a given cotangent, as the dense
    variant), the fixed-shape capacity path with
-   capacity factor 1.25 ("capacity"), and "dense_matmul": plain matmuls [T*k, H] x [H, 2I] and
+   capacity factor 1.25 ("xla_capacity"), and "dense_matmul": plain matmuls [T*k, H] x [H, 2I] and
    [T*k, I] x [I, H] with the same FLOPs. FLOPs = 6 * T * k * H * I forward, 3x that for
    forward+backward (gradients of x and both weights); each row's ``vs_dense`` = its rate / the
    dense matmul's rate at the same model, tokens and mode in the same run (also a table column). A
@@ -93,9 +94,11 @@ from jax.sharding import PartitionSpec as PS  # noqa: E402
 
 from minimax_jax import sharding as sh  # noqa: E402
 from minimax_jax.ops import moe  # noqa: E402
-from minimax_jax.ops.common import clear_implementation_report, implementation_report, match_vma  # noqa: E402
-from minimax_jax.ops.grouped_matmul import grouped_matmul, resolve_gmm, tokamax_status  # noqa: E402
-from minimax_jax.ops.moe_permute import group_starts, permute_rows, sort_by_expert  # noqa: E402
+from minimax_jax.ops import registry  # noqa: E402
+from minimax_jax.ops.moe.grouped_matmul import grouped_matmul, tokamax_status  # noqa: E402
+from minimax_jax.ops.moe.permute import group_starts, permute_rows, sort_by_expert, unpermute_combine  # noqa: E402
+from minimax_jax.ops.registry import clear_implementation_report, implementation_report  # noqa: E402
+from pallas_kernels.common import match_vma  # noqa: E402
 from pallas_kernels.moe import gpu_gmm  # noqa: E402
 
 SHAPES = {"m2": dict(h=3072, i=1536, e=256, k=8), "m3": dict(h=6144, i=3072, e=128, k=4)}
@@ -104,7 +107,8 @@ CHECK = dict(h=1024, i=512, e=32, k=8)   # correctness shapes on the GPU (tile-f
 # Pallas kernel-level check (rows, K, N, groups, empty groups): sizes off the tiles, sum < rows
 GMM_CHECK = dict(m=4096, kd=1024, nd=1536, g=32, empty=3)
 GMM_CHECK_TINY = dict(m=200, kd=64, nd=96, g=6, empty=2)
-ALL_VARIANTS = ("pallas_gpu", "pallas_gpu_gmm", "tokamax", "tokamax_gmm", "capacity", "dense_matmul", "xla_ragged")
+ALL_VARIANTS = ("pallas_gpu", "pallas_gpu_gmm", "tokamax", "tokamax_gmm", "xla_capacity", "dense_matmul",
+                "xla_ragged")
 HI = jax.lax.Precision.HIGHEST
 SWEEP_KERNELS = ("fwd", "dlhs", "tgmm")
 SWEEP_MAX_REL_ERR = 1e-2   # a swept config whose output is further from the first config's is not adopted
@@ -154,18 +158,52 @@ def _moe_fns(impl, **kw):
     return fwd, fwdbwd
 
 
-def _variants(avail_tokamax, pallas_impl):
+def _pallas_gmm(impl, configs):
+    """``grouped_matmul(implementation=impl)`` for a Pallas ``impl`` with the tile ``configs``
+    (``{"fwd", "dlhs", "tgmm"} -> config``) passed to the kernels: ``f(lhs, rhs, gs, out_dtype)``."""
+    def f(lhs, rhs, gs, out_dtype):
+        return gpu_gmm.gmm(lhs, rhs.astype(lhs.dtype), gs.astype(jnp.int32), config=configs["fwd"],
+                           dlhs_config=configs["dlhs"], tgmm_config=configs["tgmm"],
+                           interpret=impl == "pallas_gpu_interpret").astype(out_dtype)
+    return f
+
+
+def _pallas_layer_fns(impl, configs):
+    """(forward, forward+backward) of ``moe_experts(implementation=impl)`` with the tile ``configs``: the
+    default tiles run ``moe_experts`` itself; others the same dropless path (sort, permute, both grouped
+    matmuls with the activation between, un-permute + combine) with the kernels called with ``configs``."""
+    if dict(configs) == dict(gpu_gmm.DEFAULT_CONFIGS):
+        return _moe_fns(impl)
+    gmm = _pallas_gmm(impl, configs)
+
+    def fwd(x, w, ex, wi, wo, cot):
+        order, inv, gs = sort_by_expert(ex, wi.shape[0])
+        xs = permute_rows(x, order, inv)
+        ys = gmm(_act(gmm(xs, wi, gs, jnp.float32).astype(xs.dtype)), wo, gs, jnp.float32).astype(x.dtype)
+        return unpermute_combine(ys, w, order, inv).astype(x.dtype)   # the kernels store 0 past the sum
+
+    def fwdbwd(x, w, ex, wi, wo, cot):
+        return jax.value_and_grad(lambda x, wi, wo: jnp.sum((fwd(x, w, ex, wi, wo, cot) * cot).astype(jnp.float32)),
+                                  argnums=(0, 1, 2))(x, wi, wo)
+    return fwd, fwdbwd
+
+
+def _variants(avail_tokamax, pallas_impl, configs=gpu_gmm.DEFAULT_CONFIGS):
+    """name -> (kind, (forward, forward+backward)); the Pallas variants run with the tile ``configs``."""
     full = _moe_fns
 
     def gmm_only(impl):
         # The same harness as dense() below: bf16 outputs, and for fwd+bwd the VJP of a given cotangent
-        # with the primal output returned. (Up to session 12 the second grouped matmul returned float32,
-        # written out by the forward, and fwd+bwd differentiated a sum(y * cot) loss: extra elementwise
-        # passes the dense baseline did not have, 0.3 ms of the M2 8K forward.) What remains in this path
-        # beyond the dense matmuls is the gated activation between the two grouped matmuls and its VJP.
+        # with the primal output returned. What remains in this path beyond the dense matmuls is the
+        # gated activation between the two grouped matmuls and its VJP.
+        if impl.startswith("pallas_gpu"):
+            gmm = _pallas_gmm(impl, configs)
+        else:
+            def gmm(lhs, rhs, gs, out_dtype):
+                return grouped_matmul(lhs, rhs, gs, implementation=impl, preferred_element_type=out_dtype)
+
         def fwd(xs, gs, wi, wo, cot):
-            hh = grouped_matmul(xs, wi, gs, implementation=impl, preferred_element_type=xs.dtype)
-            return grouped_matmul(_act(hh), wo, gs, implementation=impl, preferred_element_type=xs.dtype)
+            return gmm(_act(gmm(xs, wi, gs, xs.dtype)), wo, gs, xs.dtype)
 
         def fwdbwd(xs, gs, wi, wo, cot):
             out, vjp = jax.vjp(lambda xs, wi, wo: fwd(xs, gs, wi, wo, cot), xs, wi, wo)
@@ -186,14 +224,14 @@ def _variants(avail_tokamax, pallas_impl):
 
     out = {}
     if pallas_impl is not None:
-        out["pallas_gpu"] = ("full", full(pallas_impl))
+        out["pallas_gpu"] = ("full", _pallas_layer_fns(pallas_impl, configs))
         out["pallas_gpu_gmm"] = ("gmm", gmm_only(pallas_impl))
     if avail_tokamax:
         out["tokamax"] = ("full", full("tokamax"))
         out["tokamax_gmm"] = ("gmm", gmm_only("tokamax"))
-    out["capacity"] = ("full", full("capacity", capacity_factor=1.25))
+    out["xla_capacity"] = ("full", full("xla_capacity", capacity_factor=1.25))
     out["dense_matmul"] = ("dense", dense())
-    out["xla_ragged"] = ("full_1/16", full("ragged"))
+    out["xla_ragged"] = ("full_1/16", full("xla_ragged"))
     return out
 
 
@@ -210,9 +248,9 @@ def check(shapes, dtype, results, impls, ep_impls):
                        * cot.astype(jnp.float32))
 
     f32 = [a.astype(jnp.float32) for a in (x, wi, wo)]
-    ref_y = moe.moe_experts(f32[0], w, ex, f32[1], f32[2], _act, implementation="dense")
-    ref_g = jax.grad(lambda *a: loss("dense", *a), argnums=(0, 1, 2))(*f32)
-    cases = [(impl, {"capacity_factor": float(s["e"]) / s["k"]} if impl == "capacity" else {}) for impl in impls]
+    ref_y = moe.moe_experts(f32[0], w, ex, f32[1], f32[2], _act, implementation="xla_dense")
+    ref_g = jax.grad(lambda *a: loss("xla_dense", *a), argnums=(0, 1, 2))(*f32)
+    cases = [(impl, {"capacity_factor": float(s["e"]) / s["k"]} if impl == "xla_capacity" else {}) for impl in impls]
     for impl, kw in cases:
         y = jax.jit(lambda x, wi, wo: moe.moe_experts(x, w, ex, wi, wo, _act, implementation=impl, **kw))(x, wi, wo)
         g = jax.jit(jax.grad(lambda *a: loss(impl, *a, **kw), argnums=(0, 1, 2)))(x, wi, wo)
@@ -439,9 +477,9 @@ def main():
             print(f"--ep-timing skipped: {why}", flush=True)
     print(json.dumps(info), flush=True)
     checks, rows, skipped, sweep_rows = [], [], [], []
-    impls = ["ragged"]
-    if "capacity" in chosen:
-        impls.append("capacity")
+    impls = ["xla_ragged"]
+    if "xla_capacity" in chosen:
+        impls.append("xla_capacity")
     if tokamax_ok and any(v.startswith("tokamax") for v in chosen):
         impls.append("tokamax")
     if want_pallas and pallas_impl:
@@ -453,11 +491,10 @@ def main():
     except Exception:  # a failed check is reported, and the timings still run
         checks.append({"check": "error", "traceback": traceback.format_exc()[-3000:], "ok": False})
         print(checks[-1]["traceback"], flush=True)
-    best = None
+    configs = gpu_gmm.DEFAULT_CONFIGS   # the Pallas variants' tiles: the defaults, or the sweep's best
     if want_pallas and pallas_impl:
         gc = GMM_CHECK_TINY if args.tiny else GMM_CHECK
-        defaults = gpu_gmm.get_default_configs()
-        default_cfgs = (defaults["fwd"], defaults["dlhs"], defaults["tgmm"])
+        default_cfgs = (configs["fwd"], configs["dlhs"], configs["tgmm"])
         def guarded(name, fn):   # a failure is recorded as a failed check; the bench goes on
             try:
                 return fn()
@@ -473,18 +510,17 @@ def main():
                                                         dtype, pallas_impl, args, args.tiny, sweep_kernels))
             if res is not None:
                 sweep_rows, best = res
-                gpu_gmm.set_default_configs(**{k: v for k, v in best.items() if v is not None})
-                tuned = gpu_gmm.get_default_configs()
-                print("sweep adopted: " + ", ".join(f"{k}={v.label()}" for k, v in tuned.items()), flush=True)
-                tuned = (tuned["fwd"], tuned["dlhs"], tuned["tgmm"])
+                configs = {**configs, **{k: v for k, v in best.items() if v is not None}}
+                print("sweep adopted: " + ", ".join(f"{k}={v.label()}" for k, v in configs.items()), flush=True)
+                tuned = (configs["fwd"], configs["dlhs"], configs["tgmm"])
                 if tuned != default_cfgs:
                     guarded("pallas_gmm[best]", lambda: check_gmm(gc, dtype, checks, pallas_impl, tuned,
                                                                   "pallas_gmm[best]"))
     elif want_pallas:
         print(f"pallas variants skipped: backend {backend!r} (the kernels need a GPU; --tiny runs them interpreted)",
               flush=True)
-    info["pallas_configs"] = {k: v.label() for k, v in gpu_gmm.get_default_configs().items()}
-    variants = {k: v for k, v in _variants(tokamax_ok, pallas_impl).items() if k in chosen}
+    info["pallas_configs"] = {k: v.label() for k, v in configs.items()}
+    variants = {k: v for k, v in _variants(tokamax_ok, pallas_impl, configs).items() if k in chosen}
     plan = [(tokens, model, name) for tokens in tokens_list for model in shapes for name in variants
             if name != "xla_ragged"]
     plan += [(tokens_list[0], model, "xla_ragged") for model in shapes if "xla_ragged" in variants]   # slow: last
@@ -640,18 +676,18 @@ def ep_plan(backend, n_dev):
         return [], {}, f"EP timing needs >= 2 devices; {n_dev} visible ({backend})"
     if backend == "cpu":
         return ["all_to_all"], {"ragged_all_to_all": "jax.lax.ragged_all_to_all does not run on CPU "
-                                                     "(minimax_jax.parallel.expert refuses it)"}, None
+                                                     "(minimax_jax.ops.moe.expert_parallel refuses it)"}, None
     return ["ragged_all_to_all", "all_to_all"], {}, None
 
 
 def _one_device_impl():
     """The moe implementation the expert-parallel path's grouped matmul ("auto") resolves to."""
-    gmm = resolve_gmm("auto")
-    return {"xla": "ragged"}.get(gmm, gmm)
+    gmm = registry.resolve("grouped_matmul", "auto").name
+    return {"xla": "xla_ragged"}.get(gmm, gmm)
 
 
 def _exchange_fn(mesh, transport, p):
-    """The token exchange alone (dispatch + return, as ``minimax_jax.parallel.expert``), in shard_map.
+    """The token exchange alone (dispatch + return, as ``minimax_jax.ops.moe.expert_parallel``), in shard_map.
 
     all_to_all: args (send [P*P, M, H], counts [P*P, E/P]) sharded over the expert axis (per device
       [P, M, H] and [P, E/P]); returns the returned rows and the received counts.

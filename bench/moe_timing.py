@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moe as moe_bench  # noqa: E402  (bench/moe.py: shapes, problems, variants)
 from trace_summary import line_names, load_events, newest_trace  # noqa: E402
 
-from minimax_jax.ops.moe_permute import permute_rows, sort_by_expert  # noqa: E402
+from minimax_jax.ops.moe.permute import permute_rows, sort_by_expert  # noqa: E402
 from pallas_kernels.moe import gpu_gmm  # noqa: E402
 
 
@@ -136,7 +136,7 @@ def mgpu_rows(tokens, reps):
     flops = 2.0 * xs.shape[0] * s["h"] * 2 * s["i"]
     ours = jax.jit(lambda a, b, g: gpu_gmm.tgmm(a, b, g))
     ref = ours(xs, dh, gs).astype(jnp.float32)
-    rows = [{"kernel": "tgmm (ours, " + gpu_gmm.get_default_configs()["tgmm"].label() + ")",
+    rows = [{"kernel": "tgmm (ours, " + gpu_gmm.DEFAULT_TGMM_CONFIG.label() + ")",
              "pipelined_ms": 1e3 * _pipelined(ours, (xs, dh, gs), reps)}]
     configs = [dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1),
                dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=4),
@@ -189,7 +189,7 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     info = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
             "xla_flags": os.environ.get("XLA_FLAGS", ""),
-            "pallas_configs": {k: v.label() for k, v in gpu_gmm.get_default_configs().items()}}
+            "pallas_configs": {k: v.label() for k, v in gpu_gmm.DEFAULT_CONFIGS.items()}}
     print(json.dumps(info), flush=True)
     extra = mgpu_rows(tokens, args.reps) if args.mgpu and jax.default_backend() == "gpu" else []
     rows = timing_rows(shapes, tokens, args.reps, args.out, args.variants.split(","))

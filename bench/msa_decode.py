@@ -6,7 +6,7 @@ Tuning first:         python3 bench/msa_decode.py --sweep-scores 32x1048576,1x10
                           --score-family persistent,evict --sweep-budget-s 200 --out $OUT
   (times the current launch table and every ``score_candidates`` config of the given families of the
   page-scoring kernel at those batch x context cases, bf16 and fp8 keys separately; records the best
-  config of each case and installs, per size class of gpu.CONFIG["score"], the case's winner (the best
+  config of each case and installs, per size class of gpu_config.CONFIG["score"], the case's winner (the best
   geometric mean when several swept cases share a class), re-checks every class's launch (restoring
   the old table if the check fails), then the table, which prints the launch each case ran;
   --sweep-budget-s caps the sweep's wall time, candidates past a group's share left untimed)
@@ -15,7 +15,7 @@ Selection / sparse-attention launch sweeps (after --sweep-scores when both are g
   (at the --sweep-scores cases, else --sweep-cases, default 32x1048576,1x1048576: times
   select_pages_gpu per select_splits value, ids checked equal to S=1's, and sparse paged_attention_gpu
   per sparse_pages_per_split value over real selections, o/lse checked against pps=1; each keeps its
-  best geometric mean in gpu.CONFIG for the table; rows under "select_sweep" / "sparse_pps_sweep")
+  best geometric mean in gpu_config.CONFIG for the table; rows under "select_sweep" / "sparse_pps_sweep")
 CPU plumbing of the sweeps (kernels in interpret mode):
   python bench/msa_decode.py --smoke --contexts 2048 --batches 1 --steps 1 --sweep-steps 1 --sweep-cases 1x4096 \
       --sweep-select 1,2,auto --sweep-sparse-pps 1,4 --out /tmp/msa_decode
@@ -58,9 +58,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from minimax_jax.decode import ops  # noqa: E402
+from minimax_jax.ops import paged as ops  # noqa: E402
 from minimax_jax.decode.cache import quantize  # noqa: E402
-from minimax_jax.ops.common import implementation_report  # noqa: E402
+from minimax_jax.ops.registry import implementation_report  # noqa: E402
 
 H, G, D, DI, PAGE, K = 64, 4, 128, 128, 128, 16
 GIB = 1 << 30
@@ -114,13 +114,13 @@ def check(impl, rng, interpret=False):
     """Kernels vs the xla reference on fresh random inputs; returns a dict of max errors.
 
     With ``impl="pallas_gpu"`` or ``interpret`` (the GPU kernels in interpret mode, CPU) also the
-    selection with the scoring launch of every size class of ``gpu.CONFIG["score"]`` (forced with
+    selection with the scoring launch of every size class of ``gpu_config.CONFIG["score"]`` (forced with
     ``size_class``: the check's case itself is small), keys ``select_{bf16,fp8}_{class}_set_mismatch_rows``."""
     res = {}
     classes = []
     if impl == "pallas_gpu" or interpret:
-        from pallas_kernels.decode import gpu
-        classes = [name for name, _ in gpu.SCORE_CLASSES]
+        from pallas_kernels.decode import gpu_config, gpu_select
+        classes = [name for name, _ in gpu_config.SCORE_CLASSES]
     b, nq, npg = 2, 4, 24
     p = b * npg + 5
     kd = jax.random.split(jax.random.PRNGKey(int(rng.integers(1 << 30))), 6)
@@ -139,7 +139,7 @@ def check(impl, rng, interpret=False):
         r = np.sort(np.asarray(ids_ref), -1)
         res[f"select_{label}_set_mismatch_rows"] = int(np.sum(np.any(np.sort(np.asarray(ids), -1) != r, -1)))
         for cls in classes:
-            ids = gpu.select_pages_gpu(qi, kq, pt, pos, ks, topk=K, interpret=interpret, size_class=cls)
+            ids = gpu_select.select_pages_gpu(qi, kq, pt, pos, ks, topk=K, interpret=interpret, size_class=cls)
             res[f"select_{label}_{cls}_set_mismatch_rows"] = int(np.sum(np.any(np.sort(np.asarray(ids), -1) != r, -1)))
     for label, ids in (("dense", None), ("sparse", ids_ref)):
         o_r, l_r = ops.paged_attention(q, kp, vp, pt, pos, block_ids=ids, implementation="xla")
@@ -160,7 +160,7 @@ SCORE_FAMILIES = ("wide", "narrow", "persistent", "evict")
 
 
 def score_candidates(label, family="wide", sms=132):
-    """Launch configs of the scoring kernel to sweep (``pallas_kernels.decode.gpu._score_launch`` keys).
+    """Launch configs of the scoring kernel to sweep (``pallas_kernels.decode.gpu_config.score_launch`` keys).
 
     family "wide": 4 warps, unroll x stages x pages per program (label "fp8" adds the f16-compute
     variants); session 8's sweeps (BENCHMARKS.md): unroll 1-2 with 4-8 pages per program led, 8 warps and
@@ -168,11 +168,11 @@ def score_candidates(label, family="wide", sms=132):
     whose max over the page's tokens needs no cross-warp reduction with one warp), stages 2-4, 4 or 8
     pages per program; fp8 only with the f16 product (session 8: always better). family "persistent":
     the persistent scorer, ``programs`` = ``sms`` x {1, 2, 4} (SMs of the GPU), 1 / 2 / 4 warps, stages
-    2-4. family "evict": the current ``gpu.CONFIG["score"]`` entries of ``label`` and persistent configs
+    2-4. family "evict": the current ``gpu_config.CONFIG["score"]`` entries of ``label`` and persistent configs
     (1-2 warps, 3-4 stages, 2 x sms programs) with ``evict="evict_first"`` (streaming key loads).
     Persistent, evict and fp8 narrow candidates use the f16 product for fp8.
     Raises ValueError for an unknown family."""
-    from pallas_kernels.decode import gpu
+    from pallas_kernels.decode import gpu_config
     if family not in SCORE_FAMILIES:
         raise ValueError(f"unknown score family {family!r}; known: {SCORE_FAMILIES}")
     f16 = {"f16": True} if label == "fp8" else {}
@@ -183,7 +183,7 @@ def score_candidates(label, family="wide", sms=132):
         return [dict(num_warps=w, num_stages=st, unroll=1, programs=sms * k, **f16) for w in (1, 2, 4)
                 for st in (2, 3, 4) for k in (1, 2, 4)]
     if family == "evict":
-        current = [dict(gpu.SCORE_LAUNCH_BASE, **e) for e in gpu.CONFIG["score"][label].values()]
+        current = [dict(gpu_config.SCORE_LAUNCH_BASE, **e) for e in gpu_config.CONFIG["score"][label].values()]
         pers = [dict(num_warps=w, num_stages=st, unroll=1, programs=2 * sms, **f16) for w in (1, 2) for st in (3, 4)]
         return [dict(c, evict="evict_first") for c in current + pers]
     c = [dict(num_warps=4, num_stages=st, unroll=u, ppp=p) for u in (1, 2, 4) for st in (2, 3) for p in (4, 8, 16)]
@@ -205,20 +205,20 @@ def family_candidates(label, families, sms=132):
 
 
 def sweep_scores(cases, min_steps, candidates, l2_bytes=200 * 1024 * 1024, interpret=False, budget_s=None):
-    """Time the page-scoring kernel with the current launch table ("default": ``gpu.CONFIG["score"]``
+    """Time the page-scoring kernel with the current launch table ("default": ``gpu_config.CONFIG["score"]``
     of the case's size class) and each candidate config of ``candidates`` {"bf16" / "fp8": [config]},
     bf16 and fp8 index keys, at each (batch, context) of ``cases``. A candidate runs as given over
-    ``gpu.SCORE_LAUNCH_BASE`` (nothing inherited from the table). ``budget_s``: wall seconds for the
+    ``gpu_config.SCORE_LAUNCH_BASE`` (nothing inherited from the table). ``budget_s``: wall seconds for the
     whole sweep, shared equally by the (case, keys) groups; a group's candidates left when its share
     is spent are not timed (rows with ``skipped``; the default is always timed). Returns rows (batch,
     context, keys, size_class, config, launch = the launch that ran, ms, gbps, wall_s = compile +
     timing; or error / skipped)."""
-    from pallas_kernels.decode import gpu
+    from pallas_kernels.decode import gpu_config, gpu_select
     rows = []
     share = None if budget_s is None else budget_s / (2 * len(cases))
     for b, ctx in cases:
         npg, reps, steps, p = case_sizes(b, ctx, min_steps, l2_bytes)
-        cls = gpu.score_size_class(b * npg)
+        cls = gpu_config.score_size_class(b * npg)
         kib = fill((p, PAGE, DI), 3, jnp.bfloat16)
         ki8, ks8 = jax.jit(lambda x: quantize(x, "float8_e4m3fn"))(kib)
         rng = np.random.default_rng(b * 7 + ctx)
@@ -228,8 +228,8 @@ def sweep_scores(cases, min_steps, candidates, l2_bytes=200 * 1024 * 1024, inter
         for label, ki, ks, nbytes in (("bf16", kib, None, b * ctx * DI * 2), ("fp8", ki8, ks8, b * ctx * (DI + 4))):
             t_group = time.perf_counter()
             for cfg in [None] + list(candidates.get(label, [])):
-                launch = (gpu._score_launch(ki.dtype, total_pages=b * npg) if cfg is None
-                          else {k: v for k, v in dict(gpu.SCORE_LAUNCH_BASE, **cfg).items() if v is not None})
+                launch = (gpu_config.score_launch(ki.dtype, total_pages=b * npg) if cfg is None
+                          else {k: v for k, v in dict(gpu_config.SCORE_LAUNCH_BASE, **cfg).items() if v is not None})
                 if cfg is not None and share is not None and time.perf_counter() - t_group > share:
                     rows.append(dict(batch=b, context=ctx, keys=label, size_class=cls, config=cfg, launch=launch,
                                      skipped=f"sweep budget ({share:.0f} s per case and key dtype) spent"))
@@ -238,7 +238,8 @@ def sweep_scores(cases, min_steps, candidates, l2_bytes=200 * 1024 * 1024, inter
                 def run(qi, ki, ks, tables, launch=launch):
                     acc = jnp.zeros((), jnp.float32)
                     for r in range(steps):
-                        sc = gpu.page_scores_gpu(qi[r], ki, tables[r % reps], pos, ks, interpret=interpret, **launch)
+                        sc = gpu_select.page_scores_gpu(qi[r], ki, tables[r % reps], pos, ks, interpret=interpret,
+                                                        **launch)
                         acc = acc + sc[0, 0, 0, 0]
                     return acc
                 row = dict(batch=b, context=ctx, keys=label, size_class=cls,
@@ -285,13 +286,13 @@ def pick_score_configs(rows):
 
 
 def install_score_configs(per_class):
-    """Puts the per-class winners (``pick_score_configs``) into ``gpu.CONFIG["score"]``, each over
-    ``gpu.SCORE_LAUNCH_BASE`` (as timed); returns the new table."""
-    from pallas_kernels.decode import gpu
+    """Puts the per-class winners (``pick_score_configs``) into ``gpu_config.CONFIG["score"]``, each over
+    ``gpu_config.SCORE_LAUNCH_BASE`` (as timed); returns the new table."""
+    from pallas_kernels.decode import gpu_config
     for label, by_cls in per_class.items():
         for cls, pick in by_cls.items():
-            gpu.CONFIG["score"][label][cls] = dict(gpu.SCORE_LAUNCH_BASE, **pick["config"])
-    return gpu.CONFIG["score"]
+            gpu_config.CONFIG["score"][label][cls] = dict(gpu_config.SCORE_LAUNCH_BASE, **pick["config"])
+    return gpu_config.CONFIG["score"]
 
 
 # ----------------------------------------------------------------------------- selection / sparse-attention sweeps
@@ -321,9 +322,9 @@ def _geomean_best(rows, key, base_value):
 def sweep_select(cases, values, min_steps, interpret=False, l2_bytes=200 * 1024 * 1024):
     """Time ``select_pages_gpu`` (bf16 index keys, scoring launch from CONFIG) for each
     ``select_splits`` value at each (batch, context); also the top-k kernels alone
-    (``gpu._select_rows`` on precomputed raw scores). Every value's ids must equal the S = 1 ids.
+    (``gpu_select._select_rows`` on precomputed raw scores). Every value's ids must equal the S = 1 ids.
     Returns (rows, {value: geomean of select ms / S=1 select ms}, best value)."""
-    from pallas_kernels.decode import gpu
+    from pallas_kernels.decode import gpu_config, gpu_select
     from pallas_kernels.decode.common import pad_rows
     values = [1] + [v for v in values if v != 1]
     rows = []
@@ -334,21 +335,21 @@ def sweep_select(cases, values, min_steps, interpret=False, l2_bytes=200 * 1024 
         tables = jnp.asarray(rng.permutation(np.arange(1, p)).reshape(reps, b, npg), jnp.int32)
         qi = jax.random.normal(jax.random.PRNGKey(ctx + b), (steps, b, 1, G, DI), jnp.bfloat16)
         pos = jnp.full((b, 1), ctx - 1, jnp.int32)
-        launch = gpu._score_launch(kib.dtype, total_pages=b * npg)
+        launch = gpu_config.score_launch(kib.dtype, total_pages=b * npg)
 
         @jax.jit
         def raw_scores(qi, ki, tables):
-            return jnp.stack([gpu._page_scores_raw(qi[r], ki, tables[r % reps], pos, None, interpret=interpret,
-                                                   **launch) for r in range(steps)])
+            return jnp.stack([gpu_select._page_scores_raw(qi[r], ki, tables[r % reps], pos, None,
+                                                          interpret=interpret, **launch) for r in range(steps)])
         raw = raw_scores(qi, kib, tables)                        # [steps, B, R, W]
         pos_rows = pad_rows(jnp.repeat(pos, G, axis=1), 1, raw.shape[2], -1)
         ids1 = None
         for s in values:
             row = dict(batch=b, context=ctx, select_splits=s, width=int(raw.shape[-1]),
-                       slices=gpu._resolve_select_splits(s, b, G, raw.shape[-1]) if s == "auto" else s)
+                       slices=gpu_select._resolve_select_splits(s, b, G, raw.shape[-1]) if s == "auto" else s)
             try:
-                sel = jax.jit(lambda qi, ki, t, s=s: gpu.select_pages_gpu(qi, ki, t, pos, topk=K, interpret=interpret,
-                                                                         select_splits=s))
+                sel = jax.jit(lambda qi, ki, t, s=s: gpu_select.select_pages_gpu(qi, ki, t, pos, topk=K,
+                                                                                interpret=interpret, select_splits=s))
                 ids = np.asarray(sel(qi[0], kib, tables[0]))
                 ids1 = ids if s == 1 else ids1
                 row["match"] = bool(np.array_equal(ids, ids1))
@@ -356,15 +357,16 @@ def sweep_select(cases, values, min_steps, interpret=False, l2_bytes=200 * 1024 
                 def run(qi, ki, tables, s=s):
                     acc = jnp.zeros((), jnp.int32)
                     for r in range(steps):
-                        acc = acc + gpu.select_pages_gpu(qi[r], ki, tables[r % reps], pos, topk=K,
-                                                         interpret=interpret, select_splits=s)[0, 0, 0, 0]
+                        acc = acc + gpu_select.select_pages_gpu(qi[r], ki, tables[r % reps], pos, topk=K,
+                                                                interpret=interpret, select_splits=s)[0, 0, 0, 0]
                     return acc
 
                 def topk_only(raw, s=s):
                     acc = jnp.zeros((), jnp.int32)
                     for r in range(steps):
-                        acc = acc + gpu._select_rows(raw[r], pos_rows, n_rows=G, page=PAGE, topk=K, init_blocks=0,
-                                                     local_blocks=1, interpret=interpret, splits=s)[0, 0, 0]
+                        acc = acc + gpu_select._select_rows(raw[r], pos_rows, n_rows=G, page=PAGE, topk=K,
+                                                            init_blocks=0, local_blocks=1, interpret=interpret,
+                                                            splits=s)[0, 0, 0]
                     return acc
                 t, n = timeit(jax.jit(run), qi, kib, tables, budget_s=0.3)
                 t2, _ = timeit(jax.jit(topk_only), raw, budget_s=0.3)
@@ -382,7 +384,7 @@ def sweep_sparse_pps(cases, values, min_steps, mem_gib, interpret=False, l2_byte
     """Time sparse (MSA) ``paged_attention_gpu`` for each ``sparse_pages_per_split`` value at each
     (batch, context), over block ids from a real selection (bf16 index keys, one per step); o and
     lse are checked against pps = 1. Returns (rows, {value: geomean of ms / pps=1 ms}, best value)."""
-    from pallas_kernels.decode import gpu
+    from pallas_kernels.decode import gpu_attention, gpu_select
     values = [1] + [v for v in values if v != 1]
     rows = []
     for b, ctx in cases:
@@ -403,14 +405,14 @@ def sweep_sparse_pps(cases, values, min_steps, mem_gib, interpret=False, l2_byte
         pos = jnp.full((b, 1), ctx - 1, jnp.int32)
         # kib is an argument, not a closure: a captured array becomes an XLA constant (an 8.6 GB copy
         # at batch 32 x 1M, after which the sweep's first attention call failed on the H200, session 10).
-        sel = jax.jit(lambda qi, ki, t: gpu.select_pages_gpu(qi, ki, t, pos, topk=K, interpret=interpret))
+        sel = jax.jit(lambda qi, ki, t: gpu_select.select_pages_gpu(qi, ki, t, pos, topk=K, interpret=interpret))
         ids = jnp.stack([sel(qi[r], kib, tables[r % reps]) for r in range(steps)])   # [steps, B, G, 1, K]
         del kib
         ref = None
         for pps in values:
             row = dict(batch=b, context=ctx, sparse_pps=pps)
             try:
-                att = jax.jit(lambda q, kp, vp, t, i, pps=pps: gpu.paged_attention_gpu(
+                att = jax.jit(lambda q, kp, vp, t, i, pps=pps: gpu_attention.paged_attention_gpu(
                     q, kp, vp, t, pos, block_ids=i, interpret=interpret, sparse_pages_per_split=pps))
                 o, lse = att(q[0], kp, vp, tables[0], ids[0])
                 o = np.asarray(o.astype(jnp.float32))
@@ -422,8 +424,9 @@ def sweep_sparse_pps(cases, values, min_steps, mem_gib, interpret=False, l2_byte
                 def run(q, kp, vp, tables, ids, pps=pps):
                     acc = jnp.zeros((), jnp.float32)
                     for r in range(steps):
-                        o, _ = gpu.paged_attention_gpu(q[r], kp, vp, tables[r % reps], pos, block_ids=ids[r],
-                                                       interpret=interpret, sparse_pages_per_split=pps)
+                        o, _ = gpu_attention.paged_attention_gpu(q[r], kp, vp, tables[r % reps], pos,
+                                                                 block_ids=ids[r], interpret=interpret,
+                                                                 sparse_pages_per_split=pps)
                         acc = acc + o[0, 0, 0, 0].astype(jnp.float32)
                     return acc
                 t, n = timeit(jax.jit(run), q, kp, vp, tables, ids, budget_s=0.3)
@@ -463,11 +466,11 @@ def bench_one(b, ctx, min_steps, impl, l2_bytes=200 * 1024 * 1024, dry=False, pr
     row = dict(batch=b, context=ctx, replicas=reps, steps_per_call=steps, cache_gib=need / GIB)
     if dry:
         return row
-    if impl == "pallas_gpu":   # the scoring launch this case runs (gpu.CONFIG["score"], by size class)
-        from pallas_kernels.decode import gpu
-        row["score_class"] = gpu.score_size_class(b * npg)
+    if impl == "pallas_gpu":   # the scoring launch this case runs (gpu_config.CONFIG["score"], by size class)
+        from pallas_kernels.decode import gpu_config
+        row["score_class"] = gpu_config.score_size_class(b * npg)
         for label, dt in (("bf16", jnp.bfloat16), ("fp8", jnp.float8_e4m3fn)):
-            row[f"score_launch_{label}"] = gpu._score_launch(dt, total_pages=b * npg)
+            row[f"score_launch_{label}"] = gpu_config.score_launch(dt, total_pages=b * npg)
     kp = fill((G, p, PAGE, D), 1, jnp.bfloat16)
     vp = fill((G, p, PAGE, D), 2, jnp.bfloat16)
     kib = fill((p, PAGE, DI), 3, jnp.bfloat16)
@@ -504,8 +507,8 @@ def bench_one(b, ctx, min_steps, impl, l2_bytes=200 * 1024 * 1024, dry=False, pr
         return ids[0, 0, 0, 0].astype(jnp.float32)
 
     def scores(q, qi, kp, vp, ki, ks, pt):
-        from pallas_kernels.decode import api
-        return api.page_scores(qi, ki, pt, pos, ki_scale=ks, backend="gpu")[0, 0, 0, 0]
+        from pallas_kernels.decode import gpu_select
+        return gpu_select.page_scores_gpu(qi, ki, pt, pos, ks)[0, 0, 0, 0]
 
     msa_kv = b * G * K * PAGE * D * 2 * 2
     cases = {
@@ -547,7 +550,7 @@ def main():
     ap.add_argument("--sweep-scores", default="",
                     help="batch x context cases, e.g. 32x1048576,1x1048576: sweep the scoring kernel's launch "
                          "configs there first (bf16 and fp8 separately), install each case's winner into its size "
-                         "class of gpu.CONFIG['score'] and time the table with them")
+                         "class of gpu_config.CONFIG['score'] and time the table with them")
     ap.add_argument("--score-family", default="wide",
                     help=f"comma-separated families of launch configs that --sweep-scores times (score_candidates; "
                          f"{', '.join(SCORE_FAMILIES)}): wide = 4 warps x unroll x stages x pages per program; "
@@ -562,10 +565,11 @@ def main():
                     help="batch x context cases of --sweep-select / --sweep-sparse-pps when --sweep-scores is not given")
     ap.add_argument("--sweep-select", default="",
                     help="select_splits values, e.g. 1,2,4,8,16,auto: time select_pages_gpu with each (ids must equal "
-                         "S=1's) and keep the best geometric mean in gpu.CONFIG['select_splits'] for the rest of the run")
+                         "S=1's) and keep the best geometric mean in gpu_config.CONFIG['select_splits'] for the rest "
+                         "of the run")
     ap.add_argument("--sweep-sparse-pps", default="",
                     help="sparse_pages_per_split values, e.g. 1,2,4,8: time sparse paged_attention_gpu with each (o/lse "
-                         "checked against pps=1) and keep the best in gpu.CONFIG['sparse_pps']")
+                         "checked against pps=1) and keep the best in gpu_config.CONFIG['sparse_pps']")
     ap.add_argument("--sweep-steps", type=int, default=4,
                     help="minimum decode steps per timed call in the sweeps (fewer than --steps: each candidate "
                          "compiles its own unrolled steps; the sweeps compare candidates, the table reports)")
@@ -584,8 +588,8 @@ def main():
     chosen = None
     for variant in (["dynamic", "static"] if impl == "pallas_gpu" else ["n/a"]):
         if impl == "pallas_gpu":
-            from pallas_kernels.decode import gpu
-            gpu.CONFIG["loop"] = variant
+            from pallas_kernels.decode import gpu_config
+            gpu_config.CONFIG["loop"] = variant
         try:
             res = check(impl, rng)
         except Exception as e:  # record the compiler's message, keep going with the next variant
@@ -610,9 +614,9 @@ def main():
     sweep_interp = impl != "pallas_gpu"
     sweep_cases = _parse_cases(a.sweep_scores or a.sweep_cases)
     if a.sweep_scores and (impl == "pallas_gpu" or a.smoke):
-        from pallas_kernels.decode import gpu
+        from pallas_kernels.decode import gpu_config
         sms = a.sms or getattr(jax.devices()[0], "core_count", 0) or 132
-        before = copy.deepcopy(gpu.CONFIG["score"])
+        before = copy.deepcopy(gpu_config.CONFIG["score"])
         cands = {label: family_candidates(label, families, sms) for label in ("bf16", "fp8")}
         print(f"score sweep: families {families}, {sms} SMs, {len(cands['bf16'])} bf16 / {len(cands['fp8'])} fp8 "
               f"candidates per case", flush=True)
@@ -634,31 +638,31 @@ def main():
         out["check_tuned"] = check(impl, rng, interpret=sweep_interp)
         print("check with the tuned configs:", json.dumps(out["check_tuned"]), flush=True)
         if not out["check_tuned"]["ok"]:
-            gpu.CONFIG["score"] = before
+            gpu_config.CONFIG["score"] = before
             print("the tuned configs failed the check: the table is back to", json.dumps(before), flush=True)
         with open(os.path.join(a.out, "msa_decode.json"), "w") as f:   # kept if a later step fails
             json.dump(out, f, indent=1)
     if a.sweep_select and (impl == "pallas_gpu" or a.smoke):
-        from pallas_kernels.decode import gpu
-        before = gpu.CONFIG["select_splits"]
+        from pallas_kernels.decode import gpu_config
+        before = gpu_config.CONFIG["select_splits"]
         sel_rows, ratios, best = sweep_select(sweep_cases, _parse_values(a.sweep_select), a.sweep_steps,
                                               interpret=sweep_interp, **({"l2_bytes": 1} if sweep_interp else {}))
-        gpu.CONFIG["select_splits"] = best
+        gpu_config.CONFIG["select_splits"] = best
         out["select_sweep"] = {"rows": sel_rows, "geomean_vs_s1": ratios, "best": best, "before": before}
         print("select sweep (geomean select ms / S=1):", json.dumps(ratios), f"-> CONFIG select_splits={best!r}",
               flush=True)
     if a.sweep_sparse_pps and (impl == "pallas_gpu" or a.smoke):
-        from pallas_kernels.decode import gpu
-        before = gpu.CONFIG["sparse_pps"]
+        from pallas_kernels.decode import gpu_config
+        before = gpu_config.CONFIG["sparse_pps"]
         pps_rows, ratios, best = sweep_sparse_pps(sweep_cases, _parse_values(a.sweep_sparse_pps), a.sweep_steps, a.mem_gib,
                                                   interpret=sweep_interp, **({"l2_bytes": 1} if sweep_interp else {}))
-        gpu.CONFIG["sparse_pps"] = best
+        gpu_config.CONFIG["sparse_pps"] = best
         out["sparse_pps_sweep"] = {"rows": pps_rows, "geomean_vs_pps1": ratios, "best": best, "before": before}
         print("sparse pps sweep (geomean attention ms / pps=1):", json.dumps(ratios), f"-> CONFIG sparse_pps={best!r}",
               flush=True)
     if impl == "pallas_gpu":
-        from pallas_kernels.decode import gpu
-        out["gpu_config"] = dict(gpu.CONFIG)
+        from pallas_kernels.decode import gpu_config
+        out["gpu_config"] = dict(gpu_config.CONFIG)
     out["implementations"] = implementation_report()
     out["hbm_copy_gbps"] = hbm_copy_bandwidth(64 << 20 if a.smoke else 4 * GIB) / 1e9
     print(f"HBM copy (x+1 bf16, read+write): {out['hbm_copy_gbps']:.0f} GB/s", flush=True)
@@ -699,7 +703,7 @@ def main():
               f"{100 * r['msa_fp8_gbps'] / bw:>9.1f} {100 * r.get('scores_bf16_gbps', nan) / bw:>10.1f} "
               f"{100 * r.get('scores_fp8_gbps', nan) / bw:>9.1f} {r.get('scores_bf16_ms', nan):>9.3f} "
               f"{r.get('scores_fp8_ms', nan):>8.3f} {r['select_bf16_ms']:>8.3f} {r.get('score_class', '-'):>6}")
-    for r in rows:   # the scoring launch each case ran (gpu.CONFIG["score"] of its size class)
+    for r in rows:   # the scoring launch each case ran (gpu_config.CONFIG["score"] of its size class)
         if "score_class" in r:
             print(f"scoring launch B={r['batch']} ctx={r['context']} ({r['score_class']}): "
                   f"bf16 {json.dumps(r['score_launch_bf16'])}; fp8 {json.dumps(r['score_launch_fp8'])}")

@@ -18,20 +18,6 @@ CPU smoke run:        python bench/msa_prefill.py --interpret --tiny --out /tmp/
    too (ms only). FLOPs by MSA_SPEC.md section 6: dense 4*D*H*t per token, MSA main
    4*D*H*min(t, K*B), indexer 2*Di*Hi*t; backward counted as 2.5x forward (fwd+bwd = 3.5x).
 Writes msa_prefill.json / msa_prefill.csv / msa_prefill_check.json under --out.
-
---qtile 4,8 (default off) adds the query-tiled attention forward (gpu_attention_qtile.py: QT
-tokens per program over the union of their blocks; an entry "QT:W" or "QT:W:S" also sets
-num_warps=W / num_stages=S, else the kernel's defaults: W by tile rows (4 for <= 64 rows, else 8),
-S=2): in the check, its o / lse against the reference (same ids, same
-tolerances) and its gradients (default backward) against the default path's; in the timing, rows
-``attn_fwd_qtile{QT}[w{W}][s{S}]_ms`` / ``_tflops`` (TFLOP/s with the SAME nominal MSA FLOPs as
-attn_fwd, so comparable) and ``qtile{QT}_union_mean`` (mean distinct blocks per tile of QT tokens
-on the timed ids; the default forward visits QT*K slots per QT tokens).
---qtile-ar A (default off; needs --qtile) also times the default and the qtile forwards on ids
-selected by the GPU indexer from AR(1)-correlated index queries (qi_t = A*qi_{t-1} +
-sqrt(1-A^2)*noise, same keys): columns with suffix ``_ar``. Independent random queries make
-neighbouring tokens pick nearly disjoint blocks (the union is ~QT*K at long context), which is the
-worst case for query tiling; trained indexers are far more correlated (A=0.99 is a proxy only).
 """
 
 from __future__ import annotations
@@ -40,7 +26,6 @@ import argparse
 import csv
 import gc
 import json
-import math
 import os
 import statistics
 import sys
@@ -54,7 +39,6 @@ import numpy as np  # noqa: E402
 
 from minimax_jax.ops import msa as msa_ops  # noqa: E402
 from pallas_kernels.msa.gpu_attention import msa_attention_gpu  # noqa: E402
-from pallas_kernels.msa.gpu_attention_qtile import union_counts  # noqa: E402
 from pallas_kernels.msa.gpu_indexer import msa_select_blocks_gpu  # noqa: E402
 from pallas_kernels.msa.gpu_kl import indexer_kl_gpu  # noqa: E402
 
@@ -82,40 +66,6 @@ def _timeit(f, *args, budget_s=3.0, max_reps=20):
         jax.block_until_ready(f(*args))
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3, len(times)
-
-
-def parse_qtiles(spec):
-    """--qtile value -> [(name, QT, (num_warps or None, num_stages or None))].
-
-    "4,8:8,4:8:1" -> [("qtile4", 4, (None, None)), ("qtile8w8", 8, (8, None)),
-                      ("qtile4w8s1", 4, (8, 1))].
-    """
-    out = []
-    for item in (x.strip() for x in spec.split(",") if x.strip()):
-        parts = [int(x) for x in item.split(":")]
-        if not 1 <= len(parts) <= 3:
-            raise ValueError(f"--qtile entry {item!r}: expected QT[:num_warps[:num_stages]]")
-        qt, w, st = (parts + [None, None])[:3]
-        out.append((f"qtile{qt}" + (f"w{w}" if w else "") + (f"s{st}" if st else ""), qt, (w, st)))
-    return out
-
-
-def ar1_queries(key, shape, a, dtype):
-    """AR(1) along tokens (axis 1): x_0 = n_0, x_t = a*x_{t-1} + sqrt(1-a^2)*n_t, n iid N(0,1)."""
-    n = jax.random.normal(key, shape, jnp.float32)
-    first = (jnp.arange(shape[1]) == 0).reshape((1, shape[1]) + (1,) * (len(shape) - 2))
-    elems = jnp.where(first, n, math.sqrt(1.0 - a * a) * n)
-    coef = jnp.full(shape, a, jnp.float32)
-    _, x = jax.lax.associative_scan(lambda p, q: (p[0] * q[0], q[0] * p[1] + q[1]),
-                                    (coef, elems), axis=1)
-    return x.astype(dtype)
-
-
-def _qtile_kw(qt, launch):
-    """msa_attention_gpu keywords of a qtile variant; launch = (num_warps, num_stages), None =
-    the qtile kernel's default (warps by tile rows, 2 stages)."""
-    warps, stages = launch
-    return dict(query_tile=qt, num_warps=warps, num_stages=2 if stages is None else stages)
 
 
 def _cos(a, b):
@@ -155,12 +105,8 @@ class Inputs:
                     kv_segment_ids=self.kv_seg)
 
 
-def check_case(name, inp, interpret, qtiles=()):
-    """Compare the Pallas GPU kernels with the XLA reference on one input set.
-
-    qtiles: parse_qtiles() entries; each query-tiled forward is checked like the default one
-    (o, lse vs the reference on the same ids) and its gradients against the default path's.
-    """
+def check_case(name, inp, interpret):
+    """Compare the Pallas GPU kernels with the XLA reference on one input set."""
     res = {"case": name, "shape": list(inp.q.shape) + [inp.k.shape[1], inp.k.shape[2]]}
     pos = inp.pos()
     sel = jax.jit(lambda qi, ki: msa_select_blocks_gpu(qi, ki, block_size=BLK, topk=TOPK,
@@ -207,27 +153,6 @@ def check_case(name, inp, interpret, qtiles=()):
                lse_inf_match=bool(np.array_equal(np.isfinite(lse), fin)),
                nan=bool(np.isnan(o).any() or np.isnan(lse).any()))
     res["lse_ok"] = res["lse_max_err"] <= 1e-3 and res["lse_inf_match"]
-    qtile_ok = True
-    for vname, qt, warps in qtiles:
-        fq = jax.jit(lambda q, k, v, ids, qt=qt, warps=warps: msa_attention_gpu(
-            q, k, v, ids, block_size=BLK, interpret=interpret, **_qtile_kw(qt, warps), **pos))
-        try:
-            oq, lq = fq(inp.q, inp.k, inp.v, gids)
-        except Exception as e:   # report and keep the default kernels' results
-            res[vname] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:400]}"}
-            qtile_ok = False
-            continue
-        oq, lq = np.asarray(oq, np.float32), np.asarray(lq)
-        r = {"o_max_err": float(np.max(np.abs(oq - ro))),
-             "o_ok": bool(np.all(np.abs(oq - ro) <= 3e-2 + 3e-2 * np.abs(ro))),
-             "lse_max_err": float(np.max(np.abs(np.where(fin, lq - rlse, 0.0)))),
-             "lse_inf_match": bool(np.array_equal(np.isfinite(lq), fin)),
-             "o_max_diff_vs_default": float(np.max(np.abs(oq - o))),
-             "nan": bool(np.isnan(oq).any() or np.isnan(lq).any())}
-        r["lse_ok"] = r["lse_max_err"] <= 1e-3 and r["lse_inf_match"]
-        r["ok"] = bool(r["o_ok"] and r["lse_ok"] and not r["nan"])
-        res[vname] = r
-        qtile_ok = qtile_ok and r["ok"]
 
     def loss_k(q, k, v, ids, do):
         o, _ = msa_attention_gpu(q, k, v, ids, block_size=BLK, interpret=interpret, **pos)
@@ -249,36 +174,13 @@ def check_case(name, inp, interpret, qtiles=()):
         res[f"{nm}_cos"] = _cos(a, b)
         res[f"{nm}_max_err_rel"] = float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))
     res["bwd_bitwise_repeat"] = all(bool(jnp.array_equal(a, b)) for a, b in zip(g1, g2))
-    for vname, qt, warps in qtiles:
-        if "error" in res[vname]:
-            continue
-
-        def loss_q(q, k, v, ids, do, qt=qt, warps=warps):
-            o, _ = msa_attention_gpu(q, k, v, ids, block_size=BLK, interpret=interpret,
-                                     **_qtile_kw(qt, warps), **pos)
-            return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
-        r = res[vname]
-        try:
-            gq = jax.jit(jax.grad(loss_q, argnums=(0, 1, 2)))(inp.q, inp.k, inp.v, gids, inp.do)
-        except Exception as e:
-            r.update(ok=False, grad_error=f"{type(e).__name__}: {str(e)[:400]}")
-            qtile_ok = False
-            continue
-        for nm, a, b, c in zip(("dq", "dk", "dv"), gq, g1, gr):
-            a, b, c = (np.asarray(x, np.float32) for x in (a, b, c))
-            r[f"{nm}_max_rel_vs_default"] = float(np.max(np.abs(a - b))
-                                                  / (np.max(np.abs(b)) + 1e-30))
-            r[f"{nm}_cos"] = _cos(a, c)
-        r["ok"] = bool(r["ok"] and all(r[f"{n}_cos"] > 0.99 for n in ("dq", "dk", "dv")))
-        qtile_ok = qtile_ok and r["ok"]
     res["ok"] = bool(res["o_ok"] and res["lse_ok"] and not res["nan"] and res["ids_bad"] == 0
                      and res["ids_no_local"] == 0 and res["bwd_bitwise_repeat"]
-                     and all(res[f"{n}_cos"] > 0.99 for n in ("dq", "dk", "dv"))
-                     and qtile_ok)
+                     and all(res[f"{n}_cos"] > 0.99 for n in ("dq", "dk", "dv")))
     return res
 
 
-def bench_case(model, t, inp, interpret, dense_max, dense_ref, qtiles=(), qtile_ar=None):
+def bench_case(model, t, inp, interpret, dense_max, dense_ref):
     m = MODELS[model]
     pos = inp.pos()
     dense_fl, main_f, index_f = _flops(t, m["h"], m["d"], m["g"], DI, BLK, TOPK)
@@ -299,44 +201,11 @@ def bench_case(model, t, inp, interpret, dense_max, dense_ref, qtiles=(), qtile_
                                                       interpret=interpret, **pos)[0],
                         argnums=(0, 1))(qi, ki)
 
-    def attn_fq(q, k, v, ids, qt, warps):
-        return msa_attention_gpu(q, k, v, ids, block_size=BLK, interpret=interpret,
-                                 **_qtile_kw(qt, warps), **pos)
-
     timings = {}
     cases = [("indexer", sel, (inp.qi, inp.ki)),
              ("attn_fwd", jax.jit(attn_f), (inp.q, inp.k, inp.v, ids)),
              ("attn_fwd_bwd", jax.jit(attn_fb), (inp.q, inp.k, inp.v, ids, inp.do)),
              ("kl_fwd_bwd", jax.jit(kl_fb), (inp.q, inp.k, inp.qi, inp.ki, ids))]
-    for vname, qt, warps in qtiles:
-        cases.append((f"attn_fwd_{vname}",
-                      jax.jit(lambda q, k, v, ids, qt=qt, warps=warps: attn_fq(q, k, v, ids, qt,
-                                                                               warps)),
-                      (inp.q, inp.k, inp.v, ids)))
-        try:
-            cnt = jax.jit(lambda ids, qt=qt: union_counts(ids, block_size=BLK, query_tile=qt,
-                                                          **pos))(ids)
-            row[f"qtile{qt}_union_mean"] = float(jnp.mean(cnt.astype(jnp.float32)))
-        except Exception as e:
-            row[f"qtile{qt}_union_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-    if qtiles and qtile_ar is not None:       # correlated selections (see the module docstring)
-        row["qtile_ar"] = qtile_ar
-        try:
-            qi_ar = jax.jit(lambda key: ar1_queries(key, inp.qi.shape, qtile_ar, inp.qi.dtype))(
-                jax.random.PRNGKey(t))
-            ids_ar = jax.block_until_ready(sel(qi_ar, inp.ki))
-            qi_ar = None
-            cases.append(("attn_fwd_ar", jax.jit(attn_f), (inp.q, inp.k, inp.v, ids_ar)))
-            for vname, qt, warps in qtiles:
-                cases.append((f"attn_fwd_{vname}_ar",
-                              jax.jit(lambda q, k, v, ids, qt=qt, warps=warps: attn_fq(
-                                  q, k, v, ids, qt, warps)),
-                              (inp.q, inp.k, inp.v, ids_ar)))
-                cnt = jax.jit(lambda ids, qt=qt: union_counts(ids, block_size=BLK, query_tile=qt,
-                                                              **pos))(ids_ar)
-                row[f"qtile{qt}_union_mean_ar"] = float(jnp.mean(cnt.astype(jnp.float32)))
-        except Exception as e:   # report (e.g. out of memory) and keep the other timings
-            row["qtile_ar_error"] = f"{type(e).__name__}: {str(e)[:200]}"
     for name, fn, args in cases:
         try:
             timings[name] = _timeit(fn, *args)[0]
@@ -377,12 +246,6 @@ def bench_case(model, t, inp, interpret, dense_max, dense_ref, qtiles=(), qtile_
         return None if not ms else flops / (ms * 1e-3) / 1e12
     row["indexer_tflops"] = tf(index_f, timings.get("indexer"))
     row["attn_fwd_tflops"] = tf(main_f, timings.get("attn_fwd"))
-    for vname, _, _ in qtiles:   # same nominal FLOPs as attn_fwd: comparable TFLOP/s
-        row[f"attn_fwd_{vname}_tflops"] = tf(main_f, timings.get(f"attn_fwd_{vname}"))
-        if qtile_ar is not None:
-            row[f"attn_fwd_{vname}_ar_tflops"] = tf(main_f, timings.get(f"attn_fwd_{vname}_ar"))
-    if qtiles and qtile_ar is not None:
-        row["attn_fwd_ar_tflops"] = tf(main_f, timings.get("attn_fwd_ar"))
     row["attn_fwd_bwd_tflops"] = tf(3.5 * main_f, timings.get("attn_fwd_bwd"))
     row["msa_fwd_tflops"] = tf(main_f + index_f, timings.get("msa_fwd"))
     row["msa_fwd_bwd_tflops"] = tf(3.5 * main_f + index_f, timings.get("msa_fwd_bwd"))
@@ -433,16 +296,7 @@ def main():
     ap.add_argument("--check-only", action="store_true")
     ap.add_argument("--interpret", action="store_true", help="GPU kernels in interpret mode (CPU)")
     ap.add_argument("--tiny", action="store_true", help="small shapes for a CPU smoke run")
-    ap.add_argument("--qtile", default="", help="query-tiled attention forward variants to check "
-                    "and time, e.g. 4,8 or 4,8:8,4:8:1 (QT[:num_warps[:num_stages]]); "
-                    "default off")
-    ap.add_argument("--qtile-ar", type=float, default=None,
-                    help="with --qtile: also time on ids from AR(1)-correlated index queries "
-                         "with this coefficient (e.g. 0.99); default off")
     args = ap.parse_args()
-    qtiles = parse_qtiles(args.qtile)
-    if args.qtile_ar is not None and not (qtiles and 0.0 <= args.qtile_ar < 1.0):
-        ap.error("--qtile-ar needs --qtile and a coefficient in [0, 1)")
     os.makedirs(args.out, exist_ok=True)
     start = time.time()
     dev = jax.devices()[0]
@@ -473,7 +327,7 @@ def main():
                          jnp.bfloat16, segs)
             t0 = time.time()
             try:
-                r = check_case(name, inp, args.interpret, qtiles)
+                r = check_case(name, inp, args.interpret)
             except Exception as e:
                 r = {"case": name, "ok": False, "error": f"{type(e).__name__}: {str(e)[:400]}"}
             r["seconds"] = time.time() - t0
@@ -509,8 +363,7 @@ def main():
             t0 = time.time()
             try:
                 inp = Inputs(sub, 1, t, t, m["h"], m["g"], m["d"], jnp.bfloat16)
-                row = bench_case(model, t, inp, args.interpret, args.dense_max, dense_ref,
-                                 qtiles, args.qtile_ar)
+                row = bench_case(model, t, inp, args.interpret, args.dense_max, dense_ref)
             except Exception as e:
                 row = {"model": model, "T": t, "error": f"{type(e).__name__}: {str(e)[:300]}"}
             row["seconds"] = time.time() - t0
@@ -525,17 +378,6 @@ def main():
             "msa_fwd_bwd_ms", "dense_fwd_ms", "dense_fwd_bwd_ms", "indexer_tflops",
             "attn_fwd_tflops", "attn_fwd_bwd_tflops", "dense_fwd_tflops", "indexer_share_fwd",
             "speedup_fwd", "speedup_fwd_bwd", "dense_source"]
-    extra = []
-    sfx = ("", "_ar") if args.qtile_ar is not None else ("",)
-    if qtiles and args.qtile_ar is not None:
-        extra += ["attn_fwd_ar_ms", "attn_fwd_ar_tflops"]
-    for sf in sfx:
-        for vname, qt, _ in qtiles:
-            for c in (f"attn_fwd_{vname}{sf}_ms", f"attn_fwd_{vname}{sf}_tflops",
-                      f"qtile{qt}_union_mean{sf}"):
-                if c not in extra:
-                    extra.append(c)
-    cols[-1:-1] = extra          # before dense_source (the printed table drops the last column)
     with open(os.path.join(args.out, "msa_prefill.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
         w.writeheader()

@@ -37,7 +37,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import moe as bench_moe  # noqa: E402
-from minimax_jax.ops.moe_permute import sort_by_expert  # noqa: E402
+from minimax_jax.ops.moe.permute import sort_by_expert  # noqa: E402
 from pallas_kernels.moe import gpu_gmm  # noqa: E402
 from pallas_kernels.moe.gpu_tgmm_ws import WS_TGMM_CANDIDATES, interpreter_available  # noqa: E402
 
@@ -105,16 +105,13 @@ def gmm_level(model, s, tokens, cfg, a, rows):
     variants = bench_moe._variants(False, impl)
     _, (_, gmm_fb) = variants["pallas_gpu_gmm"]
     _, (_, dense_fb) = variants["dense_matmul"]
+    _, (_, gmm_ws_fb) = bench_moe._variants(False, impl, {**gpu_gmm.DEFAULT_CONFIGS, "tgmm": cfg})["pallas_gpu_gmm"]
     gargs = bench_moe._case_args(s, tokens, tokens, "gmm", DTYPE)
     dargs = bench_moe._case_args(s, tokens, tokens, "dense", DTYPE)
     flops = 6.0 * tokens * s["k"] * s["h"] * s["i"] * 3
     f_tri = jax.jit(gmm_fb)
-    prev = gpu_gmm.set_default_configs(tgmm=cfg)   # read at trace time: f_ws traces with cfg
-    try:
-        f_ws = jax.jit(lambda *args: gmm_fb(*args))
-        o_ws = f_ws(*gargs)
-    finally:
-        gpu_gmm.set_default_configs(**prev)
+    f_ws = jax.jit(gmm_ws_fb)    # the same harness with cfg as the weight-gradient kernel
+    o_ws = f_ws(*gargs)
     o_tri = f_tri(*gargs)
     f_dense = jax.jit(dense_fb)
     ms = {"triton": [], "ws": [], "dense": []}

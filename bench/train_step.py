@@ -7,7 +7,7 @@ Usage (GPU machine, one H200)::
     python3 bench/train_step.py --modes msa --steps 3 --warmup 1 --out $OUT
 
 CPU, no GPU needed: ``--lower-for cuda`` traces the step as the GPU runs it (ops' "auto" choices as
-on a GPU, ``minimax_jax.ops.common.assume_backend``), lowers it for CUDA and reports the Pallas
+on a GPU, ``minimax_jax.ops.registry.assume_backend``), lowers it for CUDA and reports the Pallas
 (Triton) kernels it contains and its largest arrays; nothing is compiled or run::
 
     python bench/train_step.py --modes msa --lower-for cuda --out /tmp/train_bench
@@ -30,7 +30,7 @@ synthetic documents (one document per row unless ``--doc-len``), one device (mes
 
 Implementations: ``--attention-impl``, ``--moe-impl``, ``--msa-impl`` set the model's op choices
 ("auto" by default: on GPU the MoE uses the project's Pallas grouped matmul ``pallas_gpu``, 283-432
-TFLOP/s on the H200 (bench/moe.py, 2026-11-30); elsewhere XLA ragged_dot, ``--moe-impl ragged``, which
+TFLOP/s on the H200 (bench/moe.py, 2026-11-30); elsewhere XLA ragged_dot, ``--moe-impl xla_ragged``, which
 on GPU PLATFORM.md measured at ~4% of matmul speed and out of memory at full size; tokamax is
 opt-in, ``--moe-impl tokamax``). What actually ran is in the result's ``implementations``.
 
@@ -69,7 +69,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 
-from minimax_jax.ops.common import assume_backend, clear_implementation_report, implementation_report  # noqa: E402
+from minimax_jax.ops.registry import assume_backend, clear_implementation_report, implementation_report  # noqa: E402
 from minimax_jax.train.config import from_dict  # noqa: E402
 from minimax_jax.train.data import SyntheticIterator, to_global  # noqa: E402
 from minimax_jax.train.loop import Trainer  # noqa: E402
@@ -298,7 +298,7 @@ def bench_one(mode: str, seq: int, args) -> dict:
     row["lower_s"] = round(time.perf_counter() - t, 2)
     row["implementations"] = implementation_report()
     if row["implementations"].get("attention") == "cudnn_packed":
-        from minimax_jax.ops import cudnn_packed
+        from minimax_jax.ops.attention import cudnn as cudnn_packed
         row["cudnn_packed"] = {"max_segments": cudnn_packed.DEFAULT_MAX_SEGMENTS,
                                "overflow": cudnn_packed.DEFAULT_OVERFLOW}
     txt = lowered.as_text()
@@ -413,11 +413,12 @@ def main(argv=None) -> int:
                    help="cudnn_packed runs-per-row bounds, e.g. 2,8,32 (sets cudnn_packed.DEFAULT_MAX_SEGMENTS)")
     p.add_argument("--cudnn-packed-overflow", default=None, choices=["flash", "nan"],
                    help="cudnn_packed overflow (sets cudnn_packed.DEFAULT_OVERFLOW)")
-    p.add_argument("--moe-impl", default="auto", help="ModelConfig.moe_impl: auto | dense | ragged | pallas_gpu | "
-                                                      "tokamax | capacity ('auto' = dense for small problems, else "
+    p.add_argument("--moe-impl", default="auto", help="ModelConfig.moe_impl: auto | xla_dense | xla_ragged | "
+                                                      "xla_capacity | pallas_gpu | tokamax ('auto' = xla_dense for "
+                                                      "small problems, else "
                                                       "the Pallas grouped matmul 'pallas_gpu' on GPU, XLA ragged_dot "
                                                       "elsewhere; 'tokamax' (carry it) is opt-in: see "
-                                                      "minimax_jax/ops/moe.py)")
+                                                      "minimax_jax/ops/moe/experts.py)")
     p.add_argument("--msa-impl", default="auto", help="ModelConfig.msa_impl (auto = Pallas kernels when present: "
                                                       "block selection, sparse attention and the indexer KL)")
     p.add_argument("--compile-only", action="store_true",
@@ -435,7 +436,7 @@ def main(argv=None) -> int:
         args.dense_seq, args.msa_seq = min(args.dense_seq, 128), min(args.msa_seq, 256)
         args.steps, args.warmup = min(args.steps, 2), min(args.warmup, 1)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    from minimax_jax.ops import cudnn_packed
+    from minimax_jax.ops.attention import cudnn as cudnn_packed
     if args.cudnn_packed_segments:
         bounds = tuple(int(x) for x in args.cudnn_packed_segments.split(","))
         cudnn_packed.DEFAULT_MAX_SEGMENTS = bounds[0] if len(bounds) == 1 else bounds

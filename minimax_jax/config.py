@@ -17,6 +17,9 @@ from typing import Any, Mapping
 
 import yaml
 
+import minimax_jax.ops  # noqa: F401  (registers every op's implementations)
+from minimax_jax.ops import registry
+
 __all__ = ["ConfigError", "ModelConfig", "load_config"]
 
 LAYER_TYPES = ("full", "msa", "sliding")
@@ -31,20 +34,20 @@ class ConfigError(ValueError):
     """A configuration is unknown, inconsistent or malformed; the message names the field."""
 
 
-def _implementation_tables() -> dict[str, tuple[tuple[str, ...], dict[str, tuple[str, ...]]]]:
-    """ModelConfig field -> (the op's ``implementation=`` names, name -> the only backends it runs on).
-    Imported here because the ops own them."""
-    from minimax_jax.ops import attention, moe, msa
-    att = (attention.IMPLEMENTATIONS, attention.BACKENDS_OF)
-    return {"attention_impl": att, "sliding_attention_impl": att, "moe_impl": (moe.MOE_IMPLEMENTATIONS, moe.BACKENDS_OF),
-            "msa_impl": (msa.IMPLEMENTATIONS, msa.BACKENDS_OF)}
+#: ModelConfig field -> the registered op whose ``implementation=`` names it takes (the MSA ops share one set).
+IMPLEMENTATION_FIELDS = {"attention_impl": "attention", "sliding_attention_impl": "attention", "moe_impl": "moe",
+                         "msa_impl": "msa_attention"}
 
 
 def implementation_backends(cfg) -> dict[str, tuple[str, ...]]:
     """The config's explicitly chosen implementations that run only on some backends:
     ``{"model.<field>=<name>": (backends...)}`` (``"auto"`` and portable ones are left out)."""
-    return {f"model.{f}={getattr(cfg, f)}": backends[getattr(cfg, f)]
-            for f, (_, backends) in _implementation_tables().items() if getattr(cfg, f) in backends}
+    out = {}
+    for field, op in IMPLEMENTATION_FIELDS.items():
+        impl = registry.get_op(op).implementations.get(getattr(cfg, field))
+        if impl is not None and impl.platforms is not None:
+            out[f"model.{field}={impl.name}"] = impl.platforms
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +133,8 @@ class ModelConfig:
                               ("mlp_activation", ACTIVATIONS), ("dtype", DTYPES), ("param_dtype", DTYPES)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        for name, (allowed, _) in _implementation_tables().items():
+        for name, op in IMPLEMENTATION_FIELDS.items():
+            allowed = registry.implementation_names(op)
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         for name, allowed in (("layer_types", LAYER_TYPES), ("mlp_types", MLP_TYPES)):

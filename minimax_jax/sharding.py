@@ -1,17 +1,17 @@
 """Sharding by logical axis names: meshes, the rule table, parameter/activation shardings.
 
-Every parameter leaf carries logical axis names (``minimax_jax.model.params.param_axes``) and
+Every parameter leaf carries logical axis names (``minimax_jax.model.param_axes``) and
 activations are annotated with ``constrain(x, (...names...))``. ``configs/sharding.yaml`` maps the
 names to the mesh axes ``data, fsdp, expert, sequence, tensor``; nothing in the model math names a
 mesh axis. GSPMD (``jax.jit`` with ``NamedSharding``) partitions everything else, except the MoE
-expert computation, which runs in ``shard_map`` (``minimax_jax.parallel.expert``) when a mesh is
+expert computation, which runs in ``shard_map`` (``minimax_jax.ops.moe.expert_parallel``) when a mesh is
 active.
 
 Typical use::
 
     mesh = make_mesh(MeshSpec.parse("fsdp=2,tensor=4"))
     rules = load_rules("default")
-    shardings = params_shardings(cfg, mesh, rules)
+    shardings = minimax_jax.model.params_shardings(cfg, mesh, rules)
     params = jax.device_put(params, shardings)
     with use_mesh(mesh, rules):
         out = jax.jit(lambda p, t: forward(p, cfg, t))(params, jax.device_put(tokens, batch_sharding(mesh, rules)))
@@ -33,7 +33,7 @@ import yaml
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 __all__ = ["MESH_AXES", "MeshSpec", "Rules", "ShardingError", "make_mesh", "load_rules", "preset_mesh_spec",
-           "logical_to_spec", "params_shardings", "use_mesh", "current", "constrain", "batch_sharding",
+           "logical_to_spec", "tree_shardings", "use_mesh", "current", "constrain", "batch_sharding",
            "replicated"]
 
 log = logging.getLogger(__name__)
@@ -238,16 +238,14 @@ def _is_axes(x: Any) -> bool:
     return isinstance(x, tuple) and all(isinstance(a, str) or a is None for a in x)
 
 
-def params_shardings(cfg, mesh: Mesh, rules: Rules, *, strict: bool = False) -> Any:
-    """Pytree of ``NamedSharding`` with the structure of ``param_axes(cfg)`` (and of the params).
+def tree_shardings(axes: Any, shapes: Any, mesh: Mesh, rules: Rules, *, strict: bool = False) -> Any:
+    """Pytree of ``NamedSharding``: one per leaf of ``axes`` (tuples of logical axis names), sized by the
+    matching leaf of ``shapes`` (arrays or ShapeDtypeStructs, same structure). The model's parameter
+    shardings are ``minimax_jax.model.params_shardings(cfg, mesh, rules)``.
 
     Dimensions not divisible by their mesh axes are replicated over those axes (warning), or raise
     ShardingError when ``strict``.
     """
-    from minimax_jax.model.params import abstract_params, param_axes
-
-    axes = param_axes(cfg)
-    shapes = abstract_params(cfg)
     return jax.tree.map(
         lambda a, s: NamedSharding(mesh, logical_to_spec(a, rules, shape=s.shape, mesh=mesh, strict=strict)),
         axes, shapes, is_leaf=_is_axes)

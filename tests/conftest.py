@@ -18,7 +18,7 @@
    longest scheduling units (``tests/durations.txt``) start first.
 4. Lowering Pallas Triton kernels for CUDA on a machine without a GPU (the ``lowering_platforms=("cuda",)``
    tests): jax >= 0.11 asks the local GPU for its compute capability and raises "No supported GPU devices
-   found" on a CPU; there the target is taken to be an H200 (``minimax_jax.ops.common.triton_cuda_target``,
+   found" on a CPU; there the target is taken to be a Hopper GPU, sm_90 (``pallas_kernels.common.triton_cuda_target``,
    entered for the session in this process; subprocesses that lower for CUDA go through
    ``assume_backend("gpu")``, which enters it too). A machine with a GPU keeps its own answer.
 """
@@ -71,7 +71,7 @@ if os.environ.get("MINIMAX_TEST_FAST_COMPILE", "1") != "0" and not os.environ.ge
 
 
 def pytest_configure(config):
-    from minimax_jax.ops.common import triton_cuda_target
+    from pallas_kernels.common import triton_cuda_target
     config._cuda_target = triton_cuda_target()      # 4.: for the whole session, this process
     config._cuda_target.__enter__()
 

@@ -8,8 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from minimax_jax.ops.attention import attention
-from minimax_jax.ops.common import ImplementationUnavailable, clear_implementation_report, implementation_report
+from minimax_jax.ops import registry
+from minimax_jax.ops.attention import attention, flash
+from minimax_jax.ops.registry import ImplementationUnavailable, clear_implementation_report, implementation_report
 
 
 def _packed(b, t, seed):
@@ -72,10 +73,8 @@ def test_auto_picks_banded_only_when_it_applies():
 
 def test_auto_on_gpu_picks_flash_for_packed_rows(monkeypatch):
     """``"auto"`` routing on a GPU backend (the kernel itself is replaced: CPU here)."""
-    import minimax_jax.ops.attention as att
-
-    monkeypatch.setattr(att, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(att.flash, "flash_attention", lambda q, k, v, seg, backend: jnp.zeros_like(q))
+    monkeypatch.setattr(flash, "flash_attention", lambda q, k, v, seg, backend: jnp.zeros_like(q))
+    monkeypatch.setattr(registry, "default_backend", lambda: "gpu")
     b, t, h, g, d = 1, 32, 2, 1, 16
     q = jnp.ones((b, t, h, d))
     k = v = jnp.ones((b, t, g, d))
@@ -97,8 +96,7 @@ def test_cudnn_refuses_what_its_causal_mask_cannot_express(case, monkeypatch):
     """implementation="cudnn" masks by storage index: packed segment ids, queries that are a suffix of the
     keys (T != S) or a sliding window must raise (it would silently attend across documents otherwise),
     even where a GPU backend is present."""
-    import minimax_jax.ops.attention as att
-    monkeypatch.setattr(att, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(registry, "default_backend", lambda: "gpu")
     rng = np.random.default_rng()
     b, t, h, g, d = 1, 16, 4, 2, 8
     s = t + 4 if case == "suffix" else t

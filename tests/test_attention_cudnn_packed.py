@@ -8,9 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from minimax_jax.ops import cudnn_packed
+from minimax_jax.ops import registry
 from minimax_jax.ops.attention import attention
-from minimax_jax.ops.common import ImplementationUnavailable, clear_implementation_report, implementation_report
+from minimax_jax.ops.attention import cudnn as cudnn_packed
+from minimax_jax.ops.attention import flash
+from minimax_jax.ops.registry import ImplementationUnavailable, clear_implementation_report, implementation_report
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -95,12 +97,18 @@ def test_off_gpu_is_a_clear_error():
     k = jnp.zeros((1, 16, 1, 16), jnp.bfloat16)
     pos = jnp.arange(16)[None]
     seg = jnp.ones((1, 16), jnp.int32)
-    with pytest.raises(ImplementationUnavailable, match="cudnn_packed needs a CUDA GPU"):
+    with pytest.raises(ImplementationUnavailable, match="'cudnn_packed' .*needs a GPU backend"):
         attention(q, k, k, q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg,
                   implementation="cudnn_packed")
-    with pytest.raises(ImplementationUnavailable, match="T == S"):     # the flash contract is checked first
-        attention(q, k[:, :8], k[:, :8], q_positions=pos, kv_positions=pos[:, :8], q_segment_ids=seg,
-                  kv_segment_ids=seg[:, :8], implementation="cudnn_packed")
+    with registry.assume_backend("gpu"):        # traced as for a GPU: the CUDA device itself is checked
+        with pytest.raises(ImplementationUnavailable, match="cudnn_packed needs a CUDA GPU"):
+            attention(q, k, k, q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg,
+                      implementation="cudnn_packed")
+        with pytest.raises(ImplementationUnavailable, match="T == S"):     # the flash contract is checked first
+            attention(q, k[:, :8], k[:, :8], q_positions=pos, kv_positions=pos[:, :8], q_segment_ids=seg,
+                      kv_segment_ids=seg[:, :8], implementation="cudnn_packed")
+    with pytest.raises(ValueError, match="cudnn_packed needs a CUDA GPU"):     # the function itself
+        cudnn_packed.packed_attention(q, k, k, seg)
 
 
 def _rel(a, b):
@@ -150,23 +158,18 @@ def test_device_cudnn_packed_matches_xla(n_docs, max_segments, overflow, capfd):
 def test_auto_picks_cudnn_packed_where_it_runs(monkeypatch):
     """On a GPU, "auto" serves packed self-attention with cuDNN's packed layout where it is available
     (Hopper+, bf16/fp16), and with the flash kernel where not."""
-    import minimax_jax.ops.attention as att
-
-    monkeypatch.setattr(att, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(att.cudnn_packed, "packed_attention", lambda q, k, v, seg: jnp.ones_like(q))
-    monkeypatch.setattr(att.flash, "flash_attention", lambda q, k, v, seg, backend: jnp.zeros_like(q))
+    monkeypatch.setattr(cudnn_packed, "packed_attention", lambda q, k, v, seg: jnp.ones_like(q))
+    monkeypatch.setattr(flash, "flash_attention", lambda q, k, v, seg, backend: jnp.zeros_like(q))
     q = jnp.ones((1, 32, 2, 16), jnp.bfloat16)
     k = jnp.ones((1, 32, 1, 16), jnp.bfloat16)
     pos, seg = jnp.arange(32)[None], jnp.zeros((1, 32), jnp.int32)
     call = lambda: attention(q, k, k, q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg,
                              implementation="auto")
     for available, want, value in ((True, "cudnn_packed", 1.0), (False, "pallas_flash_gpu", 0.0)):
-        def check(q, ok=available):
-            if not ok:
-                raise ImplementationUnavailable("not here")
-        monkeypatch.setattr(att.cudnn_packed, "check_available", check)
+        monkeypatch.setattr(cudnn_packed, "unavailable_reason", lambda q, ok=available: None if ok else "not here")
         clear_implementation_report()
-        out = call()
+        with registry.assume_backend("gpu"):
+            out = call()
         assert implementation_report()["attention"] == want and float(out[0, 0, 0, 0]) == value
 
 
@@ -201,11 +204,9 @@ def test_bucket_switch_and_overflow_wiring(monkeypatch, capfd, n_docs, pad, boun
     NaN comes back; every served call equals the XLA reference of the op's contract."""
     from jax._src.cudnn import fused_attention_stablehlo as fas
 
-    from minimax_jax.ops import flash
-
     calls = []
     monkeypatch.setattr(fas, "dot_product_attention", _emulated_cudnn(calls))
-    monkeypatch.setattr(cudnn_packed, "check_available", lambda q: None)
+    monkeypatch.setattr(cudnn_packed, "unavailable_reason", lambda q: None)
     interp = flash.flash_attention
     monkeypatch.setattr(cudnn_packed.flash, "flash_attention",
                         lambda q, k, v, seg, backend: interp(q, k, v, seg, backend="gpu_interpret"))

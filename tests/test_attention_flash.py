@@ -1,4 +1,4 @@
-"""``attention(implementation="pallas_flash*")`` (minimax_jax/ops/flash.py) against the XLA path.
+"""``attention(implementation="pallas_flash_*")`` (minimax_jax/ops/attention/flash.py) against the XLA path.
 
 Oracle: ``attention(implementation="xla")`` (the project's reference; masks by positions and
 segment ids). The JAX Pallas kernels run in interpret mode on CPU: GPU ``mha`` via its
@@ -16,9 +16,8 @@ import pytest
 
 from minimax_jax.config import load_config
 from minimax_jax.model import forward, init_params
-from minimax_jax.ops import flash
-from minimax_jax.ops.attention import attention
-from minimax_jax.ops.common import ImplementationUnavailable, clear_implementation_report, implementation_report
+from minimax_jax.ops.attention import attention, flash
+from minimax_jax.ops.registry import ImplementationUnavailable, clear_implementation_report, implementation_report
 
 
 def _cos(a, b):
@@ -119,7 +118,7 @@ def test_compiled_kernel_on_device_matches_xla():
     pos, seg = _packed(rng, bsz, t, tail=37)
     run = jax.jit(_run, static_argnums=0)
     clear_implementation_report()
-    o, grads = run("pallas_flash", q, k, v, pos, seg, do)
+    o, grads = run(f"pallas_flash_{jax.default_backend()}", q, k, v, pos, seg, do)
     assert implementation_report()["attention"] == f"pallas_flash_{jax.default_backend()}"
     ro, rgrads = run("xla", q, k, v, pos, seg, do)
     np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(ro, np.float32), atol=3e-2,
@@ -179,8 +178,11 @@ def test_errors_name_the_reason():
         jax.jit(lambda a, b: attention(q, k, v, q_positions=pos, kv_positions=pos, q_segment_ids=a,
                                        kv_segment_ids=b, implementation=kw["implementation"])
                 )(jnp.zeros((1, 16), jnp.int32), jnp.zeros((1, 16), jnp.int32))
-    with pytest.raises(ImplementationUnavailable, match="GPU or TPU backend"):
-        attention(q, k, v, **{**kw, "implementation": "pallas_flash"})
+    for backend in {"gpu", "tpu"} - {jax.default_backend()}:      # a compiled kernel off its platform
+        with pytest.raises(ImplementationUnavailable, match=f"needs a {backend.upper()} backend"):
+            attention(q, k, v, **{**kw, "implementation": f"pallas_flash_{backend}"})
+    with pytest.raises(ImplementationUnavailable, match="unknown implementation 'pallas_flash'"):
+        attention(q, k, v, **{**kw, "implementation": "pallas_flash"})       # the old alias is gone
 
 
 def test_model_forward_and_grad_match_xla():

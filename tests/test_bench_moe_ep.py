@@ -32,7 +32,7 @@ def test_ep_timing_two_cpu_devices(tmp_path):
     res, stdout = _run(str(tmp_path), 2)
     ep = res["info"]["ep_timing"]
     assert ep["devices"] == 2 and ep["mesh"] == "expert=2" and ep["transports"] == ["all_to_all"]
-    assert "ragged_all_to_all" in ep["not_run"] and ep["one_device_impl"] == "ragged"
+    assert "ragged_all_to_all" in ep["not_run"] and ep["one_device_impl"] == "xla_ragged"
     assert res["skipped"] == []
     assert all(c["ok"] for c in res["checks"]), res["checks"]
     assert "expert_parallel[all_to_all,ep=2]" in [c["check"] for c in res["checks"]]
@@ -47,7 +47,7 @@ def test_ep_timing_two_cpu_devices(tmp_path):
             assert r["ms"] > 0 and r["tokens"] == 64
             assert r["devices"] == (1 if r["variant"] == "ep_1dev" else 2)
             assert r["tokens_global"] == 64 * r["devices"]
-        assert got[("ep_1dev", None, "fwd")]["moe"] == "ragged"
+        assert got[("ep_1dev", None, "fwd")]["moe"] == "xla_ragged"
         xch = got[("ep_exchange", "all_to_all", "dispatch+return")]
         assert xch["roundtrip_exact"] and xch["offdev_bytes_max"] > 0 and xch["gb_s"] > 0
         for mode, n_xch in (("fwd", 1), ("fwd+bwd", 2)):

@@ -12,7 +12,7 @@ from minimax_jax.eval import cli as eval_cli
 from minimax_jax.eval import recall
 from minimax_jax.train import train
 from minimax_jax.train.config import TrainConfigError, from_dict, load_train_config
-from minimax_jax.train.testing import REPO, micro_train_dict, subprocess_env
+from tests.train_helpers import REPO, micro_train_dict, subprocess_env
 
 
 def _never(*a, **k):

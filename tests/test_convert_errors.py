@@ -243,7 +243,7 @@ def test_cli_names_its_flags_and_export_files_get_the_usual_mode(tmp_path, capsy
     library names its argument); the exported .safetensors get the mode every other written file
     gets (0o644 under umask 022), not safetensors' 0o600."""
     from minimax_jax.convert.export import export_orbax_to_hf
-    from minimax_jax.train.testing import random_params
+    from tests.train_helpers import random_params
     from tests import infer_helpers as H
 
     nope = str(tmp_path / "nope")

@@ -14,7 +14,8 @@ _CHILD = textwrap.dedent(r"""
     import jax, numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
     from minimax_jax.convert.load import load_checkpoint
-    from minimax_jax.sharding import load_rules, make_mesh, params_shardings
+    from minimax_jax.model import params_shardings
+    from minimax_jax.sharding import load_rules, make_mesh
     assert len(jax.devices()) == 4, jax.devices()
     d = sys.argv[1]
     cfg, plain = load_checkpoint(d)

@@ -1,9 +1,11 @@
-"""``minimax_jax.ops.common.triton_cuda_target`` / ``assume_backend``: Pallas Triton lowering for CUDA on a
-machine without a GPU (jax >= 0.11 asks the local GPU; jax 0.10 has no such lookup: a no-op there)."""
+"""``pallas_kernels.common.triton_cuda_target`` / ``minimax_jax.ops.registry.assume_backend``: Pallas Triton
+lowering for CUDA on a machine without a GPU (jax >= 0.11 asks the local GPU; jax 0.10 has no such lookup: a
+no-op there)."""
 
 import pytest
 
-from minimax_jax.ops.common import assume_backend, default_backend, triton_cuda_target
+from minimax_jax.ops.registry import assume_backend, default_backend
+from pallas_kernels.common import triton_cuda_target
 
 try:
     from jax._src.pallas.triton import gpu_info
@@ -24,7 +26,7 @@ def test_assume_backend_sets_the_backend_and_restores_it():
 
 
 @needs_lookup
-def test_no_gpu_lowers_for_an_h200_and_the_lookup_is_restored():
+def test_no_gpu_lowers_for_sm90_by_default_and_the_lookup_is_restored():
     import jax
 
     if any(d.platform == "gpu" for d in jax.devices()):

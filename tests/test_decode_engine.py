@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from minimax_jax.decode import DecodeEngine
-from minimax_jax.ops.common import clear_implementation_report, implementation_report
+from minimax_jax.ops.registry import clear_implementation_report, implementation_report
 from tests.test_decode_fixtures import assert_close, random_tokens, reference_logits, small_model
 
 

@@ -46,11 +46,11 @@ def _index_keys(rng, b, nq, hi, di, page, npg, kv_dtype):
 
 @pytest.mark.parametrize("nq,kv_dtype", [(1, "float32"), (2, "float8_e4m3fn"), (8, "bfloat16"), (16, "float32")])
 def test_kernels_match_oracle(nq, kv_dtype):
-    check_against_oracle("gpu_interpret", nq, kv_dtype, ordered=True)
+    check_against_oracle("pallas_gpu_interpret", nq, kv_dtype, ordered=True)
 
 
 def test_all_equal_scores():
-    check_all_equal_scores("gpu_interpret")
+    check_all_equal_scores("pallas_gpu_interpret")
 
 
 @pytest.mark.parametrize("unroll,ppp,kv_dtype,f16", [(2, 4, "bfloat16", False), (4, 8, "float8_e4m3fn", False),
@@ -62,8 +62,8 @@ def test_unrolled_scoring_matches_reference(unroll, ppp, kv_dtype, f16):
     import jax.numpy as jnp
     import numpy as np
 
-    from minimax_jax.decode import ops
-    from pallas_kernels.decode.gpu import page_scores_gpu, select_pages_gpu
+    from minimax_jax.ops import paged as ops
+    from pallas_kernels.decode.gpu_select import page_scores_gpu, select_pages_gpu
 
     rng = np.random.default_rng()
     b, nq, hi, di, page, npg, topk = 2, 2, 2, 32, 16, 13, 4
@@ -74,7 +74,7 @@ def test_unrolled_scoring_matches_reference(unroll, ppp, kv_dtype, f16):
     table, pos = jnp.asarray(table, jnp.int32), jnp.asarray(pos, jnp.int32)
     got = _jit(page_scores_gpu, qi, ki, table, pos, ks, interpret=True, ppp=ppp, unroll=unroll, f16=f16)
     base = _jit(page_scores_gpu, qi, ki, table, pos, ks, interpret=True, ppp=ppp, unroll=1, f16=f16)
-    ref = _jit(ops._xla_page_scores, qi, ki, ks, jnp.minimum(table, n_phys - 1))
+    ref = _jit(ops.xla.page_scores, qi, ki, ks, jnp.minimum(table, n_phys - 1))
     for r in range(b):
         n = int(pos[r].max()) // page                      # pages before the local one are scored
         np.testing.assert_allclose(np.asarray(got[r, ..., :n]), np.asarray(base[r, ..., :n]), rtol=0, atol=0)
@@ -91,7 +91,7 @@ def test_unrolled_scoring_matches_reference(unroll, ppp, kv_dtype, f16):
 def test_unroll_must_divide_pages_per_program():
     import jax.numpy as jnp
 
-    from pallas_kernels.decode.gpu import page_scores_gpu
+    from pallas_kernels.decode.gpu_select import page_scores_gpu
     qi, ki = jnp.zeros((1, 1, 1, 16)), jnp.zeros((4, 16, 16))
     table, pos = jnp.zeros((1, 4), jnp.int32), jnp.full((1, 1), 40, jnp.int32)
     with pytest.raises(ValueError, match="power of two"):
@@ -124,8 +124,8 @@ def test_split_select_rows_exact(init_blocks, local_blocks):
     import jax.numpy as jnp
     import numpy as np
 
-    from minimax_jax.decode import ops
-    from pallas_kernels.decode.gpu import _select_rows
+    from minimax_jax.ops import paged as ops
+    from pallas_kernels.decode.gpu_select import _select_rows
 
     rng = np.random.default_rng()
     b, rows, n_rows, width, page, topk = 2, 8, 7, 64, 16, 8     # rows >= n_rows are padding (not selected)
@@ -148,7 +148,7 @@ def test_split_select_auto_wide_rows():
     import jax.numpy as jnp
     import numpy as np
 
-    from pallas_kernels.decode.gpu import _auto_select_splits, _select_rows
+    from pallas_kernels.decode.gpu_select import _auto_select_splits, _select_rows
 
     assert _auto_select_splits(1, 2, 2048) == 4
     assert _auto_select_splits(32, 4, 16384) == 32 and _auto_select_splits(1, 4, 16384) == 32
@@ -173,9 +173,9 @@ def test_split_select_matches_single_stage(kv_dtype, init_blocks, local_blocks):
     import jax.numpy as jnp
     import numpy as np
 
-    from minimax_jax.decode import ops
+    from minimax_jax.ops import paged as ops
     from minimax_jax.decode.cache import quantize
-    from pallas_kernels.decode.gpu import page_scores_gpu, select_pages_gpu
+    from pallas_kernels.decode.gpu_select import page_scores_gpu, select_pages_gpu
 
     rng = np.random.default_rng()
     b, nq, hi, di, page, npg, topk = 2, 2, 2, 32, 16, 40, 8
@@ -217,19 +217,19 @@ def test_split_select_config_default():
     """select_splits=None takes CONFIG["select_splits"] (4 by default, from the H200 sweep)."""
     import numpy as np
 
-    from pallas_kernels.decode import gpu
+    from pallas_kernels.decode import gpu_config, gpu_select
     from tests.test_decode_oracle import K, make_case
 
-    assert gpu.CONFIG["select_splits"] == 4 and gpu.CONFIG["sparse_pps"] == 4
+    assert gpu_config.CONFIG["select_splits"] == 4 and gpu_config.CONFIG["sparse_pps"] == 4
     c = make_case(np.random.default_rng(), 1, kv_dtype="bfloat16", index_dtype="bfloat16")
     args = (c["qi"], c["ki"], c["table"], c["pos"], c["ki_scale"])
-    base = np.asarray(gpu.select_pages_gpu(*args, topk=K, interpret=True, select_splits=1))
-    old = gpu.CONFIG["select_splits"]
+    base = np.asarray(gpu_select.select_pages_gpu(*args, topk=K, interpret=True, select_splits=1))
+    old = gpu_config.CONFIG["select_splits"]
     try:
-        gpu.CONFIG["select_splits"] = 1
-        np.testing.assert_array_equal(np.asarray(gpu.select_pages_gpu(*args, topk=K, interpret=True)), base)
+        gpu_config.CONFIG["select_splits"] = 1
+        np.testing.assert_array_equal(np.asarray(gpu_select.select_pages_gpu(*args, topk=K, interpret=True)), base)
     finally:
-        gpu.CONFIG["select_splits"] = old
+        gpu_config.CONFIG["select_splits"] = old
 
 
 def test_config_splits_fit_narrow_score_rows():
@@ -238,22 +238,23 @@ def test_config_splits_fit_narrow_score_rows():
     import jax.numpy as jnp
     import numpy as np
 
-    from pallas_kernels.decode import gpu
+    from pallas_kernels.decode import gpu_config, gpu_select
     qi = jnp.asarray(np.random.default_rng().normal(size=(1, 1, 2, 16)), jnp.float32)
     ki = jnp.asarray(np.random.default_rng().normal(size=(3, 8, 16)), jnp.float32)
     table, pos = jnp.asarray([[2, 1]], jnp.int32), jnp.full((1, 1), 15, jnp.int32)
-    assert gpu.CONFIG["select_splits"] > 2
-    got = gpu.select_pages_gpu(qi, ki, table, pos, topk=2, interpret=True, ppp=1)
-    want = gpu.select_pages_gpu(qi, ki, table, pos, topk=2, interpret=True, ppp=1, select_splits=1)
+    assert gpu_config.CONFIG["select_splits"] > 2
+    got = gpu_select.select_pages_gpu(qi, ki, table, pos, topk=2, interpret=True, ppp=1)
+    want = gpu_select.select_pages_gpu(qi, ki, table, pos, topk=2, interpret=True, ppp=1, select_splits=1)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     with pytest.raises(ValueError, match="exceeds the padded score width"):
-        gpu.select_pages_gpu(qi, ki, table, pos, topk=2, interpret=True, ppp=1, select_splits=4)
+        gpu_select.select_pages_gpu(qi, ki, table, pos, topk=2, interpret=True, ppp=1, select_splits=4)
 
 
 def test_bad_launch_options_raise():
     import jax.numpy as jnp
 
-    from pallas_kernels.decode.gpu import paged_attention_gpu, select_pages_gpu
+    from pallas_kernels.decode.gpu_attention import paged_attention_gpu
+    from pallas_kernels.decode.gpu_select import select_pages_gpu
     qi, ki = jnp.zeros((1, 1, 1, 16)), jnp.zeros((4, 16, 16))
     table, pos = jnp.zeros((1, 4), jnp.int32), jnp.full((1, 1), 40, jnp.int32)   # W = 4 with ppp = 4
     for s in (3, 0, -2, 6, "fast", 2.0):
@@ -278,8 +279,8 @@ def test_sparse_pages_per_split(kv_dtype, loop):
     import jax.numpy as jnp
     import numpy as np
 
-    from minimax_jax.decode import ops
-    from pallas_kernels.decode.gpu import paged_attention_gpu
+    from minimax_jax.ops import paged as ops
+    from pallas_kernels.decode.gpu_attention import paged_attention_gpu
     from tests.test_decode_oracle import make_case, oracle_select
 
     topk = 6
@@ -337,8 +338,8 @@ def test_persistent_scoring_matches_chunked(nq, kv_dtype, f16):
     (``_uneven_case``)."""
     import numpy as np
 
-    from minimax_jax.decode import ops
-    from pallas_kernels.decode.gpu import page_scores_gpu, select_pages_gpu
+    from minimax_jax.ops import paged as ops
+    from pallas_kernels.decode.gpu_select import page_scores_gpu, select_pages_gpu
 
     rng = np.random.default_rng()
     qi, ki, ks, table, pos, ref_table = _uneven_case(rng, nq, kv_dtype)
@@ -347,7 +348,7 @@ def test_persistent_scoring_matches_chunked(nq, kv_dtype, f16):
     assert sorted(set(n_score.tolist())) == [0, 1, 6, 12]
     kw = dict(interpret=True, f16=f16)
     base = np.asarray(_jit(page_scores_gpu, qi, ki, table, pos, ks, programs=0, ppp=4, **kw))
-    ref = np.asarray(_jit(ops._xla_page_scores, qi, ki, ks, ref_table))
+    ref = np.asarray(_jit(ops.xla.page_scores, qi, ki, ks, ref_table))
     ids_base = np.asarray(_jit(select_pages_gpu, qi, ki, table, pos, ks, topk=topk, programs=0, ppp=4, **kw))
     for programs, evict in ((1, "evict_normal"), (5, "evict_first"), (64, "evict_last")):   # 5: chunks of 4
         got = np.asarray(_jit(page_scores_gpu, qi, ki, table, pos, ks, programs=programs, evict=evict, **kw))
@@ -364,18 +365,18 @@ def test_persistent_scoring_matches_chunked(nq, kv_dtype, f16):
 
 @pytest.mark.parametrize("nq,kv_dtype", [(1, "bfloat16"), (2, "float8_e4m3fn"), (8, "float32"), (16, "bfloat16")])
 def test_persistent_table_matches_oracle(nq, kv_dtype, monkeypatch):
-    """A persistent launch in every size class of ``CONFIG["score"]``: the API path (``api.select_pages``,
-    launch from the table) gives the NumPy oracle's selection (sets and order) and attention."""
+    """A persistent launch in every size class of ``CONFIG["score"]``: the op path
+    (``implementation="pallas_gpu_interpret"``, launch from the table) gives the NumPy oracle's selection (sets and order) and attention."""
     import copy
 
-    from pallas_kernels.decode import gpu
+    from pallas_kernels.decode import gpu_config
 
-    table = copy.deepcopy(gpu.CONFIG["score"])
+    table = copy.deepcopy(gpu_config.CONFIG["score"])
     for by_cls in table.values():
         for cls in by_cls:
             by_cls[cls] = dict(by_cls[cls], programs=3)
-    monkeypatch.setitem(gpu.CONFIG, "score", table)
-    check_against_oracle("gpu_interpret", nq, kv_dtype, ordered=True)
+    monkeypatch.setitem(gpu_config.CONFIG, "score", table)
+    check_against_oracle("pallas_gpu_interpret", nq, kv_dtype, ordered=True)
 
 
 def test_size_class_picks_the_launch(monkeypatch):
@@ -386,42 +387,44 @@ def test_size_class_picks_the_launch(monkeypatch):
     import jax.numpy as jnp
     import numpy as np
 
-    from pallas_kernels.decode import gpu
+    from pallas_kernels.decode import gpu_config, gpu_select
 
-    monkeypatch.setattr(gpu, "SCORE_CLASSES", (("small", 16), ("mid", 40), ("large", None)))
-    monkeypatch.setitem(gpu.CONFIG, "score", {
+    monkeypatch.setattr(gpu_config, "SCORE_CLASSES", (("small", 16), ("mid", 40), ("large", None)))
+    monkeypatch.setitem(gpu_config.CONFIG, "score", {
         "bf16": {"small": dict(programs=3, num_warps=1), "mid": dict(ppp=2, num_warps=2),
                  "large": dict(ppp=4, unroll=2, evict="evict_first")},
         "fp8": {"small": dict(ppp=4, f16=True), "large": dict(programs=5, f16=True)}})
-    assert [gpu.score_size_class(n) for n in (None, 1, 16, 17, 40, 41, 10 ** 9)] == \
+    assert [gpu_config.score_size_class(n) for n in (None, 1, 16, 17, 40, 41, 10 ** 9)] == \
         ["small", "small", "small", "mid", "mid", "large", "large"]
-    launch = gpu._score_launch
+    launch = gpu_config.score_launch
     assert launch(jnp.bfloat16, total_pages=10)["programs"] == 3
     mid = launch(jnp.bfloat16, total_pages=30)
     assert (mid["ppp"], mid["num_warps"], mid["programs"]) == (2, 2, 0)
     assert launch(jnp.bfloat16, 8, total_pages=30, programs=7)["programs"] == 7      # explicit kwargs win
     assert launch(jnp.bfloat16, 8, total_pages=30, programs=7)["ppp"] == 8
-    assert launch(jnp.float8_e4m3fn, total_pages=30) == dict(gpu.SCORE_LAUNCH_BASE, loop=gpu.CONFIG["loop"])
+    assert launch(jnp.float8_e4m3fn, total_pages=30) == dict(gpu_config.SCORE_LAUNCH_BASE,
+                                                              loop=gpu_config.CONFIG["loop"])
     assert launch(jnp.float32, size_class="large", total_pages=1)["evict"] == "evict_first"
     with pytest.raises(ValueError, match="unknown size class"):
         launch(jnp.bfloat16, size_class="huge")
 
     seen = []
-    real = gpu._page_scores
-    monkeypatch.setattr(gpu, "_page_scores", lambda *a, **k: seen.append(k) or real(*a, **k))
+    real = gpu_select._page_scores
+    monkeypatch.setattr(gpu_select, "_page_scores", lambda *a, **k: seen.append(k) or real(*a, **k))
     rng = np.random.default_rng()
     qi, ki, ks, table, pos, _ = _uneven_case(rng, 2, "bfloat16")         # B * NP = 5 * 13 = 65: large
     n_score = np.clip(np.asarray(pos).max(1) // ki.shape[1], 0, None)
     got = {}
     for b, cls in ((5, None), (1, None), (2, None), (5, "small"), (5, "mid")):
-        got[(b, cls)] = np.asarray(_jit(gpu.page_scores_gpu, qi[:b], ki, table[:b], pos[:b], ks, interpret=True,
+        got[(b, cls)] = np.asarray(_jit(gpu_select.page_scores_gpu, qi[:b], ki, table[:b], pos[:b], ks, interpret=True,
                                         size_class=cls))
     assert [k["programs"] for k in seen] == [0, 3, 0, 3, 0]                   # large, small, mid, small, mid
     assert seen[0]["unroll"] == 2 and seen[2]["ppp"] == 2 and seen[4]["ppp"] == 2
     for (b, cls), sc in got.items():
         for r in range(b):
             np.testing.assert_array_equal(sc[r, ..., :n_score[r]], got[(5, None)][r, ..., : n_score[r]])
-    ids = {cls: np.asarray(_jit(gpu.select_pages_gpu, qi, ki, table, pos, ks, topk=4, interpret=True, size_class=cls))
+    ids = {cls: np.asarray(_jit(gpu_select.select_pages_gpu, qi, ki, table, pos, ks, topk=4, interpret=True,
+                                size_class=cls))
            for cls in ("small", "mid", "large")}
     np.testing.assert_array_equal(ids["small"], ids["large"])
     np.testing.assert_array_equal(ids["mid"], ids["large"])
@@ -433,7 +436,7 @@ def test_bad_scoring_launch_raises():
     import jax.numpy as jnp
     import numpy as np
 
-    from pallas_kernels.decode.gpu import page_scores_gpu, select_pages_gpu
+    from pallas_kernels.decode.gpu_select import page_scores_gpu, select_pages_gpu
     qi, ki = jnp.zeros((1, 1, 1, 16)), jnp.zeros((4, 16, 16))
     table, pos = jnp.zeros((1, 4), jnp.int32), jnp.full((1, 1), 40, jnp.int32)
     for programs in (-1, True, 2.0):

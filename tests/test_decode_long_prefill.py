@@ -1,6 +1,6 @@
 """Long-prompt prefill of ``DecodeEngine``: cost follows the prompt, not ``max_len``.
 
-Micro float32 models (``minimax_jax.train.testing``: an M2-style dense model and an M3-style model
+Micro float32 models (``tests.train_helpers``: an M2-style dense model and an M3-style model
 with an MSA layer of 8-token blocks, top-2, so prompts past 24 tokens are really sparse), page
 size 8, prefill chunks of 32 tokens and ``max_len`` 4096 (512 pages per sequence):
 
@@ -29,7 +29,7 @@ from minimax_jax.decode import DecodeEngine
 from minimax_jax.decode import engine as engine_mod
 from minimax_jax.decode import step as step_mod
 from minimax_jax.model.transformer import forward
-from minimax_jax.train.testing import MICRO_MODEL, MICRO_MSA_MODEL, random_params
+from tests.train_helpers import MICRO_MODEL, MICRO_MSA_MODEL, random_params
 
 PAGE, CHUNK, MAX_LEN, REF_LEN = 8, 32, 4096, 256
 ATOL = 1e-4

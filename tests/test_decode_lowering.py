@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels.decode.gpu import paged_attention_gpu, select_pages_gpu
+from pallas_kernels.decode.gpu_attention import paged_attention_gpu
+from pallas_kernels.decode.gpu_select import select_pages_gpu
 from pallas_kernels.decode.tpu import page_scores_tpu, paged_attention_tpu
 
 S = jax.ShapeDtypeStruct

@@ -1,4 +1,4 @@
-"""Paged decode ops (``minimax_jax.decode.ops``, implementation="xla") against a NumPy oracle.
+"""Paged decode ops (``minimax_jax.ops.paged``, implementation="xla") against a NumPy oracle.
 
 Q in {1, 2, 8, 16} rows (speculative verification), float32 / bf16 / fp8 e4m3 caches, shuffled
 page tables, padding rows, the tie case; dispatch, recording and refusals; sliding windows.
@@ -11,9 +11,8 @@ import math
 import numpy as np
 import pytest
 
-from minimax_jax.decode import ops
-from minimax_jax.ops.common import ImplementationUnavailable, clear_implementation_report, implementation_report
-from pallas_kernels.decode import api
+from minimax_jax.ops import paged as ops
+from minimax_jax.ops.registry import ImplementationUnavailable, clear_implementation_report, implementation_report
 from tests.test_decode_oracle import D, K, PAGE, check_against_oracle, check_all_equal_scores, make_case
 
 
@@ -37,9 +36,11 @@ def test_dispatch_records_and_refuses():
         ops.paged_attention(c["q"], c["k"], c["v"], c["table"], c["pos"], implementation="cuda")
     with pytest.raises(ImplementationUnavailable, match="sliding"):
         ops.paged_attention(c["q"], c["k"], c["v"], c["table"], c["pos"], sliding_window=8,
-                            implementation="pallas_interpret")
-    with pytest.raises(ImplementationUnavailable, match="unknown Pallas backend"):
-        api.paged_attention(c["q"], c["k"], c["v"], c["table"], c["pos"], backend="mosaic_gpu")
+                            implementation="pallas_tpu_interpret")
+    with pytest.raises(ImplementationUnavailable, match="unknown implementation"):       # the old name
+        ops.paged_attention(c["q"], c["k"], c["v"], c["table"], c["pos"], implementation="pallas_interpret")
+    with pytest.raises(ImplementationUnavailable, match="needs a GPU backend"):           # CPU: no Triton kernel
+        ops.msa_decode_select(c["qi"], c["ki"], c["table"], c["pos"], topk=K, implementation="pallas_gpu")
     with pytest.raises(ValueError, match="q_positions"):
         ops.paged_attention(c["q"], c["k"], c["v"], c["table"], c["pos"][:, :0], implementation="xla")
 

@@ -12,9 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from minimax_jax.decode import ops
-from minimax_jax.decode.cache import dequantize, quantize
-from pallas_kernels.decode import api
+from minimax_jax.decode.cache import quantize
+from minimax_jax.ops import paged as ops
+from minimax_jax.ops.paged import dequantize
+from pallas_kernels.decode.gpu_config import score_launch
 
 G, HG, D, DI, PAGE, K = 2, 4, 16, 16, 16, 4
 
@@ -84,18 +85,15 @@ def make_case(rng, nq, kv_dtype="float32", index_dtype="float32", b=2, npg=12):
 def _select(c, impl, topk=K):
     # under jit: one compile of the op instead of one per eager primitive
     def f(qi, ki, table, pos, ki_scale):
-        kw = dict(ki_scale=ki_scale, topk=topk)
-        if impl == "gpu_interpret":
-            return api.select_pages(qi, ki, table, pos, backend="gpu_interpret", **kw)
-        return ops.msa_decode_select(qi, ki, table, pos, implementation=impl, **kw)
+        return ops.msa_decode_select(qi, ki, table, pos, ki_scale=ki_scale, topk=topk, implementation=impl)
     return jax.jit(f)(c["qi"], c["ki"], c["table"], c["pos"], c["ki_scale"])
 
 
 def _attend(c, impl, ids):
     def f(q, k, v, table, pos, k_scale, v_scale, ids):
         kw = dict(k_scale=k_scale, v_scale=v_scale, block_ids=ids)
-        if impl == "gpu_interpret":
-            return api.paged_attention(q, k, v, table, pos, backend="gpu_interpret", pages_per_split=3, **kw)
+        if impl == "pallas_gpu_interpret":                  # several dense splits at these sizes
+            kw["pages_per_split"] = 3
         return ops.paged_attention(q, k, v, table, pos, implementation=impl, **kw)
     return jax.jit(f)(c["q"], c["k"], c["v"], c["table"], c["pos"], c["k_scale"], c["v_scale"], ids)
 
@@ -114,9 +112,8 @@ def check_against_oracle(impl, nq, kv_dtype, ordered=True):
     # flipped a near-tie).
     exact = impl == "xla" or kv_dtype == "float32"
     seen_dt = jnp.bfloat16
-    if impl == "gpu_interpret" and jnp.dtype(kv_dtype).itemsize == 1:
-        from pallas_kernels.decode.gpu import _score_launch
-        seen_dt = jnp.float16 if _score_launch(jnp.dtype(kv_dtype), *[None] * 6)["f16"] else jnp.bfloat16
+    if impl == "pallas_gpu_interpret" and jnp.dtype(kv_dtype).itemsize == 1:
+        seen_dt = jnp.float16 if score_launch(jnp.dtype(kv_dtype), *[None] * 6)["f16"] else jnp.bfloat16
     qi_seen = n["qi"] if exact else np.asarray(jnp.asarray(n["qi"], seen_dt).astype(jnp.float32), np.float64)
     want_ids = oracle_select(qi_seen, n["ki"], n["table"], n["pos"], K)
     ids = np.asarray(_select(c, impl))

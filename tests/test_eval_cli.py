@@ -1,18 +1,17 @@
-"""Eval CLI and runtime adapter, with a stand-in minimax_jax.infer module."""
+"""Eval CLI and runtime adapter, with a stand-in inference runtime (``load_model_fns``'s ``factory``)."""
 
+import functools
 import json
 import math
 import os
 import re
-import sys
 import sysconfig
-import types
 
 import numpy as np
 import pytest
 
 from minimax_jax.data.tokenizer import save_tokenizer, train_tokenizer_from_paths
-from minimax_jax.eval import cli
+from minimax_jax.eval import cli, runner
 from minimax_jax.eval.chat import chat_prompt, strip_thinking
 from minimax_jax.eval.runner import RuntimeUnavailable, load_model_fns
 
@@ -43,7 +42,7 @@ def reader(prompt):
 
 
 def install_fake_infer(monkeypatch, tok_dir, answer, calls):
-    mod = types.ModuleType("minimax_jax.infer")
+    """The eval CLI runs against a fake inference runtime (``load_model_fns``'s ``factory``)."""
 
     def make_eval_fns(checkpoint, **options):
         calls.append((checkpoint, options))
@@ -56,8 +55,7 @@ def install_fake_infer(monkeypatch, tok_dir, answer, calls):
 
         return {"generate_fn": generate_fn, "logprob_fn": logprob_fn, "tokenizer": tok_dir}
 
-    mod.make_eval_fns = make_eval_fns
-    monkeypatch.setitem(sys.modules, "minimax_jax.infer", mod)
+    monkeypatch.setattr(cli, "load_model_fns", functools.partial(runner.load_model_fns, factory=make_eval_fns))
 
 
 def args(tmp_path, *extra):
@@ -124,21 +122,24 @@ def test_chat_helpers():
     assert strip_thinking("plain") == "plain"
 
 
-def test_missing_runtime_is_a_clear_error(monkeypatch):
-    monkeypatch.setitem(sys.modules, "minimax_jax.infer", None)  # import raises ModuleNotFoundError
-    with pytest.raises(RuntimeUnavailable, match="inference runtime 'minimax_jax.infer' is not available"):
-        load_model_fns("ckpt")
-    monkeypatch.setitem(sys.modules, "minimax_jax.infer", types.ModuleType("minimax_jax.infer"))
-    with pytest.raises(RuntimeUnavailable, match="has no function make_eval_fns"):
-        load_model_fns("ckpt")
+def test_runtime_that_breaks_the_contract_is_a_clear_error():
+    with pytest.raises(RuntimeUnavailable, match="is not a function"):
+        load_model_fns("ckpt", factory=None)
+    with pytest.raises(RuntimeUnavailable, match="must return a mapping"):
+        load_model_fns("ckpt", factory=lambda ckpt, **kw: [ckpt])
+    seen = {}
 
-
-def test_bad_runtime_result_and_bad_args(monkeypatch, tmp_path, tok_dir):
-    mod = types.ModuleType("minimax_jax.infer")
-    mod.make_eval_fns = lambda ckpt, **kw: {"generate_fn": None, "tokenizer": tok_dir}
-    monkeypatch.setitem(sys.modules, "minimax_jax.infer", mod)
+    def factory(ckpt, **kw):
+        seen.update(kw, ckpt=ckpt)
+        return {"generate_fn": None}
     with pytest.raises(RuntimeUnavailable, match="no callable 'generate_fn'"):
-        load_model_fns("ckpt")
+        load_model_fns("ckpt", tokenizer="tok.json", factory=factory, max_seq_len=7)
+    assert seen == {"ckpt": "ckpt", "tokenizer_path": "tok.json", "max_seq_len": 7}
+
+
+def test_bad_runtime_result_and_bad_args(tmp_path, tok_dir):
+    with pytest.raises(RuntimeUnavailable, match="no callable 'generate_fn'"):
+        load_model_fns("ckpt", factory=lambda ckpt, **kw: {"generate_fn": None, "tokenizer": tok_dir})
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["--checkpoint", "c", "--tasks", "nope"])
     with pytest.raises(SystemExit):

@@ -2,9 +2,9 @@
 
 import pytest
 
-from minimax_jax.eval.haystack import noise_haystack, char_counter
+from minimax_jax.data.haystack import noise_haystack, char_counter
 from minimax_jax.eval.scoring import score_examples, score_output
-from minimax_jax.eval.tasks import completion, generate
+from minimax_jax.data.tasks import completion, generate
 
 
 def test_contains_whole_words():

@@ -8,11 +8,11 @@ import sysconfig
 import pytest
 
 from minimax_jax.data.tokenizer import train_tokenizer_from_paths
-from minimax_jax.eval.haystack import (
+from minimax_jax.data.haystack import (
     Haystack, LengthError, char_counter, fit_length, insert_needles, noise_haystack, prose_haystack,
     token_counter,
 )
-from minimax_jax.eval.tasks import TASKS, completion, generate, generate_suite
+from minimax_jax.data.tasks import TASKS, completion, generate, generate_suite
 
 STD = sysconfig.get_paths()["stdlib"]
 

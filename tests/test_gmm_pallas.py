@@ -25,9 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from minimax_jax.ops import moe
-from minimax_jax.ops.common import ImplementationUnavailable, clear_implementation_report, implementation_report
-from minimax_jax.ops.grouped_matmul import grouped_matmul, resolve_gmm
+from minimax_jax.ops import moe, registry
+from minimax_jax.ops.moe.grouped_matmul import grouped_matmul, zeros_past_sum
+from minimax_jax.ops.registry import (ImplementationUnavailable, assume_backend, clear_implementation_report,
+                                      implementation_report)
 from pallas_kernels.moe import gpu_gmm
 from pallas_kernels.moe.gpu_gmm import TileConfig
 
@@ -282,11 +283,11 @@ def test_grouped_matmul_impl_and_errors():
     ref = grouped_matmul(lhs, rhs, gs, implementation="xla")
     assert got.dtype == jnp.float32
     _close(got, ref, jnp.float32, "grouped_matmul")
-    assert resolve_gmm("auto") == ("pallas_gpu" if jax.default_backend() == "gpu" else "xla")
-    assert resolve_gmm("pallas_gpu_interpret") == "pallas_gpu_interpret"
+    assert registry.resolve("grouped_matmul", "auto").name == ("pallas_gpu" if jax.default_backend() == "gpu" else "xla")
+    assert registry.resolve("grouped_matmul", "pallas_gpu_interpret").name == "pallas_gpu_interpret"
     if jax.default_backend() != "gpu":
         with pytest.raises(ImplementationUnavailable, match="pallas_gpu"):
-            resolve_gmm("pallas_gpu")
+            registry.resolve("grouped_matmul", "pallas_gpu")
     with pytest.raises(ValueError, match="power of two"):
         TileConfig(bm=48)
     with pytest.raises(ValueError, match="groups"):
@@ -301,7 +302,7 @@ def _act(g):
 
 
 def test_moe_layer_pallas_interpret_matches_ragged():
-    """moe_experts(implementation="pallas_gpu_interpret") == "ragged" (XLA), forward and gradients."""
+    """moe_experts(implementation="pallas_gpu_interpret") == "xla_ragged", forward and gradients."""
     n, h, e, i, k = 48, 32, 6, 16, 2
     ks = jax.random.split(jax.random.key(np.random.default_rng().integers(1 << 30)), 5)
     x = jax.random.normal(ks[0], (n, h), jnp.float32)
@@ -320,7 +321,7 @@ def test_moe_layer_pallas_interpret_matches_ragged():
     got = run("pallas_gpu_interpret")
     assert implementation_report()["moe"] == "pallas_gpu_interpret"
     with jax.default_matmul_precision("highest"):
-        ref = run("ragged")
+        ref = run("xla_ragged")
     for a, b, what in zip(jax.tree.leaves(got), jax.tree.leaves(ref), ("loss", "dx", "dwi", "dwo")):
         _close(a, b, jnp.float32, what)
 
@@ -329,8 +330,6 @@ def test_sorted_expert_mlp_rows_past_sum_without_mask():
     """sorted_expert_mlp skips its row mask for the Pallas kernels (zeros_past_sum): with sum(group_sizes)
     < M (expert-parallel padding rows), output and gradients equal the masked XLA path, every row compared,
     and the rows past the sum are exactly 0 in both output dtypes."""
-    from minimax_jax.ops.grouped_matmul import zeros_past_sum
-
     assert zeros_past_sum("pallas_gpu_interpret") and not zeros_past_sum("xla")
     rng = np.random.default_rng()
     g, h, i = 5, 32, 16
@@ -374,21 +373,19 @@ def test_kernels_lower_for_cuda_at_m2_shapes():
         assert txt.count("__gpu$xla.gpu.triton") == 3
 
 
-def test_expert_parallel_path_lowers_for_cuda(monkeypatch):
+def test_expert_parallel_path_lowers_for_cuda():
     """moe_impl="pallas_gpu" inside use_mesh (expert-parallel shard_map, check_vma on) lowers for
     CUDA with gradients: the kernels' outputs and custom-VJP cotangents are typed varying like their
-    operands. The backend check is bypassed (this machine has no GPU); nothing is run."""
+    operands. The GPU backend is assumed (this machine has no GPU); nothing is run."""
     from minimax_jax import sharding as sh
-    from minimax_jax.ops import grouped_matmul as gm
 
-    monkeypatch.setattr(gm, "default_backend", lambda: "gpu")
     n, h, e, i, k = 64, 128, 8, 64, 2
     ks = jax.random.split(jax.random.key(0), 4)
     x = jax.random.normal(ks[0], (n, h), jnp.bfloat16)
     wi = jax.random.normal(ks[1], (e, h, 2 * i), jnp.bfloat16)
     wo = jax.random.normal(ks[2], (e, i, h), jnp.bfloat16)
     w, ex, _ = moe.route(x, jax.random.normal(ks[3], (h, e)), jnp.zeros(e), k)
-    with sh.use_mesh(sh.make_mesh(f"expert={len(jax.devices())}"), sh.load_rules("default")):
+    with sh.use_mesh(sh.make_mesh(f"expert={len(jax.devices())}"), sh.load_rules("default")), assume_backend("gpu"):
         def loss(x, wi, wo):
             y = moe.moe_experts(x, w, ex, wi, wo, _act, implementation="pallas_gpu", ep_transport="all_to_all")
             return jnp.sum(y.astype(jnp.float32) ** 2)

@@ -32,7 +32,7 @@ def _cfg(layer_types, mlp_types, topk=4):
                        dense_intermediate_size=48, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                        shared_intermediate_size=16, index_head_dim=8, index_block_size=16, index_topk=topk,
                        num_mtp_modules=1, dtype="float32", param_dtype="float32", attention_impl="xla",
-                       moe_impl="dense", msa_impl="xla")
+                       moe_impl="xla_dense", msa_impl="xla")
 
 
 def _forward(params, cfg, toks, hidden=False):

@@ -86,7 +86,7 @@ def test_routing_weights_against_numpy():
                                    rtol=1e-5)
 
 
-@pytest.mark.parametrize("impl", ["dense", "ragged"])
+@pytest.mark.parametrize("impl", ["xla_dense", "xla_ragged"])
 def test_moe_implementations_match_loop(impl):
     cfg = load_config("tiny-m2")
     rng = np.random.default_rng(4)

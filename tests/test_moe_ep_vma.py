@@ -1,6 +1,6 @@
 """Expert-parallel MoE under shard_map's varying-manual-axes typing ("vma", ``check_vma=True``).
 
-Regression for the H200 failure of bench/moe.py (bench/results/moe_run8.log, jax 0.11.2): "Custom VJP
+Regression for a GPU failure of bench/moe.py (jax 0.11.2): "Custom VJP
 bwd rule attached to unpermute_combine ... produced an output of type bfloat16[8192,1024]{V:expert}
 corresponding to an input of type bfloat16[8192,1024]". Since jax 0.10 the varying axes are read
 from ``jax.typeof(x).manual_axis_type.varying`` (``.vma`` was removed), so ``match_vma`` silently
@@ -9,14 +9,14 @@ output cotangent varied: the fresh receive buffer of ``ragged_all_to_all`` (whos
 the buffer's type) and a kernel output that does not propagate the type.
 
 Runs this file as a subprocess with 2 simulated CPU devices. Cases:
-- ``kernel_drops_vma``: mesh ``data=2`` (an expert axis of size 1, as on one H200), the expert MLP
-  (``moe.sorted_expert_mlp``, i.e. the grouped-matmul kernels) wrapped by a test-only ``psum`` over
+- ``kernel_drops_vma``: mesh ``data=2`` (an expert axis of size 1, as on one GPU), the expert MLP
+  (``expert_parallel.sorted_expert_mlp``, i.e. the grouped-matmul kernels) wrapped by a test-only ``psum`` over
   the size-1 ``expert`` axis: the same values, typed invariant over ``expert`` like the output of a
   kernel that does not propagate the type. Forward and gradients == the dense MoE.
-- ``ragged_buffer_trace``: the H200 path itself, ``ragged_all_to_all`` over ``expert=2``. That
-  collective does not run on CPU, so the backend check is patched to "gpu" and forward + gradient
+- ``ragged_buffer_trace``: the failing GPU path itself, ``ragged_all_to_all`` over ``expert=2``. That
+  collective does not run on CPU, so the GPU backend is assumed (``assume_backend``) and forward + gradient
   are only traced (which is where the error was raised).
-- ``gpu_auto_transport``: backend patched to "gpu", transport ``"auto"`` over ``expert=2`` picks the
+- ``gpu_auto_transport``: GPU backend assumed, transport ``"auto"`` over ``expert=2`` picks the
   padded ``all_to_all``; forward and gradients == the dense MoE.
 The Pallas kernels in interpret mode (``pallas_gpu_interpret``) cannot run here: JAX's Pallas HLO
 interpreter fails its own vma check inside ``shard_map`` (``dynamic_slice requires varying manual
@@ -32,12 +32,12 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = [  # (name, mesh, moe implementation, transport, expected record)
-    ("kernel_drops_vma", "data=2", "ragged", "auto", "expert_parallel[none,xla,ep=1,tp=1]"),
-    ("ragged_buffer_trace", "expert=2", "ragged", "ragged_all_to_all",
+    ("kernel_drops_vma", "data=2", "xla_ragged", "auto", "expert_parallel[none,xla,ep=1,tp=1]"),
+    ("ragged_buffer_trace", "expert=2", "xla_ragged", "ragged_all_to_all",
      "expert_parallel[ragged_all_to_all,xla,ep=2,tp=1]"),
-    # transport "auto" on a GPU backend is the padded all_to_all (measured ~100x faster than
-    # ragged_all_to_all on two H200s, BENCHMARKS.md session 5); it runs here, so values are compared
-    ("gpu_auto_transport", "expert=2", "ragged", "auto", "expert_parallel[all_to_all,xla,ep=2,tp=1]"),
+    # transport "auto" on a GPU backend is the padded all_to_all (measured far faster than
+    # ragged_all_to_all on two GPUs, BENCHMARKS.md (MoE)); it runs here, so values are compared
+    ("gpu_auto_transport", "expert=2", "xla_ragged", "auto", "expert_parallel[all_to_all,xla,ep=2,tp=1]"),
 ]
 
 
@@ -61,10 +61,12 @@ def _worker():
     import jax.numpy as jnp
     import numpy as np
 
-    import minimax_jax.parallel.expert as expert_mod
+    import contextlib
+
     from minimax_jax import sharding as sh
     from minimax_jax.ops import moe
-    from minimax_jax.ops.common import clear_implementation_report, implementation_report
+    from minimax_jax.ops.moe import expert_parallel as expert_mod
+    from minimax_jax.ops.registry import assume_backend, clear_implementation_report, implementation_report
 
     assert jax.device_count() == 2, jax.devices()
 
@@ -72,7 +74,7 @@ def _worker():
         a, b = jnp.split(g, 2, axis=-1)
         return jax.nn.silu(a) * b
 
-    real_mlp, real_backend = moe.sorted_expert_mlp, expert_mod.default_backend
+    real_mlp = expert_mod.sorted_expert_mlp
 
     def mlp_dropping_expert_vma(*args):
         # the "expert" axis has size 1 here: psum keeps the values and types the output invariant
@@ -92,19 +94,18 @@ def _worker():
         return jnp.sum(moe.moe_experts(x, w, ex, wi, wo, act, implementation=impl, ep_transport=transport) * cot)
 
     f = jax.value_and_grad(loss, argnums=(0, 1, 2, 3))
-    ref = jax.jit(f, static_argnums=(4, 5))(x, router, wi, wo, "dense", "auto")
+    ref = jax.jit(f, static_argnums=(4, 5))(x, router, wi, wo, "xla_dense", "auto")
     for name, mesh_spec, impl, transport, _ in CASES:
         row = {"case": name, "moe": None, "max_rel_err": None, "error": None}
         clear_implementation_report()
-        # the module globals the cases patch (backend, expert MLP) are not part of jit's cache key:
-        # without this a case could reuse an earlier case's trace (and record nothing)
+        # the assumed backend and the patched expert MLP are not part of jit's cache key: without this
+        # a case could reuse an earlier case's trace (and record nothing)
         jax.clear_caches()
+        gpu = assume_backend("gpu") if name in ("ragged_buffer_trace", "gpu_auto_transport") else contextlib.nullcontext()
         try:
-            with sh.use_mesh(sh.make_mesh(mesh_spec), sh.load_rules("default")):
+            with sh.use_mesh(sh.make_mesh(mesh_spec), sh.load_rules("default")), gpu:
                 if name == "kernel_drops_vma":
-                    moe.sorted_expert_mlp = mlp_dropping_expert_vma
-                if name in ("ragged_buffer_trace", "gpu_auto_transport"):
-                    expert_mod.default_backend = lambda: "gpu"
+                    expert_mod.sorted_expert_mlp = mlp_dropping_expert_vma
                 if name == "ragged_buffer_trace":
                     jaxpr = jax.make_jaxpr(f, static_argnums=(4, 5))(x, router, wi, wo, impl, transport)
                     assert "ragged_all_to_all" in str(jaxpr)
@@ -116,8 +117,7 @@ def _worker():
         except Exception as err:  # noqa: BLE001  (reported to the test, which shows it)
             row["error"] = f"{type(err).__name__}: {str(err)[:600]}"
         finally:
-            moe.sorted_expert_mlp = real_mlp
-            expert_mod.default_backend = real_backend
+            expert_mod.sorted_expert_mlp = real_mlp
         row["moe"] = implementation_report().get("moe")
         print(json.dumps(row), flush=True)
 

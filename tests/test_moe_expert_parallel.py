@@ -42,7 +42,7 @@ def _worker():
 
     from minimax_jax import sharding as sh
     from minimax_jax.ops import moe
-    from minimax_jax.ops.common import ImplementationUnavailable, clear_implementation_report, implementation_report
+    from minimax_jax.ops.registry import ImplementationUnavailable, clear_implementation_report, implementation_report
 
     def act(g):
         a, b = jnp.split(g, 2, axis=-1)
@@ -68,7 +68,7 @@ def _worker():
             return jnp.sum(moe.moe_experts(x, w, ex, wi, wo, act, implementation=impl) * cot)
 
         f = jax.value_and_grad(loss, argnums=(0, 1, 2, 3))
-        ref = jax.jit(f, static_argnums=4)(x, router, wi, wo, "dense")
+        ref = jax.jit(f, static_argnums=4)(x, router, wi, wo, "xla_dense")
         mesh = sh.make_mesh(mesh_spec)
         rules = sh.load_rules(rule_file if rules_name == "no_expert_batch" else rules_name)
         clear_implementation_report()

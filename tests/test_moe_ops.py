@@ -12,9 +12,11 @@ import pytest
 
 from minimax_jax.config import ModelConfig
 from minimax_jax.model.params import init_params, layer_segments
-from minimax_jax.ops import moe
-from minimax_jax.ops.common import ImplementationUnavailable, clear_implementation_report, implementation_report
-from minimax_jax.ops.grouped_matmul import grouped_matmul
+from minimax_jax.model.router_bias import update_router_biases
+from minimax_jax.ops import moe, registry
+from minimax_jax.ops.moe.grouped_matmul import grouped_matmul
+from minimax_jax.ops.registry import (ImplementationUnavailable, assume_backend, clear_implementation_report,
+                                      implementation_report)
 
 N, H, E, I, K = 37, 16, 6, 8, 3
 
@@ -75,11 +77,11 @@ def test_route_matches_numpy_and_bias_only_chooses():
     np.testing.assert_allclose(np.asarray(w), chosen / chosen.sum(1, keepdims=True), rtol=1e-6)
 
 
-@pytest.mark.parametrize("impl", ["dense", "ragged", "capacity"])
+@pytest.mark.parametrize("impl", ["xla_dense", "xla_ragged", "xla_capacity"])
 def test_experts_match_numpy(impl):
     x, router, bias, wi, wo = _inputs(1)
     w, e, _ = moe.route(x, router, bias, K)
-    kw = {"capacity_factor": E / K} if impl == "capacity" else {}   # capacity N: nothing dropped
+    kw = {"capacity_factor": E / K} if impl == "xla_capacity" else {}   # capacity N: nothing dropped
     clear_implementation_report()
     y = jax.jit(lambda *a: moe.moe_experts(*a, _act, implementation=impl, **kw))(x, w, e, wi, wo)
     assert implementation_report()["moe"] == impl
@@ -92,12 +94,12 @@ def test_capacity_drops_late_tokens_like_numpy():
     cap = moe.capacity_of(N, K, E, 0.5)
     assert cap == int(np.ceil(0.5 * N * K / E))
     assert int(np.max(load)) > cap  # something is really dropped
-    y = moe.moe_experts(x, w, e, wi, wo, _act, implementation="capacity", capacity_factor=0.5)
+    y = moe.moe_experts(x, w, e, wi, wo, _act, implementation="xla_capacity", capacity_factor=0.5)
     np.testing.assert_allclose(np.asarray(y), _np_moe(x, w, np.asarray(e), wi, wo, capacity=cap), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("impl,kw", [("ragged", {}), ("capacity", {"capacity_factor": E / K}),
-                                     ("capacity", {"capacity_factor": 0.7})])
+@pytest.mark.parametrize("impl,kw", [("xla_ragged", {}), ("xla_capacity", {"capacity_factor": E / K}),
+                                     ("xla_capacity", {"capacity_factor": 0.7})])
 def test_gradients_match_dense_autodiff(impl, kw):
     """Custom-VJP permutations give the gradients of plain autodiff (dense or a masked dense reference)."""
     x, router, bias, wi, wo = _inputs(3)
@@ -105,13 +107,13 @@ def test_gradients_match_dense_autodiff(impl, kw):
 
     def loss(x, router, wi, wo, impl, kw):
         w, e, _ = moe.route(x, router, bias, K)
-        if impl == "masked_dense":  # drop exactly what "capacity" drops, with plain autodiff
+        if impl == "masked_dense":  # drop exactly what "xla_capacity" drops, with plain autodiff
             keep = _keep_mask(e, moe.capacity_of(N, K, E, kw["capacity_factor"]))
             w = w * keep
-            impl, kw = "dense", {}
+            impl, kw = "xla_dense", {}
         return jnp.sum(moe.moe_experts(x, w, e, wi, wo, _act, implementation=impl, **kw) * cot)
 
-    ref_impl = "masked_dense" if kw.get("capacity_factor", 9) < E / K else "dense"
+    ref_impl = "masked_dense" if kw.get("capacity_factor", 9) < E / K else "xla_dense"
     g_ref = jax.grad(loss, argnums=(0, 1, 2, 3))(x, router, wi, wo, ref_impl, kw)
     g = jax.jit(jax.grad(lambda *a: loss(*a, impl, kw), argnums=(0, 1, 2, 3)))(x, router, wi, wo)
     for a, b in zip(g_ref, g):
@@ -134,7 +136,7 @@ def test_backward_has_no_scatter_add():
 
     def loss(x, wi, wo):
         w, e, _ = moe.route(x, router, bias, K)
-        return jnp.sum(moe.moe_experts(x, w, e, wi, wo, _act, implementation="ragged"))
+        return jnp.sum(moe.moe_experts(x, w, e, wi, wo, _act, implementation="xla_ragged"))
 
     text = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(x, wi, wo))
     # The only scatter-add left is the forward's integer expert-load count.
@@ -147,41 +149,41 @@ def test_auto_resolution_and_errors_on_cpu():
     w, e, _ = moe.route(x, router, bias, K)
     clear_implementation_report()
     moe.moe_experts(x, w, e, wi, wo, _act, implementation="auto")
-    assert implementation_report()["moe"] == "dense"  # N * E small on CPU
+    assert implementation_report()["moe"] == "xla_dense"  # N * E small on CPU
     n_big = 65536 // E + 1                             # N * E > 65536: the grouped path (shapes only)
     big = [jax.ShapeDtypeStruct((n_big, H), jnp.float32), jax.ShapeDtypeStruct((n_big, K), jnp.float32),
            jax.ShapeDtypeStruct((n_big, K), jnp.int32)]
     jax.eval_shape(lambda x, w, e: moe.moe_experts(x, w, e, wi, wo, _act, implementation="auto"), *big)
-    assert implementation_report()["moe"] == "ragged"  # XLA ragged_dot off GPU
+    assert implementation_report()["moe"] == "xla_ragged"  # XLA ragged_dot off GPU
     with pytest.raises(ImplementationUnavailable, match="tokamax"):
         moe.moe_experts(x, w, e, wi, wo, _act, implementation="tokamax")
-    with pytest.raises(ImplementationUnavailable, match="not one of"):
+    with pytest.raises(ImplementationUnavailable, match="unknown implementation 'megablox'"):
         moe.moe_experts(x, w, e, wi, wo, _act, implementation="megablox")
     with pytest.raises(ValueError, match="capacity_factor"):
-        moe.moe_experts(x, w, e, wi, wo, _act, implementation="capacity")
+        moe.moe_experts(x, w, e, wi, wo, _act, implementation="xla_capacity")
+    with pytest.raises(ImplementationUnavailable, match="transport 'pigeon' is not one of"):
+        moe.moe_experts(x, w, e, wi, wo, _act, ep_transport="pigeon")
     with pytest.raises(ImplementationUnavailable):
         grouped_matmul(x, wi, jnp.array([N, 0, 0, 0, 0, 0]), implementation="tokamax")
 
 
-def test_auto_picks_pallas_gpu_on_gpu(monkeypatch):
+def test_auto_picks_pallas_gpu_on_gpu():
     """On a GPU backend "auto" resolves to the Pallas grouped matmul and records that name (the
-    backend is patched and only shapes are traced: the Triton kernels are not compiled here)."""
-    from minimax_jax.ops import grouped_matmul as gm
-
-    monkeypatch.setattr(moe, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(gm, "default_backend", lambda: "gpu")
-    assert gm.resolve_gmm("auto") == "pallas_gpu"
+    backend is assumed and only shapes are traced: the Triton kernels are not compiled here)."""
     x, router, bias, wi, wo = _inputs(5)
     w, e, _ = moe.route(x, router, bias, K)
-    clear_implementation_report()
-    moe.moe_experts(x, w, e, wi, wo, _act, implementation="auto")
-    assert implementation_report()["moe"] == "dense"   # small problems stay dense on GPU too
     n_big = 65536 // E + 1
     big = [jax.ShapeDtypeStruct((n_big, H), jnp.float32), jax.ShapeDtypeStruct((n_big, K), jnp.float32),
            jax.ShapeDtypeStruct((n_big, K), jnp.int32)]
-    out = jax.eval_shape(lambda x, w, e: moe.moe_experts(x, w, e, wi, wo, _act, implementation="auto"), *big)
+    with assume_backend("gpu"):
+        assert registry.resolve("grouped_matmul", "auto").name == "pallas_gpu"
+        clear_implementation_report()
+        jax.eval_shape(lambda x, w, e: moe.moe_experts(x, w, e, wi, wo, _act, implementation="auto"), x, w, e)
+        assert implementation_report()["moe"] == "xla_dense"   # small problems stay dense on GPU too
+        out = jax.eval_shape(lambda x, w, e: moe.moe_experts(x, w, e, wi, wo, _act, implementation="auto"), *big)
     assert out.shape == (n_big, H)
     assert implementation_report()["moe"] == "pallas_gpu"
+    assert implementation_report()["grouped_matmul"] == "pallas_gpu"
 
 
 def test_router_bias_update_exact():
@@ -195,7 +197,7 @@ def test_update_router_biases_on_model_params():
     cfg = ModelConfig.from_yaml("configs/tiny-m3.yaml")
     params = init_params(cfg, jax.random.key(0))
     load = jnp.arange(cfg.num_moe_layers * cfg.num_experts, dtype=jnp.float32).reshape(cfg.num_moe_layers, -1) % 5
-    new = moe.update_router_biases(params, cfg, load, 0.01)
+    new = update_router_biases(params, cfg, load, 0.01)
     row = 0
     for seg, old_s, new_s in zip(layer_segments(cfg), params["segments"], new["segments"]):
         if seg.mlp_type != "moe":
@@ -208,7 +210,7 @@ def test_update_router_biases_on_model_params():
         row += seg.length
     assert row == cfg.num_moe_layers
     with pytest.raises(ValueError, match="MoE layers"):
-        moe.update_router_biases(params, cfg, load[:1], 0.01)
+        update_router_biases(params, cfg, load[:1], 0.01)
 
 
 def test_load_balancing_loss():
@@ -224,3 +226,13 @@ def test_load_balancing_loss():
     assert float(moe.load_balancing_loss(s, e)) == pytest.approx(E * float(np.sum(f * p)), rel=1e-6)
     g = jax.grad(lambda r: moe.load_balancing_loss(moe.router_scores(x, r), e))(router)
     assert np.all(np.isfinite(np.asarray(g))) and float(jnp.abs(g).sum()) > 0
+
+
+def test_implementation_names_and_backends():
+    """The names config.py checks ``moe_impl`` against come from the registry, in one naming scheme."""
+    assert moe.MOE_IMPLEMENTATIONS == ("auto", "xla_dense", "xla_ragged", "xla_capacity", "tokamax", "pallas_gpu",
+                                       "pallas_gpu_interpret")
+    assert moe.MOE_IMPLEMENTATIONS == registry.implementation_names("moe")
+    assert moe.BACKENDS_OF == {"tokamax": ("gpu", "tpu"), "pallas_gpu": ("gpu",)}
+    assert registry.implementation_names("grouped_matmul") == ("auto", "xla", "tokamax", "pallas_gpu",
+                                                               "pallas_gpu_interpret")

@@ -1,4 +1,4 @@
-"""Property test: the chunked MSA reference equals the full-materialisation one (minimax_jax.msa.naive).
+"""Property test: the chunked MSA reference equals the full-materialisation one (tests/msa_naive.py).
 
 Hypothesis draws, per case, one of a few tiny static configurations (shapes, block size, top-k,
 sink / local blocks, chunk size: few configurations keep XLA compiles bounded) and fresh random
@@ -19,7 +19,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minimax_jax.msa import naive
+from tests import msa_naive as naive
 from minimax_jax.ops import msa
 
 # (B, T, S, G, R, D, Di, block_size, topk, init_blocks, local_blocks, chunk_size)

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from minimax_jax.ops import msa as msa_ops
-from pallas_kernels.msa import api
+from minimax_jax.ops.registry import (ImplementationUnavailable, clear_implementation_report, get_op,
+                                      implementation_report)
 from pallas_kernels.msa.gpu_attention import msa_attention_gpu
 from pallas_kernels.msa.gpu_indexer import msa_select_blocks_gpu
 from tests.test_msa_kernels_oracle import (attention, cosine, id_sets, make_case, positions,
@@ -57,7 +58,7 @@ def _reference(c, ids):
     pos = positions(c)
     q, k, v = (jnp.asarray(c[n], jnp.float32) for n in ("q", "k", "v"))
     if c["v"].shape[-1] != c["q"].shape[-1]:
-        # minimax_jax.msa.reference reshapes o with D instead of Dv (reported to its owner):
+        # minimax_jax.ops.msa.reference reshapes o with D instead of Dv (reported to its owner):
         # use this file's own dense jnp oracle for the Dv != D case.
         from tests.test_msa_kernels_oracle import attention_jnp, selected_mask, visible
         vis = jnp.asarray(visible(c["q_pos"], c["kv_pos"], c["q_seg"], c["kv_seg"])[:, None]
@@ -216,23 +217,21 @@ def test_short_context_equals_dense_causal_attention():
     np.testing.assert_allclose(np.asarray(o), np.asarray(ref), atol=2e-5, rtol=2e-5)
 
 
-def test_api_dispatch_and_errors():
-    from minimax_jax.ops.common import ImplementationUnavailable
+def test_op_dispatch_and_errors():
+    rng = np.random.default_rng()
+    c = make_case(rng, bsz=1, t=16, s=40, h=2, g=1, d=16)
+    ids = random_ids(rng, c["q_pos"], c["q_seg"], 1, 3, BLK)
+    args = (jnp.asarray(c["q"]), jnp.asarray(c["k"]), jnp.asarray(c["v"]), jnp.asarray(ids))
     with pytest.raises(ImplementationUnavailable):
-        api.msa_attention(None, None, None, None, q_positions=None, kv_positions=None,
-                          block_size=16, backend="cuda")
-    with pytest.raises(ValueError):
+        msa_ops.msa_attention(*args, block_size=BLK, implementation="cuda", **positions(c))
+    with pytest.raises(AssertionError, match="power of two"):     # the kernel's own precondition
         msa_attention_gpu(jnp.zeros((1, 4, 2, 16)), jnp.zeros((1, 8, 2, 16)),
                           jnp.zeros((1, 8, 2, 16)), jnp.zeros((1, 2, 4, 2), jnp.int32),
                           q_positions=jnp.zeros((1, 4), jnp.int32),
                           kv_positions=jnp.zeros((1, 8), jnp.int32), block_size=24)
-    rng = np.random.default_rng()
-    c = make_case(rng, bsz=1, t=16, s=40, h=2, g=1, d=16)
-    ids = random_ids(rng, c["q_pos"], c["q_seg"], 1, 3, BLK)
-    o, _ = api.msa_attention(jnp.asarray(c["q"]), jnp.asarray(c["k"]), jnp.asarray(c["v"]),
-                             jnp.asarray(ids), block_size=BLK, backend="gpu_interpret",
-                             **positions(c))
-    assert api.last_backend()["msa_attention"] == "gpu_interpret"
+    clear_implementation_report()
+    o, _ = msa_ops.msa_attention(*args, block_size=BLK, implementation="pallas_gpu_interpret", **positions(c))
+    assert implementation_report()["msa_attention"] == "pallas_gpu_interpret"
     ro, _ = msa_ops.msa_attention(c["q"], c["k"], c["v"], ids, block_size=BLK,
                                   implementation="xla", **positions(c))
     np.testing.assert_allclose(np.asarray(o), np.asarray(ro), atol=2e-5, rtol=2e-5)
@@ -268,16 +267,21 @@ def test_layout_contract_is_checked_eagerly():
     args = (jnp.asarray(c["q"]), jnp.asarray(c["k"]), jnp.asarray(c["v"]), jnp.asarray(ids))
     bad_pos = c["kv_pos"].copy()
     bad_pos[0, 5] -= 1                                  # a repeat inside the segment
-    with pytest.raises(ValueError, match="increase by 1"):
-        api.msa_attention(*args, q_positions=c["q_pos"], kv_positions=bad_pos, block_size=BLK,
-                          backend="gpu_interpret")
+    with pytest.raises(ImplementationUnavailable, match="increase by 1"):
+        msa_ops.msa_attention(*args, q_positions=c["q_pos"], kv_positions=bad_pos, block_size=BLK,
+                              implementation="pallas_gpu_interpret")
     seg = np.zeros((1, 40), np.int32)
     seg[0, 10:20] = 1                                   # segment 0 stored in two runs
-    with pytest.raises(ValueError, match="several runs"):
-        api.msa_select_blocks(jnp.zeros((1, 8, 1, 16)), jnp.zeros((1, 40, 16)),
-                              q_positions=c["q_pos"], kv_positions=c["kv_pos"],
-                              q_segment_ids=seg[:, 32:], kv_segment_ids=seg, block_size=BLK,
-                              topk=2, backend="gpu_interpret")
+    with pytest.raises(ImplementationUnavailable, match="several runs"):
+        msa_ops.msa_select_blocks(jnp.zeros((1, 8, 1, 16)), jnp.zeros((1, 40, 16)),
+                                  q_positions=c["q_pos"], kv_positions=c["kv_pos"],
+                                  q_segment_ids=seg[:, 32:], kv_segment_ids=seg, block_size=BLK,
+                                  topk=2, implementation="pallas_gpu_interpret")
+
+
+def _supports(op, impl, *args, **kw):
+    """The ``supports`` verdict of one registered kernel implementation (None = it serves the call)."""
+    return get_op(op).implementations[impl].supports(*args, **kw)
 
 
 def test_supports_hook():
@@ -286,21 +290,16 @@ def test_supports_hook():
     args = (jnp.asarray(c["q"]), jnp.asarray(c["k"]), jnp.asarray(c["v"]),
             jnp.zeros((1, 1, 8, 2), jnp.int32))
     pos = positions(c)
-    assert api.supports("msa_attention", *args, backend="gpu", block_size=16, **pos) is None
-    assert "power of two" in api.supports("msa_attention", *args, backend="gpu", block_size=24,
-                                          **pos)
-    assert "multiple of 128" in api.supports("msa_attention", *args, backend="tpu",
-                                             block_size=16, **pos)
-    assert api.supports("msa_index_scores", args[0], args[1], backend="gpu", block_size=16,
-                        **pos) is not None
+    assert _supports("msa_attention", "pallas_gpu", *args, block_size=16, **pos) is None
+    assert "power of two" in _supports("msa_attention", "pallas_gpu", *args, block_size=24, **pos)
+    assert "multiple of 128" in _supports("msa_attention", "pallas_tpu", *args, block_size=16, **pos)
+    assert "pallas_gpu" not in get_op("msa_index_scores").implementations     # no kernel: xla only
     bad = dict(pos, kv_positions=pos["kv_positions"].at[0, 3].set(7))
-    assert "increase by 1" in api.supports("msa_attention", *args, backend="gpu", block_size=16,
-                                           **bad)
+    assert "increase by 1" in _supports("msa_attention", "pallas_gpu", *args, block_size=16, **bad)
     # Block selection takes (qi, ki) only: the hook must not index a third argument.
-    assert api.supports("msa_select_blocks", args[0], args[1], backend="gpu", block_size=16, topk=2,
-                        **pos) is None
-    assert "powers of two" in api.supports("msa_select_blocks", args[0][..., :12], args[1][..., :12],
-                                          backend="gpu", block_size=16, topk=2, **pos)
+    assert _supports("msa_select_blocks", "pallas_gpu", args[0], args[1], block_size=16, topk=2, **pos) is None
+    assert "powers of two" in _supports("msa_select_blocks", "pallas_gpu", args[0][..., :12], args[1][..., :12],
+                                        block_size=16, topk=2, **pos)
 
 
 @slow   # also run by default in tests/test_msa_kernels_gpu_layouts.py
@@ -344,14 +343,12 @@ def test_decode_like_layout_queries_not_at_the_end():
 
 def test_selection_under_grad():
     """Training differentiates through the layer: selection (integer ids, no gradient) must trace
-    under jax.grad on every Pallas backend (the H200 run hit a pallas_call JVP assertion)."""
-    from minimax_jax.ops import msa as msa_ops
-
+    under jax.grad on every Pallas backend (a pallas_call has no JVP rule)."""
     rng = np.random.default_rng()
     qi = jnp.asarray(rng.standard_normal((1, 64, 1, 16)), jnp.float32)
     ki = jnp.asarray(rng.standard_normal((1, 64, 16)), jnp.float32)
     pos = jnp.arange(64, dtype=jnp.int32)[None]
-    for impl in ("pallas_gpu_interpret", "pallas_interpret"):
+    for impl in ("pallas_gpu_interpret", "pallas_tpu_interpret"):
         def f(qi, ki):
             ids = msa_ops.msa_select_blocks(qi, ki, q_positions=pos, kv_positions=pos, block_size=16, topk=2,
                                             implementation=impl)

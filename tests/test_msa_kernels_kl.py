@@ -1,6 +1,6 @@
-"""GPU indexer-KL kernels (interpret mode) against the XLA reference (minimax_jax.msa.kl): loss,
+"""GPU indexer-KL kernels (interpret mode) against the XLA reference (minimax_jax.ops.msa.kl): loss,
 row count, gradients wrt qi and ki (cosine and max error), zero gradient to q and k, determinism,
-cuda lowering; the unsupported paths raise ImplementationUnavailable."""
+cuda lowering; the unsupported paths raise (ImplementationUnavailable through the op)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 from minimax_jax.ops import msa as msa_ops
-from minimax_jax.ops.common import ImplementationUnavailable
-from pallas_kernels.msa import api
+from minimax_jax.ops.registry import ImplementationUnavailable
 from pallas_kernels.msa.gpu_kl import indexer_kl_gpu
 from tests.test_msa_kernels_oracle import cosine, make_case, positions, random_ids
 
@@ -43,7 +42,7 @@ def test_kl_matches_reference_packed():
     qi = rng.standard_normal((2, 40, 2, 16)).astype(np.float32)
     ki = rng.standard_normal((2, 40, 16)).astype(np.float32)
     ct = float(rng.uniform(0.5, 2.0))
-    kern = lambda *a, **kw: api.indexer_kl(*a, backend="gpu_interpret", **kw)
+    kern = lambda *a, **kw: msa_ops.indexer_kl(*a, implementation="pallas_gpu_interpret", **kw)
     ref = lambda *a, **kw: msa_ops.indexer_kl(*a, implementation="xla", **kw)
     (kl, cnt, g), (kl2, _, g2) = _loss_and_grads(kern, c, ids, qi, ki, ct, repeats=2)
     rkl, rcnt, rg = _loss_and_grads(ref, c, ids, qi, ki, ct)
@@ -63,12 +62,13 @@ def test_kl_unsupported_paths_raise():
     z = jnp.zeros((1, 4, 2, 16))
     kw = dict(q_positions=jnp.zeros((1, 4), jnp.int32), kv_positions=jnp.arange(4)[None],
               block_size=BLK)
-    with pytest.raises(ImplementationUnavailable):
+    with pytest.raises(ValueError, match="dense warm-up"):
         indexer_kl_gpu(z, jnp.zeros((1, 4, 2, 16)), z, jnp.zeros((1, 4, 16)), None, **kw)
     # the dense warm-up (no block ids) has no kernel on any backend
-    with pytest.raises(ImplementationUnavailable):
-        api.indexer_kl(z, jnp.zeros((1, 4, 2, 16)), z, jnp.zeros((1, 4, 16)),
-                       None, backend="interpret", **kw)
+    for impl in ("pallas_tpu_interpret", "pallas_gpu_interpret"):
+        with pytest.raises(ImplementationUnavailable, match="dense warm-up"):
+            msa_ops.indexer_kl(z, jnp.zeros((1, 4, 2, 16)), z, jnp.zeros((1, 4, 16)),
+                               None, implementation=impl, **kw)
 
 
 def test_kl_lowers_for_cuda():
@@ -92,7 +92,7 @@ def test_model_sparse_kl_follows_msa_impl():
     same KL and index-projection gradients as msa_impl="xla"; the dense warm-up KL stays on XLA."""
     from minimax_jax.config import load_config
     from minimax_jax.model import forward, init_params
-    from minimax_jax.ops.common import clear_implementation_report, implementation_report
+    from minimax_jax.ops.registry import clear_implementation_report, implementation_report
 
     base = load_config("tiny-m3")
     params = init_params(base, jax.random.key(0))

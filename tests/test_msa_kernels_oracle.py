@@ -171,7 +171,7 @@ def id_sets(ids):
 # ----------------------------------------------------------------------------- oracle self-checks
 
 def test_oracle_attention_matches_xla_reference():
-    """Two independent oracles (this file's dense fp64 one and minimax_jax.msa) agree."""
+    """Two independent oracles (this file's dense fp64 one and minimax_jax.ops.msa) agree."""
     from minimax_jax.ops import msa as msa_ops
     rng = np.random.default_rng()
     c = make_case(rng, bsz=2, t=40, s=90, h=4, g=2, d=8, segments=[[30, 50], [90]])

@@ -1,5 +1,5 @@
 """TPU (Mosaic) MSA kernels in Pallas interpret mode on CPU, through minimax_jax.ops.msa
-(implementation="pallas_interpret"), against the XLA reference; fresh random inputs; every element.
+(implementation="pallas_tpu_interpret"), against the XLA reference; fresh random inputs; every element.
 One test runs the TPU-semantics interpreter with race detection."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from minimax_jax.ops import msa as msa_ops
-from minimax_jax.ops.common import clear_implementation_report, implementation_report
+from minimax_jax.ops.registry import clear_implementation_report, implementation_report
 from pallas_kernels.msa.tpu_attention import msa_attention_tpu
 from tests.test_msa_kernels_oracle import cosine, id_sets, make_case, positions, random_ids
 
@@ -43,10 +43,8 @@ def test_attention_packed_matches_reference_and_reports():
     c = make_case(rng, bsz=2, t=28, s=28, h=6, g=2, d=16, segments=[[11, 13, 2], [28]])
     ids = random_ids(rng, c["q_pos"], c["q_seg"], 2, 3, BLK)
     clear_implementation_report()
-    o, lse, grads = _grads("pallas_interpret", c, ids, jnp.float32)
-    rep = implementation_report()
-    assert rep["msa_attention"] == "pallas_interpret"
-    assert rep["msa_attention.pallas_backend"] == "interpret"
+    o, lse, grads = _grads("pallas_tpu_interpret", c, ids, jnp.float32)
+    assert implementation_report()["msa_attention"] == "pallas_tpu_interpret"
     ro, rlse, rgrads = _grads("xla", c, ids, jnp.float32)
     np.testing.assert_allclose(np.asarray(o), np.asarray(ro), atol=2e-5, rtol=2e-5)
     lse, rlse = np.asarray(lse), np.asarray(rlse)
@@ -65,7 +63,7 @@ def test_attention_suffix_bf16_tolerances():
     for n in ("q", "k", "v"):   # bf16-representable inputs so both sides see the same values
         c[n] = np.asarray(jnp.asarray(c[n], jnp.bfloat16).astype(jnp.float32))
     ids = random_ids(rng, c["q_pos"], c["q_seg"], 1, 3, BLK)
-    o, lse, grads = _grads("pallas_interpret", c, ids, jnp.bfloat16)
+    o, lse, grads = _grads("pallas_tpu_interpret", c, ids, jnp.bfloat16)
     ro, rlse, rgrads = _grads("xla", c, ids, jnp.float32)
     o, ro = np.asarray(o, np.float32), np.asarray(ro)
     assert np.all(np.abs(o - ro) <= 3e-2 + 3e-2 * np.abs(ro))
@@ -83,7 +81,7 @@ def test_select_blocks_sets_match_reference(init_blocks, local_blocks, segments)
     ki = rng.standard_normal((2, 40, 16)).astype(np.float32)
     kw = dict(block_size=BLK, topk=4, init_blocks=init_blocks, local_blocks=local_blocks,
               **positions(c))
-    got = _op(msa_ops.msa_select_blocks, implementation="pallas_interpret", **kw)(qi, ki)
+    got = _op(msa_ops.msa_select_blocks, implementation="pallas_tpu_interpret", **kw)(qi, ki)
     ref = _op(msa_ops.msa_select_blocks, implementation="xla", **kw)(qi, ki)
     assert id_sets(np.asarray(got)) == id_sets(np.asarray(ref))
     local = c["q_pos"] // BLK
@@ -122,11 +120,11 @@ def test_length_cases_block128_top16(s):
     qi = rng.standard_normal((1, t, 1, 16)).astype(np.float32)
     ki = rng.standard_normal((1, s, 16)).astype(np.float32)
     kw = dict(block_size=128, topk=16, **positions(c))
-    ids = msa_ops.msa_select_blocks(qi, ki, implementation="pallas_interpret", **kw)
+    ids = msa_ops.msa_select_blocks(qi, ki, implementation="pallas_tpu_interpret", **kw)
     ref = msa_ops.msa_select_blocks(qi, ki, implementation="xla", **kw)
     assert id_sets(np.asarray(ids)) == id_sets(np.asarray(ref))
     akw = dict(block_size=128, **positions(c))
-    o, lse = msa_ops.msa_attention(c["q"], c["k"], c["v"], ids, implementation="pallas_interpret",
+    o, lse = msa_ops.msa_attention(c["q"], c["k"], c["v"], ids, implementation="pallas_tpu_interpret",
                                    **akw)
     ro, rlse = msa_ops.msa_attention(c["q"], c["k"], c["v"], ids, implementation="xla", **akw)
     np.testing.assert_allclose(np.asarray(o), np.asarray(ro), atol=2e-5, rtol=2e-5)
@@ -143,10 +141,10 @@ def test_decode_like_layout_queries_not_at_the_end():
     qi = rng.standard_normal((1, 3, 1, 16)).astype(np.float32)
     ki = rng.standard_normal((1, 48, 16)).astype(np.float32)
     kw = dict(block_size=BLK, **positions(c))
-    ids = _op(msa_ops.msa_select_blocks, topk=3, implementation="pallas_interpret", **kw)(qi, ki)
+    ids = _op(msa_ops.msa_select_blocks, topk=3, implementation="pallas_tpu_interpret", **kw)(qi, ki)
     ref = _op(msa_ops.msa_select_blocks, topk=3, implementation="xla", **kw)(qi, ki)
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(ref))
-    o, lse = _op(msa_ops.msa_attention, implementation="pallas_interpret", **kw)(c["q"], c["k"], c["v"], ids)
+    o, lse = _op(msa_ops.msa_attention, implementation="pallas_tpu_interpret", **kw)(c["q"], c["k"], c["v"], ids)
     ro, rlse = _op(msa_ops.msa_attention, implementation="xla", **kw)(c["q"], c["k"], c["v"], ids)
     np.testing.assert_allclose(np.asarray(o), np.asarray(ro), atol=2e-5, rtol=2e-5)
     np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), np.isfinite(np.asarray(rlse)))

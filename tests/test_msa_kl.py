@@ -136,7 +136,7 @@ def test_kl_bad_inputs():
 def test_kl_and_attention_backward_memory_is_o_chunk_times_s():
     """Reverse mode keeps O(chunk * S) temporaries (chunk bodies are rematerialised): 4x more queries
     at fixed chunk size add far less than one logits row per query would. ~30 s of compiles on 2 cores."""
-    from minimax_jax.msa import kl, reference as ref
+    from minimax_jax.ops.msa import kl, reference as ref
 
     sd = jax.ShapeDtypeStruct
     s, chunk = 2048, 128

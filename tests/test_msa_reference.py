@@ -8,9 +8,6 @@ through the selection; dispatch and input validation.
 
 from __future__ import annotations
 
-import sys
-import types
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +15,9 @@ import pytest
 
 from tests import msa_oracle as oracle
 from minimax_jax.ops import msa
-from minimax_jax.ops.common import ImplementationUnavailable, clear_implementation_report, implementation_report
+from minimax_jax.ops.msa import pallas as msa_pallas
+from minimax_jax.ops.registry import (ImplementationUnavailable, assume_backend, clear_implementation_report,
+                                      implementation_report)
 
 ATOL = 2e-5
 RTOL = 2e-5
@@ -339,55 +338,53 @@ def test_auto_records_what_ran():
             assert set(np.asarray(ids)[0, r, i].tolist()) == set(ref_ids[0, r, i].tolist()), (ran, r, i)
 
 
-def test_missing_kernel_module_raises(monkeypatch):
+def test_unavailable_kernels_raise():
+    """An explicit kernel that cannot serve the call raises, naming why; nothing falls back."""
     x, (qi, ki) = _small()
-    monkeypatch.setitem(sys.modules, "pallas_kernels.msa.api", None)  # import now fails
-    for impl in ("pallas_gpu", "pallas_tpu", "pallas_interpret"):
-        with pytest.raises(ImplementationUnavailable, match="pallas_kernels.msa.api"):
-            msa.msa_select_blocks(qi, ki, block_size=4, topk=2, implementation=impl, **masks(x))
+    for impl in ("pallas_gpu", "pallas_tpu"):
+        if impl != f"pallas_{jax.default_backend()}":
+            with pytest.raises(ImplementationUnavailable, match="needs a (GPU|TPU) backend"):
+                msa.msa_select_blocks(qi, ki, block_size=4, topk=2, implementation=impl, **masks(x))
+    with pytest.raises(ImplementationUnavailable, match="power of two >= 16"):   # GPU tiles
+        msa.msa_select_blocks(qi, ki, block_size=4, topk=2, implementation="pallas_gpu_interpret", **masks(x))
     with pytest.raises(ImplementationUnavailable, match="unknown implementation"):
         msa.msa_select_blocks(qi, ki, block_size=4, topk=2, implementation="cuda", **masks(x))
 
 
-def test_kernel_dispatch_passes_backend_and_records(monkeypatch):
+def test_kernel_dispatch_passes_arguments_and_records(monkeypatch):
     x, (qi, ki) = _small()
     calls = {}
-    fake = types.ModuleType("pallas_kernels.msa.api")
 
-    def msa_select_blocks(qi_, ki_, **kw):
+    def msa_select_blocks_tpu(qi_, ki_, **kw):
         calls.update(kw)
         return jnp.zeros((1, 2, 4, 2), jnp.int32) - 7
 
-    fake.msa_select_blocks = msa_select_blocks
-    monkeypatch.setitem(sys.modules, "pallas_kernels.msa.api", fake)
+    monkeypatch.setattr(msa_pallas, "msa_select_blocks_tpu", msa_select_blocks_tpu)
     clear_implementation_report()
-    out = msa.msa_select_blocks(qi, ki, block_size=4, topk=2, implementation="pallas_interpret", **masks(x))
+    out = msa.msa_select_blocks(qi, ki, block_size=4, topk=2, implementation="pallas_tpu_interpret", **masks(x))
     assert np.all(np.asarray(out) == -7)
-    assert calls["backend"] == "interpret" and calls["topk"] == 2 and calls["block_size"] == 4
-    assert implementation_report()["msa_select_blocks"] == "pallas_interpret"
-    with pytest.raises(ImplementationUnavailable, match="no function 'msa_attention'"):
-        msa.msa_attention(jnp.asarray(x["q"]), jnp.asarray(x["k"]), jnp.asarray(x["v"]), out, block_size=4,
-                          implementation="pallas_gpu", **masks(x))
+    assert calls["interpret"] is True and calls["topk"] == 2 and calls["block_size"] == 4
+    assert "chunk_size" not in calls           # tunes only the xla reference
+    assert implementation_report()["msa_select_blocks"] == "pallas_tpu_interpret"
+    with pytest.raises(ImplementationUnavailable, match="unknown implementation 'pallas_gpu'"):
+        msa.msa_index_scores(qi, ki, block_size=4, implementation="pallas_gpu", **masks(x))   # no kernel
 
 
-def test_auto_consults_kernel_supports_hook(monkeypatch):
-    """On a GPU backend, "auto" takes the kernel only when api.supports(...) returns None; otherwise
-    it runs "xla" and records the kernel's reason (no silent fallback)."""
+def test_auto_consults_kernel_supports(monkeypatch):
+    """On a GPU backend, "auto" takes the kernel only when its ``supports`` accepts the call;
+    otherwise it runs "xla" and records the kernel's reason (no silent fallback)."""
     x, (qi, ki) = _small()
-    fake = types.ModuleType("pallas_kernels.msa.api")
-    verdict = {"reason": "block_size must be a power of two >= 16"}
-    fake.supports = lambda op, *args, backend, **kw: verdict["reason"]
-    fake.msa_select_blocks = lambda qi_, ki_, **kw: jnp.full((1, 2, 4, 2), 5, jnp.int32)
-    monkeypatch.setitem(sys.modules, "pallas_kernels.msa.api", fake)
-    monkeypatch.setattr(msa, "default_backend", lambda: "gpu")
+    fake_kernel = lambda qi_, ki_, **kw: jnp.full((1, 2, 4, 2), 5, jnp.int32)  # noqa: E731
+    monkeypatch.setattr(msa_pallas, "msa_select_blocks_gpu", fake_kernel)
     clear_implementation_report()
-    ids = msa.msa_select_blocks(qi, ki, block_size=4, topk=2, implementation="auto", **masks(x))
+    with assume_backend("gpu"):
+        ids = msa.msa_select_blocks(qi, ki, block_size=4, topk=2, implementation="auto", **masks(x))
     report = implementation_report()
     assert report["msa_select_blocks"] == "xla" and "power of two" in report["msa_select_blocks.auto_reason"]
     ref_ids, _ = oracle.select_blocks(x["qi"], x["ki"], *oracle_masks(x), 4, 2)
     np.testing.assert_array_equal(np.asarray(ids), ref_ids)
-    verdict["reason"] = None
-    ids = msa.msa_select_blocks(qi, ki, block_size=4, topk=2, implementation="auto", **masks(x))
+    with assume_backend("gpu"):
+        ids = msa.msa_select_blocks(qi, ki, block_size=16, topk=2, implementation="auto", **masks(x))
     assert implementation_report()["msa_select_blocks"] == "pallas_gpu" and np.all(np.asarray(ids) == 5)
 
 
@@ -444,7 +441,7 @@ def _specs(t, s, g=2, rep=2, d=16, k=16):
 def test_reference_memory_is_o_chunk_times_s():
     """Compiled temporary memory of selection and attention barely grows with T at fixed chunk size
     (O(T) outputs only), while one chunk holding all T queries (O(T * S)) needs far more."""
-    from minimax_jax.msa import reference as ref
+    from minimax_jax.ops.msa import reference as ref
 
     s, chunk = 512, 32
     temps = {}

@@ -1,8 +1,8 @@
 """TPU (Mosaic) indexer-KL kernels (pallas_kernels/msa/tpu_kl.py) in Pallas interpret mode on CPU
-against the FP32 XLA reference (minimax_jax.msa.kl), fresh random inputs: loss, row count, d qi /
+against the FP32 XLA reference (minimax_jax.ops.msa.kl), fresh random inputs: loss, row count, d qi /
 d ki (cosine and max error), zero cotangents for q and k, bitwise repeatability; the race-detecting
 TPU interpreter on all three kernels; Mosaic lowering for TPU (jax.export, platforms=["tpu"]);
-routing through minimax_jax.ops.msa (explicit and "auto" on a TPU) and api.supports."""
+routing through minimax_jax.ops.msa (explicit and "auto" on a TPU) and the kernels' supports checks."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from minimax_jax.ops import msa as msa_ops
-from minimax_jax.ops.common import (ImplementationUnavailable, clear_implementation_report,
-                                    implementation_report)
-from pallas_kernels.msa import api
+from minimax_jax.ops.msa import pallas as msa_pallas
+from minimax_jax.ops.registry import (ImplementationUnavailable, assume_backend, clear_implementation_report,
+                                      get_op, implementation_report)
 from pallas_kernels.msa.tpu_kl import indexer_kl_tpu
 from tests.test_msa_kernels_oracle import cosine, make_case, positions, random_ids
 
@@ -153,10 +153,8 @@ def test_kl_through_op_and_auto_on_tpu(monkeypatch):
     c = _case(rng, blk=blk, **cfg)
     op = lambda impl: (lambda *a, **kw: msa_ops.indexer_kl(*a, implementation=impl, **kw))  # noqa
     clear_implementation_report()
-    got = _run(op("pallas_interpret"), c, blk)
-    rep = implementation_report()
-    assert rep["indexer_kl"] == "pallas_interpret"
-    assert rep["indexer_kl.pallas_backend"] == "interpret"
+    got = _run(op("pallas_tpu_interpret"), c, blk)
+    assert implementation_report()["indexer_kl"] == "pallas_tpu_interpret"
     ref = _run(_xla, c, blk)
     _check(got, ref, kl_rtol=1e-4, cos_min=0.9999, err_rel=1e-4)
 
@@ -165,19 +163,18 @@ def test_kl_through_op_and_auto_on_tpu(monkeypatch):
     c = _case(rng, bsz=1, t=8, s=300, h=4, g=2, d=16, di=16, topk=2, blk=128)
     blk = 128
     ref = _run(_xla, c, blk)
-    real = api.indexer_kl
     seen = []
 
-    def spy(*a, backend, **kw):
-        seen.append(backend)
-        return real(*a, backend="interpret", **kw)
-    monkeypatch.setattr(msa_ops, "default_backend", lambda: "tpu")
-    monkeypatch.setattr(api, "indexer_kl", spy)
+    def spy(*a, interpret, **kw):
+        seen.append(interpret)
+        return indexer_kl_tpu(*a, interpret=True, **kw)
+    monkeypatch.setattr(msa_pallas, "indexer_kl_tpu", spy)
     clear_implementation_report()
-    kl, cnt = jax.jit(lambda q, k, qi, ki: msa_ops.indexer_kl(q, k, qi, ki, c["ids"], block_size=blk,
-                                                              implementation="auto", **positions(c))
-                      )(c["q"], c["k"], c["qi"], c["ki"])
-    assert seen == ["tpu"] and implementation_report()["indexer_kl"] == "pallas_tpu"
+    with assume_backend("tpu"):
+        kl, cnt = jax.jit(lambda q, k, qi, ki: msa_ops.indexer_kl(q, k, qi, ki, c["ids"], block_size=blk,
+                                                                  implementation="auto", **positions(c))
+                          )(c["q"], c["k"], c["qi"], c["ki"])
+    assert seen == [False] and implementation_report()["indexer_kl"] == "pallas_tpu"
     assert int(cnt) == int(ref[1])
     np.testing.assert_allclose(float(kl), float(ref[0]), rtol=1e-4)
 
@@ -188,17 +185,15 @@ def test_kl_supports_and_unavailable_paths():
     qi, ki = sd((1, 256, 2, 16)), sd((1, 256, 16))
     ids = jnp.zeros((1, 2, 256, 1), jnp.int32)
     pos = dict(q_positions=jnp.arange(256)[None], kv_positions=jnp.arange(256)[None])
-    assert api.supports("indexer_kl", q, k, qi, ki, ids, backend="tpu", block_size=128,
-                        **pos) is None
-    assert "128" in api.supports("indexer_kl", q, k, qi, ki, ids, backend="tpu", block_size=64,
-                                 **pos)
-    assert "dense" in api.supports("indexer_kl", q, k, qi, ki, None, backend="tpu",
-                                   block_size=128, **pos)
-    with pytest.raises(ImplementationUnavailable):
+    supports = get_op("indexer_kl").implementations["pallas_tpu"].supports
+    assert supports(q, k, qi, ki, ids, block_size=128, **pos) is None
+    assert "128" in supports(q, k, qi, ki, ids, block_size=64, **pos)
+    assert "dense" in supports(q, k, qi, ki, None, block_size=128, **pos)
+    with pytest.raises(ValueError, match="dense warm-up"):
         indexer_kl_tpu(q, k, qi, ki, None, block_size=128, **pos)
-    with pytest.raises(ImplementationUnavailable):
-        api.indexer_kl(q, k, qi, ki, None, block_size=128, backend="interpret", **pos)
-    with pytest.raises(ValueError):
+    with pytest.raises(ImplementationUnavailable, match="dense warm-up"):
+        msa_ops.indexer_kl(q, k, qi, ki, None, block_size=128, implementation="pallas_tpu_interpret", **pos)
+    with pytest.raises(AssertionError, match="multiple of 8"):
         indexer_kl_tpu(q, k, qi, ki, ids, block_size=12, **pos)
-    with pytest.raises(ValueError):
+    with pytest.raises(AssertionError, match="qi shape"):
         indexer_kl_tpu(q, k, qi[:, :, :1], ki, ids, block_size=128, **pos)

@@ -64,10 +64,12 @@ def _worker(mode: str, port: int, rank: int, out_dir: str) -> None:
     import jax.numpy as jnp
 
     from minimax_jax import sharding as sh
+
+    from minimax_jax.model import params_shardings
     from minimax_jax.config import ModelConfig
     from minimax_jax.model.params import init_params
     from minimax_jax.model.transformer import forward
-    from minimax_jax.ops.common import implementation_report
+    from minimax_jax.ops.registry import implementation_report
 
     cfg = ModelConfig.from_yaml(os.path.join(ROOT, "configs/tiny-m2.yaml")).replace(num_experts=4, initializer_range=0.1)
     params = jax.tree.map(np.asarray, init_params(cfg, jax.random.key(0)))
@@ -91,7 +93,7 @@ def _worker(mode: str, port: int, rank: int, out_dir: str) -> None:
         def put(a, s):
             return jax.make_array_from_callback(a.shape, s, lambda idx: a[idx])
 
-        p = jax.tree.map(put, params, sh.params_shardings(cfg, mesh, rules))
+        p = jax.tree.map(put, params, params_shardings(cfg, mesh, rules))
         tok = put(tokens, sh.batch_sharding(mesh, rules))
         with sh.use_mesh(mesh, rules):
             loss, new = jax.jit(step, out_shardings=(sh.replicated(mesh), sh.replicated(mesh)))(p, tok)

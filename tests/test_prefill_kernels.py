@@ -30,8 +30,10 @@ from minimax_jax.config import ModelConfig
 from minimax_jax.decode import DecodeEngine
 from minimax_jax.decode import step as step_mod
 from minimax_jax.ops.attention import attention
-from minimax_jax.ops.common import ImplementationUnavailable, clear_implementation_report, implementation_report
-from minimax_jax.train.testing import MICRO_MSA_MODEL, random_params
+from minimax_jax.ops.prefill import prefill_attention
+from minimax_jax.ops.registry import (ImplementationUnavailable, assume_backend, clear_implementation_report,
+                                      implementation_report)
+from tests.train_helpers import MICRO_MSA_MODEL, random_params
 from pallas_kernels.prefill.gpu_attention import suffix_attention_gpu, unsupported_reason
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -148,15 +150,22 @@ def test_engine_prefill_kernels_match_xla(widths, xla_prefill):
     np.testing.assert_allclose(out, ref_out, atol=ATOL, rtol=0)
 
 
-def test_auto_resolution_and_widths(monkeypatch):
+def test_auto_resolution_and_widths():
     cfg, params = _model()
     S = jax.ShapeDtypeStruct
-    q, kv = S((1, 8, 8, 16), jnp.float32), S((1, 64, 2, 16), jnp.float32)
+    q, kv, pos = S((1, 8, 8, 16), jnp.float32), S((1, 64, 2, 16), jnp.float32), S((1, 8), jnp.int32)
+
+    def ran(implementation, sliding_window=None):
+        """The implementation ``prefill_attention`` records for this call (traced, not run)."""
+        jax.eval_shape(functools.partial(prefill_attention, sliding_window=sliding_window,
+                                         implementation=implementation), q, kv, kv, pos)
+        return implementation_report()["prefill_attention"]
+
     clear_implementation_report()
-    assert step_mod.gather_dense_impl("auto", q, kv, kv) == ("pallas_gpu" if ON_GPU else "xla")
-    assert step_mod.gather_dense_impl("xla", q, kv, kv) == "xla"
-    with pytest.raises(ImplementationUnavailable, match="sliding window"):
-        step_mod.gather_dense_impl("pallas_gpu", q, kv, kv, sliding_window=32)
+    assert ran("auto") == ("pallas_gpu" if ON_GPU else "xla")
+    assert ran("xla") == "xla"
+    with assume_backend("gpu"), pytest.raises(ImplementationUnavailable, match="sliding window"):
+        ran("pallas_gpu", sliding_window=32)
     eng = DecodeEngine(params, cfg, max_seqs=1, max_len=256, prefill_chunk=24)
     assert eng.prefill_implementation == "auto"
     assert eng.prefill_widths == ("full" if ON_GPU else "pow2")
@@ -169,10 +178,11 @@ def test_auto_resolution_and_widths(monkeypatch):
         DecodeEngine(params, cfg, max_seqs=1, max_len=256, prefill_widths="pow3")
     with pytest.raises(ValueError, match="prefill_implementation"):
         DecodeEngine(params, cfg, max_seqs=1, max_len=256, prefill_implementation="cudnn")
-    monkeypatch.setattr(step_mod, "default_backend", lambda: "gpu")
-    assert step_mod.gather_dense_impl("auto", q, kv, kv) == "pallas_gpu"
-    assert step_mod.gather_dense_impl("auto", q, kv, kv, sliding_window=32) == "xla"
+    with assume_backend("gpu"):
+        assert ran("auto") == "pallas_gpu"
+        assert ran("auto", sliding_window=32) == "xla"
     assert "window" in implementation_report()["prefill_attention.auto_reason"]
+    assert step_mod.PREFILL_IMPLEMENTATIONS[:2] == ("auto", "xla")
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU (compiled Triton kernel)")

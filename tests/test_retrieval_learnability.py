@@ -21,9 +21,9 @@ import pytest
 from minimax_jax.data.pipeline import DataConfig, iterate_batches
 from minimax_jax.data.retrieval import make_document
 from minimax_jax.data.tokenizer import BOS, EOS, save_tokenizer, train_tokenizer
-from minimax_jax.eval.haystack import char_counter, noise_haystack
+from minimax_jax.data.haystack import char_counter, noise_haystack
 from minimax_jax.eval.scoring import score_output
-from minimax_jax.eval.tasks import completion, generate
+from minimax_jax.data.tasks import completion, generate
 
 TASKS = ("niah_single", "niah_multikey", "variable_tracking", "niah_multivalue")
 SEQ_LEN = 1024

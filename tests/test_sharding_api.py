@@ -9,6 +9,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from minimax_jax import sharding as sh
+
+from minimax_jax.model import params_shardings
 from minimax_jax.config import ModelConfig
 from minimax_jax.model.params import abstract_params, param_axes
 
@@ -87,7 +89,7 @@ def test_logical_to_spec_dedup_and_divisibility():
 def test_params_shardings_structure_and_specs():
     cfg = ModelConfig.from_yaml("configs/tiny-m3.yaml")
     mesh = sh.make_mesh("data=1")
-    shard = sh.params_shardings(cfg, mesh, sh.load_rules())
+    shard = params_shardings(cfg, mesh, sh.load_rules())
     assert jax.tree.structure(shard) == jax.tree.structure(abstract_params(cfg))
     mlp = shard["segments"][1]["mlp"]
     assert mlp["wi"].spec == P(None, "expert", "fsdp", "tensor")

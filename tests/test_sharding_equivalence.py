@@ -3,7 +3,7 @@
 Each test starts a subprocess with ``--xla_force_host_platform_device_count=8`` added to
 ``XLA_FLAGS`` (the flag must be set before JAX starts, and the rest of the suite must keep one
 device), which runs this file as a script: it computes the loss, logits and parameter gradients of a tiny model once
-without a mesh and once per mesh (params placed with ``params_shardings``, tokens with
+without a mesh and once per mesh (params placed with ``minimax_jax.model.params_shardings``, tokens with
 ``batch_sharding``, traced inside ``use_mesh`` so the MoE runs expert-parallel in shard_map), and
 compares every element. The script prints one JSON line per mesh; the test checks them.
 The full matrix (M2 and M3 tiny, four meshes) is marked ``slow`` (run with ``-m slow``).
@@ -65,10 +65,12 @@ def _worker(model: str, meshes: list[str]) -> None:
     import numpy as np
 
     from minimax_jax import sharding as sh
+
+    from minimax_jax.model import params_shardings
     from minimax_jax.config import ModelConfig
     from minimax_jax.model.params import init_params
     from minimax_jax.model.transformer import forward
-    from minimax_jax.ops.common import clear_implementation_report, implementation_report
+    from minimax_jax.ops.registry import clear_implementation_report, implementation_report
 
     cfg = ModelConfig.from_yaml(os.path.join(ROOT, model)).replace(initializer_range=0.1)
     params = init_params(cfg, jax.random.key(1))
@@ -91,7 +93,7 @@ def _worker(model: str, meshes: list[str]) -> None:
     for spec in meshes:
         mesh = sh.make_mesh(spec)
         rules = sh.load_rules("default")
-        shardings = sh.params_shardings(cfg, mesh, rules)
+        shardings = params_shardings(cfg, mesh, rules)
         p = jax.device_put(params, shardings)
         tok = jax.device_put(tokens, sh.batch_sharding(mesh, rules))
         clear_implementation_report()

@@ -40,6 +40,8 @@ def _worker():
     import numpy as np
 
     from minimax_jax import sharding as sh
+
+    from minimax_jax.model import params_shardings
     from minimax_jax.config import ModelConfig
     from minimax_jax.model.layers import rope_frequencies
     from minimax_jax.model.params import init_params
@@ -54,7 +56,7 @@ def _worker():
     # Non-trivial norm weights so a wrong (per-shard) variance cannot hide.
     params["segments"][0]["attn"]["q_norm"]["scale"] = 1 + 0.3 * jax.random.normal(
         jax.random.key(5), params["segments"][0]["attn"]["q_norm"]["scale"].shape)
-    shard = sh.params_shardings(cfg, mesh, rules)
+    shard = params_shardings(cfg, mesh, rules)
     x = jax.random.normal(jax.random.key(1), (4, 8, cfg.hidden_size))
     pos = jnp.broadcast_to(jnp.arange(8), (4, 8))
     cos, sin = rope_frequencies(pos, cfg.rotary_dim, cfg.rope_theta)
@@ -78,7 +80,7 @@ def _worker():
     cfg = ModelConfig.from_yaml(os.path.join(ROOT, "configs/tiny-m3.yaml")).replace(initializer_range=0.2)
     mesh = sh.make_mesh("fsdp=4,tensor=2")
     params = init_params(cfg, jax.random.key(2))
-    shard = sh.params_shardings(cfg, mesh, rules)
+    shard = params_shardings(cfg, mesh, rules)
     si = next(i for i, s in enumerate(params["segments"]) if "index_q_proj" in s["attn"])
     x = jax.random.normal(jax.random.key(3), (4, 8, cfg.hidden_size))
     cos, sin = rope_frequencies(pos, cfg.rotary_dim, cfg.rope_theta)

@@ -13,8 +13,8 @@ import os
 import pytest
 
 from minimax_jax.chat.tokens import BOS
-from minimax_jax.eval.haystack import prose_haystack, token_counter
-from minimax_jax.eval.tasks import generate_suite
+from minimax_jax.data.haystack import prose_haystack, token_counter
+from minimax_jax.data.tasks import generate_suite
 from minimax_jax.infer.generation import GenerationConfig, Generator
 from minimax_jax.infer.loading import DEFAULT_CHECKPOINT, load_model
 

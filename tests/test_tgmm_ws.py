@@ -166,12 +166,18 @@ def test_config_and_input_errors():
             tgmm_ws(x, jnp.zeros((64, 256), jnp.bfloat16), gs, config=WsTgmmConfig(num_sms=1), interpret=True)
 
 
-def test_set_default_configs_accepts_ws_for_tgmm_only():
+def test_default_configs_are_constants_and_ws_is_for_tgmm_only():
+    """The default tiles are a read-only table; a WsTgmmConfig is accepted as tgmm_config only."""
+    assert dict(gpu_gmm.DEFAULT_CONFIGS) == {"fwd": gpu_gmm.DEFAULT_CONFIG, "dlhs": gpu_gmm.DEFAULT_DLHS_CONFIG,
+                                            "tgmm": gpu_gmm.DEFAULT_TGMM_CONFIG}
+    with pytest.raises(TypeError):
+        gpu_gmm.DEFAULT_CONFIGS["tgmm"] = WsTgmmConfig(num_sms=2)
     ws = WsTgmmConfig(num_sms=2)
-    prev = gpu_gmm.set_default_configs(tgmm=ws)
-    try:
-        assert gpu_gmm.get_default_configs()["tgmm"] is ws
-        with pytest.raises(TypeError, match="fwd config must be a TileConfig"):
-            gpu_gmm.set_default_configs(fwd=ws)
-    finally:
-        gpu_gmm.set_default_configs(**prev)
+    x = jnp.zeros((64, 128), jnp.bfloat16)
+    rhs = jnp.zeros((1, 128, 256), jnp.bfloat16)
+    gs = jnp.array([64], jnp.int32)
+    assert jax.eval_shape(lambda a, b: gpu_gmm.gmm(a, b, gs, tgmm_config=ws, interpret=True), x, rhs).shape == (64, 256)
+    with pytest.raises(TypeError, match="configs must be TileConfig"):
+        gpu_gmm.gmm(x, rhs, gs, config=ws, interpret=True)
+    with pytest.raises(TypeError, match="configs must be TileConfig"):
+        gpu_gmm.gmm(x, rhs, gs, dlhs_config=ws, interpret=True)

@@ -13,7 +13,7 @@ from minimax_jax.train.losses import chunked_cross_entropy_sums, cross_entropy_s
 from minimax_jax.train.model_init import model_configs
 from minimax_jax.train.optimizer import PHASE_MAIN, make_optimizer
 from minimax_jax.train.step import StepSpec, init_state, make_eval_step, make_train_step
-from minimax_jax.train.testing import MICRO_MSA_MODEL, micro_train_dict
+from tests.train_helpers import MICRO_MSA_MODEL, micro_train_dict
 
 
 def _full(h, w, t, m):

@@ -7,7 +7,7 @@ import pytest
 
 from minimax_jax.train.config import TrainConfigError, apply_overrides, from_dict, load_train_config, validate_against
 from minimax_jax.train.model_init import model_configs
-from minimax_jax.train.testing import REPO, micro_train_dict, run_train_cli, subprocess_env, write_yaml
+from tests.train_helpers import REPO, micro_train_dict, run_train_cli, subprocess_env, write_yaml
 
 
 def test_repo_yamls_load():
@@ -90,7 +90,8 @@ def test_model_dependent_checks(tmp_path):
 
 
 @pytest.mark.parametrize("field,name,backends", [("attention_impl", "cudnn_packed", "gpu"),
-                                                 ("attention_impl", "pallas_flash", "gpu/tpu"),
+                                                 ("attention_impl", "pallas_flash_gpu", "gpu"),
+                                                 ("attention_impl", "pallas_flash_tpu", "tpu"),
                                                  ("moe_impl", "pallas_gpu", "gpu"), ("msa_impl", "pallas_tpu", "tpu")])
 def test_implementation_for_another_backend_is_refused(tmp_path, field, name, backends):
     tc = from_dict(micro_train_dict(str(tmp_path / "r"), model={field: name}))

@@ -63,7 +63,7 @@ def test_refused_resume_keeps_run_files_and_export_checks_shapes(tmp_path):
     import yaml
 
     from minimax_jax.train import export as export_mod
-    from minimax_jax.train.testing import micro_train_dict, run_train_cli, subprocess_env, write_yaml
+    from tests.train_helpers import micro_train_dict, run_train_cli, subprocess_env, write_yaml
 
     run = tmp_path / "run"
     cfg = write_yaml(micro_train_dict(str(run), run={"steps": 1}, checkpoint={"every": 1, "keep": 1}),

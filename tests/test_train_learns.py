@@ -8,7 +8,7 @@ import numpy as np
 
 from minimax_jax.train import train
 from minimax_jax.train.config import from_dict
-from minimax_jax.train.testing import micro_train_dict, stdlib_corpus
+from tests.train_helpers import micro_train_dict, stdlib_corpus
 
 
 def test_loss_falls_on_stdlib_source(tmp_path):

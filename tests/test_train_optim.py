@@ -13,7 +13,7 @@ from minimax_jax.train.losses import cross_entropy_sums, mtp_targets, mtp_weight
 from minimax_jax.train.model_init import model_configs
 from minimax_jax.train.optimizer import (PHASE_MAIN, PHASE_WARMUP, decay_mask, leaf_paths, make_optimizer,
                                          make_schedule, trainable_mask)
-from minimax_jax.train.testing import MICRO_MSA_MODEL, micro_train_dict
+from tests.train_helpers import MICRO_MSA_MODEL, micro_train_dict
 
 
 def _tc(tmp_path, **kw):

@@ -9,7 +9,7 @@ import pytest
 from minimax_jax.model import forward, init_params, mtp_forward
 from minimax_jax.train.config import from_dict
 from minimax_jax.train.model_init import model_configs
-from minimax_jax.train.testing import MICRO_MODEL, MICRO_MSA_MODEL, micro_train_dict
+from tests.train_helpers import MICRO_MODEL, MICRO_MSA_MODEL, micro_train_dict
 
 
 def _row(cfg, doc_a, doc_b):

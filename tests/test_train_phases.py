@@ -14,7 +14,7 @@ from minimax_jax.model import init_params
 from minimax_jax.train import train
 from minimax_jax.train.config import from_dict
 from minimax_jax.train.optimizer import leaf_paths
-from minimax_jax.train.testing import MICRO_MODEL, micro_train_dict
+from tests.train_helpers import MICRO_MODEL, micro_train_dict
 
 
 def _dense_checkpoint(d):

@@ -4,7 +4,7 @@ import os
 
 from minimax_jax.train.config import from_dict
 from minimax_jax.train.prepare import prepare_data
-from minimax_jax.train.testing import micro_train_dict
+from tests.train_helpers import micro_train_dict
 
 
 def test_prepare_builds_missing_corpus_and_tokenizer(tmp_path):
@@ -31,7 +31,7 @@ def test_cli_prepare_max_mb_sizes_the_corpus(tmp_path):
     import subprocess
     import sys
 
-    from minimax_jax.train.testing import REPO, subprocess_env, write_yaml
+    from tests.train_helpers import REPO, subprocess_env, write_yaml
 
     src = str(tmp_path / "data" / "corpus" / "train-*.jsonl")
     tok = str(tmp_path / "data" / "tokenizer" / "tokenizer.json")

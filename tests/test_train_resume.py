@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from minimax_jax.train.testing import micro_train_dict, run_train_cli, stdlib_corpus, subprocess_env, write_yaml
+from tests.train_helpers import micro_train_dict, run_train_cli, stdlib_corpus, subprocess_env, write_yaml
 
 STEPS = 8
 

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from minimax_jax.train.testing import REPO, subprocess_env
+from tests.train_helpers import REPO, subprocess_env
 
 SCRIPT = r"""
 import json, sys
@@ -16,7 +16,7 @@ import jax, numpy as np
 from minimax_jax.train.config import from_dict
 from minimax_jax.train.data import SyntheticIterator
 from minimax_jax.train.loop import Trainer
-from minimax_jax.train.testing import MICRO_MSA_MODEL, micro_train_dict
+from tests.train_helpers import MICRO_MSA_MODEL, micro_train_dict
 
 assert jax.device_count() == 8, jax.devices()
 out = {}

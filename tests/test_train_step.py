@@ -13,7 +13,7 @@ from minimax_jax.train.losses import mtp_weights_list
 from minimax_jax.train.model_init import model_configs
 from minimax_jax.train.optimizer import PHASE_MAIN, PHASE_WARMUP, leaf_paths, make_optimizer
 from minimax_jax.train.step import StepSpec, init_state, make_train_step
-from minimax_jax.train.testing import MICRO_MSA_MODEL, micro_train_dict
+from tests.train_helpers import MICRO_MSA_MODEL, micro_train_dict
 
 FREEZE = "segments/0/attn/(q|k)_proj"
 

@@ -15,7 +15,7 @@ import sys
 
 from minimax_jax.data.corpus import prose_documents
 from minimax_jax.data.retrieval import make_document
-from minimax_jax.eval.haystack import Haystack
+from minimax_jax.data.haystack import Haystack
 
 
 def main(argv):

@@ -38,7 +38,7 @@ import numpy as np  # noqa: E402
 from minimax_jax.config import load_config  # noqa: E402
 from minimax_jax.model.params import init_params  # noqa: E402
 from minimax_jax.model.transformer import forward  # noqa: E402
-from minimax_jax.ops.common import implementation_report  # noqa: E402
+from minimax_jax.ops.registry import implementation_report  # noqa: E402
 
 
 def _loss_fn(cfg):

@@ -35,7 +35,7 @@ log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$OUT/indexer_stage.log"; }
 [ -d "$CKPT" ] || { log "no checkpoint $CKPT"; exit 2; }
 ngpu=0
 if command -v nvidia-smi >/dev/null 2>&1; then ngpu=$(nvidia-smi -L | wc -l); fi
-ATTN_IMPL=${ATTN_IMPL:-$([ "$ngpu" -ge 1 ] && echo pallas_flash || echo auto)}
+ATTN_IMPL=${ATTN_IMPL:-$([ "$ngpu" -ge 1 ] && echo pallas_flash_gpu || echo auto)}
 
 if [ -e "$W/corpus/manifest.json" ]; then
   log "reusing $W/corpus"

@@ -13,7 +13,7 @@
 # SIGTERM -> final save) at LR [5e-4]; exports to DST/<name> [W/ckpt/<name>] and runs the copy check;
 # with EVAL=1 [default] runs the eval CLI at LENGTHS [4096,...,65536] under EVAL_BUDGET_S [150].
 # Environment: W work dir [/tmp/long]; OUT results [$W/out]; MAX_MB corpus [60]; MSA_IMPL / ATTN_IMPL
-# [auto / pallas_flash on a GPU]; MEM_FRACTION per process [0.3 with several checkpoints, else 0.75];
+# [auto / pallas_flash_gpu on a GPU]; MEM_FRACTION per process [0.3 with several checkpoints, else 0.75];
 # EXTRA_SETS more --set flags (CPU smoke runs); SEND_CKPT=1 sends DST/<name> back in <= 15 MiB pieces
 # (cat long_ckpt_<name>.tar.part-* | tar xf -).
 set -u
@@ -27,7 +27,7 @@ mkdir -p "$W" "$OUT"
 log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$OUT/long_stage.log"; }
 ngpu=0
 if command -v nvidia-smi >/dev/null 2>&1; then ngpu=$(nvidia-smi -L | wc -l); fi
-ATTN_IMPL=${ATTN_IMPL:-$([ "$ngpu" -ge 1 ] && echo pallas_flash || echo auto)}
+ATTN_IMPL=${ATTN_IMPL:-$([ "$ngpu" -ge 1 ] && echo pallas_flash_gpu || echo auto)}
 MSA_IMPL=${MSA_IMPL:-auto}
 
 if [ -e "$W/corpus/manifest.json" ]; then

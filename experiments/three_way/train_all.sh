@@ -122,7 +122,7 @@ if [ -z "${MSA_IMPL:-}" ]; then
 fi
 # Dense attention (layers 0-1, the full variant, the MSA warm-up) through the flash kernels on a GPU:
 # the XLA reference keeps [H, T, S] probabilities per layer for the backward.
-if [ -z "${ATTN_IMPL:-}" ]; then ATTN_IMPL=auto; [ "$ngpu" -ge 1 ] && ATTN_IMPL=pallas_flash; fi
+if [ -z "${ATTN_IMPL:-}" ]; then ATTN_IMPL=auto; [ "$ngpu" -ge 1 ] && ATTN_IMPL=pallas_flash_gpu; fi
 log "MSA implementation for training: $MSA_IMPL; dense attention: $ATTN_IMPL (GPUs: $ngpu)"
 COMMON_SETS="--set model.attention_impl=$ATTN_IMPL --set model.vocab_size=$VOCAB"
 

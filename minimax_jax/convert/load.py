@@ -59,7 +59,7 @@ def load_checkpoint(directory: str | os.PathLike, cfg: ModelConfig | None = None
       cfg: expected config (default: ``directory/config.yaml``); its params must match the stored
         tree leaf for leaf (shape), else CheckpointError.
       mesh, rules: with a mesh and no ``shardings``, shardings come from
-        ``minimax_jax.sharding.params_shardings(cfg, mesh, rules)`` (rules default: "default").
+        ``minimax_jax.model.params_shardings(cfg, mesh, rules)`` (rules default: "default").
       shardings: pytree of ``jax.sharding.Sharding`` matching the params tree (takes precedence).
       dtype: cast floating leaves (except the float32 router weights) on restore, e.g. "float32".
     Returns: ``(cfg, params)`` with jax.Array leaves (on the default device without a mesh).
@@ -90,11 +90,9 @@ def load_checkpoint(directory: str | os.PathLike, cfg: ModelConfig | None = None
         raise CheckpointError(f"checkpoint {directory} has leaves the config does not: {only_stored[:5]}")
 
     if shardings is None and mesh is not None:
-        try:
-            from minimax_jax.sharding import load_rules, params_shardings
-        except ImportError as e:
-            raise ImportError("mesh given but minimax_jax.sharding.params_shardings is unavailable; "
-                              "pass shardings= explicitly") from e
+        from minimax_jax.model import params_shardings
+        from minimax_jax.sharding import load_rules
+
         shardings = params_shardings(cfg, mesh, rules if rules is not None else load_rules("default"))
     if shardings is None:
         dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])

@@ -7,7 +7,7 @@ Sources (all local, deterministic from ``seed``):
 - code: ``*.py`` files of the running Python's standard library, one document per file, prefixed
   with ``# file: <relative path>``; files above ``max_code_file_kb`` are skipped; a seeded
   ``heldout_fraction`` of files is held out;
-- synthetic: RULER-style retrieval documents (:mod:`minimax_jax.eval.tasks`: passkey, multi-key,
+- synthetic: RULER-style retrieval documents (:mod:`minimax_jax.data.tasks`: passkey, multi-key,
   multi-value, variable tracking, common words) whose haystacks are *training* prose, made by
   :mod:`minimax_jax.data.retrieval`, lengths in characters log-uniform in
   ``[synthetic_min_chars, synthetic_max_chars]``. ``synthetic_mode="dense"`` (default): short and

@@ -1,4 +1,4 @@
-"""Synthetic retrieval training documents built from the evaluation tasks (:mod:`minimax_jax.eval.tasks`).
+"""Synthetic retrieval training documents built from the evaluation tasks (:mod:`minimax_jax.data.tasks`).
 
 Two modes (``MODES``):
 
@@ -35,8 +35,8 @@ import multiprocessing as mp
 import random
 import re
 
-from minimax_jax.eval.haystack import Haystack, LengthError, char_counter
-from minimax_jax.eval.tasks import Example, completion, generate
+from minimax_jax.data.haystack import Haystack, LengthError, char_counter
+from minimax_jax.data.tasks import Example, completion, generate
 
 MODES = ("dense", "single")
 DEFAULT_MODE = "dense"

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from minimax_jax.config import ModelConfig
+from minimax_jax.ops.paged import dequantize
 
 __all__ = ["CacheSpec", "init_cache", "quantize", "dequantize", "write_layer", "gather_pages",
            "KV_DTYPES", "FP8_MAX"]
@@ -92,13 +93,6 @@ def quantize(x: jax.Array, dtype: str):
     amax = jnp.max(jnp.abs(xf), axis=-1)
     scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
     return (xf / scale[..., None]).astype(jnp.float8_e4m3fn), scale
-
-
-def dequantize(x: jax.Array, scale: jax.Array | None, dtype) -> jax.Array:
-    """Inverse of ``quantize`` (``scale`` broadcast over the last axis), returned in ``dtype``."""
-    if scale is None:
-        return x.astype(dtype)
-    return (x.astype(jnp.float32) * scale[..., None]).astype(dtype)
 
 
 def _slots(page_table, positions, page_size):

@@ -105,7 +105,7 @@ class DecodeEngine:
         ``max_len`` plus one). Fewer pages oversubscribe: allocation raises ``PagePoolExhausted``.
       kv_dtype, index_dtype: cache dtypes ("float32", "bfloat16", "float8_e4m3fn"); default cfg.dtype.
       prefill_chunk: tokens per prefill step (static).
-      implementation: decode attention implementation (``minimax_jax.decode.ops``).
+      implementation: decode attention implementation (``minimax_jax.ops.paged``).
       prefill_implementation: implementation for the prefill ops, one of
         ``minimax_jax.decode.step.PREFILL_IMPLEMENTATIONS`` (module docstring; ``"xla"`` = the
         reference ops everywhere).

@@ -7,13 +7,13 @@ chunk over a cached prefix and a decode step with ``Q`` speculative rows are the
 Two attention paths (same math, MSA_SPEC.md sections 3 and 5):
 - ``"gather"`` (prefill chunks): the row's pages are gathered into a contiguous ``[B, S]`` view and
   the full-sequence ops run with queries as a suffix of keys: ``minimax_jax.ops.msa`` selection +
-  sparse attention for MSA layers; for dense / sliding layers the GPU suffix-attention kernel
-  (``pallas_kernels.prefill.gpu_attention``) or ``minimax_jax.ops.attention`` (``gather_dense_impl``).
+  sparse attention for MSA layers; for dense / sliding layers ``minimax_jax.ops.prefill``
+  (the op ``"prefill_attention"``: the GPU suffix-attention kernel or the XLA attention reference).
   ``S = page_table.shape[1] * page_size``: the caller may pass only the leading columns of the
   page table that cover every valid position (``DecodeEngine`` buckets them to a power of two of
   the filled length when the XLA ops run, whose cost grows with S; the kernels walk only the keys
   at positions ``<=`` their queries', so their cost follows the filled length at any S).
-- ``"paged"`` (decode, ``Q <= 16`` rows): ``minimax_jax.decode.ops`` reads the pages directly
+- ``"paged"`` (decode, ``Q <= 16`` rows): ``minimax_jax.ops.paged`` reads the pages directly
   (MSA layers: page scoring over the index-key pages, top-k + local page, split-KV attention).
 
 Layer math is the model's own (``minimax_jax.model.transformer``: ``project_qkv``,
@@ -28,30 +28,21 @@ import jax
 import jax.numpy as jnp
 
 from minimax_jax.config import ModelConfig
-from minimax_jax.decode import ops as dops
 from minimax_jax.decode.cache import CacheSpec, gather_pages, write_layer
 from minimax_jax.model.layers import rms_norm, rope_frequencies
 from minimax_jax.model.params import layer_segments
 from minimax_jax.model.transformer import embed, mlp_block, project_index, project_qkv, unembed
 from minimax_jax.ops import msa as msa_ops
-from minimax_jax.ops.attention import attention
-from minimax_jax.ops.common import ImplementationUnavailable, default_backend, record_implementation
+from minimax_jax.ops import paged, registry
+from minimax_jax.ops.prefill import prefill_attention
 
-__all__ = ["model_step", "PATHS", "PREFILL_IMPLEMENTATIONS", "gather_dense_impl"]
+__all__ = ["model_step", "PATHS", "PREFILL_IMPLEMENTATIONS"]
 
 PATHS = ("gather", "paged")
-#: ``implementation`` values of the "gather" path (those of ``minimax_jax.ops.msa``).
-PREFILL_IMPLEMENTATIONS = msa_ops.IMPLEMENTATIONS
-_SUFFIX_KERNELS = ("pallas_gpu", "pallas_gpu_interpret")
-
-
-def _suffix_unsupported(q, k, v, sliding_window) -> str | None:
-    """``pallas_kernels.prefill.gpu_attention.unsupported_reason``, or why that module is missing."""
-    try:
-        from pallas_kernels.prefill.gpu_attention import unsupported_reason
-    except ImportError as e:
-        return f"pallas_kernels.prefill.gpu_attention cannot be imported here ({e})"
-    return unsupported_reason(q, k, v, sliding_window)
+#: ``implementation`` values of the "gather" path: the names of the MSA ops and of ``prefill_attention``
+#: (registry order; a name one of them lacks raises there for the layers it serves).
+PREFILL_IMPLEMENTATIONS = tuple(dict.fromkeys((*registry.implementation_names("msa_attention"),
+                                               *registry.implementation_names("prefill_attention"))))
 
 
 def _norm(x, p, cfg):
@@ -61,69 +52,30 @@ def _norm(x, p, cfg):
 def _attend_gather(cfg, spec, c, q, qi, page_table, positions, layer_type, impl):
     b, t = positions.shape
     k, v, ki = gather_pages(c, page_table, q.dtype)
-    s = k.shape[1]
-    kv_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-    q_pos = jnp.maximum(positions, 0)
-    q_seg = jnp.where(positions >= 0, 0, 1).astype(jnp.int32)          # padding rows see nothing
-    kw = dict(q_positions=q_pos, kv_positions=kv_pos, q_segment_ids=q_seg,
-              kv_segment_ids=jnp.zeros((b, s), jnp.int32))
     if layer_type == "msa":
+        s = k.shape[1]
+        q_seg = jnp.where(positions >= 0, 0, 1).astype(jnp.int32)      # padding rows see nothing
+        kw = dict(q_positions=jnp.maximum(positions, 0),
+                  kv_positions=jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)), q_segment_ids=q_seg,
+                  kv_segment_ids=jnp.zeros((b, s), jnp.int32))
         ids = msa_ops.msa_select_blocks(qi, ki, block_size=spec.page_size, topk=cfg.index_topk,
                                         init_blocks=cfg.index_init_blocks, local_blocks=cfg.index_local_blocks,
                                         implementation=impl, **kw)
         o, _ = msa_ops.msa_attention(q, k, v, ids, block_size=spec.page_size, implementation=impl, **kw)
         return o
     window = cfg.sliding_window if layer_type == "sliding" else None
-    dense = gather_dense_impl(impl, q, k, v, window)
-    if dense in _SUFFIX_KERNELS:
-        from pallas_kernels.prefill.gpu_attention import suffix_attention_gpu
-        return suffix_attention_gpu(q, k, v, positions, interpret=dense == "pallas_gpu_interpret")
-    return attention(q, k, v, sliding_window=window, implementation=dense, **kw)
-
-
-def gather_dense_impl(implementation: str, q, k, v, sliding_window=None) -> str:
-    """Implementation of a dense / sliding layer on the "gather" path; records it (trace time).
-
-    ``"pallas_gpu"`` / ``"pallas_gpu_interpret"``: the suffix-attention kernel
-    (``pallas_kernels.prefill.gpu_attention``; compiled / Pallas interpret mode), which handles
-    queries at any positions of the key view; ImplementationUnavailable when it cannot serve the
-    layer (a sliding window, a head dim that is not a power of two in [16, 256], mixed dtypes).
-    ``"auto"``: that kernel on a GPU backend when it can serve the layer (else ``"xla"``, the reason
-    recorded under ``"prefill_attention.auto_reason"``); ``"xla"`` on other backends (as the MSA
-    ops' ``"auto"`` on CPU). Any other name goes to
-    ``minimax_jax.ops.attention.attention`` unchanged (``"xla"``: the chunked reference, memory
-    O(512 x S); the MSA-only names ``"pallas_tpu"`` / ``"pallas_interpret"`` raise there, as before).
-
-    Args: implementation: the step's ``implementation``; q ``[B, T, H, D]``, k / v ``[B, S, G, D]``
-      (arrays or shape structs); sliding_window: the layer's window or None.
-    Returns: the name recorded under ``"prefill_attention"``.
-    """
-    impl = implementation
-    if impl in _SUFFIX_KERNELS:
-        reason = _suffix_unsupported(q, k, v, sliding_window)
-        if reason:
-            raise ImplementationUnavailable(f"prefill attention: {impl!r} cannot serve this layer: {reason}")
-    elif impl == "auto":
-        impl = "xla"
-        if default_backend() == "gpu":
-            reason = _suffix_unsupported(q, k, v, sliding_window)
-            if reason:
-                record_implementation("prefill_attention.auto_reason", reason)
-            else:
-                impl = "pallas_gpu"
-    record_implementation("prefill_attention", impl)
-    return impl
+    return prefill_attention(q, k, v, positions, sliding_window=window, implementation=impl)
 
 
 def _attend_paged(cfg, c, q, qi, page_table, positions, layer_type, impl):
     kw = dict(k_scale=c.get("k_scale"), v_scale=c.get("v_scale"), implementation=impl)
     if layer_type == "msa":
-        o, _, _ = dops.msa_decode(q, qi, c["k"], c["v"], c["ki"], page_table, positions, ki_scale=c.get("ki_scale"),
-                                  topk=cfg.index_topk, init_blocks=cfg.index_init_blocks,
-                                  local_blocks=cfg.index_local_blocks, **kw)
+        o, _, _ = paged.msa_decode(q, qi, c["k"], c["v"], c["ki"], page_table, positions, ki_scale=c.get("ki_scale"),
+                                   topk=cfg.index_topk, init_blocks=cfg.index_init_blocks,
+                                   local_blocks=cfg.index_local_blocks, **kw)
         return o
     window = cfg.sliding_window if layer_type == "sliding" else None
-    o, _ = dops.paged_attention(q, c["k"], c["v"], page_table, positions, sliding_window=window, **kw)
+    o, _ = paged.paged_attention(q, c["k"], c["v"], page_table, positions, sliding_window=window, **kw)
     return o
 
 
@@ -147,9 +99,9 @@ def model_step(params, cache, tokens, positions, page_table, logit_rows=None, *,
         unembedding run only on those rows and the logits are ``[B, K, V]`` (prefill needs only the
         last prompt position); None = every row.
       cfg, spec: static config and cache spec. path: ``"gather"`` | ``"paged"`` (module docstring).
-      implementation: ``"paged"``: the decode ops' (``minimax_jax.decode.ops``); ``"gather"``: one of
-        ``PREFILL_IMPLEMENTATIONS``, passed to the MSA ops, and to dense layers through
-        ``gather_dense_impl``.
+      implementation: ``"paged"``: the decode ops' (``minimax_jax.ops.paged``); ``"gather"``: one of
+        ``PREFILL_IMPLEMENTATIONS``, passed to the MSA ops and, for dense / sliding layers, to
+        ``minimax_jax.ops.prefill.prefill_attention``.
       return_hidden: also return the pre-final-norm hidden state (the MTP modules' input, as
         ``forward(..., return_hidden=True)``).
     Returns: ``(logits [B, T, V] float32, cache)``, or ``(logits, hidden [B, T, H], cache)`` with

@@ -23,12 +23,15 @@ import time
 from collections.abc import Sequence
 
 from minimax_jax.chat.tokens import BOS
+from minimax_jax.data.haystack import LengthError, noise_haystack, prose_haystack, token_counter
+from minimax_jax.data.prose import MissingDataError
+from minimax_jax.data.tasks import TASKS, generate_suite
 from minimax_jax.eval.chat import chat_prompt, strip_thinking
-from minimax_jax.eval.haystack import noise_haystack, prose_haystack, token_counter
 from minimax_jax.eval.perplexity import heldout_perplexity
 from minimax_jax.eval.runner import ModelFns, RuntimeUnavailable, load_model_fns
 from minimax_jax.eval.scoring import METRICS, score_examples
-from minimax_jax.eval.tasks import TASKS, generate_suite
+from minimax_jax.infer.errors import InferenceError
+from minimax_jax.infer.loading import load_tokenizer_for, peek_config
 
 
 PROG = "python -m minimax_jax.eval"
@@ -136,11 +139,9 @@ def context_error(args: argparse.Namespace) -> str | None:
     loading says what is missing.
     """
     try:
-        from minimax_jax.infer.loading import load_tokenizer_for, peek_config
-
         ckpt = os.path.abspath(args.checkpoint)
         ctx = int(peek_config(ckpt).max_position_embeddings)
-    except Exception:  # noqa: BLE001 - no runtime / not a checkpoint: reported when loading
+    except Exception:  # noqa: BLE001 - not a readable checkpoint: reported when loading
         return None
     where = f"the context of {args.checkpoint} ({ctx} tokens, max_position_embeddings)"
     if args.max_seq_len is not None and args.max_seq_len > ctx:
@@ -277,10 +278,6 @@ def run_eval(args: argparse.Namespace, fns: ModelFns) -> dict:
 def main(argv: Sequence[str] | None = None, fns: ModelFns | None = None) -> int:
     """CLI entry point; ``fns`` bypasses the runtime (tests, custom models)."""
     args = build_parser().parse_args(argv)
-    try:
-        from minimax_jax.infer.errors import InferenceError
-    except ImportError:            # no runtime: load_model_fns raises RuntimeUnavailable
-        InferenceError = RuntimeUnavailable
     if fns is None:
         err = file_error(args) or context_error(args)  # before loading params or building prompts
         if err:
@@ -295,9 +292,6 @@ def main(argv: Sequence[str] | None = None, fns: ModelFns | None = None) -> int:
         except (FileNotFoundError, InferenceError, RuntimeUnavailable) as e:   # they say what is missing
             print(f"{PROG}: error: {e}", file=sys.stderr)
             return 2
-    from minimax_jax.data.prose import MissingDataError
-    from minimax_jax.eval.haystack import LengthError
-
     try:
         results = run_eval(args, fns)
     except (MissingDataError, LengthError, InferenceError) as e:   # InferenceError: e.g. ContextTooLong

@@ -9,26 +9,24 @@ The evaluation only needs two callables and a tokenizer:
   runtime cannot score, then perplexity is skipped;
 - ``tokenizer``: a ``tokenizers.Tokenizer`` (lengths are measured in its tokens).
 
-Contract with the runtime: ``minimax_jax.infer`` provides
-``make_eval_fns(checkpoint_dir: str, **options) -> Mapping`` with keys ``"generate_fn"``,
+Contract with the runtime: ``minimax_jax.infer.make_eval_fns(checkpoint_dir: str, **options) -> Mapping``
+(or a ``factory`` of the same signature passed to :func:`load_model_fns`) returns a mapping with keys ``"generate_fn"``,
 ``"logprob_fn"`` (callable or None) and ``"tokenizer"`` (a ``tokenizers.Tokenizer`` or a path to
 ``tokenizer.json`` / its directory). ``options`` are passed through from the CLI (``max_seq_len``;
 ``tokenizer_path`` when ``--tokenizer`` is given, so model and evaluation share one tokenizer).
-The module is imported only when :func:`load_model_fns` is called.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from collections.abc import Callable, Mapping
 
 import numpy as np
 
 from minimax_jax.data.tokenizer import load_tokenizer
+from minimax_jax.infer import make_eval_fns
 
-INFER_MODULE = "minimax_jax.infer"
-FACTORY = "make_eval_fns"
+FACTORY = "minimax_jax.infer.make_eval_fns"
 
 GenerateFn = Callable[[list[str], int], list[str]]
 LogprobFn = Callable[[np.ndarray], np.ndarray]
@@ -54,48 +52,40 @@ def model_fns_from_mapping(m: Mapping, tokenizer_override: str | None = None) ->
       RuntimeUnavailable: naming the missing or non-callable entry.
     """
     if not isinstance(m, Mapping):
-        raise RuntimeUnavailable(f"{INFER_MODULE}.{FACTORY} must return a mapping, got {type(m).__name__}")
+        raise RuntimeUnavailable(f"{FACTORY} must return a mapping, got {type(m).__name__}")
     gen = m.get("generate_fn")
     if not callable(gen):
-        raise RuntimeUnavailable(f"{INFER_MODULE}.{FACTORY} result has no callable 'generate_fn'")
+        raise RuntimeUnavailable(f"{FACTORY} result has no callable 'generate_fn'")
     lp = m.get("logprob_fn")
     if lp is not None and not callable(lp):
-        raise RuntimeUnavailable(f"{INFER_MODULE}.{FACTORY} result: 'logprob_fn' is not callable")
+        raise RuntimeUnavailable(f"{FACTORY} result: 'logprob_fn' is not callable")
     tok = tokenizer_override if tokenizer_override is not None else m.get("tokenizer")
     if tok is None:
         raise RuntimeUnavailable(
-            f"{INFER_MODULE}.{FACTORY} result has no 'tokenizer'; pass --tokenizer PATH"
+            f"{FACTORY} result has no 'tokenizer'; pass --tokenizer PATH"
         )
     if isinstance(tok, str):
         tok = load_tokenizer(tok)
     return ModelFns(gen, lp, tok)
 
 
-def load_model_fns(checkpoint: str, *, tokenizer: str | None = None, **options) -> ModelFns:
-    """Imports ``minimax_jax.infer`` and builds the evaluation callables for ``checkpoint``.
+def load_model_fns(checkpoint: str, *, tokenizer: str | None = None,
+                   factory: Callable[..., Mapping] = make_eval_fns, **options) -> ModelFns:
+    """Builds the evaluation callables for ``checkpoint`` with the inference runtime.
 
     Args:
-      checkpoint: checkpoint directory, passed to ``make_eval_fns``.
+      checkpoint: checkpoint directory, passed to ``factory``.
       tokenizer: optional ``tokenizer.json`` path (or directory) overriding the checkpoint's; it is
-        forwarded to ``make_eval_fns`` as ``tokenizer_path`` and used for length measurement.
-      options: forwarded to ``make_eval_fns``.
+        forwarded to ``factory`` as ``tokenizer_path`` and used for length measurement.
+      factory: ``minimax_jax.infer.make_eval_fns`` (another runtime of the same contract may be passed).
+      options: forwarded to ``factory``.
     Raises:
-      RuntimeUnavailable: when ``minimax_jax.infer`` is not installed / importable or lacks
-        ``make_eval_fns`` (the message says which).
+      RuntimeUnavailable: when ``factory`` is not callable or returns something that breaks the contract
+        (the message says what).
     """
-    try:
-        infer = importlib.import_module(INFER_MODULE)
-    except ModuleNotFoundError as e:
-        if e.name and INFER_MODULE.startswith(e.name):
-            raise RuntimeUnavailable(
-                f"the inference runtime {INFER_MODULE!r} is not available in this installation; "
-                "the eval CLI needs it to run a checkpoint (task generation and scoring work without it)"
-            ) from e
-        raise
-    factory = getattr(infer, FACTORY, None)
     if not callable(factory):
         raise RuntimeUnavailable(
-            f"{INFER_MODULE} has no function {FACTORY}(checkpoint_dir, **options) returning "
+            f"factory {factory!r} is not a function(checkpoint_dir, **options) returning "
             "{'generate_fn', 'logprob_fn', 'tokenizer'}"
         )
     if tokenizer is not None:

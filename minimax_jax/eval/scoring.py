@@ -12,7 +12,7 @@ import re
 from collections import defaultdict
 from collections.abc import Sequence
 
-from minimax_jax.eval.tasks import Example
+from minimax_jax.data.tasks import Example
 
 METRICS = ("contains", "exact")
 

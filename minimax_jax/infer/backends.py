@@ -87,8 +87,8 @@ def auto_prefill_chunk(prompt_tokens: int, backend: str | None = None) -> int:
     On a GPU (the engine prefills with the Pallas kernels, whose cost follows the positions):
     ``prompt_tokens // 8`` clamped to ``[256, 16384]`` — large chunks cut the fixed costs per chunk
     (one cache-view gather and one set of kernel launches per layer) and give the kernels enough
-    query rows; measured on the H200 (BENCHMARKS.md, issue 8): a 1M-token prompt prefilled in 13.8 s
-    with 16384-token chunks, where 256-token chunks would run ~4000 steps. Elsewhere 256: the XLA
+    query rows (BENCHMARKS.md, issue 8: a 1M-token prompt takes ~64 steps with 16384-token chunks, where
+    256-token chunks would run ~4000). Elsewhere 256: the XLA
     reference ops materialise ``[chunk, S]`` scores, so small chunks bound their memory.
     ``backend`` defaults to ``jax.default_backend()``.
     """

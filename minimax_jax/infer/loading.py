@@ -168,7 +168,7 @@ def load_model(checkpoint_dir: str | None = None, *, tokenizer_path: str | None 
     if cfg is not model.cfg and model.mesh is not None:
         import jax
 
-        from minimax_jax.sharding import params_shardings
+        from minimax_jax.model import params_shardings
 
         params = jax.device_put(params, params_shardings(cfg, model.mesh, model.rules))
     if attention != "as_trained":

@@ -2,11 +2,10 @@
 
 ``jnp.einsum(h, w, preferred_element_type=float32)`` gives float32 logits from bf16 operands, but its
 automatic transpose multiplies the float32 cotangent ``d logits`` with bf16 operands, which XLA
-promotes to float32 (TF32 on Hopper) matmuls: the two backward matmuls of the head were 13 ms of a
-149 ms dense 8K training step on the H200 (bench/train_step.py --profile, 2026-12-01). Here the
-cotangent is rounded to the operands' dtype first (the usual mixed-precision convention: activations
-and their gradients in bf16, accumulation in float32), so the backward runs on bf16 tensor cores.
-With float32 operands nothing changes.
+promotes to float32 (TF32 on Hopper) matmuls (their share of a training step: see BENCHMARKS.md,
+"Training step", run 12). Here the cotangent is rounded to the operands' dtype first (the usual
+mixed-precision convention: activations and their gradients in bf16, accumulation in float32), so the
+backward runs on bf16 tensor cores. With float32 operands nothing changes.
 """
 
 from __future__ import annotations

@@ -31,9 +31,9 @@ import numpy as np
 import yaml
 
 from minimax_jax.config import ModelConfig
-from minimax_jax.model import abstract_params
-from minimax_jax.ops.common import implementation_report
-from minimax_jax.sharding import load_rules, make_mesh, params_shardings, replicated, use_mesh, batch_sharding
+from minimax_jax.model import abstract_params, params_shardings
+from minimax_jax.ops.registry import implementation_report
+from minimax_jax.sharding import load_rules, make_mesh, replicated, use_mesh, batch_sharding
 from minimax_jax.train.checkpointing import Checkpointer
 from minimax_jax.train.config import TrainConfig, TrainConfigError, validate_against
 from minimax_jax.train.data import decode_state, encode_state, make_iterator, to_global

@@ -16,7 +16,7 @@ micro-batches and devices)::
 
 After the optimizer update the MoE ``router_bias`` moves by
 ``optim.router_bias_rate * sign(mean_load - load)`` with the load summed over the whole step
-(``minimax_jax.ops.moe.update_router_biases``).
+(``minimax_jax.model.router_bias.update_router_biases``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import optax
 from minimax_jax.config import ModelConfig
 from minimax_jax.model import forward, mtp_forward
 from minimax_jax.model.transformer import lm_head_weight
-from minimax_jax.ops.moe import update_router_biases
+from minimax_jax.model.router_bias import update_router_biases
 from minimax_jax.train.losses import chunked_cross_entropy_sums, cross_entropy_sums, mtp_targets
 
 __all__ = ["StepSpec", "init_state", "make_train_step", "make_eval_step", "BATCH_KEYS", "batch_norms"]

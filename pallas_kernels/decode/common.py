@@ -1,11 +1,11 @@
-"""Shared helpers of the decode kernels: row packing, pow2 padding, split combination."""
+"""Shared helpers of the decode kernels: row packing, pow2 padding, split combination, 2-D dots."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["next_pow2", "pad_rows", "pack_rows", "combine_splits", "compute_dtype"]
+__all__ = ["next_pow2", "pad_rows", "pack_rows", "unpack_rows", "combine_splits", "compute_dtype", "dot_nt", "dot_nn"]
 
 
 def next_pow2(n: int, minimum: int = 1) -> int:
@@ -77,3 +77,20 @@ def combine_splits(o_part: jax.Array, lse_part: jax.Array, axis: int):
     o = jnp.sum(o_part * jnp.expand_dims(w, -1), axis=axis) / jnp.expand_dims(jnp.where(den > 0, den, 1.0), -1)
     lse = jnp.where(den > 0, jnp.squeeze(m_safe, axis) + jnp.log(jnp.where(den > 0, den, 1.0)), -jnp.inf)
     return o, lse
+
+
+def _precision(a):
+    # float32 operands: full-precision dots (Triton would otherwise use tf32); bf16 needs nothing.
+    return jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+
+
+def dot_nt(a, b):
+    """``a [M, K] @ b[N, K]^T -> [M, N]`` float32."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_precision(a),
+                               preferred_element_type=jnp.float32)
+
+
+def dot_nn(a, b):
+    """``a [M, K] @ b[K, N] -> [M, N]`` float32."""
+    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=_precision(a),
+                               preferred_element_type=jnp.float32)

@@ -1,6 +1,6 @@
 """Decode kernels for TPU (Pallas Mosaic): page scoring and paged flash-decoding attention.
 
-Math: MSA_SPEC.md section 5 (inputs validated by ``minimax_jax.decode.ops``). Page tables, the
+Math: MSA_SPEC.md section 5 (inputs validated by ``minimax_jax.ops.paged``). Page tables, the
 per-row selected page lists and the per-request page counts are scalar-prefetched into SMEM and
 drive the BlockSpec index maps, so each grid step DMAs exactly one physical page (``[page, D]``
 tiles) into VMEM. Pages a row does not need map to the previously fetched block index, so
@@ -152,7 +152,7 @@ def _attn_kernel(pt_ref, ids_ref, lim_ref, q_ref, pos_ref, k_ref, v_ref, *rest, 
 @functools.partial(jax.jit, static_argnames=("interpret",))
 def paged_attention_tpu(q, k_pages, v_pages, page_table, q_positions, k_scale=None, v_scale=None, block_ids=None,
                         *, interpret=False):
-    """Paged decode attention on TPU; same contract as ``minimax_jax.decode.ops.paged_attention``.
+    """Paged decode attention on TPU; same contract as ``minimax_jax.ops.paged.paged_attention``.
 
     Returns ``(o [B,Q,H,D] q.dtype, lse [B,Q,H] f32)``.
     """

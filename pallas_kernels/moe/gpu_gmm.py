@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from types import MappingProxyType
 
 import jax
 import jax.numpy as jnp
@@ -59,13 +60,12 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from minimax_jax.ops.common import searchsorted, typed_out_struct, varying_axes
+from pallas_kernels.common import VmaType, match_vma, searchsorted, typed_out_struct, varying_axes
 from pallas_kernels.moe.gpu_tgmm_ws import WsTgmmConfig, tgmm_ws
 from pallas_kernels.moe.groups import group_bounds
 
-__all__ = ["TileConfig", "DEFAULT_CONFIG", "DEFAULT_DLHS_CONFIG", "DEFAULT_TGMM_CONFIG", "CANDIDATES",
-           "TGMM_CANDIDATES",
-           "get_default_configs", "set_default_configs", "num_visits", "make_visits", "gmm_forward", "tgmm", "gmm"]
+__all__ = ["TileConfig", "DEFAULT_CONFIG", "DEFAULT_DLHS_CONFIG", "DEFAULT_TGMM_CONFIG", "DEFAULT_CONFIGS",
+           "CANDIDATES", "TGMM_CANDIDATES", "num_visits", "make_visits", "gmm_forward", "tgmm", "gmm"]
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -104,8 +104,8 @@ class TileConfig:
         if self.half_tail and self.bm < 32:
             raise ValueError(f"TileConfig.half_tail needs bm >= 32 (a half tile of >= 16 rows), got bm={self.bm}")
         f = self.fold
-        # fold >= 64: on the H200 (Triton 3.6) an extra dot of 16 or 32 rows beside the main one gave wrong
-        # results (relative error 0.6-4.4% in bench/moe.py's sweep, session 11) while 64 rows were exact.
+        # fold >= 64: on Hopper (Triton 3.6) an extra dot of 16 or 32 rows beside the main one gave wrong
+        # results in bench/moe.py's sweep while 64 rows were exact (see BENCHMARKS.md (MoE)).
         if (not isinstance(f, int) or isinstance(f, bool)
                 or (f != 0 and (f < 64 or f & (f - 1) or 2 * f > self.bm))):
             raise ValueError(f"TileConfig.fold must be 0 (off) or a power of two in [64, bm/2 = {self.bm // 2}], "
@@ -118,28 +118,19 @@ class TileConfig:
                 + (f"fold{self.fold}" if self.fold else ""))
 
 
-#: Hopper defaults: the best of bench/moe.py's sweep of CANDIDATES / TGMM_CANDIDATES on one H200 (M2
-#: expert shapes, 8K tokens = 64K routed rows; BENCHMARKS.md session 5): fwd 128x64x256w8s3 397 TFLOP/s
-#: (128x64x128w4s4: 324), dlhs the same config 379 (344), tgmm 32x128x128w4s4 352 (64x128x128w4s4: 247).
-#: Session 8's sweeps (same shape): dlhs 128x64x256w8s4 429 vs 399 (call 1) and 456 vs 437 (call 2) for
-#: w8s3; the forward kept w8s3 (the two were within the ~3% run-to-run spread).
-#: Session 11 (three sweeps in two calls, M2 8K): 128x64x256w8s4 with half-height tails was the fastest
-#: forward (443-451 vs 416-438 for w8s3) and dlhs (442-476 vs 395-423 for w8s4) in all three.
+#: Hopper defaults: the fastest configs of bench/moe.py's sweep of CANDIDATES / TGMM_CANDIDATES at the M2
+#: expert shapes, 8K tokens (64K routed rows); see BENCHMARKS.md (MoE).
 DEFAULT_CONFIG = TileConfig(128, 64, 256, 8, 4, half_tail=True)
 DEFAULT_DLHS_CONFIG = TileConfig(128, 64, 256, 8, 4, half_tail=True)
 DEFAULT_TGMM_CONFIG = TileConfig(32, 128, 128, 4, 4)
+#: The configs ``gmm`` uses when none are passed (read-only): kernel name -> config.
+DEFAULT_CONFIGS = MappingProxyType({"fwd": DEFAULT_CONFIG, "dlhs": DEFAULT_DLHS_CONFIG, "tgmm": DEFAULT_TGMM_CONFIG})
 
 #: gmm / transposed-gmm candidates for a sweep (shared memory per stage <= 64 KiB in bf16), in priority
-#: order (bench/moe.py --tiny sweeps the first three). Session 5's sweep (BENCHMARKS.md run 10) put every
-#: 128-column tile 15-30% behind 128x64x256w8s3, so these vary around it: the defaults, tail folding
-#: (``fold``; the bench's M2 8K routing has 256 +- 22 rows per expert: 127 of the 256 groups end in a
-#: remainder visit and fold 64 removes 126 of the 639 visits; M3 8K: 59 of 316), a smaller K step with a
-#: deeper pipeline, and half-height tails. Session 11's sweep (one H200, M2 8K, fwd / dlhs TFLOP/s):
-#: w8s3 438 / 406, w8s3fold64 456 / 416, w8s4 434 / 395, w8s4h 451 / 476; fold 16 and 32 computed wrong
-#: results there (hence ``fold >= 64``); four stages of a 128 + 64-row tile would need ~224 KiB of shared
-#: memory, so fold 64 runs with three (or with bk = 32). Dropped earlier: 64x64x256w4s4 (~20% behind),
-#: the other half-tail tiles (within the ~3% spread), 16-warp tiles (128x64x256w16s3 ~10% slower,
-#: 256x64x256w16s3 did not compile: ptxas out of resources).
+#: order (bench/moe.py --tiny sweeps the first three), around the defaults: tail folding (``fold``), a
+#: smaller K step with a deeper pipeline, and half-height tails. ``fold`` 64 with four stages of a 128 +
+#: 64-row tile would need ~224 KiB of shared memory, so it runs with three (or with bk = 32). Results
+#: and the configs tried and dropped: BENCHMARKS.md (MoE).
 CANDIDATES = (
     TileConfig(128, 64, 256, 8, 3),
     TileConfig(128, 64, 256, 8, 3, fold=64),
@@ -148,11 +139,8 @@ CANDIDATES = (
     TileConfig(128, 32, 256, 8, 5, fold=64),
     TileConfig(128, 32, 256, 8, 4, fold=64),
 )
-#: tgmm candidates (output tile bk x bn, bm rows per step); run 10's best was 32x128x128w4s4. Tried and
-#: dropped in session 13: one program per chunk of 4-8 groups walking their row blocks in one loop that
-#: stores at each group's end (so a group's ~8 short steps would not each pay a loop prologue): 178-264
-#: TFLOP/s vs 354 (the store and accumulator reset under a condition in the loop defeat Triton's pipelining);
-#: reading an XLA-transposed lhs^T (K-major first operand, row blocks aligned to bm): 261-313 vs 355.
+#: tgmm candidates (output tile bk x bn, bm rows per step); results and the designs tried and dropped:
+#: BENCHMARKS.md (MoE).
 TGMM_CANDIDATES = (
     TileConfig(32, 128, 128, 4, 4),
     TileConfig(32, 128, 128, 8, 4),
@@ -161,32 +149,6 @@ TGMM_CANDIDATES = (
     TileConfig(32, 256, 128, 8, 3),
     TileConfig(64, 128, 128, 8, 3),
 )
-
-_defaults = {"fwd": DEFAULT_CONFIG, "dlhs": DEFAULT_DLHS_CONFIG, "tgmm": DEFAULT_TGMM_CONFIG}
-
-
-def get_default_configs() -> dict[str, TileConfig]:
-    """The configs ``gmm`` uses when none are passed: ``{"fwd", "dlhs", "tgmm"} -> TileConfig``."""
-    return dict(_defaults)
-
-
-def set_default_configs(fwd: TileConfig | None = None, dlhs: TileConfig | None = None,
-                        tgmm: TileConfig | WsTgmmConfig | None = None) -> dict[str, TileConfig]:
-    """Replace some of the process-wide default configs (None keeps one); returns the previous ones.
-
-    tgmm may also be a ``gpu_tgmm_ws.WsTgmmConfig`` (the warp-specialized Mosaic GPU weight gradient).
-    Read when a function calling ``gmm`` is traced: functions already jitted keep their configs.
-    Raises TypeError for a value that is not a TileConfig (or, for tgmm, a WsTgmmConfig).
-    """
-    prev = get_default_configs()
-    for name, cfg in (("fwd", fwd), ("dlhs", dlhs), ("tgmm", tgmm)):
-        if cfg is None:
-            continue
-        if not isinstance(cfg, TileConfig) and not (name == "tgmm" and isinstance(cfg, WsTgmmConfig)):
-            raise TypeError(f"{name} config must be a TileConfig{' or WsTgmmConfig' if name == 'tgmm' else ''}, "
-                            f"got {type(cfg).__name__}")
-        _defaults[name] = cfg
-    return prev
 
 
 # ----------------------------------------------------------------------------- work lists
@@ -309,8 +271,7 @@ def _gmm_kernel(tab_ref, lhs_ref, rhs_ref, out_ref, *, bm, bk, bn, n_groups, n_c
         plain = active & jnp.logical_not(ext)
     if half_tail:
         # A visit of <= bm/2 rows (a group's tail, or a small group) runs a half-height tile: at ~256
-        # rows per expert (M2, 8K tokens) most groups end in such a tail. On the H200 within the run-to-run
-        # spread in run 13, the fastest forward and dlhs in all three of session 11's sweeps: the default.
+        # rows per expert (M2, 8K tokens) most groups end in such a tail (the default; BENCHMARKS.md (MoE)).
         small = (hi - lo) <= bm // 2
         pl.when(plain & jnp.logical_not(small))(lambda: tile(bm))
         pl.when(plain & small)(lambda: tile(bm // 2))
@@ -371,13 +332,9 @@ def _params(cfg: TileConfig):
 
 # ----------------------------------------------------------------------------- shard_map typing
 def _common_vma(*xs):
-    """Cast every array to vary over the union of the arrays' varying axes (``jax.lax.pcast``)."""
-    axes = frozenset().union(*(varying_axes(x) for x in xs))
-    out = []
-    for x in xs:
-        missing = tuple(sorted(axes - varying_axes(x)))
-        out.append(jax.lax.pcast(x, missing, to="varying") if missing else x)
-    return tuple(out)
+    """Cast every array to vary over the union of the arrays' varying axes (``match_vma``)."""
+    like = VmaType(frozenset().union(*(varying_axes(x) for x in xs)))
+    return tuple(match_vma(x, like) for x in xs)
 
 
 # ----------------------------------------------------------------------------- checks
@@ -411,7 +368,7 @@ def gmm_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, trans
         negative sizes count as 0).
       transpose_rhs: see rhs.
       out_dtype: output dtype (default ``lhs.dtype``); accumulation is fp32.
-      config: tile config (default ``get_default_configs()["fwd"]``); ``config.fold > 0`` turns on
+      config: tile config (default ``DEFAULT_CONFIG``); ``config.fold > 0`` turns on
         tail folding (module docstring), with the same result up to fp32 accumulation order.
       interpret: run in Pallas interpret mode (any backend; for CPU tests).
     Returns: ``[M, N]`` in out_dtype; rows past ``sum(group_sizes)`` are exactly 0.
@@ -419,7 +376,7 @@ def gmm_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, trans
     Math: MegaBlocks (Gale et al. 2022) block-sparse grouped GEMM; see the module docstring.
     """
     _check(lhs, rhs, group_sizes, transpose_rhs)
-    cfg = config or _defaults["fwd"]
+    cfg = config or DEFAULT_CONFIG
     m, kdim = lhs.shape
     g = rhs.shape[0]
     ndim = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -450,7 +407,7 @@ def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, out_dtype=N
         with a ``WsTgmmConfig`` see ``gpu_tgmm_ws.tgmm_ws`` on rows outside a group).
       out_dtype: default ``lhs.dtype``; accumulation is fp32.
       config: tile config (output tile ``bk x bn``, ``bm`` rows per step; default
-        ``get_default_configs()["tgmm"]``); a ``gpu_tgmm_ws.WsTgmmConfig`` runs ``gpu_tgmm_ws.tgmm_ws``
+        ``DEFAULT_TGMM_CONFIG``); a ``gpu_tgmm_ws.WsTgmmConfig`` runs ``gpu_tgmm_ws.tgmm_ws``
         instead (bf16 / f16 only, its own shape constraints). interpret: Pallas interpret mode.
     Returns: ``[G, K, N]``; an empty group's matrix is exactly 0.
     Raises: ValueError on inconsistent shapes; TypeError on dtypes.
@@ -464,7 +421,7 @@ def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, out_dtype=N
     if lhs.dtype != dout.dtype or jnp.dtype(lhs.dtype) not in _DTYPES:
         raise TypeError(f"tgmm needs lhs and dout of one dtype in {[str(d) for d in _DTYPES]}, got {lhs.dtype}, "
                         f"{dout.dtype}")
-    cfg = config or _defaults["tgmm"]
+    cfg = config or DEFAULT_TGMM_CONFIG
     lhs, dout, group_sizes = _common_vma(lhs, dout, group_sizes)
     if isinstance(cfg, WsTgmmConfig):    # the warp-specialized Mosaic GPU weight gradient (opt-in)
         return tgmm_ws(lhs, dout, group_sizes, config=cfg, out_dtype=out_dtype, interpret=interpret)
@@ -518,7 +475,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, config: TileC
       rhs: ``[G, K, N]``, same dtype as lhs.
       group_sizes: int ``[G]`` rows per group, ``sum <= M`` (larger sums are clipped to M).
       config / dlhs_config / tgmm_config: TileConfigs of the forward, the dlhs kernel (transposed
-        gmm) and the weight-gradient kernel (tgmm); None = ``get_default_configs()`` at trace time.
+        gmm) and the weight-gradient kernel (tgmm); None = ``DEFAULT_CONFIGS``.
         A ``gpu_tgmm_ws.WsTgmmConfig`` as tgmm_config runs the warp-specialized Mosaic GPU weight
         gradient instead (opt-in, bf16 / f16, its shape constraints raise ValueError).
       out_dtype: output dtype (default ``lhs.dtype``), fp32 accumulation.
@@ -542,5 +499,5 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, config: TileC
     # kernels' outputs and the custom VJP's cotangents are typed like their primals; JAX transposes
     # these casts (psum) outside the custom VJP. No-op elsewhere.
     lhs, rhs, group_sizes = _common_vma(lhs, rhs, group_sizes.astype(jnp.int32))
-    return _gmm(lhs, rhs, group_sizes, out_dtype, config or _defaults["fwd"],
-                dlhs_config or _defaults["dlhs"], tgmm_config or _defaults["tgmm"], bool(interpret))
+    return _gmm(lhs, rhs, group_sizes, out_dtype, config or DEFAULT_CONFIG,
+                dlhs_config or DEFAULT_DLHS_CONFIG, tgmm_config or DEFAULT_TGMM_CONFIG, bool(interpret))

@@ -6,8 +6,8 @@ Math: ``out[g] = lhs[rows of g]^T @ dout[rows of g]`` (the drhs of MegaBlocks' g
 Why a second tgmm: at ~256 rows per expert (M2 / M3, 8K tokens per step) each output tile of the Triton
 tgmm (``gpu_gmm._tgmm_kernel``) is a loop of only 8 short steps, so every tile pays its pipeline fill and
 its epilogue, and its one-CTA-per-SM 128 x 256 tiles (a quarter less L2 traffic per FLOP) were slower still
-(BENCHMARKS.md, MoE, sessions 5-13: 317-390 TFLOP/s vs 470-590 for the forward kernels). This kernel
-keeps loads streaming across tiles instead:
+(it reaches well below the forward kernels' rate: see BENCHMARKS.md (MoE)). This kernel keeps loads
+streaming across tiles instead:
 
 - one CTA per SM (``plgpu.kernel`` grid = SM count) walks the output tiles ``(group, K tile, N tile)``
   (N tile fastest, group outermost: a group's rows stay in L2) with ``plgpu.nd_loop``;
@@ -27,9 +27,9 @@ keeps loads streaming across tiles instead:
   gradient as NaN (0 * inf), which the Triton tgmm does not do. An empty group stores exact zeros.
 
 Status: correct in the Mosaic GPU interpreter (tests/test_tgmm_ws.py, jax >= 0.11) and lowers for CUDA
-on a CPU machine; it has NOT yet run on a GPU (session 14 had no device time left), so it is opt-in:
-pass a ``WsTgmmConfig`` as ``tgmm_config`` of ``gpu_gmm.gmm`` / ``set_default_configs(tgmm=...)``;
-``bench/tgmm_ws_probe.py`` checks and times it against the Triton tgmm in one call.
+on a CPU machine; not yet measured on a GPU (BENCHMARKS.md (MoE)), so it is opt-in: pass a
+``WsTgmmConfig`` as ``tgmm_config`` of ``gpu_gmm.gmm``; ``bench/tgmm_ws_probe.py`` checks and times it
+against the Triton tgmm in one call.
 
 Requirements (ValueError / TypeError otherwise, never a silent fallback): bf16 / f16 operands (the
 Hopper ``wgmma`` of fp32 is TF32, not the IEEE fp32 the fp32 path promises), K % block_k == 0 and
@@ -47,7 +47,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from minimax_jax.ops.common import match_vma, typed_out_struct
+from pallas_kernels.common import match_vma, typed_out_struct
 from pallas_kernels.moe.groups import group_bounds
 
 __all__ = ["WsTgmmConfig", "WS_TGMM_CANDIDATES", "interpreter_available", "tgmm_ws"]

@@ -28,10 +28,11 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from minimax_jax.ops.common import searchsorted
+from pallas_kernels.common import searchsorted
 from pallas_kernels.msa import layout
 
 __all__ = ["msa_attention_gpu"]
@@ -214,27 +215,6 @@ def _params(num_warps, num_stages):
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def _group_q(x, g, m_pad, fill=0.0):
-    """[B,T,H,...] -> [B,T,G,M,...] with the group's heads padded to m_pad rows.
-
-    A materialised copy (m_pad / (H/G) times the input): the kernels of this file no longer use it
-    (they mask rows in registers, ``_load_group``); kept for gpu_attention_qtile.py.
-    """
-    bsz, t, h = x.shape[:3]
-    hg = h // g
-    x = x.reshape(bsz, t, g, hg, *x.shape[3:])
-    if m_pad != hg:
-        widths = [(0, 0)] * x.ndim
-        widths[3] = (0, m_pad - hg)
-        x = jnp.pad(x, widths, constant_values=fill)
-    return x
-
-
-def _ungroup(x, hg):
-    bsz, t, g = x.shape[:3]
-    return x[:, :, :, :hg].reshape(bsz, t, g * hg, *x.shape[4:])
-
-
 def _inverse_map(block_ids, starts, blk, n_tiles):
     """Sort the selections by storage tile: entries [B,G,2TK] (t*K+slot), offsets [B,G,NT+1]."""
     bsz, g, t, k = block_ids.shape
@@ -341,7 +321,6 @@ def _attn_fwd(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_s
 def _zero_cot(x):
     if x is None:
         return None
-    import numpy as np
     return np.zeros(x.shape, jax.dtypes.float0)
 
 
@@ -358,55 +337,35 @@ def _attn_bwd(block_size, interpret, num_warps, num_stages, res, cot):
 _attn.defvjp(_attn_fwd, _attn_bwd)
 
 
-def check_args(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-               block_size):
-    """Argument checks shared by the GPU attention forwards (shapes, Triton tile constraints).
-
-    Raises: ValueError on inconsistent shapes, or a block size / head dim that is not a power of
-      two >= 16.
-    """
-    layout.check_shapes(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids,
-                        kv_segment_ids)
-    if block_size < 16 or block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two >= 16, got {block_size}")
-    for name, dim in (("q/k head dim", q.shape[-1]), ("v head dim", v.shape[-1])):
-        if dim & (dim - 1) or dim < 16:
-            raise ValueError(f"{name} must be a power of two >= 16 (Triton tiles), got {dim}")
+def _pow2_tile(x: int) -> bool:
+    """A Triton tile size: a power of two >= 16."""
+    return x >= 16 and not x & (x - 1)
 
 
 def msa_attention_gpu(q, k, v, block_ids, *, q_positions, kv_positions, q_segment_ids=None,
                       kv_segment_ids=None, block_size, interpret=False, num_warps=4,
-                      num_stages=2, query_tile=None):
+                      num_stages=2):
     """Block-sparse MSA attention, Pallas/Triton GPU kernels, differentiable in q, k, v.
 
     Args:
-      q: [B,T,H,D] bf16/f32. k: [B,S,G,D], v: [B,S,G,Dv], same dtype. T <= S (queries are the last T keys).
-      block_ids: int [B,G,T,K], selected block ids per (group, query), -1 = unused slot, any order,
-        no duplicates. Block n of query i = keys of i's segment with n*B <= kv_pos < (n+1)*B.
-      q_positions [B,T], kv_positions [B,S] int; segment ids [B,T]/[B,S] or None (both or neither).
-      block_size: B (power of two >= 16).
+      q: [B,T,H,D] bf16/f32. k: [B,S,G,D], v: [B,S,G,Dv], same dtype. T <= S.
+      block_ids: int [B,G,T,K], selected block ids per (group, query), -1 = unused slot, any order;
+        duplicates count once. Block n of query i = keys of i's segment with n*B <= kv_pos < (n+1)*B.
+      q_positions [B,T], kv_positions [B,S] int; segment ids [B,T]/[B,S] or None (both or neither);
+        the storage layout of layout.py (a precondition, not checked here).
+      block_size: B (power of two >= 16); D and Dv powers of two >= 16 (Triton tiles).
       interpret: run the same kernels in Pallas interpret mode (CPU tests).
       num_warps, num_stages: Triton launch parameters.
-      query_tile: None (default: the kernels above, one program per token) or QT in
-        gpu_attention_qtile.QUERY_TILES: the query-tiled forward of gpu_attention_qtile.py (QT
-        consecutive tokens per program over the union of their selected blocks; same outputs
-        within rounding, same backward). With QT set, num_warps / num_stages apply to that
-        forward and the backward keeps 4 / 2.
     Returns:
-      (o [B,T,H,D] q.dtype, lse [B,T,H] f32 natural log, -inf where a query sees no key).
-    Raises:
-      ValueError on inconsistent shapes or a block_size that is not a power of two >= 16.
+      (o [B,T,H,Dv] q.dtype, lse [B,T,H] f32 natural log, -inf where a query sees no key).
+    Preconditions are asserted (AssertionError); the ops layer checks them for its callers.
     The gradient of lse is not propagated (it is an auxiliary output for combining partial
     attentions; using it in a loss raises nothing but contributes zero gradient).
     Math: MSA_SPEC.md section 3 (arXiv 2606.13392).
     """
-    check_args(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids, block_size)
-    if query_tile is not None:
-        from pallas_kernels.msa.gpu_attention_qtile import msa_attention_gpu_qtile
-        return msa_attention_gpu_qtile(q, k, v, block_ids, q_positions=q_positions,
-                                       kv_positions=kv_positions, q_segment_ids=q_segment_ids,
-                                       kv_segment_ids=kv_segment_ids, block_size=block_size,
-                                       query_tile=query_tile, interpret=interpret,
-                                       num_warps=num_warps, num_stages=num_stages)
+    layout.check_shapes(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
+    assert _pow2_tile(block_size), f"block_size must be a power of two >= 16, got {block_size}"
+    assert _pow2_tile(q.shape[-1]) and _pow2_tile(v.shape[-1]), \
+        f"head dims {q.shape[-1]}, {v.shape[-1]} must be powers of two >= 16 (Triton tiles)"
     return _attn(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
                  block_size, interpret, num_warps, num_stages)

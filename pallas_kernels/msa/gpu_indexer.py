@@ -126,8 +126,7 @@ def block_topk_gpu(qi, ki, *, q_positions, kv_positions, q_segment_ids=None, kv_
     bsz, t, hi, di = qi.shape
     n_rank = select.rank_width(topk, init_blocks, local_blocks)
     width = max(1, layout.next_pow2(max(n_rank, 1)))
-    if rows % hi:
-        raise ValueError(f"rows={rows} must be a multiple of the index heads {hi}")
+    assert rows % hi == 0, f"rows={rows} must be a multiple of the index heads {hi}"
     tq = rows // hi
     prep = layout.prepare(ki[:, :, None, :], None, q_positions, kv_positions, q_segment_ids,
                           kv_segment_ids, block_size)
@@ -169,12 +168,12 @@ def msa_select_blocks_gpu(qi, ki, *, q_positions, kv_positions, q_segment_ids=No
     Returns:
       block_ids int32 [B,Hi,T,K]: ranked blocks (score desc, ties lower id), then forced blocks,
       -1 padded (the reference order of MSA_SPEC section 2 for init=0, L=1).
-    Raises: ValueError for inconsistent shapes or knobs.
+    Preconditions (shapes, block size, knobs) are asserted; the ops layer checks them for its callers.
     """
-    if qi.ndim != 4 or ki.ndim != 3 or ki.shape[0] != qi.shape[0] or ki.shape[2] != qi.shape[3]:
-        raise ValueError(f"qi must be [B,T,Hi,Di] and ki [B,S,Di], got {qi.shape}, {ki.shape}")
-    if block_size < 16 or block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two >= 16, got {block_size}")
+    assert qi.ndim == 4 and ki.ndim == 3 and ki.shape[0] == qi.shape[0] and ki.shape[2] == qi.shape[3], \
+        f"qi must be [B,T,Hi,Di] and ki [B,S,Di], got {qi.shape}, {ki.shape}"
+    assert block_size >= 16 and not block_size & (block_size - 1), \
+        f"block_size must be a power of two >= 16, got {block_size}"
     tv, ti, lok = block_topk_gpu(qi, ki, q_positions=q_positions, kv_positions=kv_positions,
                             q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                             block_size=block_size, topk=topk, init_blocks=init_blocks,

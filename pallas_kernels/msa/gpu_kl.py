@@ -1,6 +1,6 @@
 """MSA indexer KL loss on GPU (Pallas, Triton lowering), sparse support; forward and backward.
 
-Math (MSA_SPEC.md section 4; minimax_jax.msa.kl is the reference): for query i and group r the
+Math (MSA_SPEC.md section 4; minimax_jax.ops.msa.kl is the reference): for query i and group r the
 support U is the visible keys of the selected blocks block_ids[b, r, i, :].
   teacher t_j = mean over the group's H/G heads of softmax_U(q_h . k_j / sqrt(D))   (no gradient)
   student p_j = softmax_U(qi_r . ki_j / sqrt(Di))
@@ -13,7 +13,7 @@ form the M rows of the q.k matmul; the student logits (one index head) are an el
 summed over Di. Backward: d qi with the same query-outer program; d ki KV-outer: one program per
 (key tile, batch row) walks, for every group, the selections that touch its tile (the stable
 sorted inverse map of gpu_attention), so the shared index key's gradient needs no atomics and is
-bitwise deterministic. Dense warm-up (block_ids=None) has no kernel: ImplementationUnavailable.
+bitwise deterministic. Dense warm-up (block_ids=None) has no kernel (ValueError).
 
 The group's H/G heads are padded to M = max(16, next_pow2(H/G)) rows (the smallest tensor-core
 tile) only in registers: q and the per-head teacher log-sum-exp (lse_m, a forward residual) are read
@@ -267,19 +267,14 @@ def indexer_kl_gpu(q, k, qi, ki, block_ids, *, q_positions, kv_positions, q_segm
       block_ids int [B,G,T,K] (-1 = empty); positions / segment ids (layout.py conventions);
       block_size B (power of two >= 16); interpret: Pallas interpret mode (CPU tests).
     Returns: (kl_sum f32 [], count int32 []) as minimax_jax.ops.msa.indexer_kl.
-    Raises: ImplementationUnavailable for block_ids=None (dense warm-up: use "xla"); ValueError.
+    Raises: ValueError for block_ids=None (the dense warm-up has no kernel). Other preconditions
+      (tile sizes, head counts) are asserted; the ops layer checks them for its callers.
     """
-    from minimax_jax.ops.common import ImplementationUnavailable
     if block_ids is None:
-        raise ImplementationUnavailable(
-            "indexer_kl: the Pallas GPU kernel covers the sparse support only; the dense warm-up "
-            "(block_ids=None) needs implementation='xla'")
-    if block_size is None or block_size < 16 or block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two >= 16, got {block_size}")
-    for name, dim in (("head dim", q.shape[-1]), ("index dim", qi.shape[-1])):
-        if dim < 16 or dim & (dim - 1):
-            raise ValueError(f"{name} must be a power of two >= 16, got {dim}")
-    if qi.shape[2] != k.shape[2]:
-        raise ValueError(f"index heads {qi.shape[2]} must equal kv heads {k.shape[2]}")
+        raise ValueError("indexer_kl_gpu covers the sparse support only; the dense warm-up "
+                         "(block_ids=None) has no kernel")
+    for name, x in (("block_size", block_size), ("head dim", q.shape[-1]), ("index dim", qi.shape[-1])):
+        assert x is not None and x >= 16 and not x & (x - 1), f"{name} must be a power of two >= 16, got {x}"
+    assert qi.shape[2] == k.shape[2], f"index heads {qi.shape[2]} must equal kv heads {k.shape[2]}"
     return _kl(q, k, qi, ki, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
                block_size, interpret)

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from minimax_jax.ops.common import searchsorted
+from pallas_kernels.common import searchsorted
 
-__all__ = ["Prepared", "prepare", "next_pow2", "pad_query_rows"]
+__all__ = ["Prepared", "prepare", "next_pow2", "pad_query_rows", "check_shapes", "check_layout",
+           "window_starts", "dedupe_ids"]
 
 
 def next_pow2(x: int) -> int:
@@ -51,31 +53,21 @@ class Prepared(tuple):
 
 
 def check_shapes(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids):
-    """Raise ValueError on inconsistent shapes for msa_attention inputs.
+    """Assert the shapes the kernels rely on (the public ops validate them; direct callers too).
 
-    q [B,T,H,D], k/v [B,S,G,D], block_ids [B,G,T,K] int, positions [B,T]/[B,S],
-    segment ids None or [B,T]/[B,S] (both or neither).
+    q [B,T,H,D], k/v [B,S,G,D], block_ids [B,G,T,K] int (or None), positions [B,T]/[B,S],
+    segment ids None or [B,T]/[B,S] (both or neither), T <= S.
     """
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError(f"q, k, v must be rank 4, got {q.shape}, {k.shape}, {v.shape}")
+    assert q.ndim == 4 and k.ndim == 4 and v.ndim == 4, (q.shape, k.shape, v.shape)
     bsz, t, h, d = q.shape
-    if k.shape[:3] != v.shape[:3] or k.shape[0] != bsz or k.shape[3] != d:
-        raise ValueError(f"k/v shapes {k.shape}/{v.shape} do not match q {q.shape}")
-    g = k.shape[2]
-    if h % g:
-        raise ValueError(f"num heads {h} not a multiple of kv heads {g}")
-    if block_ids is not None and (block_ids.ndim != 4 or block_ids.shape[:3] != (bsz, g, t)):
-        raise ValueError(f"block_ids shape {block_ids.shape} must be [B={bsz}, G={g}, T={t}, K]")
-    if q_positions.shape != (bsz, t) or kv_positions.shape != (bsz, k.shape[1]):
-        raise ValueError(f"positions shapes {q_positions.shape}, {kv_positions.shape} "
-                         f"must be [{bsz},{t}] and [{bsz},{k.shape[1]}]")
-    if (q_segment_ids is None) != (kv_segment_ids is None):
-        raise ValueError("pass both q_segment_ids and kv_segment_ids or neither")
-    if q_segment_ids is not None and (q_segment_ids.shape != (bsz, t)
-                                      or kv_segment_ids.shape != (bsz, k.shape[1])):
-        raise ValueError("segment id shapes must be [B,T] and [B,S]")
-    if t > k.shape[1]:
-        raise ValueError(f"queries ({t}) must be a suffix of the keys ({k.shape[1]})")
+    s, g = k.shape[1], k.shape[2]
+    assert k.shape[:3] == v.shape[:3] and k.shape[0] == bsz and k.shape[3] == d, (q.shape, k.shape, v.shape)
+    assert h % g == 0, f"num heads {h} not a multiple of kv heads {g}"
+    assert block_ids is None or (block_ids.ndim == 4 and block_ids.shape[:3] == (bsz, g, t)), block_ids.shape
+    assert q_positions.shape == (bsz, t) and kv_positions.shape == (bsz, s), (q_positions.shape, kv_positions.shape)
+    assert (q_segment_ids is None) == (kv_segment_ids is None), "pass both segment id arrays or neither"
+    assert q_segment_ids is None or (q_segment_ids.shape == (bsz, t) and kv_segment_ids.shape == (bsz, s))
+    assert t <= s, f"more queries ({t}) than keys ({s})"
 
 
 def prepare(k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, block_size,
@@ -131,7 +123,6 @@ def window_starts(block_ids, base, block_size, s_pad):
 
 
 def _concrete(x):
-    import numpy as np
     try:
         return np.asarray(x)
     except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
@@ -145,7 +136,6 @@ def check_layout(q_positions, kv_positions, q_segment_ids, kv_segment_ids):
     contract. Returns True when checked. Raises ValueError naming the first violation: a segment
     stored in more than one run, or positions inside a run not increasing by one.
     """
-    import numpy as np
     qp, kp = _concrete(q_positions), _concrete(kv_positions)
     ks = _concrete(kv_segment_ids) if kv_segment_ids is not None else None
     if qp is None or kp is None or (kv_segment_ids is not None and ks is None):

@@ -16,9 +16,7 @@ __all__ = ["assemble_ids", "rank_width"]
 def rank_width(topk: int, init_blocks: int, local_blocks: int) -> int:
     """Number of ranked (non-forced) slots: K - init - L (>= 0)."""
     n = topk - init_blocks - local_blocks
-    if n < 0 or local_blocks < 1 or init_blocks < 0:
-        raise ValueError(f"need topk >= init_blocks + local_blocks and local_blocks >= 1, got "
-                         f"topk={topk} init={init_blocks} local={local_blocks}")
+    assert n >= 0 and local_blocks >= 1 and init_blocks >= 0, (topk, init_blocks, local_blocks)
     return n
 
 

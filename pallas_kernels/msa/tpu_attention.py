@@ -25,6 +25,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -397,7 +398,6 @@ def _attn_fwd(q, k, v, block_ids, q_positions, kv_positions, q_seg, kv_seg, blk,
 
 
 def _float0(x):
-    import numpy as np
     return None if x is None else np.zeros(x.shape, jax.dtypes.float0)
 
 
@@ -424,11 +424,11 @@ def msa_attention_tpu(q, k, v, block_ids, *, q_positions, kv_positions, q_segmen
       plain Pallas interpreter, CPU) or a ``pltpu.InterpretParams`` (TPU-semantics interpreter,
       e.g. with detect_races=True); t_chunk: queries per kernel call (SMEM tables).
     Returns: (o [B,T,H,Dv] q.dtype, lse [B,T,H] f32, natural log; -inf when nothing is visible).
-    Raises: ValueError on inconsistent shapes. Math: MSA_SPEC.md section 3. lse has no gradient.
+    Preconditions (shapes, block size) are asserted; the ops layer checks them for its callers.
+    Math: MSA_SPEC.md section 3. lse has no gradient.
     """
     layout.check_shapes(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids,
                         kv_segment_ids)
-    if block_size % 8:
-        raise ValueError(f"block_size must be a multiple of 8, got {block_size}")
+    assert block_size > 0 and block_size % 8 == 0, f"block_size must be a multiple of 8, got {block_size}"
     return _attn(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
                  block_size, interpret, t_chunk)

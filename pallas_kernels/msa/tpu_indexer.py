@@ -93,8 +93,7 @@ def block_topk_tpu(qi, ki, *, q_positions, kv_positions, q_segment_ids=None, kv_
     n_rank = select.rank_width(topk, init_blocks, local_blocks)
     if n_rank > _LANES:
         raise ValueError(f"at most {_LANES} ranked slots supported, got {n_rank}")
-    if rows % hi or rows % 8:
-        raise ValueError(f"rows={rows} must be a multiple of 8 and of the index heads {hi}")
+    assert rows % hi == 0 and rows % 8 == 0, f"rows={rows} must be a multiple of 8 and of the index heads {hi}"
     tq = rows // hi
     prep = layout.prepare(ki[:, :, None, :], None, q_positions, kv_positions, q_segment_ids,
                           kv_segment_ids, block_size)
@@ -162,10 +161,11 @@ def msa_select_blocks_tpu(qi, ki, *, q_positions, kv_positions, q_segment_ids=No
       topk K; init_blocks; local_blocks L; rows: (token x head) rows per tile (multiple of 8 and
       of Hi); interpret: False (Mosaic), True (plain interpreter) or ``pltpu.InterpretParams``.
     Returns: int32 [B,Hi,T,K] in the reference order (select.assemble_ids), -1 padded.
-    Raises: ValueError on inconsistent shapes / knobs. Math: MSA_SPEC.md sections 1-2.
+    Raises: ValueError when K - init - L exceeds 128 ranked slots; other preconditions (shapes,
+      knobs) are asserted. Math: MSA_SPEC.md sections 1-2.
     """
-    if qi.ndim != 4 or ki.ndim != 3 or ki.shape[0] != qi.shape[0] or ki.shape[2] != qi.shape[3]:
-        raise ValueError(f"qi must be [B,T,Hi,Di] and ki [B,S,Di], got {qi.shape}, {ki.shape}")
+    assert qi.ndim == 4 and ki.ndim == 3 and ki.shape[0] == qi.shape[0] and ki.shape[2] == qi.shape[3], \
+        f"qi must be [B,T,Hi,Di] and ki [B,S,Di], got {qi.shape}, {ki.shape}"
     tv, ti, lok = block_topk_tpu(qi, ki, q_positions=q_positions, kv_positions=kv_positions,
                                  q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                                  block_size=block_size, topk=topk, init_blocks=init_blocks,

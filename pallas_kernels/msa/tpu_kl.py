@@ -1,6 +1,6 @@
 """MSA indexer KL loss on TPU (Pallas Mosaic), sparse support; forward and backward (custom_vjp).
 
-Math (MSA_SPEC.md section 4; minimax_jax.msa.kl is the reference, gpu_kl.py the GPU twin): for
+Math (MSA_SPEC.md section 4; minimax_jax.ops.msa.kl is the reference, gpu_kl.py the GPU twin): for
 query i and group r the support U is the visible keys of the selected blocks block_ids[b, r, i, :].
   teacher t_j = mean over the group's H/G heads of softmax_U(q_h . k_j / sqrt(D))   (no gradient)
   student p_j = softmax_U(qi_r . ki_j / sqrt(Di))
@@ -38,7 +38,7 @@ Determinism: no atomics anywhere; d ki is KV-outer (chosen over per-selection co
 XLA segment-sum, which would write O(T * G * K * block_size * Di) floats to HBM), every sum is in
 a fixed order (the sorted entry order is a pure function of block_ids), so the loss and both
 gradients are bitwise repeatable. q and k get zero cotangents.
-Dense warm-up (block_ids=None) has no kernel here: ImplementationUnavailable (use "xla").
+Dense warm-up (block_ids=None) has no kernel here (ValueError).
 Limitations: one (token, group) per grid step (MXU rows = H/G heads; like tpu_attention.py); the
 d ki entry tables are O(T * G * K) int32 in SMEM and are not chunked (too large for a real TPU's
 SMEM at long T; needs manual DMA of the tables). Checked in interpret mode and by Mosaic lowering
@@ -441,22 +441,21 @@ def indexer_kl_tpu(q, k, qi, ki, block_ids, *, q_positions, kv_positions, q_segm
       t_chunk: queries per forward / d qi kernel call (bounds the SMEM tables).
     Returns: (kl_sum f32 [], count int32 []) as minimax_jax.ops.msa.indexer_kl: the sum of
       KL(teacher || student) over (b, i, r) and the number of (b, i, r) with a non-empty support.
-    Raises: ImplementationUnavailable for block_ids=None (dense warm-up: use "xla"); ValueError
-      for inconsistent shapes or a block_size that is not a positive multiple of 8.
+    Raises: ValueError for block_ids=None (the dense warm-up has no kernel). Other preconditions
+      (shapes, a block_size that is a positive multiple of 8) are asserted; the ops layer checks
+      them for its callers.
     Math: MSA_SPEC.md section 4 (see the module docstring).
     """
-    from minimax_jax.ops.common import ImplementationUnavailable
     if block_ids is None:
-        raise ImplementationUnavailable(
-            "indexer_kl: the Pallas TPU kernel covers the sparse support only; the dense warm-up "
-            "(block_ids=None) needs implementation='xla'")
-    if block_size is None or block_size <= 0 or block_size % 8:
-        raise ValueError(f"block_size must be a positive multiple of 8, got {block_size}")
+        raise ValueError("indexer_kl_tpu covers the sparse support only; the dense warm-up "
+                         "(block_ids=None) has no kernel")
+    assert block_size is not None and block_size > 0 and block_size % 8 == 0, \
+        f"block_size must be a positive multiple of 8, got {block_size}"
     layout.check_shapes(q, k, k, block_ids, q_positions, kv_positions, q_segment_ids,
                         kv_segment_ids)
-    if qi.ndim != 4 or qi.shape[:3] != (q.shape[0], q.shape[1], k.shape[2]):
-        raise ValueError(f"qi shape {qi.shape} must be [B, T, G={k.shape[2]}, Di]")
-    if ki.ndim != 3 or ki.shape != (k.shape[0], k.shape[1], qi.shape[-1]):
-        raise ValueError(f"ki shape {ki.shape} must be [B, S={k.shape[1]}, Di={qi.shape[-1]}]")
+    assert qi.ndim == 4 and qi.shape[:3] == (q.shape[0], q.shape[1], k.shape[2]), \
+        f"qi shape {qi.shape} must be [B, T, G={k.shape[2]}, Di]"
+    assert ki.ndim == 3 and ki.shape == (k.shape[0], k.shape[1], qi.shape[-1]), \
+        f"ki shape {ki.shape} must be [B, S={k.shape[1]}, Di={qi.shape[-1]}]"
     return _kl(q, k, qi, ki, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
                block_size, interpret, t_chunk)

@@ -1,0 +1,151 @@
+"""MoE expert computation: ``moe_experts``, the weighted sum of the chosen experts' gated MLPs
+(registry op ``"moe"``).
+
+Implementations (``implementation=``):
+- ``"xla_dense"``: every expert on every token, combined by a ``[N, E]`` weight matrix. Exact and the
+  fastest on CPU for tiny models; O(E/k) wasted FLOPs.
+- ``"xla_ragged"``: dropless. Sort assignments by expert (``permute``: gathers forward and backward, no
+  scatter-add), grouped matmul through XLA ``jax.lax.ragged_dot``, un-permute.
+- ``"xla_capacity"``: fixed shapes with token dropping: each expert takes at most
+  ``C = ceil(capacity_factor * N * k / E)`` rows (first come in token order), computed as one batched
+  matmul ``[E, C, H] x [E, H, 2I]``; dropped assignments contribute 0.
+- ``"tokamax"``: as ``"xla_ragged"`` with tokamax's Mosaic grouped matmul (GPU Hopper / TPU). Opt-in only:
+  its weight gradients are several percent off the fp32 reference (``grouped_matmul.py``).
+- ``"pallas_gpu"``: as ``"xla_ragged"`` with the project's Pallas (Triton-lowered) grouped-matmul kernels
+  (``pallas_kernels.moe.gpu_gmm``; GPU only); ``"pallas_gpu_interpret"``: the same kernels in Pallas
+  interpret mode (CPU tests). Accuracy and rates: BENCHMARKS.md (MoE).
+- ``"auto"``: inside ``minimax_jax.sharding.use_mesh`` -> expert parallel (below) with the grouped matmul
+  ``"auto"`` (``"pallas_gpu"`` on GPU, XLA elsewhere); otherwise ``"xla_dense"`` when
+  ``N * E <= DENSE_MAX_TOKENS_X_EXPERTS`` (decode steps, prefill chunks, tiny models: one compiled
+  program, no grouped-matmul autotuning per new shape, which made a long prefill of the demo model time
+  out), else ``"pallas_gpu"`` on a GPU backend and ``"xla_ragged"`` elsewhere. Never ``"tokamax"``.
+Inside ``use_mesh`` the implementations ``"auto" | "xla_ragged" | "tokamax" | "pallas_gpu*"`` run
+expert-parallel in ``shard_map`` (``expert_parallel.py``); ``"xla_dense"`` / ``"xla_capacity"`` stay
+GSPMD-partitioned. What ran is recorded under ``"moe"`` (``minimax_jax.ops.registry.implementation_report``):
+the implementation's name, or ``expert_parallel[<transport>,<grouped matmul>,ep=P,tp=T]``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from minimax_jax import sharding
+from minimax_jax.ops import registry
+from minimax_jax.ops.moe.expert_parallel import TRANSPORTS, moe_expert_parallel
+from minimax_jax.ops.moe.grouped_matmul import sorted_expert_mlp, tokamax_supports
+from minimax_jax.ops.moe.permute import gather_rows, group_starts, permute_rows, sort_by_expert, unpermute_combine
+from minimax_jax.ops.registry import Implementation, ImplementationUnavailable
+
+__all__ = ["BACKENDS_OF", "MOE_IMPLEMENTATIONS", "DENSE_MAX_TOKENS_X_EXPERTS", "moe_experts", "capacity_of"]
+
+OP = "moe"
+#: ``"auto"`` outside a mesh runs ``"xla_dense"`` up to this many tokens x experts (module docstring).
+DENSE_MAX_TOKENS_X_EXPERTS = 65536
+
+
+def capacity_of(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+    """Rows per expert of the ``"xla_capacity"`` path: ``ceil(cf * N * k / E)`` (at least 1).
+
+    Raises ValueError for ``capacity_factor <= 0``."""
+    if not capacity_factor > 0:
+        raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
+    return max(1, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
+
+
+def moe_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, wi: jax.Array, wo: jax.Array, act: Callable,
+                *, implementation: str = "auto", capacity_factor: float | None = None,
+                ep_transport: str = "auto") -> jax.Array:
+    """Weighted sum of the chosen experts' gated MLPs.
+
+    Args:
+      x: ``[N, H]`` compute dtype.
+      weights: ``[N, k]`` float32 routing weights; experts: ``[N, k]`` int32 expert ids.
+      wi: ``[E, H, 2I]`` fused gate/up; wo: ``[E, I, H]``.
+      act: ``f(gate_up [..., 2I]) -> [..., I]``.
+      implementation: one of ``MOE_IMPLEMENTATIONS`` (module docstring).
+      capacity_factor: rows per expert for ``"xla_capacity"`` (required there; ignored elsewhere).
+      ep_transport: expert-parallel exchange, one of ``expert_parallel.TRANSPORTS``.
+    Returns: ``[N, H]`` in ``x.dtype`` (accumulated in float32).
+    Raises: ImplementationUnavailable for an unknown or unavailable implementation or an unknown
+      transport; ValueError for ``"xla_capacity"`` without a capacity factor.
+    """
+    if ep_transport not in TRANSPORTS:
+        raise ImplementationUnavailable(f"expert-parallel transport {ep_transport!r} is not one of {TRANSPORTS}")
+    if implementation == "xla_capacity" and capacity_factor is None:
+        raise ValueError("moe implementation 'xla_capacity' needs capacity_factor")
+    return registry.dispatch(OP, implementation, x, weights, experts, wi, wo, act,
+                             capacity_factor=capacity_factor, ep_transport=ep_transport)
+
+
+def _auto(backend, x, weights, experts, wi, wo, act, **_):
+    grouped = ["pallas_gpu", "xla_ragged"] if backend == "gpu" else ["xla_ragged"]
+    if sharding.current() is None and x.shape[0] * wi.shape[0] <= DENSE_MAX_TOKENS_X_EXPERTS:
+        return ["xla_dense"]
+    return grouped
+
+
+def _dropless_impl(gmm: str):
+    """The dropless path with grouped-matmul implementation ``gmm``: expert parallel inside ``use_mesh``."""
+    def run(x, weights, experts, wi, wo, act, *, ep_transport, **_):
+        ctx = sharding.current()
+        if ctx is not None:
+            return moe_expert_parallel(x, weights, experts, wi, wo, act, mesh=ctx[0], rules=ctx[1], gmm_impl=gmm,
+                                       transport=ep_transport)
+        return _dropless(x, weights, experts, wi, wo, act, gmm)
+    return run
+
+
+def _dense(x, weights, experts, wi, wo, act, **_):
+    e = wi.shape[0]
+    combine = jnp.einsum("nke,nk->ne", jax.nn.one_hot(experts, e, dtype=jnp.float32), weights.astype(jnp.float32))
+    h = jnp.einsum("nh,ehf->enf", x, wi.astype(x.dtype), preferred_element_type=jnp.float32)
+    y = jnp.einsum("enf,efh->enh", act(h.astype(x.dtype)), wo.astype(x.dtype), preferred_element_type=jnp.float32)
+    return jnp.einsum("enh,ne->nh", y, combine).astype(x.dtype)
+
+
+def _dropless(x, weights, experts, wi, wo, act, gmm_impl):
+    order, inv, group_sizes = sort_by_expert(experts, wi.shape[0])
+    xs = permute_rows(x, order, inv)
+    ys = sorted_expert_mlp(xs, group_sizes, wi, wo, act, gmm_impl, out_dtype=x.dtype)
+    return unpermute_combine(ys, weights, order, inv).astype(x.dtype)
+
+
+def _capacity(x, weights, experts, wi, wo, act, *, capacity_factor, **_):
+    n, k = experts.shape
+    e = wi.shape[0]
+    m = n * k
+    cap = capacity_of(n, k, e, capacity_factor)
+    order, inv, group_sizes = sort_by_expert(experts, e)
+    starts = group_starts(group_sizes)
+    xs = permute_rows(x, order, inv)                                     # [M, H] sorted by expert
+    e_sorted = jnp.take(experts.reshape(-1), order)                      # expert of each sorted row
+    pos = jnp.arange(m, dtype=jnp.int32) - jnp.take(starts, e_sorted)    # rank inside its expert
+    keep = pos < cap
+    slot = e_sorted * cap + pos                                          # row -> buffer slot
+    c = jnp.arange(cap, dtype=jnp.int32)
+    src = (starts[:, None] + c[None, :]).reshape(-1)                     # buffer slot -> row
+    filled = (c[None, :] < group_sizes[:, None]).reshape(-1)
+    buf = gather_rows(xs, src, filled, slot, keep).reshape(e, cap, -1)
+    h = jnp.einsum("ech,ehf->ecf", buf, wi.astype(x.dtype), preferred_element_type=jnp.float32)
+    y = jnp.einsum("ecf,efh->ech", act(h.astype(x.dtype)), wo.astype(x.dtype), preferred_element_type=jnp.float32)
+    ys = gather_rows(y.astype(x.dtype).reshape(e * cap, -1), slot, keep, src, filled)
+    return unpermute_combine(ys, weights, order, inv).astype(x.dtype)
+
+
+_op = registry.register(OP, [
+    Implementation("xla_dense", _dense),
+    Implementation("xla_ragged", _dropless_impl("xla")),
+    Implementation("xla_capacity", _capacity),
+    Implementation("tokamax", _dropless_impl("tokamax"), platforms=("gpu", "tpu"), supports=tokamax_supports),
+    Implementation("pallas_gpu", _dropless_impl("pallas_gpu"), platforms=("gpu",)),
+    Implementation("pallas_gpu_interpret", _dropless_impl("pallas_gpu_interpret")),
+], auto=_auto)
+
+#: Every ``implementation=`` name, ``"auto"`` first (``minimax_jax.config`` checks ``moe_impl`` against it).
+MOE_IMPLEMENTATIONS = _op.names
+#: Implementations that run only on some backends (the others run anywhere): name -> backends.
+BACKENDS_OF = {impl.name: impl.platforms for impl in _op.implementations.values() if impl.platforms is not None}

@@ -1,0 +1,142 @@
+"""Grouped matmul for MoE experts, ``out[rows of group g] = lhs[rows of group g] @ rhs[g]``, and the gated
+expert MLP built on it (``sorted_expert_mlp``).
+
+Implementations (registry op ``"grouped_matmul"``, ``implementation=``):
+- ``"xla"``: ``jax.lax.ragged_dot``. Runs everywhere and is the reference; exact on CPU. On GPU XLA
+  lowers it to a slow generic loop that runs out of memory at MoE sizes (see BENCHMARKS.md (MoE)).
+- ``"tokamax"``: ``tokamax.ragged_dot(implementation="mosaic")`` (Mosaic GPU kernels on Hopper, Mosaic
+  TPU kernels on TPU) with tokamax's own backward; needs tokamax importable and a GPU or TPU backend.
+  Opt-in only: its weight gradients are several percent off the fp32 reference (see BENCHMARKS.md (MoE);
+  upstream: openxla/tokamax issue 887, its rhs VJP gives non-zero gradients to empty groups and wrong
+  ones to the others).
+- ``"pallas_gpu"``: the project's Pallas kernels with the Triton lowering (``pallas_kernels.moe.gpu_gmm.gmm``:
+  grouped matmul forward, transposed grouped matmul for the input gradient, per-group transposed matmul
+  for the weight gradient; the block-sparse grouped GEMM of MegaBlocks, Gale et al. 2022), with the
+  tile configs ``gpu_gmm.DEFAULT_CONFIGS``. GPU backend only. Accuracy and rates: BENCHMARKS.md (MoE).
+- ``"pallas_gpu_interpret"``: the same kernels in Pallas interpret mode (any backend; CPU tests).
+- ``"auto"``: ``"pallas_gpu"`` on a GPU backend, ``"xla"`` elsewhere (CPU, and TPU, where no project
+  kernel exists and tokamax is opt-in).
+What ran is recorded under ``"grouped_matmul"`` (``minimax_jax.ops.registry.implementation_report``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from minimax_jax.ops import registry
+from minimax_jax.ops.registry import Implementation
+from pallas_kernels.common import match_vma
+from pallas_kernels.moe.gpu_gmm import gmm
+
+__all__ = ["grouped_matmul", "sorted_expert_mlp", "tokamax_status", "tokamax_supports", "zeros_past_sum"]
+
+OP = "grouped_matmul"
+# implementations whose output rows past sum(group_sizes) are exactly 0 (tested in tests/test_gmm_pallas.py);
+# for the others callers mask those rows
+_ZEROS_PAST_SUM = frozenset({"pallas_gpu", "pallas_gpu_interpret"})
+
+
+@functools.lru_cache(maxsize=1)
+def _tokamax():
+    """The tokamax module, or the ImportError text (cached)."""
+    try:
+        import tokamax  # noqa: PLC0415  (optional dependency, large import: only when asked for)
+    except Exception as e:  # tokamax imports xprof etc.; any failure means "not available"
+        return f"{type(e).__name__}: {e}"
+    return tokamax
+
+
+def tokamax_status() -> str | None:
+    """None when tokamax imports here, else the import error text (cached; CPU-independent)."""
+    tk = _tokamax()
+    return tk if isinstance(tk, str) else None
+
+
+def tokamax_supports(*args, **kwargs) -> str | None:
+    """The ``supports`` check of the tokamax implementations: None, or why tokamax cannot be used."""
+    err = tokamax_status()
+    return None if err is None else f"cannot import tokamax ({err})"
+
+
+def zeros_past_sum(implementation: str) -> bool:
+    """Whether ``grouped_matmul(..., implementation=...)`` returns exact zeros in the rows past
+    ``sum(group_sizes)`` (then a caller need not mask them): True for the Pallas kernels (their tests check
+    those rows), False for XLA ``ragged_dot`` and tokamax. Resolves ``"auto"`` first.
+    Raises ImplementationUnavailable for a name that cannot run here (``registry.resolve``)."""
+    return registry.resolve(OP, implementation).name in _ZEROS_PAST_SUM
+
+
+def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, implementation: str = "xla",
+                   preferred_element_type=jnp.float32) -> jax.Array:
+    """Grouped (ragged) matmul.
+
+    Args:
+      lhs: ``[M, K]`` rows sorted by group; rows past ``sum(group_sizes)`` are unspecified in the
+        output (callers mask them, unless ``zeros_past_sum(implementation)``).
+      rhs: ``[G, K, N]`` one matrix per group (cast to ``lhs.dtype``).
+      group_sizes: ``[G]`` int rows per group, ``sum <= M``.
+      implementation: a registered name of op ``"grouped_matmul"`` (module docstring).
+    Returns: ``[M, N]`` in ``preferred_element_type``.
+    Raises: ImplementationUnavailable for an unknown name or one that cannot run here.
+    """
+    return registry.dispatch(OP, implementation, lhs, rhs.astype(lhs.dtype), group_sizes.astype(jnp.int32),
+                             preferred_element_type=preferred_element_type)
+
+
+def _xla(lhs, rhs, group_sizes, *, preferred_element_type):
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
+
+
+def _pallas(interpret: bool):
+    def run(lhs, rhs, group_sizes, *, preferred_element_type):
+        # Output in lhs.dtype (fp32 accumulation inside), widened outside as for tokamax: the backward
+        # kernels then get a cotangent of the operands' dtype, and a bf16 output halves the kernel's
+        # store traffic (sorted_expert_mlp narrows h to bf16 right after anyway).
+        return gmm(lhs, rhs, group_sizes, interpret=interpret).astype(preferred_element_type)
+    return run
+
+
+def _tokamax_gmm(lhs, rhs, group_sizes, *, preferred_element_type):
+    # tokamax's backward multiplies the output cotangent with the operands and requires equal dtypes (a
+    # float32 cotangent against bf16 weights raises NotImplementedError in tokamax 0.0.17), so the kernel
+    # returns lhs.dtype (accumulated in f32 inside) and the widening happens outside, where autodiff
+    # narrows the cotangent back.
+    out = _tokamax().ragged_dot(lhs, rhs, group_sizes, preferred_element_type=lhs.dtype, implementation="mosaic")
+    # Inside expert-parallel shard_map the pallas_call output comes back invariant-typed; it varies like
+    # both operands (else the custom-VJP type check of unpermute_combine fails).
+    return match_vma(match_vma(out, lhs), rhs).astype(preferred_element_type)
+
+
+registry.register(OP, [
+    Implementation("xla", _xla),
+    Implementation("tokamax", _tokamax_gmm, platforms=("gpu", "tpu"), supports=tokamax_supports),
+    Implementation("pallas_gpu", _pallas(False), platforms=("gpu",)),
+    Implementation("pallas_gpu_interpret", _pallas(True)),
+], auto=lambda backend, *args, **kwargs: ["pallas_gpu", "xla"] if backend == "gpu" else ["xla"])
+
+
+def sorted_expert_mlp(xs: jax.Array, group_sizes: jax.Array, wi: jax.Array, wo: jax.Array, act: Callable,
+                      gmm_impl: str, out_dtype=jnp.float32) -> jax.Array:
+    """Gated expert MLP on rows sorted by expert: ``[M, H] -> [M, H]`` in ``out_dtype``.
+
+    Args: ``xs [M, H]`` compute dtype, rows sorted by expert; ``group_sizes [G]`` int32, sum <= M;
+      ``wi [G, H, 2I]`` (gate columns first), ``wo [G, I, H]``; ``act`` maps ``[..., 2I] -> [..., I]``;
+      ``gmm_impl`` a grouped-matmul implementation (module docstring); ``out_dtype`` of the result (both
+      grouped matmuls accumulate in float32; a caller that narrows the result anyway passes its dtype,
+      the values are the same).
+    Returns ``[M, H]`` in ``out_dtype``; rows past ``sum(group_sizes)`` are 0 (masked here unless the
+    implementation already stores zeros there, ``zeros_past_sum``).
+    Raises ImplementationUnavailable for an implementation that cannot run here.
+    """
+    h = grouped_matmul(xs, wi, group_sizes, implementation=gmm_impl)
+    y = grouped_matmul(act(h.astype(xs.dtype)), wo, group_sizes, implementation=gmm_impl).astype(out_dtype)
+    if zeros_past_sum(gmm_impl):
+        # the kernels already store exact zeros there: a mask would be a pass over [M, H] in the forward
+        # and another over its cotangent (see BENCHMARKS.md (MoE))
+        return y
+    live = jnp.arange(xs.shape[0]) < jnp.sum(group_sizes)
+    return jnp.where(live[:, None], y, jnp.zeros((), y.dtype))

@@ -1,0 +1,127 @@
+"""The Pallas kernel implementations of the MSA ops, for the registry (``minimax_jax.ops.msa.api``).
+
+Each implementation is a thin wrapper over a kernel of ``pallas_kernels.msa`` called with the op's
+validated arguments (segment ids always arrays; ``chunk_size`` tunes only the XLA reference and is
+dropped here), plus a ``supports`` check that says when the kernel cannot serve a call:
+- GPU (Triton) kernels: ``block_size`` and the head / index dims powers of two >= 16 (tile sizes);
+- TPU (Mosaic) kernels: ``block_size % 128 == 0`` (lane-dense key tiles); in interpret mode the
+  attention and KL kernels take any multiple of 8;
+- ``indexer_kl``: the dense warm-up (``block_ids=None``) has no kernel;
+- every kernel: the storage layout of ``pallas_kernels.msa.layout`` (each segment's keys one
+  contiguous run, positions increasing by one), checked when the positions are concrete (under
+  ``jit`` it is a precondition).
+Names: ``pallas_gpu`` / ``pallas_tpu`` (compiled, on their platform) and ``pallas_gpu_interpret`` /
+``pallas_tpu_interpret`` (the same kernels in Pallas interpret mode, any platform; CPU tests).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from minimax_jax.ops.registry import Implementation
+from pallas_kernels.msa import layout
+from pallas_kernels.msa.gpu_attention import msa_attention_gpu
+from pallas_kernels.msa.gpu_indexer import msa_select_blocks_gpu
+from pallas_kernels.msa.gpu_kl import indexer_kl_gpu
+from pallas_kernels.msa.tpu_attention import msa_attention_tpu
+from pallas_kernels.msa.tpu_indexer import msa_select_blocks_tpu
+from pallas_kernels.msa.tpu_kl import indexer_kl_tpu
+
+__all__ = ["SELECT_BLOCKS", "ATTENTION", "INDEXER_KL"]
+
+
+# ----------------------------------------------------------------------------- supports
+
+def _pow2(x: int) -> bool:
+    return x >= 16 and not x & (x - 1)
+
+
+def _layout_reason(kw) -> str | None:
+    try:
+        layout.check_layout(kw["q_positions"], kw["kv_positions"], kw.get("q_segment_ids"),
+                            kw.get("kv_segment_ids"))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _gpu_supports(dims_of, *args, **kw):
+    """Triton tiles: block_size and the dims ``dims_of(args)`` powers of two >= 16; the layout."""
+    blk = kw.get("block_size")
+    if blk is None or not _pow2(blk):
+        return f"block_size must be a power of two >= 16 for the GPU kernels, got {blk}"
+    dims = dims_of(args)
+    if not all(_pow2(d) for d in dims):
+        return f"head / index dims {dims} must be powers of two >= 16 for the GPU kernels"
+    return _layout_reason(kw)
+
+
+def _tpu_supports(multiple, *args, **kw):
+    """Mosaic tiles: block_size a multiple of ``multiple`` (None: any); the layout."""
+    blk = kw.get("block_size")
+    if multiple is not None and (blk is None or blk % multiple):
+        return f"block_size must be a multiple of {multiple} for the TPU kernels, got {blk}"
+    return _layout_reason(kw)
+
+
+def _sparse_only(check):
+    """``check`` for indexer_kl, after refusing the dense warm-up (block_ids=None)."""
+    def supports(*args, **kw):
+        if args[4] is None:
+            return "indexer_kl: dense warm-up (block_ids=None) has no Pallas kernel"
+        return check(*args, **kw)
+    return supports
+
+
+_select_dims = lambda args: (args[0].shape[-1],)                          # qi
+_main_dims = lambda args: (args[0].shape[-1], args[2].shape[-1])          # (q, v) or (q, qi)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+def _select_gpu(qi, ki, *, chunk_size, interpret, **kw):
+    # Block ids are integers: stopping the gradient keeps autodiff out of the pallas_call, which
+    # has no JVP rule (a "grid_context" assertion under jax.grad in training otherwise).
+    qi, ki = jax.lax.stop_gradient(qi), jax.lax.stop_gradient(ki)
+    return msa_select_blocks_gpu(qi, ki, interpret=interpret, **kw)
+
+
+def _select_tpu(qi, ki, *, chunk_size, interpret, **kw):
+    qi, ki = jax.lax.stop_gradient(qi), jax.lax.stop_gradient(ki)
+    return msa_select_blocks_tpu(qi, ki, interpret=interpret, **kw)
+
+
+def _attention_gpu(q, k, v, block_ids, *, chunk_size, interpret, **kw):
+    return msa_attention_gpu(q, k, v, block_ids, interpret=interpret, **kw)
+
+
+def _attention_tpu(q, k, v, block_ids, *, chunk_size, interpret, **kw):
+    return msa_attention_tpu(q, k, v, block_ids, interpret=interpret, **kw)
+
+
+def _kl_gpu(q, k, qi, ki, block_ids, *, chunk_size, interpret, **kw):
+    return indexer_kl_gpu(q, k, qi, ki, block_ids, interpret=interpret, **kw)
+
+
+def _kl_tpu(q, k, qi, ki, block_ids, *, chunk_size, interpret, **kw):
+    return indexer_kl_tpu(q, k, qi, ki, block_ids, interpret=interpret, **kw)
+
+
+def _four(gpu_fn, tpu_fn, gpu_check, tpu_check, tpu_interpret_check):
+    """The op's kernels in registry order: pallas_gpu, pallas_tpu, pallas_tpu_interpret, pallas_gpu_interpret."""
+    p = functools.partial
+    return [Implementation("pallas_gpu", p(gpu_fn, interpret=False), ("gpu",), gpu_check),
+            Implementation("pallas_tpu", p(tpu_fn, interpret=False), ("tpu",), tpu_check),
+            Implementation("pallas_tpu_interpret", p(tpu_fn, interpret=True), None, tpu_interpret_check),
+            Implementation("pallas_gpu_interpret", p(gpu_fn, interpret=True), None, gpu_check)]
+
+
+_gpu = functools.partial(_gpu_supports, _main_dims)
+SELECT_BLOCKS = _four(_select_gpu, _select_tpu, functools.partial(_gpu_supports, _select_dims),
+                      functools.partial(_tpu_supports, 128), functools.partial(_tpu_supports, None))
+ATTENTION = _four(_attention_gpu, _attention_tpu, _gpu, functools.partial(_tpu_supports, 128),
+                  functools.partial(_tpu_supports, 8))
+INDEXER_KL = _four(_kl_gpu, _kl_tpu, _sparse_only(_gpu), _sparse_only(functools.partial(_tpu_supports, 128)),
+                   _sparse_only(functools.partial(_tpu_supports, 8)))

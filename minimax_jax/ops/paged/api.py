@@ -1,0 +1,127 @@
+"""Decode-time attention ops over paged caches: argument validation (once, here) and the registry entries.
+
+Math: MSA_SPEC.md section 5. A decode step carries ``Q = 1..16`` query rows per request (the main
+token and speculative draft tokens); row ``i`` of request ``b`` sits at position
+``q_positions[b, i]`` (``-1`` = padding row: it selects nothing and returns ``o = 0``,
+``lse = -inf``). Keys are the request's cached tokens: logical page ``n`` of ``page_table[b]``
+holds positions ``[n*page, (n+1)*page)``; key ``j`` is visible to row ``i`` iff ``j <= pos_i``
+(and ``pos_i - j < window`` for sliding layers).
+
+Ops (one per concern):
+- ``paged_attention``: GQA attention of the rows over their visible cached keys, either all of
+  them (dense layers) or only the pages ``block_ids[b, g, i, :]`` (MSA layers; logical page ids,
+  ``-1`` = empty slot). Returns ``(o, lse)``.
+- ``msa_decode_select``: per row and kv group, score the COMPLETE pages ``< local = pos_i // page``
+  with the index query (block score = max over the page's tokens of ``<qi, ki> / sqrt(Di)``), keep
+  the best ``topk - 1`` (ties to the lower id) and force the local page. Returns logical page ids.
+- ``msa_decode``: the two above composed.
+
+Implementations (``minimax_jax.ops.registry``; what ran is recorded under the op's name):
+``"xla"`` (reference, gathers pages; every platform; ``xla.py``), ``"pallas_gpu"`` (Triton),
+``"pallas_tpu"`` (Mosaic, page tables via scalar prefetch), ``"pallas_gpu_interpret"`` /
+``"pallas_tpu_interpret"`` (those kernels in Pallas interpret mode, CPU tests; ``pallas.py``),
+``"auto"`` (the Pallas kernel of the default backend on GPU / TPU when it serves the call, else
+``"xla"`` with the reason under ``"<op>.auto_reason"``; ``"xla"`` on CPU). A requested kernel that
+cannot serve the call (e.g. a sliding window) raises ``ImplementationUnavailable``.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from minimax_jax.ops import registry
+from minimax_jax.ops.paged import pallas as _pallas
+from minimax_jax.ops.paged import xla as _xla
+from minimax_jax.ops.registry import Implementation
+
+__all__ = ["paged_attention", "msa_decode_select", "msa_decode", "IMPLEMENTATIONS"]
+
+
+def _check(op, q, k_pages, page_table, q_positions):
+    if q.ndim != 4 or k_pages.ndim != 4:
+        raise ValueError(f"{op}: q must be [B,Q,H,D] and k_pages [G,P,page,D]; got {q.shape}, {k_pages.shape}")
+    b, nq, h, d = q.shape
+    g = k_pages.shape[0]
+    if k_pages.shape[3] != d or h % g:
+        raise ValueError(f"{op}: q {q.shape} does not fit k_pages {k_pages.shape} (D equal, H % G == 0)")
+    if page_table.ndim != 2 or page_table.shape[0] != b:
+        raise ValueError(f"{op}: page_table must be [B={b}, NP], got {page_table.shape}")
+    if q_positions.shape != (b, nq):
+        raise ValueError(f"{op}: q_positions must be [B={b}, Q={nq}], got {q_positions.shape}")
+
+
+def paged_attention(q, k_pages, v_pages, page_table, q_positions, *, k_scale=None, v_scale=None,
+                    block_ids=None, sliding_window=None, implementation="auto", pages_per_split=None):
+    """GQA decode attention over a paged cache (dense, or MSA-sparse with ``block_ids``).
+
+    Args:
+      q: ``[B, Q, H, D]`` float queries (RoPE applied); head ``h`` uses kv head ``h // (H/G)``.
+      k_pages, v_pages: ``[G, P, page, D]`` (float32 / bfloat16 / float8_e4m3fn).
+      page_table: ``[B, NP]`` int32 physical page of each logical page.
+      q_positions: ``[B, Q]`` int32 row positions (-1 = padding row).
+      k_scale, v_scale: ``[G, P, page]`` float32 per-token scales for fp8 caches, else None.
+      block_ids: None (dense causal) or ``[B, G, Q, K]`` int32 logical page ids (-1 = empty).
+      sliding_window: None or a window in tokens (xla only).
+      implementation: see the module docstring.
+      pages_per_split: pages per split-KV program of the dense GPU kernel (None = its default).
+    Returns: ``(o [B, Q, H, D] q.dtype, lse [B, Q, H] float32)`` (natural log of the softmax
+      denominator over the scaled logits; ``-inf`` for rows that see no key).
+    Raises: ValueError for bad shapes; ImplementationUnavailable.
+    """
+    op = "paged_attention"
+    _check(op, q, k_pages, page_table, q_positions)
+    if block_ids is not None:
+        if block_ids.shape[:3] != (q.shape[0], k_pages.shape[0], q.shape[1]):
+            raise ValueError(f"{op}: block_ids must be [B, G, Q, K], got {block_ids.shape}")
+        block_ids = block_ids.astype(jnp.int32)
+    return registry.dispatch(op, implementation, q, k_pages, v_pages, page_table.astype(jnp.int32),
+                             q_positions.astype(jnp.int32), k_scale=k_scale, v_scale=v_scale, block_ids=block_ids,
+                             sliding_window=sliding_window, pages_per_split=pages_per_split)
+
+
+def msa_decode_select(qi, ki_pages, page_table, q_positions, *, ki_scale=None, topk, init_blocks=0,
+                      local_blocks=1, implementation="auto"):
+    """Per-row, per-group page selection for MSA decode (MSA_SPEC.md section 5).
+
+    Args:
+      qi: ``[B, Q, Hi, Di]`` index queries (one per kv group).
+      ki_pages: ``[P, page, Di]`` index keys; ki_scale: ``[P, page]`` f32 for fp8, else None.
+      page_table: ``[B, NP]`` int32; q_positions: ``[B, Q]`` int32 (-1 = padding row).
+      topk, init_blocks, local_blocks: as ``minimax_jax.ops.msa.msa_select_blocks``.
+    Returns: ``[B, Hi, Q, K]`` int32 logical page ids; reference order for "xla", any order for
+      kernels (compare sets); ``-1`` padded; the local page always present for valid rows.
+    Raises: ValueError; ImplementationUnavailable.
+    """
+    op = "msa_decode_select"
+    if qi.ndim != 4 or ki_pages.ndim != 3 or ki_pages.shape[-1] != qi.shape[-1]:
+        raise ValueError(f"{op}: qi must be [B,Q,Hi,Di] and ki_pages [P,page,Di]; got {qi.shape}, {ki_pages.shape}")
+    if q_positions.shape != qi.shape[:2] or page_table.shape[0] != qi.shape[0]:
+        raise ValueError(f"{op}: q_positions {q_positions.shape} / page_table {page_table.shape} "
+                         f"do not match qi {qi.shape}")
+    return registry.dispatch(op, implementation, qi, ki_pages, page_table.astype(jnp.int32),
+                             q_positions.astype(jnp.int32), ki_scale=ki_scale, topk=topk, init_blocks=init_blocks,
+                             local_blocks=local_blocks)
+
+
+def msa_decode(q, qi, k_pages, v_pages, ki_pages, page_table, q_positions, *, k_scale=None, v_scale=None,
+               ki_scale=None, topk, init_blocks=0, local_blocks=1, implementation="auto"):
+    """``msa_decode_select`` then ``paged_attention(block_ids=...)``. Returns ``(o, lse, block_ids)``."""
+    ids = msa_decode_select(qi, ki_pages, page_table, q_positions, ki_scale=ki_scale, topk=topk,
+                            init_blocks=init_blocks, local_blocks=local_blocks, implementation=implementation)
+    o, lse = paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale=k_scale, v_scale=v_scale,
+                             block_ids=ids, implementation=implementation)
+    return o, lse, ids
+
+
+def _kernel_then_xla(backend, *args, **kwargs):
+    """``"auto"``: the backend's kernel when it serves the call, else the XLA reference."""
+    return {"gpu": ("pallas_gpu", "xla"), "tpu": ("pallas_tpu", "xla")}.get(backend, ("xla",))
+
+
+registry.register("paged_attention", [Implementation("xla", _xla.paged_attention), *_pallas.PAGED_ATTENTION],
+                  auto=_kernel_then_xla)
+registry.register("msa_decode_select", [Implementation("xla", _xla.msa_decode_select), *_pallas.DECODE_SELECT],
+                  auto=_kernel_then_xla)
+
+#: Every ``implementation=`` name of the paged decode ops (``"auto"`` first).
+IMPLEMENTATIONS = registry.implementation_names("paged_attention")

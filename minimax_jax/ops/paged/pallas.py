@@ -1,0 +1,66 @@
+"""The Pallas kernel implementations of the paged decode ops, for the registry (``minimax_jax.ops.paged.api``).
+
+Each implementation is a thin wrapper over a kernel of ``pallas_kernels.decode`` called with the op's
+validated arguments, plus a ``supports`` check:
+- ``paged_attention``: sliding windows are xla-only (no kernel has one);
+- ``msa_decode_select``: every kernel serves every call. GPU: the scoring kernel plus the in-kernel
+  top-k (``"msa_decode_select.topk": "pallas_gpu"``); TPU: the Mosaic scoring kernel, then the
+  selection from the scores in XLA (``jax.lax.top_k``; ``"msa_decode_select.topk": "xla"``).
+Names: ``pallas_gpu`` (Triton) / ``pallas_tpu`` (Mosaic, page tables via scalar prefetch), compiled
+on their platform, and ``pallas_gpu_interpret`` / ``pallas_tpu_interpret`` (the same kernels in
+Pallas interpret mode, any platform; CPU tests).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from minimax_jax.ops.paged.xla import select_from_page_scores
+from minimax_jax.ops.registry import Implementation, record_implementation
+from pallas_kernels.decode.gpu_attention import paged_attention_gpu
+from pallas_kernels.decode.gpu_select import select_pages_gpu
+from pallas_kernels.decode.tpu import page_scores_tpu, paged_attention_tpu
+
+__all__ = ["PAGED_ATTENTION", "DECODE_SELECT"]
+
+
+def _no_window(*args, sliding_window=None, **kw) -> str | None:
+    return None if sliding_window is None else "sliding windows are xla-only"
+
+
+def _attention_gpu(q, k_pages, v_pages, page_table, q_positions, *, k_scale, v_scale, block_ids, sliding_window,
+                   pages_per_split, interpret):
+    return paged_attention_gpu(q, k_pages, v_pages, page_table, q_positions, k_scale, v_scale, block_ids,
+                               interpret=interpret, pages_per_split=pages_per_split)
+
+
+def _attention_tpu(q, k_pages, v_pages, page_table, q_positions, *, k_scale, v_scale, block_ids, sliding_window,
+                   pages_per_split, interpret):
+    return paged_attention_tpu(q, k_pages, v_pages, page_table, q_positions, k_scale, v_scale, block_ids,
+                               interpret=interpret)
+
+
+def _select_gpu(qi, ki_pages, page_table, q_positions, *, ki_scale, topk, init_blocks, local_blocks, interpret):
+    record_implementation("msa_decode_select.topk", "pallas_gpu")
+    return select_pages_gpu(qi, ki_pages, page_table, q_positions, ki_scale, topk=topk, init_blocks=init_blocks,
+                            local_blocks=local_blocks, interpret=interpret)
+
+
+def _select_tpu(qi, ki_pages, page_table, q_positions, *, ki_scale, topk, init_blocks, local_blocks, interpret):
+    record_implementation("msa_decode_select.topk", "xla")
+    scores = page_scores_tpu(qi, ki_pages, page_table, q_positions, ki_scale, interpret=interpret)
+    return select_from_page_scores(scores, q_positions, ki_pages.shape[1], topk=topk, init_blocks=init_blocks,
+                                   local_blocks=local_blocks)
+
+
+def _four(gpu_fn, tpu_fn, supports=None):
+    """The op's kernels in registry order: pallas_gpu, pallas_tpu, pallas_tpu_interpret, pallas_gpu_interpret."""
+    p = functools.partial
+    return [Implementation("pallas_gpu", p(gpu_fn, interpret=False), ("gpu",), supports),
+            Implementation("pallas_tpu", p(tpu_fn, interpret=False), ("tpu",), supports),
+            Implementation("pallas_tpu_interpret", p(tpu_fn, interpret=True), None, supports),
+            Implementation("pallas_gpu_interpret", p(gpu_fn, interpret=True), None, supports)]
+
+
+PAGED_ATTENTION = _four(_attention_gpu, _attention_tpu, _no_window)
+DECODE_SELECT = _four(_select_gpu, _select_tpu)

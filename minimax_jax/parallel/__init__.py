@@ -1,1 +1,0 @@
-"""Parallelism beyond GSPMD annotations: expert parallelism in ``shard_map`` (``expert``)."""

@@ -1,0 +1,213 @@
+"""JAX helpers the kernels share (the leaf under every other layer: imports only jax).
+
+- ``searchsorted``: binary search without an XLA while loop (work lists of the grouped matmuls and
+  the MSA layouts).
+- shard_map typing: ``typed_out_struct``, ``varying_axes``, ``VmaType`` / ``vma_type``, ``match_vma``,
+  ``match_cotangent`` (kernel outputs and custom-VJP cotangents typed like their operands).
+- ``triton_cuda_target``: lower Pallas Triton kernels for CUDA on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["searchsorted", "typed_out_struct", "triton_cuda_target", "varying_axes", "VmaType", "vma_type",
+           "match_vma", "match_cotangent"]
+
+
+def searchsorted(sorted_values: jax.Array, queries: jax.Array, side: str = "left") -> jax.Array:
+    """``jnp.searchsorted`` without an XLA while loop: int32 insertion indices, ``queries.shape``.
+
+    Args: ``sorted_values`` 1-D, ascending; ``queries`` any shape, same dtype kind; ``side`` "left" /
+      "right" (as numpy). Raises ValueError for another side (from jnp.searchsorted).
+    Why: the default method ("scan") lowers to an XLA ``while`` loop, which a GPU runs with a host round
+    trip per iteration (measured in BENCHMARKS.md, MoE). ``"scan_unrolled"`` is the same binary search
+    unrolled, log2(len) fused steps.
+    """
+    return jnp.searchsorted(sorted_values, queries, side=side, method="scan_unrolled").astype(jnp.int32)
+
+
+def typed_out_struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
+    """A kernel's output type (``pallas_call`` out_shape / ``plgpu.kernel`` out_type): typed like ``like``
+    inside ``shard_map`` (with check_vma=True a kernel's output needs ``manual_axis_type``), a plain
+    ``ShapeDtypeStruct(shape, dtype)`` elsewhere."""
+    mat = getattr(jax.typeof(like), "manual_axis_type", None)
+    if mat is None:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
+
+
+@contextlib.contextmanager
+def triton_cuda_target(gpu: str | None = None):
+    """Within the block, Pallas Triton kernels lower for CUDA on a machine without a GPU, for ``gpu``
+    (a ``GpuVersion`` name of jax's ``gpu_info``; default: the first one of compute capability 9.0,
+    Hopper, the architecture our kernels are tuned for). jax >= 0.11 asks the local GPU for its compute
+    capability and raises "No supported GPU devices found" without one (jax 0.10 lowered without asking). A machine with a GPU keeps its own answer;
+    where jax has no such module this is a no-op. Entered by ``assume_backend("gpu")``. Raises ValueError
+    for a ``gpu`` jax does not know. Exit nested blocks in reverse order (a ``with`` statement does).
+    Why a private jax module: jax's public way, an abstract mesh with an ``AbstractDevice``, would replace
+    the (concrete) mesh the caller traces under. Not thread-safe.
+    """
+    try:
+        from jax._src.pallas.triton import gpu_info
+    except ImportError:
+        gpu_info = None
+    if gpu_info is None or not hasattr(gpu_info, "get_gpu_info_from_version"):
+        yield
+        return
+    try:
+        version = _hopper(gpu_info) if gpu is None else gpu_info.GpuVersion[gpu]
+    except KeyError:
+        raise ValueError(f"triton_cuda_target: unknown GPU {gpu!r}; one of "
+                         f"{[v.name for v in gpu_info.GpuVersion]}") from None
+    local = gpu_info.get_gpu_info
+
+    def get_gpu_info():
+        try:
+            return local()
+        except ValueError:
+            # Only where no GPU is visible and no abstract GPU device is set (jax 0.10's situation): a GPU
+            # or an abstract GPU target jax cannot map keeps jax's error. (Inside a mesh of CPU devices the
+            # abstract device is a CPU: that is the no-GPU case.)
+            target = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+            if _gpu_visible() or getattr(target, "platform", None) == "gpu":
+                raise
+            return gpu_info.get_gpu_info_from_version(version)
+    get_gpu_info.__wrapped_local__ = local      # jax's own lookup (tests)
+    gpu_info.get_gpu_info = get_gpu_info
+    try:
+        yield
+    finally:
+        gpu_info.get_gpu_info = local
+
+
+def _hopper(gpu_info):
+    """The first ``GpuVersion`` of compute capability 90 (sm_90)."""
+    for v in gpu_info.GpuVersion:
+        try:
+            if gpu_info.get_gpu_info_from_version(v).compute_capability == 90:
+                return v
+        except ValueError:
+            continue
+    raise KeyError("sm_90")
+
+
+def _gpu_visible() -> bool:
+    try:
+        return bool(jax.local_devices(backend="gpu"))
+    except RuntimeError:
+        return False
+
+
+# ----------------------------------------------------------------------------- shard_map typing
+# Inside ``shard_map`` (with ``check_vma=True``, the default) every value carries the set of manual
+# mesh axes it varies over ("vma"). Where JAX keeps that set:
+# - jax 0.6 - 0.9: ``jax.typeof(x).vma`` (a frozenset);
+# - jax >= 0.10 (0.10.2 on the CPU machines, 0.11.x on the GPU machine): ``.vma`` was removed (0.10.0 changelog); the set
+#   is ``jax.typeof(x).manual_axis_type.varying`` (``manual_axis_type`` is a ``ManualAxisType`` with
+#   ``varying`` / ``unreduced`` / ``reduced``; printed as ``f32[8,4]{V:expert}``).
+# Casting to varying: ``jax.lax.pcast(x, axes, to="varying")`` (``jax.lax.pvary`` before it, removed
+# in 0.10.0). Outside ``shard_map`` every value varies over nothing and all of this is the identity.
+
+
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes ``x`` varies over inside ``shard_map`` (empty outside; any JAX value).
+
+    Raises RuntimeError when this JAX exposes neither ``manual_axis_type.varying`` (jax >= 0.10) nor
+    ``.vma`` (jax 0.6 - 0.9) on the value's type: guessing "invariant" there would make the
+    casts below silent no-ops (jax 0.11.2 has no ``.vma``).
+    """
+    t = jax.typeof(x)
+    mat = getattr(t, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    vma = getattr(t, "vma", None)
+    if vma is not None:
+        return frozenset(vma)
+    raise RuntimeError(
+        f"cannot read the varying manual axes of a {type(t).__name__} ({t}) in jax {jax.__version__}: "
+        "neither jax.typeof(x).manual_axis_type.varying (jax >= 0.10) nor jax.typeof(x).vma (jax 0.6-0.9) exists")
+
+
+def _cast_varying(x: jax.Array, axes: tuple) -> jax.Array:
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(x, axes, to="varying")
+    if hasattr(jax.lax, "pvary"):
+        return jax.lax.pvary(x, axes)
+    raise RuntimeError(f"jax {jax.__version__} has neither jax.lax.pcast nor jax.lax.pvary")
+
+
+class VmaType:
+    """The varying axes of a value, as a leafless pytree (a static custom-VJP residual).
+
+    ``vma_type(x)`` in a custom VJP's forward rule carries the primal's type to its backward rule,
+    where ``match_cotangent(ct, that)`` casts the cotangent to it, without keeping ``x`` alive.
+    """
+
+    __slots__ = ("axes",)
+
+    def __init__(self, axes):
+        self.axes = frozenset(axes)
+
+    def __eq__(self, other):
+        return isinstance(other, VmaType) and other.axes == self.axes
+
+    def __hash__(self):
+        return hash(self.axes)
+
+    def __repr__(self):
+        return f"VmaType({sorted(self.axes)})"
+
+
+jax.tree_util.register_pytree_node(VmaType, lambda t: ((), t.axes), lambda axes, _: VmaType(axes))
+
+
+def vma_type(x) -> VmaType:
+    """``VmaType(varying_axes(x))`` (see ``VmaType``)."""
+    return VmaType(varying_axes(x))
+
+
+def _axes_of(like) -> frozenset:
+    return like.axes if isinstance(like, VmaType) else varying_axes(like)
+
+
+def match_vma(x: jax.Array, like) -> jax.Array:
+    """Mark ``x`` as varying over the manual mesh axes that ``like`` varies over (``shard_map`` typing).
+
+    ``like``: an array or a ``VmaType``. Values made from scratch (``jnp.zeros``, e.g. the receive
+    buffer of ``ragged_all_to_all``, whose output takes the buffer's type) or returned by kernels
+    that do not propagate the type (a ``pallas_call``, e.g. tokamax's grouped matmul) come out
+    invariant, and a custom VJP whose cotangent is varying then fails JAX's type check. Only adds
+    axes (``jax.lax.pcast(..., to="varying")``, transposed to a ``psum`` by autodiff); axes ``x``
+    varies over and ``like`` does not stay. Outside ``shard_map`` this is the identity.
+    Caveat: this retypes, it does not fix values. A value typed invariant whose data really differs
+    per rank (a kernel that drops the type) gets, through the transposed cast, the SUM of the
+    ranks' cotangents: right over size-1 axes (one GPU), wrong over larger ones. Kernels must type
+    their outputs (``pallas_kernels.moe.gpu_gmm`` does, through ``out_shape``).
+    Raises RuntimeError where the varying axes cannot be read (``varying_axes``).
+    """
+    missing = tuple(sorted(_axes_of(like) - varying_axes(x)))
+    return _cast_varying(x, missing) if missing else x
+
+
+def match_cotangent(ct, primal):
+    """Cast a custom-VJP cotangent to its primal input's varying type (``primal``: array or ``VmaType``).
+
+    JAX requires a custom VJP's backward rule to return cotangents typed exactly like the primal
+    inputs. Axes the primal varies over and the cotangent does not are added (``pcast`` to
+    varying); axes the cotangent varies over and the primal does not are summed over (``psum``):
+    a primal invariant over an axis is the same value on every rank, its cotangent is the sum of
+    the ranks' contributions (what autodiff gives through the implicit cast of an invariant operand
+    meeting a varying one). ``None`` (no cotangent) passes through; identity outside ``shard_map``.
+    """
+    if ct is None:
+        return None
+    want, have = _axes_of(primal), varying_axes(ct)
+    extra = tuple(sorted(have - want))
+    if extra:
+        ct = jax.lax.psum(ct, extra)
+    missing = tuple(sorted(want - have))
+    return _cast_varying(ct, missing) if missing else ct

@@ -1,0 +1,170 @@
+"""Split-KV paged decode attention on GPU (Pallas, Triton lowering): dense, or sparse over selected pages.
+
+Math: MSA_SPEC.md section 5 (inputs validated by ``minimax_jax.ops.paged``). Caches are flattened so
+a physical page ``p`` is the row range ``[p*page, (p+1)*page)`` and is gathered with a
+data-dependent ``pl.ds(page_id * page, page)`` load.
+
+``paged_attention_gpu``: split-KV flash decoding. One program per (request x kv group, row block,
+split); a split walks ``pps`` pages with an online softmax (all H/G heads of the group, and in
+dense mode all Q rows, stacked as the matmul M dimension) and writes a normalised partial output
+and its log-sum-exp; ``combine_splits`` merges them. Dense mode walks logical pages in order (pages
+past the longest row are skipped); sparse (MSA) mode walks each row's selected logical page ids
+(``-1`` slots skipped), ``sparse_pps`` slots per split (default ``gpu_config.CONFIG["sparse_pps"]``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.decode.common import combine_splits, compute_dtype, dot_nn, dot_nt, pack_rows, pad_rows, unpack_rows
+from pallas_kernels.decode.gpu_config import CONFIG, pages_per_program
+
+__all__ = ["paged_attention_gpu"]
+
+_NEG = -1e30
+
+
+def _attn_kernel(pt_ref, pos_ref, lim_ref, ids_ref, q_ref, k_ref, v_ref, *rest, page, pps, scale, g_count,
+                 dense, has_scale, cdt, loop):
+    if has_scale:
+        ks_ref, vs_ref, o_ref, l_ref = rest
+    else:
+        o_ref, l_ref = rest
+    bg = pl.program_id(0)
+    r = pl.program_id(1)
+    sp = pl.program_id(2)
+    b = bg // g_count
+    g = bg % g_count
+    q = q_ref[b, g, r].astype(cdt)                           # [M, D]
+    qpos = pos_ref[b, r]                                     # [M]
+    m_rows, d = q.shape
+    kidx = jax.lax.broadcasted_iota(jnp.int32, (1, page), 1)
+
+    def body(j, carry):
+        acc, m_prev, l_prev = carry
+        idx = sp * pps + j
+        if dense:
+            logical = idx if loop == "dynamic" else jnp.clip(idx, 0, jnp.maximum(lim_ref[b] - 1, 0))
+            ok = idx < lim_ref[b]
+        else:
+            logical = ids_ref[b, g, r, idx]
+            ok = logical >= 0
+            logical = jnp.maximum(logical, 0)
+        start = pt_ref[b, logical] * page
+        kb = k_ref[g, pl.ds(start, page), :].astype(cdt)      # [page, D]
+        vb = v_ref[g, pl.ds(start, page), :].astype(cdt)
+        s = dot_nt(q, kb) * scale                              # [M, page]
+        if has_scale:
+            s = s * ks_ref[g, pl.ds(start, page)][None, :]
+        vis = ((logical * page + kidx) <= qpos[:, None]) & ok
+        s = jnp.where(vis, s, _NEG)
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+        corr = jnp.exp(m_prev - m_next)
+        p = jnp.where(vis, jnp.exp(s - m_next[:, None]), 0.0)
+        l_next = l_prev * corr + jnp.sum(p, axis=1)
+        if has_scale:
+            p = p * vs_ref[g, pl.ds(start, page)][None, :]
+        acc = acc * corr[:, None] + dot_nn(p.astype(cdt), vb)
+        return acc, m_next, l_next
+
+    # Dynamic trip counts (scf.for): dense splits stop at the last needed page; a sparse split
+    # visits its one slot only when it holds a page (-1 = empty), or with pps > 1 its slots up to
+    # the last one holding a page (-1 slots before it are masked).
+    # ("static": a fixed pps-step loop; slots past the end are masked.)
+    if loop != "dynamic":
+        n_iter = pps
+    elif dense:
+        n_iter = jnp.clip(lim_ref[b] - sp * pps, 0, pps)
+    elif pps == 1:
+        n_iter = jnp.where(ids_ref[b, g, r, sp] >= 0, jnp.int32(1), jnp.int32(0))
+    else:
+        slots = ids_ref[b, g, r, pl.ds(sp * pps, pps)]     # [pps]
+        n_iter = jnp.max(jnp.where(slots >= 0, jax.lax.broadcasted_iota(jnp.int32, (pps,), 0) + 1, 0))
+    acc0 = jnp.zeros((m_rows, d), jnp.float32)
+    m0 = jnp.full((m_rows,), _NEG, jnp.float32)
+    l0 = jnp.zeros((m_rows,), jnp.float32)
+    # Both loop bounds int32: Triton's scf.for needs equal bound types.
+    acc, m_i, l_i = jax.lax.fori_loop(jnp.int32(0), jnp.asarray(n_iter, jnp.int32), body, (acc0, m0, l0))
+    l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
+    o_ref[b, g, r, sp] = acc / l_safe[:, None]
+    l_ref[b, g, r, sp] = jnp.where(l_i == 0.0, -jnp.inf, m_i + jnp.log(l_safe))
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "pages_per_split", "num_warps", "num_stages", "loop",
+                                             "sparse_pages_per_split"))
+def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_scale, block_ids, *, interpret,
+                     pages_per_split, num_warps, num_stages, loop, sparse_pages_per_split=1):
+    """Split-KV paged decode attention (dense, or sparse over ``block_ids``).
+
+    Args: as ``minimax_jax.ops.paged.paged_attention`` (q ``[B,Q,H,D]``, pages ``[G,P,page,D]``,
+      page_table ``[B,NP]``, q_positions ``[B,Q]``, scales ``[G,P,page]`` or None, block_ids
+      ``[B,G,Q,K]`` or None); pages_per_split: dense-mode pages per program;
+      num_warps / num_stages / loop: launch variant, None = ``CONFIG``;
+      sparse_pages_per_split: sparse-mode ``block_ids`` slots per program (pps, a power of two >= 1;
+      ``ceil(K / pps)`` splits, block_ids padded with -1 to a multiple of pps). pps = 1: one slot per
+      split (the page is read only when the slot holds one). pps > 1: with loop "dynamic" a split
+      walks its slots up to its last valid one (selections put valid slots first), skipping none
+      before it but masking -1 slots; "static" walks all pps slots, masked. Same result as pps = 1
+      up to float rounding (another split / log-sum-exp grouping).
+    Returns: ``(o [B,Q,H,D] q.dtype, lse [B,Q,H] f32)``.
+    Raises ValueError for a sparse_pages_per_split that is not a power of two >= 1.
+    """
+    b, nq, h, d = q.shape
+    g, n_phys, page, _ = k_pages.shape
+    npg = page_table.shape[1]
+    dense = block_ids is None
+    cdt = compute_dtype(k_pages.dtype)
+    qr, pos, hg, m, qpb = pack_rows(q, q_positions, g, dense, 16)
+    rows = qr.shape[2]
+    if dense:
+        if pages_per_split is None:
+            pages_per_split = pages_per_program(b * g * npg, 528, 64)
+        pps = pages_per_split
+        nsplit = -(-npg // pps)
+        lim = jnp.clip(jnp.max(q_positions, axis=1) // page + 1, 0, npg).astype(jnp.int32)
+        ids = jnp.zeros((1, 1, 1, 1), jnp.int32)
+    else:
+        pps = sparse_pages_per_split
+        if isinstance(pps, bool) or not isinstance(pps, int) or pps < 1 or pps & (pps - 1):
+            raise ValueError(f"sparse_pages_per_split must be a power of two >= 1, got {pps!r}")
+        nsplit = -(-block_ids.shape[-1] // pps)
+        lim = jnp.zeros((b,), jnp.int32)
+        ids = block_ids.astype(jnp.int32)
+        if nsplit * pps != ids.shape[-1]:
+            ids = pad_rows(ids, 3, nsplit * pps, -1)
+    args = [page_table.astype(jnp.int32), pos, lim, ids, qr,
+            k_pages.reshape(g, n_phys * page, d), v_pages.reshape(g, n_phys * page, d)]
+    if k_scale is not None:
+        args += [k_scale.reshape(g, n_phys * page).astype(jnp.float32),
+                 v_scale.reshape(g, n_phys * page).astype(jnp.float32)]
+    kernel = functools.partial(_attn_kernel, page=page, pps=pps, scale=1.0 / math.sqrt(d), g_count=g,
+                               dense=dense, has_scale=k_scale is not None, cdt=cdt, loop=loop)
+    o_part, l_part = pl.pallas_call(
+        kernel, grid=(b * g, rows, nsplit),
+        out_shape=[jax.ShapeDtypeStruct((b, g, rows, nsplit, m, d), jnp.float32),
+                   jax.ShapeDtypeStruct((b, g, rows, nsplit, m), jnp.float32)],
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret, name="paged_decode_attention",
+    )(*args)
+    o, lse = combine_splits(o_part, l_part, axis=3)
+    o, lse = unpack_rows(o, lse, nq, hg, qpb)
+    return o.astype(q.dtype), lse
+
+
+def paged_attention_gpu(q, k_pages, v_pages, page_table, q_positions, k_scale=None, v_scale=None, block_ids=None,
+                        *, interpret=False, pages_per_split=None, num_warps=None, num_stages=None, loop=None,
+                        sparse_pages_per_split=None):
+    """See ``_paged_attention``; launch parameters left as None come from ``CONFIG``
+    (``sparse_pages_per_split``: ``CONFIG["sparse_pps"]``)."""
+    return _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_scale, block_ids,
+                            interpret=interpret, pages_per_split=pages_per_split,
+                            num_warps=num_warps or CONFIG["attn_warps"],
+                            num_stages=num_stages or CONFIG["attn_stages"], loop=loop or CONFIG["loop"],
+                            sparse_pages_per_split=(CONFIG.get("sparse_pps", 1) if sparse_pages_per_split is None
+                                                    else sparse_pages_per_split))
