@@ -161,7 +161,7 @@ step_train_step() {
 }
 # The GPU-only tests of the flash attention path (compiled kernels vs the XLA reference).
 step_flash_test() {
-  part flash_test 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_attention_flash.py -k device -rs
+  part flash_test 240 "$PY" -m pytest -q -p no:cacheprovider tests/ops/attention/test_attention_flash.py -k device -rs
 }
 # Pallas MSA path vs the XLA reference inside the demo model's training loss and gradients.
 step_impl_check() {

@@ -25,7 +25,7 @@ Layout (``S`` = ``]~b]``, ``E`` = ``[e~[``; every turn ends with ``E`` + "\\n"):
 * Tool results given as a list of parts render each part as "\\n<response>{part}\\n</response>".
 
 Source: MODEL_FACTS.md section 1; checked against the MiniMax-M2 ``chat_template.jinja``
-(tests/fixtures/chat/README.md says where the copy comes from) in tests/test_chat_template.py.
+(tests/fixtures/chat/README.md says where the copy comes from) in tests/chat/test_chat_template.py.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ streaming across tiles instead:
   so a non-finite value in another group's lhs rows or in rows past the sum leaks into this group's
   gradient as NaN (0 * inf), which the Triton tgmm does not do. An empty group stores exact zeros.
 
-Status: correct in the Mosaic GPU interpreter (tests/test_tgmm_ws.py, jax >= 0.11) and lowers for CUDA
+Status: correct in the Mosaic GPU interpreter (tests/kernels/moe/test_tgmm_ws.py, jax >= 0.11) and lowers for CUDA
 on a CPU machine; not yet measured on a GPU (BENCHMARKS.md (MoE)), so it is opt-in: pass a
 ``WsTgmmConfig`` as ``tgmm_config`` of ``gpu_gmm.gmm``; ``bench/tgmm_ws_probe.py`` checks and times it
 against the Triton tgmm in one call.

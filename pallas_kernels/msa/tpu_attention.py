@@ -10,7 +10,7 @@ The selected block ids, turned into storage tiles, live in SMEM through
 not start on a tile boundary); an inactive slot repeats the previous tile index so the pipeline skips
 its copy, and its compute is skipped with ``pl.when``. The group's H/G heads (padded to a multiple of
 8 sublanes) form the rows of every matmul. Block shapes keep their last two dims either full or
-multiples of (8, 128) (checked by tests/test_msa_tpu_lowering.py on CPU via jax.export).
+multiples of (8, 128) (checked by tests/kernels/msa/test_msa_tpu_lowering.py on CPU via jax.export).
 Backward (custom_vjp): dq with the same grid; dk/dv over the selections sorted by tile (stable sort:
 deterministic), one grid step per selection, accumulating in VMEM while consecutive steps hit the
 same tile; every tile gets one extra inactive entry so each output tile is written.

