@@ -1,7 +1,7 @@
 """One launch of each MSA decode kernel at one (batch, context), for Nsight Compute (issue 7).
 
 Runs, in this order and once each: the page-scoring kernel with bf16 index keys, the same with fp8
-index keys (``gpu_config.CONFIG`` launch defaults), the top-k selection, the sparse (MSA) attention over
+index keys (``gpu_config.DEFAULT_TABLE`` launch defaults), the top-k selection, the sparse (MSA) attention over
 the selected pages, and the dense paged decode attention over the same cache: M3 shapes of
 ``bench/msa_decode.py`` (64 / 4 heads of 128, index head dim 128, 128-token pages, K = 16), Q = 1,
 shuffled page tables. Each output is checked finite, so a kernel that silently wrote nothing fails.
@@ -53,7 +53,7 @@ def main():
     qi = jax.random.normal(jax.random.PRNGKey(1), (b, 1, G, DI), jnp.bfloat16)
     q = jax.random.normal(jax.random.PRNGKey(2), (b, 1, H, D), jnp.bfloat16)
     it = a.interpret
-    print("config", gpu_config.CONFIG, flush=True)
+    print("config", gpu_config.DEFAULT_TABLE.to_dict(), flush=True)
     s16 = jax.block_until_ready(gpu_select.page_scores_gpu(qi, kib, table, pos, interpret=it))
     s8 = jax.block_until_ready(gpu_select.page_scores_gpu(qi, ki8, table, pos, ks8, interpret=it))
     ids = jax.block_until_ready(gpu_select.select_pages_gpu(qi, kib, table, pos, topk=K, interpret=it))

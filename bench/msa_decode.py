@@ -6,16 +6,16 @@ Tuning first:         python3 bench/msa_decode.py --sweep-scores 32x1048576,1x10
                           --score-family persistent,evict --sweep-budget-s 200 --out $OUT
   (times the current launch table and every ``score_candidates`` config of the given families of the
   page-scoring kernel at those batch x context cases, bf16 and fp8 keys separately; records the best
-  config of each case and installs, per size class of gpu_config.CONFIG["score"], the case's winner (the best
-  geometric mean when several swept cases share a class), re-checks every class's launch (restoring
-  the old table if the check fails), then the table, which prints the launch each case ran;
+  config of each case and installs, per size class of the run's launch table (``LaunchTable.score``), the case's
+  winner (the best geometric mean when several swept cases share a class), re-checks every class's launch
+  (keeping the old table if the check fails), then the table, which prints the launch each case ran;
   --sweep-budget-s caps the sweep's wall time, candidates past a group's share left untimed)
 Selection / sparse-attention launch sweeps (after --sweep-scores when both are given):
   python3 bench/msa_decode.py --sweep-select 1,2,4,8,16,auto --sweep-sparse-pps 1,2,4,8 --out $OUT
   (at the --sweep-scores cases, else --sweep-cases, default 32x1048576,1x1048576: times
   select_pages_gpu per select_splits value, ids checked equal to S=1's, and sparse paged_attention_gpu
   per sparse_pages_per_split value over real selections, o/lse checked against pps=1; each keeps its
-  best geometric mean in gpu_config.CONFIG for the table; rows under "select_sweep" / "sparse_pps_sweep")
+  best geometric mean in the run's launch table; rows under "select_sweep" / "sparse_pps_sweep")
 CPU plumbing of the sweeps (kernels in interpret mode):
   python bench/msa_decode.py --smoke --contexts 2048 --batches 1 --steps 1 --sweep-steps 1 --sweep-cases 1x4096 \
       --sweep-select 1,2,auto --sweep-sparse-pps 1,4 --out /tmp/msa_decode
@@ -32,7 +32,9 @@ Q=1 query row per request, bf16 K/V. For each (batch, context):
   scores_*   the page-scoring kernel alone.
 Timing: each timed call runs ``--steps`` decode steps inside one jit, over page-table replicas
 that point at disjoint physical pages when the cache is small (so the L2 never holds the data);
-time per step = median call time / steps. The host's dispatch of each call (~0.3-0.5 ms on the H200)
+time per step = median call time / steps. The launch table of the run (``pallas_kernels.decode.gpu_config.LaunchTable``: DEFAULT_TABLE with the loop
+variant that passed the check and the sweeps' winners) is passed explicitly to every kernel / op call.
+The host's dispatch of each call (~0.3-0.5 ms on the H200)
 is spread over the steps: session 11 measured batch 32 x 1M MSA bf16 at 2.09 ms per step with 4 steps
 per call, 1.98 with 32 and 1.97 with 64, while the kernels' device time (``--profile``) was 1.96 ms; so
 the default is 64 (dense steps, 15 ms, move < 1%). Bytes per step (fewest bytes a step must read): dense
@@ -44,7 +46,7 @@ Writes msa_decode.json under --out.
 from __future__ import annotations
 
 import argparse
-import copy
+import dataclasses
 import json
 import math
 import os
@@ -110,11 +112,12 @@ def hbm_copy_bandwidth(n_bytes=4 * GIB):
 
 # ----------------------------------------------------------------------------- correctness
 
-def check(impl, rng, interpret=False):
+def check(impl, rng, interpret=False, table=None):
     """Kernels vs the xla reference on fresh random inputs; returns a dict of max errors.
 
+    ``table``: the GPU kernels' launch table (``gpu_config.LaunchTable``; None = ``DEFAULT_TABLE``).
     With ``impl="pallas_gpu"`` or ``interpret`` (the GPU kernels in interpret mode, CPU) also the
-    selection with the scoring launch of every size class of ``gpu_config.CONFIG["score"]`` (forced with
+    selection with the scoring launch of every size class of ``table.score`` (forced with
     ``size_class``: the check's case itself is small), keys ``select_{bf16,fp8}_{class}_set_mismatch_rows``."""
     res = {}
     classes = []
@@ -135,15 +138,16 @@ def check(impl, rng, interpret=False):
     for label, kis in (("bf16", None), ("fp8", "fp8")):
         kq, ks = (kip, None) if kis is None else quantize(kip, "float8_e4m3fn")
         ids_ref = ops.msa_decode_select(qi, kq, pt, pos, ki_scale=ks, topk=K, implementation="xla")
-        ids = ops.msa_decode_select(qi, kq, pt, pos, ki_scale=ks, topk=K, implementation=impl)
+        ids = ops.msa_decode_select(qi, kq, pt, pos, ki_scale=ks, topk=K, implementation=impl, launch_table=table)
         r = np.sort(np.asarray(ids_ref), -1)
         res[f"select_{label}_set_mismatch_rows"] = int(np.sum(np.any(np.sort(np.asarray(ids), -1) != r, -1)))
         for cls in classes:
-            ids = gpu_select.select_pages_gpu(qi, kq, pt, pos, ks, topk=K, interpret=interpret, size_class=cls)
+            ids = gpu_select.select_pages_gpu(qi, kq, pt, pos, ks, topk=K, interpret=interpret, size_class=cls,
+                                              table=table)
             res[f"select_{label}_{cls}_set_mismatch_rows"] = int(np.sum(np.any(np.sort(np.asarray(ids), -1) != r, -1)))
     for label, ids in (("dense", None), ("sparse", ids_ref)):
         o_r, l_r = ops.paged_attention(q, kp, vp, pt, pos, block_ids=ids, implementation="xla")
-        o, l = ops.paged_attention(q, kp, vp, pt, pos, block_ids=ids, implementation=impl)
+        o, l = ops.paged_attention(q, kp, vp, pt, pos, block_ids=ids, implementation=impl, launch_table=table)
         res[f"attn_{label}_o_maxerr"] = float(jnp.max(jnp.abs(o.astype(jnp.float32) - o_r.astype(jnp.float32))))
         res[f"attn_{label}_lse_maxerr"] = float(jnp.max(jnp.abs(l - l_r)))
         res[f"attn_{label}_finite"] = bool(jnp.all(jnp.isfinite(o.astype(jnp.float32))))
@@ -159,7 +163,7 @@ def check(impl, rng, interpret=False):
 SCORE_FAMILIES = ("wide", "narrow", "persistent", "evict")
 
 
-def score_candidates(label, family="wide", sms=132):
+def score_candidates(label, family="wide", sms=132, table=None):
     """Launch configs of the scoring kernel to sweep (``pallas_kernels.decode.gpu_config.score_launch`` keys).
 
     family "wide": 4 warps, unroll x stages x pages per program (label "fp8" adds the f16-compute
@@ -168,7 +172,7 @@ def score_candidates(label, family="wide", sms=132):
     whose max over the page's tokens needs no cross-warp reduction with one warp), stages 2-4, 4 or 8
     pages per program; fp8 only with the f16 product (session 8: always better). family "persistent":
     the persistent scorer, ``programs`` = ``sms`` x {1, 2, 4} (SMs of the GPU), 1 / 2 / 4 warps, stages
-    2-4. family "evict": the current ``gpu_config.CONFIG["score"]`` entries of ``label`` and persistent configs
+    2-4. family "evict": the ``table.score`` entries of ``label`` (None = ``DEFAULT_TABLE``) and persistent configs
     (1-2 warps, 3-4 stages, 2 x sms programs) with ``evict="evict_first"`` (streaming key loads).
     Persistent, evict and fp8 narrow candidates use the f16 product for fp8.
     Raises ValueError for an unknown family."""
@@ -183,7 +187,8 @@ def score_candidates(label, family="wide", sms=132):
         return [dict(num_warps=w, num_stages=st, unroll=1, programs=sms * k, **f16) for w in (1, 2, 4)
                 for st in (2, 3, 4) for k in (1, 2, 4)]
     if family == "evict":
-        current = [dict(gpu_config.SCORE_LAUNCH_BASE, **e) for e in gpu_config.CONFIG["score"][label].values()]
+        table = gpu_config.DEFAULT_TABLE if table is None else table
+        current = [dict(gpu_config.SCORE_LAUNCH_BASE, **e) for e in table.score[label].values()]
         pers = [dict(num_warps=w, num_stages=st, unroll=1, programs=2 * sms, **f16) for w in (1, 2) for st in (3, 4)]
         return [dict(c, evict="evict_first") for c in current + pers]
     c = [dict(num_warps=4, num_stages=st, unroll=u, ppp=p) for u in (1, 2, 4) for st in (2, 3) for p in (4, 8, 16)]
@@ -192,11 +197,11 @@ def score_candidates(label, family="wide", sms=132):
     return c
 
 
-def family_candidates(label, families, sms=132):
+def family_candidates(label, families, sms=132, table=None):
     """The candidates of several families (``score_candidates``), duplicates dropped, in order."""
     seen, out = set(), []
     for fam in families:
-        for c in score_candidates(label, fam, sms):
+        for c in score_candidates(label, fam, sms, table):
             key = json.dumps(c, sort_keys=True)
             if key not in seen:
                 seen.add(key)
@@ -204,9 +209,10 @@ def family_candidates(label, families, sms=132):
     return out
 
 
-def sweep_scores(cases, min_steps, candidates, l2_bytes=200 * 1024 * 1024, interpret=False, budget_s=None):
-    """Time the page-scoring kernel with the current launch table ("default": ``gpu_config.CONFIG["score"]``
-    of the case's size class) and each candidate config of ``candidates`` {"bf16" / "fp8": [config]},
+def sweep_scores(cases, min_steps, candidates, l2_bytes=200 * 1024 * 1024, interpret=False, budget_s=None,
+                 table=None):
+    """Time the page-scoring kernel with the launch table ``table`` ("default": ``table.score`` of the
+    case's size class; None = ``gpu_config.DEFAULT_TABLE``) and each candidate config of ``candidates`` {"bf16" / "fp8": [config]},
     bf16 and fp8 index keys, at each (batch, context) of ``cases``. A candidate runs as given over
     ``gpu_config.SCORE_LAUNCH_BASE`` (nothing inherited from the table). ``budget_s``: wall seconds for the
     whole sweep, shared equally by the (case, keys) groups; a group's candidates left when its share
@@ -228,7 +234,7 @@ def sweep_scores(cases, min_steps, candidates, l2_bytes=200 * 1024 * 1024, inter
         for label, ki, ks, nbytes in (("bf16", kib, None, b * ctx * DI * 2), ("fp8", ki8, ks8, b * ctx * (DI + 4))):
             t_group = time.perf_counter()
             for cfg in [None] + list(candidates.get(label, [])):
-                launch = (gpu_config.score_launch(ki.dtype, total_pages=b * npg) if cfg is None
+                launch = (gpu_config.score_launch(ki.dtype, total_pages=b * npg, table=table) if cfg is None
                           else {k: v for k, v in dict(gpu_config.SCORE_LAUNCH_BASE, **cfg).items() if v is not None})
                 if cfg is not None and share is not None and time.perf_counter() - t_group > share:
                     rows.append(dict(batch=b, context=ctx, keys=label, size_class=cls, config=cfg, launch=launch,
@@ -239,7 +245,7 @@ def sweep_scores(cases, min_steps, candidates, l2_bytes=200 * 1024 * 1024, inter
                     acc = jnp.zeros((), jnp.float32)
                     for r in range(steps):
                         sc = gpu_select.page_scores_gpu(qi[r], ki, tables[r % reps], pos, ks, interpret=interpret,
-                                                        **launch)
+                                                        table=table, **launch)
                         acc = acc + sc[0, 0, 0, 0]
                     return acc
                 row = dict(batch=b, context=ctx, keys=label, size_class=cls,
@@ -285,14 +291,16 @@ def pick_score_configs(rows):
     return per_case, per_class
 
 
-def install_score_configs(per_class):
-    """Puts the per-class winners (``pick_score_configs``) into ``gpu_config.CONFIG["score"]``, each over
-    ``gpu_config.SCORE_LAUNCH_BASE`` (as timed); returns the new table."""
+def install_score_configs(per_class, table=None):
+    """A copy of the launch table ``table`` (None = ``gpu_config.DEFAULT_TABLE``) whose ``score`` holds the
+    per-class winners (``pick_score_configs``), each over ``gpu_config.SCORE_LAUNCH_BASE`` (as timed)."""
     from pallas_kernels.decode import gpu_config
+    table = gpu_config.DEFAULT_TABLE if table is None else table
+    score = table.to_dict()["score"]
     for label, by_cls in per_class.items():
         for cls, pick in by_cls.items():
-            gpu_config.CONFIG["score"][label][cls] = dict(gpu_config.SCORE_LAUNCH_BASE, **pick["config"])
-    return gpu_config.CONFIG["score"]
+            score[label][cls] = dict(gpu_config.SCORE_LAUNCH_BASE, **pick["config"])
+    return dataclasses.replace(table, score=score)
 
 
 # ----------------------------------------------------------------------------- selection / sparse-attention sweeps
@@ -319,8 +327,8 @@ def _geomean_best(rows, key, base_value):
     return {k: float(v) for k, v in full.items()}, best
 
 
-def sweep_select(cases, values, min_steps, interpret=False, l2_bytes=200 * 1024 * 1024):
-    """Time ``select_pages_gpu`` (bf16 index keys, scoring launch from CONFIG) for each
+def sweep_select(cases, values, min_steps, interpret=False, l2_bytes=200 * 1024 * 1024, table=None):
+    """Time ``select_pages_gpu`` (bf16 index keys, scoring launch from ``table``) for each
     ``select_splits`` value at each (batch, context); also the top-k kernels alone
     (``gpu_select._select_rows`` on precomputed raw scores). Every value's ids must equal the S = 1 ids.
     Returns (rows, {value: geomean of select ms / S=1 select ms}, best value)."""
@@ -335,7 +343,7 @@ def sweep_select(cases, values, min_steps, interpret=False, l2_bytes=200 * 1024 
         tables = jnp.asarray(rng.permutation(np.arange(1, p)).reshape(reps, b, npg), jnp.int32)
         qi = jax.random.normal(jax.random.PRNGKey(ctx + b), (steps, b, 1, G, DI), jnp.bfloat16)
         pos = jnp.full((b, 1), ctx - 1, jnp.int32)
-        launch = gpu_config.score_launch(kib.dtype, total_pages=b * npg)
+        launch = gpu_config.score_launch(kib.dtype, total_pages=b * npg, table=table)
 
         @jax.jit
         def raw_scores(qi, ki, tables):
@@ -348,8 +356,8 @@ def sweep_select(cases, values, min_steps, interpret=False, l2_bytes=200 * 1024 
             row = dict(batch=b, context=ctx, select_splits=s, width=int(raw.shape[-1]),
                        slices=gpu_select._resolve_select_splits(s, b, G, raw.shape[-1]) if s == "auto" else s)
             try:
-                sel = jax.jit(lambda qi, ki, t, s=s: gpu_select.select_pages_gpu(qi, ki, t, pos, topk=K,
-                                                                                interpret=interpret, select_splits=s))
+                sel = jax.jit(lambda qi, ki, t, s=s: gpu_select.select_pages_gpu(
+                    qi, ki, t, pos, topk=K, interpret=interpret, select_splits=s, table=table))
                 ids = np.asarray(sel(qi[0], kib, tables[0]))
                 ids1 = ids if s == 1 else ids1
                 row["match"] = bool(np.array_equal(ids, ids1))
@@ -358,7 +366,8 @@ def sweep_select(cases, values, min_steps, interpret=False, l2_bytes=200 * 1024 
                     acc = jnp.zeros((), jnp.int32)
                     for r in range(steps):
                         acc = acc + gpu_select.select_pages_gpu(qi[r], ki, tables[r % reps], pos, topk=K,
-                                                                interpret=interpret, select_splits=s)[0, 0, 0, 0]
+                                                                interpret=interpret, select_splits=s,
+                                                                table=table)[0, 0, 0, 0]
                     return acc
 
                 def topk_only(raw, s=s):
@@ -380,10 +389,10 @@ def sweep_select(cases, values, min_steps, interpret=False, l2_bytes=200 * 1024 
     return rows, ratios, best
 
 
-def sweep_sparse_pps(cases, values, min_steps, mem_gib, interpret=False, l2_bytes=200 * 1024 * 1024):
+def sweep_sparse_pps(cases, values, min_steps, mem_gib, interpret=False, l2_bytes=200 * 1024 * 1024, table=None):
     """Time sparse (MSA) ``paged_attention_gpu`` for each ``sparse_pages_per_split`` value at each
     (batch, context), over block ids from a real selection (bf16 index keys, one per step); o and
-    lse are checked against pps = 1. Returns (rows, {value: geomean of ms / pps=1 ms}, best value)."""
+    lse are checked against pps = 1; the other launches from ``table``. Returns (rows, {value: geomean of ms / pps=1 ms}, best value)."""
     from pallas_kernels.decode import gpu_attention, gpu_select
     values = [1] + [v for v in values if v != 1]
     rows = []
@@ -405,7 +414,8 @@ def sweep_sparse_pps(cases, values, min_steps, mem_gib, interpret=False, l2_byte
         pos = jnp.full((b, 1), ctx - 1, jnp.int32)
         # kib is an argument, not a closure: a captured array becomes an XLA constant (an 8.6 GB copy
         # at batch 32 x 1M, after which the sweep's first attention call failed on the H200, session 10).
-        sel = jax.jit(lambda qi, ki, t: gpu_select.select_pages_gpu(qi, ki, t, pos, topk=K, interpret=interpret))
+        sel = jax.jit(lambda qi, ki, t: gpu_select.select_pages_gpu(qi, ki, t, pos, topk=K, interpret=interpret,
+                                                                    table=table))
         ids = jnp.stack([sel(qi[r], kib, tables[r % reps]) for r in range(steps)])   # [steps, B, G, 1, K]
         del kib
         ref = None
@@ -413,7 +423,7 @@ def sweep_sparse_pps(cases, values, min_steps, mem_gib, interpret=False, l2_byte
             row = dict(batch=b, context=ctx, sparse_pps=pps)
             try:
                 att = jax.jit(lambda q, kp, vp, t, i, pps=pps: gpu_attention.paged_attention_gpu(
-                    q, kp, vp, t, pos, block_ids=i, interpret=interpret, sparse_pages_per_split=pps))
+                    q, kp, vp, t, pos, block_ids=i, interpret=interpret, sparse_pages_per_split=pps, table=table))
                 o, lse = att(q[0], kp, vp, tables[0], ids[0])
                 o = np.asarray(o.astype(jnp.float32))
                 lse = np.asarray(lse)
@@ -426,7 +436,7 @@ def sweep_sparse_pps(cases, values, min_steps, mem_gib, interpret=False, l2_byte
                     for r in range(steps):
                         o, _ = gpu_attention.paged_attention_gpu(q[r], kp, vp, tables[r % reps], pos,
                                                                  block_ids=ids[r], interpret=interpret,
-                                                                 sparse_pages_per_split=pps)
+                                                                 sparse_pages_per_split=pps, table=table)
                         acc = acc + o[0, 0, 0, 0].astype(jnp.float32)
                     return acc
                 t, n = timeit(jax.jit(run), q, kp, vp, tables, ids, budget_s=0.3)
@@ -459,18 +469,18 @@ def profile_cases(runs, steps, profile_dir):
     return out
 
 
-def bench_one(b, ctx, min_steps, impl, l2_bytes=200 * 1024 * 1024, dry=False, profile_dir=None):
+def bench_one(b, ctx, min_steps, impl, l2_bytes=200 * 1024 * 1024, dry=False, profile_dir=None, table=None):
     kv_bytes = b * ctx * G * D * 2 * 2
     npg, reps, steps, p = case_sizes(b, ctx, min_steps, l2_bytes)
     need = p * PAGE * (G * D * 2 * 2 + DI * 2 + DI + 4)
     row = dict(batch=b, context=ctx, replicas=reps, steps_per_call=steps, cache_gib=need / GIB)
     if dry:
         return row
-    if impl == "pallas_gpu":   # the scoring launch this case runs (gpu_config.CONFIG["score"], by size class)
+    if impl == "pallas_gpu":   # the scoring launch this case runs (``table.score``, by size class)
         from pallas_kernels.decode import gpu_config
         row["score_class"] = gpu_config.score_size_class(b * npg)
         for label, dt in (("bf16", jnp.bfloat16), ("fp8", jnp.float8_e4m3fn)):
-            row[f"score_launch_{label}"] = gpu_config.score_launch(dt, total_pages=b * npg)
+            row[f"score_launch_{label}"] = gpu_config.score_launch(dt, total_pages=b * npg, table=table)
     kp = fill((G, p, PAGE, D), 1, jnp.bfloat16)
     vp = fill((G, p, PAGE, D), 2, jnp.bfloat16)
     kib = fill((p, PAGE, DI), 3, jnp.bfloat16)
@@ -495,20 +505,21 @@ def bench_one(b, ctx, min_steps, impl, l2_bytes=200 * 1024 * 1024, dry=False, pr
         return run
 
     def dense(q, qi, kp, vp, ki, ks, pt):
-        o, _ = ops.paged_attention(q, kp, vp, pt, pos, implementation=impl)
+        o, _ = ops.paged_attention(q, kp, vp, pt, pos, implementation=impl, launch_table=table)
         return o[0, 0, 0, 0].astype(jnp.float32)
 
     def msa(q, qi, kp, vp, ki, ks, pt):
-        o, _, _ = ops.msa_decode(q, qi, kp, vp, ki, pt, pos, ki_scale=ks, topk=K, implementation=impl)
+        o, _, _ = ops.msa_decode(q, qi, kp, vp, ki, pt, pos, ki_scale=ks, topk=K, implementation=impl,
+                                 launch_table=table)
         return o[0, 0, 0, 0].astype(jnp.float32)
 
     def select(q, qi, kp, vp, ki, ks, pt):
-        ids = ops.msa_decode_select(qi, ki, pt, pos, ki_scale=ks, topk=K, implementation=impl)
+        ids = ops.msa_decode_select(qi, ki, pt, pos, ki_scale=ks, topk=K, implementation=impl, launch_table=table)
         return ids[0, 0, 0, 0].astype(jnp.float32)
 
     def scores(q, qi, kp, vp, ki, ks, pt):
         from pallas_kernels.decode import gpu_select
-        return gpu_select.page_scores_gpu(qi, ki, pt, pos, ks)[0, 0, 0, 0]
+        return gpu_select.page_scores_gpu(qi, ki, pt, pos, ks, table=table)[0, 0, 0, 0]
 
     msa_kv = b * G * K * PAGE * D * 2 * 2
     cases = {
@@ -550,7 +561,7 @@ def main():
     ap.add_argument("--sweep-scores", default="",
                     help="batch x context cases, e.g. 32x1048576,1x1048576: sweep the scoring kernel's launch "
                          "configs there first (bf16 and fp8 separately), install each case's winner into its size "
-                         "class of gpu_config.CONFIG['score'] and time the table with them")
+                         "class of the run's launch table (LaunchTable.score) and time the table with them")
     ap.add_argument("--score-family", default="wide",
                     help=f"comma-separated families of launch configs that --sweep-scores times (score_candidates; "
                          f"{', '.join(SCORE_FAMILIES)}): wide = 4 warps x unroll x stages x pages per program; "
@@ -565,11 +576,11 @@ def main():
                     help="batch x context cases of --sweep-select / --sweep-sparse-pps when --sweep-scores is not given")
     ap.add_argument("--sweep-select", default="",
                     help="select_splits values, e.g. 1,2,4,8,16,auto: time select_pages_gpu with each (ids must equal "
-                         "S=1's) and keep the best geometric mean in gpu_config.CONFIG['select_splits'] for the rest "
+                         "S=1's) and keep the best geometric mean in the launch table's select_splits for the rest "
                          "of the run")
     ap.add_argument("--sweep-sparse-pps", default="",
                     help="sparse_pages_per_split values, e.g. 1,2,4,8: time sparse paged_attention_gpu with each (o/lse "
-                         "checked against pps=1) and keep the best in gpu_config.CONFIG['sparse_pps']")
+                         "checked against pps=1) and keep the best in the launch table's sparse_pps")
     ap.add_argument("--sweep-steps", type=int, default=4,
                     help="minimum decode steps per timed call in the sweeps (fewer than --steps: each candidate "
                          "compiles its own unrolled steps; the sweeps compare candidates, the table reports)")
@@ -586,12 +597,13 @@ def main():
     impl = "pallas_gpu" if jax.default_backend() == "gpu" else "xla"
     out["variants"] = {}
     chosen = None
+    from pallas_kernels.decode import gpu_config
+    table = gpu_config.DEFAULT_TABLE      # the run's launch table, passed to every kernel / op call
     for variant in (["dynamic", "static"] if impl == "pallas_gpu" else ["n/a"]):
         if impl == "pallas_gpu":
-            from pallas_kernels.decode import gpu_config
-            gpu_config.CONFIG["loop"] = variant
+            table = dataclasses.replace(gpu_config.DEFAULT_TABLE, loop=variant)
         try:
-            res = check(impl, rng)
+            res = check(impl, rng, table=table)
         except Exception as e:  # record the compiler's message, keep going with the next variant
             msg = "".join(ch for ch in str(e) if 32 <= ord(ch) < 127 or ch == "\n")
             keep = [ln for ln in msg.split("\n") if "rror" in ln or "failed" in ln][:20]
@@ -614,55 +626,55 @@ def main():
     sweep_interp = impl != "pallas_gpu"
     sweep_cases = _parse_cases(a.sweep_scores or a.sweep_cases)
     if a.sweep_scores and (impl == "pallas_gpu" or a.smoke):
-        from pallas_kernels.decode import gpu_config
         sms = a.sms or getattr(jax.devices()[0], "core_count", 0) or 132
-        before = copy.deepcopy(gpu_config.CONFIG["score"])
-        cands = {label: family_candidates(label, families, sms) for label in ("bf16", "fp8")}
+        before = table.to_dict()["score"]
+        cands = {label: family_candidates(label, families, sms, table) for label in ("bf16", "fp8")}
         print(f"score sweep: families {families}, {sms} SMs, {len(cands['bf16'])} bf16 / {len(cands['fp8'])} fp8 "
               f"candidates per case", flush=True)
         t0 = time.time()
         sweep_rows = sweep_scores(sweep_cases, a.sweep_steps, cands, interpret=sweep_interp, budget_s=a.sweep_budget_s,
-                                  **({"l2_bytes": 1} if sweep_interp else {}))
+                                  table=table, **({"l2_bytes": 1} if sweep_interp else {}))
         n_skip = sum("skipped" in r for r in sweep_rows)
         print(f"score sweep: {len(sweep_rows) - n_skip} configs timed in {time.time() - t0:.0f} s, {n_skip} left "
               f"untimed (--sweep-budget-s)", flush=True)
         per_case, per_class = pick_score_configs(sweep_rows)
-        table = install_score_configs(per_class)
+        tuned = install_score_configs(per_class, table)
         out["score_sweep"] = {"families": families, "sms": sms, "rows": sweep_rows, "best_per_case": per_case,
-                              "installed": per_class, "before": before, "after": copy.deepcopy(table)}
+                              "installed": per_class, "before": before, "after": tuned.to_dict()["score"]}
         for label, by_case in per_case.items():
             for case, w in by_case.items():
                 print(f"score sweep {label} {case}: best {json.dumps(w['config'])} {w['ms']:.4f} ms "
                       f"(default {w['default_ms'] or float('nan'):.4f} ms)", flush=True)
-        print("score sweep installed per size class:", json.dumps(per_class), "->", json.dumps(table), flush=True)
-        out["check_tuned"] = check(impl, rng, interpret=sweep_interp)
+        print("score sweep installed per size class:", json.dumps(per_class), "->",
+              json.dumps(out["score_sweep"]["after"]), flush=True)
+        out["check_tuned"] = check(impl, rng, interpret=sweep_interp, table=tuned)
         print("check with the tuned configs:", json.dumps(out["check_tuned"]), flush=True)
-        if not out["check_tuned"]["ok"]:
-            gpu_config.CONFIG["score"] = before
+        if out["check_tuned"]["ok"]:
+            table = tuned
+        else:
             print("the tuned configs failed the check: the table is back to", json.dumps(before), flush=True)
         with open(os.path.join(a.out, "msa_decode.json"), "w") as f:   # kept if a later step fails
             json.dump(out, f, indent=1)
     if a.sweep_select and (impl == "pallas_gpu" or a.smoke):
-        from pallas_kernels.decode import gpu_config
-        before = gpu_config.CONFIG["select_splits"]
+        before = table.select_splits
         sel_rows, ratios, best = sweep_select(sweep_cases, _parse_values(a.sweep_select), a.sweep_steps,
-                                              interpret=sweep_interp, **({"l2_bytes": 1} if sweep_interp else {}))
-        gpu_config.CONFIG["select_splits"] = best
+                                              interpret=sweep_interp, table=table,
+                                              **({"l2_bytes": 1} if sweep_interp else {}))
+        table = dataclasses.replace(table, select_splits=best)
         out["select_sweep"] = {"rows": sel_rows, "geomean_vs_s1": ratios, "best": best, "before": before}
-        print("select sweep (geomean select ms / S=1):", json.dumps(ratios), f"-> CONFIG select_splits={best!r}",
+        print("select sweep (geomean select ms / S=1):", json.dumps(ratios), f"-> table select_splits={best!r}",
               flush=True)
     if a.sweep_sparse_pps and (impl == "pallas_gpu" or a.smoke):
-        from pallas_kernels.decode import gpu_config
-        before = gpu_config.CONFIG["sparse_pps"]
+        before = table.sparse_pps
         pps_rows, ratios, best = sweep_sparse_pps(sweep_cases, _parse_values(a.sweep_sparse_pps), a.sweep_steps, a.mem_gib,
-                                                  interpret=sweep_interp, **({"l2_bytes": 1} if sweep_interp else {}))
-        gpu_config.CONFIG["sparse_pps"] = best
+                                                  interpret=sweep_interp, table=table,
+                                                  **({"l2_bytes": 1} if sweep_interp else {}))
+        table = dataclasses.replace(table, sparse_pps=best)
         out["sparse_pps_sweep"] = {"rows": pps_rows, "geomean_vs_pps1": ratios, "best": best, "before": before}
-        print("sparse pps sweep (geomean attention ms / pps=1):", json.dumps(ratios), f"-> CONFIG sparse_pps={best!r}",
+        print("sparse pps sweep (geomean attention ms / pps=1):", json.dumps(ratios), f"-> table sparse_pps={best!r}",
               flush=True)
     if impl == "pallas_gpu":
-        from pallas_kernels.decode import gpu_config
-        out["gpu_config"] = dict(gpu_config.CONFIG)
+        out["gpu_config"] = table.to_dict()
     out["implementations"] = implementation_report()
     out["hbm_copy_gbps"] = hbm_copy_bandwidth(64 << 20 if a.smoke else 4 * GIB) / 1e9
     print(f"HBM copy (x+1 bf16, read+write): {out['hbm_copy_gbps']:.0f} GB/s", flush=True)
@@ -676,7 +688,8 @@ def main():
                 continue
             t0 = time.time()
             try:
-                row = bench_one(b, ctx, a.steps, impl, profile_dir=os.path.join(a.out, "profile") if a.profile else None)
+                row = bench_one(b, ctx, a.steps, impl, profile_dir=os.path.join(a.out, "profile") if a.profile else None,
+                                table=table)
             except Exception as e:  # e.g. out of memory: record and go on
                 msg = "".join(ch for ch in str(e) if 32 <= ord(ch) < 127)[:600]
                 skipped.append(dict(dry, reason=f"{type(e).__name__}: {msg}"))
@@ -703,7 +716,7 @@ def main():
               f"{100 * r['msa_fp8_gbps'] / bw:>9.1f} {100 * r.get('scores_bf16_gbps', nan) / bw:>10.1f} "
               f"{100 * r.get('scores_fp8_gbps', nan) / bw:>9.1f} {r.get('scores_bf16_ms', nan):>9.3f} "
               f"{r.get('scores_fp8_ms', nan):>8.3f} {r['select_bf16_ms']:>8.3f} {r.get('score_class', '-'):>6}")
-    for r in rows:   # the scoring launch each case ran (gpu_config.CONFIG["score"] of its size class)
+    for r in rows:   # the scoring launch each case ran (the table's score entry of its size class)
         if "score_class" in r:
             print(f"scoring launch B={r['batch']} ctx={r['context']} ({r['score_class']}): "
                   f"bf16 {json.dumps(r['score_launch_bf16'])}; fp8 {json.dumps(r['score_launch_fp8'])}")

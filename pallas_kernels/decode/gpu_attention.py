@@ -9,7 +9,7 @@ split); a split walks ``pps`` pages with an online softmax (all H/G heads of the
 dense mode all Q rows, stacked as the matmul M dimension) and writes a normalised partial output
 and its log-sum-exp; ``combine_splits`` merges them. Dense mode walks logical pages in order (pages
 past the longest row are skipped); sparse (MSA) mode walks each row's selected logical page ids
-(``-1`` slots skipped), ``sparse_pps`` slots per split (default ``gpu_config.CONFIG["sparse_pps"]``).
+(``-1`` slots skipped), ``sparse_pps`` slots per split (default ``LaunchTable.sparse_pps``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.decode.common import combine_splits, compute_dtype, dot_nn, dot_nt, pack_rows, pad_rows, unpack_rows
-from pallas_kernels.decode.gpu_config import CONFIG, pages_per_program
+from pallas_kernels.decode.gpu_config import DEFAULT_TABLE, LaunchTable, pages_per_program
 
 __all__ = ["paged_attention_gpu"]
 
@@ -105,7 +105,7 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_sc
     Args: as ``minimax_jax.ops.paged.paged_attention`` (q ``[B,Q,H,D]``, pages ``[G,P,page,D]``,
       page_table ``[B,NP]``, q_positions ``[B,Q]``, scales ``[G,P,page]`` or None, block_ids
       ``[B,G,Q,K]`` or None); pages_per_split: dense-mode pages per program;
-      num_warps / num_stages / loop: launch variant, None = ``CONFIG``;
+      num_warps / num_stages / loop: launch variant;
       sparse_pages_per_split: sparse-mode ``block_ids`` slots per program (pps, a power of two >= 1;
       ``ceil(K / pps)`` splits, block_ids padded with -1 to a multiple of pps). pps = 1: one slot per
       split (the page is read only when the slot holds one). pps > 1: with loop "dynamic" a split
@@ -159,12 +159,13 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_sc
 
 def paged_attention_gpu(q, k_pages, v_pages, page_table, q_positions, k_scale=None, v_scale=None, block_ids=None,
                         *, interpret=False, pages_per_split=None, num_warps=None, num_stages=None, loop=None,
-                        sparse_pages_per_split=None):
-    """See ``_paged_attention``; launch parameters left as None come from ``CONFIG``
-    (``sparse_pages_per_split``: ``CONFIG["sparse_pps"]``)."""
+                        sparse_pages_per_split=None, table: LaunchTable | None = None):
+    """See ``_paged_attention``; launch parameters left as None come from ``table`` (None =
+    ``gpu_config.DEFAULT_TABLE``): ``attn_warps``, ``attn_stages``, ``loop``, ``sparse_pps``."""
+    table = DEFAULT_TABLE if table is None else table
     return _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_scale, block_ids,
                             interpret=interpret, pages_per_split=pages_per_split,
-                            num_warps=num_warps or CONFIG["attn_warps"],
-                            num_stages=num_stages or CONFIG["attn_stages"], loop=loop or CONFIG["loop"],
-                            sparse_pages_per_split=(CONFIG.get("sparse_pps", 1) if sparse_pages_per_split is None
+                            num_warps=num_warps or table.attn_warps,
+                            num_stages=num_stages or table.attn_stages, loop=loop or table.loop,
+                            sparse_pages_per_split=(table.sparse_pps if sparse_pages_per_split is None
                                                     else sparse_pages_per_split))

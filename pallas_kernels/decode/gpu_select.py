@@ -11,7 +11,7 @@ flattened (request, page) work list. The index queries of all rows and groups of
 ``[R, Di] x [Di, page]`` product per page gives every row's token scores; the program keeps the max
 over the page's tokens. Pages past the last row's local page are skipped (never read). fp8 index
 keys are dequantised by a per-token scale applied to the scores. Launch defaults come from a table
-keyed by the key dtype and a size class of the work (``gpu_config.CONFIG["score"]``, ``SCORE_CLASSES``).
+keyed by the key dtype and a size class of the work (``gpu_config.LaunchTable.score``, ``SCORE_CLASSES``).
 
 ``select_pages_gpu``: the scoring kernel, then one selection program per (request, row x group)
 that holds the row's page scores in registers and extracts the best page ``K - 1`` times (ties to
@@ -32,7 +32,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.decode.common import compute_dtype, dot_nt, next_pow2, pad_rows
-from pallas_kernels.decode.gpu_config import CONFIG, EVICT, SCORE_STATIC, pages_per_program, score_launch
+from pallas_kernels.decode.gpu_config import (DEFAULT_TABLE, EVICT, SCORE_STATIC, LaunchTable, pages_per_program,
+                                              score_launch)
 
 __all__ = ["page_scores_gpu", "select_pages_gpu"]
 
@@ -386,45 +387,49 @@ def _select(qi, ki_pages, page_table, q_positions, ki_scale, *, page, topk, init
 
 def page_scores_gpu(qi, ki_pages, page_table, q_positions, ki_scale=None, *, interpret=False, ppp=None,
                     num_warps=None, num_stages=None, loop=None, unroll=None, f16=None, programs=None, evict=None,
-                    size_class=None):
+                    size_class=None, table: LaunchTable | None = None):
     """See ``_page_scores_raw``: raw page scores ``[B, Hi, Q, NP]`` f32. Launch parameters left as None
-    come from ``CONFIG["score"]`` for the key dtype and ``size_class`` (None = the size class of
-    B * NP; see ``score_launch``)."""
+    come from ``table.score`` (None = ``gpu_config.DEFAULT_TABLE``) for the key dtype and ``size_class``
+    (None = the size class of B * NP; see ``score_launch``)."""
     launch = score_launch(ki_pages.dtype, ppp, num_warps, num_stages, loop, unroll, f16,
                            total_pages=qi.shape[0] * page_table.shape[1], size_class=size_class,
-                           programs=programs, evict=evict)
+                           programs=programs, evict=evict, table=table)
     return _page_scores(qi, ki_pages, page_table, q_positions, ki_scale, interpret=interpret, **launch)
 
 
 def select_pages_gpu(qi, ki_pages, page_table, q_positions, ki_scale=None, *, topk, init_blocks=0, local_blocks=1,
                      interpret=False, ppp=None, num_warps=None, num_stages=None, loop=None, unroll=None,
-                     f16=None, programs=None, evict=None, size_class=None, select_splits=None):
+                     f16=None, programs=None, evict=None, size_class=None, select_splits=None,
+                     table: LaunchTable | None = None):
     """Page scoring plus in-kernel top-(K-1) selection: logical page ids ``[B, Hi, Q, K]`` int32.
 
     Args: qi ``[B, Q, Hi, Di]``; ki_pages ``[P, page, Di]``; page_table ``[B, NP]`` int32;
       q_positions ``[B, Q]`` int32 (-1 = padding row); ki_scale ``[P, page]`` f32 or None; topk,
       init_blocks, local_blocks: as ``minimax_jax.ops.paged.msa_decode_select``; ppp ... evict: the
-      scoring kernel's launch (``_page_scores_raw``; None = the ``CONFIG["score"]`` entry of the key
+      scoring kernel's launch (``_page_scores_raw``; None = the ``table.score`` entry of the key
       dtype and ``size_class``, itself None = the size class of B * NP; see ``score_launch``);
       select_splits: slices per score row of the selection, a power of two S (at most the padded page
-      width W) or "auto"; None = ``CONFIG["select_splits"]``, lowered to W where W is smaller. S = 1:
+      width W) or "auto"; None = ``table.select_splits``, lowered to W where W is smaller. S = 1:
       one program per (request, row x group) keeps the row's page scores in registers and extracts the
       maximum ``K - 1`` times (no sort). S > 1: S programs per row each select from ``W / S`` pages,
       then one program per row merges the ``S`` candidate lists (``_select_rows``); the ids are
-      exactly those of S = 1 for every input (ties included).
+      exactly those of S = 1 for every input (ties included);
+      table: the launch defaults (``gpu_config.LaunchTable``; None = ``gpu_config.DEFAULT_TABLE``).
     Returns the same sets and order as ``minimax_jax.ops.paged.select_from_page_scores`` (forced
     pages first in ascending id, then by score descending with ties to the lower id, the local page
     in the last valid slot, ``-1`` after).
     Raises ValueError for a bad ``select_splits`` (not a power of two >= 1 / "auto", or above W), a bad
     scoring launch (``_check_score_options``) or an unknown ``size_class``.
     """
+    table = DEFAULT_TABLE if table is None else table
     npg = page_table.shape[1]
     launch = score_launch(ki_pages.dtype, ppp, num_warps, num_stages, loop, unroll, f16,
-                           total_pages=qi.shape[0] * npg, size_class=size_class, programs=programs, evict=evict)
+                           total_pages=qi.shape[0] * npg, size_class=size_class, programs=programs, evict=evict,
+                           table=table)
     _check_score_options(launch["unroll"], launch["programs"], launch["evict"])
     if select_splits is None:
         # The default applies where it fits: at most one slice per page of the padded score width.
-        select_splits = CONFIG.get("select_splits", 1)
+        select_splits = table.select_splits
         if isinstance(select_splits, int) and not isinstance(select_splits, bool):
             width = _score_width(qi.shape[0], npg, launch["ppp"], launch["unroll"], launch["programs"])
             select_splits = max(1, min(select_splits, width))

@@ -26,8 +26,12 @@ def test_score_candidate_families():
     assert len(pers) == 27 and all(c["f16"] and c["unroll"] == 1 for c in pers)
     ev = msa_decode.score_candidates("bf16", "evict", sms=10)
     assert all(c["evict"] == "evict_first" for c in ev) and {c.get("programs") for c in ev} == {0, 20}
-    for e in gpu_config.CONFIG["score"]["bf16"].values():                        # the current table entries, streamed
+    for e in gpu_config.DEFAULT_TABLE.score["bf16"].values():                    # the table's entries, streamed
         assert dict(gpu_config.SCORE_LAUNCH_BASE, **e, evict="evict_first") in ev
+    import dataclasses
+    mine = dataclasses.replace(gpu_config.DEFAULT_TABLE, score={"bf16": {"small": dict(ppp=2)}, "fp8": {}})
+    ev_mine = msa_decode.score_candidates("bf16", "evict", sms=10, table=mine)       # an explicit table's entries
+    assert ev_mine[0] == dict(gpu_config.SCORE_LAUNCH_BASE, ppp=2, evict="evict_first") and len(ev_mine) == 5
     both = msa_decode.family_candidates("bf16", ["narrow", "persistent", "narrow"], sms=10)
     assert len(both) == len(narrow) + 27                                   # duplicates dropped
     with pytest.raises(ValueError, match="unknown score family"):
@@ -62,15 +66,12 @@ def test_pick_score_configs_per_case_and_class():
 
 def test_sweep_scores_installs_per_size_class(monkeypatch):
     """sweep_scores (interpret mode) times the table's launch and the candidates at two cases of different
-    size classes; install_score_configs puts each class's winner into gpu_config.CONFIG["score"] over the base;
-    a spent sweep budget leaves the candidates untimed, never the default."""
-    import copy
-
+    size classes; install_score_configs returns a copy of the launch table with each class's winner over the
+    base (the default table unchanged); a spent sweep budget leaves the candidates untimed, never the default."""
     import jax.numpy as jnp
 
     from pallas_kernels.decode import gpu_config
     monkeypatch.setattr(gpu_config, "SCORE_CLASSES", (("small", 16), ("large", None)))
-    monkeypatch.setitem(gpu_config.CONFIG, "score", copy.deepcopy(gpu_config.CONFIG["score"]))
     cands = {"bf16": [dict(num_warps=1, num_stages=2, programs=3)], "fp8": [dict(ppp=2, f16=True)]}
     rows = msa_decode.sweep_scores([(1, 1024), (3, 1024)], 1, cands, l2_bytes=1, interpret=True)
     assert len(rows) == 2 * 2 * 2 and all("ms" in r and r["wall_s"] > 0 for r in rows)
@@ -80,12 +81,15 @@ def test_sweep_scores_installs_per_size_class(monkeypatch):
     per_case, _ = msa_decode.pick_score_configs(rows)
     assert set(per_case["bf16"]) == {"1x1024", "3x1024"}
     pick = {"bf16": {"small": {"config": cands["bf16"][0]}}, "fp8": {"large": {"config": cands["fp8"][0]}}}
-    before = copy.deepcopy(gpu_config.CONFIG["score"])
-    table = msa_decode.install_score_configs(pick)
+    before = gpu_config.DEFAULT_TABLE.to_dict()["score"]
+    table = msa_decode.install_score_configs(pick).score
     assert table["bf16"]["small"] == dict(gpu_config.SCORE_LAUNCH_BASE, **cands["bf16"][0])
     assert table["fp8"]["large"] == dict(gpu_config.SCORE_LAUNCH_BASE, ppp=2, f16=True)
     assert table["bf16"]["large"] == before["bf16"]["large"] and table["fp8"]["small"] == before["fp8"]["small"]
-    assert gpu_config.score_launch(jnp.bfloat16, total_pages=8)["programs"] == 3
+    tuned = msa_decode.install_score_configs(pick, gpu_config.DEFAULT_TABLE)
+    assert gpu_config.score_launch(jnp.bfloat16, total_pages=8, table=tuned)["programs"] == 3
+    assert gpu_config.DEFAULT_TABLE.to_dict()["score"] == before                    # nothing written into it
+    assert gpu_config.score_launch(jnp.bfloat16, total_pages=8)["programs"] == 0
     spent = msa_decode.sweep_scores([(1, 1024)], 1, cands, l2_bytes=1, interpret=True, budget_s=0.0)
     assert [("ms" in r, "skipped" in r) for r in spent] == [(True, False), (False, True)] * 2   # defaults only
 

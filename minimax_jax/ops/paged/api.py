@@ -51,7 +51,8 @@ def _check(op, q, k_pages, page_table, q_positions):
 
 
 def paged_attention(q, k_pages, v_pages, page_table, q_positions, *, k_scale=None, v_scale=None,
-                    block_ids=None, sliding_window=None, implementation="auto", pages_per_split=None):
+                    block_ids=None, sliding_window=None, implementation="auto", pages_per_split=None,
+                    launch_table=None):
     """GQA decode attention over a paged cache (dense, or MSA-sparse with ``block_ids``).
 
     Args:
@@ -64,6 +65,8 @@ def paged_attention(q, k_pages, v_pages, page_table, q_positions, *, k_scale=Non
       sliding_window: None or a window in tokens (xla only).
       implementation: see the module docstring.
       pages_per_split: pages per split-KV program of the dense GPU kernel (None = its default).
+      launch_table: launch defaults of the GPU kernels (``pallas_kernels.decode.gpu_config.LaunchTable``;
+        None = its ``DEFAULT_TABLE``); other implementations ignore it.
     Returns: ``(o [B, Q, H, D] q.dtype, lse [B, Q, H] float32)`` (natural log of the softmax
       denominator over the scaled logits; ``-inf`` for rows that see no key).
     Raises: ValueError for bad shapes; ImplementationUnavailable.
@@ -76,11 +79,12 @@ def paged_attention(q, k_pages, v_pages, page_table, q_positions, *, k_scale=Non
         block_ids = block_ids.astype(jnp.int32)
     return registry.dispatch(op, implementation, q, k_pages, v_pages, page_table.astype(jnp.int32),
                              q_positions.astype(jnp.int32), k_scale=k_scale, v_scale=v_scale, block_ids=block_ids,
-                             sliding_window=sliding_window, pages_per_split=pages_per_split)
+                             sliding_window=sliding_window, pages_per_split=pages_per_split,
+                             launch_table=launch_table)
 
 
 def msa_decode_select(qi, ki_pages, page_table, q_positions, *, ki_scale=None, topk, init_blocks=0,
-                      local_blocks=1, implementation="auto"):
+                      local_blocks=1, implementation="auto", launch_table=None):
     """Per-row, per-group page selection for MSA decode (MSA_SPEC.md section 5).
 
     Args:
@@ -88,6 +92,7 @@ def msa_decode_select(qi, ki_pages, page_table, q_positions, *, ki_scale=None, t
       ki_pages: ``[P, page, Di]`` index keys; ki_scale: ``[P, page]`` f32 for fp8, else None.
       page_table: ``[B, NP]`` int32; q_positions: ``[B, Q]`` int32 (-1 = padding row).
       topk, init_blocks, local_blocks: as ``minimax_jax.ops.msa.msa_select_blocks``.
+      launch_table: as ``paged_attention``.
     Returns: ``[B, Hi, Q, K]`` int32 logical page ids; reference order for "xla", any order for
       kernels (compare sets); ``-1`` padded; the local page always present for valid rows.
     Raises: ValueError; ImplementationUnavailable.
@@ -100,16 +105,17 @@ def msa_decode_select(qi, ki_pages, page_table, q_positions, *, ki_scale=None, t
                          f"do not match qi {qi.shape}")
     return registry.dispatch(op, implementation, qi, ki_pages, page_table.astype(jnp.int32),
                              q_positions.astype(jnp.int32), ki_scale=ki_scale, topk=topk, init_blocks=init_blocks,
-                             local_blocks=local_blocks)
+                             local_blocks=local_blocks, launch_table=launch_table)
 
 
 def msa_decode(q, qi, k_pages, v_pages, ki_pages, page_table, q_positions, *, k_scale=None, v_scale=None,
-               ki_scale=None, topk, init_blocks=0, local_blocks=1, implementation="auto"):
+               ki_scale=None, topk, init_blocks=0, local_blocks=1, implementation="auto", launch_table=None):
     """``msa_decode_select`` then ``paged_attention(block_ids=...)``. Returns ``(o, lse, block_ids)``."""
     ids = msa_decode_select(qi, ki_pages, page_table, q_positions, ki_scale=ki_scale, topk=topk,
-                            init_blocks=init_blocks, local_blocks=local_blocks, implementation=implementation)
+                            init_blocks=init_blocks, local_blocks=local_blocks, implementation=implementation,
+                            launch_table=launch_table)
     o, lse = paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale=k_scale, v_scale=v_scale,
-                             block_ids=ids, implementation=implementation)
+                             block_ids=ids, implementation=implementation, launch_table=launch_table)
     return o, lse, ids
 
 

@@ -6,6 +6,8 @@ validated arguments, plus a ``supports`` check:
 - ``msa_decode_select``: every kernel serves every call. GPU: the scoring kernel plus the in-kernel
   top-k (``"msa_decode_select.topk": "pallas_gpu"``); TPU: the Mosaic scoring kernel, then the
   selection from the scores in XLA (``jax.lax.top_k``; ``"msa_decode_select.topk": "xla"``).
+The GPU kernels take the op's ``launch_table`` (``pallas_kernels.decode.gpu_config.LaunchTable``;
+None = its ``DEFAULT_TABLE``); the TPU kernels have none and ignore it.
 Names: ``pallas_gpu`` (Triton) / ``pallas_tpu`` (Mosaic, page tables via scalar prefetch), compiled
 on their platform, and ``pallas_gpu_interpret`` / ``pallas_tpu_interpret`` (the same kernels in
 Pallas interpret mode, any platform; CPU tests).
@@ -29,24 +31,26 @@ def _no_window(*args, sliding_window=None, **kw) -> str | None:
 
 
 def _attention_gpu(q, k_pages, v_pages, page_table, q_positions, *, k_scale, v_scale, block_ids, sliding_window,
-                   pages_per_split, interpret):
+                   pages_per_split, launch_table, interpret):
     return paged_attention_gpu(q, k_pages, v_pages, page_table, q_positions, k_scale, v_scale, block_ids,
-                               interpret=interpret, pages_per_split=pages_per_split)
+                               interpret=interpret, pages_per_split=pages_per_split, table=launch_table)
 
 
 def _attention_tpu(q, k_pages, v_pages, page_table, q_positions, *, k_scale, v_scale, block_ids, sliding_window,
-                   pages_per_split, interpret):
+                   pages_per_split, launch_table, interpret):
     return paged_attention_tpu(q, k_pages, v_pages, page_table, q_positions, k_scale, v_scale, block_ids,
                                interpret=interpret)
 
 
-def _select_gpu(qi, ki_pages, page_table, q_positions, *, ki_scale, topk, init_blocks, local_blocks, interpret):
+def _select_gpu(qi, ki_pages, page_table, q_positions, *, ki_scale, topk, init_blocks, local_blocks, launch_table,
+                interpret):
     record_implementation("msa_decode_select.topk", "pallas_gpu")
     return select_pages_gpu(qi, ki_pages, page_table, q_positions, ki_scale, topk=topk, init_blocks=init_blocks,
-                            local_blocks=local_blocks, interpret=interpret)
+                            local_blocks=local_blocks, interpret=interpret, table=launch_table)
 
 
-def _select_tpu(qi, ki_pages, page_table, q_positions, *, ki_scale, topk, init_blocks, local_blocks, interpret):
+def _select_tpu(qi, ki_pages, page_table, q_positions, *, ki_scale, topk, init_blocks, local_blocks, launch_table,
+                interpret):
     record_implementation("msa_decode_select.topk", "xla")
     scores = page_scores_tpu(qi, ki_pages, page_table, q_positions, ki_scale, interpret=interpret)
     return select_from_page_scores(scores, q_positions, ki_pages.shape[1], topk=topk, init_blocks=init_blocks,

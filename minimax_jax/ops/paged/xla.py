@@ -35,8 +35,8 @@ def _gather_kv(pages, scale, page_table, dtype):
 
 
 def paged_attention(q, k_pages, v_pages, page_table, q_pos, *, k_scale, v_scale, block_ids, sliding_window,
-                    pages_per_split=None):
-    """Reference of ``paged_attention`` (``pages_per_split`` tunes only the GPU kernel)."""
+                    pages_per_split=None, launch_table=None):
+    """Reference of ``paged_attention`` (``pages_per_split`` and ``launch_table`` tune only the GPU kernel)."""
     b, nq, h, d = q.shape
     g, _, p, _ = k_pages.shape
     k = _gather_kv(k_pages, k_scale, page_table, jnp.float32)
@@ -85,8 +85,10 @@ def select_from_page_scores(scores, q_positions, page_size, *, topk, init_blocks
     return select_from_block_scores(s, local, topk=topk, init_blocks=init_blocks, local_blocks=local_blocks)
 
 
-def msa_decode_select(qi, ki_pages, page_table, q_positions, *, ki_scale, topk, init_blocks, local_blocks):
-    """Reference of ``msa_decode_select``: ``page_scores`` then ``select_from_page_scores``."""
+def msa_decode_select(qi, ki_pages, page_table, q_positions, *, ki_scale, topk, init_blocks, local_blocks,
+                      launch_table=None):
+    """Reference of ``msa_decode_select``: ``page_scores`` then ``select_from_page_scores`` (``launch_table``
+    tunes only the GPU kernels)."""
     scores = page_scores(qi, ki_pages, ki_scale, page_table)
     return select_from_page_scores(scores, q_positions, ki_pages.shape[1], topk=topk, init_blocks=init_blocks,
                                    local_blocks=local_blocks)

@@ -5,7 +5,7 @@ Q in {1, 2, 8, 16}, float32 / bf16 / fp8 e4m3 caches, the all-equal-scores tie c
 (two-stage) top-k selection equals the single-stage one exactly; sparse attention with several
 selected pages per program equals one page per program; the persistent page scorer equals the chunked
 one bit for bit (and the XLA reference / oracle); the scoring launch is chosen per size class of the
-work from ``CONFIG["score"]``.
+work from the launch table's ``score`` (``gpu_config.LaunchTable``: read-only, passed explicitly).
 """
 
 from __future__ import annotations
@@ -214,26 +214,27 @@ def test_split_select_matches_single_stage(kv_dtype, init_blocks, local_blocks):
 
 
 def test_split_select_config_default():
-    """select_splits=None takes CONFIG["select_splits"] (4 by default, from the H200 sweep)."""
+    """select_splits=None takes the table's select_splits (DEFAULT_TABLE: 4, from the sweep; an explicit
+    table's own value otherwise)."""
+    import dataclasses
+
     import numpy as np
 
     from pallas_kernels.decode import gpu_config, gpu_select
     from tests.ops.paged.test_decode_oracle import K, make_case
 
-    assert gpu_config.CONFIG["select_splits"] == 4 and gpu_config.CONFIG["sparse_pps"] == 4
+    assert gpu_config.DEFAULT_TABLE.select_splits == 4 and gpu_config.DEFAULT_TABLE.sparse_pps == 4
     c = make_case(np.random.default_rng(), 1, kv_dtype="bfloat16", index_dtype="bfloat16")
     args = (c["qi"], c["ki"], c["table"], c["pos"], c["ki_scale"])
     base = np.asarray(gpu_select.select_pages_gpu(*args, topk=K, interpret=True, select_splits=1))
-    old = gpu_config.CONFIG["select_splits"]
-    try:
-        gpu_config.CONFIG["select_splits"] = 1
-        np.testing.assert_array_equal(np.asarray(gpu_select.select_pages_gpu(*args, topk=K, interpret=True)), base)
-    finally:
-        gpu_config.CONFIG["select_splits"] = old
+    one = dataclasses.replace(gpu_config.DEFAULT_TABLE, select_splits=1)
+    np.testing.assert_array_equal(np.asarray(gpu_select.select_pages_gpu(*args, topk=K, interpret=True, table=one)),
+                                  base)
+    assert gpu_config.DEFAULT_TABLE.select_splits == 4
 
 
 def test_config_splits_fit_narrow_score_rows():
-    """The CONFIG default (4 slices) is lowered to the padded score width when fewer pages exist (one
+    """The default table's select_splits (4 slices) is lowered to the padded score width when fewer pages exist (one
     page per program, two pages: W = 2); an explicit S above W still raises."""
     import jax.numpy as jnp
     import numpy as np
@@ -242,7 +243,7 @@ def test_config_splits_fit_narrow_score_rows():
     qi = jnp.asarray(np.random.default_rng().normal(size=(1, 1, 2, 16)), jnp.float32)
     ki = jnp.asarray(np.random.default_rng().normal(size=(3, 8, 16)), jnp.float32)
     table, pos = jnp.asarray([[2, 1]], jnp.int32), jnp.full((1, 1), 15, jnp.int32)
-    assert gpu_config.CONFIG["select_splits"] > 2
+    assert gpu_config.DEFAULT_TABLE.select_splits > 2
     got = gpu_select.select_pages_gpu(qi, ki, table, pos, topk=2, interpret=True, ppp=1)
     want = gpu_select.select_pages_gpu(qi, ki, table, pos, topk=2, interpret=True, ppp=1, select_splits=1)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
@@ -365,45 +366,51 @@ def test_persistent_scoring_matches_chunked(nq, kv_dtype, f16):
 
 @pytest.mark.parametrize("nq,kv_dtype", [(1, "bfloat16"), (2, "float8_e4m3fn"), (8, "float32"), (16, "bfloat16")])
 def test_persistent_table_matches_oracle(nq, kv_dtype, monkeypatch):
-    """A persistent launch in every size class of ``CONFIG["score"]``: the op path
-    (``implementation="pallas_gpu_interpret"``, launch from the table) gives the NumPy oracle's selection (sets and order) and attention."""
-    import copy
+    """A persistent launch in every size class of a launch table's ``score``: the op path
+    (``implementation="pallas_gpu_interpret"``, ``launch_table=`` the table) gives the NumPy oracle's selection
+    (sets and order) and attention."""
+    import dataclasses
 
-    from pallas_kernels.decode import gpu_config
+    from pallas_kernels.decode import gpu_config, gpu_select
 
-    table = copy.deepcopy(gpu_config.CONFIG["score"])
-    for by_cls in table.values():
-        for cls in by_cls:
-            by_cls[cls] = dict(by_cls[cls], programs=3)
-    monkeypatch.setitem(gpu_config.CONFIG, "score", table)
-    check_against_oracle("pallas_gpu_interpret", nq, kv_dtype, ordered=True)
+    score = {label: {cls: dict(e, programs=3) for cls, e in by_cls.items()}
+             for label, by_cls in gpu_config.DEFAULT_TABLE.score.items()}
+    table = dataclasses.replace(gpu_config.DEFAULT_TABLE, score=score)
+    seen = []
+    real = gpu_select._select
+    monkeypatch.setattr(gpu_select, "_select", lambda *a, **k: seen.append(k) or real(*a, **k))
+    check_against_oracle("pallas_gpu_interpret", nq, kv_dtype, ordered=True, launch_table=table)
+    assert seen and all(k["programs"] == 3 for k in seen)                    # the table reached the launch
 
 
 def test_size_class_picks_the_launch(monkeypatch):
-    """``CONFIG["score"]`` entries are chosen by the size class of B * NP (``SCORE_CLASSES``) when the
-    call is traced; explicit kwargs override them key by key; ``size_class`` forces a class; a class
+    """A launch table's ``score`` entries are chosen by the size class of B * NP (``SCORE_CLASSES``) when
+    the call is traced; explicit kwargs override them key by key; ``size_class`` forces a class; a class
     missing from the table runs ``SCORE_LAUNCH_BASE``. Every class's launch gives the same scores
     (bit for bit on the scored pages) and ids."""
+    import dataclasses
+    import functools
+
     import jax.numpy as jnp
     import numpy as np
 
     from pallas_kernels.decode import gpu_config, gpu_select
 
     monkeypatch.setattr(gpu_config, "SCORE_CLASSES", (("small", 16), ("mid", 40), ("large", None)))
-    monkeypatch.setitem(gpu_config.CONFIG, "score", {
+    launch_table = dataclasses.replace(gpu_config.DEFAULT_TABLE, score={
         "bf16": {"small": dict(programs=3, num_warps=1), "mid": dict(ppp=2, num_warps=2),
                  "large": dict(ppp=4, unroll=2, evict="evict_first")},
         "fp8": {"small": dict(ppp=4, f16=True), "large": dict(programs=5, f16=True)}})
     assert [gpu_config.score_size_class(n) for n in (None, 1, 16, 17, 40, 41, 10 ** 9)] == \
         ["small", "small", "small", "mid", "mid", "large", "large"]
-    launch = gpu_config.score_launch
+    launch = functools.partial(gpu_config.score_launch, table=launch_table)
     assert launch(jnp.bfloat16, total_pages=10)["programs"] == 3
     mid = launch(jnp.bfloat16, total_pages=30)
     assert (mid["ppp"], mid["num_warps"], mid["programs"]) == (2, 2, 0)
     assert launch(jnp.bfloat16, 8, total_pages=30, programs=7)["programs"] == 7      # explicit kwargs win
     assert launch(jnp.bfloat16, 8, total_pages=30, programs=7)["ppp"] == 8
     assert launch(jnp.float8_e4m3fn, total_pages=30) == dict(gpu_config.SCORE_LAUNCH_BASE,
-                                                              loop=gpu_config.CONFIG["loop"])
+                                                              loop=launch_table.loop)
     assert launch(jnp.float32, size_class="large", total_pages=1)["evict"] == "evict_first"
     with pytest.raises(ValueError, match="unknown size class"):
         launch(jnp.bfloat16, size_class="huge")
@@ -417,14 +424,14 @@ def test_size_class_picks_the_launch(monkeypatch):
     got = {}
     for b, cls in ((5, None), (1, None), (2, None), (5, "small"), (5, "mid")):
         got[(b, cls)] = np.asarray(_jit(gpu_select.page_scores_gpu, qi[:b], ki, table[:b], pos[:b], ks, interpret=True,
-                                        size_class=cls))
+                                        size_class=cls, table=launch_table))
     assert [k["programs"] for k in seen] == [0, 3, 0, 3, 0]                   # large, small, mid, small, mid
     assert seen[0]["unroll"] == 2 and seen[2]["ppp"] == 2 and seen[4]["ppp"] == 2
     for (b, cls), sc in got.items():
         for r in range(b):
             np.testing.assert_array_equal(sc[r, ..., :n_score[r]], got[(5, None)][r, ..., : n_score[r]])
     ids = {cls: np.asarray(_jit(gpu_select.select_pages_gpu, qi, ki, table, pos, ks, topk=4, interpret=True,
-                                size_class=cls))
+                                size_class=cls, table=launch_table))
            for cls in ("small", "mid", "large")}
     np.testing.assert_array_equal(ids["small"], ids["large"])
     np.testing.assert_array_equal(ids["mid"], ids["large"])
@@ -452,3 +459,48 @@ def test_bad_scoring_launch_raises():
     got = select_pages_gpu(qi, ki, table, pos, topk=2, interpret=True, programs=3)
     want = select_pages_gpu(qi, ki, table, pos, topk=2, interpret=True, ppp=1, select_splits=1)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_default_table_is_read_only_and_explicit_tables_reach_the_launch(monkeypatch):
+    """``DEFAULT_TABLE`` (and ``SCORE_LAUNCH_BASE``) cannot be mutated at any level; a replaced table keeps
+    the default intact and its values reach the launch: ``score_launch`` returns them, and the attention
+    entry point passes the table's attn_warps / attn_stages / loop / sparse_pps to the kernel (the
+    default table's values when ``table`` is None)."""
+    import dataclasses
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels.decode import gpu_attention, gpu_config
+
+    d = gpu_config.DEFAULT_TABLE
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        d.loop = "static"
+    with pytest.raises(TypeError):
+        d.score["bf16"]["small"]["ppp"] = 1
+    with pytest.raises(TypeError):
+        d.score["bf16"]["tiny"] = {}
+    with pytest.raises(TypeError):
+        gpu_config.SCORE_LAUNCH_BASE["num_warps"] = 8
+    score = d.to_dict()["score"]
+    score["bf16"]["small"] = dict(num_warps=8, num_stages=1, ppp=2, evict="evict_first")
+    t = dataclasses.replace(d, loop="static", score=score, attn_warps=8, attn_stages=3, sparse_pps=2)
+    score["bf16"]["small"]["ppp"] = 64                         # the table holds its own copy
+    got = gpu_config.score_launch(jnp.bfloat16, total_pages=1, table=t)
+    assert got == dict(gpu_config.SCORE_LAUNCH_BASE, num_warps=8, num_stages=1, ppp=2, evict="evict_first",
+                       loop="static")
+    assert gpu_config.score_launch(jnp.bfloat16, total_pages=1) == dict(gpu_config.SCORE_LAUNCH_BASE,
+                                                                        **d.score["bf16"]["small"], loop="dynamic")
+    assert d.score["bf16"]["small"]["ppp"] == 8 and d.loop == "dynamic" and t != d and hash(t) != hash(d)
+    assert dataclasses.replace(d) == d and hash(dataclasses.replace(d)) == hash(d)
+
+    seen = []
+    real = gpu_attention._paged_attention
+    q, kp = jnp.zeros((1, 1, 2, 16)), jnp.zeros((1, 3, 8, 16))
+    pt, pos, ids = jnp.asarray([[1, 2]], jnp.int32), jnp.full((1, 1), 9, jnp.int32), jnp.asarray([[[[0, 1]]]])
+    monkeypatch.setattr(gpu_attention, "_paged_attention", lambda *a, **k: seen.append(k) or real(*a, **k))
+    for table in (None, t):
+        o, _ = gpu_attention.paged_attention_gpu(q, kp, kp, pt, pos, block_ids=ids, interpret=True, table=table)
+        assert np.all(np.isfinite(np.asarray(o)))
+    pick = lambda k: (k["num_warps"], k["num_stages"], k["loop"], k["sparse_pages_per_split"])
+    assert [pick(k) for k in seen] == [(4, 2, "dynamic", 4), (8, 3, "static", 2)]

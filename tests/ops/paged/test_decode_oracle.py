@@ -82,16 +82,17 @@ def make_case(rng, nq, kv_dtype="float32", index_dtype="float32", b=2, npg=12):
                         ki=deq(kiq, kis), table=table, pos=pos))
 
 
-def _select(c, impl, topk=K):
+def _select(c, impl, topk=K, launch_table=None):
     # under jit: one compile of the op instead of one per eager primitive
     def f(qi, ki, table, pos, ki_scale):
-        return ops.msa_decode_select(qi, ki, table, pos, ki_scale=ki_scale, topk=topk, implementation=impl)
+        return ops.msa_decode_select(qi, ki, table, pos, ki_scale=ki_scale, topk=topk, implementation=impl,
+                                     launch_table=launch_table)
     return jax.jit(f)(c["qi"], c["ki"], c["table"], c["pos"], c["ki_scale"])
 
 
-def _attend(c, impl, ids):
+def _attend(c, impl, ids, launch_table=None):
     def f(q, k, v, table, pos, k_scale, v_scale, ids):
-        kw = dict(k_scale=k_scale, v_scale=v_scale, block_ids=ids)
+        kw = dict(k_scale=k_scale, v_scale=v_scale, block_ids=ids, launch_table=launch_table)
         if impl == "pallas_gpu_interpret":                  # several dense splits at these sizes
             kw["pages_per_split"] = 3
         return ops.paged_attention(q, k, v, table, pos, implementation=impl, **kw)
@@ -100,30 +101,32 @@ def _attend(c, impl, ids):
 
 
 
-def check_against_oracle(impl, nq, kv_dtype, ordered=True):
-    """Selection (sets, and the reference order when ``ordered``) plus dense and sparse attention."""
+def check_against_oracle(impl, nq, kv_dtype, ordered=True, launch_table=None):
+    """Selection (sets, and the reference order when ``ordered``) plus dense and sparse attention;
+    ``launch_table``: the ops' ``launch_table`` (GPU kernels' launch defaults; None = the default table)."""
     rng = np.random.default_rng()
     c = make_case(rng, nq, kv_dtype=kv_dtype, index_dtype=kv_dtype)
     n = c["np"]
     # Kernels compute bf16 / fp8 caches with bf16 matmul operands: the index queries they rank with
     # are the bf16-rounded ones (otherwise near-ties could legitimately flip).
-    # The GPU scorer's f16 product for fp8 keys (CONFIG["score"]["fp8"][size class]["f16"]) rounds them to float16
+    # The GPU scorer's f16 product for fp8 keys (LaunchTable.score["fp8"][size class]["f16"]) rounds them to float16
     # instead: the oracle must rank with the same rounding (with bf16 ones, ~1 in 30 random cases
     # flipped a near-tie).
     exact = impl == "xla" or kv_dtype == "float32"
     seen_dt = jnp.bfloat16
     if impl == "pallas_gpu_interpret" and jnp.dtype(kv_dtype).itemsize == 1:
-        seen_dt = jnp.float16 if score_launch(jnp.dtype(kv_dtype), *[None] * 6)["f16"] else jnp.bfloat16
+        seen_dt = jnp.float16 if score_launch(jnp.dtype(kv_dtype), *[None] * 6, table=launch_table)["f16"] \
+            else jnp.bfloat16
     qi_seen = n["qi"] if exact else np.asarray(jnp.asarray(n["qi"], seen_dt).astype(jnp.float32), np.float64)
     want_ids = oracle_select(qi_seen, n["ki"], n["table"], n["pos"], K)
-    ids = np.asarray(_select(c, impl))
+    ids = np.asarray(_select(c, impl, launch_table=launch_table))
     assert ids.shape == want_ids.shape and ids.dtype == np.int32
     np.testing.assert_array_equal(np.sort(ids, -1), np.sort(want_ids, -1))      # sets, padded with -1
     if ordered:
         np.testing.assert_array_equal(ids, want_ids)
     tol = 2e-5 if exact else 2e-2
     for block_ids in (None, jnp.asarray(want_ids, jnp.int32)):
-        o, lse = _attend(c, impl, block_ids)
+        o, lse = _attend(c, impl, block_ids, launch_table)
         want_o, want_lse = oracle_attention(n["q"], n["k"], n["v"], n["table"], n["pos"],
                                             None if block_ids is None else want_ids)
         o = np.asarray(o, np.float64)
