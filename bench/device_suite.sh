@@ -26,9 +26,9 @@
 #     SUITE_SMOKE=1 SUITE_TOTAL_S=480 OUT=/tmp/suite bash bench/device_suite.sh
 # Other knobs: SUITE_TOTAL_S, SUITE_{PREFILL,DECODE,MOE,TRAIN}_S (per-part caps), SUITE_WHEELS (wheel
 # folder), SUITE_LC_ARGS (extra long_context_infer.py flags), SUITE_WORK (scratch folder),
-# SUITE_LANE0 / SUITE_LANE1 (the steps of each lane, in order, from: wheels prefill qtile decode moe
+# SUITE_LANE0 / SUITE_LANE1 (the steps of each lane, in order, from: wheels prefill decode moe
 # train_step impl_check flash_test long_context; defaults as above), SUITE_TRAIN_ARGS (extra
-# bench/train_step.py flags, e.g. "--attention-impl pallas_flash_gpu"), SUITE_PREFILL_CASES, SUITE_QTILE_CASES,
+# bench/train_step.py flags, e.g. "--attention-impl pallas_flash_gpu"), SUITE_PREFILL_CASES,
 # SUITE_PREFILL_DENSE_MAX (longest context with a measured cuDNN dense baseline, default 131072; longer
 # ones extrapolate from it by (T/T0)^2), SUITE_MOE_TOKENS, SUITE_LC_CONTEXTS (long-context windows, default 131072,1048576), SUITE_LC_S (its cap),
 # SUITE_EP_S (cap of the ep step after the lanes, default 120; 0 skips it), SUITE_EP_TOKENS (its tokens per
@@ -122,17 +122,6 @@ step_prefill() {
     part prefill "$PREFILL_S" "$PY" bench/msa_prefill.py --out "$WORK/prefill" --small-check \
       --cases "${SUITE_PREFILL_CASES:-m3:131072,m3:1048576,m3:8192,m3:32768,m2:131072,m3:524288,m2:8192,m2:32768,m2:524288,m2:1048576}" \
       --dense-max "${SUITE_PREFILL_DENSE_MAX:-131072}" --deadline-s $((PREFILL_S - 80))
-  fi
-}
-# The query-tiled attention forward variants (pallas_kernels/msa/gpu_attention_qtile.py), no dense baseline.
-step_qtile() {
-  if [ "$SMOKE" = 1 ]; then
-    part qtile "$PREFILL_S" "$PY" bench/msa_prefill.py --out "$WORK/qtile" --interpret --tiny --cases m3:256 \
-      --qtile 4 --dense-max 0 --deadline-s $((PREFILL_S - 40))
-  else
-    part qtile "$PREFILL_S" "$PY" bench/msa_prefill.py --out "$WORK/qtile" --small-check \
-      --cases "${SUITE_QTILE_CASES:-m3:131072,m2:131072}" --qtile 4,4:8:1,8:8 --qtile-ar 0.99 --dense-max 0 \
-      --deadline-s $((PREFILL_S - 60))
   fi
 }
 step_decode() {

@@ -257,6 +257,9 @@ def bench_case(model, t, inp, interpret, dense_max, dense_ref):
         if timings.get(f"dense_{a}") and timings.get(b):
             row[f"speedup_{a}"] = timings[f"dense_{a}"] / timings[b]
     row["flops_dense_fwd"], row["flops_msa_main_fwd"], row["flops_indexer"] = dense_fl, main_f, index_f
+    stats = getattr(jax.devices()[0], "memory_stats", lambda: None)() or {}
+    if "peak_bytes_in_use" in stats:   # process-wide peak so far (cases run in increasing T)
+        row["peak_gib_so_far"] = stats["peak_bytes_in_use"] / 2**30
     return row
 
 
@@ -377,7 +380,7 @@ def main():
     cols = ["model", "T", "indexer_ms", "attn_fwd_ms", "attn_fwd_bwd_ms", "kl_fwd_bwd_ms", "msa_fwd_ms",
             "msa_fwd_bwd_ms", "dense_fwd_ms", "dense_fwd_bwd_ms", "indexer_tflops",
             "attn_fwd_tflops", "attn_fwd_bwd_tflops", "dense_fwd_tflops", "indexer_share_fwd",
-            "speedup_fwd", "speedup_fwd_bwd", "dense_source"]
+            "speedup_fwd", "speedup_fwd_bwd", "peak_gib_so_far", "dense_source"]
     with open(os.path.join(args.out, "msa_prefill.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
         w.writeheader()

@@ -17,9 +17,6 @@ from typing import Any, Mapping
 
 import yaml
 
-import minimax_jax.ops  # noqa: F401  (registers every op's implementations)
-from minimax_jax.ops import registry
-
 __all__ = ["ConfigError", "ModelConfig", "load_config"]
 
 LAYER_TYPES = ("full", "msa", "sliding")
@@ -37,6 +34,19 @@ class ConfigError(ValueError):
 #: ModelConfig field -> the registered op whose ``implementation=`` names it takes (the MSA ops share one set).
 IMPLEMENTATION_FIELDS = {"attention_impl": "attention", "sliding_attention_impl": "attention", "moe_impl": "moe",
                          "msa_impl": "msa_attention"}
+#: Implementation names before the one naming scheme (minimax_jax.ops.registry) -> what they are now.
+RENAMED = {"attention": {"pallas_flash": "pallas_flash_gpu or pallas_flash_tpu"},
+           "moe": {"dense": "xla_dense", "ragged": "xla_ragged", "capacity": "xla_capacity"},
+           "msa_attention": {"pallas_interpret": "pallas_tpu_interpret"}}
+
+
+def _registry():
+    """``minimax_jax.ops.registry`` with every op registered. Imported on first use: importing this
+    module stays free of jax (``minimax_jax.convert`` reads configs without it)."""
+    import minimax_jax.ops  # noqa: F401, PLC0415  (registers every op's implementations)
+    from minimax_jax.ops import registry  # noqa: PLC0415
+
+    return registry
 
 
 def implementation_backends(cfg) -> dict[str, tuple[str, ...]]:
@@ -44,7 +54,9 @@ def implementation_backends(cfg) -> dict[str, tuple[str, ...]]:
     ``{"model.<field>=<name>": (backends...)}`` (``"auto"`` and portable ones are left out)."""
     out = {}
     for field, op in IMPLEMENTATION_FIELDS.items():
-        impl = registry.get_op(op).implementations.get(getattr(cfg, field))
+        if getattr(cfg, field) == "auto":
+            continue
+        impl = _registry().get_op(op).implementations.get(getattr(cfg, field))
         if impl is not None and impl.platforms is not None:
             out[f"model.{field}={impl.name}"] = impl.platforms
     return out
@@ -134,9 +146,13 @@ class ModelConfig:
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         for name, op in IMPLEMENTATION_FIELDS.items():
-            allowed = registry.implementation_names(op)
-            if getattr(self, name) not in allowed:
-                raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if value == "auto":             # every op takes it: no need to import the registry (and jax)
+                continue
+            allowed = _registry().implementation_names(op)
+            if value not in allowed:
+                hint = f" ({value!r} was renamed to {RENAMED[op][value]})" if value in RENAMED.get(op, {}) else ""
+                raise ConfigError(f"{name} must be one of {allowed}, got {value!r}{hint}")
         for name, allowed in (("layer_types", LAYER_TYPES), ("mlp_types", MLP_TYPES)):
             seq = getattr(self, name)
             if len(seq) != self.num_layers:

@@ -1,11 +1,15 @@
 """ModelConfig loading and validation."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
 from minimax_jax.config import ConfigError, ModelConfig, load_config
 from minimax_jax.model import abstract_params, count_params
+from minimax_jax.ops import registry
+from tests.paths import REPO_ROOT
 
 
 def test_real_m2_config_builds_abstractly_with_documented_counts(capsys):
@@ -92,3 +96,24 @@ def test_with_msa_turns_chosen_layers_sparse():
 def test_missing_config_name():
     with pytest.raises(ConfigError, match="no config file"):
         load_config("no-such-model")
+
+
+def test_importing_and_loading_a_config_does_not_import_jax():
+    """minimax_jax.convert reads configs without jax: the registry is imported only to check a name
+    other than "auto"."""
+    code = ("import sys, minimax_jax.config as c; assert 'jax' not in sys.modules; c.load_config('minimax-m2'); "
+            "assert 'jax' not in sys.modules, 'load_config imported jax'; c.load_config('tiny-m2').replace("
+            "moe_impl='xla_ragged'); assert 'jax' in sys.modules")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_an_unknown_implementation_is_a_one_line_error_listing_the_registered_names():
+    cfg = load_config("tiny-m2")
+    for field, op in (("attention_impl", "attention"), ("sliding_attention_impl", "attention"),
+                      ("moe_impl", "moe"), ("msa_impl", "msa_attention")):
+        with pytest.raises(ConfigError) as e:
+            cfg.replace(**{field: "cuda"})
+        assert str(e.value) == f"{field} must be one of {registry.implementation_names(op)}, got 'cuda'"
+    with pytest.raises(ConfigError, match=r"got 'dense' \('dense' was renamed to xla_dense\)$"):
+        ModelConfig.from_dict({"moe_impl": "dense"})

@@ -139,8 +139,11 @@ _ops: dict[str, Op] = {}
 def register(name: str, implementations: Sequence[Implementation], auto: Callable[..., Sequence[str]]) -> Op:
     """Register op ``name`` (once, at import of the module that defines the op). Returns the Op.
 
-    Raises ValueError for a second registration of the same op or two implementations of one name.
+    Raises ValueError for a second registration of the same op or two implementations of one name;
+    TypeError when ``auto`` is not callable.
     """
+    if not callable(auto):
+        raise TypeError(f"{name}: auto must be callable (backend, *args, **kwargs) -> names, got {auto!r}")
     table = {}
     for impl in implementations:
         if impl.name in table or impl.name == "auto":
@@ -173,7 +176,10 @@ def _pick(op: str, implementation: str, args: tuple, kwargs: dict) -> tuple[Impl
     if implementation == "auto":
         reasons = []
         for name in o.auto(backend, *args, **kwargs):
-            impl = o.implementations[name]
+            impl = o.implementations.get(name)
+            if impl is None:
+                raise ValueError(f"{op}: its auto policy named {name!r}, which is not registered; "
+                                 f"registered: {'|'.join(o.implementations)}")
             reason = impl.unavailable(backend, args, kwargs)
             if reason is None:
                 return impl, reasons
@@ -193,7 +199,8 @@ def resolve(op: str, implementation: str, *args, **kwargs) -> Implementation:
     """The implementation ``dispatch`` would run for this call (records nothing).
 
     Raises ImplementationUnavailable for an unknown name, an explicit implementation that cannot serve
-    the call, or an ``"auto"`` list none of whose entries can.
+    the call, or an ``"auto"`` list none of whose entries can; ValueError when the op's ``auto`` names
+    an implementation that is not registered (a registration bug).
     """
     return _pick(op, implementation, args, kwargs)[0]
 

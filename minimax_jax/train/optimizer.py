@@ -8,7 +8,7 @@ Masks:
 - weight decay: off for every norm scale (path contains ``norm``), every bias (path ends in ``bias``)
   and the MoE ``router_bias``; on for the other weights (embedding and lm_head included);
 - trainable: off for ``optim.freeze`` matches and always for ``router_bias`` (it is moved by the
-  aux-loss-free balancing rule, ``minimax_jax.train.balance``). In the MSA warm-up phase with
+  aux-loss-free balancing rule, ``minimax_jax.model.router_bias``). In the MSA warm-up phase with
   ``msa.freeze_backbone_in_warmup`` only the index branch (``index_*``) is trainable.
 
 Frozen leaves go through ``optax.set_to_zero`` inside ``optax.multi_transform`` (no Adam moments are

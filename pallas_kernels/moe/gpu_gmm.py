@@ -339,20 +339,16 @@ def _common_vma(*xs):
 
 # ----------------------------------------------------------------------------- checks
 def _check(lhs, rhs, group_sizes, transpose_rhs):
-    if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.ndim != 1:
-        raise ValueError(f"gmm expects lhs [M, K], rhs [G, K, N] and group_sizes [G]; got {lhs.shape}, "
-                         f"{rhs.shape}, {group_sizes.shape}")
-    if group_sizes.shape[0] != rhs.shape[0]:
-        raise ValueError(f"group_sizes has {group_sizes.shape[0]} groups, rhs has {rhs.shape[0]}")
-    kc = rhs.shape[2] if transpose_rhs else rhs.shape[1]
-    if lhs.shape[1] != kc:
-        raise ValueError(f"contraction mismatch: lhs {lhs.shape} vs rhs {rhs.shape} (transpose_rhs={transpose_rhs})")
-    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-        raise TypeError(f"group_sizes must be integer, got {group_sizes.dtype}")
-    if lhs.dtype != rhs.dtype:
-        raise TypeError(f"lhs and rhs must have the same dtype, got {lhs.dtype} and {rhs.dtype}")
-    if jnp.dtype(lhs.dtype) not in _DTYPES:
-        raise TypeError(f"gmm supports {[str(d) for d in _DTYPES]}, got {lhs.dtype}")
+    """Assert the kernels' preconditions (``minimax_jax.ops.moe.grouped_matmul`` checks them for users)."""
+    assert lhs.ndim == 2 and rhs.ndim == 3 and group_sizes.ndim == 1, (
+        f"gmm expects lhs [M, K], rhs [G, K, N] and group_sizes [G]; got {lhs.shape}, {rhs.shape}, {group_sizes.shape}")
+    assert group_sizes.shape[0] == rhs.shape[0], (
+        f"group_sizes has {group_sizes.shape[0]} groups, rhs has {rhs.shape[0]}")
+    assert lhs.shape[1] == (rhs.shape[2] if transpose_rhs else rhs.shape[1]), (
+        f"contraction mismatch: lhs {lhs.shape} vs rhs {rhs.shape} (transpose_rhs={transpose_rhs})")
+    assert jnp.issubdtype(group_sizes.dtype, jnp.integer), f"group_sizes must be integer, got {group_sizes.dtype}"
+    assert lhs.dtype == rhs.dtype, f"lhs and rhs must have the same dtype, got {lhs.dtype} and {rhs.dtype}"
+    assert jnp.dtype(lhs.dtype) in _DTYPES, f"gmm supports {[str(d) for d in _DTYPES]}, got {lhs.dtype}"
 
 
 # ----------------------------------------------------------------------------- entry points
@@ -371,8 +367,8 @@ def gmm_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, trans
       config: tile config (default ``DEFAULT_CONFIG``); ``config.fold > 0`` turns on
         tail folding (module docstring), with the same result up to fp32 accumulation order.
       interpret: run in Pallas interpret mode (any backend; for CPU tests).
-    Returns: ``[M, N]`` in out_dtype; rows past ``sum(group_sizes)`` are exactly 0.
-    Raises: ValueError on inconsistent shapes; TypeError on dtypes.
+    Returns: ``[M, N]`` in out_dtype; rows past ``sum(group_sizes)`` are exactly 0 (shapes and dtypes
+      asserted as above).
     Math: MegaBlocks (Gale et al. 2022) block-sparse grouped GEMM; see the module docstring.
     """
     _check(lhs, rhs, group_sizes, transpose_rhs)
@@ -409,18 +405,14 @@ def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, out_dtype=N
       config: tile config (output tile ``bk x bn``, ``bm`` rows per step; default
         ``DEFAULT_TGMM_CONFIG``); a ``gpu_tgmm_ws.WsTgmmConfig`` runs ``gpu_tgmm_ws.tgmm_ws``
         instead (bf16 / f16 only, its own shape constraints). interpret: Pallas interpret mode.
-    Returns: ``[G, K, N]``; an empty group's matrix is exactly 0.
-    Raises: ValueError on inconsistent shapes; TypeError on dtypes.
+    Returns: ``[G, K, N]``; an empty group's matrix is exactly 0 (shapes and dtypes asserted as above).
     Math: MegaBlocks (Gale et al. 2022) weight gradient of the grouped GEMM.
     """
-    if lhs.ndim != 2 or dout.ndim != 2 or group_sizes.ndim != 1 or lhs.shape[0] != dout.shape[0]:
-        raise ValueError(f"tgmm expects lhs [M, K], dout [M, N], group_sizes [G]; got {lhs.shape}, {dout.shape}, "
-                         f"{group_sizes.shape}")
-    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-        raise TypeError(f"group_sizes must be integer, got {group_sizes.dtype}")
-    if lhs.dtype != dout.dtype or jnp.dtype(lhs.dtype) not in _DTYPES:
-        raise TypeError(f"tgmm needs lhs and dout of one dtype in {[str(d) for d in _DTYPES]}, got {lhs.dtype}, "
-                        f"{dout.dtype}")
+    assert lhs.ndim == 2 and dout.ndim == 2 and group_sizes.ndim == 1 and lhs.shape[0] == dout.shape[0], (
+        f"tgmm expects lhs [M, K], dout [M, N], group_sizes [G]; got {lhs.shape}, {dout.shape}, {group_sizes.shape}")
+    assert jnp.issubdtype(group_sizes.dtype, jnp.integer), f"group_sizes must be integer, got {group_sizes.dtype}"
+    assert lhs.dtype == dout.dtype and jnp.dtype(lhs.dtype) in _DTYPES, (
+        f"tgmm needs lhs and dout of one dtype in {[str(d) for d in _DTYPES]}, got {lhs.dtype}, {dout.dtype}")
     cfg = config or DEFAULT_TGMM_CONFIG
     lhs, dout, group_sizes = _common_vma(lhs, dout, group_sizes)
     if isinstance(cfg, WsTgmmConfig):    # the warp-specialized Mosaic GPU weight gradient (opt-in)
@@ -484,7 +476,8 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, config: TileC
     Gradients: dlhs = transposed gmm of the cotangent (rows past the sum get 0), drhs = tgmm (empty
       groups get exact 0), none for group_sizes. The cotangent is cast to ``lhs.dtype`` first (a
       bf16 model multiplies bf16 operands with fp32 accumulation, as the forward does).
-    Raises: ValueError on inconsistent shapes; TypeError on dtypes (lhs and rhs must match).
+    Preconditions (asserted; ``minimax_jax.ops.moe.grouped_matmul`` checks them for users): the shapes
+      above, integer group_sizes, lhs and rhs of one dtype. Raises TypeError for a config of the wrong type.
     Math: MegaBlocks (Gale et al. 2022, arXiv 2211.15841) block-sparse grouped GEMM and its
       transposes; module docstring for the kernel layout.
     """

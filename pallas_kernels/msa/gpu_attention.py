@@ -1,24 +1,21 @@
 """MSA block-sparse attention on GPU: Pallas kernels with the Triton lowering (fwd, dq, dk/dv).
 
+The forward is KV-outer (gpu_sparse_fwd.py: each selected K/V block loaded once for all the queries
+that chose it, partial outputs merged by LSE); this module holds the backward kernels and the
+``custom_vjp``.
+
 Math (MSA_SPEC.md section 3): query head h of group r = h // (H/G) attends over the union of the
 keys of its selected blocks (block_ids[b, r, i, :], -1 = unused slot), keeping only visible keys;
 scale 1/sqrt(D); exact softmax with fp32 statistics. Outputs o [B,T,H,D] (q.dtype) and
 lse [B,T,H] f32 (natural log; -inf for a query that sees no key, whose o is 0).
 
-Kernel layout: one program per (query token, kv group, batch row). The H/G query heads of the group
-share the selected blocks, so they are stacked as the M dimension of every matmul (padded to a power
-of two >= 16, the smallest tensor-core tile Triton accepts). Each selected block is gathered from
-HBM with a data-dependent ``pl.ds(start, B)`` (see layout.py for how start is computed).
-The padding exists only in registers: the kernels read q / do / lse / delta and write o / lse / dq
-in their natural [B,T,H,...] layout, rows ``g*H/G + [0, M)`` with a row mask (masked-off rows load
-0, or +inf for lse, and are never stored). Nothing [B,T,G,M,...]-shaped is materialised in HBM:
-at M2 shapes (H/G = 6 -> M = 16) that was 2.7x the size of q per padded copy (at T = 1M: 32 GiB
-each for padded q and o in the forward, padded q, do and dq in the backward).
-
-Backward (``jax.custom_vjp``): delta = rowsum(o * do) in XLA; dq with the same query-outer kernel;
-dk/dv KV-outer: the (token, slot) selections are sorted by the storage tile they touch (stable
-sort, so the order and hence the result is bitwise deterministic) and one program per (tile, group,
-batch row) loops over the selections of its tile. No atomics.
+Backward (``jax.custom_vjp``): delta = rowsum(o * do) in XLA. dq: one program per (query token,
+kv group, batch row); the group's H/G heads are the M rows of every matmul (padded in registers to
+a power of two >= 16, the smallest tensor-core tile Triton accepts; q / do / lse / delta / dq are
+read and written in their natural [B,T,H,...] layout with a row mask, nothing padded in HBM); each
+selected block is gathered with a data-dependent ``pl.ds(start, B)`` (layout.py). dk/dv KV-outer:
+the (token, slot) selections are sorted by the storage tile they touch (stable sort: bitwise
+deterministic) and one program per (tile, group, batch row) loops over them. No atomics.
 """
 
 from __future__ import annotations
@@ -34,6 +31,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.common import searchsorted
 from pallas_kernels.msa import layout
+from pallas_kernels.msa.gpu_sparse_fwd import sparse_fwd_kv_outer
 
 __all__ = ["msa_attention_gpu"]
 
@@ -51,34 +49,6 @@ def _mask(kvp, kvs, n, q_pos, q_seg, blk):
     """Visibility of the B loaded keys for one query and selected block id n: bool [B]."""
     return ((n >= 0) & (kvs == q_seg) & (kvs >= 0) & (kvp <= q_pos)
             & (kvp >= n * blk) & (kvp < n * blk + blk))
-
-
-def _online_softmax_step(s, vb, acc, m_prev, l_prev):
-    """One key block of the online softmax (log2 domain; MSA_SPEC.md section 3).
-
-    s: [M, B] f32 logits already scaled by scale*log2(e), -inf where not visible; vb: [B, Dv];
-    acc [M, Dv], m_prev [M], l_prev [M] f32. Returns the updated (acc, m, l).
-    """
-    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
-    m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
-    corr = jnp.exp2(m_prev - m_safe)
-    p = jnp.exp2(s - m_safe[:, None])
-    l_next = l_prev * corr + jnp.sum(p, axis=1)
-    acc = acc * corr[:, None] + _dot(p.astype(vb.dtype), vb)
-    return acc, m_next, l_next
-
-
-def _online_softmax_init(m_rows, dv):
-    """Initial (acc [M, Dv], m [M], l [M]) of ``_online_softmax_step``."""
-    return (jnp.zeros((m_rows, dv), jnp.float32), jnp.full((m_rows,), -jnp.inf, jnp.float32),
-            jnp.zeros((m_rows,), jnp.float32))
-
-
-def _online_softmax_finish(acc, m_i, l_i, dtype):
-    """(o [M, Dv] in dtype, lse [M] f32 natural log; -inf and o = 0 for rows that saw no key)."""
-    l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
-    o = (acc / l_safe[:, None]).astype(dtype)
-    return o, jnp.where(l_i == 0.0, -jnp.inf, (m_i + jnp.log2(l_safe)) * _LN2)
 
 
 def _group_rows(ref, b, t, g, hg, m_pad):
@@ -109,36 +79,6 @@ def _store_group(ref, b, t, g, hg, m_pad, val):
         view[...] = val
     else:
         pltriton.store(view, val, mask=mask)
-
-
-def _fwd_kernel(q_ref, k_ref, v_ref, ids_ref, start_ref, qpos_ref, qseg_ref, kvpos_ref, kvseg_ref,
-                o_ref, lse_ref, *, blk, topk, scale, hg, m_pad):
-    t = pl.program_id(0)
-    g = pl.program_id(1)
-    b = pl.program_id(2)
-    q = _load_group(q_ref, b, t, g, hg, m_pad)   # [M, D]; q_ref [B,T,H,D]
-    m_rows = q.shape[0]
-    d = v_ref.shape[-1]
-    q_pos = qpos_ref[b, t]
-    q_seg = qseg_ref[b, t]
-    qk_scale = scale * _LOG2E
-
-    def body(kk, carry):
-        acc, m_prev, l_prev = carry
-        n = ids_ref[b, g, t, kk]
-        start = start_ref[b, g, t, kk]
-        sl = pl.ds(start, blk)
-        kb = k_ref[b, sl, g, :]              # [B, D]
-        vb = v_ref[b, sl, g, :]
-        vis = _mask(kvpos_ref[b, sl], kvseg_ref[b, sl], n, q_pos, q_seg, blk)
-        s = _dot(q, kb, trans_b=True) * qk_scale           # [M, B] log2 domain
-        s = jnp.where(vis[None, :], s, -jnp.inf)
-        return _online_softmax_step(s, vb, acc, m_prev, l_prev)
-
-    acc, m_i, l_i = jax.lax.fori_loop(0, topk, body, _online_softmax_init(m_rows, d))
-    o, lse = _online_softmax_finish(acc, m_i, l_i, o_ref.dtype)
-    _store_group(o_ref, b, t, g, hg, m_pad, o)
-    _store_group(lse_ref, b, t, g, hg, m_pad, lse)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, ids_ref, start_ref, qpos_ref,
@@ -234,28 +174,9 @@ def _inverse_map(block_ids, starts, blk, n_tiles):
 
 def _fwd(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids, *,
          block_size, interpret, num_warps, num_stages):
-    bsz, t, h, d = q.shape
-    g = k.shape[2]
-    hg = h // g
-    m_pad = max(16, layout.next_pow2(hg))
-    topk = block_ids.shape[-1]
-    prep = layout.prepare(k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-                          block_size)
-    ids = layout.dedupe_ids(block_ids)
-    starts = layout.window_starts(ids, prep.base, block_size, prep.s_pad)
-    qpos = q_positions.astype(jnp.int32)
-    kernel = functools.partial(_fwd_kernel, blk=block_size, topk=topk, scale=1.0 / math.sqrt(d),
-                               hg=hg, m_pad=m_pad)
-    o, lse = pl.pallas_call(      # q, o, lse in their natural layout (no padded copies)
-        kernel,
-        grid=(t, g, bsz),
-        out_shape=[jax.ShapeDtypeStruct((bsz, t, h, v.shape[-1]), q.dtype),
-                   jax.ShapeDtypeStruct((bsz, t, h), jnp.float32)],
-        compiler_params=_params(num_warps, num_stages),
-        interpret=interpret,
-        name="msa_fwd_gpu",
-    )(q, prep.k, prep.v, ids, starts, qpos, prep.q_seg, prep.kv_pos, prep.kv_seg)
-    return o, lse
+    del num_warps, num_stages          # the backward kernels' launch parameters
+    return sparse_fwd_kv_outer(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids,
+                               kv_segment_ids, block_size=block_size, interpret=interpret)
 
 
 def _bwd(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids, o, lse,
@@ -359,6 +280,7 @@ def msa_attention_gpu(q, k, v, block_ids, *, q_positions, kv_positions, q_segmen
     Returns:
       (o [B,T,H,Dv] q.dtype, lse [B,T,H] f32 natural log, -inf where a query sees no key).
     Preconditions are asserted (AssertionError); the ops layer checks them for its callers.
+    num_warps / num_stages set the backward kernels (the forward has its own tuned launch).
     The gradient of lse is not propagated (it is an auxiliary output for combining partial
     attentions; using it in a loss raises nothing but contributes zero gradient).
     Math: MSA_SPEC.md section 3 (arXiv 2606.13392).

@@ -5,12 +5,15 @@ pairs share the single index key; storage key tiles are walked in increasing ord
 over two tiles by an unaligned packed segment is completed from both; each completed block is
 offered to the row's running top list, which keeps the best K - init - L, ties to the lower id).
 
-TPU layout: grid (b, row tile, key tile); the last axis is sequential ("arbitrary"). A scalar-
-prefetched table gives each row tile its causal range of key tiles [lo, hi); the key BlockSpec
-index map clamps into that range (so skipped steps re-use the resident block and copy nothing) and
-``pl.when`` skips their compute. The running lists live in VMEM scratch, 128 lanes wide (unused
-lanes hold +inf so they are never evicted). Blocks keep their last two dims full or (8, 128)
-multiples (tests/kernels/msa/test_msa_tpu_lowering.py checks the Mosaic lowering on CPU).
+TPU layout: grid (row tile, key tile) over a chunk of row tiles of one batch row; the last axis is
+sequential ("arbitrary"). A scalar-prefetched table gives each row tile its causal range of key
+tiles [lo, hi); the key BlockSpec index map clamps into that range (so skipped steps re-use the
+resident block and copy nothing) and ``pl.when`` skips their compute. One pallas_call inside one
+``lax.fori_loop`` at any T: each call takes tpu_common.TABLE_WORDS // 2 row tiles (SMEM tables
+<= 240 KiB of int32 per call) and writes its rows of the full-size outputs in place (aliased).
+The running lists live in VMEM scratch, 128 lanes wide (unused lanes hold +inf so they are never
+evicted). Blocks keep their last two dims full or (8, 128) multiples
+(tests/kernels/msa/test_msa_tpu_lowering.py checks the Mosaic lowering on CPU).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.msa import layout, select
+from pallas_kernels.msa import layout, select, tpu_common
 
 __all__ = ["msa_select_blocks_tpu", "block_topk_tpu"]
 
@@ -31,10 +34,11 @@ _BIG = 1 << 30
 _LANES = 128
 
 
-def _kernel(lo_ref, hi_ref, qi_ref, ki_ref, kvp_ref, kvs_ref, qpos_ref, qseg_ref, base_ref,
-            tv_ref, ti_ref, lok_ref, tv_sc, ti_sc, prev_sc, lok_sc, *,
-            blk, n_rank, init, local_blocks, scale, n_tiles):
-    b, r, j = (pl.program_id(i) for i in range(3))
+def _kernel(scal_ref, lo_ref, hi_ref, qi_ref, ki_ref, kvp_ref, kvs_ref, qpos_ref, qseg_ref,
+            base_ref, tv_alias, ti_alias, lok_alias, tv_ref, ti_ref, lok_ref,
+            tv_sc, ti_sc, prev_sc, lok_sc, *, blk, n_rank, init, local_blocks, scale, n_tiles):
+    del scal_ref, tv_alias, ti_alias, lok_alias
+    r, j = pl.program_id(0), pl.program_id(1)
     rows, width = tv_sc.shape
 
     @pl.when(j == 0)
@@ -45,7 +49,7 @@ def _kernel(lo_ref, hi_ref, qi_ref, ki_ref, kvp_ref, kvs_ref, qpos_ref, qseg_ref
         prev_sc[...] = jnp.full(prev_sc.shape, -jnp.inf, jnp.float32)
         lok_sc[...] = jnp.zeros(lok_sc.shape, jnp.int32)
 
-    @pl.when((j >= lo_ref[b, r]) & (j < hi_ref[b, r]))
+    @pl.when((j >= lo_ref[r]) & (j < hi_ref[r]))
     def _step():
         s = jax.lax.dot_general(qi_ref[...], ki_ref[...], (((1,), (1,)), ((), ())),
                                 preferred_element_type=jnp.float32)       # [R, B]
@@ -75,7 +79,7 @@ def _kernel(lo_ref, hi_ref, qi_ref, ki_ref, kvp_ref, kvs_ref, qpos_ref, qseg_ref
         ti_sc[...] = jnp.where(repl, n0, ti)
         prev_sc[...] = p1
 
-    @pl.when(j == pl.num_programs(2) - 1)
+    @pl.when(j == pl.num_programs(1) - 1)
     def _fin():
         tv_ref[...] = tv_sc[...] * scale
         ti_ref[...] = ti_sc[...]
@@ -109,21 +113,23 @@ def block_topk_tpu(qi, ki, *, q_positions, kv_positions, q_segment_ids=None, kv_
     rep = lambda x: jnp.repeat(x, hi, axis=1)[..., None]           # [B,Tp] -> [B,Tp*Hi,1]
     kernel = functools.partial(_kernel, blk=block_size, n_rank=n_rank, init=init_blocks,
                                local_blocks=local_blocks, scale=1.0 / math.sqrt(di), n_tiles=nt)
-    row_map = lambda b, r, j, *_: (b, r, 0)
-    clamp = lambda b, r, j, lo_, hi_: jnp.minimum(jnp.maximum(j, lo_[b, r]),
-                                                  jnp.maximum(hi_[b, r] - 1, lo_[b, r]))
-    key_map = lambda b, r, j, lo_, hi_: (b, clamp(b, r, j, lo_, hi_), 0)
-    pos_map = lambda b, r, j, lo_, hi_: (b, clamp(b, r, j, lo_, hi_), 0, 0)
+    rc = min(nr, (tpu_common.TABLE_WORDS - 2) // 2)                # row tiles per call
+    n_chunks = -(-nr // rc)
+    row_map = lambda r, j, sc, *_: (sc[0], sc[1] + r, 0)  # noqa: E731
+    clamp = lambda r, j, lo_, hi_: jnp.minimum(jnp.maximum(j, lo_[r]),  # noqa: E731
+                                               jnp.maximum(hi_[r] - 1, lo_[r]))
+    key_map = lambda r, j, sc, lo_, hi_: (sc[0], clamp(r, j, lo_, hi_), 0)  # noqa: E731
+    pos_map = lambda r, j, sc, lo_, hi_: (sc[0], clamp(r, j, lo_, hi_), 0, 0)  # noqa: E731
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
-        grid=(bsz, nr, nt),
+        num_scalar_prefetch=3,
+        grid=(rc, nt),
         in_specs=[pl.BlockSpec((None, rows, di), row_map),
                   pl.BlockSpec((None, block_size, di), key_map),
                   pl.BlockSpec((None, None, 1, block_size), pos_map),
                   pl.BlockSpec((None, None, 1, block_size), pos_map),
                   pl.BlockSpec((None, rows, 1), row_map),
                   pl.BlockSpec((None, rows, 1), row_map),
-                  pl.BlockSpec((None, rows, 1), row_map)],
+                  pl.BlockSpec((None, rows, 1), row_map)] + [tpu_common.aliased()] * 3,
         out_specs=[pl.BlockSpec((None, rows, _LANES), row_map),
                    pl.BlockSpec((None, rows, _LANES), row_map),
                    pl.BlockSpec((None, rows, 1), row_map)],
@@ -132,18 +138,27 @@ def block_topk_tpu(qi, ki, *, q_positions, kv_positions, q_segment_ids=None, kv_
                         pltpu.VMEM((rows, 1), jnp.float32),
                         pltpu.VMEM((rows, 1), jnp.int32)],
     )
-    tv, ti, lok = pl.pallas_call(
+    call = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
         out_shape=[jax.ShapeDtypeStruct((bsz, tp * hi, _LANES), jnp.float32),
                    jax.ShapeDtypeStruct((bsz, tp * hi, _LANES), jnp.int32),
                    jax.ShapeDtypeStruct((bsz, tp * hi, 1), jnp.int32)],
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "arbitrary")),
+        input_output_aliases={10: 0, 11: 1, 12: 2},
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=interpret,
         name="msa_indexer_tpu",
-    )(lo, hi_t, qi.reshape(bsz, tp * hi, di), kip, prep.kv_pos.reshape(bsz, nt, 1, block_size),
-      prep.kv_seg.reshape(bsz, nt, 1, block_size), rep(qpos), rep(qseg), rep(base))
+    )
+    ins = (qi.reshape(bsz, tp * hi, di), kip, prep.kv_pos.reshape(bsz, nt, 1, block_size),
+           prep.kv_seg.reshape(bsz, nt, 1, block_size), rep(qpos), rep(qseg), rep(base))
+
+    def body(i, outs):
+        b, r0 = tpu_common.chunk_origin(i, n_chunks, rc, nr)
+        part = lambda x: jax.lax.dynamic_slice(x, (b, r0), (1, rc)).reshape(rc)  # noqa: E731
+        return tuple(call(jnp.stack([b, r0]), part(lo), part(hi_t), *ins, *outs))
+    outs = (jnp.zeros((bsz, tp * hi, _LANES), jnp.float32),
+            jnp.zeros((bsz, tp * hi, _LANES), jnp.int32), jnp.zeros((bsz, tp * hi, 1), jnp.int32))
+    tv, ti, lok = jax.lax.fori_loop(0, bsz * n_chunks, body, outs)
     tv = tv.reshape(bsz, tp, hi, _LANES)[:, :t, :, :n_rank]
     ti = ti.reshape(bsz, tp, hi, _LANES)[:, :t, :, :n_rank]
     lok = lok.reshape(bsz, tp, hi)[:, :t] > 0

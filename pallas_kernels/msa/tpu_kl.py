@@ -22,27 +22,26 @@ every per-key quantity (visibility, teacher mean, p - t) is a [block_size, 1] co
 transposes and no M = 1 matmuls are needed.
 
 Kernels:
-- forward, grid (b, g, t, 2 * 2K): slots [0, 2K) are pass 1 (online max / sum of every head and of
-  the student: log-sum-exps), slots [2K, 4K) re-walk the same tiles for pass 2 (the KL, which needs
-  the final teacher probabilities: the log of a mean over heads does not decompose online). One
-  (token, group) per grid step sequence; outputs kl [B,T,G], lse_x [B,T,G], lse_m [B,T,G,M]
-  (the last two are the backward's residuals). Calls are chunked along queries (t_chunk) so the
-  SMEM tables stay O(t_chunk * G * K).
-- d qi, grid (b, g, t, 2K): same walk, accumulates sum_j (p_j - t_j) ki_j in a [1, Di] scratch.
-- d ki, KV-outer, grid (b, e): the selections of ALL groups sorted by storage tile (stable sort of
-  the (group, token, slot) entries, plus one inactive entry per tile so every output tile is
-  written), one grid step per entry, accumulating (p - t) x qi_r into a [block_size, Di] VMEM
-  scratch while consecutive entries hit the same tile; the output tile is written once, at the
-  last entry of its run.
+- forward, grid (g, t, 2 * 2K) per query chunk: slots [0, 2K) are pass 1 (online max / sum of
+  every head and of the student: log-sum-exps), slots [2K, 4K) re-walk the same tiles for pass 2
+  (the KL, which needs the final teacher probabilities: the log of a mean over heads does not
+  decompose online). One (token, group) per grid step sequence; outputs kl [B,T,G], lse_x
+  [B,T,G], lse_m [B,T,G,M] (the last two are the backward's residuals).
+- d qi, grid (g, t, 2K): same walk, accumulates sum_j (p_j - t_j) ki_j in a [1, Di] scratch.
+- d ki, KV-outer, grid (e,) over a fixed window of the selections of ALL groups sorted by storage
+  tile (stable sort of the (group, token, slot) entries, plus one inactive entry per tile so every
+  output tile is written), one grid step per entry, accumulating (p - t) x qi_r into a
+  [block_size, Di] VMEM scratch while consecutive entries hit the same tile; the output tile is
+  written at the last entry of its run (a run cut by a window edge continues from an f32 carry).
+Each kernel is one pallas_call inside one ``lax.fori_loop`` at any T (tpu_common.py: query chunks
+for fwd / d qi, entry windows for d ki); scalar-prefetch tables <= 240 KiB of int32 per call.
 Determinism: no atomics anywhere; d ki is KV-outer (chosen over per-selection contributions +
 XLA segment-sum, which would write O(T * G * K * block_size * Di) floats to HBM), every sum is in
 a fixed order (the sorted entry order is a pure function of block_ids), so the loss and both
 gradients are bitwise repeatable. q and k get zero cotangents.
 Dense warm-up (block_ids=None) has no kernel here (ValueError).
-Limitations: one (token, group) per grid step (MXU rows = H/G heads; like tpu_attention.py); the
-d ki entry tables are O(T * G * K) int32 in SMEM and are not chunked (too large for a real TPU's
-SMEM at long T; needs manual DMA of the tables). Checked in interpret mode and by Mosaic lowering
-(jax.export, platforms=["tpu"]) only.
+Limitations: one (token, group) per grid step (MXU rows = H/G heads; like tpu_attention.py).
+Checked in interpret mode and by Mosaic lowering (jax.export, platforms=["tpu"]) only.
 """
 
 from __future__ import annotations
@@ -56,28 +55,27 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.msa import layout
-from pallas_kernels.msa.tpu_attention import _chunks, _group, _slot_tables
+from pallas_kernels.msa import layout, tpu_common as tc_
+from pallas_kernels.msa.tpu_common import dot_t
 
 __all__ = ["indexer_kl_tpu"]
 
 _F32 = jnp.float32
 
 
-def _dot_t(a, b):
-    """a [M, K] @ b[N, K]^T -> [M, N] f32."""
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
-
-
-def _tile(q_ref, k_ref, qi_ref, ki_ref, kvp_ref, kvs_ref, n, q_pos, q_seg, *, blk, scale, iscale):
-    """Teacher logits s [blk, M] (-inf off-support), student logits x [blk, 1], support [blk, 1]."""
-    kvp = kvp_ref[...]                                               # [blk, 1]
-    kvs = kvs_ref[...]
-    vis = ((n >= 0) & (kvs == q_seg) & (kvs >= 0) & (kvp <= q_pos)
-           & (kvp >= n * blk) & (kvp < n * blk + blk))
-    s = jnp.where(vis, _dot_t(k_ref[...], q_ref[...]) * scale, -jnp.inf)
+def _tile(q_ref, k_ref, qi_ref, ki_ref, vis, *, scale, iscale):
+    """Teacher logits s [blk, M] (-inf off-support) and student logits x [blk, 1]."""
+    s = jnp.where(vis, dot_t(k_ref[...], q_ref[...]) * scale, -jnp.inf)
     x = jnp.sum(ki_ref[...].astype(_F32) * qi_ref[...].astype(_F32), axis=1, keepdims=True) * iscale
-    return s, x, vis
+    return s, x
+
+
+def _vis_block(kvp_ref, kvs_ref, n, q_pos, q_seg, blk):
+    """[blk, 1] support of block n of a query (segment, causal, block membership)."""
+    kvp = kvp_ref[...]
+    kvs = kvs_ref[...]
+    return ((n >= 0) & (kvs == q_seg) & (kvs >= 0) & (kvp <= q_pos)
+            & (kvp >= n * blk) & (kvp < n * blk + blk))
 
 
 def _teacher(s, lse_m, hg):
@@ -92,18 +90,22 @@ def _p_minus_t(s, x, vis, lse_m, lse_x, hg):
 
 # ----------------------------------------------------------------------------- forward
 
-def _fwd_kernel(tiles_ref, act_ref, ids_ref, qpos_ref, qseg_ref,
-                q_ref, k_ref, qi_ref, ki_ref, kvp_ref, kvs_ref,
+def _fwd_kernel(scal_ref, tiles_ref, act_ref, ids_ref, qpos_ref, qseg_ref,
+                q_ref, k_ref, qi_ref, ki_ref, kvp_ref, kvs_ref, kl_alias, lsex_alias, lsem_alias,
                 kl_ref, lsex_ref, lsem_ref,
-                m_sc, l_sc, mx_sc, lx_sc, lsem_sc, lsex_sc, acc_sc, *, nslots, hg, consts):
-    b, g, t, j = (pl.program_id(i) for i in range(4))
+                m_sc, l_sc, mx_sc, lx_sc, lsem_sc, lsex_sc, acc_sc, *, tc, nslots, hg, consts):
+    del scal_ref, tiles_ref, kl_alias, lsex_alias, lsem_alias
+    g, t, j = (pl.program_id(i) for i in range(3))
     slot = jax.lax.rem(j, nslots)
-    active = act_ref[b, g, t, slot] != 0
+    flat, sid = tc_.slot_index(tc, nslots)
+    active = act_ref[flat(g, t, slot)] != 0
 
     def tile():
-        n = ids_ref[b, g, t, jax.lax.div(slot, 2)]
-        return _tile(q_ref, k_ref, qi_ref, ki_ref, kvp_ref, kvs_ref, n, qpos_ref[b, t],
-                     qseg_ref[b, t], **consts)
+        vis = _vis_block(kvp_ref, kvs_ref, ids_ref[sid(g, t, slot)], qpos_ref[t], qseg_ref[t],
+                         consts["blk"])
+        s, x = _tile(q_ref, k_ref, qi_ref, ki_ref, vis, scale=consts["scale"],
+                     iscale=consts["iscale"])
+        return s, x, vis
 
     @pl.when(j == 0)
     def _init():
@@ -155,14 +157,16 @@ def _fwd_kernel(tiles_ref, act_ref, ids_ref, qpos_ref, qseg_ref,
         lsem_ref[...] = lsem_sc[...]
 
 
-def _query_outer_specs(m, d, di, blk, nslots):
-    """BlockSpecs of (q, k, qi, ki, kv pos, kv seg) for grid (b, g, t, slot); the slot axis may run
-    over several passes of the 2K slots (taken modulo nslots)."""
-    q_map = lambda b, g_, t, j, *_: (b, t, g_, 0, 0)  # noqa: E731
-    tl = lambda tl_, b, g_, t, j: tl_[b, g_, t, jax.lax.rem(j, nslots)]  # noqa: E731
-    k_map = lambda b, g_, t, j, tl_, *_: (b, g_, tl(tl_, b, g_, t, j), 0)  # noqa: E731
-    ki_map = lambda b, g_, t, j, tl_, *_: (b, tl(tl_, b, g_, t, j), 0)  # noqa: E731
-    pos_map = lambda b, g_, t, j, tl_, *_: (b, tl(tl_, b, g_, t, j), 0, 0)  # noqa: E731
+def _query_outer_specs(m, d, di, blk, tc, nslots):
+    """BlockSpecs of (q, k, qi, ki, kv pos, kv seg) for grid (g, t, slot) of one query chunk (batch
+    row and chunk origin from the ``scal`` table); the slot axis may run over several passes of the
+    2K slots (taken modulo nslots)."""
+    flat, _ = tc_.slot_index(tc, nslots)
+    q_map = lambda g, t, j, sc, *_: (sc[0], sc[1] + t, g, 0, 0)  # noqa: E731
+    tl = lambda tl_, g, t, j: tl_[flat(g, t, jax.lax.rem(j, nslots))]  # noqa: E731
+    k_map = lambda g, t, j, sc, tl_, *_: (sc[0], g, tl(tl_, g, t, j), 0)  # noqa: E731
+    ki_map = lambda g, t, j, sc, tl_, *_: (sc[0], tl(tl_, g, t, j), 0)  # noqa: E731
+    pos_map = lambda g, t, j, sc, tl_, *_: (sc[0], tl(tl_, g, t, j), 0, 0)  # noqa: E731
     return q_map, [pl.BlockSpec((None, None, None, m, d), q_map),
                    pl.BlockSpec((None, None, blk, d), k_map),
                    pl.BlockSpec((None, None, None, 1, di), q_map),
@@ -171,18 +175,19 @@ def _query_outer_specs(m, d, di, blk, nslots):
                    pl.BlockSpec((None, None, blk, 1), pos_map)]
 
 
-def _fwd_chunk(c, a, e, *, interpret):
-    q5, kt, qi5 = c["q5"][:, a:e], c["kt"], c["qi5"][:, a:e]
-    bsz, tc, g, m, d = q5.shape
-    di = qi5.shape[-1]
-    blk = c["blk"]
-    nslots = c["tiles"].shape[-1]
-    kernel = functools.partial(_fwd_kernel, nslots=nslots, hg=c["hg"], consts=c["consts"])
-    q_map, in_specs = _query_outer_specs(m, d, di, blk, nslots)
+_QUERY_OUTER = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"))
+
+
+def _fwd_call(tabs, c, bufs, *, tc, interpret):
+    g, m, d = c["q5"].shape[2:]
+    di = c["qi5"].shape[-1]
+    nslots = 2 * c["ids"].shape[-1]
+    kernel = functools.partial(_fwd_kernel, tc=tc, nslots=nslots, hg=c["hg"], consts=c["consts"])
+    q_map, in_specs = _query_outer_specs(m, d, di, c["blk"], tc, nslots)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=5,
-        grid=(bsz, g, tc, 2 * nslots),
-        in_specs=in_specs,
+        num_scalar_prefetch=len(tabs),
+        grid=(g, tc, 2 * nslots),
+        in_specs=in_specs + [tc_.aliased()] * 3,
         out_specs=[pl.BlockSpec((None, None, None, 1, 1), q_map),
                    pl.BlockSpec((None, None, None, 1, 1), q_map),
                    pl.BlockSpec((None, None, None, 1, m), q_map)],
@@ -191,36 +196,37 @@ def _fwd_chunk(c, a, e, *, interpret):
                         pltpu.VMEM((1, m), _F32), pltpu.VMEM((1, 1), _F32),
                         pltpu.VMEM((1, 1), _F32)],
     )
-    return pl.pallas_call(
+    n_in = len(tabs) + 6
+    return tuple(pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
-        out_shape=[jax.ShapeDtypeStruct((bsz, tc, g, 1, 1), _F32),
-                   jax.ShapeDtypeStruct((bsz, tc, g, 1, 1), _F32),
-                   jax.ShapeDtypeStruct((bsz, tc, g, 1, m), _F32)],
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        out_shape=[jax.ShapeDtypeStruct(x.shape, _F32) for x in bufs],
+        input_output_aliases={n_in: 0, n_in + 1: 1, n_in + 2: 2},
+        compiler_params=_QUERY_OUTER,
         interpret=interpret,
         name="msa_kl_fwd_tpu",
-    )(c["tiles"][:, :, a:e], c["act"][:, :, a:e], c["ids"][:, :, a:e], c["qpos"][:, a:e],
-      c["qseg"][:, a:e], q5, kt, qi5, c["kip"], c["kvp"], c["kvs"])
+    )(*tabs, c["q5"], c["kt"], c["qi5"], c["kip"], c["kvp"], c["kvs"], *bufs))
 
 
 # ----------------------------------------------------------------------------- backward: d qi
 
-def _dqi_kernel(tiles_ref, act_ref, ids_ref, qpos_ref, qseg_ref,
-                q_ref, k_ref, qi_ref, ki_ref, kvp_ref, kvs_ref, lsem_ref, lsex_ref,
-                dqi_ref, acc_sc, *, nslots, hg, consts):
-    b, g, t, j = (pl.program_id(i) for i in range(4))
+def _dqi_kernel(scal_ref, tiles_ref, act_ref, ids_ref, qpos_ref, qseg_ref,
+                q_ref, k_ref, qi_ref, ki_ref, kvp_ref, kvs_ref, lsem_ref, lsex_ref, dqi_alias,
+                dqi_ref, acc_sc, *, tc, nslots, hg, consts):
+    del scal_ref, tiles_ref, dqi_alias
+    g, t, j = (pl.program_id(i) for i in range(3))
+    flat, sid = tc_.slot_index(tc, nslots)
 
     @pl.when(j == 0)
     def _init():
         acc_sc[...] = jnp.zeros(acc_sc.shape, _F32)
 
-    @pl.when(act_ref[b, g, t, j] != 0)
+    @pl.when(act_ref[flat(g, t, j)] != 0)
     def _step():
-        n = ids_ref[b, g, t, jax.lax.div(j, 2)]
-        s, x, vis = _tile(q_ref, k_ref, qi_ref, ki_ref, kvp_ref, kvs_ref, n, qpos_ref[b, t],
-                          qseg_ref[b, t], **consts)
+        vis = _vis_block(kvp_ref, kvs_ref, ids_ref[sid(g, t, j)], qpos_ref[t], qseg_ref[t],
+                         consts["blk"])
+        s, x = _tile(q_ref, k_ref, qi_ref, ki_ref, vis, scale=consts["scale"],
+                     iscale=consts["iscale"])
         dx = _p_minus_t(s, x, vis, lsem_ref[...], lsex_ref[...], hg)           # [blk, 1]
         acc_sc[...] += jnp.sum(dx * ki_ref[...].astype(_F32), axis=0, keepdims=True)
 
@@ -229,124 +235,104 @@ def _dqi_kernel(tiles_ref, act_ref, ids_ref, qpos_ref, qseg_ref,
         dqi_ref[...] = acc_sc[...]
 
 
-def _dqi_chunk(c, lsem5, lsex5, a, e, *, interpret):
-    q5, qi5 = c["q5"][:, a:e], c["qi5"][:, a:e]
-    bsz, tc, g, m, d = q5.shape
-    di = qi5.shape[-1]
-    nslots = c["tiles"].shape[-1]
-    kernel = functools.partial(_dqi_kernel, nslots=nslots, hg=c["hg"], consts=c["consts"])
-    q_map, in_specs = _query_outer_specs(m, d, di, c["blk"], nslots)
+def _dqi_call(tabs, c, lsem5, lsex5, dqi5, *, tc, interpret):
+    g, m, d = c["q5"].shape[2:]
+    di = c["qi5"].shape[-1]
+    nslots = 2 * c["ids"].shape[-1]
+    kernel = functools.partial(_dqi_kernel, tc=tc, nslots=nslots, hg=c["hg"], consts=c["consts"])
+    q_map, in_specs = _query_outer_specs(m, d, di, c["blk"], tc, nslots)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=5,
-        grid=(bsz, g, tc, nslots),
+        num_scalar_prefetch=len(tabs),
+        grid=(g, tc, nslots),
         in_specs=in_specs + [pl.BlockSpec((None, None, None, 1, m), q_map),
-                             pl.BlockSpec((None, None, None, 1, 1), q_map)],
+                             pl.BlockSpec((None, None, None, 1, 1), q_map), tc_.aliased()],
         out_specs=pl.BlockSpec((None, None, None, 1, di), q_map),
         scratch_shapes=[pltpu.VMEM((1, di), _F32)],
     )
     return pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct((bsz, tc, g, 1, di), _F32),
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        out_shape=jax.ShapeDtypeStruct(dqi5.shape, _F32),
+        input_output_aliases={len(tabs) + 8: 0},
+        compiler_params=_QUERY_OUTER,
         interpret=interpret,
         name="msa_kl_dqi_tpu",
-    )(c["tiles"][:, :, a:e], c["act"][:, :, a:e], c["ids"][:, :, a:e], c["qpos"][:, a:e],
-      c["qseg"][:, a:e], q5, c["kt"], qi5, c["kip"], c["kvp"], c["kvs"], lsem5[:, a:e],
-      lsex5[:, a:e])
+    )(*tabs, c["q5"], c["kt"], c["qi5"], c["kip"], c["kvp"], c["kvs"], lsem5, lsex5, dqi5)
 
 
 # ----------------------------------------------------------------------------- backward: d ki
 
-def _ki_entries(ids, starts, blk, n_tiles):
-    """Selections of all groups sorted by storage tile (stable), plus one inactive entry per tile.
+def _dki_kernel(tile_ref, qrow_ref, lo_ref, hi_ref, qseg_ref, flag_ref,
+                q_ref, k_ref, qi_ref, ki_ref, kvp_ref, kvs_ref, lsem_ref, lsex_ref, carry_ref,
+                dki_alias, dki_ref, carry_out, acc_sc, *, hg, consts, width):
+    del tile_ref, qrow_ref, dki_alias
+    e = pl.program_id(0)
+    flag = flag_ref[e]            # bit0 first of its tile, bit1 last, bit2 active
+    first = (flag & 1) != 0
 
-    Returns int32 [B, E] tables (E = n_tiles + 2 * G * T * K): tile, group, token, block id (-1 when
-    inactive) and flags (bit0 first entry of its tile, bit1 last, bit2 active).
-    """
-    bsz, g, t, k = ids.shape
-    gtk = g * t * k
-    valid = ids >= 0
-    tile_a = starts // blk
-    mis = (starts % blk) != 0
-    t0 = jnp.where(valid, tile_a, n_tiles).reshape(bsz, gtk)
-    t1 = jnp.where(valid & mis, tile_a + 1, n_tiles).reshape(bsz, gtk)
-    dummy = jnp.broadcast_to(jnp.arange(n_tiles, dtype=jnp.int32), (bsz, n_tiles))
-    tiles = jnp.concatenate([dummy, t0, t1], axis=-1).astype(jnp.int32)
-    flat = jnp.arange(gtk, dtype=jnp.int32)
-    flat = jnp.concatenate([jnp.full((n_tiles,), -1, jnp.int32), flat, flat])
-    flat = jnp.broadcast_to(flat, tiles.shape)
-    tiles, flat = jax.lax.sort((tiles, flat), dimension=1, num_keys=1, is_stable=True)
-    active = (tiles < n_tiles) & (flat >= 0)
-    etile = jnp.minimum(tiles, n_tiles - 1)
-    f = jnp.maximum(flat, 0)
-    eg = jnp.where(active, f // (t * k), 0)
-    et = jnp.where(active, (f // k) % t, 0)
-    en = jnp.where(active, jnp.take_along_axis(ids.reshape(bsz, gtk), f, axis=-1), -1)
-    prev = jnp.concatenate([jnp.full((bsz, 1), -1, jnp.int32), etile[:, :-1]], axis=-1)
-    nxt = jnp.concatenate([etile[:, 1:], jnp.full((bsz, 1), -1, jnp.int32)], axis=-1)
-    flags = ((etile != prev).astype(jnp.int32) + 2 * (etile != nxt).astype(jnp.int32)
-             + 4 * active.astype(jnp.int32))
-    return tuple(x.astype(jnp.int32) for x in (etile, eg, et, en, flags))
-
-
-def _dki_kernel(etile_ref, eg_ref, et_ref, en_ref, eflag_ref, qpos_ref, qseg_ref,
-                q_ref, k_ref, qi_ref, ki_ref, kvp_ref, kvs_ref, lsem_ref, lsex_ref,
-                dki_ref, acc_sc, *, hg, consts):
-    b, e = pl.program_id(0), pl.program_id(1)
-    flag = eflag_ref[b, e]
-
-    @pl.when((flag & 1) != 0)
+    @pl.when(first)
     def _init():
         acc_sc[...] = jnp.zeros(acc_sc.shape, _F32)
 
+    @pl.when((e == 0) & jnp.logical_not(first))
+    def _resume():                # the tile's run began in the previous window
+        acc_sc[...] = carry_ref[...]
+
     @pl.when((flag & 4) != 0)
     def _step():
-        t = et_ref[b, e]
-        s, x, vis = _tile(q_ref, k_ref, qi_ref, ki_ref, kvp_ref, kvs_ref, en_ref[b, e],
-                          qpos_ref[b, t], qseg_ref[b, t], **consts)
+        kvp = kvp_ref[...]
+        kvs = kvs_ref[...]
+        vis = (kvs == qseg_ref[e]) & (kvs >= 0) & (kvp >= lo_ref[e]) & (kvp <= hi_ref[e])
+        s, x = _tile(q_ref, k_ref, qi_ref, ki_ref, vis, scale=consts["scale"],
+                     iscale=consts["iscale"])
         dx = _p_minus_t(s, x, vis, lsem_ref[...], lsex_ref[...], hg)           # [blk, 1]
         acc_sc[...] += dx * qi_ref[...].astype(_F32)                         # [blk, Di]
 
-    @pl.when((flag & 2) != 0)
-    def _fin():
+    @pl.when(((flag & 2) != 0) | (e == width - 1))
+    def _fin():                   # a run cut by the window edge is written again by a later call
         dki_ref[...] = acc_sc[...]
 
+    @pl.when(e == width - 1)
+    def _carry():
+        carry_out[...] = acc_sc[...]
 
-def _dki_call(c, lsem5, lsex5, *, interpret):
-    bsz, t, g, m, d = c["q5"].shape
-    di = c["qi5"].shape[-1]
-    blk = c["blk"]
-    etile, eg, et, en, ef = _ki_entries(c["ids"], c["starts"], blk, c["nt"])
-    kernel = functools.partial(_dki_kernel, hg=c["hg"], consts=c["consts"])
-    q_map = lambda b, e, etl, egr, ett, *_: (b, ett[b, e], egr[b, e], 0, 0)  # noqa: E731
-    k_map = lambda b, e, etl, egr, *_: (b, egr[b, e], etl[b, e], 0)  # noqa: E731
-    ki_map = lambda b, e, etl, *_: (b, etl[b, e], 0)  # noqa: E731
-    pos_map = lambda b, e, etl, *_: (b, etl[b, e], 0, 0)  # noqa: E731
+
+def _dki_call(tabs, r, carry, dki, *, g, nt, hg, consts, interpret):
+    m, d = r["q"].shape[-2:]
+    di = r["qi"].shape[-1]
+    blk = consts["blk"]
+    width = tabs[0].shape[0]
+    kernel = functools.partial(_dki_kernel, hg=hg, consts=consts, width=width)
+    q_map = lambda e, tl, qr, *_: (qr[e], 0, 0)  # noqa: E731
+    k_map = lambda e, tl, qr, *_: (  # noqa: E731
+        (jax.lax.div(tl[e], nt) * g + jax.lax.rem(qr[e], g)) * nt + jax.lax.rem(tl[e], nt), 0, 0)
+    ki_map = lambda e, tl, *_: (tl[e], 0, 0)  # noqa: E731
+    fixed = lambda e, *_: (0, 0)  # noqa: E731
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=7,
-        grid=(bsz, etile.shape[-1]),
-        in_specs=[pl.BlockSpec((None, None, None, m, d), q_map),
-                  pl.BlockSpec((None, None, blk, d), k_map),
-                  pl.BlockSpec((None, None, None, 1, di), q_map),
+        num_scalar_prefetch=len(tabs),
+        grid=(width,),
+        in_specs=[pl.BlockSpec((None, m, d), q_map),
+                  pl.BlockSpec((None, blk, d), k_map),
+                  pl.BlockSpec((None, 1, di), q_map),
                   pl.BlockSpec((None, blk, di), ki_map),
-                  pl.BlockSpec((None, None, blk, 1), pos_map),
-                  pl.BlockSpec((None, None, blk, 1), pos_map),
-                  pl.BlockSpec((None, None, None, 1, m), q_map),
-                  pl.BlockSpec((None, None, None, 1, 1), q_map)],
-        out_specs=pl.BlockSpec((None, blk, di), ki_map),
+                  pl.BlockSpec((None, blk, 1), ki_map),
+                  pl.BlockSpec((None, blk, 1), ki_map),
+                  pl.BlockSpec((None, 1, m), q_map),
+                  pl.BlockSpec((None, 1, 1), q_map),
+                  pl.BlockSpec((blk, di), fixed),
+                  tc_.aliased()],
+        out_specs=[pl.BlockSpec((None, blk, di), ki_map), pl.BlockSpec((blk, di), fixed)],
         scratch_shapes=[pltpu.VMEM((blk, di), _F32)],
     )
     return pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct(c["kip"].shape, _F32),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        out_shape=[jax.ShapeDtypeStruct(dki.shape, _F32), jax.ShapeDtypeStruct(carry.shape, _F32)],
+        input_output_aliases={len(tabs) + 9: 0},
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
         interpret=interpret,
         name="msa_kl_dki_tpu",
-    )(etile, eg, et, en, ef, c["qpos"], c["qseg"], c["q5"], c["kt"], c["qi5"], c["kip"],
-      c["kvp"], c["kvs"], lsem5, lsex5)
+    )(*tabs, r["q"], r["k"], r["qi"], r["ki"], r["kvp"], r["kvs"], r["lsem"], r["lsex"], carry, dki)
 
 
 # ----------------------------------------------------------------------------- wrappers
@@ -357,13 +343,10 @@ def _setup(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, bl
     hg = h // g
     m = -(-hg // 8) * 8
     prep = layout.prepare(k, ki[:, :, None, :], q_positions, kv_positions, q_seg, kv_seg, blk)
-    ids = layout.dedupe_ids(block_ids)
-    starts = layout.window_starts(ids, prep.base, blk, prep.s_pad)
     nt = prep.s_pad // blk
-    tiles, act = _slot_tables(ids, starts, blk)
     return dict(
-        blk=blk, hg=hg, nt=nt, ids=ids, starts=starts, tiles=tiles, act=act,
-        q5=_group(jax.lax.stop_gradient(q), g, m),
+        blk=blk, hg=hg, nt=nt, prep=prep, ids=layout.dedupe_ids(block_ids),
+        q5=tc_.group_heads(jax.lax.stop_gradient(q), g, m),
         kt=jnp.transpose(jax.lax.stop_gradient(prep.k), (0, 2, 1, 3)),
         qi5=qi[:, :, :, None, :], kip=prep.v[:, :, 0, :],
         kvp=prep.kv_pos.reshape(bsz, nt, blk, 1), kvs=prep.kv_seg.reshape(bsz, nt, blk, 1),
@@ -371,24 +354,45 @@ def _setup(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, bl
         consts=dict(blk=blk, scale=1.0 / math.sqrt(d), iscale=1.0 / math.sqrt(qi.shape[-1])))
 
 
-def _forward(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, blk, interpret,
-             t_chunk):
+def _forward(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, blk, interpret):
     c = _setup(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, blk)
-    outs = [_fwd_chunk(c, a, e, interpret=interpret) for a, e in _chunks(q.shape[1], t_chunk)]
-    kl5, lsex5, lsem5 = (jnp.concatenate([o[i] for o in outs], axis=1) for i in range(3))
+    bsz, t, g, m = c["q5"].shape[:4]
+    bufs = (jnp.zeros((bsz, t, g, 1, 1), _F32), jnp.zeros((bsz, t, g, 1, 1), _F32),
+            jnp.zeros((bsz, t, g, 1, m), _F32))
+    call = lambda tabs, bufs, tc: _fwd_call(tabs, c, bufs, tc=tc, interpret=interpret)  # noqa: E731
+    kl5, lsex5, lsem5 = tc_.query_loop(c["ids"], c["prep"], c["qpos"], c["blk"], call, bufs)
     count = jnp.sum(jnp.isfinite(lsex5).astype(jnp.int32))
     return jnp.sum(kl5), count, (lsex5, lsem5)
 
 
 def _backward(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, lsex5, lsem5,
-              ct, blk, interpret, t_chunk):
+              ct, blk, interpret):
     c = _setup(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, blk)
+    bsz, t, g, m, d = c["q5"].shape
+    di, nt, prep = qi.shape[-1], c["nt"], c["prep"]
     mult = ct.astype(_F32) * c["consts"]["iscale"]
-    dqi5 = jnp.concatenate([_dqi_chunk(c, lsem5, lsex5, a, e, interpret=interpret)
-                            for a, e in _chunks(q.shape[1], t_chunk)], axis=1)
-    dki = _dki_call(c, lsem5, lsex5, interpret=interpret)
+    call = lambda tabs, dqi5, tc: _dqi_call(tabs, c, lsem5, lsex5, dqi5, tc=tc,  # noqa: E731
+                                            interpret=interpret)
+    dqi5 = tc_.query_loop(c["ids"], prep, c["qpos"], blk, call,
+                            jnp.zeros((bsz, t, g, 1, di), _F32))
+
+    starts = layout.window_starts(c["ids"], prep.base, blk, prep.s_pad)
+    tables, n_windows = tc_.sorted_entries(c["ids"], starts, c["qpos"], c["qseg"], blk, nt,
+                                           per_group=False)
+    rows = bsz * t * g
+    r = dict(q=c["q5"].reshape(rows, m, d), k=c["kt"].reshape(bsz * g * nt, blk, d),
+             qi=c["qi5"].reshape(rows, 1, di), ki=c["kip"].reshape(bsz * nt, blk, di),
+             kvp=c["kvp"].reshape(bsz * nt, blk, 1), kvs=c["kvs"].reshape(bsz * nt, blk, 1),
+             lsem=lsem5.reshape(rows, 1, m), lsex=lsex5.reshape(rows, 1, 1))
+
+    def body(i, bufs):
+        dki, carry = _dki_call(tc_.window(tables, i), r, *bufs, g=g, nt=nt, hg=c["hg"],
+                               consts=c["consts"], interpret=interpret)
+        return carry, dki
+    bufs = (jnp.zeros((blk, di), _F32), jnp.zeros((bsz * nt, blk, di), _F32))
+    _, dki = jax.lax.fori_loop(0, n_windows, body, bufs)
     dqi = (dqi5[:, :, :, 0, :] * mult).astype(qi.dtype)
-    dki = (dki[:, :ki.shape[1]] * mult).astype(ki.dtype)
+    dki = (dki.reshape(bsz, prep.s_pad, di)[:, :ki.shape[1]] * mult).astype(ki.dtype)
     return dqi, dki
 
 
@@ -396,26 +400,25 @@ def _f0(x):
     return None if x is None else np.zeros(x.shape, jax.dtypes.float0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11))
-def _kl(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, blk, interpret, t_chunk):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10))
+def _kl(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, blk, interpret):
     kl, count, _ = _forward(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg,
-                            blk, interpret, t_chunk)
+                            blk, interpret)
     return kl, count
 
 
-def _kl_fwd(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, blk, interpret,
-            t_chunk):
+def _kl_fwd(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, blk, interpret):
     kl, count, (lsex5, lsem5) = _forward(q, k, qi, ki, block_ids, q_positions, kv_positions,
-                                         q_seg, kv_seg, blk, interpret, t_chunk)
+                                         q_seg, kv_seg, blk, interpret)
     return (kl, count), (q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg,
                          lsex5, lsem5)
 
 
-def _kl_bwd(blk, interpret, t_chunk, res, cot):
+def _kl_bwd(blk, interpret, res, cot):
     q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, lsex5, lsem5 = res
     ct, _ = cot
     dqi, dki = _backward(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg,
-                         lsex5, lsem5, ct, blk, interpret, t_chunk)
+                         lsex5, lsem5, ct, blk, interpret)
     return (jnp.zeros_like(q), jnp.zeros_like(k), dqi, dki, _f0(block_ids), _f0(q_positions),
             _f0(kv_positions), _f0(q_seg), _f0(kv_seg))
 
@@ -424,7 +427,7 @@ _kl.defvjp(_kl_fwd, _kl_bwd)
 
 
 def indexer_kl_tpu(q, k, qi, ki, block_ids, *, q_positions, kv_positions, q_segment_ids=None,
-                   kv_segment_ids=None, block_size=None, interpret=False, t_chunk=512):
+                   kv_segment_ids=None, block_size=None, interpret=False):
     """Indexer KL(teacher || student) on the selected support, Pallas Mosaic TPU kernels.
 
     Args:
@@ -438,7 +441,6 @@ def indexer_kl_tpu(q, k, qi, ki, block_ids, *, q_positions, kv_positions, q_segm
         multiple of 8 in interpret mode.
       interpret: False (Mosaic TPU), True (plain Pallas interpreter, CPU) or a
         ``pltpu.InterpretParams`` (TPU-semantics interpreter, e.g. detect_races=True).
-      t_chunk: queries per forward / d qi kernel call (bounds the SMEM tables).
     Returns: (kl_sum f32 [], count int32 []) as minimax_jax.ops.msa.indexer_kl: the sum of
       KL(teacher || student) over (b, i, r) and the number of (b, i, r) with a non-empty support.
     Raises: ValueError for block_ids=None (the dense warm-up has no kernel). Other preconditions
@@ -458,4 +460,4 @@ def indexer_kl_tpu(q, k, qi, ki, block_ids, *, q_positions, kv_positions, q_segm
     assert ki.ndim == 3 and ki.shape == (k.shape[0], k.shape[1], qi.shape[-1]), \
         f"ki shape {ki.shape} must be [B, S={k.shape[1]}, Di={qi.shape[-1]}]"
     return _kl(q, k, qi, ki, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-               block_size, interpret, t_chunk)
+               block_size, interpret)

@@ -127,19 +127,14 @@ def suffix_attention_gpu(q, k, v, q_positions, *, rows: int | None = None, block
       num_warps (default 4 for ``D <= 64``, else 8), num_stages: Triton launch parameters.
       interpret: run the kernel in Pallas interpret mode (CPU tests).
     Returns: ``[B, T, H, D]`` in ``q.dtype``.
-    Raises: ValueError when ``unsupported_reason`` names a problem, or for bad rows / block_k /
-      positions shape.
+    Preconditions (asserted; ``minimax_jax.ops.prefill`` checks them for users): ``unsupported_reason``
+    is None, ``q_positions`` is ``[B, T]``, rows and block_k are powers of two >= 16.
     """
-    reason = unsupported_reason(q, k, v)
-    if reason:
-        raise ValueError(f"suffix_attention_gpu: {reason}")
     bsz, t, h, d = q.shape
     s, g = k.shape[1], k.shape[2]
-    if tuple(q_positions.shape) != (bsz, t):
-        raise ValueError(f"suffix_attention_gpu: q_positions must be [B={bsz}, T={t}], got {q_positions.shape}")
+    assert tuple(q_positions.shape) == (bsz, t), f"q_positions must be [B={bsz}, T={t}], got {q_positions.shape}"
     rows = rows or (128 if d <= 64 else 64)
-    if not _pow2(rows) or not _pow2(block_k):
-        raise ValueError(f"suffix_attention_gpu: rows ({rows}) and block_k ({block_k}) must be powers of two >= 16")
+    assert _pow2(rows) and _pow2(block_k), f"rows ({rows}) and block_k ({block_k}) must be powers of two >= 16"
     num_warps = num_warps or (4 if d <= 64 else 8)
     rep = h // g
     r = t * rep

@@ -6,7 +6,8 @@ import re
 import pytest
 
 import minimax_jax.ops  # noqa: F401  (registers every op)
-from minimax_jax.config import IMPLEMENTATION_FIELDS, ConfigError, ModelConfig, implementation_backends
+from minimax_jax.config import (IMPLEMENTATION_FIELDS, RENAMED, ConfigError, ModelConfig,
+                                implementation_backends)
 from minimax_jax.ops import registry
 from minimax_jax.ops.registry import Implementation, ImplementationUnavailable
 from tests.paths import REPO_ROOT
@@ -35,7 +36,8 @@ def test_explicit_names_run_or_say_why_not(toy_op):
     assert registry.implementation_report()[toy_op] == "pallas_gpu_interpret"
     with pytest.raises(ImplementationUnavailable, match="cannot serve this call: odd input 5"):
         registry.dispatch(toy_op, "pallas_gpu_interpret", 5)
-    with pytest.raises(ImplementationUnavailable, match="needs a GPU backend, not 'cpu'"):
+    with registry.assume_backend("cpu"), pytest.raises(ImplementationUnavailable,
+                                                       match="needs a GPU backend, not 'cpu'"):
         registry.dispatch(toy_op, "pallas_gpu", 4)
     with pytest.raises(ImplementationUnavailable, match="unknown implementation 'cuda'; expected one of "
                                                       "auto|xla|pallas_gpu|pallas_gpu_interpret"):
@@ -43,7 +45,8 @@ def test_explicit_names_run_or_say_why_not(toy_op):
 
 
 def test_auto_takes_the_first_that_serves_and_records_why_others_were_passed_over(toy_op):
-    assert registry.dispatch(toy_op, "auto", 4) == ("xla", 4)          # CPU: the reference only
+    with registry.assume_backend("cpu"):
+        assert registry.dispatch(toy_op, "auto", 4) == ("xla", 4)      # CPU: the reference only
     assert registry.implementation_report() == {toy_op: "xla"}
     with registry.assume_backend("gpu"):
         assert registry.resolve(toy_op, "auto", 4).name == "pallas_gpu"
@@ -58,12 +61,30 @@ def test_auto_takes_the_first_that_serves_and_records_why_others_were_passed_ove
 def test_registration_errors(toy_op):
     with pytest.raises(ValueError, match="registered already"):
         registry.register(toy_op, [Implementation("xla", abs)], auto=lambda b, *a: ["xla"])
+    xla_only = lambda b, *a: ["xla"]  # noqa: E731
     with pytest.raises(ValueError, match="registered twice or reserved"):
-        registry.register("another_toy", [Implementation("xla", abs), Implementation("xla", abs)], auto=None)
+        registry.register("another_toy", [Implementation("xla", abs), Implementation("xla", abs)], auto=xla_only)
     with pytest.raises(ValueError, match="registered twice or reserved"):
-        registry.register("another_toy", [Implementation("auto", abs)], auto=None)
+        registry.register("another_toy", [Implementation("auto", abs)], auto=xla_only)
+    with pytest.raises(TypeError, match="another_toy: auto must be callable"):
+        registry.register("another_toy", [Implementation("xla", abs)], auto=None)
+    assert "another_toy" not in registry._ops
     with pytest.raises(KeyError, match="no op 'nope' registered"):
         registry.get_op("nope")
+
+
+def test_an_auto_policy_naming_an_unregistered_implementation_is_a_clear_error():
+    name = "toy_op_with_a_bad_auto"
+    registry._ops.pop(name, None)
+    registry.register(name, [Implementation("xla", abs)], auto=lambda backend, x: ["pallas_gpu", "xla"])
+    try:
+        for call in (registry.resolve, registry.dispatch):
+            with pytest.raises(ValueError, match=f"^{name}: its auto policy named 'pallas_gpu', which is not "
+                                                 "registered; registered: xla$"):
+                call(name, "auto", -3)
+        assert registry.dispatch(name, "xla", -3) == 3          # explicit names are unaffected
+    finally:
+        registry._ops.pop(name, None)
 
 
 def test_every_op_is_registered_with_one_naming_scheme():
@@ -87,6 +108,17 @@ def test_config_takes_the_registered_names_and_refuses_old_ones():
             assert getattr(cfg.replace(**{field: name}), field) == name
     assert implementation_backends(cfg.replace(attention_impl="pallas_flash_tpu", moe_impl="pallas_gpu")) == {
         "model.attention_impl=pallas_flash_tpu": ("tpu",), "model.moe_impl=pallas_gpu": ("gpu",)}
-    for field, old in (("attention_impl", "pallas_flash"), ("moe_impl", "dense"), ("msa_impl", "pallas_interpret")):
-        with pytest.raises(ConfigError, match=f"{field} must be one of"):
+    for field, old, new in (("attention_impl", "pallas_flash", "pallas_flash_gpu or pallas_flash_tpu"),
+                            ("moe_impl", "dense", "xla_dense"), ("moe_impl", "ragged", "xla_ragged"),
+                            ("moe_impl", "capacity", "xla_capacity"), ("msa_impl", "pallas_interpret",
+                                                                       "pallas_tpu_interpret")):
+        with pytest.raises(ConfigError, match=re.escape(f"{field} must be one of "
+                                                        f"{registry.implementation_names(IMPLEMENTATION_FIELDS[field])}"
+                                                        f", got {old!r} ({old!r} was renamed to {new})")):
             cfg.replace(**{field: old})
+    with pytest.raises(ConfigError) as e:
+        cfg.replace(moe_impl="megablox")
+    assert str(e.value) == f"moe_impl must be one of {registry.implementation_names('moe')}, got 'megablox'"
+    for op, renamed in RENAMED.items():              # every hint names registered implementations
+        for new in renamed.values():
+            assert set(new.split(" or ")) <= set(registry.implementation_names(op)), (op, new)

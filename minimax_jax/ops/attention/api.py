@@ -43,7 +43,7 @@ from minimax_jax.ops import registry
 from minimax_jax.ops.attention import cudnn, flash, xla
 from minimax_jax.ops.registry import Implementation
 
-__all__ = ["BACKENDS_OF", "IMPLEMENTATIONS", "attention"]
+__all__ = ["IMPLEMENTATIONS", "attention"]
 
 
 def _auto(backend, q, k, v, *, q_segment_ids, kv_segment_ids, sliding_window, **_):
@@ -68,9 +68,6 @@ registry.register("attention", [
 
 #: Every ``implementation=`` name, ``"auto"`` first.
 IMPLEMENTATIONS = registry.implementation_names("attention")
-#: Implementations that run only on some backends (the others run anywhere): name -> backends.
-BACKENDS_OF = {name: impl.platforms for name, impl in registry.get_op("attention").implementations.items()
-               if impl.platforms}
 
 
 def attention(

@@ -40,6 +40,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from minimax_jax.ops import registry
 from minimax_jax.ops.attention import flash
 
 __all__ = ["DEFAULT_MAX_SEGMENTS", "DEFAULT_OVERFLOW", "OVERFLOWS", "bucket_index", "cudnn", "cudnn_packed",
@@ -106,19 +107,33 @@ def segment_runs(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, 
     return seqlen.astype(jnp.int32), offsets.astype(jnp.int32), count
 
 
+def _compute_capability() -> str | None:
+    """The first local GPU's compute capability (e.g. ``"9.0"``); None when no GPU is visible."""
+    try:
+        devices = jax.local_devices(backend="gpu")
+    except RuntimeError:
+        return None
+    return getattr(devices[0], "compute_capability", None) if devices else None
+
+
 def unavailable_reason(q: jax.Array) -> str | None:
     """Why cuDNN's packed attention cannot serve queries like ``q`` on this machine; None when it can.
 
     Args: q: ``[B, T, H, D]`` (only its dtype and D are read).
-    Returns: a reason unless the JAX backend is a CUDA GPU of compute capability >= 9.0 (Hopper;
-      cuDNN's packed layout needs it), q is bfloat16/float16 and D is a multiple of 8 up to 256
-      (cuDNN's fused-attention limits, per JAX's ``fused_attention_stablehlo.check_is_flash_attention``).
+    Returns: a reason unless the backend (``registry.default_backend``) is GPU, a CUDA GPU of compute
+      capability >= 9.0 (Hopper; cuDNN's packed layout needs it) is visible, q is bfloat16/float16 and D
+      is a multiple of 8 up to 256 (cuDNN's fused-attention limits, per JAX's
+      ``fused_attention_stablehlo.check_is_flash_attention``). Under ``registry.assume_backend("gpu")``
+      without a GPU the reason says so: JAX's cuDNN attention reads the device when traced.
     """
-    if jax.default_backend() != "gpu":
-        return f"cudnn_packed needs a CUDA GPU backend (got {jax.default_backend()!r})"
-    dev = jax.local_devices(backend="gpu")[0]
-    cc = getattr(dev, "compute_capability", None)
-    if cc is None or tuple(int(x) for x in str(cc).split(".")) < (9, 0):
+    backend = registry.default_backend()
+    if backend != "gpu":
+        return f"cudnn_packed needs a CUDA GPU backend (got {backend!r})"
+    cc = _compute_capability()
+    if cc is None:
+        return ("cudnn_packed needs a CUDA GPU on this machine (the GPU backend is only assumed here; JAX's cuDNN "
+                "attention reads the device's compute capability when traced)")
+    if tuple(int(x) for x in str(cc).split(".")) < (9, 0):
         return f"cudnn_packed needs compute capability >= 9.0 (Hopper), got {cc}"
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         return f"cudnn_packed needs bfloat16/float16 q/k/v, got {q.dtype}"

@@ -40,7 +40,7 @@ from minimax_jax.ops.moe.grouped_matmul import sorted_expert_mlp, tokamax_suppor
 from minimax_jax.ops.moe.permute import gather_rows, group_starts, permute_rows, sort_by_expert, unpermute_combine
 from minimax_jax.ops.registry import Implementation, ImplementationUnavailable
 
-__all__ = ["BACKENDS_OF", "MOE_IMPLEMENTATIONS", "DENSE_MAX_TOKENS_X_EXPERTS", "moe_experts", "capacity_of"]
+__all__ = ["MOE_IMPLEMENTATIONS", "DENSE_MAX_TOKENS_X_EXPERTS", "moe_experts", "capacity_of"]
 
 OP = "moe"
 #: ``"auto"`` outside a mesh runs ``"xla_dense"`` up to this many tokens x experts (module docstring).
@@ -147,5 +147,3 @@ _op = registry.register(OP, [
 
 #: Every ``implementation=`` name, ``"auto"`` first (``minimax_jax.config`` checks ``moe_impl`` against it).
 MOE_IMPLEMENTATIONS = _op.names
-#: Implementations that run only on some backends (the others run anywhere): name -> backends.
-BACKENDS_OF = {impl.name: impl.platforms for impl in _op.implementations.values() if impl.platforms is not None}

@@ -81,8 +81,15 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, im
       group_sizes: ``[G]`` int rows per group, ``sum <= M``.
       implementation: a registered name of op ``"grouped_matmul"`` (module docstring).
     Returns: ``[M, N]`` in ``preferred_element_type``.
-    Raises: ImplementationUnavailable for an unknown name or one that cannot run here.
+    Raises: ValueError for shapes that do not fit; ImplementationUnavailable for an unknown name or one
+      that cannot run here (the Pallas kernels: float32 / bfloat16 / float16 lhs).
     """
+    if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.ndim != 1:
+        raise ValueError(f"{OP}: expects lhs [M, K], rhs [G, K, N] and group_sizes [G]; got {lhs.shape}, "
+                         f"{rhs.shape}, {group_sizes.shape}")
+    if group_sizes.shape[0] != rhs.shape[0] or lhs.shape[1] != rhs.shape[1]:
+        raise ValueError(f"{OP}: lhs {lhs.shape}, rhs {rhs.shape} and group_sizes {group_sizes.shape} do not fit "
+                         f"as [M, K], [G, K, N], [G]")
     return registry.dispatch(OP, implementation, lhs, rhs.astype(lhs.dtype), group_sizes.astype(jnp.int32),
                              preferred_element_type=preferred_element_type)
 
@@ -100,6 +107,13 @@ def _pallas(interpret: bool):
     return run
 
 
+def _pallas_supports(lhs=None, *_, **__) -> str | None:
+    """The Pallas kernels multiply float32 / bfloat16 / float16 operands (``rhs`` is cast to ``lhs.dtype``).
+    Without operands (``zeros_past_sum`` resolves a name alone) None."""
+    ok = lhs is None or any(lhs.dtype == d for d in (jnp.float32, jnp.bfloat16, jnp.float16))
+    return None if ok else f"the Pallas kernels take float32 / bfloat16 / float16 operands, got {lhs.dtype}"
+
+
 def _tokamax_gmm(lhs, rhs, group_sizes, *, preferred_element_type):
     # tokamax's backward multiplies the output cotangent with the operands and requires equal dtypes (a
     # float32 cotangent against bf16 weights raises NotImplementedError in tokamax 0.0.17), so the kernel
@@ -114,8 +128,8 @@ def _tokamax_gmm(lhs, rhs, group_sizes, *, preferred_element_type):
 registry.register(OP, [
     Implementation("xla", _xla),
     Implementation("tokamax", _tokamax_gmm, platforms=("gpu", "tpu"), supports=tokamax_supports),
-    Implementation("pallas_gpu", _pallas(False), platforms=("gpu",)),
-    Implementation("pallas_gpu_interpret", _pallas(True)),
+    Implementation("pallas_gpu", _pallas(False), platforms=("gpu",), supports=_pallas_supports),
+    Implementation("pallas_gpu_interpret", _pallas(True), supports=_pallas_supports),
 ], auto=lambda backend, *args, **kwargs: ["pallas_gpu", "xla"] if backend == "gpu" else ["xla"])
 
 

@@ -26,8 +26,8 @@ attention, memory O(chunk * S)), ``kl`` (chunked indexer KL), ``common`` (visibi
 query chunking, safe masked softmax).
 """
 
-from minimax_jax.ops.msa.api import (BACKENDS_OF, DEFAULT_CHUNK_SIZE, IMPLEMENTATIONS, indexer_kl, msa_attention,
+from minimax_jax.ops.msa.api import (DEFAULT_CHUNK_SIZE, IMPLEMENTATIONS, indexer_kl, msa_attention,
                                      msa_index_scores, msa_select_blocks)
 
 __all__ = ["msa_index_scores", "msa_select_blocks", "msa_attention", "indexer_kl", "DEFAULT_CHUNK_SIZE",
-           "IMPLEMENTATIONS", "BACKENDS_OF"]
+           "IMPLEMENTATIONS"]

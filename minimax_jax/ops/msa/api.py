@@ -30,7 +30,7 @@ from minimax_jax.ops.msa import pallas as _pallas
 from minimax_jax.ops.msa import reference as _ref
 from minimax_jax.ops.registry import Implementation
 
-__all__ = ["msa_index_scores", "msa_select_blocks", "msa_attention", "indexer_kl", "IMPLEMENTATIONS", "BACKENDS_OF",
+__all__ = ["msa_index_scores", "msa_select_blocks", "msa_attention", "indexer_kl", "IMPLEMENTATIONS",
            "DEFAULT_CHUNK_SIZE"]
 
 DEFAULT_CHUNK_SIZE = 256
@@ -303,6 +303,3 @@ registry.register("indexer_kl", [Implementation("xla", _xla(_kl.indexer_kl)), *_
 
 #: Every ``implementation=`` name of the MSA ops that take kernels (``"auto"`` first).
 IMPLEMENTATIONS = registry.implementation_names("msa_attention")
-#: Implementations that run only on some backends (the others run anywhere): name -> backends.
-BACKENDS_OF = {name: impl.platforms for name, impl in registry.get_op("msa_attention").implementations.items()
-               if impl.platforms is not None}

@@ -290,9 +290,15 @@ def test_grouped_matmul_impl_and_errors():
             registry.resolve("grouped_matmul", "pallas_gpu")
     with pytest.raises(ValueError, match="power of two"):
         TileConfig(bm=48)
-    with pytest.raises(ValueError, match="groups"):
+    with pytest.raises(ValueError, match="do not fit"):                    # the op checks for users
+        grouped_matmul(lhs, rhs, gs[:3], implementation="pallas_gpu_interpret")
+    with pytest.raises(ValueError, match=r"lhs \[M, K\]"):
+        grouped_matmul(lhs[None], rhs, gs, implementation="xla")
+    with pytest.raises(ImplementationUnavailable, match="float32 / bfloat16 / float16 operands, got int32"):
+        grouped_matmul(lhs.astype(jnp.int32), rhs, gs, implementation="pallas_gpu_interpret")
+    with pytest.raises(AssertionError, match="groups"):                    # the kernels only assert
         gpu_gmm.gmm(lhs, rhs, gs[:3], interpret=True)
-    with pytest.raises(TypeError, match="same dtype"):
+    with pytest.raises(AssertionError, match="same dtype"):
         gpu_gmm.gmm(lhs, rhs.astype(jnp.bfloat16), gs, interpret=True)
 
 

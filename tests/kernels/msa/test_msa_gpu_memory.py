@@ -30,6 +30,7 @@ import pytest
 
 from pallas_kernels.msa import gpu_attention as ga
 from pallas_kernels.msa import gpu_kl as gk
+from pallas_kernels.msa import gpu_sparse_fwd as gs
 
 T = 1 << 20
 BLK, TOPK, DI = 128, 16, 128          # as bench/msa_prefill.py
@@ -44,11 +45,11 @@ def _nbytes(dims, dt):
     return int(n) * _BYTES[dt]
 
 
-def _args(h, g, d=128):
+def _args(h, g, d=128, dtype=jnp.bfloat16):
     sd = jax.ShapeDtypeStruct
-    return (sd((1, T, h, d), jnp.bfloat16), sd((1, T, g, d), jnp.bfloat16),
-            sd((1, T, g, d), jnp.bfloat16), sd((1, g, T, TOPK), jnp.int32),
-            sd((1, T, h, d), jnp.bfloat16), sd((1, T), jnp.int32))
+    return (sd((1, T, h, d), dtype), sd((1, T, g, d), dtype),
+            sd((1, T, g, d), dtype), sd((1, g, T, TOPK), jnp.int32),
+            sd((1, T, h, d), dtype), sd((1, T), jnp.int32))
 
 
 def _attn_f(q, k, v, ids, do, pos):
@@ -119,6 +120,7 @@ def fake_kernels(monkeypatch):
     jax.clear_caches()
     monkeypatch.setattr(ga, "pl", types.SimpleNamespace(pallas_call=_fake_pallas_call))
     monkeypatch.setattr(gk, "pl", types.SimpleNamespace(pallas_call=_fake_pallas_call))
+    monkeypatch.setattr(gs, "pl", types.SimpleNamespace(pallas_call=_fake_pallas_call, ds=gs.pl.ds))
     yield
     monkeypatch.undo()
     jax.clear_caches()
@@ -126,17 +128,21 @@ def fake_kernels(monkeypatch):
 
 @pytest.mark.parametrize("model", sorted(SHAPES))
 def test_buffer_assignment_temporaries_bounded(model, fake_kernels):
+    """f32 inputs: XLA's CPU backend widens bf16 dynamic-update-slices (the forward's query-chunk
+    loop writes o in place) to f32 copies of the whole output, which the GPU backend does not."""
     h, g = SHAPES[model]
-    args = _args(h, g)
-    q_bytes = T * h * 128 * 2
+    args = _args(h, g, dtype=jnp.float32)
+    q_bytes = T * h * 128 * 4
     fwd = jax.jit(_attn_f).trace(*args).lower().compile().memory_analysis()
     fb = jax.jit(_attn_fb).trace(*args).lower().compile().memory_analysis()
-    # measured (jax 0.10.2 CPU) at M2 1M: fwd 1.0 GiB, fwd+bwd 2.4 GiB of temporaries (q = 12 GiB);
-    # before the fix 65.0 and 146.5 GiB. Index tables ([B,G,T,K] int32, 0.5 GiB each) and the
-    # dk/dv inverse map stay; o (q-sized) is an output of the forward and may be a temporary of
-    # the fused forward+backward, hence the looser second bound.
-    assert fwd.temp_size_in_bytes <= 0.25 * q_bytes, fwd.temp_size_in_bytes / 2**30
-    assert fb.temp_size_in_bytes <= 1.25 * q_bytes, fb.temp_size_in_bytes / 2**30
+    # What stays besides the index tables ([B,G,T,K] int32, a few % of q) and the dk/dv inverse
+    # map: one query chunk of the forward's partial outputs (gs.PARTIALS_BUDGET bytes at most) and
+    # its combine. o (q-sized) is an output of the forward and may be a temporary of the fused
+    # forward+backward, hence the looser second bound. (The padded q / o copies this test was
+    # written against were 5x q.)
+    budget = gs.PARTIALS_BUDGET
+    assert fwd.temp_size_in_bytes <= 0.25 * q_bytes + budget, fwd.temp_size_in_bytes / 2**30
+    assert fb.temp_size_in_bytes <= 1.25 * q_bytes + budget, fb.temp_size_in_bytes / 2**30
     assert fwd.output_size_in_bytes <= 1.1 * q_bytes           # o [B,T,H,D] + lse [B,T,H] f32
 
 

@@ -16,8 +16,10 @@ from minimax_jax.ops import msa as msa_ops
 from minimax_jax.ops.msa import pallas as msa_pallas
 from minimax_jax.ops.registry import (ImplementationUnavailable, assume_backend, clear_implementation_report,
                                       get_op, implementation_report)
+from pallas_kernels.msa import tpu_common
 from pallas_kernels.msa.tpu_kl import indexer_kl_tpu
 from tests.kernels.msa.test_msa_kernels_oracle import cosine, make_case, positions, random_ids
+from tests.kernels.msa.test_msa_tpu_chunks import race_states
 
 _F0 = np.zeros((), jax.dtypes.float0)
 
@@ -78,14 +80,15 @@ _SCALES = {
 
 
 @pytest.mark.parametrize("scale", list(_SCALES))
-def test_kl_fp32_matches_reference_and_is_deterministic(scale):
+def test_kl_fp32_matches_reference_and_is_deterministic(scale, monkeypatch):
     rng = np.random.default_rng()
     cfg = dict(_SCALES[scale])
     blk = cfg.pop("blk")
     c = _case(rng, blk=blk, **cfg)
     ct = float(rng.uniform(0.5, 2.0))
-    t_chunk = 5 if scale == "suffix" else 512    # several forward / d qi calls along queries
-    kern = lambda *a, **kw: indexer_kl_tpu(*a, interpret=True, t_chunk=t_chunk, **kw)  # noqa: E731
+    if scale == "suffix":   # a small SMEM budget: query chunks of 5 tokens, d ki windows of 16
+        monkeypatch.setattr(tpu_common, "TABLE_WORDS", 96)
+    kern = lambda *a, **kw: indexer_kl_tpu(*a, interpret=True, **kw)  # noqa: E731
     got = _run(kern, c, blk, ct=ct)
     _check(got, _run(_xla, c, blk, ct=ct), kl_rtol=1e-4, cos_min=0.9999, err_rel=1e-4)
     again = _run(kern, c, blk, ct=ct)
@@ -107,15 +110,7 @@ def test_kl_bf16_tolerances():
 
 def test_kl_race_detection_all_kernels(monkeypatch):
     """TPU-semantics interpreter, detect_races=True, on fwd, d qi and d ki: no race, same values."""
-    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as mosaic_interpret
-    states = []
-
-    class Recording(mosaic_interpret.RaceDetectionState):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            states.append(self)
-
-    monkeypatch.setattr(mosaic_interpret, "RaceDetectionState", Recording)
+    states = race_states(monkeypatch)
     rng = np.random.default_rng()
     c = _case(rng, bsz=1, t=10, s=24, h=4, g=2, d=16, di=16, topk=2, blk=8, segments=[[5, 17, 2]])
     params = pltpu.InterpretParams(detect_races=True)

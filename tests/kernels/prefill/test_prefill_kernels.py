@@ -88,9 +88,12 @@ def test_suffix_kernel_rejects_what_it_cannot_serve():
                                                 S((1, 64, 2, 24), jnp.bfloat16))
     assert "dtype" in unsupported_reason(q, S((1, 64, 2, 32), jnp.float32), S((1, 64, 2, 32), jnp.float32))
     assert "multiple" in unsupported_reason(S((1, 8, 3, 32), jnp.bfloat16), kv, kv)
-    with pytest.raises(ValueError, match="power of two"):
-        suffix_attention_gpu(jnp.zeros((1, 8, 4, 24)), jnp.zeros((1, 64, 2, 24)), jnp.zeros((1, 64, 2, 24)),
-                             jnp.zeros((1, 8), jnp.int32))
+    with pytest.raises(ImplementationUnavailable, match="power of two"):     # the op checks for users
+        prefill_attention(jnp.zeros((1, 8, 4, 24)), jnp.zeros((1, 64, 2, 24)), jnp.zeros((1, 64, 2, 24)),
+                          jnp.zeros((1, 8), jnp.int32), implementation="pallas_gpu_interpret")
+    with pytest.raises(AssertionError, match="powers of two"):                # the kernel only asserts
+        suffix_attention_gpu(jnp.zeros((1, 8, 4, 32)), jnp.zeros((1, 64, 2, 32)), jnp.zeros((1, 64, 2, 32)),
+                             jnp.zeros((1, 8), jnp.int32), rows=48, interpret=True)
 
 
 def test_suffix_kernel_lowers_for_cuda_at_1m():

@@ -1,0 +1,238 @@
+"""MSA sparse attention forward on GPU, KV-outer: each selected K/V block is loaded once for all the
+queries that chose it (Pallas, Triton lowering).
+
+Math: MSA_SPEC.md section 3 (see gpu_attention.py for the contract). Schedule (the inversion of the
+per-query selections into per-KV-block work used by the official MSA kernels, written here for
+Triton-class GPUs):
+
+1. Work list (XLA): every valid (token, slot) selection of a kv group is keyed by the storage start of
+   its block window (layout.py: queries of one segment that chose block n share it) and the keys are
+   sorted (stable: a fixed order, bitwise-repeatable results). ``run_end[e]`` is the first entry after
+   e with another key.
+2. Kernel: program (i, g, b) takes the fixed-size slice [i*C, (i+1)*C) of group g's sorted list. For
+   each run of equal keys inside it, it loads the K/V window once and walks the run in row tiles of
+   ``per`` entries x H/G heads (<= 128 rows: e.g. 8 tokens x 16 heads at M3, 21 x 6 at M2); q rows are
+   gathered, the block's softmax is computed exactly (it is one block), and the normalised partial
+   output (q.dtype) and its LSE (f32) are written to the (token, slot) they belong to.
+3. Combine (XLA): per (token, head), the K partials are merged by their LSE (fp32 weights).
+Queries are processed in chunks of ``query_chunk`` tokens (one compiled loop writing the outputs in
+place), so the partial buffers, [B, Tc, K, H, Dv] + [B, Tc, K, H] f32, stay bounded at any length.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.msa import layout
+
+__all__ = ["sparse_fwd_kv_outer", "worklist", "default_query_chunk", "PARTIALS_BUDGET"]
+
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+_NO_KEY = jnp.iinfo(jnp.int32).max
+PARTIALS_BUDGET = 4 << 30     # bytes of partial outputs per query chunk (default_query_chunk)
+
+
+def _dot(a, b, trans_b=False):
+    dims = (((1,), (1 if trans_b else 0,)), ((), ()))
+    return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+def worklist(ids, starts):
+    """Selections sorted by block window, per (batch row, group).
+
+    Args: ids [B,G,T,K] int32 (deduplicated, -1 unused), starts [B,G,T,K] int32 (window starts).
+    Returns (flat [B,G,T*K] int32: t*K + slot in sorted order, key [B,G,T*K] int32: the window start
+    (int32 max for unused), run_end [B,G,T*K] int32, n_valid [B,G] int32).
+    """
+    bsz, g, t, k = ids.shape
+    n = t * k
+    key = jnp.where(ids >= 0, starts, _NO_KEY).reshape(bsz, g, n)
+    flat = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), key.shape)
+    key, flat = jax.lax.sort((key, flat), dimension=2, num_keys=1, is_stable=True)
+    idx = jnp.arange(1, n + 1, dtype=jnp.int32)
+    change = jnp.concatenate([key[..., 1:] != key[..., :-1],
+                              jnp.ones(key.shape[:2] + (1,), bool)], axis=-1)
+    run_end = jax.lax.cummin(jnp.where(change, idx, n), axis=2, reverse=True)
+    n_valid = jnp.sum(ids >= 0, axis=(2, 3), dtype=jnp.int32)
+    return flat, key, run_end, n_valid
+
+
+def _kernel(flat_ref, key_ref, rend_ref, nval_ref, q_ref, k_ref, v_ref, ids_ref, qpos_ref, qseg_ref,
+            kvpos_ref, kvseg_ref, op_ref, lp_ref, *, blk, topk, scale, hg, per, chunk, rows):
+    i = pl.program_id(0)
+    g = pl.program_id(1)
+    b = pl.program_id(2)
+    lo = i * chunk
+    hi = jnp.minimum(lo + chunk, nval_ref[b, g])
+    r = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
+    j = r // hg
+    head = g * hg + (r - j * hg)
+    row_in = j < per
+    qk_scale = scale * _LOG2E
+
+    def run(a):
+        end = jnp.minimum(rend_ref[b, g, a], hi)
+        w0 = key_ref[b, g, a]
+        sl = pl.ds(w0, blk)
+        kb = k_ref[b, sl, g, :]                  # [B, D]
+        vb = v_ref[b, sl, g, :]
+        kvp = kvpos_ref[b, sl]
+        kvs = kvseg_ref[b, sl]
+        # The window is one segment's keys (the common case): a row sees all of it iff its query
+        # is in that segment, its block is the window's and every key is at or before it.
+        kmin, kmax = jnp.min(kvp), jnp.max(kvp)
+        seg0 = kvseg_ref[b, w0]
+        one_seg = (jnp.min(kvs) == jnp.max(kvs)) & (seg0 >= 0)
+
+        def tile(si, carry):
+            e = a + si * per + j
+            ok = row_in & (e < end)
+            flat = flat_ref[b, g, jnp.where(ok, e, a)]
+            t = flat // topk
+            slot = flat - t * topk
+            n = ids_ref[b, g, t, slot]
+            qp = qpos_ref[b, t]
+            qs = qseg_ref[b, t]
+            q = q_ref[b, t, head, :]                         # [R, D] gathered rows
+            s = _dot(q, kb, trans_b=True) * qk_scale          # [R, B] log2 domain
+            # visible keys of row r: kvp in [lo_r, hi_r] and kvs == qs_r (a query of segment < 0
+            # sees nothing; a row not in this tile sees nothing)
+            lo_r = n * blk
+            hi_r = jnp.where(ok & (qs >= 0), jnp.minimum(lo_r + blk - 1, qp), -1)
+            full = one_seg & (jnp.min(jnp.where(ok, ((qs == seg0) & (kmin >= lo_r)
+                                                    & (kmax <= hi_r)).astype(jnp.int32), 1)) == 1)
+
+            def masked(s):
+                vis = ((kvp[None, :] >= lo_r[:, None]) & (kvp[None, :] <= hi_r[:, None])
+                       & (kvs[None, :] == qs[:, None]))
+                return jnp.where(vis, s, -jnp.inf)
+
+            s = jax.lax.cond(full, lambda s: s, masked, s)
+            m = jnp.max(s, axis=1)
+            m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+            p = jnp.exp2(s - m_safe[:, None])
+            l = jnp.sum(p, axis=1)
+            l_safe = jnp.where(l == 0.0, 1.0, l)
+            o = _dot(p.astype(vb.dtype), vb) * (1.0 / l_safe)[:, None]
+            lse = jnp.where(l == 0.0, -jnp.inf, (m_safe + jnp.log2(l_safe)) * _LN2)
+            # Masked rows point at the spare token row (index T of the partial buffers): interpret
+            # mode discharges a masked store as a scatter, where a masked row aliasing a valid one
+            # could write back the old value. All-integer indexers: interpret mode stores no mixed
+            # slice + gather indexers.
+            t_st = jnp.where(ok, t, op_ref.shape[1] - 1)[:, None]
+            dcol = jax.lax.broadcasted_iota(jnp.int32, (1, o.shape[1]), 1)
+            pltriton.store(op_ref.at[b, t_st, slot[:, None], head[:, None], dcol],
+                           o.astype(op_ref.dtype), mask=ok[:, None])
+            pltriton.store(lp_ref.at[b, t_st[:, 0], slot, head], lse, mask=ok)
+            return carry
+
+        jax.lax.fori_loop(0, (end - a + per - 1) // per, tile, 0)
+        return end
+
+    jax.lax.while_loop(lambda a: a < hi, run, lo)
+
+
+def _combine(op, lp, ids, hg):
+    """Merge the K partials of every (token, head) by LSE: (o [B,T,H,Dv] op.dtype, lse [B,T,H] f32)."""
+    valid = jnp.repeat(jnp.transpose(ids >= 0, (0, 2, 3, 1)), hg, axis=-1)   # [B,T,K,H]
+    lp = jnp.where(valid, lp, -jnp.inf)
+    m = jnp.max(lp, axis=2)
+    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+    w = jnp.exp(lp - m_safe[:, :, None, :])                                   # 0 where unused
+    total = jnp.sum(w, axis=2)
+    t_safe = jnp.where(total == 0.0, 1.0, total)
+    o = jnp.sum(jnp.where(valid[..., None], op.astype(jnp.float32), 0.0) * w[..., None], axis=2)
+    o = (o / t_safe[..., None]).astype(op.dtype)
+    lse = jnp.where(total == 0.0, -jnp.inf, m_safe + jnp.log(t_safe))
+    return o, lse
+
+
+def default_query_chunk(bsz, h, dv, topk, itemsize, budget_bytes=PARTIALS_BUDGET):
+    """Query tokens per chunk so that the partial outputs fit ``budget_bytes`` (a power of two)."""
+    per_token = bsz * topk * h * (dv * itemsize + 4)
+    c = max(1, budget_bytes // per_token)
+    return 1 << (c.bit_length() - 1)
+
+
+def _partials(q, prep_k, prep_v, ids, starts, qpos, qseg, kvpos, kvseg, *, blk, chunk, rows,
+              interpret, num_warps, num_stages):
+    """The kernel's per-(token, slot) partials: (o [B,T,K,H,Dv] q.dtype, lse [B,T,K,H] f32)."""
+    bsz, t, h, d = q.shape
+    g = prep_k.shape[2]
+    dv = prep_v.shape[-1]
+    hg = h // g
+    topk = ids.shape[-1]
+    per = max(1, rows // hg)
+    assert hg <= rows, f"{hg} heads per group > {rows} rows per tile"
+    flat, key, run_end, n_valid = worklist(ids, starts)
+    n_items = -(-t * topk // chunk)
+    kernel = functools.partial(_kernel, blk=blk, topk=topk, scale=1.0 / math.sqrt(d), hg=hg,
+                               per=per, chunk=chunk, rows=rows)
+    op, lp = pl.pallas_call(
+        kernel,
+        grid=(n_items, g, bsz),
+        out_shape=[jax.ShapeDtypeStruct((bsz, t + 1, topk, h, dv), q.dtype),   # + spare row
+                   jax.ShapeDtypeStruct((bsz, t + 1, topk, h), jnp.float32)],
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="msa_fwd_kv_gpu",
+    )(flat, key, run_end, n_valid, q, prep_k, prep_v, ids, qpos, qseg, kvpos, kvseg)
+    return op[:, :t], lp[:, :t]
+
+
+def _chunk_fwd(q, prep_k, prep_v, ids, starts, qpos, qseg, kvpos, kvseg, **kw):
+    op, lp = _partials(q, prep_k, prep_v, ids, starts, qpos, qseg, kvpos, kvseg, **kw)
+    return _combine(op, lp, ids, q.shape[2] // prep_k.shape[2])
+
+
+def sparse_fwd_kv_outer(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids,
+                        kv_segment_ids, *, block_size, interpret=False, num_warps=4, num_stages=2,
+                        chunk=128, rows=None, query_chunk=None):
+    """KV-outer MSA forward: (o [B,T,H,Dv] q.dtype, lse [B,T,H] f32 natural log, -inf: no key).
+
+    Arguments as ``gpu_attention.msa_attention_gpu`` (block_ids [B,G,T,K], any order, duplicates
+    count once, -1 unused). ``chunk``: sorted selections per program; ``rows``: (token, head) rows
+    per tile (a power of two >= H/G; None: max(64, next_pow2(H/G))); ``query_chunk``: query tokens per pass (None:
+    ``default_query_chunk``). Preconditions are asserted.
+    """
+    layout.check_shapes(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
+    bsz, t, h, _ = q.shape
+    topk = block_ids.shape[-1]
+    prep = layout.prepare(k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, block_size)
+    ids = layout.dedupe_ids(block_ids)
+    starts = layout.window_starts(ids, prep.base, block_size, prep.s_pad)
+    qpos = q_positions.astype(jnp.int32)
+    qseg = prep.q_seg
+    if rows is None:
+        rows = max(64, layout.next_pow2(h // k.shape[2]))
+    if query_chunk is None:
+        query_chunk = default_query_chunk(bsz, h, v.shape[-1], topk, q.dtype.itemsize)
+    run = functools.partial(_chunk_fwd, prep_k=prep.k, prep_v=prep.v, kvpos=prep.kv_pos,
+                            kvseg=prep.kv_seg, blk=block_size, chunk=chunk, rows=rows, interpret=interpret,
+                            num_warps=num_warps, num_stages=num_stages)
+    if t <= query_chunk:
+        return run(q, ids=ids, starts=starts, qpos=qpos, qseg=qseg)
+    # One compiled loop over query chunks, writing into the outputs in place. The last chunk is
+    # clamped to end at T (it recomputes a few tokens: a row's result does not depend on the other
+    # rows of its tile, so the rewrite is identical).
+    n_c = -(-t // query_chunk)
+    dsl = jax.lax.dynamic_slice_in_dim
+
+    def body(c, carry):
+        o, lse = carry
+        a = jnp.minimum(c * query_chunk, t - query_chunk)
+        oc, lc = run(dsl(q, a, query_chunk, 1), ids=dsl(ids, a, query_chunk, 2),
+                     starts=dsl(starts, a, query_chunk, 2), qpos=dsl(qpos, a, query_chunk, 1),
+                     qseg=dsl(qseg, a, query_chunk, 1))
+        return (jax.lax.dynamic_update_slice_in_dim(o, oc, a, 1),
+                jax.lax.dynamic_update_slice_in_dim(lse, lc, a, 1))
+
+    init = (jnp.zeros((bsz, t, h, v.shape[-1]), q.dtype), jnp.zeros((bsz, t, h), jnp.float32))
+    return jax.lax.fori_loop(0, n_c, body, init)
