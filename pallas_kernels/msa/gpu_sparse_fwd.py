@@ -182,7 +182,7 @@ def _partials(q, prep_k, prep_v, ids, starts, qpos, qseg, kvpos, kvseg, *, blk, 
                    jax.ShapeDtypeStruct((bsz, t + 1, topk, h), jnp.float32)],
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name="msa_fwd_kv_gpu",
+        name="msa_fwd_gpu",
     )(flat, key, run_end, n_valid, q, prep_k, prep_v, ids, qpos, qseg, kvpos, kvseg)
     return op[:, :t], lp[:, :t]
 

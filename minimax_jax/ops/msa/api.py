@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from minimax_jax.ops import registry
+from minimax_jax.ops.msa import common as _common
 from minimax_jax.ops.msa import kl as _kl
 from minimax_jax.ops.msa import pallas as _pallas
 from minimax_jax.ops.msa import reference as _ref
@@ -55,6 +56,17 @@ def _check_int(name: str, x, shape: tuple, op: str) -> jax.Array:
     if not jnp.issubdtype(x.dtype, jnp.integer):
         raise TypeError(f"{op}: {name} must be an integer dtype, got {x.dtype}")
     return jnp.asarray(x, jnp.int32)
+
+
+def _block_ids(x, shape: tuple, op: str, num_keys: int, block_size: int) -> jax.Array:
+    """Checked block ids as int32 with every id outside ``[0, NB)`` set to ``-1`` (an empty slot).
+
+    The XLA reference selects nothing for such ids; blanking them here gives every kernel the same
+    meaning (a kernel would otherwise form ``id * block_size`` offsets that overflow int32).
+    """
+    ids = _check_int("block_ids", x, shape, op)
+    nb = _common.num_key_blocks(num_keys, block_size)
+    return jnp.where((ids >= 0) & (ids < nb), ids, -1)
 
 
 def _check_pos_int(name: str, value, op: str, minimum: int = 1) -> int:
@@ -225,7 +237,7 @@ def msa_attention(q, k, v, block_ids, *, q_positions, kv_positions, q_segment_id
     if not hasattr(block_ids, "shape") or block_ids.ndim != 4 or tuple(block_ids.shape[:3]) != (b, g, t):
         raise ValueError(f"{op}: block_ids must have shape [B={b}, G={g}, T={t}, K], "
                          f"got {tuple(getattr(block_ids, 'shape', ()))}")
-    ids = _check_int("block_ids", block_ids, block_ids.shape, op)
+    ids = _block_ids(block_ids, block_ids.shape, op, s, block_size)
     q_pos, kv_pos, q_seg, kv_seg = _masks(op, b, t, s, q_positions, kv_positions, q_segment_ids,
                                           kv_segment_ids, block_size)
     return registry.dispatch(op, implementation, q, k, v, ids, q_positions=q_pos, kv_positions=kv_pos,
@@ -269,7 +281,7 @@ def indexer_kl(q, k, qi, ki, block_ids, *, q_positions, kv_positions, q_segment_
         if not hasattr(block_ids, "shape") or block_ids.ndim != 4 or tuple(block_ids.shape[:3]) != (b, hi, t):
             raise ValueError(f"{op}: block_ids must have shape [B={b}, Hi={hi}, T={t}, K], "
                              f"got {tuple(getattr(block_ids, 'shape', ()))}")
-        ids = _check_int("block_ids", block_ids, block_ids.shape, op)
+        ids = _block_ids(block_ids, block_ids.shape, op, s, block_size)
     elif block_size is not None:
         block_size = _check_pos_int("block_size", block_size, op)
     q_pos, kv_pos, q_seg, kv_seg = _masks(op, b, t, s, q_positions, kv_positions, q_segment_ids,

@@ -487,3 +487,26 @@ def test_selection_sets_match_hf_transformers_indexer():
     assert hf_ids.shape == ids.shape
     assert_same_selection(ids, hf_ids, scores, x["q_pos"], 128, tol=1e-5)
     assert np.array_equal(np.sum(np.asarray(ids) >= 0, -1), np.sum(hf_ids >= 0, -1))
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas_gpu_interpret"])
+def test_out_of_range_ids_select_nothing_even_when_id_times_block_overflows(impl):
+    """Ids >= NB (here up to 2**31 - 1, so ``id * block_size`` overflows int32) are empty slots for
+    every implementation, as in the reference: the output equals the call without them."""
+    rng = np.random.default_rng(3)
+    x = make_inputs(rng, t=8, s=64)
+    blk = 16
+    ids = np.broadcast_to(np.array([3, 0, -1], np.int32), (1, 2, 8, 3)).copy()
+    ids[..., 0] = np.minimum(ids[..., 0], x["q_pos"][0] // blk)           # a visible block
+    huge = np.concatenate([ids, np.full(ids.shape[:3] + (1,), 2**31 - 1, np.int32),
+                           np.full(ids.shape[:3] + (1,), 2**28 + 2, np.int32)], axis=-1)   # * 16 wraps to 32
+    args = (jnp.asarray(x["q"]), jnp.asarray(x["k"]), jnp.asarray(x["v"]))
+    want = msa.msa_attention(*args, jnp.asarray(ids), block_size=blk, implementation="xla", **masks(x))
+    got = msa.msa_attention(*args, jnp.asarray(huge), block_size=blk, implementation=impl, **masks(x))
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=ATOL, rtol=RTOL)
+    qk = (jnp.asarray(x["q"]), jnp.asarray(x["k"]), jnp.asarray(x["qi"]), jnp.asarray(x["ki"]))
+    kl_want = msa.indexer_kl(*qk, jnp.asarray(ids[:, :2]), block_size=blk, implementation="xla", **masks(x))
+    kl_got = msa.indexer_kl(*qk, jnp.asarray(huge[:, :2]), block_size=blk, implementation=impl, **masks(x))
+    np.testing.assert_allclose(float(kl_got[0]), float(kl_want[0]), rtol=1e-5, atol=1e-6)
+    assert int(kl_got[1]) == int(kl_want[1])
