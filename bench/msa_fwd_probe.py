@@ -45,6 +45,20 @@ def _timeit(f, *args, budget_s=2.0, max_reps=15):
     return statistics.median(times) * 1e3
 
 
+def row_adder(rows, model, t):
+    """add(name, fn, args, flops): time fn(*args) into a row of ``rows`` (errors reported, not raised)."""
+    def add(name, fn, args, flops):
+        r = {"model": model, "T": t, "variant": name}
+        try:
+            ms = _timeit(fn, *args)
+            r.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
+        except Exception as e:   # report (compile error, out of memory) and go on
+            r["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        print("ROW", json.dumps(r), flush=True)
+        rows.append(r)
+    return add
+
+
 def make(key, bsz, t, s, h, g, d, blk, topk, segments=None, dtype=jnp.bfloat16):
     ks = jax.random.split(key, 4)
     q = jax.random.normal(ks[0], (bsz, t, h, d), dtype)
@@ -110,16 +124,7 @@ def bench(model, t, key, interpret, variants, dense):
     main_f = float(np.sum(4.0 * D * h * np.minimum(p, TOPK * BLK)))
     dense_f = float(np.sum(4.0 * D * h * p))
     rows = []
-
-    def add(name, fn, args, flops):
-        r = {"model": model, "T": t, "variant": name}
-        try:
-            ms = _timeit(fn, *args)
-            r.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
-        except Exception as e:   # report (compile error, out of memory) and go on
-            r["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        print("ROW", json.dumps(r), flush=True)
-        rows.append(r)
+    add = row_adder(rows, model, t)
 
     for kw in variants:
         name = "kv_outer " + ",".join(f"{a}={b}" for a, b in kw.items())
@@ -149,12 +154,27 @@ def bench(model, t, key, interpret, variants, dense):
     return rows
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="/tmp/msa_fwd_probe")
+def probe_shapes(tiny):
+    """The correctness cases of the probes: (name, make() kwargs)."""
+    if tiny:
+        return [("m3like", dict(bsz=1, t=200, s=200, h=8, g=2, d=32, blk=16, topk=4)),
+                ("m2like_packed", dict(bsz=2, t=150, s=150, h=12, g=2, d=32, blk=16, topk=4,
+                                       segments=[[60, 70, 20], [149]])),
+                ("suffix", dict(bsz=1, t=40, s=170, h=4, g=2, d=32, blk=16, topk=4))]
+    return [("m3", dict(bsz=1, t=4096, s=4096, h=64, g=4, d=128, blk=128, topk=16)),
+            ("m2_packed", dict(bsz=2, t=3000, s=3000, h=48, g=8, d=128, blk=128, topk=16,
+                               segments=[[1000, 1500, 450], [129, 2871]])),
+            ("suffix_m3", dict(bsz=1, t=1000, s=5000, h=64, g=4, d=128, blk=128, topk=16)),
+            ("m3_blk64", dict(bsz=1, t=2048, s=2048, h=64, g=4, d=128, blk=64, topk=16))]
+
+
+def run_probe(description, check_fn, bench_fn, default_variants, out_name, ok_keys):
+    """The probes' command line: checks first (each case's error reported, not raised), then the
+    timed variants per case, a JSON file under --out and a table printed last."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--out", default="/tmp/msa_probe")
     ap.add_argument("--cases", default="m3:131072,m2:131072")
-    ap.add_argument("--variants", default="rows=64,num_warps=4;rows=128,num_warps=8;"
-                                          "rows=64,num_warps=4,chunk=256")
+    ap.add_argument("--variants", default=default_variants)
     ap.add_argument("--interpret", action="store_true")
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args()
@@ -165,46 +185,35 @@ def main():
             "command": " ".join(sys.argv)}
     print(meta, flush=True)
     key = jax.random.PRNGKey(0)
-    if args.tiny:
-        shapes = [("m3like", dict(bsz=1, t=200, s=200, h=8, g=2, d=32, blk=16, topk=4)),
-                  ("m2like_packed", dict(bsz=2, t=150, s=150, h=12, g=2, d=32, blk=16, topk=4,
-                                         segments=[[60, 70, 20], [149]])),
-                  ("suffix", dict(bsz=1, t=40, s=170, h=4, g=2, d=32, blk=16, topk=4))]
-    else:
-        shapes = [("m3", dict(bsz=1, t=4096, s=4096, h=64, g=4, d=128, blk=128, topk=16)),
-                  ("m2_packed", dict(bsz=2, t=3000, s=3000, h=48, g=8, d=128, blk=128, topk=16,
-                                     segments=[[1000, 1500, 450], [129, 2871]])),
-                  ("suffix_m3", dict(bsz=1, t=1000, s=5000, h=64, g=4, d=128, blk=128, topk=16)),
-                  ("m3_blk64", dict(bsz=1, t=2048, s=2048, h=64, g=4, d=128, blk=64, topk=16))]
     checks = []
-    for name, shp in shapes:
+    for name, shp in probe_shapes(args.tiny):
         key, sub = jax.random.split(key)
         try:
-            checks.append(check(name, sub, args.interpret, **shp))
+            checks.append(check_fn(name, sub, args.interpret, **shp))
         except Exception as e:
             checks.append({"case": name, "error": f"{type(e).__name__}: {str(e)[:400]}"})
             print("CHECK", json.dumps(checks[-1]), flush=True)
-    variants = []
-    for v in args.variants.split(";"):
-        kw = {}
-        for item in filter(None, v.split(",")):
-            a, b = item.split("=")
-            kw[a] = int(b)
-        variants.append(kw)
+    variants = [{a: int(b) for a, b in (item.split("=") for item in filter(None, v.split(",")))}
+                for v in args.variants.split(";")]
     rows = []
     if not args.tiny:
         for c in args.cases.split(","):
             model, t = c.split(":")
             key, sub = jax.random.split(key)
-            rows += bench(model, int(t), sub, args.interpret, variants, dense=True)
-    with open(os.path.join(args.out, "msa_fwd_probe.json"), "w") as f:
+            rows += bench_fn(model, int(t), sub, args.interpret, variants, dense=True)
+    with open(os.path.join(args.out, out_name), "w") as f:
         json.dump({"meta": meta, "checks": checks, "rows": rows}, f, indent=1)
-    print("\nchecks:", [(c["case"], c.get("kv_outer_ok"), c.get("kv_outer_chunked_ok"),
-                         c.get("kv_outer_bitwise_repeat"), c.get("error")) for c in checks])
+    print("\nchecks:", [(c["case"],) + tuple(c.get(k) for k in ok_keys) + (c.get("error"),) for c in checks])
     print("model | T | variant | ms | TFLOP/s")
     for r in rows:
         print(f"{r['model']} | {r['T']} | {r['variant']} | {r.get('ms', float('nan')):.2f} | "
               f"{r.get('tflops', float('nan')):.1f} {r.get('error', '')[:80]}")
+
+
+def main():
+    run_probe(__doc__.splitlines()[0], check, bench,
+              "rows=64,num_warps=4;rows=128,num_warps=8;rows=64,num_warps=4,chunk=256",
+              "msa_fwd_probe.json", ("kv_outer_ok", "kv_outer_chunked_ok", "kv_outer_bitwise_repeat"))
 
 
 if __name__ == "__main__":

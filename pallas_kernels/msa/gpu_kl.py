@@ -12,13 +12,13 @@ each head's and the student's log-sum-exp (online), pass 2 accumulates the KL. T
 form the M rows of the q.k matmul; the student logits (one index head) are an elementwise product
 summed over Di. Backward: d qi with the same query-outer program; d ki KV-outer: one program per
 (key tile, batch row) walks, for every group, the selections that touch its tile (the stable
-sorted inverse map of gpu_attention), so the shared index key's gradient needs no atomics and is
+sorted inverse map, ``_inverse_map``), so the shared index key's gradient needs no atomics and is
 bitwise deterministic. Dense warm-up (block_ids=None) has no kernel (ValueError).
 
 The group's H/G heads are padded to M = max(16, next_pow2(H/G)) rows (the smallest tensor-core
 tile) only in registers: q and the per-head teacher log-sum-exp (lse_m, a forward residual) are read
 and written in their natural [B,T,H,...] layout, rows ``g*H/G + [0, M)`` with a row mask (as
-gpu_attention's ``_load_group``; masked-off rows load 0 for q, +inf for lse_m, and are never
+``_load_group`` below; masked-off rows load 0 for q, +inf for lse_m, and are never
 stored). No [B,T,G,M,...] copy is materialised in HBM: at M2 shapes (H/G = 6 -> M = 16) a padded q
 was 2.7x q (32 GiB at T = 1M).
 """
@@ -34,13 +34,66 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.common import searchsorted
 from pallas_kernels.msa import layout
-from pallas_kernels.msa.gpu_attention import _inverse_map, _load_group, _mask, _store_group
 
 __all__ = ["indexer_kl_gpu"]
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
+
+
+def _mask(kvp, kvs, n, q_pos, q_seg, blk):
+    """Visibility of the B loaded keys for one query and selected block id n: bool [B]."""
+    return ((n >= 0) & (kvs == q_seg) & (kvs >= 0) & (kvp <= q_pos)
+            & (kvp >= n * blk) & (kvp < n * blk + blk))
+
+
+def _group_rows(ref, b, t, g, hg, m_pad):
+    """(ref view of rows g*hg .. g*hg+m_pad of token t, row mask or None), for [B,T,H,...] refs.
+
+    The view is the group's M = m_pad rows in the natural [B,T,H,...] layout; rows >= hg (another
+    group's heads, or past the end of the array for the last group) are masked (mask None when
+    hg == m_pad: every row is the group's own).
+    """
+    view = ref.at[(b, t, pl.ds(g * hg, m_pad)) + (slice(None),) * (len(ref.shape) - 3)]
+    if hg == m_pad:
+        return view, None
+    return view, jax.lax.broadcasted_iota(jnp.int32, view.shape, 0) < hg
+
+
+def _load_group(ref, b, t, g, hg, m_pad, fill=0.0):
+    """The group's M rows of token t of a [B,T,H,...] ref; rows >= hg read as ``fill``."""
+    view, mask = _group_rows(ref, b, t, g, hg, m_pad)
+    if mask is None:
+        return view[...]
+    return pltriton.load(view, mask=mask, other=jnp.asarray(fill, ref.dtype))
+
+
+def _store_group(ref, b, t, g, hg, m_pad, val):
+    """Write the group's first hg of M rows of ``val`` into token t of a [B,T,H,...] ref."""
+    view, mask = _group_rows(ref, b, t, g, hg, m_pad)
+    if mask is None:
+        view[...] = val
+    else:
+        pltriton.store(view, val, mask=mask)
+
+
+def _inverse_map(block_ids, starts, blk, n_tiles):
+    """Sort the selections by storage tile: entries [B,G,2TK] (t*K+slot), offsets [B,G,NT+1]."""
+    bsz, g, t, k = block_ids.shape
+    valid = block_ids >= 0
+    tile_a = starts // blk
+    misaligned = (starts % blk) != 0
+    t0 = jnp.where(valid, tile_a, n_tiles).reshape(bsz, g, t * k)
+    t1 = jnp.where(valid & misaligned, tile_a + 1, n_tiles).reshape(bsz, g, t * k)
+    tiles = jnp.concatenate([t0, t1], axis=-1)
+    flat = jnp.arange(t * k, dtype=jnp.int32)
+    flat = jnp.broadcast_to(jnp.concatenate([flat, flat]), tiles.shape)
+    tiles, flat = jax.lax.sort((tiles, flat), dimension=2, num_keys=1, is_stable=True)
+    bounds = jnp.arange(n_tiles + 1, dtype=jnp.int32)
+    offs = jax.vmap(jax.vmap(lambda a: searchsorted(a, bounds, side="left")))(tiles)
+    return flat, offs
 
 
 def _dot_t(a, b):

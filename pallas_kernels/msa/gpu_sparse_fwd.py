@@ -31,7 +31,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.msa import layout
 
-__all__ = ["sparse_fwd_kv_outer", "worklist", "default_query_chunk", "PARTIALS_BUDGET"]
+__all__ = ["sparse_fwd_kv_outer", "worklist", "default_query_chunk", "PARTIALS_BUDGET",
+           "Window", "tile_rows", "mask_logits", "schedule"]
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -64,6 +65,60 @@ def worklist(ids, starts):
     return flat, key, run_end, n_valid
 
 
+class Window:
+    """The K/V window of one run (storage start w0, group g): the tiles and what the mask needs."""
+
+    def __init__(self, k_ref, v_ref, kvpos_ref, kvseg_ref, b, g, w0, blk):
+        sl = pl.ds(w0, blk)
+        self.k = k_ref[b, sl, g, :]                  # [B, D]
+        self.v = v_ref[b, sl, g, :]
+        self.kvp = kvpos_ref[b, sl]
+        self.kvs = kvseg_ref[b, sl]
+        self.kmin, self.kmax = jnp.min(self.kvp), jnp.max(self.kvp)
+        self.seg0 = kvseg_ref[b, w0]
+        # The window is one segment's keys (the common case): a row sees all of it iff its query
+        # is in that segment, its block is the window's and every key is at or before it.
+        self.one_seg = (jnp.min(self.kvs) == jnp.max(self.kvs)) & (self.seg0 >= 0)
+        self.blk = blk
+
+
+def tile_rows(flat_ref, ids_ref, qpos_ref, qseg_ref, b, g, e, ok, topk, a):
+    """The selections of a row tile: rows e (sorted entries; rows not ``ok`` read entry a)."""
+    flat = flat_ref[b, g, jnp.where(ok, e, a)]
+    t = flat // topk
+    slot = flat - t * topk
+    return t, slot, ids_ref[b, g, t, slot], qpos_ref[b, t], qseg_ref[b, t]
+
+
+def mask_logits(s, win, ok, n, qp, qs, mask_rows):
+    """-inf where row r (block n, query position qp, segment qs) does not see a window key.
+
+    A row sees keys with kvp in [n*B, min(n*B + B - 1, qp)] and kvs == qs (a query of segment < 0
+    sees nothing; a row not ``ok`` sees nothing). A tile whose rows all see the whole window skips
+    the mask (``lax.cond``); ``mask_rows`` still blanks the rows not ``ok`` there.
+    """
+    lo_r = n * win.blk
+    hi_r = jnp.where(ok & (qs >= 0), jnp.minimum(lo_r + win.blk - 1, qp), -1)
+    full = win.one_seg & (jnp.min(jnp.where(ok, ((qs == win.seg0) & (win.kmin >= lo_r)
+                                                  & (win.kmax <= hi_r)).astype(jnp.int32), 1)) == 1)
+
+    def masked(s):
+        vis = ((win.kvp[None, :] >= lo_r[:, None]) & (win.kvp[None, :] <= hi_r[:, None])
+               & (win.kvs[None, :] == qs[:, None]))
+        return jnp.where(vis, s, -jnp.inf)
+
+    unmasked = (lambda s: jnp.where(ok[:, None], s, -jnp.inf)) if mask_rows else (lambda s: s)
+    return jax.lax.cond(full, unmasked, masked, s)
+
+
+def schedule(ids, starts, h, rows, chunk):
+    """(H/G, tokens per row tile, programs per group, ``worklist`` arrays) of a query chunk."""
+    g, t, topk = ids.shape[1:]
+    hg = h // g
+    assert hg <= rows, f"{hg} heads per group > {rows} rows per tile"
+    return hg, max(1, rows // hg), -(-t * topk // chunk), worklist(ids, starts)
+
+
 def _kernel(flat_ref, key_ref, rend_ref, nval_ref, q_ref, k_ref, v_ref, ids_ref, qpos_ref, qseg_ref,
             kvpos_ref, kvseg_ref, op_ref, lp_ref, *, blk, topk, scale, hg, per, chunk, rows):
     i = pl.program_id(0)
@@ -79,48 +134,21 @@ def _kernel(flat_ref, key_ref, rend_ref, nval_ref, q_ref, k_ref, v_ref, ids_ref,
 
     def run(a):
         end = jnp.minimum(rend_ref[b, g, a], hi)
-        w0 = key_ref[b, g, a]
-        sl = pl.ds(w0, blk)
-        kb = k_ref[b, sl, g, :]                  # [B, D]
-        vb = v_ref[b, sl, g, :]
-        kvp = kvpos_ref[b, sl]
-        kvs = kvseg_ref[b, sl]
-        # The window is one segment's keys (the common case): a row sees all of it iff its query
-        # is in that segment, its block is the window's and every key is at or before it.
-        kmin, kmax = jnp.min(kvp), jnp.max(kvp)
-        seg0 = kvseg_ref[b, w0]
-        one_seg = (jnp.min(kvs) == jnp.max(kvs)) & (seg0 >= 0)
+        win = Window(k_ref, v_ref, kvpos_ref, kvseg_ref, b, g, key_ref[b, g, a], blk)
 
         def tile(si, carry):
             e = a + si * per + j
             ok = row_in & (e < end)
-            flat = flat_ref[b, g, jnp.where(ok, e, a)]
-            t = flat // topk
-            slot = flat - t * topk
-            n = ids_ref[b, g, t, slot]
-            qp = qpos_ref[b, t]
-            qs = qseg_ref[b, t]
+            t, slot, n, qp, qs = tile_rows(flat_ref, ids_ref, qpos_ref, qseg_ref, b, g, e, ok, topk, a)
             q = q_ref[b, t, head, :]                         # [R, D] gathered rows
-            s = _dot(q, kb, trans_b=True) * qk_scale          # [R, B] log2 domain
-            # visible keys of row r: kvp in [lo_r, hi_r] and kvs == qs_r (a query of segment < 0
-            # sees nothing; a row not in this tile sees nothing)
-            lo_r = n * blk
-            hi_r = jnp.where(ok & (qs >= 0), jnp.minimum(lo_r + blk - 1, qp), -1)
-            full = one_seg & (jnp.min(jnp.where(ok, ((qs == seg0) & (kmin >= lo_r)
-                                                    & (kmax <= hi_r)).astype(jnp.int32), 1)) == 1)
-
-            def masked(s):
-                vis = ((kvp[None, :] >= lo_r[:, None]) & (kvp[None, :] <= hi_r[:, None])
-                       & (kvs[None, :] == qs[:, None]))
-                return jnp.where(vis, s, -jnp.inf)
-
-            s = jax.lax.cond(full, lambda s: s, masked, s)
+            s = _dot(q, win.k, trans_b=True) * qk_scale       # [R, B] log2 domain
+            s = mask_logits(s, win, ok, n, qp, qs, mask_rows=False)
             m = jnp.max(s, axis=1)
             m_safe = jnp.where(m == -jnp.inf, 0.0, m)
             p = jnp.exp2(s - m_safe[:, None])
             l = jnp.sum(p, axis=1)
             l_safe = jnp.where(l == 0.0, 1.0, l)
-            o = _dot(p.astype(vb.dtype), vb) * (1.0 / l_safe)[:, None]
+            o = _dot(p.astype(win.v.dtype), win.v) * (1.0 / l_safe)[:, None]
             lse = jnp.where(l == 0.0, -jnp.inf, (m_safe + jnp.log2(l_safe)) * _LN2)
             # Masked rows point at the spare token row (index T of the partial buffers): interpret
             # mode discharges a masked store as a scatter, where a masked row aliasing a valid one
@@ -167,12 +195,9 @@ def _partials(q, prep_k, prep_v, ids, starts, qpos, qseg, kvpos, kvseg, *, blk, 
     bsz, t, h, d = q.shape
     g = prep_k.shape[2]
     dv = prep_v.shape[-1]
-    hg = h // g
     topk = ids.shape[-1]
-    per = max(1, rows // hg)
-    assert hg <= rows, f"{hg} heads per group > {rows} rows per tile"
-    flat, key, run_end, n_valid = worklist(ids, starts)
-    n_items = -(-t * topk // chunk)
+    hg, per, n_items, lists = schedule(ids, starts, h, rows, chunk)
+    flat, key, run_end, n_valid = lists
     kernel = functools.partial(_kernel, blk=blk, topk=topk, scale=1.0 / math.sqrt(d), hg=hg,
                                per=per, chunk=chunk, rows=rows)
     op, lp = pl.pallas_call(

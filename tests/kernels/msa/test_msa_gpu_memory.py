@@ -30,6 +30,7 @@ import pytest
 
 from pallas_kernels.msa import gpu_attention as ga
 from pallas_kernels.msa import gpu_kl as gk
+from pallas_kernels.msa import gpu_sparse_bwd as gb
 from pallas_kernels.msa import gpu_sparse_fwd as gs
 
 T = 1 << 20
@@ -91,7 +92,7 @@ def _check_cuda_lowering(fn, args, q_bytes, n_calls):
 @pytest.mark.parametrize("model", sorted(SHAPES))
 def test_cuda_lowering_has_no_padded_copies(model):
     h, g = SHAPES[model]
-    _check_cuda_lowering(_attn_fb, _args(h, g), T * h * 128 * 2, 3)     # fwd, dq, dk/dv
+    _check_cuda_lowering(_attn_fb, _args(h, g), T * h * 128 * 2, 3)     # fwd, bwd, bwd merge
 
 
 @pytest.mark.parametrize("model", sorted(SHAPES))
@@ -114,11 +115,11 @@ def _fake_pallas_call(kernel, *, out_shape, **_):
 
 @pytest.fixture
 def fake_kernels(monkeypatch):
-    """Swap gpu_attention's and gpu_kl's pallas_call for the callback proxy; JAX's trace caches
+    """Swap the attention's and gpu_kl's pallas_call for the callback proxy; JAX's trace caches
     (custom_vjp jaxprs are cached per function and shapes) are cleared on entry and exit so neither
     the real nor the proxy trace leaks across."""
     jax.clear_caches()
-    monkeypatch.setattr(ga, "pl", types.SimpleNamespace(pallas_call=_fake_pallas_call))
+    monkeypatch.setattr(gb, "pl", types.SimpleNamespace(pallas_call=_fake_pallas_call, ds=gb.pl.ds))
     monkeypatch.setattr(gk, "pl", types.SimpleNamespace(pallas_call=_fake_pallas_call))
     monkeypatch.setattr(gs, "pl", types.SimpleNamespace(pallas_call=_fake_pallas_call, ds=gs.pl.ds))
     yield

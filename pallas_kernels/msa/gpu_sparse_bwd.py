@@ -1,0 +1,297 @@
+"""MSA sparse attention backward on GPU, KV-outer, on the forward's schedule (Pallas, Triton lowering).
+
+Math (MSA_SPEC.md section 3; FlashAttention-2 backward restricted to the selected blocks): with
+p = exp(scale * q.k - lse) over a row's visible keys and delta = rowsum(o * do),
+dv = sum p^T do, ds = p * (do.v - delta), dk = scale * sum ds^T q, dq = scale * sum_slots ds k.
+
+Schedule (gpu_sparse_fwd.py): the valid (token, slot) selections of each kv group are sorted by
+the storage start of their block window; program (i, g, b) takes the fixed slice [i*C, (i+1)*C)
+and walks each run of one window in row tiles of tokens x heads (gathered q, do, lse, delta). One
+fused kernel computes all five matmuls of a tile:
+- dq: per-(token, slot) partials (f32, [B, Tc, K, H, D]) summed over the K slots in XLA;
+- dk / dv: accumulated in registers over the run piece. A run that lies inside one program is
+  added straight into the f32 dk / dv totals; a run split over programs leaves its pieces (at most
+  the first and the last piece of each program) in a small buffer that a second kernel sums in
+  program order and adds. Writes touch only the keys a window owns (below), so no two programs of
+  a pass write one key: no atomics, bitwise-repeatable results.
+Window ownership: key x (position p, storage index x) belongs to the window starting at
+clamp(x - p mod B, 0, Sp - B), the only window any query reaches it through (layout.py).
+Queries go in chunks (``query_chunk``, from a partials budget) in one compiled loop; dk / dv are
+carried across chunks in f32 and cast once at the end.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.msa import layout
+from pallas_kernels.msa.gpu_sparse_fwd import PARTIALS_BUDGET, Window, mask_logits, schedule, tile_rows
+
+__all__ = ["sparse_bwd_kv_outer", "default_bwd_query_chunk"]
+
+_LOG2E = math.log2(math.e)
+
+
+def _dot(a, b, trans_a=False, trans_b=False):
+    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+    return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+def _slice_bounds(key_ref, nval_ref, b, g, i, chunk):
+    """Program i's slice [lo, hi) and whether its first / last run continues from / into a neighbour."""
+    n = key_ref.shape[-1]
+    nval = nval_ref[b, g]
+    lo = i * chunk
+    hi = jnp.minimum(lo + chunk, nval)
+    cont_in = (lo > 0) & (lo < hi) & (key_ref[b, g, jnp.maximum(lo - 1, 0)]
+                                      == key_ref[b, g, jnp.minimum(lo, n - 1)])
+    cont_out = (hi < nval) & (lo < hi) & (key_ref[b, g, jnp.minimum(hi, n - 1)]
+                                          == key_ref[b, g, jnp.maximum(hi - 1, 0)])
+    return lo, hi, cont_in, cont_out
+
+
+def _owned(kvp, kvs, w0, blk, s_pad):
+    """Keys of the window at storage w0 that belong to it (module docstring): bool [B]."""
+    x = w0 + jax.lax.broadcasted_iota(jnp.int32, kvp.shape, 0)
+    own = jnp.clip(x - jax.lax.rem(jnp.maximum(kvp, 0), blk), 0, s_pad - blk)
+    return (own == w0) & (kvs >= 0)
+
+
+def _add_owned(ref, b, w0, g, val, own):
+    """ref[b, w0:w0+B, g, :] += val on the owned rows only (read-modify-write, masked store)."""
+    view = ref.at[b, pl.ds(w0, val.shape[0]), g, :]
+    pltriton.store(view, view[...] + val, mask=own[:, None])
+
+
+def _kernel(flat_ref, key_ref, rend_ref, nval_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+            ids_ref, qpos_ref, qseg_ref, kvpos_ref, kvseg_ref, dk_in_ref, dv_in_ref,
+            dqp_ref, bdk_ref, bdv_ref, dk_ref, dv_ref, *, blk, topk, scale, hg, per, chunk, rows,
+            s_pad):
+    del dk_in_ref, dv_in_ref                    # aliased with dk_ref / dv_ref
+    i = pl.program_id(0)
+    g = pl.program_id(1)
+    b = pl.program_id(2)
+    lo, hi, cont_in, cont_out = _slice_bounds(key_ref, nval_ref, b, g, i, chunk)
+    r = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
+    j = r // hg
+    head = g * hg + (r - j * hg)
+    row_in = j < per
+    qk_scale = scale * _LOG2E
+    d = q_ref.shape[-1]
+    dv_dim = v_ref.shape[-1]
+
+    def run(a):
+        end = jnp.minimum(rend_ref[b, g, a], hi)
+        w0 = key_ref[b, g, a]
+        win = Window(k_ref, v_ref, kvpos_ref, kvseg_ref, b, g, w0, blk)
+        kb, vb = win.k, win.v
+
+        def tile(si, carry):
+            dk, dv = carry
+            e = a + si * per + j
+            ok = row_in & (e < end)
+            t, slot, n, qp, qs = tile_rows(flat_ref, ids_ref, qpos_ref, qseg_ref, b, g, e, ok, topk, a)
+            q = q_ref[b, t, head, :]                          # [R, D] gathered rows
+            do = do_ref[b, t, head, :]                        # [R, Dv]
+            lse2 = lse_ref[b, t, head] * _LOG2E
+            delta = delta_ref[b, t, head]
+            s = _dot(q, kb, trans_b=True) * qk_scale           # [R, B] log2 domain
+            s = mask_logits(s, win, ok, n, qp, qs, mask_rows=True)
+            # a row that sees no key at all has lse = -inf; its s is all -inf here, so p = 0
+            p = jnp.exp2(s - jnp.where(lse2 == -jnp.inf, 0.0, lse2)[:, None])
+            dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)          # [B, Dv]
+            dp = _dot(do, vb, trans_b=True)                               # [R, B]
+            ds = (p * (dp - delta[:, None])).astype(q.dtype)
+            dk = dk + _dot(ds, q, trans_a=True)                           # [B, D]
+            dq = _dot(ds, kb) * scale                                     # [R, D]
+            # masked rows point at the spare token row T (see gpu_sparse_fwd.py)
+            t_st = jnp.where(ok, t, dqp_ref.shape[1] - 1)[:, None]
+            dcol = jax.lax.broadcasted_iota(jnp.int32, (1, d), 1)
+            pltriton.store(dqp_ref.at[b, t_st, slot[:, None], head[:, None], dcol], dq,
+                           mask=ok[:, None])
+            return dk, dv
+
+        n_tiles = (end - a + per - 1) // per
+        dk, dv = jax.lax.fori_loop(0, n_tiles, tile, (jnp.zeros((blk, d), jnp.float32),
+                                                      jnp.zeros((blk, dv_dim), jnp.float32)))
+        dk = dk * scale
+        is_head = (a == lo) & cont_in
+        is_tail = (end == hi) & cont_out & jnp.logical_not(is_head)
+
+        @pl.when(is_head)
+        def _():
+            bdk_ref[b, g, i, 0] = dk
+            bdv_ref[b, g, i, 0] = dv
+
+        @pl.when(is_tail)
+        def _():
+            bdk_ref[b, g, i, 1] = dk
+            bdv_ref[b, g, i, 1] = dv
+
+        @pl.when(jnp.logical_not(is_head | is_tail))
+        def _():
+            own = _owned(win.kvp, win.kvs, w0, blk, s_pad)
+            _add_owned(dk_ref, b, w0, g, dk, own)
+            _add_owned(dv_ref, b, w0, g, dv, own)
+
+        return end
+
+    jax.lax.while_loop(lambda a: a < hi, run, lo)
+
+
+def _merge_kernel(follow_ref, key_ref, nval_ref, kvpos_ref, kvseg_ref, bdk_ref, bdv_ref, dk_in_ref,
+                  dv_in_ref, dk_ref, dv_ref, *, blk, chunk, s_pad):
+    """Sum the pieces of every run split over programs, in program order, into dk / dv.
+
+    Program i owns the run whose first piece is its slot 1 when ``follow[i] > 0``: the run's other
+    pieces are the slot-0 pieces of programs i+1 .. i+follow[i] (``_follow_counts``).
+    """
+    del dk_in_ref, dv_in_ref
+    i = pl.program_id(0)
+    g = pl.program_id(1)
+    b = pl.program_id(2)
+    nf = follow_ref[b, g, i]
+
+    def body(m, c):
+        return c[0] + bdk_ref[b, g, i + 1 + m, 0], c[1] + bdv_ref[b, g, i + 1 + m, 0]
+
+    ak, av = jax.lax.fori_loop(0, nf, body, (bdk_ref[b, g, i, 1], bdv_ref[b, g, i, 1]))
+    hi = jnp.minimum(i * chunk + chunk, nval_ref[b, g])
+    w0 = jnp.where(nf > 0, key_ref[b, g, jnp.maximum(hi - 1, 0)], 0)
+    sl = pl.ds(w0, blk)
+    own = _owned(kvpos_ref[b, sl], kvseg_ref[b, sl], w0, blk, s_pad) & (nf > 0)
+    _add_owned(dk_ref, b, w0, g, ak, own)
+    _add_owned(dv_ref, b, w0, g, av, own)
+
+
+def _follow_counts(key, run_end, n_valid, chunk, n_items):
+    """Per program: how many following programs hold pieces of the run it owns (0: owns none).
+
+    A program owns a run when its last piece continues into the next program and is not itself a
+    continuation spanning the whole program; the run then covers the next program, and every
+    further one made of that run alone. int32 [B, G, n_items]. (Computed in XLA: a data-dependent
+    loop in the merge kernel crashes the Triton compiler.)
+    """
+    n = key.shape[-1]
+    i = jnp.arange(n_items, dtype=jnp.int32)
+    lo = jnp.broadcast_to(i * chunk, key.shape[:2] + (n_items,))
+    hi = jnp.minimum(lo + chunk, n_valid[..., None])                       # [B, G, n_items]
+    at = lambda x, idx: jnp.take_along_axis(x, jnp.clip(idx, 0, n - 1), axis=-1)
+    cont_in = (lo > 0) & (lo < hi) & (at(key, lo - 1) == at(key, lo))
+    cont_out = (hi < n_valid[..., None]) & (lo < hi) & (at(key, hi) == at(key, hi - 1))
+    single = at(run_end, lo) >= hi
+    owner = cont_out & jnp.logical_not(single & cont_in)
+    through = single & cont_out                                   # a program the run crosses whole
+    nxt = jax.lax.cummin(jnp.where(through, n_items, i), axis=2, reverse=True)   # first non-crossed
+    nxt_after = jnp.concatenate([nxt[..., 1:], jnp.full(nxt.shape[:-1] + (1,), n_items, jnp.int32)],
+                                axis=-1)
+    return jnp.where(owner, nxt_after - i, 0).astype(jnp.int32)
+
+
+def _chunk_bwd(q, do, lse, delta, ids, starts, qpos, qseg, dk, dv, *, prep_k, prep_v, kvpos, kvseg,
+               blk, chunk, rows, interpret, num_warps, num_stages):
+    """One query chunk: (dq [B,Tc,H,D] q.dtype, dk, dv [B,Sp,G,D] f32 totals with this chunk added)."""
+    bsz, t, h, d = q.shape
+    sp, g = prep_k.shape[1], prep_k.shape[2]
+    dvd = prep_v.shape[-1]
+    topk = ids.shape[-1]
+    hg, per, n_items, lists = schedule(ids, starts, h, rows, chunk)
+    flat, key, run_end, n_valid = lists
+    params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    kernel = functools.partial(_kernel, blk=blk, topk=topk, scale=1.0 / math.sqrt(d), hg=hg,
+                               per=per, chunk=chunk, rows=rows, s_pad=sp)
+    tot = [jax.ShapeDtypeStruct(dk.shape, jnp.float32), jax.ShapeDtypeStruct(dv.shape, jnp.float32)]
+    dqp, bdk, bdv, dk, dv = pl.pallas_call(
+        kernel,
+        grid=(n_items, g, bsz),
+        out_shape=[jax.ShapeDtypeStruct((bsz, t + 1, topk, h, d), jnp.float32),   # + spare row
+                   jax.ShapeDtypeStruct((bsz, g, n_items, 2, blk, d), jnp.float32),
+                   jax.ShapeDtypeStruct((bsz, g, n_items, 2, blk, dvd), jnp.float32)] + tot,
+        input_output_aliases={15: 3, 16: 4},
+        compiler_params=params,
+        interpret=interpret,
+        name="msa_bwd_gpu",
+    )(flat, key, run_end, n_valid, q, prep_k, prep_v, do, lse, delta, ids, qpos, qseg, kvpos, kvseg,
+      dk, dv)
+    follow = _follow_counts(key, run_end, n_valid, chunk, n_items)
+    merge = functools.partial(_merge_kernel, blk=blk, chunk=chunk, s_pad=sp)
+    dk, dv = pl.pallas_call(
+        merge,
+        grid=(n_items, g, bsz),
+        out_shape=tot,
+        input_output_aliases={7: 0, 8: 1},
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="msa_bwd_merge_gpu",
+    )(follow, key, n_valid, kvpos, kvseg, bdk, bdv, dk, dv)
+    valid = jnp.repeat(jnp.transpose(ids >= 0, (0, 2, 3, 1)), hg, axis=-1)[..., None]   # [B,T,K,H,1]
+    dq = jnp.sum(jnp.where(valid, dqp[:, :t], 0.0), axis=2).astype(q.dtype)
+    return dq, dk, dv
+
+
+def default_bwd_query_chunk(bsz, h, g, d, dv, topk, blk, chunk, budget_bytes=PARTIALS_BUDGET):
+    """Query tokens per backward chunk so the dq partials and run-piece buffers fit the budget."""
+    per_token = bsz * topk * (h * d * 4 + 2 * g * blk * (d + dv) * 4 / chunk)
+    c = max(1, int(budget_bytes // per_token))
+    return 1 << (c.bit_length() - 1)
+
+
+def sparse_bwd_kv_outer(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids,
+                        kv_segment_ids, o, lse, do, *, block_size, interpret=False, num_warps=8,
+                        num_stages=2, chunk=128, rows=None, query_chunk=None):
+    """KV-outer MSA backward: (dq [B,T,H,D] q.dtype, dk [B,S,G,D] k.dtype, dv [B,S,G,Dv] v.dtype).
+
+    Arguments as ``gpu_attention.msa_attention_gpu`` plus the forward's ``o`` [B,T,H,Dv], ``lse``
+    [B,T,H] f32 (natural log) and the cotangent ``do`` [B,T,H,Dv]. ``chunk``: sorted selections
+    per program; ``rows``: (token, head) rows per tile (None: max(32, next_pow2(H/G)));
+    ``query_chunk``: query tokens per pass (None: ``default_bwd_query_chunk``). Preconditions are
+    asserted.
+    """
+    layout.check_shapes(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
+    bsz, t, h, d = q.shape
+    s, g = k.shape[1], k.shape[2]
+    topk = block_ids.shape[-1]
+    prep = layout.prepare(k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, block_size)
+    ids = layout.dedupe_ids(block_ids)
+    starts = layout.window_starts(ids, prep.base, block_size, prep.s_pad)
+    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)   # [B,T,H]
+    do = do.astype(q.dtype)
+    lse = lse.astype(jnp.float32)
+    qpos = q_positions.astype(jnp.int32)
+    qseg = prep.q_seg
+    if rows is None:
+        rows = max(32, layout.next_pow2(h // g))
+    if query_chunk is None:
+        query_chunk = default_bwd_query_chunk(bsz, h, g, d, v.shape[-1], topk, block_size, chunk)
+    run = functools.partial(_chunk_bwd, prep_k=prep.k, prep_v=prep.v, kvpos=prep.kv_pos,
+                            kvseg=prep.kv_seg, blk=block_size, chunk=chunk, rows=rows,
+                            interpret=interpret, num_warps=num_warps, num_stages=num_stages)
+    dk = jnp.zeros(prep.k.shape, jnp.float32)
+    dv = jnp.zeros(prep.v.shape, jnp.float32)
+    if t <= query_chunk:
+        dq, dk, dv = run(q, do, lse, delta, ids, starts, qpos, qseg, dk, dv)
+    else:
+        # One compiled loop over query chunks. The last chunk is clamped to end at T: its tokens
+        # already done get no slot (they add nothing to dk / dv) and keep their dq.
+        n_c = -(-t // query_chunk)
+        dsl = jax.lax.dynamic_slice_in_dim
+
+        def body(c, carry):
+            dq, dk, dv = carry
+            a = jnp.minimum(c * query_chunk, t - query_chunk)
+            fresh = (a + jnp.arange(query_chunk)) >= c * query_chunk            # [Tc]
+            ids_c = jnp.where(fresh[None, None, :, None], dsl(ids, a, query_chunk, 2), -1)
+            sl = lambda x, ax=1: dsl(x, a, query_chunk, ax)
+            dq_c, dk, dv = run(sl(q), sl(do), sl(lse), sl(delta), ids_c, sl(starts, 2), sl(qpos),
+                               sl(qseg), dk, dv)
+            dq_c = jnp.where(fresh[None, :, None, None], dq_c, sl(dq))
+            return jax.lax.dynamic_update_slice_in_dim(dq, dq_c, a, 1), dk, dv
+
+        dq, dk, dv = jax.lax.fori_loop(0, n_c, body, (jnp.zeros(q.shape, q.dtype), dk, dv))
+    return dq, dk[:, :s].astype(k.dtype), dv[:, :s].astype(v.dtype)
