@@ -1,4 +1,5 @@
-"""MSA indexer KL loss on GPU (Pallas, Triton lowering), sparse support; forward and backward.
+"""MSA indexer KL loss on GPU (Pallas, Triton lowering), sparse support, KV-outer on the attention's
+schedule; forward and backward.
 
 Math (MSA_SPEC.md section 4; minimax_jax.ops.msa.kl is the reference): for query i and group r the
 support U is the visible keys of the selected blocks block_ids[b, r, i, :].
@@ -7,20 +8,15 @@ support U is the visible keys of the selected blocks block_ids[b, r, i, :].
   KL(t || p) = sum_j t_j (log t_j - log p_j);  d KL / d x_j = p_j - t_j  (x = student logits).
 Returns (sum of KL over (b, i, r), number of rows with a non-empty support).
 
-Kernels: forward, one program per (token, group, batch row): pass 1 over the selected blocks gets
-each head's and the student's log-sum-exp (online), pass 2 accumulates the KL. The group's heads
-form the M rows of the q.k matmul; the student logits (one index head) are an elementwise product
-summed over Di. Backward: d qi with the same query-outer program; d ki KV-outer: one program per
-(key tile, batch row) walks, for every group, the selections that touch its tile (the stable
-sorted inverse map, ``_inverse_map``), so the shared index key's gradient needs no atomics and is
-bitwise deterministic. Dense warm-up (block_ids=None) has no kernel (ValueError).
-
-The group's H/G heads are padded to M = max(16, next_pow2(H/G)) rows (the smallest tensor-core
-tile) only in registers: q and the per-head teacher log-sum-exp (lse_m, a forward residual) are read
-and written in their natural [B,T,H,...] layout, rows ``g*H/G + [0, M)`` with a row mask (as
-``_load_group`` below; masked-off rows load 0 for q, +inf for lse_m, and are never
-stored). No [B,T,G,M,...] copy is materialised in HBM: at M2 shapes (H/G = 6 -> M = 16) a padded q
-was 2.7x q (32 GiB at T = 1M).
+Schedule (gpu_sparse_fwd.py): selections sorted by block window, fixed slices of C entries per
+program, runs of one window walked in row tiles of tokens x heads. Per query chunk:
+1. ``msa_kl_lse_gpu``: per (token, slot) the block log-sum-exp of every head's teacher logits and
+   of the student logits; XLA merges the K slots (the support's log-sum-exps).
+2. ``msa_kl_gpu``: per (token, slot) the teacher (the mean over the tile rows of a token's heads,
+   exact f32), the KL terms and, with gradients, d x = p - t: d qi partials per slot (summed in
+   XLA) and d ki accumulated per window piece (per group, added with the attention backward's
+   ownership-masked writes and merge; XLA sums the groups). The gradients are those of a unit
+   cotangent, kept as residuals and scaled in the backward: no atomics, bitwise repeatable.
 """
 
 from __future__ import annotations
@@ -34,8 +30,9 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.common import searchsorted
 from pallas_kernels.msa import layout
+from pallas_kernels.msa.gpu_sparse_bwd import add_owned, merge_pieces, owned, slice_bounds
+from pallas_kernels.msa.gpu_sparse_fwd import PARTIALS_BUDGET, Window, mask_logits, schedule, tile_rows
 
 __all__ = ["indexer_kl_gpu"]
 
@@ -43,241 +40,261 @@ _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 
 
-def _mask(kvp, kvs, n, q_pos, q_seg, blk):
-    """Visibility of the B loaded keys for one query and selected block id n: bool [B]."""
-    return ((n >= 0) & (kvs == q_seg) & (kvs >= 0) & (kvp <= q_pos)
-            & (kvp >= n * blk) & (kvp < n * blk + blk))
+def _dot(a, b, trans_a=False, trans_b=False):
+    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+    return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
-def _group_rows(ref, b, t, g, hg, m_pad):
-    """(ref view of rows g*hg .. g*hg+m_pad of token t, row mask or None), for [B,T,H,...] refs.
-
-    The view is the group's M = m_pad rows in the natural [B,T,H,...] layout; rows >= hg (another
-    group's heads, or past the end of the array for the last group) are masked (mask None when
-    hg == m_pad: every row is the group's own).
-    """
-    view = ref.at[(b, t, pl.ds(g * hg, m_pad)) + (slice(None),) * (len(ref.shape) - 3)]
-    if hg == m_pad:
-        return view, None
-    return view, jax.lax.broadcasted_iota(jnp.int32, view.shape, 0) < hg
+def _row_lse2(s):
+    """Log2-sum-exp2 of each row of s (-inf rows: -inf)."""
+    m = jnp.max(s, axis=1)
+    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+    l = jnp.sum(jnp.exp2(s - m_safe[:, None]), axis=1)
+    return jnp.where(l == 0.0, -jnp.inf, m_safe + jnp.log2(jnp.where(l == 0.0, 1.0, l)))
 
 
-def _load_group(ref, b, t, g, hg, m_pad, fill=0.0):
-    """The group's M rows of token t of a [B,T,H,...] ref; rows >= hg read as ``fill``."""
-    view, mask = _group_rows(ref, b, t, g, hg, m_pad)
-    if mask is None:
-        return view[...]
-    return pltriton.load(view, mask=mask, other=jnp.asarray(fill, ref.dtype))
+class _Tile:
+    """The rows (token, head) and the tokens of row tile ``si`` of the run starting at entry a."""
+
+    def __init__(self, refs, b, g, a, si, end, *, hg, per, per_pad, topk, rows):
+        flat_ref, ids_ref, qpos_ref, qseg_ref = refs
+        r = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
+        self.j = r // hg
+        self.head = g * hg + (r - self.j * hg)
+        e = a + si * per + self.j
+        self.ok = (self.j < per) & (e < end)
+        self.t, self.slot, self.n, self.qp, self.qs = tile_rows(
+            flat_ref, ids_ref, qpos_ref, qseg_ref, b, g, e, self.ok, topk, a)
+        self.it = jax.lax.broadcasted_iota(jnp.int32, (per_pad,), 0)
+        e_tok = a + si * per + self.it
+        self.ok_tok = (self.it < per) & (e_tok < end)
+        self.t_tok, self.slot_tok, self.n_tok, self.qp_tok, self.qs_tok = tile_rows(
+            flat_ref, ids_ref, qpos_ref, qseg_ref, b, g, e_tok, self.ok_tok, topk, a)
 
 
-def _store_group(ref, b, t, g, hg, m_pad, val):
-    """Write the group's first hg of M rows of ``val`` into token t of a [B,T,H,...] ref."""
-    view, mask = _group_rows(ref, b, t, g, hg, m_pad)
-    if mask is None:
-        view[...] = val
+def _logits(q_ref, qi_ref, win, kib, tl, b, g, scale, iscale):
+    """Masked teacher logits of the rows [R, B] and student logits of the tokens [P, B] (log2)."""
+    q = q_ref[b, tl.t, tl.head, :]                                   # [R, D] gathered rows
+    s = mask_logits(_dot(q, win.k, trans_b=True) * (scale * _LOG2E), win, tl.ok, tl.n, tl.qp, tl.qs,
+                    mask_rows=True)
+    qi = qi_ref[b, tl.t_tok, g, :]                                   # [P, Di]
+    x = mask_logits(_dot(qi, kib, trans_b=True) * (iscale * _LOG2E), win, tl.ok_tok, tl.n_tok,
+                    tl.qp_tok, tl.qs_tok, mask_rows=True)
+    return s, x, qi
+
+
+def _spare(ok, t, ref):
+    """Token index for a masked store: rows not ``ok`` point at the spare row T (gpu_sparse_fwd.py)."""
+    return jnp.where(ok, t, ref.shape[1] - 1)
+
+
+def _lse_kernel(flat_ref, key_ref, rend_ref, nval_ref, q_ref, k_ref, qi_ref, ki_ref, ids_ref, qpos_ref,
+                qseg_ref, kvpos_ref, kvseg_ref, lp_ref, lxp_ref, *, blk, topk, scale, iscale, hg, per,
+                per_pad, chunk, rows):
+    i = pl.program_id(0)
+    g = pl.program_id(1)
+    b = pl.program_id(2)
+    lo, hi, _, _ = slice_bounds(key_ref, nval_ref, b, g, i, chunk)
+    refs = (flat_ref, ids_ref, qpos_ref, qseg_ref)
+
+    def run(a):
+        end = jnp.minimum(rend_ref[b, g, a], hi)
+        win = Window(k_ref, None, kvpos_ref, kvseg_ref, b, g, key_ref[b, g, a], blk)
+        kib = ki_ref[b, pl.ds(key_ref[b, g, a], blk), 0, :]          # [B, Di]
+
+        def tile(si, carry):
+            tl = _Tile(refs, b, g, a, si, end, hg=hg, per=per, per_pad=per_pad, topk=topk, rows=rows)
+            s, x, _ = _logits(q_ref, qi_ref, win, kib, tl, b, g, scale, iscale)
+            pltriton.store(lp_ref.at[b, _spare(tl.ok, tl.t, lp_ref), tl.slot, tl.head],
+                           _row_lse2(s) * _LN2, mask=tl.ok)
+            gcol = jnp.full_like(tl.slot_tok, g)
+            pltriton.store(lxp_ref.at[b, _spare(tl.ok_tok, tl.t_tok, lxp_ref), tl.slot_tok, gcol],
+                           _row_lse2(x) * _LN2, mask=tl.ok_tok)
+            return carry
+
+        jax.lax.fori_loop(0, (end - a + per - 1) // per, tile, 0)
+        return end
+
+    jax.lax.while_loop(lambda a: a < hi, run, lo)
+
+
+def _kl_kernel(flat_ref, key_ref, rend_ref, nval_ref, q_ref, k_ref, qi_ref, ki_ref, ids_ref, qpos_ref,
+               qseg_ref, kvpos_ref, kvseg_ref, lse_ref, lsex_ref, *refs, blk, topk, scale, iscale, hg,
+               per, per_pad, chunk, rows, s_pad, grads):
+    if grads:
+        _, klp_ref, dqip_ref, bdki_ref, dki_ref = refs       # refs[0]: the aliased d ki input
     else:
-        pltriton.store(view, val, mask=mask)
-
-
-def _inverse_map(block_ids, starts, blk, n_tiles):
-    """Sort the selections by storage tile: entries [B,G,2TK] (t*K+slot), offsets [B,G,NT+1]."""
-    bsz, g, t, k = block_ids.shape
-    valid = block_ids >= 0
-    tile_a = starts // blk
-    misaligned = (starts % blk) != 0
-    t0 = jnp.where(valid, tile_a, n_tiles).reshape(bsz, g, t * k)
-    t1 = jnp.where(valid & misaligned, tile_a + 1, n_tiles).reshape(bsz, g, t * k)
-    tiles = jnp.concatenate([t0, t1], axis=-1)
-    flat = jnp.arange(t * k, dtype=jnp.int32)
-    flat = jnp.broadcast_to(jnp.concatenate([flat, flat]), tiles.shape)
-    tiles, flat = jax.lax.sort((tiles, flat), dimension=2, num_keys=1, is_stable=True)
-    bounds = jnp.arange(n_tiles + 1, dtype=jnp.int32)
-    offs = jax.vmap(jax.vmap(lambda a: searchsorted(a, bounds, side="left")))(tiles)
-    return flat, offs
-
-
-def _dot_t(a, b):
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-
-
-def _block(k_ref, ki_ref, kvpos_ref, kvseg_ref, b, g, start, n, q_pos, q_seg, blk):
-    sl = pl.ds(start, blk)
-    vis = _mask(kvpos_ref[b, sl], kvseg_ref[b, sl], n, q_pos, q_seg, blk)
-    return k_ref[b, sl, g, :], ki_ref[b, sl, :].astype(jnp.float32), vis
-
-
-def _fwd_kernel(q_ref, k_ref, qi_ref, ki_ref, ids_ref, start_ref, qpos_ref, qseg_ref, kvpos_ref,
-                kvseg_ref, kl_ref, lsex_ref, lsem_ref, *, blk, topk, scale, iscale, hg, m_pad):
-    t = pl.program_id(0)
+        (klp_ref,) = refs
+    i = pl.program_id(0)
     g = pl.program_id(1)
     b = pl.program_id(2)
-    q = _load_group(q_ref, b, t, g, hg, m_pad)            # [M, D]; q_ref [B,T,H,D], pad rows 0
-    qi = qi_ref[b, t, g].astype(jnp.float32)              # [Di]
-    q_pos = qpos_ref[b, t]
-    q_seg = qseg_ref[b, t]
-    m_rows = q.shape[0]
+    lo, hi, cont_in, cont_out = slice_bounds(key_ref, nval_ref, b, g, i, chunk)
+    trefs = (flat_ref, ids_ref, qpos_ref, qseg_ref)
+    di = qi_ref.shape[-1]
 
-    def logits(kk):
-        n = ids_ref[b, g, t, kk]
-        kb, kib, vis = _block(k_ref, ki_ref, kvpos_ref, kvseg_ref, b, g, start_ref[b, g, t, kk], n,
-                              q_pos, q_seg, blk)
-        s = jnp.where(vis[None, :], _dot_t(q, kb) * (scale * _LOG2E), -jnp.inf)     # [M, B]
-        x = jnp.where(vis, jnp.sum(kib * qi[None, :], axis=1) * (iscale * _LOG2E), -jnp.inf)
-        return s, x, vis
+    def run(a):
+        end = jnp.minimum(rend_ref[b, g, a], hi)
+        w0 = key_ref[b, g, a]
+        win = Window(k_ref, None, kvpos_ref, kvseg_ref, b, g, w0, blk)
+        kib = ki_ref[b, pl.ds(w0, blk), 0, :]                        # [B, Di]
 
-    def pass1(kk, c):
-        m, l, mx, lx = c
-        s, x, _ = logits(kk)
-        m2 = jnp.maximum(m, jnp.max(s, axis=1))
-        ms = jnp.where(m2 == -jnp.inf, 0.0, m2)
-        l = l * jnp.exp2(m - ms) + jnp.sum(jnp.exp2(s - ms[:, None]), axis=1)
-        mx2 = jnp.maximum(mx, jnp.max(x))
-        mxs = jnp.where(mx2 == -jnp.inf, 0.0, mx2)
-        lx = lx * jnp.exp2(mx - mxs) + jnp.sum(jnp.exp2(x - mxs))
-        return m2, l, mx2, lx
+        def tile(si, dki):
+            tl = _Tile(trefs, b, g, a, si, end, hg=hg, per=per, per_pad=per_pad, topk=topk, rows=rows)
+            s, x, qi = _logits(q_ref, qi_ref, win, kib, tl, b, g, scale, iscale)
+            lse2 = lse_ref[b, tl.t, tl.head] * _LOG2E
+            pt = jnp.exp2(s - jnp.where(lse2 == -jnp.inf, 0.0, lse2)[:, None])   # [R, B]
+            # teacher of token row p: the mean of its heads' rows (exact f32 sums, ``per`` of them)
+            if hg == 1:
+                tch = pt                                  # rows are tokens (per_pad == rows)
+            else:
+                tch = jnp.zeros(x.shape, jnp.float32)
+                for p in range(per):
+                    tp = jnp.sum(jnp.where((tl.j == p)[:, None], pt, 0.0), axis=0) * (1.0 / hg)
+                    tch = jnp.where((tl.it == p)[:, None], tp[None, :], tch)
+            lx2 = lsex_ref[b, tl.t_tok, g] * _LOG2E
+            lx2 = jnp.where(lx2 == -jnp.inf, 0.0, lx2)
+            log_p = x - lx2[:, None]                                    # log2 student prob
+            pos = tch > 0.0
+            term = jnp.where(pos, tch * (jnp.log2(jnp.where(pos, tch, 1.0)) - log_p), 0.0)
+            t_st = _spare(tl.ok_tok, tl.t_tok, klp_ref)
+            gcol = jnp.full_like(tl.slot_tok, g)
+            pltriton.store(klp_ref.at[b, t_st, tl.slot_tok, gcol], jnp.sum(term, axis=1) * _LN2,
+                           mask=tl.ok_tok)
+            if not grads:
+                return dki
+            dx = (jnp.exp2(log_p) - tch).astype(qi.dtype)              # [P, B]; 0 off the support
+            dqi = _dot(dx, kib) * iscale                                # [P, Di]
+            dcol = jax.lax.broadcasted_iota(jnp.int32, (1, di), 1)
+            pltriton.store(dqip_ref.at[b, t_st[:, None], tl.slot_tok[:, None], gcol[:, None], dcol],
+                           dqi, mask=tl.ok_tok[:, None])
+            return dki + _dot(dx, qi, trans_a=True) * iscale            # [B, Di]
 
-    m0 = jnp.full((m_rows,), -jnp.inf, jnp.float32)
-    m, l, mx, lx = jax.lax.fori_loop(
-        0, topk, pass1, (m0, jnp.zeros((m_rows,), jnp.float32), jnp.float32(-jnp.inf),
-                         jnp.float32(0.0)))
-    row_ok = jax.lax.broadcasted_iota(jnp.int32, (m_rows,), 0) < hg
-    lse_m = jnp.where((l > 0) & row_ok, m + jnp.log2(jnp.where(l > 0, l, 1.0)), jnp.inf)  # log2
-    lse_x = jnp.where(lx > 0, mx + jnp.log2(jnp.where(lx > 0, lx, 1.0)), -jnp.inf)
+        n_tiles = (end - a + per - 1) // per
+        dki = jax.lax.fori_loop(0, n_tiles, tile, jnp.zeros((blk, di), jnp.float32))
+        if grads:
+            is_head = (a == lo) & cont_in
+            is_tail = (end == hi) & cont_out & jnp.logical_not(is_head)
 
-    def pass2(kk, acc):
-        s, x, vis = logits(kk)
-        tch = jnp.sum(jnp.exp2(s - lse_m[:, None]), axis=0) / hg      # [B] teacher
-        log_t = jnp.log2(jnp.where(tch > 0, tch, 1.0))
-        term = jnp.where(vis & (tch > 0), tch * (log_t - (x - lse_x)), 0.0)
-        return acc + jnp.sum(term)
+            @pl.when(is_head)
+            def _():
+                bdki_ref[b, g, i, 0] = dki
 
-    kl = jax.lax.fori_loop(0, topk, pass2, jnp.float32(0.0)) * _LN2
-    kl_ref[b, t, g] = jnp.where(lx > 0, kl, 0.0)
-    lsex_ref[b, t, g] = lse_x
-    _store_group(lsem_ref, b, t, g, hg, m_pad, lse_m)    # [B,T,H]: the group's hg rows only
+            @pl.when(is_tail)
+            def _():
+                bdki_ref[b, g, i, 1] = dki
 
+            @pl.when(jnp.logical_not(is_head | is_tail))
+            def _():
+                add_owned(dki_ref, b, w0, g, dki, owned(win.kvp, win.kvs, w0, blk, s_pad))
+        return end
 
-def _grad_row(q, qi, kb, kib, vis, lse_m, lse_x, scale, iscale, hg):
-    """p - t over one block's keys ([B]) for one (token, group)."""
-    s = _dot_t(q, kb) * (scale * _LOG2E)
-    tch = jnp.sum(jnp.where(vis[None, :], jnp.exp2(s - lse_m[:, None]), 0.0), axis=0) / hg
-    x = jnp.sum(kib * qi[None, :], axis=1) * (iscale * _LOG2E)
-    p = jnp.where(vis, jnp.exp2(x - lse_x), 0.0)
-    return p - tch
-
-
-def _dqi_kernel(q_ref, k_ref, qi_ref, ki_ref, ids_ref, start_ref, qpos_ref, qseg_ref, kvpos_ref,
-                kvseg_ref, lsex_ref, lsem_ref, ct_ref, dqi_ref, *, blk, topk, scale, iscale, hg,
-                m_pad):
-    t = pl.program_id(0)
-    g = pl.program_id(1)
-    b = pl.program_id(2)
-    q = _load_group(q_ref, b, t, g, hg, m_pad)                      # [M, D]
-    qi = qi_ref[b, t, g].astype(jnp.float32)
-    lse_m = _load_group(lsem_ref, b, t, g, hg, m_pad, jnp.inf)      # [M]; pad rows: teacher 0
-    lse_x = lsex_ref[b, t, g]
-    q_pos = qpos_ref[b, t]
-    q_seg = qseg_ref[b, t]
-
-    def body(kk, acc):
-        n = ids_ref[b, g, t, kk]
-        kb, kib, vis = _block(k_ref, ki_ref, kvpos_ref, kvseg_ref, b, g, start_ref[b, g, t, kk], n,
-                              q_pos, q_seg, blk)
-        d = _grad_row(q, qi, kb, kib, vis, lse_m, lse_x, scale, iscale, hg)
-        return acc + jnp.sum(d[:, None] * kib, axis=0)
-
-    acc = jax.lax.fori_loop(0, topk, body, jnp.zeros(qi.shape, jnp.float32))
-    dqi_ref[b, t, g] = (acc * (iscale * ct_ref[0])).astype(dqi_ref.dtype)
+    jax.lax.while_loop(lambda a: a < hi, run, lo)
 
 
-def _dki_kernel(q_ref, k_ref, qi_ref, ki_ref, ids_ref, ent_ref, off_ref, qpos_ref, qseg_ref,
-                kvpos_ref, kvseg_ref, lsex_ref, lsem_ref, ct_ref, dki_ref, *, blk, topk, scale,
-                iscale, hg, m_pad, groups):
-    tile = pl.program_id(0)
-    b = pl.program_id(1)
-    sl = pl.ds(tile * blk, blk)
-    kib = ki_ref[b, sl, :].astype(jnp.float32)            # [B, Di]
-    kvp = kvpos_ref[b, sl]
-    kvs = kvseg_ref[b, sl]
-
-    def group(g, acc):
-        kb = k_ref[b, sl, g, :]
-
-        def body(e, acc):
-            flat = ent_ref[b, g, e]
-            t = jax.lax.div(flat, topk)
-            n = ids_ref[b, g, t, flat - t * topk]
-            vis = _mask(kvp, kvs, n, qpos_ref[b, t], qseg_ref[b, t], blk)
-            qi = qi_ref[b, t, g].astype(jnp.float32)
-            q = _load_group(q_ref, b, t, g, hg, m_pad)
-            lse_m = _load_group(lsem_ref, b, t, g, hg, m_pad, jnp.inf)
-            d = _grad_row(q, qi, kb, kib, vis, lse_m, lsex_ref[b, t, g], scale, iscale, hg)
-            return acc + d[:, None] * qi[None, :]
-
-        return jax.lax.fori_loop(off_ref[b, g, tile], off_ref[b, g, tile + 1], body, acc)
-
-    acc = jax.lax.fori_loop(0, groups, group, jnp.zeros(kib.shape, jnp.float32))
-    dki_ref[b, sl, :] = (acc * (iscale * ct_ref[0])).astype(dki_ref.dtype)
+def _logsumexp_slots(parts, valid):
+    """Merge per-slot log-sum-exps [B,T,K,X] over the valid slots -> [B,T,X] (-inf: none)."""
+    parts = jnp.where(valid, parts, -jnp.inf)
+    m = jnp.max(parts, axis=2)
+    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+    total = jnp.sum(jnp.exp(parts - m_safe[:, :, None]), axis=2)
+    return jnp.where(total == 0.0, -jnp.inf, m_safe + jnp.log(jnp.where(total == 0.0, 1.0, total)))
 
 
-def _setup(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, blk):
-    g = k.shape[2]
-    hg = q.shape[2] // g
-    m_pad = max(16, layout.next_pow2(hg))
+def _chunk(q, qi, ids, starts, qpos, qseg, fresh, dki, *, kp, kip, kvpos, kvseg, blk, chunk, rows,
+           grads, interpret):
+    """One query chunk: (kl_sum, count, dqi [B,Tc,G,Di] f32 or None, dki totals [B,Sp,G,Di] f32)."""
+    bsz, t, h, d = q.shape
+    g, di = kp.shape[2], qi.shape[-1]
+    topk = ids.shape[-1]
+    hg, per, n_items, (flat, key, run_end, n_valid) = schedule(ids, starts, h, rows, chunk)
+    per_pad = max(16, layout.next_pow2(per))
+    sp = kp.shape[1]
+    consts = dict(blk=blk, topk=topk, scale=1.0 / math.sqrt(d), iscale=1.0 / math.sqrt(di), hg=hg,
+                  per=per, per_pad=per_pad, chunk=chunk, rows=rows)
+    params = dict(compiler_params=pltriton.CompilerParams(num_warps=8, num_stages=2),
+                  interpret=interpret)
+    head = (flat, key, run_end, n_valid, q, kp, qi, kip, ids, qpos, qseg, kvpos, kvseg)
+    grid = (n_items, g, bsz)
+    lp, lxp = pl.pallas_call(
+        functools.partial(_lse_kernel, **consts), grid=grid,
+        out_shape=[jax.ShapeDtypeStruct((bsz, t + 1, topk, h), jnp.float32),     # + spare row
+                   jax.ShapeDtypeStruct((bsz, t + 1, topk, g), jnp.float32)],
+        name="msa_kl_lse_gpu", **params,
+    )(*head)
+    valid = jnp.transpose(ids >= 0, (0, 2, 3, 1))                              # [B,T,K,G]
+    lse = _logsumexp_slots(lp[:, :t], jnp.repeat(valid, hg, axis=-1))            # [B,T,H]
+    lsex = _logsumexp_slots(lxp[:, :t], valid)                                  # [B,T,G]
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    outs = [f32(bsz, t + 1, topk, g)]
+    args = list(head) + [lse, lsex]
+    if grads:
+        outs += [f32(bsz, t + 1, topk, g, di), f32(bsz, g, n_items, 2, blk, di), f32(*dki.shape)]
+        args.append(dki)
+    res = pl.pallas_call(
+        functools.partial(_kl_kernel, s_pad=sp, grads=grads, **consts), grid=grid, out_shape=outs,
+        input_output_aliases={len(args) - 1: 3} if grads else {},
+        name="msa_kl_gpu", **params,
+    )(*args)
+    klp = res[0][:, :t]
+    rows_ok = jnp.isfinite(lsex) & fresh[None, :, None]
+    kl = jnp.sum(jnp.where(valid & rows_ok[:, :, None, :], klp, 0.0))
+    count = jnp.sum(rows_ok.astype(jnp.int32))
+    if not grads:
+        return kl, count, None, dki
+    (dki,) = merge_pieces(key, run_end, n_valid, kvpos, kvseg, [res[2]], [res[3]], blk=blk,
+                          chunk=chunk, interpret=interpret)
+    dqi = jnp.sum(jnp.where(valid[..., None], res[1][:, :t], 0.0), axis=2)       # [B,T,G,Di]
+    return kl, count, dqi, dki
+
+
+def _query_chunk(bsz, h, g, di, topk, blk, chunk, budget_bytes=PARTIALS_BUDGET):
+    """Query tokens per pass so the per-slot partials (lse, KL, d qi) and the d ki pieces of split
+    runs fit the budget (a power of two)."""
+    per_token = bsz * topk * 4 * (h + g * (2 + di) + g * 2 * blk * di / chunk)
+    c = max(1, int(budget_bytes // per_token))
+    return 1 << (c.bit_length() - 1)
+
+
+def _run(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, blk, interpret, grads,
+         rows=32, chunk=128, query_chunk=None):
+    """(kl_sum, count, dqi, dki) for a unit cotangent (dqi / dki None without ``grads``)."""
+    bsz, t, h, _ = q.shape
+    g, di = k.shape[2], qi.shape[-1]
     prep = layout.prepare(k, ki[:, :, None, :], q_positions, kv_positions, q_seg, kv_seg, blk)
     ids = layout.dedupe_ids(block_ids)
     starts = layout.window_starts(ids, prep.base, blk, prep.s_pad)
-    return dict(hg=hg, prep=prep, kp=prep.k, kip=prep.v[:, :, 0, :],
-                ids=ids, starts=starts, qpos=q_positions.astype(jnp.int32),
-                consts=dict(blk=blk, topk=ids.shape[-1], scale=1.0 / math.sqrt(q.shape[-1]),
-                            iscale=1.0 / math.sqrt(qi.shape[-1]), hg=hg, m_pad=m_pad))
+    qpos = q_positions.astype(jnp.int32)
+    rows = max(rows, layout.next_pow2(h // g))
+    qc = query_chunk or _query_chunk(bsz, h, g, di, ids.shape[-1], blk, chunk)
+    run = functools.partial(_chunk, kp=prep.k, kip=prep.v, kvpos=prep.kv_pos, kvseg=prep.kv_seg,
+                            blk=blk, chunk=chunk, rows=rows, grads=grads, interpret=interpret)
+    dki = jnp.zeros((bsz, prep.s_pad, g, di), jnp.float32)
+    if t <= qc:
+        kl, count, dqi, dki = run(q, qi, ids, starts, qpos, prep.q_seg, jnp.ones((t,), bool), dki)
+    else:
+        # One compiled loop over query chunks; the last one is clamped to end at T and its tokens
+        # already done get no slot (nothing counted twice) and keep their d qi.
+        n_c = -(-t // qc)
+        dsl = jax.lax.dynamic_slice_in_dim
 
+        def body(c, carry):
+            kl, count, dqi, dki = carry
+            a = jnp.minimum(c * qc, t - qc)
+            fresh = (a + jnp.arange(qc)) >= c * qc
+            ids_c = jnp.where(fresh[None, None, :, None], dsl(ids, a, qc, 2), -1)
+            sl = lambda x, ax=1: dsl(x, a, qc, ax)
+            kl_c, cnt_c, dqi_c, dki = run(sl(q), sl(qi), ids_c, sl(starts, 2), sl(qpos),
+                                          sl(prep.q_seg), fresh, dki)
+            if grads:
+                dqi_c = jnp.where(fresh[None, :, None, None], dqi_c, sl(dqi))
+                dqi = jax.lax.dynamic_update_slice_in_dim(dqi, dqi_c, a, 1)
+            return kl + kl_c, count + cnt_c, dqi, dki
 
-def _params(interpret):
-    return dict(compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
-                interpret=interpret)
-
-
-def _forward(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, blk, interpret):
-    c = _setup(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, blk)
-    bsz, t, h, _ = q.shape
-    g = k.shape[2]
-    kl, lse_x, lse_m = pl.pallas_call(     # q, lse_m in their natural layout (no padded copies)
-        functools.partial(_fwd_kernel, **c["consts"]),
-        grid=(t, g, bsz),
-        out_shape=[jax.ShapeDtypeStruct((bsz, t, g), jnp.float32),
-                   jax.ShapeDtypeStruct((bsz, t, g), jnp.float32),
-                   jax.ShapeDtypeStruct((bsz, t, h), jnp.float32)],
-        name="msa_kl_fwd_gpu", **_params(interpret),
-    )(q, c["kp"], qi, c["kip"], c["ids"], c["starts"], c["qpos"], c["prep"].q_seg,
-      c["prep"].kv_pos, c["prep"].kv_seg)
-    count = jnp.sum(jnp.isfinite(lse_x).astype(jnp.int32))
-    return jnp.sum(kl), count, (lse_x, lse_m)
-
-
-def _backward(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, lse_x, lse_m,
-              ct, blk, interpret):
-    c = _setup(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, blk)
-    bsz, t, _, _ = q.shape
-    g = k.shape[2]
-    ct = jnp.reshape(ct.astype(jnp.float32), (1,))
-    common = (q, c["kp"], qi, c["kip"], c["ids"])
-    pos = (c["qpos"], c["prep"].q_seg, c["prep"].kv_pos, c["prep"].kv_seg)
-    dqi = pl.pallas_call(
-        functools.partial(_dqi_kernel, **c["consts"]),
-        grid=(t, g, bsz),
-        out_shape=jax.ShapeDtypeStruct(qi.shape, qi.dtype),
-        name="msa_kl_dqi_gpu", **_params(interpret),
-    )(*common, c["starts"], *pos, lse_x, lse_m, ct)
-    n_tiles = c["prep"].s_pad // blk
-    ent, offs = _inverse_map(c["ids"], c["starts"], blk, n_tiles)
-    dki = pl.pallas_call(
-        functools.partial(_dki_kernel, groups=g, **c["consts"]),
-        grid=(n_tiles, bsz),
-        out_shape=jax.ShapeDtypeStruct(c["kip"].shape, ki.dtype),
-        name="msa_kl_dki_gpu", **_params(interpret),
-    )(*common, ent, offs, *pos, lse_x, lse_m, ct)
-    return dqi, dki[:, :ki.shape[1]]
+        dqi0 = jnp.zeros(qi.shape, jnp.float32) if grads else None
+        kl, count, dqi, dki = jax.lax.fori_loop(0, n_c, body, (jnp.float32(0.0), jnp.int32(0), dqi0, dki))
+    if not grads:
+        return kl, count, None, None
+    return kl, count, dqi, jnp.sum(dki[:, :ki.shape[1]], axis=2)
 
 
 def _f0(x):
@@ -286,25 +303,24 @@ def _f0(x):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10))
 def _kl(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, blk, interpret):
-    kl, count, _ = _forward(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg,
-                            blk, interpret)
+    kl, count, _, _ = _run(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, blk,
+                           interpret, grads=False)
     return kl, count
 
 
 def _kl_fwd(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, blk, interpret):
-    kl, count, (lse_x, lse_m) = _forward(q, k, qi, ki, block_ids, q_positions, kv_positions,
-                                         q_seg, kv_seg, blk, interpret)
-    return (kl, count), (q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg,
-                         lse_x, lse_m)
+    kl, count, dqi, dki = _run(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg,
+                               blk, interpret, grads=True)
+    dtypes = (jnp.zeros((0,), qi.dtype), jnp.zeros((0,), ki.dtype))     # the cotangents' dtypes
+    return (kl, count), (q, k, block_ids, q_positions, kv_positions, q_seg, kv_seg, dqi, dki, dtypes)
 
 
 def _kl_bwd(blk, interpret, res, cot):
-    q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, lse_x, lse_m = res
-    ct, _ = cot
-    dqi, dki = _backward(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg,
-                         lse_x, lse_m, ct, blk, interpret)
-    return (jnp.zeros_like(q), jnp.zeros_like(k), dqi, dki, _f0(block_ids), _f0(q_positions),
-            _f0(kv_positions), _f0(q_seg), _f0(kv_seg))
+    q, k, block_ids, q_positions, kv_positions, q_seg, kv_seg, dqi, dki, (qi_dt, ki_dt) = res
+    ct = cot[0].astype(jnp.float32)
+    return (jnp.zeros_like(q), jnp.zeros_like(k), (dqi * ct).astype(qi_dt.dtype),
+            (dki * ct).astype(ki_dt.dtype),
+            _f0(block_ids), _f0(q_positions), _f0(kv_positions), _f0(q_seg), _f0(kv_seg))
 
 
 _kl.defvjp(_kl_fwd, _kl_bwd)

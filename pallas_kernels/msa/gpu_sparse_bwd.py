@@ -33,7 +33,8 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.msa import layout
 from pallas_kernels.msa.gpu_sparse_fwd import PARTIALS_BUDGET, Window, mask_logits, schedule, tile_rows
 
-__all__ = ["sparse_bwd_kv_outer", "default_bwd_query_chunk"]
+__all__ = ["sparse_bwd_kv_outer", "default_bwd_query_chunk", "slice_bounds", "owned", "add_owned",
+           "follow_counts", "merge_pieces"]
 
 _LOG2E = math.log2(math.e)
 
@@ -43,7 +44,7 @@ def _dot(a, b, trans_a=False, trans_b=False):
     return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
-def _slice_bounds(key_ref, nval_ref, b, g, i, chunk):
+def slice_bounds(key_ref, nval_ref, b, g, i, chunk):
     """Program i's slice [lo, hi) and whether its first / last run continues from / into a neighbour."""
     n = key_ref.shape[-1]
     nval = nval_ref[b, g]
@@ -56,14 +57,14 @@ def _slice_bounds(key_ref, nval_ref, b, g, i, chunk):
     return lo, hi, cont_in, cont_out
 
 
-def _owned(kvp, kvs, w0, blk, s_pad):
+def owned(kvp, kvs, w0, blk, s_pad):
     """Keys of the window at storage w0 that belong to it (module docstring): bool [B]."""
     x = w0 + jax.lax.broadcasted_iota(jnp.int32, kvp.shape, 0)
     own = jnp.clip(x - jax.lax.rem(jnp.maximum(kvp, 0), blk), 0, s_pad - blk)
     return (own == w0) & (kvs >= 0)
 
 
-def _add_owned(ref, b, w0, g, val, own):
+def add_owned(ref, b, w0, g, val, own):
     """ref[b, w0:w0+B, g, :] += val on the owned rows only (read-modify-write, masked store)."""
     view = ref.at[b, pl.ds(w0, val.shape[0]), g, :]
     pltriton.store(view, view[...] + val, mask=own[:, None])
@@ -77,7 +78,7 @@ def _kernel(flat_ref, key_ref, rend_ref, nval_ref, q_ref, k_ref, v_ref, do_ref, 
     i = pl.program_id(0)
     g = pl.program_id(1)
     b = pl.program_id(2)
-    lo, hi, cont_in, cont_out = _slice_bounds(key_ref, nval_ref, b, g, i, chunk)
+    lo, hi, cont_in, cont_out = slice_bounds(key_ref, nval_ref, b, g, i, chunk)
     r = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
     j = r // hg
     head = g * hg + (r - j * hg)
@@ -136,41 +137,58 @@ def _kernel(flat_ref, key_ref, rend_ref, nval_ref, q_ref, k_ref, v_ref, do_ref, 
 
         @pl.when(jnp.logical_not(is_head | is_tail))
         def _():
-            own = _owned(win.kvp, win.kvs, w0, blk, s_pad)
-            _add_owned(dk_ref, b, w0, g, dk, own)
-            _add_owned(dv_ref, b, w0, g, dv, own)
+            own = owned(win.kvp, win.kvs, w0, blk, s_pad)
+            add_owned(dk_ref, b, w0, g, dk, own)
+            add_owned(dv_ref, b, w0, g, dv, own)
 
         return end
 
     jax.lax.while_loop(lambda a: a < hi, run, lo)
 
 
-def _merge_kernel(follow_ref, key_ref, nval_ref, kvpos_ref, kvseg_ref, bdk_ref, bdv_ref, dk_in_ref,
-                  dv_in_ref, dk_ref, dv_ref, *, blk, chunk, s_pad):
-    """Sum the pieces of every run split over programs, in program order, into dk / dv.
+def _merge_kernel(follow_ref, key_ref, nval_ref, kvpos_ref, kvseg_ref, *refs, n, blk, chunk, s_pad):
+    """Sum the pieces of every run split over programs, in program order, into the totals.
 
+    refs: n piece buffers [B,G,n_items,2,B,X], n aliased totals (unused), n totals [B,Sp,G,X].
     Program i owns the run whose first piece is its slot 1 when ``follow[i] > 0``: the run's other
-    pieces are the slot-0 pieces of programs i+1 .. i+follow[i] (``_follow_counts``).
+    pieces are the slot-0 pieces of programs i+1 .. i+follow[i] (``follow_counts``).
     """
-    del dk_in_ref, dv_in_ref
+    pieces, totals = refs[:n], refs[2 * n:]
     i = pl.program_id(0)
     g = pl.program_id(1)
     b = pl.program_id(2)
     nf = follow_ref[b, g, i]
 
-    def body(m, c):
-        return c[0] + bdk_ref[b, g, i + 1 + m, 0], c[1] + bdv_ref[b, g, i + 1 + m, 0]
+    def body(m, acc):
+        return tuple(a + pc[b, g, i + 1 + m, 0] for a, pc in zip(acc, pieces))
 
-    ak, av = jax.lax.fori_loop(0, nf, body, (bdk_ref[b, g, i, 1], bdv_ref[b, g, i, 1]))
+    acc = jax.lax.fori_loop(0, nf, body, tuple(pc[b, g, i, 1] for pc in pieces))
     hi = jnp.minimum(i * chunk + chunk, nval_ref[b, g])
     w0 = jnp.where(nf > 0, key_ref[b, g, jnp.maximum(hi - 1, 0)], 0)
     sl = pl.ds(w0, blk)
-    own = _owned(kvpos_ref[b, sl], kvseg_ref[b, sl], w0, blk, s_pad) & (nf > 0)
-    _add_owned(dk_ref, b, w0, g, ak, own)
-    _add_owned(dv_ref, b, w0, g, av, own)
+    own = owned(kvpos_ref[b, sl], kvseg_ref[b, sl], w0, blk, s_pad) & (nf > 0)
+    for a, tot in zip(acc, totals):
+        add_owned(tot, b, w0, g, a, own)
 
 
-def _follow_counts(key, run_end, n_valid, chunk, n_items):
+def merge_pieces(key, run_end, n_valid, kvpos, kvseg, pieces, totals, *, blk, chunk, interpret):
+    """Add the pieces of the runs split over programs to ``totals`` (list of [B,Sp,G,X] f32)."""
+    n = len(pieces)
+    n_items = pieces[0].shape[2]
+    follow = follow_counts(key, run_end, n_valid, chunk, n_items)
+    kernel = functools.partial(_merge_kernel, n=n, blk=blk, chunk=chunk, s_pad=totals[0].shape[1])
+    return pl.pallas_call(
+        kernel,
+        grid=(n_items,) + tuple(pieces[0].shape[1::-1]),
+        out_shape=[jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in totals],
+        input_output_aliases={5 + n + j: j for j in range(n)},
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="msa_bwd_merge_gpu",
+    )(follow, key, n_valid, kvpos, kvseg, *pieces, *totals)
+
+
+def follow_counts(key, run_end, n_valid, chunk, n_items):
     """Per program: how many following programs hold pieces of the run it owns (0: owns none).
 
     A program owns a run when its last piece continues into the next program and is not itself a
@@ -219,17 +237,8 @@ def _chunk_bwd(q, do, lse, delta, ids, starts, qpos, qseg, dk, dv, *, prep_k, pr
         name="msa_bwd_gpu",
     )(flat, key, run_end, n_valid, q, prep_k, prep_v, do, lse, delta, ids, qpos, qseg, kvpos, kvseg,
       dk, dv)
-    follow = _follow_counts(key, run_end, n_valid, chunk, n_items)
-    merge = functools.partial(_merge_kernel, blk=blk, chunk=chunk, s_pad=sp)
-    dk, dv = pl.pallas_call(
-        merge,
-        grid=(n_items, g, bsz),
-        out_shape=tot,
-        input_output_aliases={7: 0, 8: 1},
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
-        interpret=interpret,
-        name="msa_bwd_merge_gpu",
-    )(follow, key, n_valid, kvpos, kvseg, bdk, bdv, dk, dv)
+    dk, dv = merge_pieces(key, run_end, n_valid, kvpos, kvseg, [bdk, bdv], [dk, dv], blk=blk,
+                          chunk=chunk, interpret=interpret)
     valid = jnp.repeat(jnp.transpose(ids >= 0, (0, 2, 3, 1)), hg, axis=-1)[..., None]   # [B,T,K,H,1]
     dq = jnp.sum(jnp.where(valid, dqp[:, :t], 0.0), axis=2).astype(q.dtype)
     return dq, dk, dv

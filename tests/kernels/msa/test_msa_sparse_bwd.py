@@ -129,7 +129,7 @@ def test_every_key_is_owned_by_exactly_its_own_window():
     for b in range(2):
         owners = {}
         for w in range(sp - BLK + 1):
-            own = np.asarray(gb._owned(jnp.asarray(kvp[b, w:w + BLK]), jnp.asarray(kvs[b, w:w + BLK]),
+            own = np.asarray(gb.owned(jnp.asarray(kvp[b, w:w + BLK]), jnp.asarray(kvs[b, w:w + BLK]),
                                        jnp.int32(w), BLK, sp))
             for r in np.nonzero(own)[0]:
                 owners.setdefault(w + r, []).append(w)
