@@ -3,8 +3,10 @@
 Examples::
 
     python infer.py --checkpoint ckpt/ --prompt "Once upon a time" --max_new_tokens 64 --stream
-    python infer.py --checkpoint ckpt/ --chat_file chat.json --temperature 0     # tool calls -> JSON
+    python infer.py --checkpoint ckpt/ --chat_file chat.json --temperature 0     # tool calls parsed
     python infer.py --checkpoint ckpt/ --context_file book.txt --prompt "Who is it?" --speculative mtp
+    python infer.py --prompts_file prompts.jsonl --n 4 --temperature 0.8 --seed 1 --output out.jsonl
+    python infer.py --chat_file chat.json --temperature 0 --json --logprobs          # stdout: JSON only
 
 Thin wrapper; the flags and the logic live in ``minimax_jax.infer.cli``.
 """

@@ -13,7 +13,13 @@ sequence longer than the model's max positions, a mesh larger than the devices) 
 parameter is made or anything is compiled. A run directory that holds checkpoints is resumed.
 
 Outputs under ``run.run_dir``: ``config.yaml``, ``model_config.yaml`` (the resolved model),
-``checkpoints/<step>/`` (orbax), ``metrics.jsonl``, ``tensorboard/`` (``tensorboard --logdir RUN_DIR``).
+``checkpoints/<step>/`` (orbax), ``metrics.jsonl``, ``tensorboard/`` (``tensorboard --logdir RUN_DIR``),
+``train.lock`` (one process per run directory: a second one exits with status 2 naming the first).
+
+Stopping: Ctrl-C (or SIGTERM) finishes the step in hand, saves a checkpoint and stops (exit status 130
+for Ctrl-C, 0 for SIGTERM, a scheduler's preemption); the same command resumes, and the metrics of
+the steps trained again are logged once. A second Ctrl-C aborts at once (130, nothing saved).
+Exit status: 0 done, 2 a usage error (config, data, run directory), 130 interrupted.
 
 Precision and memory: ``run.compute_dtype=bfloat16 run.param_dtype=float32`` (fp32 master weights),
 ``run.remat=full|dots|dots_kernels`` (``dots_kernels``: keep matmul and fused-kernel outputs, the
@@ -84,6 +90,14 @@ def missing_data_action(item: str, prepare: bool) -> str:
 
 
 def main(argv):
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # before the training loop handles SIGINT itself: nothing was trained
+        print("train.py: interrupted before training started; nothing was saved", file=sys.stderr)
+        return 130  # interrupt.EXIT_INTERRUPTED (not imported yet: it imports JAX)
+
+
+def _main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}; use --set section.key=value")
     config = FLAGS.config
@@ -102,9 +116,10 @@ def main(argv):
     from minimax_jax.data.prose import MissingDataError
     from minimax_jax.train import TrainConfigError, load_train_config
     from minimax_jax.train.config import validate_against
+    from minimax_jax.train.interrupt import EXIT_INTERRUPTED
     from minimax_jax.train.model_init import model_configs
-
     from minimax_jax.train.prepare import missing_data, prepare_data
+    from minimax_jax.train.run_lock import RunDirError
 
     try:
         tc = load_train_config(config, FLAGS.set)
@@ -132,6 +147,15 @@ def main(argv):
     except MissingDataError as e:
         print(f"train.py: missing data: {e}", file=sys.stderr)
         return 2
+    except RunDirError as e:
+        print(f"train.py: {e}", file=sys.stderr)
+        return 2
+    if out["status"] == "interrupted":
+        where = (f"checkpoint saved to {out['checkpoint']}" if out["checkpoint"] else
+                 "before the first step, nothing saved" if out["step"] == 0 else
+                 f"no step trained since the checkpoint of step {out['step']}, nothing new to save")
+        print(f"train.py: interrupted at step {out['step']}: {where}; resume with the same command")
+        return EXIT_INTERRUPTED
     print(f"train.py: {out['status']} at step {out['step']} ({out['run_dir']})")
     return 0
 

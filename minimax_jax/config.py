@@ -64,7 +64,57 @@ def implementation_backends(cfg) -> dict[str, tuple[str, ...]]:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of an M2/M3-style decoder. See docs/ARCHITECTURE.md for every field."""
+    """Architecture of an M2/M3-style decoder (every field with its default: docs/CONFIG.md).
+
+    Attributes:
+      vocab_size: token ids the embedding and the lm head cover; a tokenizer's ids must be below it.
+      hidden_size: width of the residual stream.
+      num_layers: decoder layers.
+      num_heads: query heads per attention layer.
+      num_kv_heads: key / value heads (GQA); ``num_heads`` must be a multiple of it.
+      head_dim: width of one attention head.
+      rotary_dim: leading dims of each head rotated by RoPE (partial NeoX RoPE); even, <= ``head_dim``.
+      rope_theta: RoPE base frequency.
+      max_position_embeddings: longest sequence (in tokens) the model accepts.
+      rms_norm_eps: epsilon of every RMS norm.
+      norm_kind: ``rms`` (y = x_hat * w, M2) or ``gemma`` (y = x_hat * (1 + w), M3).
+      qk_norm: ``full`` (M2: over the whole projected q / k width), ``per_head`` (M3: one
+        ``[head_dim]`` weight) or ``none``.
+      layer_types: attention of each layer: ``full``, ``msa`` or ``sliding``. A list, one string for
+        every layer, or ``{prefix: [...], pattern: [...]}`` (the prefix, then the pattern repeated);
+        empty = every layer ``full``.
+      mlp_types: MLP of each layer: ``moe`` or ``dense``, in the same forms; empty = every layer ``moe``.
+      sliding_window: tokens a query sees in ``sliding`` layers (itself included); needed by them.
+      mlp_activation: ``silu`` (SwiGLU, M2) or ``swigluoai`` (M3: clamped, ``swiglu_alpha`` slope).
+      swiglu_alpha: ``swigluoai`` sigmoid slope.
+      swiglu_limit: ``swigluoai`` clamp limit of the gate and up projections.
+      dense_intermediate_size: hidden width of the ``dense`` MLP layers.
+      num_experts: routed experts per MoE layer.
+      num_experts_per_tok: experts each token is routed to (top-k).
+      moe_intermediate_size: hidden width of one routed expert.
+      shared_intermediate_size: hidden width of the shared expert every token uses (0 = none).
+      routed_scaling_factor: multiplies the sum of the routed experts' outputs (M2 1.0, M3 2.0).
+      index_num_heads: MSA index-query heads; 0 = ``num_kv_heads`` (the only valid value with ``msa`` layers).
+      index_head_dim: width of the MSA index query / key heads (even).
+      index_block_size: MSA key block size in tokens (the unit the indexer selects).
+      index_topk: MSA blocks each query attends, the initial and local blocks included.
+      index_init_blocks: MSA blocks at the start of the sequence every query attends (0 in M3).
+      index_local_blocks: MSA blocks nearest each query that it always attends (>= 1; 1 in M3).
+      index_rope: apply the partial RoPE to the MSA index queries and keys.
+      num_mtp_modules: multi-token-prediction modules (0 = none).
+      tie_word_embeddings: the lm head reuses the embedding matrix.
+      bos_token_id: id of the tokenizer's begin-of-sequence token (null = none).
+      eos_token_id: id of the end-of-sequence token; generation stops on it (null = none).
+      pad_token_id: id of the padding token (null = none).
+      initializer_range: standard deviation of the normal init of weights trained from scratch.
+      dtype: activation / compute dtype: ``float32``, ``bfloat16`` or ``float16``.
+      param_dtype: parameter dtype (same choices).
+      attention_impl: implementation of the attention op in ``full`` layers (``auto`` picks per backend).
+      sliding_attention_impl: implementation of the attention op in ``sliding`` layers (no flash
+        kernel has a window).
+      moe_impl: implementation of the MoE op (``auto`` picks per backend and problem size).
+      msa_impl: implementation of the MSA ops (selection, sparse attention, indexer KL).
+    """
 
     vocab_size: int = 200064
     hidden_size: int = 3072
@@ -106,7 +156,7 @@ class ModelConfig:
     dtype: str = "bfloat16"
     param_dtype: str = "bfloat16"
     attention_impl: str = "auto"
-    sliding_attention_impl: str = "auto"   # sliding-window layers (ops.attention; no flash kernel has a window)
+    sliding_attention_impl: str = "auto"
     moe_impl: str = "auto"
     msa_impl: str = "auto"
 

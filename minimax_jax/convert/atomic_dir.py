@@ -3,6 +3,11 @@
 failed or interrupted run leaves at most that clearly-partial directory (removed on a Python
 exception), never something at the destination path that looks complete.
 
+Before anything is written, ``check_destination`` refuses (``DestinationError``, nothing touched) a
+destination that is, contains or lies inside one of the sources, one that exists without
+``overwrite``, and, with ``overwrite``, one this tool did not write (no manifest in it; an empty
+directory may be replaced). Nothing beside the destination is ever touched.
+
 Also: the small files that travel with a converted checkpoint (our config, tokenizer, chat
 template) and their copying.
 """
@@ -20,9 +25,11 @@ from typing import Iterator
 import yaml
 
 from minimax_jax.config import ModelConfig
+from minimax_jax.convert.errors import DestinationError, DestinationExistsError
+from minimax_jax.convert.manifest import MANIFEST_FILE, is_manifest
 
-__all__ = ["atomic_output_dir", "TOKENIZER_FILES", "copy_side_files", "write_config", "read_config",
-           "CONFIG_FILE", "PARAMS_DIR", "REPORT_FILE", "write_json"]
+__all__ = ["atomic_output_dir", "check_destination", "TOKENIZER_FILES", "copy_side_files", "write_config",
+           "read_config", "CONFIG_FILE", "PARAMS_DIR", "REPORT_FILE", "write_json"]
 
 CONFIG_FILE = "config.yaml"
 PARAMS_DIR = "params"
@@ -32,17 +39,70 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "generation_config.json")
 
 
-@contextlib.contextmanager
-def atomic_output_dir(dst: str | os.PathLike, *, overwrite: bool = False) -> Iterator[str]:
-    """Yield a fresh temporary directory next to ``dst``; on normal exit rename it to ``dst``.
+def _overlap(a: str, b: str) -> str | None:
+    """How real path ``a`` relates to real path ``b``: "is", "is inside", "contains" or None."""
+    if a == b:
+        return "is"
+    common = os.path.commonpath([a, b])
+    return "is inside" if common == b else "contains" if common == a else None
 
-    Raises FileExistsError (before anything is written) when ``dst`` exists and not ``overwrite``.
-    With ``overwrite`` the old ``dst`` is moved aside, replaced, then deleted.
-    On an exception the temporary directory is removed and the exception propagates.
+
+def _ours(path: str) -> bool:
+    """``path`` is a directory this tool wrote (a manifest; a ``conversion.json`` of an earlier
+    converter), or an empty directory (nothing in it to lose)."""
+    if not os.path.isdir(path) or os.path.islink(path):
+        return False
+    if not os.listdir(path):
+        return True
+    for name in (MANIFEST_FILE, REPORT_FILE):
+        try:
+            with open(os.path.join(path, name)) as f:
+                obj = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if is_manifest(obj) or (name == REPORT_FILE and str(obj.get("format", "")).startswith("minimax-jax")):
+            return True
+    return False
+
+
+def check_destination(dst: str | os.PathLike, *, sources=(), overwrite: bool = False) -> str:
+    """Refuse a destination whose writing could lose data; returns its absolute path.
+
+    Raises (nothing touched): DestinationError when ``dst`` is, contains or lies inside one of
+      ``sources`` (paths compared after resolving symlinks), or exists with ``overwrite`` but was
+      not written by this tool; DestinationExistsError (a FileExistsError) when it exists and not
+      ``overwrite``.
     """
     dst = os.path.abspath(os.fspath(dst))
-    if os.path.exists(dst) and not overwrite:
-        raise FileExistsError(f"destination {dst} already exists (pass overwrite=True to replace it)")
+    real = os.path.realpath(dst)
+    for src in sources:
+        if src is None:
+            continue
+        src = os.path.abspath(os.fspath(src))
+        how = _overlap(real, os.path.realpath(src))
+        if how:
+            raise DestinationError(f"destination {dst} {how} the source {src}; "
+                                   "nothing was written: choose a destination outside the source", dst)
+    if os.path.lexists(dst):
+        if not overwrite:
+            raise DestinationExistsError(f"destination {dst} already exists (pass overwrite=True to replace it)", dst)
+        if not _ours(dst):
+            raise DestinationError(f"destination {dst} exists and was not written by minimax-jax (no {MANIFEST_FILE} "
+                                   "in it: not ours, or from a version before manifests); nothing was replaced: "
+                                   "remove it yourself or choose another destination", dst)
+    return dst
+
+
+@contextlib.contextmanager
+def atomic_output_dir(dst: str | os.PathLike, *, overwrite: bool = False, sources=()) -> Iterator[str]:
+    """Yield a fresh temporary directory next to ``dst``; on normal exit rename it to ``dst``.
+
+    Raises DestinationError / DestinationExistsError (before anything is written): see
+    ``check_destination``. With ``overwrite`` an old ``dst`` this tool wrote is moved aside,
+    replaced, then deleted. On an exception the temporary directory is removed and the exception
+    propagates.
+    """
+    dst = check_destination(dst, sources=sources, overwrite=overwrite)
     parent = os.path.dirname(dst)
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{os.path.basename(dst)}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
@@ -53,7 +113,11 @@ def atomic_output_dir(dst: str | os.PathLike, *, overwrite: bool = False) -> Ite
         if os.path.exists(dst):
             old = tmp + ".old"
             os.rename(dst, old)
-            os.rename(tmp, dst)
+            try:
+                os.rename(tmp, dst)
+            except BaseException:
+                os.rename(old, dst)
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, dst)

@@ -20,10 +20,13 @@ import numpy as np
 
 from minimax_jax.config import ModelConfig
 from minimax_jax.convert import fp8 as fp8_lib
-from minimax_jax.convert.atomic_dir import (PARAMS_DIR, atomic_output_dir, copy_side_files, read_config,
-                                            write_json)
+from minimax_jax.convert.atomic_dir import (PARAMS_DIR, atomic_output_dir, check_destination, copy_side_files,
+                                            read_config, write_json)
+from minimax_jax.convert.errors import ChecksumMismatch
 from minimax_jax.convert.layout import EXPORT_STYLE, layer_slots, mtp_layer_prefixes, mtp_slots, ours_to_piece, top_slots
 from minimax_jax.convert.load import checkpoint_metadata
+from minimax_jax.convert.manifest import (MANIFEST_FILE, StreamDigest, array_digest, default_warn, entry,
+                                          read_manifest, write_manifest)
 from minimax_jax.convert.safetensors_io import INDEX_FILE
 
 __all__ = ["export_orbax_to_hf", "iter_hf_tensors", "DEFAULT_SHARD_BYTES"]
@@ -51,6 +54,7 @@ class _LeafStore:
         self._meta = {tuple(p.key if hasattr(p, "key") else p.idx for p in path): m
                       for path, m in jax.tree_util.tree_flatten_with_path(tree)[0]}
         self._open: dict = {}
+        self._digests: dict = {}
 
     def get(self, path: tuple) -> Any:
         import tensorstore as ts
@@ -67,7 +71,38 @@ class _LeafStore:
         arr = np.asarray(self.get(path)[index].read().result())
         if self._on_read:
             self._on_read(arr.nbytes)
+        self._digest(path, index, arr)
         return arr
+
+    def _digest(self, path: tuple, index: tuple, arr: np.ndarray) -> None:
+        """Hash while reading: a leaf read whole, or layer 0, 1, ... in order, gets its digest from
+        these reads; any other reading order drops it (``verify`` then reads the leaf again)."""
+        d, nxt = self._digests.get(path, (None, 0))
+        if index == () and path not in self._digests:
+            d = StreamDigest()
+            d.update(arr)
+            self._digests[path] = (d, -1)
+        elif len(index) == 1 and index[0] == nxt and (d is not None or nxt == 0):
+            d = d or StreamDigest()
+            d.update(arr)
+            self._digests[path] = (d, nxt + 1)
+        else:
+            self._digests[path] = (None, -2)
+
+    def verify(self, manifest: dict, where: str) -> None:
+        """Compare every leaf's digest with ``manifest``; raises ChecksumMismatch naming the leaf."""
+        for path, m in self._meta.items():
+            name = ".".join(map(str, path))
+            want = manifest["tensors"].get(name, {}).get("digest")
+            if not want:
+                continue
+            d, nxt = self._digests.get(path, (None, -2))
+            if d is None or nxt not in (-1, m.shape[0] if len(m.shape) else -1):
+                d = StreamDigest()
+                d.update(np.asarray(self.get(path).read().result()))
+            if d.hexdigest() != want:
+                raise ChecksumMismatch(f"checkpoint {where}: tensor {name!r} checksum mismatch (file flipped or "
+                                       "truncated); restore it from a good copy", tensor=name)
 
 
 def _quantizable(name: str) -> bool:
@@ -77,13 +112,13 @@ def _quantizable(name: str) -> bool:
         ".experts." in name and name.endswith((".w1.weight", ".w2.weight", ".w3.weight", "gate_up_proj", "down_proj")))
 
 
-def iter_hf_tensors(directory: str, cfg: ModelConfig, *, fp8: bool = False,
-                    on_read=None) -> Iterator[tuple[str, np.ndarray]]:
+def iter_hf_tensors(directory: str, cfg: ModelConfig, *, fp8: bool = False, on_read=None,
+                    store: _LeafStore | None = None) -> Iterator[tuple[str, np.ndarray]]:
     """Yield ``(hf_name, array)`` for the whole checkpoint, one leaf unit (a layer of a leaf) in memory
     at a time; ``on_read(nbytes)`` is called per unit read (progress)."""
     from minimax_jax.model.params import layer_segments
 
-    store = _LeafStore(directory, on_read)
+    store = store or _LeafStore(directory, on_read)
     style = EXPORT_STYLE[cfg.norm_kind]
 
     def emit(name, arr):
@@ -113,23 +148,32 @@ def iter_hf_tensors(directory: str, cfg: ModelConfig, *, fp8: bool = False,
 
 def export_orbax_to_hf(src: str | os.PathLike, dst: str | os.PathLike, fp8: bool = False, *,
                        max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False,
-                       progress: bool = True) -> dict:
-    """Write ``dst`` = HF checkpoint (sharded safetensors + index + config.json + tokenizer files)
-    from our checkpoint directory ``src``. Atomic (temporary sibling renamed on success).
+                       progress: bool = True, verify: bool = True, warn=default_warn) -> dict:
+    """Write ``dst`` = HF checkpoint (sharded safetensors + index + config.json + tokenizer files +
+    ``minimax_manifest.json`` of the written tensors) from our checkpoint directory ``src``. Atomic
+    (temporary sibling renamed on success).
 
-    Peak memory ~ one shard being assembled (``max_shard_bytes``) + one leaf unit.
-    Returns: a summary dict (tensors, bytes, shards). Raises FileExistsError when ``dst`` exists.
+    With ``verify`` every leaf of ``src`` is checked against its manifest while it is read (a
+    ``src`` without one: one line to ``warn``). Peak memory ~ one shard being assembled
+    (``max_shard_bytes``) + one leaf unit.
+    Returns: a summary dict (tensors, bytes, shards).
+    Raises: DestinationExistsError (a FileExistsError) when ``dst`` exists and not ``overwrite``,
+      DestinationError when it overlaps ``src`` or is not ours to replace (both before anything is
+      read); ChecksumMismatch naming a corrupt leaf (nothing is left at ``dst``).
     """
     from safetensors.numpy import save_file
     from tqdm.auto import tqdm
 
     src = os.fspath(src)
+    check_destination(dst, sources=(src,), overwrite=overwrite)
     cfg = read_config(src)
-    if os.path.exists(dst) and not overwrite:
-        raise FileExistsError(f"destination {os.fspath(dst)} already exists (pass overwrite=True to replace it)")
+    manifest = read_manifest(os.path.abspath(src)) if verify else None
+    if verify and manifest is None:
+        warn(f"checkpoint {os.path.abspath(src)} has no {MANIFEST_FILE} (written by an older version): "
+             "exporting it without checksum verification")
     total = sum(int(np.prod(m.shape)) * np.dtype(m.dtype).itemsize
                 for m in _flat_meta(checkpoint_metadata(src)))
-    with atomic_output_dir(dst, overwrite=overwrite) as tmp, \
+    with atomic_output_dir(dst, overwrite=overwrite, sources=(src,)) as tmp, \
             tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="export", disable=not progress,
                  dynamic_ncols=True) as bar:
         shards: list[list[str]] = []
@@ -145,13 +189,19 @@ def export_orbax_to_hf(src: str | os.PathLike, dst: str | os.PathLike, fp8: bool
                 shards.append(list(cur))
                 cur, cur_bytes = {}, 0
 
-        for name, arr in iter_hf_tensors(src, cfg, fp8=fp8, on_read=bar.update):
+        entries = {}
+        store = _LeafStore(src, bar.update)
+        for name, arr in iter_hf_tensors(src, cfg, fp8=fp8, store=store):
             if cur and cur_bytes + arr.nbytes > max_shard_bytes:
                 flush()
             cur[name] = np.ascontiguousarray(arr)
+            entries[name] = entry(arr.shape, arr.dtype, array_digest(cur[name]))
             cur_bytes += arr.nbytes
             total_size += arr.nbytes
         flush()
+        if manifest is not None:
+            store.verify(manifest, os.path.abspath(src))
+        write_manifest(tmp, entries, writer="export_orbax_to_hf")
         n = len(shards)
         for k, names in enumerate(shards):
             fn = f"model-{k + 1:05d}-of-{n:05d}.safetensors"

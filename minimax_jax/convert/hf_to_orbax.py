@@ -6,6 +6,7 @@ Output directory (written atomically, see ``atomic_dir``)::
     DST/params/          orbax PyTree checkpoint of our params tree (docs/ARCHITECTURE.md)
     DST/config.yaml      ModelConfig.to_dict() (param_dtype/dtype = the conversion dtype)
     DST/conversion.json  source, dtype, warnings (skipped tensors), bytes, seconds
+    DST/minimax_manifest.json  a checksum per leaf (``manifest``), verified by ``load_checkpoint``
     DST/hf_config.json   the source config.json, for provenance
     DST/tokenizer.json, tokenizer_config.json, chat_template.jinja, ... (copied when present)
 """
@@ -22,9 +23,10 @@ import numpy as np
 
 from minimax_jax.config import ModelConfig
 from minimax_jax.convert.assemble import PieceReader, fill_unit
-from minimax_jax.convert.atomic_dir import (PARAMS_DIR, REPORT_FILE, atomic_output_dir, copy_side_files,
-                                            write_config, write_json)
+from minimax_jax.convert.atomic_dir import (PARAMS_DIR, REPORT_FILE, atomic_output_dir, check_destination,
+                                            copy_side_files, write_config, write_json)
 from minimax_jax.convert.errors import CheckpointError
+from minimax_jax.convert.manifest import write_manifest
 from minimax_jax.convert.orbax_stream import DEFAULT_CHUNK_BYTES, LazyLeaf, save_lazy_tree
 from minimax_jax.convert.plan import ConversionPlan, make_plan
 from minimax_jax.convert.safetensors_io import SafetensorsReader
@@ -122,7 +124,8 @@ def convert_hf_to_orbax(src: str | os.PathLike, dst: str | os.PathLike, dtype: s
         128x128 ``weight_scale_inv``).
       dst: output directory; must not exist unless ``overwrite``.
       dtype: parameter dtype of the output, "bfloat16" or "float32" (router weights stay float32).
-      overwrite: replace an existing ``dst`` (only after the new one is complete).
+      overwrite: replace an existing ``dst`` this tool wrote (only after the new one is complete);
+        ``dst`` may never be, contain or lie inside ``src`` (``atomic_dir.check_destination``).
       progress: show a tqdm bar (bytes, rate, ETA) on stderr.
       chunk_bytes: orbax storage chunk size bound.
       max_in_flight: layer units held at once while writing (memory ~ this x largest unit).
@@ -130,15 +133,15 @@ def convert_hf_to_orbax(src: str | os.PathLike, dst: str | os.PathLike, dtype: s
       cfg: use this config instead of ``src/config.json`` (its dtype fields are replaced).
     Returns: ``(cfg, report)``; ``report`` is what ``conversion.json`` holds.
     Raises: ConfigError (bad config), CheckpointError subclasses (missing / unknown / wrong shape /
-      wrong dtype / truncated tensors; raised before anything is written), FileExistsError.
+      wrong dtype / truncated tensors; raised before anything is written), DestinationError /
+      DestinationExistsError (a FileExistsError), before anything is read or written.
     """
     from tqdm.auto import tqdm
 
     src = os.fspath(src)
     if dtype not in ("bfloat16", "float32"):
         raise ValueError(f"dtype must be 'bfloat16' or 'float32', got {dtype!r}")
-    if os.path.exists(dst) and not overwrite:
-        raise FileExistsError(f"destination {os.fspath(dst)} already exists (pass overwrite=True to replace it)")
+    check_destination(dst, sources=(src,), overwrite=overwrite)
     cfg = (cfg or ModelConfig.from_hf_config(src)).replace(dtype=dtype, param_dtype=dtype)
     reader = SafetensorsReader(src)
     plan = make_plan(reader, cfg)
@@ -149,9 +152,10 @@ def convert_hf_to_orbax(src: str | os.PathLike, dst: str | os.PathLike, dtype: s
               disable=not progress, dynamic_ncols=True) as bar:
         tree = lazy_tree(plan, reader, on_bytes=bar.update)
         _check_against_model(tree, cfg)
-        with atomic_output_dir(dst, overwrite=overwrite) as tmp:
-            save_lazy_tree(os.path.join(tmp, PARAMS_DIR), tree, chunk_bytes=chunk_bytes,
-                           max_in_flight=max_in_flight, compress=compress)
+        with atomic_output_dir(dst, overwrite=overwrite, sources=(src,)) as tmp:
+            entries = save_lazy_tree(os.path.join(tmp, PARAMS_DIR), tree, chunk_bytes=chunk_bytes,
+                                     max_in_flight=max_in_flight, compress=compress)
+            write_manifest(tmp, entries, writer="convert")
             write_config(cfg, tmp)
             copied = copy_side_files(src, tmp)
             if os.path.isfile(os.path.join(src, "config.json")):

@@ -11,20 +11,10 @@ import numpy as np
 
 from minimax_jax.config import ModelConfig
 from minimax_jax.convert.atomic_dir import PARAMS_DIR, read_config
-from minimax_jax.convert.errors import CheckpointError, CorruptFileError
+from minimax_jax.convert.errors import CheckpointError, CorruptFileError, first_line
+from minimax_jax.convert.manifest import MANIFEST_FILE, default_warn, read_manifest, verify_tree
 
 __all__ = ["load_checkpoint", "checkpoint_metadata"]
-
-
-def _first_line(e: BaseException) -> str:
-    """First line of the innermost cause (tensorstore's own message, e.g. "OUT_OF_RANGE: Error reading
-    "lm_head/0.0" ... not valid for value of size 100", is the root of orbax's wrapped errors)."""
-    seen = set()
-    while (e.__cause__ or e.__context__) is not None and id(e) not in seen:
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    text = str(e).strip() or type(e).__name__
-    return text.splitlines()[0][:300]
 
 
 def checkpoint_metadata(directory: str | os.PathLike) -> Any:
@@ -43,7 +33,7 @@ def checkpoint_metadata(directory: str | os.PathLike) -> Any:
         tree = getattr(item, "tree", item) if item is not None else None
     except Exception as e:  # orbax / tensorstore raise many types for a damaged directory
         raise CorruptFileError(f"checkpoint {path} is incomplete or corrupt: its metadata cannot be read "
-                               f"({_first_line(e)}); restore it from a good copy") from e
+                               f"({first_line(e)}); restore it from a good copy") from e
     if tree is None:
         raise CorruptFileError(f"checkpoint {path} is incomplete or corrupt: it has no readable parameter tree "
                                f"(missing manifest.ocdbt / _METADATA?); restore it from a good copy")
@@ -51,7 +41,8 @@ def checkpoint_metadata(directory: str | os.PathLike) -> Any:
 
 
 def load_checkpoint(directory: str | os.PathLike, cfg: ModelConfig | None = None, mesh=None, rules=None, *,
-                    shardings: Any = None, dtype: str | None = None) -> tuple[ModelConfig, Any]:
+                    shardings: Any = None, dtype: str | None = None, verify: bool = True,
+                    warn=default_warn) -> tuple[ModelConfig, Any]:
     """Load ``(cfg, params)`` from a converted checkpoint directory.
 
     Args:
@@ -62,9 +53,12 @@ def load_checkpoint(directory: str | os.PathLike, cfg: ModelConfig | None = None
         ``minimax_jax.model.params_shardings(cfg, mesh, rules)`` (rules default: "default").
       shardings: pytree of ``jax.sharding.Sharding`` matching the params tree (takes precedence).
       dtype: cast floating leaves (except the float32 router weights) on restore, e.g. "float32".
+      verify: check every leaf against ``minimax_manifest.json`` right after the restore (before a
+        cast); a checkpoint without one loads with one line to ``warn``.
     Returns: ``(cfg, params)`` with jax.Array leaves (on the default device without a mesh).
     Raises: FileNotFoundError, CheckpointError (structure / shape mismatch naming the leaf),
-      CorruptFileError (unreadable metadata, truncated or missing weight files).
+      CorruptFileError (unreadable metadata, truncated or missing weight files), ChecksumMismatch
+      (a corrupt leaf, named).
     """
     import jax
 
@@ -98,13 +92,20 @@ def load_checkpoint(directory: str | os.PathLike, cfg: ModelConfig | None = None
         dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         shardings = jax.tree.map(lambda _: dev, want)
     cast = np.dtype(dtype_of(dtype)) if dtype else None
+    manifest = read_manifest(directory) if verify else None
+    if verify and manifest is None:
+        warn(f"checkpoint {directory} has no {MANIFEST_FILE} (written by an older version): loaded without "
+             "checksum verification")
+
+    def final_dtype(path, st):
+        if cast is not None and path[-1] not in (jax.tree_util.DictKey("router"), jax.tree_util.DictKey("router_bias")):
+            return cast
+        return np.dtype(st.dtype)
 
     def target(path, w, sh):
         st = s_flat[jax.tree_util.keystr(path)]
-        dt = np.dtype(st.dtype)
-        if cast is not None and path[-1] not in (jax.tree_util.DictKey("router"), jax.tree_util.DictKey("router_bias")):
-            dt = cast
-        return jax.ShapeDtypeStruct(w.shape, dt, sharding=sh)
+        # verified leaves are restored as stored and cast afterwards (the digest covers the stored bytes)
+        return jax.ShapeDtypeStruct(w.shape, np.dtype(st.dtype) if manifest else final_dtype(path, st), sharding=sh)
 
     abstract = jax.tree_util.tree_map_with_path(target, want, shardings)
     import orbax.checkpoint as ocp
@@ -114,6 +115,16 @@ def load_checkpoint(directory: str | os.PathLike, cfg: ModelConfig | None = None
             params = ck.restore(os.path.join(directory, PARAMS_DIR), abstract)
     except Exception as e:  # tensorstore reports truncated / missing chunks as ValueError or OSError
         raise CorruptFileError(f"checkpoint {os.path.join(directory, PARAMS_DIR)}: reading the weights failed, "
-                               f"the files are truncated or corrupt ({_first_line(e)}); restore it from a good "
+                               f"the files are truncated or corrupt ({first_line(e)}); restore it from a good "
                                f"copy") from e
+    if manifest:
+        verify_tree(params, manifest, directory)
+        flat, tdef = jax.tree_util.tree_flatten_with_path(params)
+        paths, leaves = [p for p, _ in flat], [x for _, x in flat]
+        del params, flat
+        for i, p in enumerate(paths):   # one leaf at a time: each stored copy is dropped once cast
+            dt = final_dtype(p, s_flat[jax.tree_util.keystr(p)])
+            if leaves[i].dtype != dt:
+                leaves[i] = leaves[i].astype(dt)
+        params = jax.tree_util.tree_unflatten(tdef, leaves)
     return cfg, params

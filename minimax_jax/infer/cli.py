@@ -1,14 +1,21 @@
 """Command line for ``python infer.py`` (flags below; ``--help`` explains each).
 
-Output: the generated text on stdout (as it is generated with ``--stream``); for ``--chat_file`` the
-parsed turn (reasoning, content, tool calls, malformed-tool-call errors) follows as JSON after a
-``--- parsed output (JSON) ---`` line. Loading messages, the engine that ran, a prefill progress
-bar and the statistics (TTFT, tokens/s, acceptance rate) go to stderr. Errors print one
-``error: ...`` message and exit with status 1.
+Prompts: one of ``--prompt``, ``--prompt_file``, ``--chat_file`` or ``--prompts_file`` (JSONL, several
+prompts, batched through the engine; ``minimax_jax.infer.prompts_io``), each sampled ``--n`` times.
+
+Output on stdout: as text (``minimax_jax.infer.cli_output``: the prompt echoed under a ``--- prompt ---``
+line, each generation under a ``--- generation ---`` line; chat turns parsed into reasoning, content
+and tool calls as JSON after ``--- parsed output (JSON) ---``), or with ``--json`` only JSONL records
+(``prompts_io`` module doc), or the records into ``--output FILE``. Loading messages, the engine line
+(once), a prefill progress bar and the statistics (TTFT, steady-state tokens/s with compilation apart,
+acceptance rate) go to stderr. Exit status: 0 ok; 1 an ``error: ...`` line (bad input, runtime
+failure); 2 a flag combination that cannot work; 130 interrupted (Ctrl-C: generation stops between
+steps, the records finished so far are written, one line says so; a second Ctrl-C aborts at once).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 from absl import flags
@@ -21,6 +28,9 @@ flags.DEFINE_string("checkpoint", None, "Checkpoint directory: a converted minim
 flags.DEFINE_string("tokenizer", None, "tokenizer.json (or its directory); default: tokenizer.json in --checkpoint.")
 flags.DEFINE_string("prompt", None, "Prompt text, continued as is (no chat template).")
 flags.DEFINE_string("prompt_file", None, "File whose text is the prompt (no chat template).")
+flags.DEFINE_string("prompts_file", None, 'JSONL file of prompts, one JSON object per line: {"prompt": ...} or '
+                    '{"messages": [...], "tools": [...]}, optional "id" and "max_new_tokens"; batched through the '
+                    "engine, one output record per prompt and sample.")
 flags.DEFINE_string("chat_file", None, 'Chat JSON {"messages": [...], "tools": [...]} rendered with the MiniMax '
                     "chat template; the reply is parsed into reasoning, content and tool calls (printed as JSON).")
 flags.DEFINE_string("context_file", None, "Long document put before the prompt (with --chat_file: at the start "
@@ -30,12 +40,32 @@ flags.DEFINE_float("temperature", 1.0, "Sampling temperature; 0 = greedy (argmax
 flags.DEFINE_float("top_p", 0.95, "Nucleus sampling mass in (0, 1] (1 = off).", upper_bound=1.0)
 flags.DEFINE_integer("top_k", 40, "Keep the k most likely tokens (0 = off).", lower_bound=0)
 flags.DEFINE_float("min_p", 0.0, "Drop tokens below min_p x the top probability (0 = off).", lower_bound=0.0)
-flags.DEFINE_integer("seed", 0, "Random seed; the same seed and inputs give the same output.")
+flags.DEFINE_integer("seed", 0, "Random seed; the same seed and inputs give the same output (sample j of a "
+                     "prompt draws the same whatever else is in the batch).")
+flags.DEFINE_integer("n", 1, "Samples per prompt.", lower_bound=1)
+flags.DEFINE_float("repetition_penalty", 1.0, "Repetition penalty (Hugging Face / CTRL): logits of tokens in the "
+                   "prompt or the generated text are divided by it when positive, multiplied when negative "
+                   "(1 = off, > 1 discourages repeats).", lower_bound=0.0)
+flags.DEFINE_float("presence_penalty", 0.0, "Presence penalty (OpenAI): subtracted from the logit of every token "
+                   "already generated (0 = off; in [-2, 2]).", lower_bound=-2.0, upper_bound=2.0)
+flags.DEFINE_float("frequency_penalty", 0.0, "Frequency penalty (OpenAI): times its count in the generated text, "
+                   "subtracted from a token's logit (0 = off; in [-2, 2]).", lower_bound=-2.0, upper_bound=2.0)
 flags.DEFINE_multi_string("stop", [], "Stop string (repeatable); the output is cut before it.")
 flags.DEFINE_integer("repeat_max_period", 0, "Stop on a repeated token cycle of at most this length "
                      "(with --repeat_max_count; 0 = off).", lower_bound=0)
 flags.DEFINE_integer("repeat_max_count", 0, "Stop once such a cycle repeats more than this many times.", lower_bound=0)
-flags.DEFINE_boolean("stream", False, "Print text as it is generated.")
+flags.DEFINE_boolean("stream", False, "Print text as it is generated (several prompts / samples are then "
+                     "generated one at a time).")
+flags.DEFINE_boolean("json", False, "Print only JSONL records on stdout (one per prompt and sample: id, sample, "
+                     "tokens, text, stop reason, logprobs, parsed chat turn); nothing else goes to stdout.")
+flags.DEFINE_string("output", None, "Write the JSONL records to this file (refused if it exists, unless "
+                    "--overwrite); stdout keeps the text output.")
+flags.DEFINE_boolean("overwrite", False, "Let --output replace an existing file.")
+flags.DEFINE_boolean("logprobs", False, "Add each generated token's log-probability under the model (raw logits, "
+                     "before penalties, temperature and filters) to the records.")
+flags.DEFINE_boolean("echo_prompt", True, "Text output: print each prompt (under '--- prompt ---') before its "
+                     "generations.")
+flags.DEFINE_integer("batch_size", 16, "Rows (prompt x sample) generated together by the engine.", lower_bound=1)
 flags.DEFINE_enum("speculative", "none", ["none", "mtp"], "Speculative decoding: 'mtp' drafts tokens with the "
                   "model's MTP modules and verifies them in one step (same output distribution; greedy output "
                   "identical); the acceptance rate is reported.")
@@ -62,6 +92,10 @@ flags.DEFINE_boolean("show_stats", True, "Print generation statistics (and the o
                      "to stderr.")
 
 
+class UsageError(ValueError):
+    """A flag combination that cannot work (exit status 2)."""
+
+
 def _err(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -74,117 +108,196 @@ def _read(path: str, what: str) -> str:
         raise ValueError(f"cannot read {what} {path!r}: {e.strerror}") from None
 
 
-def build_prompt() -> tuple[str, object]:
-    """Prompt text and the chat request (None without --chat_file) from the flags.
+SOURCES = ("prompt", "prompt_file", "chat_file", "prompts_file")
 
-    Raises: ValueError when zero or several prompt sources are given; ChatFormatError for bad chat files.
+
+def build_items() -> list:
+    """The prompts (``prompts_io.PromptItem``) from the flags, --context_file applied.
+
+    Raises: ValueError when zero or several prompt sources are given or a file is unreadable / bad;
+    ChatFormatError for bad chats.
     """
-    if FLAGS["sharding_rules"].present and not FLAGS.mesh:
-        _err("error: --sharding_rules applies only with --mesh (the parameters are sharded by those rules over "
-             "that mesh); pass --mesh too, e.g. --mesh fsdp=-1")
-        sys.exit(2)
-    from minimax_jax.chat import ChatFormatError, ChatRequest, load_chat_file
+    from minimax_jax.chat import load_chat_file
+    from minimax_jax.infer.prompts_io import PromptItem, read_prompts_file, with_context
 
-    given = [n for n in ("prompt", "prompt_file", "chat_file") if getattr(FLAGS, n) is not None]
+    given = [n for n in SOURCES if getattr(FLAGS, n) is not None]
     if len(given) != 1:
-        raise ValueError("give exactly one of --prompt, --prompt_file, --chat_file"
+        raise ValueError("give exactly one of " + ", ".join("--" + n for n in SOURCES)
                          + (f" (got {', '.join('--' + g for g in given)})" if given else ""))
     context = _read(FLAGS.context_file, "--context_file") if FLAGS.context_file else None
-    if FLAGS.chat_file:
+    if FLAGS.prompts_file:
+        items = read_prompts_file(FLAGS.prompts_file)
+    elif FLAGS.chat_file:
         try:
             req = load_chat_file(FLAGS.chat_file)
         except OSError as e:
             raise ValueError(f"cannot read --chat_file {FLAGS.chat_file!r}: {e.strerror}") from None
-        if context is not None:
-            msgs = [dict(m) for m in req.messages]
-            first = next((m for m in msgs if m.get("role") == "user"), None)
-            if first is None or not isinstance(first.get("content"), str):
-                raise ChatFormatError(f"{FLAGS.chat_file}: --context_file needs a user message with text content")
-            first["content"] = context + "\n\n" + first["content"]
-            req = ChatRequest(msgs, req.tools, req.add_generation_prompt)
-        return req.render(), req
-    text = FLAGS.prompt if FLAGS.prompt is not None else _read(FLAGS.prompt_file, "--prompt_file")
-    return (context + "\n\n" + text if context is not None else text), None
+        items = [PromptItem(0, 0, req.render(), req, where=FLAGS.chat_file)]
+    else:
+        text = FLAGS.prompt if FLAGS.prompt is not None else _read(FLAGS.prompt_file, "--prompt_file")
+        items = [PromptItem(0, 0, text)]
+    return items if context is None else [with_context(it, context) for it in items]
+
+
+def check_flags() -> None:
+    """Raise UsageError for flag combinations that cannot work."""
+    if FLAGS["sharding_rules"].present and not FLAGS.mesh:
+        raise UsageError("--sharding_rules applies only with --mesh (the parameters are sharded by those rules "
+                         "over that mesh); pass --mesh too, e.g. --mesh fsdp=-1")
+    if FLAGS.json and FLAGS.output:
+        raise UsageError("--json prints the records on stdout and --output writes them to a file: pick one")
+    if FLAGS.json and FLAGS.stream:
+        raise UsageError("--stream prints text as it comes; --json prints only JSON records: pick one")
+    if FLAGS.logprobs and not (FLAGS.json or FLAGS.output):
+        raise UsageError("--logprobs adds log-probabilities to the JSON records: pass --json or --output too")
+    if FLAGS.overwrite and not FLAGS.output:
+        raise UsageError("--overwrite applies only with --output")
+    if FLAGS.num_draft is not None and FLAGS.speculative == "none":
+        raise UsageError("--num_draft needs --speculative mtp")
+
+
+def _config():
+    from minimax_jax.infer.generation import GenerationConfig
+    from minimax_jax.infer.sampler import SamplingParams
+
+    sampling = SamplingParams(FLAGS.temperature, FLAGS.top_p, FLAGS.top_k, FLAGS.min_p, FLAGS.seed,
+                              FLAGS.repetition_penalty, FLAGS.presence_penalty, FLAGS.frequency_penalty)
+    return GenerationConfig(
+        max_new_tokens=FLAGS.max_new_tokens, sampling=sampling,
+        stop_strings=tuple(FLAGS.stop), repeat_max_period=FLAGS.repeat_max_period,
+        repeat_max_count=FLAGS.repeat_max_count,
+        speculative=None if FLAGS.speculative == "none" else FLAGS.speculative,
+        num_draft=FLAGS.num_draft, mtp_window=FLAGS.mtp_window, logprobs=FLAGS.logprobs)
+
+
+def _encode(items, tokenizer, cfg, config) -> list:
+    from minimax_jax.infer.errors import ContextTooLong
+    from minimax_jax.infer.generation import check_context
+
+    ids = []
+    for it in items:
+        p = tokenizer.encode(it.text, add_special_tokens=False).ids
+        if not p:
+            raise ValueError(f"{it.where}: the prompt is empty (it encodes to no tokens)")
+        try:
+            check_context(cfg, [len(p)], it.max_new_tokens or config.max_new_tokens)
+        except ContextTooLong as e:
+            raise ContextTooLong(str(e) if len(items) == 1 else f"{it.where}: {e}") from None
+        ids.append(p)
+    return ids
 
 
 def run() -> int:
     """Run the CLI with the parsed flags; returns the exit status."""
-    from minimax_jax.infer.generation import GenerationConfig, Generator, check_context
+    from minimax_jax.infer.backends import auto_prefill_chunk
+    from minimax_jax.infer.cli_output import Output
+    from minimax_jax.infer.generation import Generator
     from minimax_jax.infer.loading import load_model, load_tokenizer_for, peek_config, resolve_checkpoint
-    from minimax_jax.infer.sampler import SamplingParams
 
-    prompt_text, chat = build_prompt()
-    if FLAGS.num_draft is not None and FLAGS.speculative == "none":
-        raise ValueError("--num_draft needs --speculative mtp")
-    config = GenerationConfig(
-        max_new_tokens=FLAGS.max_new_tokens,
-        sampling=SamplingParams(FLAGS.temperature, FLAGS.top_p, FLAGS.top_k, FLAGS.min_p, FLAGS.seed),
-        stop_strings=tuple(FLAGS.stop), repeat_max_period=FLAGS.repeat_max_period,
-        repeat_max_count=FLAGS.repeat_max_count,
-        speculative=None if FLAGS.speculative == "none" else FLAGS.speculative,
-        num_draft=FLAGS.num_draft, mtp_window=FLAGS.mtp_window)
-    # Cheap checks first (tokenizer, config, context length), then the parameters.
+    check_flags()
+    items = build_items()
+    config = _config()
+    # Cheap checks first (tokenizer, config, context length, output file), then the parameters.
     ckpt = resolve_checkpoint(FLAGS.checkpoint)
     cfg = peek_config(ckpt)
     tokenizer = load_tokenizer_for(ckpt, FLAGS.tokenizer)
-    prompt = tokenizer.encode(prompt_text, add_special_tokens=False).ids
-    check_context(cfg, [len(prompt)], config.max_new_tokens)
-    model = load_model(ckpt, tokenizer_path=FLAGS.tokenizer, dtype=FLAGS.dtype, mesh=FLAGS.mesh,
-                       rules=FLAGS.sharding_rules, convert_dir=FLAGS.convert_dir, attention=FLAGS.attention,
-                       log=_err)
-    where = "single device" if model.mesh is None else "mesh " + ",".join(
-        f"{k}={v}" for k, v in model.mesh.shape.items() if v > 1)
-    _err(f"model: {model.checkpoint_dir} [{model.source}], {model.cfg.num_layers} layers, "
-         f"vocab {model.cfg.vocab_size}, context {model.cfg.max_position_embeddings}, {where}")
-    from minimax_jax.infer.backends import auto_prefill_chunk
-
-    chunk = FLAGS.prefill_chunk or auto_prefill_chunk(len(prompt))
-    gen = Generator(model.cfg, model.params, model.tokenizer, engine=FLAGS.engine,
-                    engine_options={"prefill_chunk": chunk} if FLAGS.engine == "paged" else None,
-                    log=_err)
-    out = _generate(gen, model, prompt, config, chunk)
-    seq = out.sequences[0]
-    if not FLAGS.stream:
-        sys.stdout.write(seq.text)
-    sys.stdout.write("\n")
-    if chat is not None:
-        from minimax_jax.chat import parse_model_output
-
-        parsed = parse_model_output(seq.text, chat.tools)
-        print("--- parsed output (JSON) ---")
-        print(parsed.to_json(indent=2))
-        for e in parsed.errors:
-            _err(f"warning: malformed tool call output ({e.kind}): {e.message}")
-    sys.stdout.flush()
-    _err(f"stopped: {seq.stop_reason}" + (f" ({seq.stop_detail!r})" if seq.stop_detail is not None else ""))
-    if FLAGS.show_stats:
-        from minimax_jax.ops import implementation_report
-
-        _err(out.stats.summary())
-        _err(f"attention: {model.attention_note}")
-        _err("implementations: " + ", ".join(f"{k}={v}" for k, v in sorted(implementation_report().items())))
-    return 0
+    prompts = _encode(items, tokenizer, cfg, config)
+    out = Output(total=len(items), n=FLAGS.n, json=FLAGS.json, echo=FLAGS.echo_prompt, output=FLAGS.output,
+                 overwrite=FLAGS.overwrite, sources=(FLAGS.prompts_file, FLAGS.prompt_file, FLAGS.chat_file),
+                 logprobs=FLAGS.logprobs)
+    if FLAGS.n > 1 and config.sampling.greedy:
+        _err(f"warning: --n {FLAGS.n} with --temperature 0 (greedy) gives {FLAGS.n} identical samples")
+    try:
+        model = load_model(ckpt, tokenizer_path=FLAGS.tokenizer, dtype=FLAGS.dtype, mesh=FLAGS.mesh,
+                           rules=FLAGS.sharding_rules, convert_dir=FLAGS.convert_dir, attention=FLAGS.attention,
+                           log=_err)
+        where = "single device" if model.mesh is None else "mesh " + ",".join(
+            f"{k}={v}" for k, v in model.mesh.shape.items() if v > 1)
+        _err(f"model: {model.checkpoint_dir} [{model.source}], {model.cfg.num_layers} layers, "
+             f"vocab {model.cfg.vocab_size}, context {model.cfg.max_position_embeddings}, {where}")
+        chunk = FLAGS.prefill_chunk or auto_prefill_chunk(max(map(len, prompts)))
+        gen = Generator(model.cfg, model.params, model.tokenizer, engine=FLAGS.engine,
+                        engine_options={"prefill_chunk": chunk} if FLAGS.engine == "paged" else None,
+                        log=_err)
+        return _generate_all(gen, model, items, prompts, config, chunk, out)
+    finally:
+        out.close()
 
 
-def _generate(gen, model, prompt, config, chunk):
+def _generate_all(gen, model, items, prompts, config, chunk, out) -> int:
     import contextlib
 
     from tqdm.auto import tqdm
 
-    def on_text(_row, delta):
-        sys.stdout.write(delta)
-        sys.stdout.flush()
+    from minimax_jax.infer.interrupt import EXIT_INTERRUPTED, InterruptFlag
+    from minimax_jax.infer.metrics import combine_stats
 
-    long_prefill = len(prompt) > chunk
+    rows = [(i, j) for i in range(len(items)) for j in range(FLAGS.n)]
+    limit = [items[i].max_new_tokens or config.max_new_tokens for i, _ in rows]
+    batch = 1 if FLAGS.stream else FLAGS.batch_size
+    extra = 1 + ((config.num_draft or min(model.cfg.num_mtp_modules, 15)) if config.speculative else 0)
+    # The engine (and its one "engine:" line) before any progress bar, sized for every batch.
+    gen.reserve(min(batch, len(rows)), max(len(prompts[i]) + m for (i, _), m in zip(rows, limit)) + extra,
+                config.speculative is not None)
     ctx = contextlib.nullcontext()
     if model.mesh is not None:
         from minimax_jax.sharding import use_mesh
 
         ctx = use_mesh(model.mesh, model.rules)
-    with ctx, tqdm(total=len(prompt), desc="prefill", unit="tok", disable=not long_prefill, file=sys.stderr,
-                   dynamic_ncols=True, leave=False) as bar:
-        return gen.generate([prompt], config, on_text=on_text if FLAGS.stream else None,
-                            on_prefill_tokens=bar.update)
+    stats, reasons = [], {}
+    with ctx, InterruptFlag() as stop:
+        for b in range(0, len(rows), batch):
+            part = rows[b:b + batch]
+            ps = [prompts[i] for i, _ in part]
+            if FLAGS.stream:
+                out.start(items[part[0][0]], part[0][1])
+            with tqdm(total=sum(map(len, ps)), desc="prefill", unit="tok", disable=max(map(len, ps)) <= chunk,
+                      file=sys.stderr, dynamic_ncols=True, leave=False) as bar:
+                res = gen.generate(ps, config, on_text=(lambda _r, d: out.delta(d)) if FLAGS.stream else None,
+                                   on_prefill_tokens=bar.update, row_ids=[j for _, j in part],
+                                   max_new_tokens=limit[b:b + batch], should_stop=stop)
+            stats.append(res.stats)
+            for (i, j), seq in zip(part, res.sequences):
+                if seq.stop_reason == "interrupted":
+                    out.interrupted_row()
+                    continue
+                _finish_row(out, items[i], j, seq, len(prompts[i]))
+                reasons[seq.stop_reason] = reasons.get(seq.stop_reason, 0) + 1
+            if res.interrupted:
+                sys.stdout.flush()
+                where = f"; records in {FLAGS.output}" if FLAGS.output else ""
+                _err(f"interrupted (Ctrl-C): {out.records} of {len(rows)} generations finished{where}")
+                return EXIT_INTERRUPTED
+    _report(reasons, combine_stats(stats), model)
+    return 0
+
+
+def _finish_row(out, item, sample, seq, prompt_tokens) -> None:
+    parsed = None
+    if item.chat is not None:
+        from minimax_jax.chat import parse_model_output
+
+        parsed = parse_model_output(seq.text, item.chat.tools)
+        for e in parsed.errors:
+            name = "" if out.total == 1 and out.n == 1 else f" (id {item.id}, sample {sample})"
+            _err(f"warning: malformed tool call output{name} ({e.kind}): {e.message}")
+    out.done(item, sample, seq, prompt_tokens, parsed)
+
+
+def _report(reasons: dict, stats, model) -> None:
+    from minimax_jax.infer.prompts_io import STOP_REASONS
+
+    if sum(reasons.values()) == 1:
+        (reason,) = reasons
+        _err(f"stopped: {STOP_REASONS.get(reason, reason)}")
+    else:
+        _err("stopped: " + ", ".join(f"{n} {STOP_REASONS.get(r, r)}" for r, n in sorted(reasons.items())))
+    if FLAGS.show_stats:
+        from minimax_jax.ops import implementation_report
+
+        _err(stats.summary())
+        _err(f"attention: {model.attention_note}")
+        _err("implementations: " + ", ".join(f"{k}={v}" for k, v in sorted(implementation_report().items())))
 
 
 def main(argv) -> None:
@@ -196,18 +309,22 @@ def main(argv) -> None:
     if len(argv) > 1:
         _err(f"error: unexpected arguments {argv[1:]} (flags are --name=value; see --help)")
         sys.exit(2)
-    if FLAGS["sharding_rules"].present and not FLAGS.mesh:
-        _err("error: --sharding_rules applies only with --mesh (the parameters are sharded by those rules over "
-             "that mesh); pass --mesh too, e.g. --mesh fsdp=-1")
-        sys.exit(2)
     from minimax_jax.chat import ChatFormatError
     from minimax_jax.config import ConfigError
     from minimax_jax.convert.errors import CheckpointError
     from minimax_jax.infer.errors import InferenceError
+    from minimax_jax.infer.interrupt import EXIT_INTERRUPTED
 
     try:
         code = run()
+    except UsageError as e:
+        _err(f"error: {e}")
+        code = 2
     except (InferenceError, ChatFormatError, ConfigError, CheckpointError, ValueError, FileNotFoundError) as e:
         _err(f"error: {e}")
         code = 1
+    except KeyboardInterrupt:   # outside generation (loading, compiling): stop now, no teardown
+        sys.stdout.flush()
+        _err("interrupted (Ctrl-C)")
+        os._exit(EXIT_INTERRUPTED)
     sys.exit(code)

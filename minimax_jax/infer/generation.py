@@ -18,6 +18,7 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Callable, Sequence
 
 import numpy as np
@@ -25,8 +26,9 @@ import numpy as np
 from minimax_jax.config import ModelConfig
 from minimax_jax.infer.backends import ENGINES, Backend, make_backend
 from minimax_jax.infer.errors import ContextTooLong, InferenceError
-from minimax_jax.infer.metrics import GenerationStats, Timer
-from minimax_jax.infer.sampler import RowSampler, SamplingParams
+from minimax_jax.infer.metrics import CompileClock, GenerationStats, Timer
+from minimax_jax.infer.penalties import PenaltyTracker
+from minimax_jax.infer.sampler import RowSampler, SamplingParams, token_logprobs
 from minimax_jax.infer.speculative import accept_greedy, accept_sampled
 from minimax_jax.stopping import StopChecker, StopConfig
 
@@ -44,7 +46,8 @@ class GenerationConfig:
     = never stop on a token. ``stop_strings`` need a tokenizer. ``repeat_max_period`` /
     ``repeat_max_count``: stop on a token cycle (``minimax_jax.stopping``). ``speculative``: None or
     "mtp"; ``num_draft`` drafts per step (default: all MTP modules); ``mtp_window``: positions the
-    MTP layers attend over while drafting.
+    MTP layers attend over while drafting. ``logprobs``: record each generated token's log-probability
+    under the model (``SequenceResult.logprobs``). Penalties (``sampling``) need plain decoding.
     """
 
     max_new_tokens: int = 128
@@ -56,12 +59,16 @@ class GenerationConfig:
     speculative: str | None = None
     num_draft: int | None = None
     mtp_window: int = 64
+    logprobs: bool = False
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.speculative not in (None,) + SPECULATIVE_METHODS:
             raise ValueError(f"speculative must be None or one of {SPECULATIVE_METHODS}, got {self.speculative!r}")
+        if self.speculative is not None and self.sampling.has_penalties:
+            raise ValueError("repetition / presence / frequency penalties need plain decoding; "
+                             "drop them or the speculative decoding")
         # the stop rules' own checks (empty stop strings, half-set repetition limits), here so that a
         # bad flag fails before the model loads rather than at the first generate()
         StopConfig((), self.stop_strings, self.max_new_tokens, self.repeat_max_period, self.repeat_max_count)
@@ -70,18 +77,27 @@ class GenerationConfig:
 @dataclasses.dataclass
 class SequenceResult:
     """One prompt's output: generated ``tokens`` (a stop token excluded), ``text`` (trimmed at a stop
-    string), ``stop_reason`` ("stop_token" | "stop_string" | "repetition" | "length") and detail."""
+    string), ``stop_reason`` ("stop_token" | "stop_string" | "repetition" | "length" | "interrupted") and
+    detail; ``logprobs``: one float per token with ``GenerationConfig.logprobs``, else None."""
 
     tokens: list
     text: str
     stop_reason: str
     stop_detail: object = None
+    logprobs: list | None = None
 
 
 @dataclasses.dataclass
 class GenerationOutput:
+    """``interrupted``: ``should_stop`` ended the call; unfinished rows have stop_reason "interrupted"."""
+
     sequences: list
     stats: GenerationStats
+    interrupted: bool = False
+
+
+class _Interrupted(Exception):
+    """Raised between prefill chunks when ``should_stop`` says so."""
 
 
 def _prompt_name(i: int, n: int) -> str:
@@ -89,10 +105,12 @@ def _prompt_name(i: int, n: int) -> str:
     return "the prompt" if n == 1 else f"prompt {i}"
 
 
-def check_context(cfg: ModelConfig, prompt_lengths: Sequence[int], max_new_tokens: int) -> None:
-    """Raise ContextTooLong (before any compute) when a prompt + max_new_tokens exceeds the context."""
+def check_context(cfg: ModelConfig, prompt_lengths: Sequence[int], max_new_tokens: int | Sequence[int]) -> None:
+    """Raise ContextTooLong (before any compute) when a prompt + max_new_tokens (one for all, or one
+    per prompt) exceeds the context."""
     limit = cfg.max_position_embeddings
-    for i, n in enumerate(prompt_lengths):
+    limits = [max_new_tokens] * len(prompt_lengths) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    for i, (n, max_new_tokens) in enumerate(zip(prompt_lengths, limits)):
         if n + max_new_tokens > limit:
             over = n + max_new_tokens - limit
             if n < limit and over < n:   # either remedy works
@@ -137,6 +155,11 @@ class Generator:
         self._drafters: dict = {}
 
     # ------------------------------------------------------------------ setup
+    def reserve(self, rows: int, max_len: int, speculative: bool = False) -> str:
+        """Build (or grow) the engine now for ``rows`` sequences of up to ``max_len`` tokens (prompt +
+        generated), so that later ``generate`` calls within that size reuse it; returns its description."""
+        return self._get_backend(rows, max_len, speculative).describe()
+
     def _get_backend(self, n: int, max_len: int, speculative: bool) -> Backend:
         # Powers of two so later calls reuse the engine (and its compiled steps); never past the
         # model's context (speculative steps shorten their drafts near the end instead).
@@ -186,13 +209,22 @@ class Generator:
     # ------------------------------------------------------------------ main entry
     def generate(self, prompts: Sequence[Sequence[int]], config: GenerationConfig = GenerationConfig(), *,
                  on_text: Callable[[int, str], None] | None = None,
-                 on_prefill_tokens: Callable[[int], None] | None = None) -> GenerationOutput:
+                 on_prefill_tokens: Callable[[int], None] | None = None, row_ids: Sequence[int] | None = None,
+                 max_new_tokens: Sequence[int] | None = None,
+                 should_stop: Callable[[], bool] | None = None) -> GenerationOutput:
         """Generate for every prompt (token id lists of any lengths).
 
         Args:
           on_text: ``on_text(row, delta)`` with newly final text of a row as it is generated (text
             that may still become a stop string is held back until decided).
           on_prefill_tokens: called with the number of prompt tokens after each prefill chunk.
+          row_ids: per prompt, the id its random draws are keyed by (default its index): a row's sampled
+            tokens depend only on the seed, this id and its own history, so e.g. sample ``j`` of any
+            prompt draws like row ``j`` of a call with that prompt alone.
+          max_new_tokens: per prompt, overrides ``config.max_new_tokens``.
+          should_stop: checked between prefill chunks and decode steps; once True the call returns
+            what it has (``GenerationOutput.interrupted``). An engine interrupted mid-prefill is
+            discarded (the next call builds a fresh one).
         Raises: ValueError (empty / out-of-vocabulary prompts), ContextTooLong, InferenceError /
           EngineUnavailable (speculative decoding not possible with this model or engine).
         """
@@ -208,24 +240,46 @@ class Generator:
                                  f"[0, {self.cfg.vocab_size}): {bad[:5]}")
         if config.stop_strings and self.tokenizer is None:
             raise InferenceError("stop strings need a tokenizer")
-        check_context(self.cfg, [len(p) for p in prompts], config.max_new_tokens)
+        limits = [config.max_new_tokens] * len(prompts) if max_new_tokens is None else [int(m) for m in max_new_tokens]
+        row_ids = list(range(len(prompts))) if row_ids is None else [int(r) for r in row_ids]
+        if len(limits) != len(prompts) or len(row_ids) != len(prompts) or min(limits) < 1:
+            raise ValueError(f"max_new_tokens and row_ids need one entry per prompt ({len(prompts)}), "
+                             "max_new_tokens >= 1")
+        check_context(self.cfg, [len(p) for p in prompts], limits)
         spec = config.speculative is not None
         drafter = self._drafter(config) if spec else None
         k = drafter.num_draft if spec else 0
-        timer = Timer()
-        backend = self._get_backend(len(prompts), max(len(p) for p in prompts) + config.max_new_tokens + k + 1,
-                                    spec)
-        run = _Run(self, backend, prompts, config, drafter, on_text)
+        timer, clock = Timer(), CompileClock()
+        backend = self._get_backend(len(prompts), max(len(p) + m for p, m in zip(prompts, limits)) + k + 1, spec)
+        run = _Run(self, backend, prompts, config, drafter, on_text, limits, row_ids)
         run.stats.engine = backend.describe()
+
+        def on_tokens(n):
+            if on_prefill_tokens is not None:
+                on_prefill_tokens(n)
+            if should_stop is not None and should_stop():
+                raise _Interrupted
+
+        interrupted = should_stop is not None and should_stop()
         try:
-            run.start(timer, on_prefill_tokens)
+            try:
+                if not interrupted:
+                    run.start(timer, clock, on_tokens)
+            except _Interrupted:
+                self.backend, interrupted = None, True   # its slots are mid-prefill: never reuse it
+                run.handles = {}
             step = run.speculative_step if spec else run.plain_step
-            while run.active:
+            while run.active and not interrupted:
+                if should_stop is not None and should_stop():
+                    interrupted = True
+                    break
+                t0, w0, g0 = time.perf_counter(), clock.now(), run.stats.generated_tokens
                 step()
-            run.stats.decode_s = timer.elapsed() - run.stats.ttft_s
+                run.stats.add_step(time.perf_counter() - t0, run.stats.generated_tokens - g0, clock.since(w0) > 0)
+            run.stats.decode_s = max(0.0, timer.elapsed() - run.stats.ttft_s) if run.stats.ttft_s else 0.0
         finally:
             run.release()
-        return GenerationOutput(run.results(), run.stats)
+        return GenerationOutput(run.results(), run.stats, interrupted)
 
     def generate_text(self, prompts: Sequence[str], config: GenerationConfig = GenerationConfig(), **kw
                       ) -> GenerationOutput:
@@ -236,14 +290,19 @@ class Generator:
 class _Run:
     """State of one ``generate`` call (rows = prompt indices)."""
 
-    def __init__(self, gen: Generator, backend: Backend, prompts, config: GenerationConfig, drafter, on_text):
+    def __init__(self, gen: Generator, backend: Backend, prompts, config: GenerationConfig, drafter, on_text,
+                 limits: list[int], row_ids: list[int]):
         self.gen, self.backend, self.prompts, self.config = gen, backend, prompts, config
         self.drafter, self.on_text = drafter, on_text
         self.sampler = RowSampler(config.sampling)
-        stop = StopConfig(gen.stop_ids(config), tuple(config.stop_strings), config.max_new_tokens,
-                          config.repeat_max_period, config.repeat_max_count)
+        self.keys = row_ids
+        self.rngs = {r: np.random.default_rng([config.sampling.seed, key]) for r, key in enumerate(row_ids)}
+        stop_ids = gen.stop_ids(config)
+        self.checkers = [StopChecker(StopConfig(stop_ids, tuple(config.stop_strings), m, config.repeat_max_period,
+                                                config.repeat_max_count)) for m in limits]
         n = len(prompts)
-        self.checkers = [StopChecker(stop) for _ in range(n)]
+        self.penalties = PenaltyTracker(gen.cfg.vocab_size) if config.sampling.has_penalties else None
+        self.lps: list[list[float]] = [[] for _ in range(n)]
         self.ids: list[list[int]] = [[] for _ in range(n)]
         self.streamed = [0] * n
         self.drawn = [0] * n
@@ -254,12 +313,15 @@ class _Run:
                                      batch=n)
 
     # ------------------------------------------------------------------ emission
-    def _emit(self, r: int, tok: int) -> bool:
-        """Record a generated token; True when row ``r`` is finished."""
+    def _emit(self, r: int, tok: int, logprob: float | None = None) -> bool:
+        """Record a generated token (and its log-probability); True when row ``r`` is finished."""
         ck = self.checkers[r]
         res = ck.update(tok, self.gen._text(self.ids[r] + [tok]))
         if res is None or res.reason != "stop_token":
             self.ids[r].append(tok)
+            self.lps[r].append(logprob)
+            if self.penalties is not None:
+                self.penalties.add(r, tok)
             self.stats.generated_tokens += 1
         if self.on_text is not None:
             text = ck.emittable_text()
@@ -281,16 +343,28 @@ class _Run:
                 self.drafter.drop(r)
 
     # ------------------------------------------------------------------ steps
-    def start(self, timer: Timer, on_prefill_tokens) -> None:
+    def _choose(self, logits: np.ndarray, rows: list[int]) -> tuple[np.ndarray, list]:
+        """Sampled tokens of ``rows`` from their logits ``[n, V]`` and their log-probabilities (or Nones)."""
+        x = logits if self.penalties is None else self.penalties.apply(logits, rows, **self.config.sampling.penalties())
+        chosen = self.sampler.choose(x, [self.keys[r] for r in rows], [self.drawn[r] for r in rows])
+        lps = token_logprobs(logits, chosen).tolist() if self.config.logprobs else [None] * len(rows)
+        return chosen, lps
+
+    def start(self, timer: Timer, clock: CompileClock, on_prefill_tokens) -> None:
         spec = self.drafter is not None
         # The drafter keeps only the last mtp_window hidden states: ask for no more (a 1M-token prompt
         # would otherwise bring every position's hidden state to the host).
         want = self.config.mtp_window if spec else False
+        w0 = clock.now()
         handles, last, hidden = self.backend.prefill(self.prompts, want_hidden=want, on_tokens=on_prefill_tokens)
         self.stats.prefill_s = timer.elapsed()
+        self.stats.prefill_compile_s = clock.since(w0)
         rows = list(range(len(self.prompts)))
         self.handles = dict(zip(rows, handles))
-        first = self.sampler.choose(last, rows, [0] * len(rows))
+        if self.penalties is not None:
+            for r in rows:
+                self.penalties.start(r, self.prompts[r])
+        first, lps = self._choose(last, rows)
         self.stats.ttft_s = timer.elapsed()
         self.active = list(rows)
         for r in rows:
@@ -298,7 +372,7 @@ class _Run:
             if spec:
                 self.drafter.start(r, self.prompts[r], hidden[r])
             self.pending[r] = int(first[r])
-            if self._emit(r, int(first[r])):
+            if self._emit(r, int(first[r]), lps[r]):
                 self._finish(r)
 
     def plain_step(self) -> None:
@@ -306,22 +380,22 @@ class _Run:
         toks = np.array([[self.pending[r]] for r in rows], np.int32)
         logits, _ = self.backend.step([self.handles[r] for r in rows], toks)
         self.stats.decode_steps += 1
-        chosen = self.sampler.choose(logits[:, 0], rows, [self.drawn[r] for r in rows])
-        for r, t in zip(rows, chosen):
+        chosen, lps = self._choose(logits[:, 0], rows)
+        for r, t, lp in zip(rows, chosen, lps):
             self.drawn[r] += 1
             self.pending[r] = int(t)
-            if self._emit(r, int(t)):
+            if self._emit(r, int(t), lp):
                 self._finish(r)
 
     def _draft_chooser(self, rows, qprobs: list):
-        sampler = self.sampler
+        sampler, rngs = self.sampler, self.rngs
 
         def choose(logits, depth):
             if sampler.params.greedy:
                 return np.argmax(logits, axis=-1)
             q = sampler.probs(logits)
             qprobs.append(q)
-            return np.array([sampler.rng(r).choice(q.shape[-1], p=q[i] / q[i].sum()) for i, r in enumerate(rows)])
+            return np.array([rngs[r].choice(q.shape[-1], p=q[i] / q[i].sum()) for i, r in enumerate(rows)])
 
         return choose
 
@@ -344,15 +418,18 @@ class _Run:
                 a, nxt = accept_greedy(logits[i, :kr + 1], drafts[i, :kr])
             else:
                 q = np.stack([qp[i] for qp in qprobs], 0)[:kr]
-                a, nxt = accept_sampled(target[i, :kr + 1], q, drafts[i, :kr], self.sampler.rng(r))
+                a, nxt = accept_sampled(target[i, :kr + 1], q, drafts[i, :kr], self.rngs[r])
             self.stats.drafted += kr
             self.stats.accepted += a
             self.backend.truncate(self.handles[r], lengths[i] + 1 + a)
             kept = [self.pending[r]] + [int(t) for t in drafts[i, :a]]
             self.drafter.extend(r, kept, hidden[i, :1 + a])
             self.pending[r] = nxt
-            for t in [int(t) for t in drafts[i, :a]] + [nxt]:
-                if self._emit(r, t):
+            emitted = [int(t) for t in drafts[i, :a]] + [int(nxt)]
+            lps = (token_logprobs(logits[i, :a + 1], emitted).tolist() if self.config.logprobs
+                   else [None] * len(emitted))
+            for t, lp in zip(emitted, lps):
+                if self._emit(r, t, lp):
                     self._finish(r)
                     break
 
@@ -360,8 +437,10 @@ class _Run:
         out = []
         for r, ck in enumerate(self.checkers):
             res = ck.result
+            lps = self.lps[r] if self.config.logprobs else None
             if res is None:  # only when generation was interrupted
-                out.append(SequenceResult(list(self.ids[r]), ck.text, "interrupted"))
+                out.append(SequenceResult(list(self.ids[r]), ck.text, "interrupted", None, lps))
             else:
-                out.append(SequenceResult(list(self.ids[r][:res.num_tokens]), res.text, res.reason, res.detail))
+                out.append(SequenceResult(list(self.ids[r][:res.num_tokens]), res.text, res.reason, res.detail,
+                                          None if lps is None else lps[:res.num_tokens]))
         return out

@@ -143,7 +143,7 @@ def _mesh_and_rules(mesh_spec: str | None, rules_name: str):
 
 def load_model(checkpoint_dir: str | None = None, *, tokenizer_path: str | None = None, dtype: str | None = None,
                mesh: str | None = None, rules: str = "default", convert_dir: str | None = None,
-               attention: str = "as_trained", log: Callable[[str], None] = print) -> LoadedModel:
+               attention: str = "as_trained", log: Callable[[str], None] = print, verify: bool = True) -> LoadedModel:
     """Load a checkpoint (ours or HF, see module doc) and its tokenizer.
 
     Args:
@@ -158,11 +158,13 @@ def load_model(checkpoint_dir: str | None = None, *, tokenizer_path: str | None 
       attention: "as_trained" (default) or "dense": run the MSA layers as full attention
         (``minimax_jax.infer.attention_mode.apply_attention_mode``; the indexer weights are dropped).
       log: receives one-line progress messages.
+      verify: check our checkpoint's tensors against its checksum manifest (``load_checkpoint``).
     Raises: CheckpointNotFound, CheckpointMismatch (all mismatched leaves), TokenizerNotFound,
-      ConfigError / CheckpointError from the converter, ValueError for an unknown ``attention``.
+      ConfigError / CheckpointError from the converter (ChecksumMismatch naming a corrupt tensor),
+      ValueError for an unknown ``attention``.
     """
     check_attention_mode(attention)   # before any heavy work
-    model = _load_any(checkpoint_dir, tokenizer_path, dtype, mesh, rules, convert_dir, log)
+    model = _load_any(checkpoint_dir, tokenizer_path, dtype, mesh, rules, convert_dir, log, verify)
     note = describe_attention_mode(model.cfg, attention)
     cfg, params = apply_attention_mode(model.cfg, model.params, attention)
     if cfg is not model.cfg and model.mesh is not None:
@@ -176,7 +178,7 @@ def load_model(checkpoint_dir: str | None = None, *, tokenizer_path: str | None 
     return dataclasses.replace(model, cfg=cfg, params=params, attention=attention, attention_note=note)
 
 
-def _load_any(checkpoint_dir, tokenizer_path, dtype, mesh, rules, convert_dir, log) -> LoadedModel:
+def _load_any(checkpoint_dir, tokenizer_path, dtype, mesh, rules, convert_dir, log, verify=True) -> LoadedModel:
     checkpoint_dir = resolve_checkpoint(checkpoint_dir)
     kind = checkpoint_kind(checkpoint_dir)
     tokenizer = load_tokenizer_for(checkpoint_dir, tokenizer_path)  # fail fast, before any heavy work
@@ -188,22 +190,22 @@ def _load_any(checkpoint_dir, tokenizer_path, dtype, mesh, rules, convert_dir, l
         if convert_dir and os.path.isdir(convert_dir):
             log(f"using the earlier conversion in {convert_dir}")
             return _load_orbax(convert_dir, checkpoint_dir, tokenizer, dtype, mesh_obj, rules_obj,
-                               f"hf (converted earlier to {convert_dir})")
+                               f"hf (converted earlier to {convert_dir})", verify)
         if convert_dir:
             log(f"converting Hugging Face checkpoint {checkpoint_dir} -> {convert_dir} ({conv_dtype})")
             convert_hf_to_orbax(checkpoint_dir, convert_dir, conv_dtype, progress=False)
             return _load_orbax(convert_dir, checkpoint_dir, tokenizer, dtype, mesh_obj, rules_obj,
-                               f"hf (converted to {convert_dir})")
+                               f"hf (converted to {convert_dir})", verify)
         with tempfile.TemporaryDirectory(prefix="minimax_infer_convert_") as tmp:
             dst = os.path.join(tmp, "ckpt")
             log(f"converting Hugging Face checkpoint {checkpoint_dir} on the fly ({conv_dtype}, temporary)")
             convert_hf_to_orbax(checkpoint_dir, dst, conv_dtype, progress=False)
             return _load_orbax(dst, checkpoint_dir, tokenizer, dtype, mesh_obj, rules_obj,
-                               "hf (converted on the fly)")
-    return _load_orbax(checkpoint_dir, checkpoint_dir, tokenizer, dtype, mesh_obj, rules_obj, "orbax")
+                               "hf (converted on the fly)", verify)
+    return _load_orbax(checkpoint_dir, checkpoint_dir, tokenizer, dtype, mesh_obj, rules_obj, "orbax", verify)
 
 
-def _load_orbax(directory, origin, tokenizer, dtype, mesh, rules, source) -> LoadedModel:
+def _load_orbax(directory, origin, tokenizer, dtype, mesh, rules, source, verify=True) -> LoadedModel:
     import jax
 
     from minimax_jax.convert.atomic_dir import read_config
@@ -215,7 +217,7 @@ def _load_orbax(directory, origin, tokenizer, dtype, mesh, rules, source) -> Loa
         lines = "\n".join(f"  {leaf}: config expects {w}, checkpoint has {s}" for leaf, w, s in bad)
         raise CheckpointMismatch(f"checkpoint {directory} does not match its config.yaml "
                                  f"({len(bad)} parameters):\n{lines}", bad)
-    cfg, params = load_checkpoint(directory, cfg, mesh=mesh, rules=rules, dtype=dtype)
+    cfg, params = load_checkpoint(directory, cfg, mesh=mesh, rules=rules, dtype=dtype, verify=verify)
     if dtype:
         cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
     params = jax.block_until_ready(params)  # the temporary conversion may be deleted after this

@@ -213,6 +213,16 @@ class DataSection:
     tokenizer, seq_len, batch_size, ...). ``kind: synthetic`` needs only ``seq_len``, ``batch_size``,
     ``seed`` (uniform random tokens in packed rows of random-length documents; no grain, no
     tokenizer; for benchmarks and smoke tests).
+
+    Attributes:
+      kind: ``grain`` (text files through a tokenizer) or ``synthetic`` (random tokens; nothing learnable).
+      fields: the section's other keys.
+
+    Synthetic keys:
+      seq_len: tokens per training row.
+      batch_size: GLOBAL batch size (rows).
+      seed: data seed (evaluation batches use ``seed + 1000003``).
+      mean_doc_len: mean length of the random documents packed into a row (0 = ``seq_len // 2``).
     """
 
     kind: str = "grain"
@@ -236,7 +246,17 @@ TOP_LEVEL = ("model", "data", "mesh") + tuple(SECTIONS)
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """The whole training configuration (see module docstring)."""
+    """The whole training configuration (see module docstring).
+
+    Attributes:
+      model: a config name in ``configs/`` (e.g. ``tiny-m3``), a YAML path or an HF checkpoint dir; or a
+        mapping of ``name`` (the same; null = the ModelConfig defaults) plus ModelConfig fields overriding it.
+      data: where the tokens come from (``kind`` plus its keys).
+      mesh: device mesh as a MeshSpec string over the axes data, fsdp, expert, sequence, tensor
+        (e.g. ``fsdp=2,tensor=4``; one axis may be -1 = the remaining devices).
+      optim, schedule, checkpoint, run, msa, init: the sections of the same names.
+      source_path: the YAML file read (set by ``load_train_config``).
+    """
 
     model: dict
     data: DataSection
@@ -303,6 +323,13 @@ _Loader.add_implicit_resolver(
 
 def _yaml_load(text_or_file) -> Any:
     return yaml.load(text_or_file, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+
+
+def _yaml_problem(e: Exception) -> str:
+    """One line for a YAML parse error: the problem and where (1-based line / column)."""
+    mark = getattr(e, "problem_mark", None)
+    what = getattr(e, "problem", None) or str(e).splitlines()[0]
+    return f"{what} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else what
 
 
 # ----------------------------------------------------------------------------- overrides
@@ -493,8 +520,11 @@ def load_train_config(path: str | os.PathLike, overrides: Sequence[str] = ()) ->
         raise TrainConfigError(f"training config {p!r} does not exist")
     if not os.path.isfile(p):
         raise TrainConfigError(f"training config {p!r} is not a file (a directory?); pass a YAML file")
-    with open(p) as f:
-        raw = _yaml_load(f)
+    try:
+        with open(p, encoding="utf-8") as f:
+            raw = _yaml_load(f)
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise TrainConfigError(f"training config {p!r} is not valid YAML: {_yaml_problem(e)}") from None
     if raw is None:
         raise TrainConfigError(f"training config {p!r} is empty; expected a mapping of sections {list(TOP_LEVEL)}")
     if not isinstance(raw, dict):

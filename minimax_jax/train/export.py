@@ -2,11 +2,14 @@
 safetensors).
 
 ``python -m minimax_jax.train.export --run_dir RUN --dst CKPT [--dtype bfloat16]
-[--tokenizer tokenizer.json] [--hf_dst HF_DIR --max_shard_mb 15]`` restores the newest params of
-the run, writes ``CKPT`` (``config.yaml`` + orbax ``params/`` + tokenizer) with
+[--tokenizer tokenizer.json] [--hf_dst HF_DIR --max_shard_mb 15] [--overwrite] [--no_verify]``
+restores the newest params of the run (checked against the checkpoint's checksums), writes ``CKPT``
+(``config.yaml`` + orbax ``params/`` + checksum manifest + tokenizer) with
 ``minimax_jax.convert.save.save_checkpoint`` and, with ``--hf_dst``, exports that directory to the
 hub layout with ``minimax_jax.convert.export_orbax_to_hf`` (small shards travel where file sizes are
-capped). Every write is atomic.
+capped). Every write is atomic; a destination that overlaps the run (or the tokenizer), that exists
+without ``--overwrite``, or that export did not write is refused before anything is read (exit 2),
+as is a tokenizer with ids >= the model's ``vocab_size``.
 """
 
 from __future__ import annotations
@@ -19,58 +22,100 @@ import sys
 import orbax.checkpoint as ocp
 
 from minimax_jax.config import ModelConfig
+from minimax_jax.convert.errors import CheckpointError, DestinationError, DestinationExistsError, first_line
+from minimax_jax.train.checkpointing import ITEMS, Checkpointer
 
-__all__ = ["latest_params", "export_run", "ExportMismatch"]
+__all__ = ["latest_params", "export_run", "ExportMismatch", "TokenizerMismatch"]
 
 
 class ExportMismatch(ValueError):
     """The run's restored params do not have the shapes its ``model_config.yaml`` implies."""
 
 
-def latest_params(run_dir: str) -> tuple[int, dict]:
+class TokenizerMismatch(ValueError):
+    """The tokenizer to bundle has ids the model's vocabulary does not (or is not a tokenizer)."""
+
+
+def latest_params(run_dir: str, *, verify: bool = True, warn=None) -> tuple[int, dict]:
     """Restore the params of the newest checkpoint under ``run_dir/checkpoints``.
 
+    ``verify``: check the restored state against the step's checksum manifest (a step saved
+    without one: one line to ``warn``, default stderr).
     Returns: ``(step, params)`` with numpy leaves as saved.
-    Raises: FileNotFoundError when the run has no checkpoint.
+    Raises: FileNotFoundError when the run has no checkpoint; ChecksumMismatch naming a corrupt leaf.
     """
     ckpt = os.path.join(os.path.abspath(run_dir), "checkpoints")
     if not os.path.isdir(ckpt):
         raise FileNotFoundError(f"no checkpoint directory {ckpt}")
-    mgr = ocp.CheckpointManager(ckpt, item_names=("state", "data", "meta"))
-    steps = sorted(mgr.all_steps())
-    if not steps:
-        raise FileNotFoundError(f"no checkpoint under {ckpt}")
-    got = mgr.restore(steps[-1], args=ocp.args.Composite(state=ocp.args.StandardRestore()))
-    return steps[-1], got["state"]["params"]
+    ck = Checkpointer(ckpt, keep=None, async_save=False, verify=verify)
+    try:
+        steps = ck.all_steps()
+        if not steps:
+            raise FileNotFoundError(f"no checkpoint under {ckpt}")
+        return steps[-1], ck.restore_state(steps[-1], warn=warn)["params"]
+    finally:
+        ck.close()
 
 
 def export_run(run_dir: str, dst: str, *, dtype: str = "bfloat16", tokenizer: str | None = None,
-               hf_dst: str | None = None, max_shard_mb: float = 15.0) -> dict:
+               hf_dst: str | None = None, max_shard_mb: float = 15.0, overwrite: bool = False,
+               verify: bool = True) -> dict:
     """Write the newest params of ``run_dir`` to ``dst`` (and ``hf_dst``); see module docstring.
 
     The model config is the run's resolved ``model_config.yaml`` (written by the training loop).
+    ``overwrite`` replaces a ``dst`` / ``hf_dst`` an earlier export wrote (never anything else);
+    ``verify``: check the run's checkpoint against its checksums.
     Returns: a summary dict (step, dst, hf export summary or None).
-    Raises: FileNotFoundError (no checkpoint / tokenizer); ExportMismatch when the restored params do
-      not have the shapes ``model_config.yaml`` implies (checked before anything is written).
+    Raises (all before anything is written): DestinationError / DestinationExistsError (``dst`` or
+      ``hf_dst`` overlaps the run, the tokenizer or each other, exists without ``overwrite``, or is
+      not an export); TokenizerMismatch (ids >= vocab_size); FileNotFoundError (no checkpoint /
+      tokenizer); ExportMismatch (the params do not have the shapes ``model_config.yaml`` implies);
+      ChecksumMismatch (a corrupt tensor in the run's checkpoint).
     """
+    from minimax_jax.convert.atomic_dir import check_destination
     from minimax_jax.convert.save import save_checkpoint
 
     if tokenizer is None:
         tokenizer = _run_tokenizer(run_dir)       # first: a missing tokenizer fails before any work
-    step, params = latest_params(run_dir)
+    elif not os.path.isfile(tokenizer):
+        raise FileNotFoundError(f"tokenizer file {tokenizer} does not exist")
+    sources = (run_dir, tokenizer)
+    check_destination(dst, sources=sources, overwrite=overwrite)
+    if hf_dst:
+        check_destination(hf_dst, sources=(*sources, dst), overwrite=overwrite)
     cfg = ModelConfig.from_yaml(os.path.join(run_dir, "model_config.yaml"))
+    if tokenizer:
+        _check_tokenizer(tokenizer, cfg)
+    step, params = latest_params(run_dir, verify=verify)
     # Kernel choices are the training machine's (e.g. msa_impl=xla forced for a run); the exported
     # model must pick what suits the machine that loads it.
     cfg = cfg.replace(attention_impl="auto", sliding_attention_impl="auto", moe_impl="auto", msa_impl="auto")
     _check_shapes(params, cfg, run_dir, step)    # before anything is written at dst
-    save_checkpoint(params, cfg, dst, dtype=dtype, tokenizer=tokenizer, overwrite=True)
+    save_checkpoint(params, cfg, dst, dtype=dtype, tokenizer=tokenizer, overwrite=overwrite, sources=(run_dir,))
     hf = None
     if hf_dst:
         from minimax_jax.convert import export_orbax_to_hf
 
-        hf = export_orbax_to_hf(dst, hf_dst, max_shard_bytes=int(max_shard_mb * 2 ** 20), overwrite=True,
-                                progress=False)
+        hf = export_orbax_to_hf(dst, hf_dst, max_shard_bytes=int(max_shard_mb * 2 ** 20), overwrite=overwrite,
+                                progress=False, verify=verify)
     return {"step": step, "dst": dst, "hf": hf, "tokenizer": tokenizer}
+
+
+def _check_tokenizer(path: str, cfg: ModelConfig) -> None:
+    """Raise TokenizerMismatch when ``path``'s largest id (added tokens included) is >= ``cfg.vocab_size``."""
+    from tokenizers import Tokenizer
+
+    try:
+        tok = Tokenizer.from_file(path)
+    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for malformed JSON
+        raise TokenizerMismatch(f"{path} is not a valid tokenizer.json ({first_line(e)})") from e
+    vocab = tok.get_vocab(with_added_tokens=True)
+    top = max(vocab.values(), default=-1)
+    if top >= cfg.vocab_size:
+        raise TokenizerMismatch(
+            f"tokenizer {path} has {len(vocab):,} tokens (ids up to {top}) but the model's vocab_size is "
+            f"{cfg.vocab_size:,}: the model has no embedding for ids >= {cfg.vocab_size}; nothing was written; "
+            f"pass a tokenizer of at most {cfg.vocab_size:,} ids (--tokenizer)")
 
 
 def param_mismatches(params, cfg: ModelConfig) -> list[tuple[str, str, str]]:
@@ -115,8 +160,7 @@ def _check_shapes(params, cfg: ModelConfig, run_dir: str, step: int) -> None:
 def _saved_model_config(run_dir: str, step: int) -> dict | None:
     """The model config stored in the ``meta`` item of checkpoint ``step`` (None if unreadable)."""
     try:
-        mgr = ocp.CheckpointManager(os.path.join(os.path.abspath(run_dir), "checkpoints"),
-                                    item_names=("state", "data", "meta"))
+        mgr = ocp.CheckpointManager(os.path.join(os.path.abspath(run_dir), "checkpoints"), item_names=ITEMS)
         return dict(mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]["model_config"])
     except Exception:  # noqa: BLE001 - only used to make the error message more precise
         return None
@@ -157,11 +201,21 @@ def main(argv=None) -> None:
     ap.add_argument("--tokenizer", help="tokenizer.json to copy alongside (default: the run's data.tokenizer)")
     ap.add_argument("--hf_dst", help="also export HF safetensors here")
     ap.add_argument("--max_shard_mb", type=float, default=15.0, help="HF shard size cap (MiB)")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace --dst / --hf_dst when an earlier export wrote them (nothing else is ever replaced)")
+    ap.add_argument("--no_verify", action="store_true", help="skip checking the run's checkpoint against its checksums")
     a = ap.parse_args(argv)
     try:
         summary = export_run(a.run_dir, a.dst, dtype=a.dtype, tokenizer=a.tokenizer, hf_dst=a.hf_dst,
-                             max_shard_mb=a.max_shard_mb)
-    except (FileNotFoundError, ExportMismatch) as e:
+                             max_shard_mb=a.max_shard_mb, overwrite=a.overwrite, verify=not a.no_verify)
+    except DestinationExistsError as e:
+        print(f"export: {e.path} already exists; pass --overwrite to replace it (only a directory export wrote is "
+              "ever replaced), or choose another destination", file=sys.stderr)
+        sys.exit(2)
+    except (DestinationError, TokenizerMismatch) as e:
+        print(f"export: {e}", file=sys.stderr)
+        sys.exit(2)
+    except (FileNotFoundError, ExportMismatch, CheckpointError) as e:
         sys.exit(f"export: {e}")
     if summary["tokenizer"] is None:
         print(f"export: warning: the run has no tokenizer (synthetic data?), so {a.dst} has none; infer.py needs "

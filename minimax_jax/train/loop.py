@@ -1,4 +1,4 @@
-"""The training loop: mesh, state, phases, data, checkpoints, metrics, SIGTERM.
+"""The training loop: mesh, state, phases, data, checkpoints, metrics, stop signals.
 
 ``train(tc)`` runs a ``TrainConfig`` to ``run.steps`` and returns a summary dict. Order of work:
 
@@ -8,8 +8,12 @@
 3. resume: the newest readable checkpoint in ``run_dir/checkpoints`` (older ones on failure, with a
    warning); else the ``init`` section's params;
 4. the loop: one jitted step per phase (MSA indexer warm-up with dense KL, then main), metrics every
-   ``log_every`` steps, async checkpoint every ``checkpoint.every`` steps, a final save, and on
-   SIGTERM a save of the step in hand before returning.
+   ``log_every`` steps (the first step of each phase, which compiles, apart: ``compile_s``, not in
+   ``tokens_per_s``), async checkpoint every ``checkpoint.every`` steps, a final save, and on SIGINT /
+   SIGTERM a save of the step in hand before returning (``interrupt``; a second Ctrl-C aborts).
+
+The run holds ``run_dir``'s lock throughout (``run_lock``); a resume first drops the metrics /
+TensorBoard records past the restored step (``metrics_truncate``), so every step is logged once.
 
 Multi-host (TPU pods, multi-node GPU): every process runs the same command after
 ``minimax_jax.distributed.initialize()``; each reads its own shard of the data (the pipeline uses
@@ -21,8 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import threading
 import time
 from typing import Any
 
@@ -37,31 +39,16 @@ from minimax_jax.sharding import load_rules, make_mesh, replicated, use_mesh, ba
 from minimax_jax.train.checkpointing import Checkpointer
 from minimax_jax.train.config import TrainConfig, TrainConfigError, validate_against
 from minimax_jax.train.data import decode_state, encode_state, make_iterator, to_global
+from minimax_jax.train.interrupt import StopSignals
 from minimax_jax.train.losses import mtp_weights_list
 from minimax_jax.train.metrics import MetricsWriter, peak_flops_per_device, train_flops
+from minimax_jax.train.metrics_truncate import truncate_after, write_atomic
 from minimax_jax.train.model_init import initial_params, model_configs
 from minimax_jax.train.optimizer import PHASE_MAIN, PHASE_WARMUP, make_optimizer, path_of
+from minimax_jax.train.run_lock import RunLock
 from minimax_jax.train.step import StepSpec, init_state, make_eval_step, make_train_step
 
 __all__ = ["train", "Trainer"]
-
-
-class _Sigterm:
-    """Sets a flag on SIGTERM (main thread only); restores the previous handler on ``close``."""
-
-    def __init__(self, enabled: bool):
-        self.flag = False
-        self._prev = None
-        if enabled and threading.current_thread() is threading.main_thread():
-            self._prev = signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum, frame):
-        self.flag = True
-
-    def close(self):
-        if self._prev is not None:
-            signal.signal(signal.SIGTERM, self._prev)
-            self._prev = None
 
 
 class Trainer:
@@ -121,6 +108,10 @@ class Trainer:
         if phase == PHASE_WARMUP and self.tc.msa.freeze_backbone_in_warmup:
             return 0.0
         return float(self.tc.optim.router_bias_rate)
+
+    def is_compiled(self, phase: str) -> bool:
+        """Whether the train step of ``phase`` was built (its next call does not compile)."""
+        return phase in self._steps
 
     def step_fn(self, phase: str):
         """The jitted train step of ``phase`` (compiled on first use)."""
@@ -223,30 +214,33 @@ def settings_changes(saved: dict[str, Any] | None, now: dict[str, Any]) -> list[
 
 def _write_yaml_atomic(path: str, obj: Any) -> None:
     """Write ``obj`` as YAML to ``path`` via a temporary sibling renamed into place (never half-written)."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            yaml.safe_dump(obj, f, sort_keys=False)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
+    write_atomic(path, yaml.safe_dump(obj, sort_keys=False).encode())
 
 
 def train(tc: TrainConfig, devices: list | None = None) -> dict[str, Any]:
-    """Run training (see module docstring). Returns ``{"status", "step", "metrics", "run_dir"}``.
+    """Run training (see module docstring). Returns ``{"status", "step", "metrics", "run_dir", "checkpoint"}``.
 
-    ``status``: ``completed`` | ``preempted`` (SIGTERM, saved) | ``stopped`` (``run.stop_after``) |
-    ``data_exhausted`` (a finite data stream ended; saved).
+    ``status``: ``completed`` | ``interrupted`` (SIGINT, saved) | ``preempted`` (SIGTERM, saved) |
+    ``stopped`` (``run.stop_after``) | ``data_exhausted`` (a finite data stream ended; saved).
+    ``checkpoint``: the directory of the last step this call saved (None when it saved none).
+    Holds ``run_dir``'s lock for the whole run (``run_lock``); raises ``RunDirError`` when the
+    directory cannot be written and ``RunDirLockedError`` when another process trains in it.
     """
     tr = Trainer(tc, devices)
+    lock = RunLock(tc.run.run_dir) if jax.process_index() == 0 else None
+    sig = StopSignals(sigterm=tc.checkpoint.save_on_sigterm)
+    try:
+        return _train(tr, sig)
+    finally:
+        sig.close()
+        if lock is not None:
+            lock.release()
+
+
+def _train(tr: Trainer, sig: StopSignals) -> dict[str, Any]:
+    tc = tr.tc
     run_dir = tc.run.run_dir
     is_main = jax.process_index() == 0
-    if is_main:
-        os.makedirs(run_dir, exist_ok=True)
     ck = Checkpointer(os.path.join(run_dir, "checkpoints"), keep=tc.checkpoint.keep, async_save=tc.checkpoint.async_save)
     data_it = make_iterator(tc.data, tr.cfg.vocab_size)
     restored = None
@@ -262,9 +256,12 @@ def train(tc: TrainConfig, devices: list | None = None) -> dict[str, Any]:
     else:
         step, phase = 0, tr.phase_of(0)
         state = tr.initial_state()
+    dropped = {}
     if is_main:  # only now: a refused resume (another model config) leaves the run's files as they were
         _write_yaml_atomic(os.path.join(run_dir, "config.yaml"), tc.to_dict())
         _write_yaml_atomic(os.path.join(run_dir, "model_config.yaml"), tr.cfg.to_dict())  # the resolved model
+        if tc.checkpoint.resume:  # the steps past the restored one are trained again: log them once
+            dropped = truncate_after(run_dir, step)
     writer = MetricsWriter(run_dir, total_steps=tc.run.steps, start_step=step, tensorboard=tc.run.tensorboard,
                            progress=tc.run.progress, is_main=is_main)
     if restored is not None:
@@ -277,21 +274,40 @@ def train(tc: TrainConfig, devices: list | None = None) -> dict[str, Any]:
             writer.message("warning: resuming with training settings that differ from the checkpoint's "
                            f"(the data iterator and the optimizer state continue from the checkpoint, its moments "
                            f"cast to this run's optim.mu_dtype / parameter dtypes): {'; '.join(changes)}")
+    if dropped:
+        writer.message(f"dropped the log records past step {step} (they are trained again): " +
+                       ", ".join(f"{k}: {n}" for k, n in dropped.items()))
     peak = peak_flops_per_device(tr.mesh.devices.flat[0].device_kind, tc.run.peak_tflops)
-    sig = _Sigterm(tc.checkpoint.save_on_sigterm)
     status, metrics, done_here = "completed", {}, 0
-    t0, flops, toks = time.perf_counter(), 0.0, 0.0
+    t0, flops, toks, excluded = time.perf_counter(), 0.0, 0.0, 0.0  # excluded: eval / recall seconds
+    pending: dict[str, float] = {}  # compile_s for the next metrics row
 
     saved = {step} if restored is not None else set()
+    last_saved = None
     reported_impls: dict[str, str] = {}
 
     def save(s):
+        nonlocal last_saved
         if s not in saved:
             ck.save(s, state, encode_state(data_it.get_state()), _meta(tr, s, phase))
             saved.add(s)
+            last_saved = s
+
+    def untimed(fn):
+        """Run ``fn`` (an evaluation) outside the throughput clock."""
+        nonlocal excluded
+        jax.block_until_ready(m)
+        t = time.perf_counter()
+        out = fn()
+        excluded += time.perf_counter() - t
+        return out
 
     try:
         while step < tc.run.steps:
+            if sig.signum is not None:
+                status = "interrupted" if sig.interrupted else "preempted"
+                writer.message(f"{'interrupt' if sig.interrupted else 'SIGTERM'}: saving step {step} and stopping")
+                break
             want = tr.phase_of(step)
             if want != phase:  # MSA warm-up done: fresh optimizer for the main phase
                 with tr.mesh_context():
@@ -303,15 +319,24 @@ def train(tc: TrainConfig, devices: list | None = None) -> dict[str, Any]:
             except StopIteration:
                 status = "data_exhausted"
                 break
+            compiling = not tr.is_compiled(phase)
+            if compiling:
+                writer.message(f"step {step + 1}: compiling the train step ({phase} phase)...")
+            t_call = time.perf_counter()
             state, m = tr.run_step(phase, state, batch)
             step += 1
             done_here += 1
-            flops += train_flops(tr.cfg, batch["positions"]) * jax.process_count()
-            toks += float(np.asarray(batch["tokens"]).size) * jax.process_count()
             writer.advance()
-            if done_here == 1:  # the first step of a process includes compilation: not timed
+            if compiling:  # the jit call returns once compiled (the step runs asynchronously): not timed
+                compile_s = time.perf_counter() - t_call
                 jax.block_until_ready(m)
-                t0, flops, toks = time.perf_counter(), 0.0, 0.0
+                first_s = time.perf_counter() - t_call
+                writer.message(f"compiled in {compile_s:.1f} s (first step done in {first_s:.1f} s)")
+                pending["compile_s"] = pending.get("compile_s", 0.0) + compile_s
+                t0, flops, toks, excluded = time.perf_counter(), 0.0, 0.0, 0.0
+            else:
+                flops += train_flops(tr.cfg, batch["positions"]) * jax.process_count()
+                toks += float(np.asarray(batch["tokens"]).size) * jax.process_count()
             impls = implementation_report()       # filled while a step is traced: say which kernels run
             if impls != reported_impls:
                 writer.message(f"step {step} ({phase}): implementations " +
@@ -319,38 +344,38 @@ def train(tc: TrainConfig, devices: list | None = None) -> dict[str, Any]:
                 reported_impls = dict(impls)
             if step % tc.run.log_every == 0 or step == tc.run.steps:
                 metrics = {k: float(v) for k, v in jax.device_get(m).items()}
-                dt = max(time.perf_counter() - t0, 1e-9)
+                dt = max(time.perf_counter() - t0 - excluded, 1e-9)
                 if toks:
                     metrics["tokens_per_s"] = toks / dt
                     metrics["model_tflops_per_s"] = flops / dt / 1e12
                     if peak:
                         metrics["mfu"] = flops / dt / (peak * tr.mesh.devices.size)
                 metrics["phase_warmup"] = float(phase == PHASE_WARMUP)
+                metrics.update(pending)
+                pending.clear()
                 if tc.run.eval_every and step % tc.run.eval_every == 0:
                     metrics["eval_loss"] = tr.evaluate(state["params"])
                 writer.write(step, metrics)
-                t0, flops, toks = time.perf_counter(), 0.0, 0.0
+                t0, flops, toks, excluded = time.perf_counter(), 0.0, 0.0, 0.0
             elif tc.run.eval_every and step % tc.run.eval_every == 0:
-                writer.write(step, {"eval_loss": tr.evaluate(state["params"])})
+                writer.write(step, {"eval_loss": untimed(lambda: tr.evaluate(state["params"]))})
             if tc.run.recall_every and step % tc.run.recall_every == 0 and tr.cfg.has_msa and jax.process_count() == 1:
                 from minimax_jax.eval.recall import indexer_recall
 
-                rec = indexer_recall(jax.device_get(state["params"]), tr.cfg, np.asarray(batch["tokens"])[0])
+                rec = untimed(lambda: indexer_recall(jax.device_get(state["params"]), tr.cfg,
+                                                     np.asarray(batch["tokens"])[0]))
                 writer.write(step, {"indexer_recall": rec["mean"],
                                     **{f"indexer_recall/layer{k}": v for k, v in rec["layers"].items()}})
             if tc.checkpoint.every and step % tc.checkpoint.every == 0:
                 save(step)
-            if sig.flag:
-                status = "preempted"
-                writer.message(f"SIGTERM: saving step {step} and stopping")
-                break
             if tc.run.stop_after and done_here >= tc.run.stop_after:
                 status = "stopped"
                 break
-        save(step)
+        if done_here or status not in ("interrupted", "preempted"):  # a stop before any step: nothing new
+            save(step)
         ck.wait()
     finally:
-        sig.close()
         ck.close()
         writer.close()
-    return {"status": status, "step": step, "metrics": metrics, "run_dir": run_dir}
+    ckpt = None if last_saved is None else os.path.join(ck.directory, str(last_saved))
+    return {"status": status, "step": step, "metrics": metrics, "run_dir": run_dir, "checkpoint": ckpt}

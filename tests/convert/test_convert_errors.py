@@ -160,8 +160,12 @@ def test_existing_destination_is_refused_and_kept(tmp_path, capsys):
     dst = tmp_path / "out"
     dst.mkdir()
     (dst / "keep.txt").write_text("x")
-    assert main(["--src", src, "--dst", str(dst), "--no-progress"]) == 1
+    assert main(["--src", src, "--dst", str(dst), "--no-progress"]) == 2        # a usage error
     assert "already exists" in capsys.readouterr().err
+    assert os.listdir(dst) == ["keep.txt"]
+    # --overwrite replaces only a directory the converter wrote: this one is not
+    assert main(["--src", src, "--dst", str(dst), "--no-progress", "--overwrite"]) == 2
+    assert "was not written by minimax-jax" in capsys.readouterr().err
     assert os.listdir(dst) == ["keep.txt"]
 
 
@@ -255,7 +259,7 @@ def test_cli_names_its_flags_and_export_files_get_the_usual_mode(tmp_path, capsy
     cfg = H.tiny_config(64)
     ckpt = H.save_checkpoint(str(tmp_path / "ours"), cfg, random_params(cfg))
     (tmp_path / "taken").mkdir()
-    assert main(["--export", "--src", ckpt, "--dst", str(tmp_path / "taken"), "--no-progress"]) == 1
+    assert main(["--export", "--src", ckpt, "--dst", str(tmp_path / "taken"), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err == f"error: --dst {tmp_path / 'taken'} already exists; pass --overwrite to replace it, or choose " \
                   "another --dst\n"

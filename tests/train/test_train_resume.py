@@ -123,3 +123,42 @@ def test_resume_reports_changed_settings():
     now = {"data": {"seq_len": 128, "sources": ["a"]}, "optim": {"lr": 1e-3}, "run": {"steps": 20}, "mesh": "fsdp=1"}
     assert settings_changes(saved, now) == ["data.seq_len: 256 -> 128", "mesh: 'data=1' -> 'fsdp=1'"]
     assert settings_changes(saved, saved) == [] and settings_changes(None, now) == []
+
+
+def test_resume_logs_every_step_once(setup):
+    """Killed after logging steps 7-8 (and half of a row) but before checkpoint 8 was written: the
+    resume from 6 drops those rows, trains 7-8 again and logs them once."""
+    tmp, cfg, env, ref = setup
+    run_dir = str(tmp / "dedup")
+    shutil.copytree(str(tmp / "ref"), run_dir)
+    shutil.rmtree(os.path.join(run_dir, "checkpoints", "8"))
+    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+        f.write('{"step": 9, "loss": 1.')
+    out = run_train_cli(cfg, f"run.run_dir={run_dir}", env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "resumed from step 6" in out.stdout
+    rows = _rows(run_dir)
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, STEPS + 1))
+    np.testing.assert_array_equal([r["loss"] for r in rows], [ref[s] for s in range(1, STEPS + 1)])
+    assert "dropped the log records past step 6 (they are trained again): metrics.jsonl: 3" in out.stdout
+
+
+def test_truncate_after_drops_tensorboard_records_past_the_step(tmp_path):
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.summary import Writer
+
+    from minimax_jax.train.metrics_truncate import truncate_after
+
+    w = Writer(str(tmp_path / "tensorboard"))
+    for s in range(1, 9):
+        w.add_scalar("loss", float(s), s)
+    w.close()
+    (name,) = os.listdir(tmp_path / "tensorboard")
+    path = str(tmp_path / "tensorboard" / name)
+    with open(path, "ab") as f:
+        f.write(b"\x20\x00\x00\x00")  # a record cut short by a kill
+    assert truncate_after(str(tmp_path), 5) == {f"tensorboard/{name}": 3 + 1}
+    events = list(EventFileLoader(path).Load())
+    assert [(e.step, e.summary.value[0].tag) for e in events if e.summary.value] == [(s, "loss") for s in range(1, 6)]
+    assert events[0].file_version                       # the header record is kept
+    assert truncate_after(str(tmp_path), 5) == {}       # nothing left to drop: the file is not rewritten
