@@ -11,13 +11,9 @@ Examples::
 Thin wrapper; the flags and the logic live in ``minimax_jax.infer.cli``.
 """
 
-from absl import flags
-
-from minimax_jax import absl_main
+import sys
 
 from minimax_jax.infer import cli
 
-flags.adopt_module_key_flags(cli)
-
 if __name__ == "__main__":
-    absl_main.run(cli.main)
+    sys.exit(cli.main())

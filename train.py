@@ -19,7 +19,9 @@ Outputs under ``run.run_dir``: ``config.yaml``, ``model_config.yaml`` (the resol
 Stopping: Ctrl-C (or SIGTERM) finishes the step in hand, saves a checkpoint and stops (exit status 130
 for Ctrl-C, 0 for SIGTERM, a scheduler's preemption); the same command resumes, and the metrics of
 the steps trained again are logged once. A second Ctrl-C aborts at once (130, nothing saved).
-Exit status: 0 done, 2 a usage error (config, data, run directory), 130 interrupted.
+Exit status (``minimax_jax.exit_codes``): 0 done, 1 a runtime failure, 2 a usage error (flags, config, data,
+run directory), 130 interrupted. Errors are one line; ``--debug`` adds the traceback. The JAX persistent
+compilation cache is on (``--compilation_cache DIR|none``, env ``MINIMAX_JAX_CACHE``; see README).
 
 Precision and memory: ``run.compute_dtype=bfloat16 run.param_dtype=float32`` (fp32 master weights),
 ``run.remat=full|dots|dots_kernels`` (``dots_kernels``: keep matmul and fused-kernel outputs, the
@@ -54,21 +56,33 @@ from __future__ import annotations
 import os
 import sys
 
-from absl import app, flags, logging
+import argparse
 
-from minimax_jax import absl_main
+from minimax_jax import cli_main
 
-FLAGS = flags.FLAGS
+PROG = "train.py"
 DEMO_CONFIG = "configs/train/demo.yaml"
-flags.DEFINE_string("config", None, f"Training YAML (configs/train/*.yaml); default {DEMO_CONFIG} (the demo run).")
-flags.DEFINE_multi_string("set", [], "Override one key: section.key=value (YAML value), or mesh=SPEC. Repeatable.")
-flags.DEFINE_bool("distributed", False, "Call minimax_jax.distributed.initialize() first (multi-host runs).")
-flags.DEFINE_bool("prepare_data", None, "Build the offline corpus / tokenizer the data section names when they "
-                  "are missing (minimax_jax.train.prepare). Default: on without --config (the demo), else off.")
-flags.DEFINE_float("prepare_max_mb", 64.0, "With --prepare_data: MB of text in the offline corpus it builds "
-                   "(a CPU try-out can use a few MB).", lower_bound=0.01)
-flags.DEFINE_bool("check_only", False, "Validate the config against the model and devices, print it, and exit "
-                                       "without creating parameters or compiling.")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = cli_main.Parser(prog=PROG, description=__doc__.split("\n")[0])
+    p.add_argument("--config", default=None,
+                   help=f"Training YAML (configs/train/*.yaml); default {DEMO_CONFIG} (the demo run).")
+    p.add_argument("--set", action="append", default=[],
+                   help="Override one key: section.key=value (YAML value), or mesh=SPEC. Repeatable.")
+    cli_main.add_bool(p, "distributed", False, "Call minimax_jax.distributed.initialize() first (multi-host runs).",
+                      absl_alias=True)
+    cli_main.add_bool(p, "prepare_data", None, "Build the offline corpus / tokenizer the data section names when "
+                      "they are missing (minimax_jax.train.prepare). Default: on without --config (the demo), "
+                      "else off.", absl_alias=True)
+    p.add_argument("--prepare_max_mb", type=cli_main.float_in(0.01), default=64.0,
+                   help="With --prepare_data: MB of text in the offline corpus it builds (a CPU try-out can use "
+                        "a few MB; default 64).")
+    cli_main.add_bool(p, "check_only", False, "Validate the config against the model and devices, print it, and "
+                      "exit without creating parameters or compiling.", absl_alias=True)
+    p.add_argument("--verbosity", type=int, default=None,
+                   help="absl / orbax log level (default: warnings only; 0 = info)")
+    return cli_main.add_common(p, cache=True)
 
 
 BUILD_HINT = "build it (python -m minimax_jax.data.corpus / .tokenizer) or pass --prepare_data"
@@ -89,24 +103,30 @@ def missing_data_action(item: str, prepare: bool) -> str:
     return "missing, would be built first"
 
 
-def main(argv):
-    try:
-        return _main(argv)
-    except KeyboardInterrupt:  # before the training loop handles SIGINT itself: nothing was trained
-        print("train.py: interrupted before training started; nothing was saved", file=sys.stderr)
-        return 130  # interrupt.EXIT_INTERRUPTED (not imported yet: it imports JAX)
+def main(argv=None) -> int:
+    """Exit status (minimax_jax.exit_codes): 0 done, 1 failure, 2 usage error, 130 interrupted."""
+    return cli_main.run(_main, argv, prog=PROG)
 
 
 def _main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments {argv[1:]}; use --set section.key=value")
-    config = FLAGS.config
+    try:
+        return _train(argv)
+    except KeyboardInterrupt:  # before the training loop handles SIGINT itself: nothing was trained
+        print("train.py: interrupted before training started; nothing was saved", file=sys.stderr)
+        return 130
+
+
+def _train(argv):
+    from absl import logging
+
+    args = cli_main.parse_args(build_parser(), argv)
+    config = args.config
     if not config:
         config = os.path.join(os.path.dirname(os.path.abspath(__file__)), DEMO_CONFIG)
-    prepare = FLAGS.prepare_data if FLAGS.prepare_data is not None else not FLAGS.config
-    if not FLAGS["verbosity"].present:  # orbax logs every save at INFO; keep the console readable
-        logging.set_verbosity(logging.WARNING)
-    if FLAGS.distributed:
+    prepare = args.prepare_data if args.prepare_data is not None else not args.config
+    # orbax logs every save at INFO; keep the console readable
+    logging.set_verbosity(logging.WARNING if args.verbosity is None else args.verbosity)
+    if args.distributed:
         from minimax_jax.distributed import initialize
 
         initialize()
@@ -116,14 +136,14 @@ def _main(argv):
     from minimax_jax.data.prose import MissingDataError
     from minimax_jax.train import TrainConfigError, load_train_config
     from minimax_jax.train.config import validate_against
-    from minimax_jax.train.interrupt import EXIT_INTERRUPTED
+    from minimax_jax.interrupt import EXIT_INTERRUPTED
     from minimax_jax.train.model_init import model_configs
     from minimax_jax.train.prepare import missing_data, prepare_data
     from minimax_jax.train.run_lock import RunDirError
 
     try:
-        tc = load_train_config(config, FLAGS.set)
-        if FLAGS.check_only:
+        tc = load_train_config(config, args.set)
+        if args.check_only:
             cfg, _ = model_configs(tc)
             spec = validate_against(tc, cfg, jax.device_count(), jax.process_count(), jax.default_backend())
             print(yaml.safe_dump(tc.to_dict(), sort_keys=False))
@@ -134,8 +154,9 @@ def _main(argv):
             return 2 if missing and not prepare else 0    # the real run would fail on it
         cfg, _ = model_configs(tc)
         validate_against(tc, cfg, jax.device_count(), jax.process_count(), jax.default_backend())  # fail before building data
+        cli_main.enable_compilation_cache(args.compilation_cache, prog=PROG)    # after the one-line config errors
         if prepare:
-            prepare_data(tc, cfg.vocab_size, max_mb=FLAGS.prepare_max_mb)
+            prepare_data(tc, cfg.vocab_size, max_mb=args.prepare_max_mb)
         elif missing := missing_data(tc):
             raise MissingDataError(f"{'; '.join(missing)} not found: {BUILD_HINT}")
         from minimax_jax.train import train
@@ -161,4 +182,4 @@ def _main(argv):
 
 
 if __name__ == "__main__":
-    absl_main.run(main)
+    sys.exit(main())

@@ -40,6 +40,9 @@ if os.environ.get("MINIMAX_TEST_JAX_CACHE", "1") != "0" and not os.environ.get("
     os.environ[_OWNER] = str(os.getpid())
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# The CLIs' own compilation cache (minimax_jax.cli_main) never writes to the user's home from a test:
+# it uses the session's cache directory, or none.
+os.environ.setdefault("MINIMAX_JAX_CACHE", os.environ.get("JAX_COMPILATION_CACHE_DIR") or "none")
 
 
 # XLA's CPU compiler tuned for compile time: the suite's programs are tiny and run once or a few

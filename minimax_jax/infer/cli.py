@@ -8,9 +8,11 @@ line, each generation under a ``--- generation ---`` line; chat turns parsed int
 and tool calls as JSON after ``--- parsed output (JSON) ---``), or with ``--json`` only JSONL records
 (``prompts_io`` module doc), or the records into ``--output FILE``. Loading messages, the engine line
 (once), a prefill progress bar and the statistics (TTFT, steady-state tokens/s with compilation apart,
-acceptance rate) go to stderr. Exit status: 0 ok; 1 an ``error: ...`` line (bad input, runtime
-failure); 2 a flag combination that cannot work; 130 interrupted (Ctrl-C: generation stops between
-steps, the records finished so far are written, one line says so; a second Ctrl-C aborts at once).
+acceptance rate) go to stderr. Exit status (``minimax_jax.exit_codes``), each error one
+``infer.py: error: ...`` line (``--debug`` adds the traceback): 0 ok; 1 a runtime failure (checkpoint
+content, engine); 2 a usage error or bad input (flags, missing / malformed prompt, chat or checkpoint
+files, a prompt too long for the context); 130 interrupted (Ctrl-C: generation stops between steps, the
+records finished so far are written, one line says so; a second Ctrl-C aborts at once).
 """
 
 from __future__ import annotations
@@ -18,82 +20,172 @@ from __future__ import annotations
 import os
 import sys
 
-from absl import flags
+import argparse
 
-FLAGS = flags.FLAGS
+from minimax_jax import cli_main
+from minimax_jax.exit_codes import INTERRUPTED, UsageError
 
-flags.DEFINE_string("checkpoint", None, "Checkpoint directory: a converted minimax-jax checkpoint (config.yaml + "
-                    "params/) or a Hugging Face directory (config.json + *.safetensors, converted on the fly). "
-                    "Default: the shipped demo checkpoint checkpoints/demo/.")
-flags.DEFINE_string("tokenizer", None, "tokenizer.json (or its directory); default: tokenizer.json in --checkpoint.")
-flags.DEFINE_string("prompt", None, "Prompt text, continued as is (no chat template).")
-flags.DEFINE_string("prompt_file", None, "File whose text is the prompt (no chat template).")
-flags.DEFINE_string("prompts_file", None, 'JSONL file of prompts, one JSON object per line: {"prompt": ...} or '
-                    '{"messages": [...], "tools": [...]}, optional "id" and "max_new_tokens"; batched through the '
-                    "engine, one output record per prompt and sample.")
-flags.DEFINE_string("chat_file", None, 'Chat JSON {"messages": [...], "tools": [...]} rendered with the MiniMax '
-                    "chat template; the reply is parsed into reasoning, content and tool calls (printed as JSON).")
-flags.DEFINE_string("context_file", None, "Long document put before the prompt (with --chat_file: at the start "
-                    "of the first user message), for long-context questions.")
-flags.DEFINE_integer("max_new_tokens", 256, "Most tokens to generate.", lower_bound=1)
-flags.DEFINE_float("temperature", 1.0, "Sampling temperature; 0 = greedy (argmax).", lower_bound=0.0)
-flags.DEFINE_float("top_p", 0.95, "Nucleus sampling mass in (0, 1] (1 = off).", upper_bound=1.0)
-flags.DEFINE_integer("top_k", 40, "Keep the k most likely tokens (0 = off).", lower_bound=0)
-flags.DEFINE_float("min_p", 0.0, "Drop tokens below min_p x the top probability (0 = off).", lower_bound=0.0)
-flags.DEFINE_integer("seed", 0, "Random seed; the same seed and inputs give the same output (sample j of a "
-                     "prompt draws the same whatever else is in the batch).")
-flags.DEFINE_integer("n", 1, "Samples per prompt.", lower_bound=1)
-flags.DEFINE_float("repetition_penalty", 1.0, "Repetition penalty (Hugging Face / CTRL): logits of tokens in the "
-                   "prompt or the generated text are divided by it when positive, multiplied when negative "
-                   "(1 = off, > 1 discourages repeats).", lower_bound=0.0)
-flags.DEFINE_float("presence_penalty", 0.0, "Presence penalty (OpenAI): subtracted from the logit of every token "
-                   "already generated (0 = off; in [-2, 2]).", lower_bound=-2.0, upper_bound=2.0)
-flags.DEFINE_float("frequency_penalty", 0.0, "Frequency penalty (OpenAI): times its count in the generated text, "
-                   "subtracted from a token's logit (0 = off; in [-2, 2]).", lower_bound=-2.0, upper_bound=2.0)
-flags.DEFINE_multi_string("stop", [], "Stop string (repeatable); the output is cut before it.")
-flags.DEFINE_integer("repeat_max_period", 0, "Stop on a repeated token cycle of at most this length "
-                     "(with --repeat_max_count; 0 = off).", lower_bound=0)
-flags.DEFINE_integer("repeat_max_count", 0, "Stop once such a cycle repeats more than this many times.", lower_bound=0)
-flags.DEFINE_boolean("stream", False, "Print text as it is generated (several prompts / samples are then "
-                     "generated one at a time).")
-flags.DEFINE_boolean("json", False, "Print only JSONL records on stdout (one per prompt and sample: id, sample, "
-                     "tokens, text, stop reason, logprobs, parsed chat turn); nothing else goes to stdout.")
-flags.DEFINE_string("output", None, "Write the JSONL records to this file (refused if it exists, unless "
-                    "--overwrite); stdout keeps the text output.")
-flags.DEFINE_boolean("overwrite", False, "Let --output replace an existing file.")
-flags.DEFINE_boolean("logprobs", False, "Add each generated token's log-probability under the model (raw logits, "
-                     "before penalties, temperature and filters) to the records.")
-flags.DEFINE_boolean("echo_prompt", True, "Text output: print each prompt (under '--- prompt ---') before its "
-                     "generations.")
-flags.DEFINE_integer("batch_size", 16, "Rows (prompt x sample) generated together by the engine.", lower_bound=1)
-flags.DEFINE_enum("speculative", "none", ["none", "mtp"], "Speculative decoding: 'mtp' drafts tokens with the "
-                  "model's MTP modules and verifies them in one step (same output distribution; greedy output "
-                  "identical); the acceptance rate is reported.")
-flags.DEFINE_integer("num_draft", None, "Drafts per step with --speculative mtp (default: all MTP modules).")
-flags.DEFINE_integer("mtp_window", 64, "Positions the MTP layers attend over while drafting (each draft step "
-                     "runs the MTP layers over this many tokens; larger = better drafts, slower).", lower_bound=1)
-flags.DEFINE_enum("engine", "paged", ["paged", "recompute"], "Generation engine: 'paged' = KV-cache decode engine "
-                  "(minimax_jax.decode); 'recompute' = full forward each step (slow; for checking).")
-flags.DEFINE_integer("prefill_chunk", 0, "Prompt tokens per prefill step of the paged engine; 0 = by prompt length "
-                     "(GPU: length // 8 in [256, 16384]; elsewhere 256).", lower_bound=0)
-flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Parameter and compute dtype: the parameters are cast "
-                  "to it on load (default: the checkpoint's own, its config.yaml dtype / param_dtype); also the dtype "
-                  "of an on-the-fly Hugging Face conversion (default bfloat16).")
-flags.DEFINE_string("mesh", None, "Device mesh, e.g. 'fsdp=2,tensor=2' (axes data, fsdp, expert, sequence, tensor; "
-                    "one may be -1); parameters are loaded sharded by --sharding_rules.")
-flags.DEFINE_string("sharding_rules", "default", "Sharding rule preset (configs/sharding.yaml) or a YAML path.")
-flags.DEFINE_string("convert_dir", None, "Keep the on-the-fly conversion of a Hugging Face checkpoint here "
-                    "(reused by later runs) instead of a temporary directory.")
-flags.DEFINE_enum("attention", "as_trained", ["as_trained", "dense"], "Attention of the model's MSA layers: "
-                  "'as_trained' = as the checkpoint says (MSA top-k block selection); 'dense' = run every MSA layer "
-                  "as full causal attention with the same weights (its indexer weights are unused): the dense "
-                  "baseline of the same checkpoint. What ran is printed with the statistics.")
-flags.DEFINE_boolean("show_stats", True, "Print generation statistics (and the op implementations that ran) "
-                     "to stderr.")
+PROG = "infer.py"
+#: The parsed flags (``parse``); updated in place, so ``from ... import FLAGS`` sees them.
+FLAGS = argparse.Namespace()
 
 
-class UsageError(ValueError):
-    """A flag combination that cannot work (exit status 2)."""
+def build_parser() -> argparse.ArgumentParser:
+    p = cli_main.Parser(prog=PROG, description="Generate text with a MiniMax-M2 / M3 checkpoint.")
+    p.add_argument("--checkpoint", default=None, help='Checkpoint directory: a converted minimax-jax checkpoint '
+                                                      '(config.yaml + params/) or a Hugging Face directory '
+                                                      '(config.json + *.safetensors, converted on the fly). '
+                                                      'Default: the shipped demo checkpoint checkpoints/demo/.')
+    p.add_argument("--tokenizer", default=None, help='tokenizer.json (or its directory); default: tokenizer.json '
+                                                     'in --checkpoint.')
+    p.add_argument("--prompt", default=None, help='Prompt text, continued as is (no chat template).')
+    p.add_argument("--prompt_file", default=None, help='File whose text is the prompt (no chat template).')
+    p.add_argument("--prompts_file", default=None, help='JSONL file of prompts, one JSON object per line: '
+                                                        '{"prompt": ...} or {"messages": [...], "tools": [...]}, '
+                                                        'optional "id" and "max_new_tokens"; batched through the '
+                                                        'engine, one output record per prompt and sample.')
+    p.add_argument("--chat_file", default=None, help='Chat JSON {"messages": [...], "tools": [...]} rendered with '
+                                                     'the MiniMax chat template; the reply is parsed into '
+                                                     'reasoning, content and tool calls (printed as JSON).')
+    p.add_argument("--context_file", default=None, help='Long document put before the prompt (with --chat_file: '
+                                                        'at the start of the first user message), for '
+                                                        'long-context questions.')
+    p.add_argument("--max_new_tokens", type=cli_main.int_at_least(1), default=256, help='Most tokens to generate.')
+    p.add_argument("--temperature", type=cli_main.float_in(0.0), default=1.0, help='Sampling temperature; 0 = '
+                                                                                   'greedy (argmax).')
+    p.add_argument("--top_p", type=cli_main.float_in(None, 1.0), default=0.95, help='Nucleus sampling mass in (0, '
+                                                                                    '1] (1 = off).')
+    p.add_argument("--top_k", type=cli_main.int_at_least(0), default=40, help='Keep the k most likely tokens (0 = '
+                                                                              'off).')
+    p.add_argument("--min_p", type=cli_main.float_in(0.0), default=0.0, help='Drop tokens below min_p x the top '
+                                                                             'probability (0 = off).')
+    p.add_argument("--seed", type=int, default=0, help='Random seed; the same seed and inputs give the same '
+                                                       'output (sample j of a prompt draws the same whatever else '
+                                                       'is in the batch).')
+    p.add_argument("--n", type=cli_main.int_at_least(1), default=1, help='Samples per prompt.')
+    p.add_argument("--repetition_penalty", type=cli_main.float_in(0.0), default=1.0, help='Repetition penalty '
+                                                                                          '(Hugging Face / CTRL): '
+                                                                                          'logits of tokens in '
+                                                                                          'the prompt or the '
+                                                                                          'generated text are '
+                                                                                          'divided by it when '
+                                                                                          'positive, multiplied '
+                                                                                          'when negative (1 = '
+                                                                                          'off, > 1 discourages '
+                                                                                          'repeats).')
+    p.add_argument("--presence_penalty", type=cli_main.float_in(-2.0, 2.0), default=0.0, help='Presence penalty '
+                                                                                              '(OpenAI): '
+                                                                                              'subtracted from '
+                                                                                              'the logit of every '
+                                                                                              'token already '
+                                                                                              'generated (0 = '
+                                                                                              'off; in [-2, 2]).')
+    p.add_argument("--frequency_penalty", type=cli_main.float_in(-2.0, 2.0), default=0.0, help='Frequency penalty '
+                                                                                               '(OpenAI): times '
+                                                                                               'its count in the '
+                                                                                               'generated text, '
+                                                                                               'subtracted from a '
+                                                                                               "token's logit (0 "
+                                                                                               '= off; in [-2, '
+                                                                                               '2]).')
+    p.add_argument("--stop", action="append", default=None, help='Stop string (repeatable); the output is cut '
+                                                               'before it.')
+    p.add_argument("--repeat_max_period", type=cli_main.int_at_least(0), default=0, help='Stop on a repeated '
+                                                                                         'token cycle of at most '
+                                                                                         'this length (with '
+                                                                                         '--repeat_max_count; 0 = '
+                                                                                         'off).')
+    p.add_argument("--repeat_max_count", type=cli_main.int_at_least(0), default=0, help='Stop once such a cycle '
+                                                                                        'repeats more than this '
+                                                                                        'many times.')
+    cli_main.add_bool(p, "stream", False, 'Print text as it is generated (several prompts / samples are then '
+        'generated one at a time).', absl_alias=True)
+    cli_main.add_bool(p, "json", False, 'Print only JSONL records on stdout (one per prompt and sample: id, '
+        'sample, tokens, text, stop reason, logprobs, parsed chat turn); nothing else goes to stdout.', absl_alias=True)
+    p.add_argument("--output", default=None, help='Write the JSONL records to this file (refused if it exists, '
+                                                  'unless --overwrite); stdout keeps the text output.')
+    cli_main.add_bool(p, "overwrite", False, 'Let --output replace an existing file.', absl_alias=True)
+    cli_main.add_bool(p, "logprobs", False, "Add each generated token's log-probability under the model (raw "
+        'logits, before penalties, temperature and filters) to the records.', absl_alias=True)
+    cli_main.add_bool(p, "echo_prompt", True, "Text output: print each prompt (under '--- prompt ---') before its "
+        'generations.', absl_alias=True)
+    p.add_argument("--batch_size", type=cli_main.int_at_least(1), default=16, help='Rows (prompt x sample) '
+                                                                                   'generated together by the '
+                                                                                   'engine.')
+    p.add_argument("--speculative", choices=("none", "mtp"), default="none", help="Speculative decoding: 'mtp' "
+                                                                                  "drafts tokens with the model's "
+                                                                                  'MTP modules and verifies them '
+                                                                                  'in one step (same output '
+                                                                                  'distribution; greedy output '
+                                                                                  'identical); the acceptance '
+                                                                                  'rate is reported.')
+    p.add_argument("--num_draft", type=int, default=None, help='Drafts per step with --speculative mtp (default: '
+                                                               'all MTP modules).')
+    p.add_argument("--mtp_window", type=cli_main.int_at_least(1), default=64, help='Positions the MTP layers '
+                                                                                   'attend over while drafting '
+                                                                                   '(each draft step runs the MTP '
+                                                                                   'layers over this many tokens; '
+                                                                                   'larger = better drafts, '
+                                                                                   'slower).')
+    p.add_argument("--engine", choices=("paged", "recompute"), default="paged", help="Generation engine: 'paged' "
+                                                                                     '= KV-cache decode engine '
+                                                                                     '(minimax_jax.decode); '
+                                                                                     "'recompute' = full forward "
+                                                                                     'each step (slow; for '
+                                                                                     'checking).')
+    p.add_argument("--prefill_chunk", type=cli_main.int_at_least(0), default=0, help='Prompt tokens per prefill '
+                                                                                     'step of the paged engine; 0 '
+                                                                                     '= by prompt length (GPU: '
+                                                                                     'length // 8 in [256, '
+                                                                                     '16384]; elsewhere 256).')
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help='Parameter and compute dtype: '
+                                                                                  'the parameters are cast to it '
+                                                                                  'on load (default: the '
+                                                                                  "checkpoint's own, its "
+                                                                                  'config.yaml dtype / '
+                                                                                  'param_dtype); also the dtype '
+                                                                                  'of an on-the-fly Hugging Face '
+                                                                                  'conversion (default bfloat16).')
+    p.add_argument("--mesh", default=None, help="Device mesh, e.g. 'fsdp=2,tensor=2' (axes data, fsdp, expert, "
+                                                'sequence, tensor; one may be -1); parameters are loaded sharded '
+                                                'by --sharding_rules.')
+    p.add_argument("--sharding_rules", default=None, help='Sharding rule preset (configs/sharding.yaml) or a YAML '
+                                                          'path (default: default).')
+    p.add_argument("--convert_dir", default=None, help='Keep the on-the-fly conversion of a Hugging Face '
+                                                       'checkpoint here (reused by later runs) instead of a '
+                                                       'temporary directory.')
+    p.add_argument("--attention", choices=("as_trained", "dense"), default="as_trained", help='Attention of the '
+                                                                                              "model's MSA "
+                                                                                              'layers: '
+                                                                                              "'as_trained' = as "
+                                                                                              'the checkpoint '
+                                                                                              'says (MSA top-k '
+                                                                                              'block selection); '
+                                                                                              "'dense' = run "
+                                                                                              'every MSA layer as '
+                                                                                              'full causal '
+                                                                                              'attention with the '
+                                                                                              'same weights (its '
+                                                                                              'indexer weights '
+                                                                                              'are unused): the '
+                                                                                              'dense baseline of '
+                                                                                              'the same '
+                                                                                              'checkpoint. What '
+                                                                                              'ran is printed '
+                                                                                              'with the '
+                                                                                              'statistics.')
+    cli_main.add_bool(p, "show_stats", True, 'Print generation statistics (and the op implementations that ran) '
+        'to stderr.', absl_alias=True)
+    p.add_argument("--verbosity", type=int, default=None, help="absl / orbax log level (default: warnings only)")
+    return cli_main.add_common(p, cache=True)
+
+
+def parse(argv) -> argparse.Namespace:
+    """Parse ``argv`` (no program name) into ``FLAGS``; argparse exits 2 on a bad flag."""
+    ns = cli_main.parse_args(build_parser(), argv)
+    FLAGS.__dict__.clear()
+    FLAGS.__dict__.update(vars(ns))
+    return FLAGS
 
 
 def _err(msg: str) -> None:
@@ -141,7 +233,7 @@ def build_items() -> list:
 
 def check_flags() -> None:
     """Raise UsageError for flag combinations that cannot work."""
-    if FLAGS["sharding_rules"].present and not FLAGS.mesh:
+    if FLAGS.sharding_rules is not None and not FLAGS.mesh:
         raise UsageError("--sharding_rules applies only with --mesh (the parameters are sharded by those rules "
                          "over that mesh); pass --mesh too, e.g. --mesh fsdp=-1")
     if FLAGS.json and FLAGS.output:
@@ -164,7 +256,7 @@ def _config():
                               FLAGS.repetition_penalty, FLAGS.presence_penalty, FLAGS.frequency_penalty)
     return GenerationConfig(
         max_new_tokens=FLAGS.max_new_tokens, sampling=sampling,
-        stop_strings=tuple(FLAGS.stop), repeat_max_period=FLAGS.repeat_max_period,
+        stop_strings=tuple(FLAGS.stop or ()), repeat_max_period=FLAGS.repeat_max_period,
         repeat_max_count=FLAGS.repeat_max_count,
         speculative=None if FLAGS.speculative == "none" else FLAGS.speculative,
         num_draft=FLAGS.num_draft, mtp_window=FLAGS.mtp_window, logprobs=FLAGS.logprobs)
@@ -207,9 +299,10 @@ def run() -> int:
                  logprobs=FLAGS.logprobs)
     if FLAGS.n > 1 and config.sampling.greedy:
         _err(f"warning: --n {FLAGS.n} with --temperature 0 (greedy) gives {FLAGS.n} identical samples")
+    cli_main.enable_compilation_cache(FLAGS.compilation_cache, prog=PROG)
     try:
         model = load_model(ckpt, tokenizer_path=FLAGS.tokenizer, dtype=FLAGS.dtype, mesh=FLAGS.mesh,
-                           rules=FLAGS.sharding_rules, convert_dir=FLAGS.convert_dir, attention=FLAGS.attention,
+                           rules=FLAGS.sharding_rules or "default", convert_dir=FLAGS.convert_dir, attention=FLAGS.attention,
                            log=_err)
         where = "single device" if model.mesh is None else "mesh " + ",".join(
             f"{k}={v}" for k, v in model.mesh.shape.items() if v > 1)
@@ -229,7 +322,7 @@ def _generate_all(gen, model, items, prompts, config, chunk, out) -> int:
 
     from tqdm.auto import tqdm
 
-    from minimax_jax.infer.interrupt import EXIT_INTERRUPTED, InterruptFlag
+    from minimax_jax.interrupt import InterruptFlag
     from minimax_jax.infer.metrics import combine_stats
 
     rows = [(i, j) for i in range(len(items)) for j in range(FLAGS.n)]
@@ -267,7 +360,7 @@ def _generate_all(gen, model, items, prompts, config, chunk, out) -> int:
                 sys.stdout.flush()
                 where = f"; records in {FLAGS.output}" if FLAGS.output else ""
                 _err(f"interrupted (Ctrl-C): {out.records} of {len(rows)} generations finished{where}")
-                return EXIT_INTERRUPTED
+                return INTERRUPTED
     _report(reasons, combine_stats(stats), model)
     return 0
 
@@ -300,31 +393,22 @@ def _report(reasons: dict, stats, model) -> None:
         _err("implementations: " + ", ".join(f"{k}={v}" for k, v in sorted(implementation_report().items())))
 
 
-def main(argv) -> None:
-    """absl entry point."""
-    from absl import logging as absl_logging
-
-    if not FLAGS["verbosity"].present:  # orbax logs every restore step at INFO; keep stderr readable
-        absl_logging.set_verbosity(absl_logging.WARNING)
-    if len(argv) > 1:
-        _err(f"error: unexpected arguments {argv[1:]} (flags are --name=value; see --help)")
-        sys.exit(2)
+def main(argv=None) -> int:
+    """Entry point: ``argv`` without the program name (default ``sys.argv[1:]``); returns the exit status."""
     from minimax_jax.chat import ChatFormatError
     from minimax_jax.config import ConfigError
     from minimax_jax.convert.errors import CheckpointError
-    from minimax_jax.infer.errors import InferenceError
-    from minimax_jax.infer.interrupt import EXIT_INTERRUPTED
+    from minimax_jax.infer.errors import CheckpointNotFound, ContextTooLong, InferenceError, TokenizerNotFound
 
-    try:
-        code = run()
-    except UsageError as e:
-        _err(f"error: {e}")
-        code = 2
-    except (InferenceError, ChatFormatError, ConfigError, CheckpointError, ValueError, FileNotFoundError) as e:
-        _err(f"error: {e}")
-        code = 1
-    except KeyboardInterrupt:   # outside generation (loading, compiling): stop now, no teardown
-        sys.stdout.flush()
-        _err("interrupted (Ctrl-C)")
-        os._exit(EXIT_INTERRUPTED)
-    sys.exit(code)
+    return cli_main.run(_main, argv, prog=PROG, hard_interrupt=True,
+                        usage=(ValueError, ChatFormatError, CheckpointNotFound, TokenizerNotFound, ContextTooLong),
+                        failure=(InferenceError, ConfigError, CheckpointError))
+
+
+def _main(argv) -> int:
+    from absl import logging as absl_logging
+
+    parse(argv)
+    # orbax logs every restore step at INFO; keep stderr readable
+    absl_logging.set_verbosity(absl_logging.WARNING if FLAGS.verbosity is None else FLAGS.verbosity)
+    return run()

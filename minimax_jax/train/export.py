@@ -2,25 +2,26 @@
 safetensors).
 
 ``python -m minimax_jax.train.export --run_dir RUN --dst CKPT [--dtype bfloat16]
-[--tokenizer tokenizer.json] [--hf_dst HF_DIR --max_shard_mb 15] [--overwrite] [--no_verify]``
+[--tokenizer tokenizer.json] [--hf_dst HF_DIR --max_shard_mb 15] [--overwrite] [--no_verify] [--debug]``
 restores the newest params of the run (checked against the checkpoint's checksums), writes ``CKPT``
 (``config.yaml`` + orbax ``params/`` + checksum manifest + tokenizer) with
 ``minimax_jax.convert.save.save_checkpoint`` and, with ``--hf_dst``, exports that directory to the
 hub layout with ``minimax_jax.convert.export_orbax_to_hf`` (small shards travel where file sizes are
 capped). Every write is atomic; a destination that overlaps the run (or the tokenizer), that exists
 without ``--overwrite``, or that export did not write is refused before anything is read (exit 2),
-as is a tokenizer with ids >= the model's ``vocab_size``.
+as is a tokenizer with ids >= the model's ``vocab_size``; a checkpoint that fails its checks exits 1
+(``minimax_jax.exit_codes``).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 
 import orbax.checkpoint as ocp
 
+from minimax_jax import cli_main
 from minimax_jax.config import ModelConfig
 from minimax_jax.convert.errors import CheckpointError, DestinationError, DestinationExistsError, first_line
 from minimax_jax.train.checkpointing import ITEMS, Checkpointer
@@ -193,35 +194,40 @@ def _run_tokenizer(run_dir: str) -> str | None:
         f"{os.getcwd()!r}); run the export from the directory train.py ran in, or pass --tokenizer PATH")
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m minimax_jax.train.export", description=__doc__.split("\n\n")[0])
+PROG = "python -m minimax_jax.train.export"
+
+
+def main(argv=None) -> int:
+    """Entry point (``argv`` without the program name); returns the exit status (minimax_jax.exit_codes)."""
+    return cli_main.run(_main, argv, prog=PROG, usage=(DestinationError, TokenizerMismatch),
+                        failure=(ExportMismatch, CheckpointError))
+
+
+def _main(argv) -> int:
+    ap = cli_main.Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     ap.add_argument("--run_dir", required=True, help="a train.py run directory")
     ap.add_argument("--dst", required=True, help="checkpoint directory to write (infer.py --checkpoint)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--tokenizer", help="tokenizer.json to copy alongside (default: the run's data.tokenizer)")
     ap.add_argument("--hf_dst", help="also export HF safetensors here")
-    ap.add_argument("--max_shard_mb", type=float, default=15.0, help="HF shard size cap (MiB)")
+    ap.add_argument("--max_shard_mb", type=cli_main.float_in(1e-9), default=15.0,
+                    help="HF shard size cap in MiB (default: 15)")
     ap.add_argument("--overwrite", action="store_true",
                     help="replace --dst / --hf_dst when an earlier export wrote them (nothing else is ever replaced)")
-    ap.add_argument("--no_verify", action="store_true", help="skip checking the run's checkpoint against its checksums")
-    a = ap.parse_args(argv)
+    cli_main.add_bool(ap, "verify", True, "check the run's checkpoint against its checksums")
+    a = cli_main.parse_args(cli_main.add_common(ap), argv)
     try:
         summary = export_run(a.run_dir, a.dst, dtype=a.dtype, tokenizer=a.tokenizer, hf_dst=a.hf_dst,
-                             max_shard_mb=a.max_shard_mb, overwrite=a.overwrite, verify=not a.no_verify)
+                             max_shard_mb=a.max_shard_mb, overwrite=a.overwrite, verify=a.verify)
     except DestinationExistsError as e:
-        print(f"export: {e.path} already exists; pass --overwrite to replace it (only a directory export wrote is "
-              "ever replaced), or choose another destination", file=sys.stderr)
-        sys.exit(2)
-    except (DestinationError, TokenizerMismatch) as e:
-        print(f"export: {e}", file=sys.stderr)
-        sys.exit(2)
-    except (FileNotFoundError, ExportMismatch, CheckpointError) as e:
-        sys.exit(f"export: {e}")
+        raise DestinationError(f"{e.path} already exists; pass --overwrite to replace it (only a directory export "
+                               "wrote is ever replaced), or choose another destination") from e
     if summary["tokenizer"] is None:
-        print(f"export: warning: the run has no tokenizer (synthetic data?), so {a.dst} has none; infer.py needs "
+        print(f"{PROG}: warning: the run has no tokenizer (synthetic data?), so {a.dst} has none; infer.py needs "
               f"--tokenizer T.json for it (or export again with --tokenizer)", file=sys.stderr)
     print(json.dumps(summary, default=str))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

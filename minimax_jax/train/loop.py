@@ -39,7 +39,7 @@ from minimax_jax.sharding import load_rules, make_mesh, replicated, use_mesh, ba
 from minimax_jax.train.checkpointing import Checkpointer
 from minimax_jax.train.config import TrainConfig, TrainConfigError, validate_against
 from minimax_jax.train.data import decode_state, encode_state, make_iterator, to_global
-from minimax_jax.train.interrupt import StopSignals
+from minimax_jax.interrupt import StopSignals
 from minimax_jax.train.losses import mtp_weights_list
 from minimax_jax.train.metrics import MetricsWriter, peak_flops_per_device, train_flops
 from minimax_jax.train.metrics_truncate import truncate_after, write_atomic

@@ -52,7 +52,7 @@ def _expect_failure(tmp_path, src, exc, *needles, capsys=None):
     msg = str(ei.value)
     for n in needles:
         assert n in msg, f"{n!r} not in {msg!r}"
-    rc = main(["--src", src, "--dst", str(dst), "--no-progress"])
+    rc = main(["--src", src, "--dst", str(dst), "--no_progress"])
     assert rc == 1
     if capsys is not None:
         err = capsys.readouterr().err
@@ -160,11 +160,11 @@ def test_existing_destination_is_refused_and_kept(tmp_path, capsys):
     dst = tmp_path / "out"
     dst.mkdir()
     (dst / "keep.txt").write_text("x")
-    assert main(["--src", src, "--dst", str(dst), "--no-progress"]) == 2        # a usage error
+    assert main(["--src", src, "--dst", str(dst), "--no_progress"]) == 2        # a usage error
     assert "already exists" in capsys.readouterr().err
     assert os.listdir(dst) == ["keep.txt"]
     # --overwrite replaces only a directory the converter wrote: this one is not
-    assert main(["--src", src, "--dst", str(dst), "--no-progress", "--overwrite"]) == 2
+    assert main(["--src", src, "--dst", str(dst), "--no_progress", "--overwrite"]) == 2
     assert "was not written by minimax-jax" in capsys.readouterr().err
     assert os.listdir(dst) == ["keep.txt"]
 
@@ -252,16 +252,16 @@ def test_cli_names_its_flags_and_export_files_get_the_usual_mode(tmp_path, capsy
 
     nope = str(tmp_path / "nope")
     for extra in ([], ["--export"]):
-        assert main([*extra, "--src", nope, "--dst", str(tmp_path / "out"), "--no-progress"]) == 1
-        assert capsys.readouterr().err == f"error: --src {nope}: directory does not exist\n"
+        assert main([*extra, "--src", nope, "--dst", str(tmp_path / "out"), "--no_progress"]) == 2
+        assert capsys.readouterr().err == f"python -m minimax_jax.convert: error: --src {nope}: directory does not exist\n"
     assert not (tmp_path / "out").exists()
 
     cfg = H.tiny_config(64)
     ckpt = H.save_checkpoint(str(tmp_path / "ours"), cfg, random_params(cfg))
     (tmp_path / "taken").mkdir()
-    assert main(["--export", "--src", ckpt, "--dst", str(tmp_path / "taken"), "--no-progress"]) == 2
+    assert main(["--export", "--src", ckpt, "--dst", str(tmp_path / "taken"), "--no_progress"]) == 2
     err = capsys.readouterr().err
-    assert err == f"error: --dst {tmp_path / 'taken'} already exists; pass --overwrite to replace it, or choose " \
+    assert err == f"python -m minimax_jax.convert: error: --dst {tmp_path / 'taken'} already exists; pass --overwrite to replace it, or choose " \
                   "another --dst\n"
     with pytest.raises(FileExistsError) as e:
         export_orbax_to_hf(ckpt, tmp_path / "taken", progress=False)
@@ -269,8 +269,8 @@ def test_cli_names_its_flags_and_export_files_get_the_usual_mode(tmp_path, capsy
 
     old = os.umask(0o022)
     try:
-        assert main(["--export", "--src", ckpt, "--dst", str(tmp_path / "hf"), "--no-progress",
-                     "--max-shard-gb", "0.000001"]) == 0
+        assert main(["--export", "--src", ckpt, "--dst", str(tmp_path / "hf"), "--no_progress",
+                     "--max_shard_mb", "0.000001"]) == 0
     finally:
         os.umask(old)
     files = sorted(os.listdir(tmp_path / "hf"))

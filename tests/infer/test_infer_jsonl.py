@@ -7,8 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from absl import flags
-
 from minimax_jax.infer import cli
 from minimax_jax.infer.prompts_io import RECORD_KEYS, read_prompts_file
 from minimax_jax.infer.sampler import token_logprobs
@@ -44,17 +42,12 @@ def model(tmp_path_factory):
 @pytest.fixture
 def infer(capsys):
     def go(*args):
-        flags.FLAGS.unparse_flags()
-        flags.FLAGS(["infer.py", *args])
-        try:
-            code = cli.run()
-        finally:
-            flags.FLAGS.unparse_flags()
+        cli.parse(list(args))
+        code = cli.run()
         cap = capsys.readouterr()
         return code, cap.out, cap.err
 
     yield go
-    flags.FLAGS.unparse_flags()
 
 
 def _records(stdout: str) -> list:

@@ -4,8 +4,6 @@
 import json
 
 import pytest
-from absl import flags
-
 from minimax_jax.chat import ChatFormatError, render_chat
 from minimax_jax.infer import cli
 
@@ -13,11 +11,9 @@ from minimax_jax.infer import cli
 @pytest.fixture
 def parse():
     def go(*args):
-        flags.FLAGS.unparse_flags()
-        flags.FLAGS(["infer.py", *args])
+        cli.parse(list(args))
 
     yield go
-    flags.FLAGS.unparse_flags()
 
 
 def test_prompt_and_context(parse, tmp_path):

@@ -59,7 +59,7 @@ def test_run_tokenizer_found_or_named(tmp_path, monkeypatch):
     assert _run_tokenizer(str(run)) is None
 
 
-def test_refused_resume_keeps_run_files_and_export_checks_shapes(tmp_path):
+def test_refused_resume_keeps_run_files_and_export_checks_shapes(tmp_path, capsys):
     """A resume refused for another model config rewrites neither config.yaml nor model_config.yaml;
     an export whose model_config.yaml does not fit the params fails naming them and writes nothing."""
     import pytest
@@ -88,11 +88,11 @@ def test_refused_resume_keeps_run_files_and_export_checks_shapes(tmp_path):
                        r"params\[.*config \[.*64.*\], checkpoint \[.*32.*\]"):
         export_run(str(run), str(dst), dtype="float32")
     assert not dst.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["run", "train.yaml"]
-    with pytest.raises(SystemExit) as e:
-        export_mod.main(["--run_dir", str(run), "--dst", str(dst)])
-    assert str(e.value.code).startswith("export: the params of checkpoint step 1 do not match")
-    assert "the checkpoint was saved with hidden_size=32: put that value back in model_config.yaml" in e.value.code
-    assert "\n" not in str(e.value.code) and not dst.exists()
+    assert export_mod.main(["--run_dir", str(run), "--dst", str(dst)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"{export_mod.PROG}: error: the params of checkpoint step 1 do not match")
+    assert "the checkpoint was saved with hidden_size=32: put that value back in model_config.yaml" in err
+    assert err.count("\n") == 1 and not dst.exists()
 
 
 def _fake_run(root, vocab: int = 64, step: int = 3):
@@ -124,14 +124,8 @@ def _export_cli(capsys, *argv):
     from minimax_jax.train.export import main
 
     capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        main([*argv, "--dtype", "float32"])        # the random-bit params hold NaNs: no cast warnings
-        raise SystemExit(0)
-    err = capsys.readouterr().err
-    code = e.value.code
-    if isinstance(code, str):              # sys.exit("message"): status 1, the message on stderr
-        code, err = 1, err + code + "\n"
-    return code, err
+    code = main([*argv, "--dtype", "float32"])        # the random-bit params hold NaNs: no cast warnings
+    return code, capsys.readouterr().err
 
 
 def test_export_never_deletes_its_run_or_anything_beside_it(tmp_path, capsys):
@@ -163,7 +157,7 @@ def test_export_overwrites_only_an_earlier_export(tmp_path, capsys):
     dst = tmp_path / "ckpt"
     assert _export_cli(capsys, "--run_dir", str(run), "--dst", str(dst))[0] == 0
     code, err = _export_cli(capsys, "--run_dir", str(run), "--dst", str(dst))
-    assert code == 2 and err == f"export: {dst} already exists; pass --overwrite to replace it (only a directory " \
+    assert code == 2 and err == f"python -m minimax_jax.train.export: error: {dst} already exists; pass --overwrite to replace it (only a directory " \
                                 "export wrote is ever replaced), or choose another destination\n"
     assert _export_cli(capsys, "--run_dir", str(run), "--dst", str(dst), "--overwrite")[0] == 0
     _, back = load_checkpoint(dst)
@@ -200,7 +194,7 @@ def test_export_of_a_corrupt_run_names_the_tensor(tmp_path, capsys):
     run, params = _fake_run(tmp_path)
     flip_byte_of(str(run / "checkpoints" / "3" / "state"), params["lm_head"])
     code, err = _export_cli(capsys, "--run_dir", str(run), "--dst", str(tmp_path / "ck"))
-    assert code == 1 and err == (f"export: checkpoint {run}/checkpoints/3: tensor 'params.lm_head' checksum mismatch "
+    assert code == 1 and err == (f"python -m minimax_jax.train.export: error: checkpoint {run}/checkpoints/3: tensor 'params.lm_head' checksum mismatch "
                                  "(file flipped or truncated); restore it from a good copy\n")
     assert not (tmp_path / "ck").exists()
     assert _export_cli(capsys, "--run_dir", str(run), "--dst", str(tmp_path / "ck"), "--no_verify")[0] == 0
