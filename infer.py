@@ -7,13 +7,16 @@ Examples::
     python infer.py --checkpoint ckpt/ --context_file book.txt --prompt "Who is it?" --speculative mtp
     python infer.py --prompts_file prompts.jsonl --n 4 --temperature 0.8 --seed 1 --output out.jsonl
     python infer.py --chat_file chat.json --temperature 0 --json --logprobs          # stdout: JSON only
+    python infer.py serve --checkpoint ckpt/ --port 8000    # OpenAI-compatible server (minimax_jax.serve)
 
-Thin wrapper; the flags and the logic live in ``minimax_jax.infer.cli``.
+Thin wrapper; the flags and the logic live in ``minimax_jax.infer.cli`` (``serve``: ``minimax_jax.serve.cli``).
 """
 
 import sys
 
-from minimax_jax.infer import cli
-
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["serve"]:
+        from minimax_jax.serve import cli as serve_cli       # only when serving: fastapi / uvicorn
+        sys.exit(serve_cli.main(sys.argv[2:]))
+    from minimax_jax.infer import cli
     sys.exit(cli.main())

@@ -1,0 +1,71 @@
+"""Command line of the OpenAI-compatible server: ``python -m minimax_jax.serve`` (flags: ``--help``);
+``main(argv)`` is the entry point for other launchers (``python infer.py serve ...`` passes the rest).
+
+With no ``--checkpoint`` it serves the shipped demo checkpoint (as ``infer.py``). Exit status as the
+other tools (``minimax_jax.cli_main``): 2 for bad flags / checkpoints, 1 for runtime failures.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from minimax_jax import cli_main
+
+PROG = "python -m minimax_jax.serve"
+
+
+def build_parser():
+    p = cli_main.Parser(prog=PROG, description="Serve a MiniMax-M2 / M3 checkpoint over the OpenAI API "
+                                               "(continuous batching on the paged engine).")
+    p.add_argument("--checkpoint", default=None, help="Checkpoint directory (ours or Hugging Face); default: the "
+                                                      "shipped demo checkpoint checkpoints/demo/.")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the one in --checkpoint).")
+    p.add_argument("--host", default="127.0.0.1", help="Address to listen on.")
+    p.add_argument("--port", type=cli_main.int_at_least(0), default=8000, help="TCP port.")
+    p.add_argument("--max_batch", type=cli_main.int_at_least(1), default=8, help="Sequences decoded together "
+                                                                                 "(engine slots).")
+    p.add_argument("--max_len", type=cli_main.int_at_least(2), default=4096, help="Longest prompt + completion "
+                                                                                  "in tokens (rounded up to a "
+                                                                                  "power of two).")
+    p.add_argument("--max_queue", type=cli_main.int_at_least(1), default=64, help="Waiting sequences before "
+                                                                                  "requests get 429.")
+    p.add_argument("--prefill_chunk", type=cli_main.int_at_least(1), default=256, help="Prompt tokens per "
+                                                                                       "prefill step.")
+    p.add_argument("--default_max_tokens", type=cli_main.int_at_least(1), default=256,
+                   help="Chat completion length when the request gives no max_tokens.")
+    p.add_argument("--served_model_name", default=None, help="Model id of the API (default: the checkpoint "
+                                                             "folder's name).")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="Cast the parameters on load.")
+    cli_main.add_bool(p, "prefix_cache", True, "Share cached prompt pages across requests.")
+    return cli_main.add_common(p, cache=True)
+
+
+def _main(argv) -> int:
+    import uvicorn
+
+    from minimax_jax.infer.loading import load_model
+    from minimax_jax.serve.server import build
+
+    flags = cli_main.parse_args(build_parser(), argv)
+    cli_main.enable_compilation_cache(flags.compilation_cache, prog=PROG)
+    model = load_model(flags.checkpoint, tokenizer_path=flags.tokenizer, dtype=flags.dtype,
+                       log=lambda m: print(m, file=sys.stderr, flush=True))
+    server = build(model, max_batch=flags.max_batch, max_len=flags.max_len, max_queue=flags.max_queue,
+                   prefill_chunk=flags.prefill_chunk, model_name=flags.served_model_name,
+                   default_max_tokens=flags.default_max_tokens, prefix_cache=flags.prefix_cache)
+    print(f"serving {server.model_name} on http://{flags.host}:{flags.port}/v1 ({server.scheduler.max_batch} "
+          f"slots, max_len {server.scheduler.max_len})", file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(server.app, host=flags.host, port=flags.port, log_level="warning")
+    finally:
+        server.close()
+    return 0
+
+
+def main(argv=None) -> int:
+    from minimax_jax.config import ConfigError
+    from minimax_jax.convert.errors import CheckpointError
+    from minimax_jax.infer.errors import CheckpointNotFound, InferenceError, TokenizerNotFound
+
+    return cli_main.run(_main, argv, prog=PROG, usage=(ValueError, CheckpointNotFound, TokenizerNotFound),
+                        failure=(InferenceError, ConfigError, CheckpointError))

@@ -1,0 +1,130 @@
+"""OpenAI-style request models (pydantic) and errors for the server.
+
+Requests follow the OpenAI completions / chat completions APIs; fields we do not implement
+(``presence_penalty`` / ``frequency_penalty`` other than 0, ``logit_bias``, ``best_of`` > n, ``echo``,
+``suffix``) are refused with 400 rather than ignored. ``top_k`` (0 or -1 = off) and ``min_p`` are
+extensions (pass them in ``extra_body`` with the ``openai`` client). Errors are
+``{"error": {"message", "type", "param", "code"}}`` (``ApiError.body``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+__all__ = ["ApiError", "ChatCompletionRequest", "CompletionRequest", "MAX_N", "MAX_STOP", "MAX_TOP_LOGPROBS",
+           "StreamOptions"]
+
+MAX_N = 16
+MAX_STOP = 4
+MAX_TOP_LOGPROBS = 20
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI-style JSON with HTTP ``status``."""
+
+    TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error",
+             500: "server_error", 503: "server_error"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Fields shared by both endpoints (sampling, stops, counts)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: Optional[int] = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    seed: Optional[int] = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: Optional[Union[str, list[str]]] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Optional[dict] = None
+    user: Optional[str] = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences, got {len(stops)}")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty strings")
+        return stops
+
+    def unsupported(self) -> None:
+        """Raise ApiError(400) for accepted-but-unimplemented fields set to non-defaults."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != 0.0:
+                raise ApiError(400, f"{name} is not supported by this server (use 0)", name, "unsupported_parameter")
+        if self.logit_bias:
+            raise ApiError(400, "logit_bias is not supported by this server", "logit_bias", "unsupported_parameter")
+
+    @property
+    def top_k_value(self) -> int:
+        return max(self.top_k, 0)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Common):
+    """``POST /v1/completions``: ``prompt`` is a string, a list of one string, or token ids."""
+
+    prompt: Union[str, list[str], list[int]]
+    max_tokens: Optional[int] = Field(16, ge=1)
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+    def unsupported(self) -> None:
+        super().unsupported()
+        if self.echo:
+            raise ApiError(400, "echo is not supported by this server", "echo", "unsupported_parameter")
+        if self.suffix:
+            raise ApiError(400, "suffix is not supported by this server", "suffix", "unsupported_parameter")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ApiError(400, "best_of other than n is not supported", "best_of", "unsupported_parameter")
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) != 1:
+            raise ApiError(400, "send one prompt per request (a list of several prompts is not supported)",
+                           "prompt", "unsupported_parameter")
+
+
+class ChatCompletionRequest(_Common):
+    """``POST /v1/chat/completions``: messages (system/user/assistant/tool) and optional tools."""
+
+    messages: list[dict[str, Any]]
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], dict]] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+
+    def unsupported(self) -> None:
+        super().unsupported()
+        if self.tool_choice not in (None, "auto", "none"):
+            raise ApiError(400, "tool_choice other than 'auto' / 'none' is not supported", "tool_choice",
+                           "unsupported_parameter")
+        if self.top_logprobs and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs", "invalid_value")

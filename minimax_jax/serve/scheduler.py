@@ -1,0 +1,283 @@
+"""Continuous batching over the paged decode engine, in one worker thread.
+
+Each ``Sequence`` is one generated choice (a request with ``n`` choices submits ``n``). The worker
+loop, between decode steps: drops cancelled sequences (their slots and pages are freed), admits
+waiting sequences into free engine slots (one batched chunked prefill through
+``minimax_jax.infer.backends.PagedBackend``; a sequence is admitted only while the page pool can hold
+every admitted sequence's prompt + ``max_tokens``), then runs ONE decode step over all active slots.
+Token choice, stop rules and log-probabilities are those of the generation loop
+(``minimax_jax.infer.sampler.RowSampler`` keyed by (seed, row id, step), ``minimax_jax.stopping``,
+``token_logprobs``), so a greedy sequence gets the tokens ``Generator.generate`` gives its prompt.
+Prefix reuse is the engine's prefix cache (full pages shared by content hash across requests).
+
+Events go to ``Sequence.emit`` (called on the worker thread; the HTTP side bridges it to asyncio):
+``{"type": "token", "text": delta, "logprobs": [entry...]}``, then one ``{"type": "done", ...}`` or
+``{"type": "error", "message": ...}``. Back-pressure: ``submit`` raises ``QueueFull`` when more than
+``max_queue`` sequences wait.
+Not done here: chunked prefill interleaved with decode under a token budget (an admission's prefill
+runs to the end before the next decode step).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+
+from minimax_jax.infer.generation import GenerationConfig, Generator
+from minimax_jax.infer.sampler import RowSampler, SamplingParams, token_logprobs
+from minimax_jax.stopping import StopChecker, StopConfig
+
+__all__ = ["QueueFull", "Scheduler", "Sequence"]
+
+
+class QueueFull(RuntimeError):
+    """More sequences wait than the scheduler's ``max_queue``."""
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """One choice to generate. ``logprobs``: None = off, k >= 0 = the chosen token's log-probability
+    plus the k most likely tokens'. ``row_id`` keys the random draws (choice index, as ``infer.py``'s
+    sample index)."""
+
+    prompt: list
+    max_tokens: int
+    sampling: SamplingParams
+    emit: Callable[[dict], None]
+    row_id: int = 0
+    stop_strings: tuple = ()
+    logprobs: int | None = None
+    cancelled: bool = False
+    # worker state
+    arrival: float = dataclasses.field(default_factory=time.perf_counter)
+    handle: int | None = None
+    pending: int = 0
+    drawn: int = 0
+    ids: list = dataclasses.field(default_factory=list)
+    streamed: int = 0
+    cached_tokens: int = 0
+    last_token_at: float = 0.0
+    checker: StopChecker | None = None
+    sampler: RowSampler | None = None
+
+    def cancel(self) -> None:
+        """Ask the worker to drop this sequence (thread-safe: a flag read between steps)."""
+        self.cancelled = True
+
+
+class Scheduler:
+    """The batching loop over a ``Generator``'s paged engine.
+
+    Args:
+      generator: ``minimax_jax.infer.Generator`` (engine "paged"); its engine is built here with
+        ``max_batch`` slots of ``max_len`` tokens (``Generator.reserve``; max_len rounded up to a power
+        of two, capped at the model's context).
+      max_queue: waiting sequences before ``submit`` raises QueueFull.
+      metrics: ``minimax_jax.serve.metrics.Metrics`` or None.
+    """
+
+    def __init__(self, generator: Generator, *, max_batch: int, max_len: int, max_queue: int = 64, metrics=None):
+        if generator.engine != "paged":
+            raise ValueError(f"the server needs the paged engine, got {generator.engine!r}")
+        self.gen = generator
+        generator.reserve(max_batch, max_len)
+        self.backend = generator.backend
+        self.engine = self.backend.engine
+        self.max_len = self.backend.max_len
+        self.max_batch = max_batch
+        self.max_queue = max_queue
+        self.metrics = metrics
+        self.stop_ids = generator.stop_ids(GenerationConfig())
+        self._waiting: collections.deque[Sequence] = collections.deque()
+        self._active: list[Sequence] = []
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    # ------------------------------------------------------------------ control
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="minimax-serve-worker", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, seqs: list[Sequence]) -> None:
+        """Queue sequences (all or none). Raises QueueFull."""
+        with self._cv:
+            if len(self._waiting) + len(seqs) > self.max_queue:
+                raise QueueFull(f"server busy: {len(self._waiting)} sequences already wait (max_queue "
+                                f"{self.max_queue}); retry later")
+            for s in seqs:
+                s.checker = StopChecker(StopConfig(self.stop_ids, tuple(s.stop_strings), s.max_tokens))
+                s.sampler = RowSampler(s.sampling)
+            self._waiting.extend(seqs)
+            self._cv.notify_all()
+        self._gauges()
+
+    @property
+    def queue_length(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def active_count(self) -> int:
+        return len(self._active)
+
+    def free_slots(self) -> int:
+        return sum(s is None for s in self.engine.seqs)
+
+    # ------------------------------------------------------------------ loop
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while not self._stopping and not self._waiting and not self._active:
+                        self._cv.wait(0.5)
+                    if self._stopping:
+                        break
+                self._drop_cancelled()
+                self._admit()
+                if self._active:
+                    self._step()
+                self._gauges()
+        except BaseException as e:   # the worker must not die silently: fail everything in flight
+            self.error = e
+            for s in list(self._active) + list(self._waiting):
+                s.emit({"type": "error", "message": f"engine failure: {type(e).__name__}: {e}"})
+            raise
+        finally:
+            for s in list(self._active):
+                self._release(s)
+
+    def _gauges(self) -> None:
+        if self.metrics is not None:
+            self.metrics.set_state(queue=len(self._waiting), active=len(self._active),
+                                   free_pages=self.engine.pool.num_free, cached_pages=self.engine.pool.num_cached)
+
+    def _release(self, s: Sequence) -> None:
+        if s in self._active:
+            self._active.remove(s)
+        if s.handle is not None:
+            self.backend.free(s.handle)
+            s.handle = None
+
+    def _drop_cancelled(self) -> None:
+        for s in [s for s in self._active if s.cancelled]:
+            self._release(s)
+            if self.metrics is not None:
+                self.metrics.finished("cancelled")
+        with self._cv:
+            gone = [s for s in self._waiting if s.cancelled]
+            for s in gone:
+                self._waiting.remove(s)
+        if self.metrics is not None:
+            for _ in gone:
+                self.metrics.finished("cancelled")
+
+    def _pages(self, tokens: int) -> int:
+        return math.ceil(tokens / self.engine.page_size)
+
+    def _admit(self) -> None:
+        slots = self.free_slots()
+        # pages the active sequences may still need to reach prompt + max_tokens
+        owed = sum(max(0, self._pages(len(s.prompt) + s.max_tokens) - len(self.engine.seqs[s.handle].pages))
+                   for s in self._active)
+        budget = self.engine.pool.num_free - owed
+        take: list[Sequence] = []
+        with self._cv:
+            while self._waiting and len(take) < slots:
+                s = self._waiting[0]
+                need = self._pages(len(s.prompt) + s.max_tokens)
+                if need > budget:
+                    break      # wait for pages to come back
+                budget -= need
+                take.append(self._waiting.popleft())
+        if not take:
+            return
+        try:
+            handles, last, _ = self.backend.prefill([s.prompt for s in take])
+        except Exception as e:
+            for s in take:
+                s.emit({"type": "error", "message": f"prefill failed: {type(e).__name__}: {e}"})
+            return
+        now = time.perf_counter()
+        for s, h in zip(take, handles):
+            s.handle = h
+            s.cached_tokens = self.engine.seqs[h].cached_tokens
+            self._active.append(s)
+            if self.metrics is not None:
+                self.metrics.admitted(len(s.prompt), s.cached_tokens, now - s.arrival)
+        self._choose_and_emit(take, last)
+
+    def _step(self) -> None:
+        rows = list(self._active)
+        toks = np.array([[s.pending] for s in rows], np.int32)
+        try:
+            logits, _ = self.backend.step([s.handle for s in rows], toks)
+        except Exception as e:     # e.g. PagePoolExhausted: fail this batch, keep serving
+            for s in rows:
+                self._release(s)
+                s.emit({"type": "error", "message": f"decode step failed: {type(e).__name__}: {e}"})
+                if self.metrics is not None:
+                    self.metrics.finished("error")
+            return
+        self._choose_and_emit(rows, logits[:, 0])
+
+    # ------------------------------------------------------------------ tokens
+    def _choose_and_emit(self, rows: list[Sequence], logits: np.ndarray) -> None:
+        now = time.perf_counter()
+        for i, s in enumerate(rows):
+            x = logits[i:i + 1]
+            tok = int(s.sampler.choose(x, [s.row_id], [s.drawn])[0])
+            s.drawn += 1
+            s.pending = tok
+            entry = None if s.logprobs is None else self._logprob_entry(x[0], tok, s.logprobs)
+            if self.metrics is not None:
+                self.metrics.token(None if s.drawn == 1 else now - s.last_token_at)
+            s.last_token_at = now
+            self._emit(s, tok, entry)
+
+    def _logprob_entry(self, row: np.ndarray, tok: int, k: int) -> dict:
+        lp = float(token_logprobs(row[None], [tok])[0])
+        ids = np.argsort(-np.asarray(row, np.float64), kind="stable")[:k]
+        top = token_logprobs(np.repeat(row[None], len(ids), 0), ids) if k else []
+        return {"id": tok, "logprob": lp, "top": [(int(t), float(v)) for t, v in zip(ids, top)]}
+
+    def _emit(self, s: Sequence, tok: int, entry: dict | None) -> None:
+        """The generation loop's emission rule: stop tokens are not part of the output; text that may
+        still become a stop string is held back."""
+        ck = s.checker
+        res = ck.update(tok, self.gen._text(s.ids + [tok]))
+        entries = []
+        if res is None or res.reason != "stop_token":
+            s.ids.append(tok)
+            if entry is not None:
+                entries.append(entry)
+        text = ck.emittable_text()
+        delta = text[s.streamed:] if len(text) > s.streamed else ""
+        s.streamed = max(s.streamed, len(text))
+        if delta or entries:
+            s.emit({"type": "token", "text": delta, "logprobs": entries})
+        if res is not None:
+            self._release(s)
+            reason = "length" if res.reason == "length" else "stop"
+            if self.metrics is not None:
+                self.metrics.finished(reason)
+            s.emit({"type": "done", "finish_reason": reason, "stop_reason": res.reason, "text": res.text,
+                    "tokens": list(s.ids[:res.num_tokens]), "prompt_tokens": len(s.prompt),
+                    "cached_tokens": s.cached_tokens})
