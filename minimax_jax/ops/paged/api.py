@@ -14,7 +14,9 @@ Ops (one per concern):
 - ``msa_decode_select``: per row and kv group, score the COMPLETE pages ``< local = pos_i // page``
   with the index query (block score = max over the page's tokens of ``<qi, ki> / sqrt(Di)``), keep
   the best ``topk - 1`` (ties to the lower id) and force the local page. Returns logical page ids.
-- ``msa_decode``: the two above composed.
+- ``msa_decode``: the two above composed; when every valid row's local page is ``< topk`` (the
+  selection would keep every page ``0..local``) it skips the scoring and runs the dense
+  ``paged_attention`` (same result; recorded under ``"msa_decode.path"``).
 
 Implementations (``minimax_jax.ops.registry``; what ran is recorded under the op's name):
 ``"xla"`` (reference, gathers pages; every platform; ``xla.py``), ``"pallas_gpu"`` (Triton),
@@ -27,12 +29,13 @@ cannot serve the call (e.g. a sliding window) raises ``ImplementationUnavailable
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from minimax_jax.ops import registry
 from minimax_jax.ops.paged import pallas as _pallas
 from minimax_jax.ops.paged import xla as _xla
-from minimax_jax.ops.registry import Implementation
+from minimax_jax.ops.registry import Implementation, record_implementation
 
 __all__ = ["paged_attention", "msa_decode_select", "msa_decode", "IMPLEMENTATIONS"]
 
@@ -48,6 +51,14 @@ def _check(op, q, k_pages, page_table, q_positions):
         raise ValueError(f"{op}: page_table must be [B={b}, NP], got {page_table.shape}")
     if q_positions.shape != (b, nq):
         raise ValueError(f"{op}: q_positions must be [B={b}, Q={nq}], got {q_positions.shape}")
+
+
+def _check_select(op, qi, ki_pages, page_table, q_positions):
+    if qi.ndim != 4 or ki_pages.ndim != 3 or ki_pages.shape[-1] != qi.shape[-1]:
+        raise ValueError(f"{op}: qi must be [B,Q,Hi,Di] and ki_pages [P,page,Di]; got {qi.shape}, {ki_pages.shape}")
+    if q_positions.shape != qi.shape[:2] or page_table.shape[0] != qi.shape[0]:
+        raise ValueError(f"{op}: q_positions {q_positions.shape} / page_table {page_table.shape} "
+                         f"do not match qi {qi.shape}")
 
 
 def paged_attention(q, k_pages, v_pages, page_table, q_positions, *, k_scale=None, v_scale=None,
@@ -98,25 +109,66 @@ def msa_decode_select(qi, ki_pages, page_table, q_positions, *, ki_scale=None, t
     Raises: ValueError; ImplementationUnavailable.
     """
     op = "msa_decode_select"
-    if qi.ndim != 4 or ki_pages.ndim != 3 or ki_pages.shape[-1] != qi.shape[-1]:
-        raise ValueError(f"{op}: qi must be [B,Q,Hi,Di] and ki_pages [P,page,Di]; got {qi.shape}, {ki_pages.shape}")
-    if q_positions.shape != qi.shape[:2] or page_table.shape[0] != qi.shape[0]:
-        raise ValueError(f"{op}: q_positions {q_positions.shape} / page_table {page_table.shape} "
-                         f"do not match qi {qi.shape}")
+    _check_select(op, qi, ki_pages, page_table, q_positions)
     return registry.dispatch(op, implementation, qi, ki_pages, page_table.astype(jnp.int32),
                              q_positions.astype(jnp.int32), ki_scale=ki_scale, topk=topk, init_blocks=init_blocks,
                              local_blocks=local_blocks, launch_table=launch_table)
 
 
 def msa_decode(q, qi, k_pages, v_pages, ki_pages, page_table, q_positions, *, k_scale=None, v_scale=None,
-               ki_scale=None, topk, init_blocks=0, local_blocks=1, implementation="auto", launch_table=None):
-    """``msa_decode_select`` then ``paged_attention(block_ids=...)``. Returns ``(o, lse, block_ids)``."""
-    ids = msa_decode_select(qi, ki_pages, page_table, q_positions, ki_scale=ki_scale, topk=topk,
-                            init_blocks=init_blocks, local_blocks=local_blocks, implementation=implementation,
-                            launch_table=launch_table)
-    o, lse = paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale=k_scale, v_scale=v_scale,
-                             block_ids=ids, implementation=implementation, launch_table=launch_table)
-    return o, lse, ids
+               ki_scale=None, topk, init_blocks=0, local_blocks=1, implementation="auto", launch_table=None,
+               runtime_dense_check=False):
+    """``msa_decode_select`` then ``paged_attention(block_ids=...)``. Returns ``(o, lse, block_ids)``.
+
+    Arguments as those two ops (valid rows' positions inside the page table). When every valid row has
+    ``pos // page < topk`` the selection keeps every page ``0..local`` (MSA == dense, MSA_SPEC.md
+    section 2, whatever ``init_blocks`` / ``local_blocks``), so no scoring runs: dense
+    ``paged_attention`` and ids ``0..local`` ascending (equal as sets). ``"msa_decode.path"`` records
+    ``"dense"`` (static ``NP <= topk``, or eager positions all short), ``"sparse"`` (eager, a long row;
+    or traced positions by default) or ``"cond"`` (traced positions with ``runtime_dense_check``:
+    ``jax.lax.cond`` picks at run time; a long row runs the sparse path for every row). The run-time
+    check is opt-in because a GPU conditional may cost a host round trip per layer and step (unmeasured).
+    Raises: ValueError (shapes, as the two ops); ImplementationUnavailable.
+    """
+    op = "msa_decode"
+    _check(op, q, k_pages, page_table, q_positions)
+    _check_select(op, qi, ki_pages, page_table, q_positions)
+    if qi.shape[2] != k_pages.shape[0]:
+        raise ValueError(f"{op}: qi has {qi.shape[2]} index heads, k_pages {k_pages.shape[0]} kv groups (equal)")
+    page, n_pages = ki_pages.shape[1], page_table.shape[1]
+    q_positions = jnp.asarray(q_positions, jnp.int32)
+    kv = dict(k_scale=k_scale, v_scale=v_scale, implementation=implementation, launch_table=launch_table)
+
+    def dense():
+        o, lse = paged_attention(q, k_pages, v_pages, page_table, q_positions, **kv)
+        return o.astype(q.dtype), lse.astype(jnp.float32), _all_pages(q_positions, page, n_pages, qi.shape[2], topk)
+
+    def sparse():
+        ids = msa_decode_select(qi, ki_pages, page_table, q_positions, ki_scale=ki_scale, topk=topk,
+                                init_blocks=init_blocks, local_blocks=local_blocks, implementation=implementation,
+                                launch_table=launch_table)
+        o, lse = paged_attention(q, k_pages, v_pages, page_table, q_positions, block_ids=ids, **kv)
+        return o.astype(q.dtype), lse.astype(jnp.float32), ids.astype(jnp.int32)
+
+    short = jnp.all((q_positions < 0) | (q_positions // page < topk))
+    if n_pages <= topk or not isinstance(short, jax.core.Tracer):
+        path = "dense" if n_pages <= topk or bool(short) else "sparse"
+        record_implementation(f"{op}.path", path)
+        return dense() if path == "dense" else sparse()
+    if not runtime_dense_check:
+        record_implementation(f"{op}.path", "sparse")
+        return sparse()
+    record_implementation(f"{op}.path", "cond")
+    return jax.lax.cond(short, dense, sparse)
+
+
+def _all_pages(q_positions, page, n_pages, n_groups, topk):
+    """``[B, G, Q, topk]`` int32: pages ``0..local`` (``< n_pages``) of each valid row ascending, ``-1`` after."""
+    local = jnp.where(q_positions >= 0, q_positions // page, -1)[:, None, :, None]
+    slot = jnp.arange(topk, dtype=jnp.int32)
+    ids = jnp.where((slot <= local) & (slot < n_pages), slot, -1).astype(jnp.int32)
+    b, nq = q_positions.shape
+    return jnp.broadcast_to(ids, (b, n_groups, nq, topk))
 
 
 def _kernel_then_xla(backend, *args, **kwargs):
