@@ -27,6 +27,8 @@ Usage::
     out = eng.decode_step(np.array([[tok_a], [tok_b]]), slots)   # [2, Q, V]
     eng.truncate(slots[0], new_len)                         # drop rejected speculative tokens
     eng.free(slots[1])
+    c = eng.prefill_start(prompt_c)                         # admitted, computed a chunk per call:
+    done = eng.prefill_advance([c])                         # {c: [1, V]} once its prompt is complete
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class SequenceState:
     pages: list
     hashes: list                      # chain hashes of the first len(hashes) full pages
     cached_tokens: int = 0            # tokens that came from the prefix cache at admission
+    prompt: list | None = None        # the whole prompt while ``prefill_advance`` computes it, else None
 
 
 _PAGE_AXIS = {"k": 1, "v": 1, "k_scale": 1, "v_scale": 1, "ki": 0, "ki_scale": 0}
@@ -403,6 +406,65 @@ class DecodeEngine:
         if return_hidden:
             return slots, logits, [np.concatenate(hids[s], 0) for s in slots]
         return slots, logits
+
+    def prefill_start(self, prompt: Sequence[int]) -> int:
+        """Admit one prompt into a free slot (prefix-cache lookup, pages for the whole prompt) without
+        computing it; ``prefill_advance`` then runs its uncached suffix a chunk at a time, between
+        decode steps of other slots. Returns the slot. Raises as ``prefill`` (nothing admitted)."""
+        prompt = [int(t) for t in prompt]
+        slot = self._admit(prompt)
+        try:
+            self._reserve({slot: len(prompt)})
+        except Exception:
+            self.free(slot)
+            raise
+        self.seqs[slot].prompt = prompt
+        return slot
+
+    def prefill_remaining(self, slot: int) -> int:
+        """Prompt tokens of a ``prefill_start`` slot not computed yet (0 once its prefill is done)."""
+        s = self._seq(slot)
+        return 0 if s.prompt is None else len(s.prompt) - len(s.tokens)
+
+    def prefill_advance(self, slots: Sequence[int], max_tokens: int | None = None) -> dict:
+        """One prefill step over ``prefill_start`` slots: up to ``prefill_chunk`` next prompt tokens of
+        each, ``max_tokens`` in all (slots served in the order given; None = no limit; at least one
+        token). Returns ``{slot: float32 [1, V] logits of the last prompt position}`` for the slots
+        whose prompt is now complete (they take ``decode_step`` from here). Raises ValueError for a
+        slot with no pending prefill."""
+        budget = self.prefill_chunk * len(slots) if max_tokens is None else max(1, int(max_tokens))
+        c = self.prefill_chunk
+        tok = np.zeros((self.max_seqs, c), np.int32)
+        pos = np.full((self.max_seqs, c), -1, np.int32)
+        rows = np.zeros((self.max_seqs, 1), np.int32)
+        took, end = {}, 0
+        for slot in slots:
+            left = self.prefill_remaining(slot)
+            if left <= 0:
+                raise ValueError(f"slot {slot} has no pending prefill")
+            n = min(c, left, budget)
+            if n <= 0:
+                break
+            s = self.seqs[slot]
+            start = len(s.tokens)
+            tok[slot, :n] = s.prompt[start:start + n]
+            pos[slot, :n] = np.arange(start, start + n)
+            rows[slot, 0] = n - 1
+            took[slot], end, budget = n, max(end, start + n), budget - n
+        logits = self._run(tok, pos, "gather", self.prefill_implementation,
+                           table_width=self.prefill_table_width(end), logit_rows=rows)
+        finished = [slot for slot, n in took.items() if self.prefill_remaining(slot) == n]
+        if finished:
+            logits = np.asarray(logits)
+        out = {}
+        for slot, n in took.items():
+            s = self.seqs[slot]
+            s.tokens.extend(s.prompt[len(s.tokens):len(s.tokens) + n])
+            self._publish(slot)
+            if slot in finished:
+                s.prompt = None
+                out[slot] = logits[slot, :1]
+        return out
 
     def decode_step(self, tokens, slots: Sequence[int], num_tokens: Sequence[int] | None = None,
                     return_hidden: bool = False):

@@ -116,7 +116,7 @@ def build_app(scheduler: Scheduler, tokenizer, model_name: str, *, metrics, defa
 
         params = sampling(req)
         seqs = [Sequence(prompt, max_tokens, params, sink(j), row_id=j, stop_strings=tuple(req.stop or ()),
-                         logprobs=logprobs) for j in range(req.n)]
+                         logprobs=logprobs, ignore_eos=req.ignore_eos) for j in range(req.n)]
         if not scheduler.alive:
             raise ApiError(503, "engine worker is not running")
         try:

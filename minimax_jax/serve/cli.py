@@ -31,11 +31,16 @@ def build_parser():
                                                                                   "requests get 429.")
     p.add_argument("--prefill_chunk", type=cli_main.int_at_least(1), default=256, help="Prompt tokens per "
                                                                                        "prefill step.")
+    p.add_argument("--token_budget", type=cli_main.int_at_least(1), default=None,
+                   help="Tokens per scheduler iteration (one per decoding sequence + prefill tokens); default: one "
+                        "prefill chunk per prefilling sequence on top of the decode tokens.")
     p.add_argument("--default_max_tokens", type=cli_main.int_at_least(1), default=256,
                    help="Chat completion length when the request gives no max_tokens.")
     p.add_argument("--served_model_name", default=None, help="Model id of the API (default: the checkpoint "
                                                              "folder's name).")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="Cast the parameters on load.")
+    p.add_argument("--attention", choices=("as_trained", "dense"), default="as_trained",
+                   help="as_trained, or dense: run MSA layers as full attention (as infer.py --attention).")
     cli_main.add_bool(p, "prefix_cache", True, "Share cached prompt pages across requests.")
     return cli_main.add_common(p, cache=True)
 
@@ -49,10 +54,11 @@ def _main(argv) -> int:
     flags = cli_main.parse_args(build_parser(), argv)
     cli_main.enable_compilation_cache(flags.compilation_cache, prog=PROG)
     model = load_model(flags.checkpoint, tokenizer_path=flags.tokenizer, dtype=flags.dtype,
-                       log=lambda m: print(m, file=sys.stderr, flush=True))
+                       attention=flags.attention, log=lambda m: print(m, file=sys.stderr, flush=True))
     server = build(model, max_batch=flags.max_batch, max_len=flags.max_len, max_queue=flags.max_queue,
                    prefill_chunk=flags.prefill_chunk, model_name=flags.served_model_name,
-                   default_max_tokens=flags.default_max_tokens, prefix_cache=flags.prefix_cache)
+                   default_max_tokens=flags.default_max_tokens, prefix_cache=flags.prefix_cache,
+                   token_budget=flags.token_budget)
     print(f"serving {server.model_name} on http://{flags.host}:{flags.port}/v1 ({server.scheduler.max_batch} "
           f"slots, max_len {server.scheduler.max_len})", file=sys.stderr, flush=True)
     try:

@@ -2,7 +2,8 @@
 
 Requests follow the OpenAI completions / chat completions APIs; fields we do not implement
 (``presence_penalty`` / ``frequency_penalty`` other than 0, ``logit_bias``, ``best_of`` > n, ``echo``,
-``suffix``) are refused with 400 rather than ignored. ``top_k`` (0 or -1 = off) and ``min_p`` are
+``suffix``) are refused with 400 rather than ignored. ``top_k`` (0 or -1 = off), ``min_p`` and
+``ignore_eos`` (keep generating past stop tokens up to ``max_tokens``, as vLLM's; for load tests) are
 extensions (pass them in ``extra_body`` with the ``openai`` client). Errors are
 ``{"error": {"message", "type", "param", "code"}}`` (``ApiError.body``).
 """
@@ -51,6 +52,7 @@ class _Common(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
+    ignore_eos: bool = False
     seed: Optional[int] = None
     n: int = Field(1, ge=1, le=MAX_N)
     stop: Optional[Union[str, list[str]]] = None

@@ -1,10 +1,13 @@
 """Continuous batching over the paged decode engine, in one worker thread.
 
 Each ``Sequence`` is one generated choice (a request with ``n`` choices submits ``n``). The worker
-loop, between decode steps: drops cancelled sequences (their slots and pages are freed), admits
-waiting sequences into free engine slots (one batched chunked prefill through
-``minimax_jax.infer.backends.PagedBackend``; a sequence is admitted only while the page pool can hold
-every admitted sequence's prompt + ``max_tokens``), then runs ONE decode step over all active slots.
+loop, per iteration: drops cancelled sequences (their slots and pages are freed), admits waiting
+sequences into free engine slots (``DecodeEngine.prefill_start``: prefix-cache lookup, pages; a
+sequence is admitted only while the page pool can hold every admitted sequence's prompt +
+``max_tokens``), advances the admitted prompts' prefill by ONE chunk (``prefill_advance``; at most
+``token_budget`` tokens per iteration counting one per decoding sequence, at least one), then runs ONE
+decode step over the sequences whose prefill is done - so running streams keep decoding while a long
+prompt is prefilled.
 Token choice, stop rules and log-probabilities are those of the generation loop
 (``minimax_jax.infer.sampler.RowSampler`` keyed by (seed, row id, step), ``minimax_jax.stopping``,
 ``token_logprobs``), so a greedy sequence gets the tokens ``Generator.generate`` gives its prompt.
@@ -14,8 +17,6 @@ Events go to ``Sequence.emit`` (called on the worker thread; the HTTP side bridg
 ``{"type": "token", "text": delta, "logprobs": [entry...]}``, then one ``{"type": "done", ...}`` or
 ``{"type": "error", "message": ...}``. Back-pressure: ``submit`` raises ``QueueFull`` when more than
 ``max_queue`` sequences wait.
-Not done here: chunked prefill interleaved with decode under a token budget (an admission's prefill
-runs to the end before the next decode step).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class QueueFull(RuntimeError):
 class Sequence:
     """One choice to generate. ``logprobs``: None = off, k >= 0 = the chosen token's log-probability
     plus the k most likely tokens'. ``row_id`` keys the random draws (choice index, as ``infer.py``'s
-    sample index)."""
+    sample index). ``ignore_eos``: stop tokens do not end it (only ``max_tokens`` and stop strings)."""
 
     prompt: list
     max_tokens: int
@@ -53,6 +54,7 @@ class Sequence:
     row_id: int = 0
     stop_strings: tuple = ()
     logprobs: int | None = None
+    ignore_eos: bool = False
     cancelled: bool = False
     # worker state
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
@@ -79,10 +81,13 @@ class Scheduler:
         ``max_batch`` slots of ``max_len`` tokens (``Generator.reserve``; max_len rounded up to a power
         of two, capped at the model's context).
       max_queue: waiting sequences before ``submit`` raises QueueFull.
+      token_budget: tokens per iteration (decode tokens + prefill tokens); None = one prefill chunk
+        per prefilling sequence on top of the decode tokens.
       metrics: ``minimax_jax.serve.metrics.Metrics`` or None.
     """
 
-    def __init__(self, generator: Generator, *, max_batch: int, max_len: int, max_queue: int = 64, metrics=None):
+    def __init__(self, generator: Generator, *, max_batch: int, max_len: int, max_queue: int = 64,
+                 token_budget: int | None = None, metrics=None):
         if generator.engine != "paged":
             raise ValueError(f"the server needs the paged engine, got {generator.engine!r}")
         self.gen = generator
@@ -93,9 +98,13 @@ class Scheduler:
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.metrics = metrics
+        if token_budget is not None and token_budget < 1:
+            raise ValueError(f"token_budget must be >= 1 or None, got {token_budget}")
+        self.token_budget = token_budget
         self.stop_ids = generator.stop_ids(GenerationConfig())
         self._waiting: collections.deque[Sequence] = collections.deque()
-        self._active: list[Sequence] = []
+        self._active: list[Sequence] = []          # decoding
+        self._prefilling: list[Sequence] = []      # admitted, prompt not fully computed yet
         self._cv = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -124,7 +133,8 @@ class Scheduler:
                 raise QueueFull(f"server busy: {len(self._waiting)} sequences already wait (max_queue "
                                 f"{self.max_queue}); retry later")
             for s in seqs:
-                s.checker = StopChecker(StopConfig(self.stop_ids, tuple(s.stop_strings), s.max_tokens))
+                stop_ids = frozenset() if s.ignore_eos else self.stop_ids
+                s.checker = StopChecker(StopConfig(stop_ids, tuple(s.stop_strings), s.max_tokens))
                 s.sampler = RowSampler(s.sampling)
             self._waiting.extend(seqs)
             self._cv.notify_all()
@@ -136,7 +146,8 @@ class Scheduler:
 
     @property
     def active_count(self) -> int:
-        return len(self._active)
+        """Admitted sequences (prefilling or decoding)."""
+        return len(self._active) + len(self._prefilling)
 
     def free_slots(self) -> int:
         return sum(s is None for s in self.engine.seqs)
@@ -146,38 +157,42 @@ class Scheduler:
         try:
             while True:
                 with self._cv:
-                    while not self._stopping and not self._waiting and not self._active:
+                    while not self._stopping and not self._waiting and not self._active and not self._prefilling:
                         self._cv.wait(0.5)
                     if self._stopping:
                         break
                 self._drop_cancelled()
                 self._admit()
+                if self._prefilling:
+                    self._advance()
                 if self._active:
                     self._step()
                 self._gauges()
         except BaseException as e:   # the worker must not die silently: fail everything in flight
             self.error = e
-            for s in list(self._active) + list(self._waiting):
+            for s in list(self._active) + list(self._prefilling) + list(self._waiting):
                 s.emit({"type": "error", "message": f"engine failure: {type(e).__name__}: {e}"})
             raise
         finally:
-            for s in list(self._active):
+            for s in list(self._active) + list(self._prefilling):
                 self._release(s)
 
     def _gauges(self) -> None:
         if self.metrics is not None:
-            self.metrics.set_state(queue=len(self._waiting), active=len(self._active),
+            self.metrics.set_state(queue=len(self._waiting), active=self.active_count,
                                    free_pages=self.engine.pool.num_free, cached_pages=self.engine.pool.num_cached)
 
     def _release(self, s: Sequence) -> None:
         if s in self._active:
             self._active.remove(s)
+        if s in self._prefilling:
+            self._prefilling.remove(s)
         if s.handle is not None:
             self.backend.free(s.handle)
             s.handle = None
 
     def _drop_cancelled(self) -> None:
-        for s in [s for s in self._active if s.cancelled]:
+        for s in [s for s in self._active + self._prefilling if s.cancelled]:
             self._release(s)
             if self.metrics is not None:
                 self.metrics.finished("cancelled")
@@ -196,7 +211,7 @@ class Scheduler:
         slots = self.free_slots()
         # pages the active sequences may still need to reach prompt + max_tokens
         owed = sum(max(0, self._pages(len(s.prompt) + s.max_tokens) - len(self.engine.seqs[s.handle].pages))
-                   for s in self._active)
+                   for s in self._active + self._prefilling)
         budget = self.engine.pool.num_free - owed
         take: list[Sequence] = []
         with self._cv:
@@ -207,22 +222,40 @@ class Scheduler:
                     break      # wait for pages to come back
                 budget -= need
                 take.append(self._waiting.popleft())
-        if not take:
-            return
-        try:
-            handles, last, _ = self.backend.prefill([s.prompt for s in take])
-        except Exception as e:
-            for s in take:
+        for s in take:
+            try:
+                s.handle = self.engine.prefill_start(s.prompt)
+            except Exception as e:
                 s.emit({"type": "error", "message": f"prefill failed: {type(e).__name__}: {e}"})
+                if self.metrics is not None:
+                    self.metrics.finished("error")
+                continue
+            s.cached_tokens = self.engine.seqs[s.handle].cached_tokens
+            self._prefilling.append(s)
+
+    def _advance(self) -> None:
+        """One prefill chunk over the prefilling sequences (oldest first) under the token budget."""
+        rows = list(self._prefilling)
+        budget = None if self.token_budget is None else max(1, self.token_budget - len(self._active))
+        try:
+            done = self.engine.prefill_advance([s.handle for s in rows], budget)
+        except Exception as e:
+            for s in rows:
+                self._release(s)
+                s.emit({"type": "error", "message": f"prefill failed: {type(e).__name__}: {e}"})
+                if self.metrics is not None:
+                    self.metrics.finished("error")
+            return
+        finished = [s for s in rows if s.handle in done]
+        if not finished:
             return
         now = time.perf_counter()
-        for s, h in zip(take, handles):
-            s.handle = h
-            s.cached_tokens = self.engine.seqs[h].cached_tokens
+        for s in finished:
+            self._prefilling.remove(s)
             self._active.append(s)
             if self.metrics is not None:
                 self.metrics.admitted(len(s.prompt), s.cached_tokens, now - s.arrival)
-        self._choose_and_emit(take, last)
+        self._choose_and_emit(finished, np.stack([done[s.handle][0] for s in finished]))
 
     def _step(self) -> None:
         rows = list(self._active)

@@ -1,18 +1,22 @@
 """Assemble the server from a loaded model: ``Generator`` -> ``Scheduler`` (worker thread) ->
-FastAPI app; ``serve_forever`` runs it under uvicorn. Tests use ``build`` and their own uvicorn
-thread."""
+FastAPI app. ``in_thread`` runs an app under uvicorn in a background thread on a free loopback port
+(the tests and ``bench/serve_load.py``); the CLI runs uvicorn in the foreground."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import socket
+import threading
+import time
 
 from minimax_jax.infer.generation import Generator
 from minimax_jax.serve.app import build_app
 from minimax_jax.serve.metrics import Metrics
 from minimax_jax.serve.scheduler import Scheduler
 
-__all__ = ["Server", "build"]
+__all__ = ["Server", "build", "free_port", "in_thread"]
 
 
 @dataclasses.dataclass
@@ -27,16 +31,47 @@ class Server:
 
 
 def build(model, *, max_batch: int = 8, max_len: int = 4096, max_queue: int = 64, prefill_chunk: int = 256,
-          model_name: str | None = None, default_max_tokens: int = 256, prefix_cache: bool = True) -> Server:
+          model_name: str | None = None, default_max_tokens: int = 256, prefix_cache: bool = True,
+          token_budget: int | None = None) -> Server:
     """A started server over ``model`` (``minimax_jax.infer.LoadedModel``): ``max_batch`` engine slots of
-    ``max_len`` tokens (prompt + completion), at most ``max_queue`` waiting sequences. The page pool is
-    the engine's default (every slot at ``max_len``); ``model_name`` defaults to the checkpoint folder's
-    name."""
+    ``max_len`` tokens (prompt + completion), at most ``max_queue`` waiting sequences, ``token_budget``
+    tokens per scheduler iteration (``Scheduler``; None = a prefill chunk per prefilling sequence on top of
+    the decode tokens). The page pool is the engine's default (every slot at ``max_len``); ``model_name``
+    defaults to the checkpoint folder's name."""
     gen = Generator(model.cfg, model.params, model.tokenizer, engine="paged",
                     engine_options={"prefill_chunk": prefill_chunk, "prefix_cache": prefix_cache})
     metrics = Metrics()
-    sched = Scheduler(gen, max_batch=max_batch, max_len=max_len, max_queue=max_queue, metrics=metrics)
+    sched = Scheduler(gen, max_batch=max_batch, max_len=max_len, max_queue=max_queue,
+                      token_budget=token_budget, metrics=metrics)
     name = model_name or os.path.basename(os.path.normpath(model.checkpoint_dir))
     app = build_app(sched, model.tokenizer, name, metrics=metrics, default_max_tokens=default_max_tokens)
     sched.start()
     return Server(app, sched, metrics, name)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def in_thread(app, *, host: str = "127.0.0.1", port: int | None = None, start_timeout_s: float = 30.0):
+    """Run ``app`` under uvicorn in a daemon thread; yields the port once it listens. Raises
+    RuntimeError when uvicorn does not start within ``start_timeout_s``."""
+    import uvicorn
+
+    port = free_port(host) if port is None else port
+    uv = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    th = threading.Thread(target=uv.run, daemon=True)
+    th.start()
+    end = time.monotonic() + start_timeout_s
+    while not uv.started:
+        if time.monotonic() > end or not th.is_alive():
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.02)
+    try:
+        yield port
+    finally:
+        uv.should_exit = True
+        th.join(10)

@@ -1,23 +1,16 @@
 """A real server for the tests: the shipped demo model, ``minimax_jax.serve.server.build``, uvicorn on a
-free loopback port in a background thread, and an ``openai`` client pointed at it."""
+free loopback port in a background thread (``server.in_thread``), and an ``openai`` client pointed at it."""
 
 from __future__ import annotations
 
 import contextlib
-import socket
-import threading
 import time
 
 import openai
-import uvicorn
 
-from minimax_jax.serve.server import build
+from minimax_jax.serve.server import build, free_port, in_thread
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["Running", "free_port", "running"]
 
 
 class Running:
@@ -44,18 +37,8 @@ class Running:
 @contextlib.contextmanager
 def running(model, **build_kw):
     srv = build(model, **build_kw)
-    port = free_port()
-    uv = uvicorn.Server(uvicorn.Config(srv.app, host="127.0.0.1", port=port, log_level="warning"))
-    th = threading.Thread(target=uv.run, daemon=True)
-    th.start()
-    end = time.monotonic() + 30
-    while not uv.started:
-        if time.monotonic() > end or not th.is_alive():
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.02)
     try:
-        yield Running(srv, port)
+        with in_thread(srv.app) as port:
+            yield Running(srv, port)
     finally:
-        uv.should_exit = True
-        th.join(10)
         srv.close()

@@ -1,5 +1,5 @@
-"""Continuous batching through the real ``openai`` client: concurrent clients with mixed prompt and
-completion lengths are batched together and each gets what it gets when served alone (greedy); a
+"""Continuous batching through the real ``openai`` client: 16 (32: slow) concurrent clients with mixed
+prompt and completion lengths are batched together and each gets what it gets when served alone (greedy); a
 client that disconnects mid-stream (or hangs up on a non-streaming request) has its sequence cancelled
 and its slot and pages freed."""
 
@@ -19,43 +19,60 @@ from tests.serve.serving import running
 MODEL = "demo"
 LINES = ["ROMEO:", "JULIET:\nO Romeo, Romeo, wherefore art thou", "def main(",
          "KING HENRY:\nOnce more unto the breach, dear friends, once more; " * 3,
-         "FIRST CITIZEN:\nBefore we proceed any further, hear me speak. " * 12,     # > 256 tokens: two chunks
+         "FIRST CITIZEN:\nBefore we proceed any further, hear me speak. " * 12,     # 276 tokens: five chunks
          "HAMLET:\nTo be, or not to be", "import numpy as np\n", "MACBETH:\nIs this a dagger " * 5,
          "PORTIA:\nThe quality of mercy is not strained", "LEAR:\nBlow, winds"]
 
 
 @pytest.fixture(scope="module")
 def srv():
-    with running(load_model(None, log=lambda _m: None), max_batch=8, max_len=512) as r:
+    with running(load_model(None, log=lambda _m: None), max_batch=8, max_len=512, prefill_chunk=64) as r:
         yield r
 
 
+def _client(i: int) -> tuple[str, int]:
+    """Client ``i``'s prompt and max_tokens: the lines, short ones repeated more for later clients
+    (5 to 276 tokens; the longest needs two prefill chunks), 2 to 12 tokens out."""
+    line = LINES[i % len(LINES)]
+    reps = 1 if len(line) > 200 else 1 + i // len(LINES)
+    return f"{i}. " + line * reps, 2 + (7 * i) % 11
+
+
 def _ask(srv, i: int):
-    r = srv.client.completions.create(model=MODEL, prompt=LINES[i], max_tokens=3 + i % 5, temperature=0)
-    return r.choices[0].text, r.usage.completion_tokens
+    prompt, max_tokens = _client(i)
+    r = srv.client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0)
+    return r.choices[0].text, r.usage.completion_tokens, r.choices[0].finish_reason
 
 
-def test_concurrent_clients_get_what_they_get_alone(srv):
-    assert len(LINES) > srv.scheduler.max_batch          # some wait in the queue for a free slot
-    assert len(srv.scheduler.gen.encode(LINES[4])) > srv.scheduler.engine.prefill_chunk   # a chunked prefill
-    alone = [_ask(srv, i) for i in range(len(LINES))]
+@pytest.mark.parametrize("clients", [16, pytest.param(32, marks=pytest.mark.slow)])
+def test_concurrent_clients_get_what_they_get_alone(srv, clients):
+    """``clients`` concurrent clients of mixed prompt / completion lengths (more than the engine's slots:
+    some wait for a free one) are all answered, each with exactly what it gets served alone."""
+    sched = srv.scheduler
+    assert clients >= 2 * sched.max_batch
+    lengths = [len(sched.gen.encode(_client(i)[0])) for i in range(clients)]
+    assert max(lengths) > sched.engine.prefill_chunk and min(lengths) < 16       # a chunked prefill, short ones
+    assert max(lengths) + 12 <= sched.max_len
+    alone = [_ask(srv, i) for i in range(clients)]
     peak, stop = [0], threading.Event()
 
     def watch():
         while not stop.is_set():
-            peak[0] = max(peak[0], srv.scheduler.active_count)
+            peak[0] = max(peak[0], sched.active_count)
             time.sleep(0.005)
 
     w = threading.Thread(target=watch)
     w.start()
     try:
-        with concurrent.futures.ThreadPoolExecutor(len(LINES)) as pool:
-            together = list(pool.map(lambda i: _ask(srv, i), range(len(LINES))))
+        with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+            together = list(pool.map(lambda i: _ask(srv, i), range(clients)))
     finally:
         stop.set()
         w.join()
+    assert len(together) == clients and all(t[1] >= 1 for t in together)
     assert together == alone
-    assert peak[0] > 1                                      # they really were decoded together
+    assert len({t[0] for t in alone}) > clients // 2                   # not one answer for everybody
+    assert peak[0] > 1                                                 # they really were decoded together
     assert srv.wait_idle()
 
 

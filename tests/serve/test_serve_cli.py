@@ -9,9 +9,11 @@ def test_defaults_serve_the_demo_on_loopback():
     f = build_parser().parse_args([])
     assert f.checkpoint is None and f.host == "127.0.0.1" and f.port == 8000 and f.max_batch == 8
     assert f.prefix_cache and build_parser().parse_args(["--no_prefix_cache"]).prefix_cache is False
+    assert f.attention == "as_trained" and build_parser().parse_args(["--attention", "dense"]).attention == "dense"
 
 
-@pytest.mark.parametrize("argv", [["--port", "-1"], ["--max_batch", "0"], ["--bogus"]])
+@pytest.mark.parametrize("argv", [["--port", "-1"], ["--max_batch", "0"], ["--bogus"],
+                                  ["--attention", "sparse"]])
 def test_bad_flags_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
