@@ -2,11 +2,11 @@
 
 Usage::
 
-    python train.py --config configs/train/tiny.yaml [--set section.key=value ...]
+    python train.py --config configs/train/tiny-m3.yaml [--set section.key=value ...]
     python train.py          # the demo: configs/train/demo.yaml, building its corpus/tokenizer if missing
 
 The YAML has the sections model, data, optim, schedule, checkpoint, run, mesh, msa, init (see
-``minimax_jax/train/config.py`` for every key and its default). ``--set`` overrides one key and
+``docs/CONFIG.md`` for every key, its type, default and meaning). ``--set`` overrides one key and
 may repeat, e.g. ``--set optim.lr=1e-3 --set run.steps=200 --set mesh=data=2,fsdp=4``; unknown
 sections/keys are rejected with the list of valid ones. Every check that can fail (bad values,
 sequence longer than the model's max positions, a mesh larger than the devices) runs before any
@@ -16,8 +16,8 @@ Outputs under ``run.run_dir``: ``config.yaml``, ``model_config.yaml`` (the resol
 ``checkpoints/<step>/`` (orbax), ``metrics.jsonl``, ``tensorboard/`` (``tensorboard --logdir RUN_DIR``),
 ``train.lock`` (one process per run directory: a second one exits with status 2 naming the first).
 
-Stopping: Ctrl-C (or SIGTERM) finishes the step in hand, saves a checkpoint and stops (exit status 130
-for Ctrl-C, 0 for SIGTERM, a scheduler's preemption); the same command resumes, and the metrics of
+Stopping: Ctrl-C (or SIGTERM, a scheduler's preemption) finishes the step in hand, saves a checkpoint and
+stops with exit status 130 (not finished: a ``train.py && export`` chain stops); the same command resumes, and the metrics of
 the steps trained again are logged once. A second Ctrl-C aborts at once (130, nothing saved).
 Exit status (``minimax_jax.exit_codes``): 0 done, 1 a runtime failure, 2 a usage error (flags, config, data,
 run directory), 130 interrupted. Errors are one line; ``--debug`` adds the traceback. The JAX persistent
@@ -171,11 +171,11 @@ def _train(argv):
     except RunDirError as e:
         print(f"train.py: {e}", file=sys.stderr)
         return 2
-    if out["status"] == "interrupted":
+    if out["status"] in ("interrupted", "preempted"):     # SIGINT / SIGTERM: saved, not finished
         where = (f"checkpoint saved to {out['checkpoint']}" if out["checkpoint"] else
                  "before the first step, nothing saved" if out["step"] == 0 else
                  f"no step trained since the checkpoint of step {out['step']}, nothing new to save")
-        print(f"train.py: interrupted at step {out['step']}: {where}; resume with the same command")
+        print(f"train.py: {out['status']} at step {out['step']}: {where}; resume with the same command")
         return EXIT_INTERRUPTED
     print(f"train.py: {out['status']} at step {out['step']} ({out['run_dir']})")
     return 0

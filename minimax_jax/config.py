@@ -316,8 +316,15 @@ class ModelConfig:
     @classmethod
     def from_yaml(cls, path: str | os.PathLike) -> "ModelConfig":
         """Load our YAML format (a mapping of ModelConfig fields, optionally under ``model:``)."""
-        with open(path) as f:
-            d = yaml.safe_load(f)
+        try:
+            with open(path) as f:
+                d = yaml.safe_load(f)
+        except yaml.YAMLError as e:            # one line naming the file and the place, not a traceback
+            mark = getattr(e, "problem_mark", None)
+            where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+            raise ConfigError(f"{path}: not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not a UTF-8 text file ({e.reason} at byte {e.start})") from None
         if not isinstance(d, dict):
             raise ConfigError(f"{path}: expected a mapping of config fields")
         if "model" in d and isinstance(d["model"], dict):
@@ -338,7 +345,10 @@ class ModelConfig:
             if os.path.isdir(p):
                 p = os.path.join(p, "config.json")
             if not os.path.exists(p):
-                raise ConfigError(f"config.json not found at {p}")
+                ours = os.path.isfile(os.path.join(os.path.dirname(p), "config.yaml"))
+                hint = (" (this folder holds a minimax-jax checkpoint, config.yaml: to write safetensors from it, "
+                        "add --export)") if ours else ""
+                raise ConfigError(f"config.json not found at {p}{hint}")
             with open(p) as f:
                 src = json.load(f)
         hf = dict(src)

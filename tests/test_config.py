@@ -117,3 +117,16 @@ def test_an_unknown_implementation_is_a_one_line_error_listing_the_registered_na
         assert str(e.value) == f"{field} must be one of {registry.implementation_names(op)}, got 'cuda'"
     with pytest.raises(ConfigError, match=r"got 'dense' \('dense' was renamed to xla_dense\)$"):
         ModelConfig.from_dict({"moe_impl": "dense"})
+
+
+def test_malformed_model_yaml_is_one_config_error_line(tmp_path):
+    """A checkpoint's broken config.yaml (or a non-UTF-8 one) is a ConfigError naming the file and the place."""
+    from minimax_jax.config import ConfigError, ModelConfig
+    bad = tmp_path / "config.yaml"
+    bad.write_text("model: [unclosed\n  x: : :\n")
+    with pytest.raises(ConfigError, match=r"config.yaml: not valid YAML \(line 2, column 4\)") as e:
+        ModelConfig.from_yaml(bad)
+    assert "\n" not in str(e.value)
+    bad.write_bytes(b"\xff\xfe\x00model: 1")
+    with pytest.raises(ConfigError, match="not a UTF-8 text file"):
+        ModelConfig.from_yaml(bad)

@@ -99,8 +99,9 @@ def atomic_output_dir(dst: str | os.PathLike, *, overwrite: bool = False, source
 
     Raises DestinationError / DestinationExistsError (before anything is written): see
     ``check_destination``. With ``overwrite`` an old ``dst`` this tool wrote is moved aside,
-    replaced, then deleted. On an exception the temporary directory is removed and the exception
-    propagates.
+    replaced, then deleted, unless it holds top-level entries the new output does not have (files a
+    user put there): then DestinationError and the old ``dst`` stays as it was. On an exception the
+    temporary directory is removed and the exception propagates.
     """
     dst = check_destination(dst, sources=sources, overwrite=overwrite)
     parent = os.path.dirname(dst)
@@ -111,6 +112,7 @@ def atomic_output_dir(dst: str | os.PathLike, *, overwrite: bool = False, source
         yield tmp
         _fsync_dir(tmp)
         if os.path.exists(dst):
+            _refuse_foreign_entries(dst, tmp)
             old = tmp + ".old"
             os.rename(dst, old)
             try:
@@ -125,6 +127,15 @@ def atomic_output_dir(dst: str | os.PathLike, *, overwrite: bool = False, source
     except BaseException:
         _remove_settled(tmp)
         raise
+
+
+def _refuse_foreign_entries(dst: str, new: str) -> None:
+    """Refuse to replace ``dst`` when it holds top-level entries that the new output ``new`` lacks."""
+    extra = sorted(set(os.listdir(dst)) - set(os.listdir(new)))
+    if extra:
+        shown = ", ".join(extra[:3]) + (f" and {len(extra) - 3} more" if len(extra) > 3 else "")
+        raise DestinationError(f"destination {dst} holds entries this tool did not write ({shown}); nothing was "
+                               "replaced: move them out or choose another destination", dst)
 
 
 def _remove_settled(path: str, *, settle_s: float = 0.2, attempts: int = 50) -> None:

@@ -154,10 +154,16 @@ def verify_tree(tree, manifest: dict, where: str) -> int:
     digest, or not held whole by this process are skipped.
 
     Raises: ChecksumMismatch ``checkpoint WHERE: tensor 'NAME' checksum mismatch ...`` (first in tree
-      order).
+      order), or naming the first leaf that has no manifest entry (a damaged manifest).
     """
     tensors = manifest["tensors"]
-    todo = [(n, x) for n, x in _flat(tree) if n in tensors and tensors[n].get("digest")
+    leaves = list(_flat(tree))
+    missing = [n for n, _ in leaves if n not in tensors]
+    if missing:
+        raise ChecksumMismatch(f"checkpoint {where}: tensor {missing[0]!r} has no entry in the manifest (the manifest "
+                               f"is damaged, or belongs to another checkpoint); restore it from a good copy",
+                               tensor=missing[0])
+    todo = [(n, x) for n, x in leaves if tensors[n].get("digest")
             and _dtype(x).name == tensors[n]["dtype"] and list(np.shape(x)) == tensors[n]["shape"]]
     got = _digests([x for _, x in todo])
     for (n, _), d in zip(todo, got):

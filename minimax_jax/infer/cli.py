@@ -284,7 +284,8 @@ def run() -> int:
     from minimax_jax.infer.backends import auto_prefill_chunk
     from minimax_jax.infer.cli_output import Output
     from minimax_jax.infer.generation import Generator
-    from minimax_jax.infer.loading import load_model, load_tokenizer_for, peek_config, resolve_checkpoint
+    from minimax_jax.infer.loading import (check_tokenizer_fits, load_model, load_tokenizer_for, peek_config,
+                                           resolve_checkpoint)
 
     check_flags()
     items = build_items()
@@ -293,6 +294,7 @@ def run() -> int:
     ckpt = resolve_checkpoint(FLAGS.checkpoint)
     cfg = peek_config(ckpt)
     tokenizer = load_tokenizer_for(ckpt, FLAGS.tokenizer)
+    check_tokenizer_fits(tokenizer, cfg, FLAGS.tokenizer or ckpt)
     prompts = _encode(items, tokenizer, cfg, config)
     out = Output(total=len(items), n=FLAGS.n, json=FLAGS.json, echo=FLAGS.echo_prompt, output=FLAGS.output,
                  overwrite=FLAGS.overwrite, sources=(FLAGS.prompts_file, FLAGS.prompt_file, FLAGS.chat_file),

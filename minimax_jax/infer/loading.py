@@ -24,7 +24,7 @@ from minimax_jax.infer.attention_mode import apply_attention_mode, check_attenti
 from minimax_jax.infer.errors import CheckpointMismatch, CheckpointNotFound, TokenizerNotFound
 
 __all__ = ["DEFAULT_CHECKPOINT", "LoadedModel", "checkpoint_kind", "find_mismatches", "load_model",
-           "load_tokenizer_for", "peek_config", "resolve_checkpoint"]
+           "load_tokenizer_for", "peek_config", "resolve_checkpoint", "check_tokenizer_fits"]
 
 #: Shipped demo checkpoint directory used when no ``--checkpoint`` is given.
 DEFAULT_CHECKPOINT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
@@ -86,8 +86,9 @@ def checkpoint_kind(directory: str) -> str:
     if os.path.isfile(os.path.join(directory, "config.json")) and glob.glob(os.path.join(directory, "*.safetensors")):
         return "hf"
     raise CheckpointNotFound(
-        f"{directory!r} is not a checkpoint: expected config.yaml + params/ (converted with "
-        "`python -m minimax_jax.convert`) or config.json + *.safetensors (Hugging Face)")
+        f"{directory!r} is not a checkpoint: expected config.yaml + params/ (exported from a training run with "
+        "`python -m minimax_jax.train.export --run_dir RUN --dst DIR`, or converted with `python -m minimax_jax.convert`) "
+        "or config.json + *.safetensors (Hugging Face)")
 
 
 def find_mismatches(directory: str, cfg: ModelConfig) -> list[tuple[str, str, str]]:
@@ -131,6 +132,15 @@ def load_tokenizer_for(checkpoint_dir: str, tokenizer_path: str | None = None):
         return Tokenizer.from_file(path)
     except Exception as e:  # tokenizers raises a bare Exception for malformed JSON
         raise TokenizerNotFound(f"{os.path.abspath(path)} is not a valid tokenizer.json ({e})") from e
+
+
+def check_tokenizer_fits(tokenizer, cfg: ModelConfig, where: str) -> None:
+    """Raise TokenizerNotFound when the tokenizer's largest id (added tokens included) is >= ``cfg.vocab_size``."""
+    top = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
+    if top >= cfg.vocab_size:
+        raise TokenizerNotFound(f"tokenizer {where} has ids up to {top} but the model's vocab_size is "
+                                f"{cfg.vocab_size:,}: the model has no embedding for ids >= {cfg.vocab_size}; "
+                                f"pass a tokenizer of at most {cfg.vocab_size:,} ids (--tokenizer)")
 
 
 def _mesh_and_rules(mesh_spec: str | None, rules_name: str):

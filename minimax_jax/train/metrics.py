@@ -121,7 +121,9 @@ class MetricsWriter:
                 self.tb.add_scalar(k, v, int(step))
             self.tb.flush()
         if self.bar is not None:
-            post = {"loss": f"{clean.get('loss', float('nan')):.4f}"}
+            post = {"loss": f"{clean.get('loss', float('nan')):.4f}"}      # the total: LM + MTP + indexer terms
+            if "lm_loss" in clean:
+                post["lm"] = f"{clean['lm_loss']:.4f}"
             if "tokens_per_s" in clean:
                 post["tok/s"] = f"{clean['tokens_per_s']:.3g}"
             if "mfu" in clean:

@@ -125,3 +125,15 @@ def test_conversion_and_export_write_and_check_manifests(tmp_path):
     with pytest.raises(ChecksumMismatch, match=f"tensor '{name}' checksum mismatch"):
         export_orbax_to_hf(tmp_path / "ours", tmp_path / "back2", progress=False)
     assert not (tmp_path / "back2").exists() and not [p for p in os.listdir(tmp_path) if ".partial-" in p]
+
+
+def test_a_manifest_without_a_restored_tensor_fails_naming_it():
+    """A flipped byte in a tensor NAME of the manifest must not leave that tensor silently unverified."""
+    from minimax_jax.convert.errors import ChecksumMismatch
+    from minimax_jax.convert.manifest import manifest_dict, tree_entries, verify_tree
+    tree = {"a": np.arange(6, dtype=np.float32), "b": np.ones((2, 3), np.float32)}
+    m = manifest_dict(tree_entries(tree), writer="test")
+    assert verify_tree(tree, m, "x") == 2
+    m["tensors"]["c"] = m["tensors"].pop("b")                     # the entry's name damaged
+    with pytest.raises(ChecksumMismatch, match="tensor 'b' has no entry in the manifest"):
+        verify_tree(tree, m, "x")

@@ -61,11 +61,18 @@ def test_overwrite_replaces_only_what_the_converter_wrote(tree, capsys):
     src = tree / "hf"
     with pytest.raises(DestinationExistsError, match="already exists"):
         convert_hf_to_orbax(src, tree / "ours", "float32", progress=False)
+    # an earlier conversion holding a file a user put there is not replaced (the new output lacks it)
+    (tree / "ours" / "my_notes.txt").write_text("the user's")
+    before = snapshot(tree)
+    assert main(["--src", str(src), "--dst", str(tree / "ours"), "--no_progress", "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "my_notes.txt" in err and "nothing was replaced" in err, err
+    assert snapshot(tree) == before and not [p for p in os.listdir(tree) if ".partial-" in p]
     # an earlier conversion (it holds our manifest) is replaced; its siblings are not touched
-    (tree / "ours" / "stale.txt").write_text("from the earlier conversion")
+    (tree / "ours" / "my_notes.txt").unlink()
     siblings = {k: v for k, v in snapshot(tree).items() if not k.startswith("ours")}
     assert main(["--src", str(src), "--dst", str(tree / "ours"), "--no_progress", "--overwrite"]) == 0
-    assert not (tree / "ours" / "stale.txt").exists() and (tree / "ours" / "minimax_manifest.json").is_file()
+    assert (tree / "ours" / "minimax_manifest.json").is_file()
     assert {k: v for k, v in snapshot(tree).items() if not k.startswith("ours")} == siblings
     assert not [p for p in os.listdir(tree) if ".partial-" in p]
     # a directory (or file) it did not write is never replaced, with or without --overwrite

@@ -90,8 +90,8 @@ def test_sigterm_saves_and_exits(setup):
     _wait_for_step(run_dir, 3, proc)
     proc.send_signal(signal.SIGTERM)
     stdout, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, stdout[-3000:]
-    assert "preempted at step" in stdout
+    assert proc.returncode == 130, stdout[-3000:]            # saved but not finished (exit_codes: interrupted)
+    assert "preempted at step" in stdout and "resume with the same command" in stdout
     last = max(_losses(run_dir))
     saved = sorted(int(s) for s in os.listdir(os.path.join(run_dir, "checkpoints")) if s.isdigit())
     assert saved == [last] and last < 100000  # checkpoint.every=0: only the SIGTERM save exists
