@@ -103,6 +103,21 @@ def missing_data_action(item: str, prepare: bool) -> str:
     return "missing, would be built first"
 
 
+def _unwritable(run_dir: str) -> str | None:
+    """The nearest existing folder of ``run_dir`` when this process cannot create a file in it (a
+    temporary probe file, removed at once; ``os.access`` is not enough: root passes it on /proc)."""
+    import tempfile
+
+    path = os.path.abspath(run_dir)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            return None
+    except OSError:
+        return path
+
+
 def main(argv=None) -> int:
     """Exit status (minimax_jax.exit_codes): 0 done, 1 failure, 2 usage error, 130 interrupted."""
     return cli_main.run(_main, argv, prog=PROG)
@@ -151,7 +166,10 @@ def _train(argv):
             missing = missing_data(tc)
             for item in missing:
                 print(f"# data: {item}: {missing_data_action(item, prepare)}")
-            return 2 if missing and not prepare else 0    # the real run would fail on it
+            unwritable = _unwritable(tc.run.run_dir)
+            if unwritable:
+                print(f"# run_dir: {tc.run.run_dir}: cannot be written ({unwritable} is not writable)")
+            return 2 if (missing and not prepare) or unwritable else 0    # the real run would fail on it
         cfg, _ = model_configs(tc)
         validate_against(tc, cfg, jax.device_count(), jax.process_count(), jax.default_backend())  # fail before building data
         cli_main.enable_compilation_cache(args.compilation_cache, prog=PROG)    # after the one-line config errors

@@ -19,10 +19,17 @@ def test_check_only_reports_missing_corpus_and_tokenizer(tmp_path):
     assert not (tmp_path / "t.json").exists()          # nothing is built by a check
 
 
-def test_check_only_synthetic_data_needs_nothing():
-    r = _check_only("--config", "configs/train/tiny-m3.yaml")
+def test_check_only_shipped_tiny_data_needs_nothing(tmp_path):
+    r = _check_only("--config", "configs/train/tiny-m3.yaml", "--set", f"run.run_dir={tmp_path}/new/run")
     assert r.returncode == 0, r.stderr
-    assert "# model:" in r.stdout and "# data:" not in r.stdout
+    assert "# model:" in r.stdout and "# data:" not in r.stdout and "# run_dir" not in r.stdout
+    assert not (tmp_path / "new").exists()             # nothing is created by a check
+
+
+def test_check_only_fails_on_a_run_dir_the_real_run_cannot_write():
+    r = _check_only("--config", "configs/train/tiny-m3.yaml", "--set", "run.run_dir=/proc/nope/run")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "# run_dir: /proc/nope/run: cannot be written (/proc is not writable)" in r.stdout
 
 
 def test_check_only_install_hint_only_when_the_package_is_missing(tmp_path, monkeypatch):
