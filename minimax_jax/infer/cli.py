@@ -272,7 +272,8 @@ def _encode(items, tokenizer, cfg, config) -> list:
         if not p:
             raise ValueError(f"{it.where}: the prompt is empty (it encodes to no tokens)")
         try:
-            check_context(cfg, [len(p)], it.max_new_tokens or config.max_new_tokens)
+            # a per-line max_new_tokens goes as a list: the advice then names the line's value too
+            check_context(cfg, [len(p)], [it.max_new_tokens] if it.max_new_tokens else config.max_new_tokens)
         except ContextTooLong as e:
             raise ContextTooLong(str(e) if len(items) == 1 else f"{it.where}: {e}") from None
         ids.append(p)

@@ -109,7 +109,8 @@ def check_context(cfg: ModelConfig, prompt_lengths: Sequence[int], max_new_token
     """Raise ContextTooLong (before any compute) when a prompt + max_new_tokens (one for all, or one
     per prompt) exceeds the context."""
     limit = cfg.max_position_embeddings
-    limits = [max_new_tokens] * len(prompt_lengths) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    per_line = not isinstance(max_new_tokens, int)      # from a prompts file: say where the value came from
+    limits = list(max_new_tokens) if per_line else [max_new_tokens] * len(prompt_lengths)
     for i, (n, max_new_tokens) in enumerate(zip(prompt_lengths, limits)):
         if n + max_new_tokens > limit:
             over = n + max_new_tokens - limit
@@ -121,6 +122,8 @@ def check_context(cfg: ModelConfig, prompt_lengths: Sequence[int], max_new_token
                 alone = "fills the context" if n == limit else f"is {n - limit} tokens over the context"
                 fix = (f"the prompt alone {alone}, so it must be shortened: by {over} tokens to keep "
                        f"max_new_tokens={max_new_tokens}")
+            if per_line and n < limit:
+                fix += " (or that prompt's \"max_new_tokens\" in the prompts file)"
             raise ContextTooLong(
                 f"{_prompt_name(i, len(prompt_lengths))} has {n} tokens; with max_new_tokens={max_new_tokens} that is {n + max_new_tokens} "
                 f"> the model's context of {limit} tokens (max_position_embeddings); {fix}")

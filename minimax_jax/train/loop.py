@@ -306,7 +306,8 @@ def _train(tr: Trainer, sig: StopSignals) -> dict[str, Any]:
         while step < tc.run.steps:
             if sig.signum is not None:
                 status = "interrupted" if sig.interrupted else "preempted"
-                writer.message(f"{'interrupt' if sig.interrupted else 'SIGTERM'}: saving step {step} and stopping")
+                what = f"saving step {step} and stopping" if done_here else "stopping (no step trained yet)"
+                writer.message(f"{'interrupt' if sig.interrupted else 'SIGTERM'}: {what}")
                 break
             want = tr.phase_of(step)
             if want != phase:  # MSA warm-up done: fresh optimizer for the main phase

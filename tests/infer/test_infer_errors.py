@@ -166,3 +166,16 @@ def test_bad_stop_rules_fail_when_the_config_is_made():
     with pytest.raises(ValueError, match="set both repeat_max_period and repeat_max_count"):
         GenerationConfig(repeat_max_period=4)
     GenerationConfig(stop_strings=["END"], repeat_max_period=4, repeat_max_count=2)
+
+
+def test_context_too_long_names_a_prompts_file_value():
+    """A max_new_tokens from a prompts-file line (passed per prompt) is named as such in the advice."""
+    from minimax_jax.config import ModelConfig
+    from minimax_jax.infer.generation import check_context
+
+    cfg = ModelConfig(max_position_embeddings=100)
+    with pytest.raises(ContextTooLong, match=r"at most 96 \(or that prompt's \"max_new_tokens\" in the prompts file\)"):
+        check_context(cfg, [4], [2000000])
+    with pytest.raises(ContextTooLong) as e:
+        check_context(cfg, [4], 2000000)
+    assert "prompts file" not in str(e.value)
