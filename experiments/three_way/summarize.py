@@ -82,7 +82,10 @@ def _stop_step(log_path: str) -> int | None:
 
 def timing_summary(d: str) -> str:
     rows = ["| attention | prompt tokens | TTFT s | prefill s | decode tok/s | implementations |", "|---|---|---|---|---|---|"]
-    pat = re.compile(r"prompt (\d+) tok, prefill ([\d.]+)s \| TTFT ([\d.]+)s \| generated \d+ tok in [\d.]+s \(([\d.]+) tok/s\)")
+    # infer.py's stats line, the current form ("prefill 2.35s (compiled in 2.18s) | ... : decode 66.1 tok/s
+    # steady state") and the older one ("... in 3.0s (21.3 tok/s)")
+    pat = re.compile(r"prompt (\d+) tok, prefill ([\d.]+)s(?: \(compiled in [\d.]+s\))? \| TTFT ([\d.]+)s \| "
+                     r"generated \d+ tok in [\d.]+s(?: \(([\d.]+) tok/s\)|: decode ([\d.]+|n/a) tok/s)")
     for v in _variants(d):
         p = os.path.join(d, f"infer_{v}.txt")
         if not os.path.exists(p):
@@ -91,7 +94,7 @@ def timing_summary(d: str) -> str:
         m = pat.search(text)
         impl = re.search(r"implementations: (.*)", text)
         if m:
-            rows.append(f"| {v} | {m.group(1)} | {m.group(3)} | {m.group(2)} | {m.group(4)} | "
+            rows.append(f"| {v} | {m.group(1)} | {m.group(3)} | {m.group(2)} | {m.group(4) or m.group(5)} | "
                         f"{impl.group(1) if impl else ''} |")
     rec = _load(os.path.join(d, "recall_msa.json"))
     if rec:

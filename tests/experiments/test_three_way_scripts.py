@@ -43,3 +43,24 @@ def test_summarize_lists_msa_dense_only_when_evaluated(tmp_path):
 def test_experiment_scripts_are_valid_bash(script):
     r = subprocess.run(["bash", "-n", f"experiments/three_way/{script}"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+
+def test_timing_summary_reads_both_infer_stats_lines(tmp_path):
+    """summarize.py's timing table parses infer.py's current stats line (compile time apart) and the older one."""
+    import importlib.util
+    import os
+
+    from tests.paths import REPO_ROOT
+    spec = importlib.util.spec_from_file_location(
+        "summarize", os.path.join(REPO_ROOT, "experiments", "three_way", "summarize.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    (tmp_path / "infer_msa.txt").write_text(
+        "prompt 5 tok, prefill 2.35s (compiled in 2.18s) | TTFT 2.60s | generated 64 tok in 3.02s: decode 66.1 "
+        "tok/s steady state (excl. 2.08s compile in 1 of 63 steps)\nimplementations: attention=xla\n")
+    (tmp_path / "infer_full.txt").write_text(
+        "prompt 7 tok, prefill 1.50s | TTFT 1.70s | generated 64 tok in 3.00s (21.3 tok/s)\n")
+    out = mod.timing_summary(str(tmp_path))
+    assert "| msa | 5 | 2.60 | 2.35 | 66.1 | attention=xla |" in out, out
+    assert "| full | 7 | 1.70 | 1.50 | 21.3 |" in out, out
