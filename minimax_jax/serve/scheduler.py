@@ -191,6 +191,14 @@ class Scheduler:
             self.backend.free(s.handle)
             s.handle = None
 
+    def _fail(self, rows, what: str, e: Exception) -> None:
+        """End ``rows`` with an error event (their slots freed); the server keeps serving the others."""
+        for s in rows:
+            self._release(s)
+            s.emit({"type": "error", "message": f"{what} failed: {type(e).__name__}: {e}"})
+            if self.metrics is not None:
+                self.metrics.finished("error")
+
     def _drop_cancelled(self) -> None:
         for s in [s for s in self._active + self._prefilling if s.cancelled]:
             self._release(s)
@@ -240,11 +248,7 @@ class Scheduler:
         try:
             done = self.engine.prefill_advance([s.handle for s in rows], budget)
         except Exception as e:
-            for s in rows:
-                self._release(s)
-                s.emit({"type": "error", "message": f"prefill failed: {type(e).__name__}: {e}"})
-                if self.metrics is not None:
-                    self.metrics.finished("error")
+            self._fail(rows, "prefill", e)
             return
         finished = [s for s in rows if s.handle in done]
         if not finished:
@@ -263,11 +267,7 @@ class Scheduler:
         try:
             logits, _ = self.backend.step([s.handle for s in rows], toks)
         except Exception as e:     # e.g. PagePoolExhausted: fail this batch, keep serving
-            for s in rows:
-                self._release(s)
-                s.emit({"type": "error", "message": f"decode step failed: {type(e).__name__}: {e}"})
-                if self.metrics is not None:
-                    self.metrics.finished("error")
+            self._fail(rows, "decode step", e)
             return
         self._choose_and_emit(rows, logits[:, 0])
 
