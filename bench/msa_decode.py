@@ -16,6 +16,12 @@ Selection / sparse-attention launch sweeps (after --sweep-scores when both are g
   select_pages_gpu per select_splits value, ids checked equal to S=1's, and sparse paged_attention_gpu
   per sparse_pages_per_split value over real selections, o/lse checked against pps=1; each keeps its
   best geometric mean in the run's launch table; rows under "select_sweep" / "sparse_pps_sweep")
+Serving sweep (``msa_decode_serving``: batches x contexts with lengths +-25 % inside a batch, Q = 8 and 1 query
+rows, bf16 / fp8 index keys, MSA vs dense, after its own check; ``--serving-budget-s`` caps its timings):
+  PYTHONUNBUFFERED=1 python3 bench/msa_decode.py --contexts 1048576 --batches 32 --serving --serving-budget-s 300 \
+      --out $OUT
+  python bench/msa_decode.py --smoke --contexts "" --steps 1 --serving --serving-batches 2 --serving-contexts 512,2560 \
+      --serving-first "" --out /tmp/msa_decode        (CPU: check with the kernels in interpret mode, xla timings)
 CPU plumbing of the sweeps (kernels in interpret mode):
   python bench/msa_decode.py --smoke --contexts 2048 --batches 1 --steps 1 --sweep-steps 1 --sweep-cases 1x4096 \
       --sweep-select 1,2,auto --sweep-sparse-pps 1,4 --out /tmp/msa_decode
@@ -40,7 +46,7 @@ per call, 1.98 with 32 and 1.97 with 64, while the kernels' device time (``--pro
 the default is 64 (dense steps, 15 ms, move < 1%). Bytes per step (fewest bytes a step must read): dense
 = B*ctx*G*D*2 (K,V) * 2 B; MSA = B*ctx*(Di*bytes(ki) [+4 scale]) + B*G*K*page*D*2*2 (selected K/V).
 HBM reference: a large bf16 ``x + 1`` (read + write) in the same run.
-Writes msa_decode.json under --out.
+Writes msa_decode.json under --out (with --serving also ``serving`` cells, ``serving_skipped``, ``serving_check``).
 """
 
 from __future__ import annotations
@@ -66,6 +72,8 @@ from minimax_jax.ops.registry import implementation_report  # noqa: E402
 
 H, G, D, DI, PAGE, K = 64, 4, 128, 128, 128, 16
 GIB = 1 << 30
+#: Cache bytes per token slot (``make_cache``): bf16 K and V of G groups, bf16 index key, fp8 index key + f32 scale.
+TOKEN_BYTES = G * D * 2 * 2 + DI * 2 + DI + 4
 
 
 def fill(shape, seed, dtype):
@@ -469,10 +477,58 @@ def profile_cases(runs, steps, profile_dir):
     return out
 
 
+def make_cache(p):
+    """bf16 K / V pages ``[G, p, PAGE, D]``, bf16 index keys ``[p, PAGE, DI]`` and their fp8 e4m3 copy with
+    per-token f32 scales ``[p, PAGE]``: ``(kp, vp, kib, ki8, ks8)``, filled by ``fill``."""
+    kp = fill((G, p, PAGE, D), 1, jnp.bfloat16)
+    vp = fill((G, p, PAGE, D), 2, jnp.bfloat16)
+    kib = fill((p, PAGE, DI), 3, jnp.bfloat16)
+    ki8, ks8 = jax.jit(lambda x: quantize(x, "float8_e4m3fn"))(kib)
+    return kp, vp, kib, ki8, ks8
+
+
+def step_fns(impl, table, runtime_dense_check=False):
+    """One decode step of each timed op, ``fn(q, qi, kp, vp, ki, ks, pos, pt) -> f32 scalar`` (one element
+    of its output): ``dense`` (``paged_attention``), ``msa`` (``msa_decode``, top-K; ``runtime_dense_check``
+    as the op's), ``select`` (``msa_decode_select``) and ``scores`` (the GPU page-scoring kernel alone)."""
+    def dense(q, qi, kp, vp, ki, ks, pos, pt):
+        o, _ = ops.paged_attention(q, kp, vp, pt, pos, implementation=impl, launch_table=table)
+        return o[0, 0, 0, 0].astype(jnp.float32)
+
+    def msa(q, qi, kp, vp, ki, ks, pos, pt):
+        o, _, _ = ops.msa_decode(q, qi, kp, vp, ki, pt, pos, ki_scale=ks, topk=K, implementation=impl,
+                                 launch_table=table, runtime_dense_check=runtime_dense_check)
+        return o[0, 0, 0, 0].astype(jnp.float32)
+
+    def select(q, qi, kp, vp, ki, ks, pos, pt):
+        ids = ops.msa_decode_select(qi, ki, pt, pos, ki_scale=ks, topk=K, implementation=impl, launch_table=table)
+        return ids[0, 0, 0, 0].astype(jnp.float32)
+
+    def scores(q, qi, kp, vp, ki, ks, pos, pt):
+        from pallas_kernels.decode import gpu_select
+        return gpu_select.page_scores_gpu(qi, ki, pt, pos, ks, table=table)[0, 0, 0, 0]
+    return dict(dense=dense, msa=msa, select=select, scores=scores)
+
+
+def unrolled(fn, steps, reps):
+    """``jit(run)(q, qi, *args, tables)``: ``steps`` decode steps unrolled in one call, step ``r`` =
+    ``fn(q[r], qi[r], *args, tables[r % reps])`` (a distinct query per step: identical steps would be
+    merged by XLA's CSE, seen in the first H200 run, where single-replica rows then reported a quarter of
+    the true step time), the results summed."""
+    @jax.jit
+    def run(q, qi, *args):
+        *rest, tables = args
+        acc = jnp.zeros((), jnp.float32)
+        for r in range(steps):
+            acc = acc + fn(q[r], qi[r], *rest, tables[r % reps])
+        return acc
+    return run
+
+
 def bench_one(b, ctx, min_steps, impl, l2_bytes=200 * 1024 * 1024, dry=False, profile_dir=None, table=None):
     kv_bytes = b * ctx * G * D * 2 * 2
     npg, reps, steps, p = case_sizes(b, ctx, min_steps, l2_bytes)
-    need = p * PAGE * (G * D * 2 * 2 + DI * 2 + DI + 4)
+    need = p * PAGE * TOKEN_BYTES
     row = dict(batch=b, context=ctx, replicas=reps, steps_per_call=steps, cache_gib=need / GIB)
     if dry:
         return row
@@ -481,66 +537,35 @@ def bench_one(b, ctx, min_steps, impl, l2_bytes=200 * 1024 * 1024, dry=False, pr
         row["score_class"] = gpu_config.score_size_class(b * npg)
         for label, dt in (("bf16", jnp.bfloat16), ("fp8", jnp.float8_e4m3fn)):
             row[f"score_launch_{label}"] = gpu_config.score_launch(dt, total_pages=b * npg, table=table)
-    kp = fill((G, p, PAGE, D), 1, jnp.bfloat16)
-    vp = fill((G, p, PAGE, D), 2, jnp.bfloat16)
-    kib = fill((p, PAGE, DI), 3, jnp.bfloat16)
-    ki8, ks8 = jax.jit(lambda x: quantize(x, "float8_e4m3fn"))(kib)
+    kp, vp, kib, ki8, ks8 = make_cache(p)
     rng = np.random.default_rng(b * 7 + ctx)
     perm = rng.permutation(np.arange(1, p)).reshape(reps, b, npg)  # shuffled, disjoint tables
     tables = jnp.asarray(perm, jnp.int32)
     kq = jax.random.split(jax.random.PRNGKey(ctx + b), 2)
-    # A distinct query per step: identical steps would be merged by XLA's CSE (seen in the first
-    # H200 run, where single-replica rows then reported a quarter of the true step time).
     q = jax.random.normal(kq[0], (steps, b, 1, H, D), jnp.bfloat16)
     qi = jax.random.normal(kq[1], (steps, b, 1, G, DI), jnp.bfloat16)
     pos = jnp.full((b, 1), ctx - 1, jnp.int32)
-
-    def many(fn):
-        @jax.jit
-        def run(q, qi, kp, vp, ki, ks, tables):
-            acc = jnp.zeros((), jnp.float32)
-            for r in range(steps):
-                acc = acc + fn(q[r], qi[r], kp, vp, ki, ks, tables[r % reps])
-            return acc
-        return run
-
-    def dense(q, qi, kp, vp, ki, ks, pt):
-        o, _ = ops.paged_attention(q, kp, vp, pt, pos, implementation=impl, launch_table=table)
-        return o[0, 0, 0, 0].astype(jnp.float32)
-
-    def msa(q, qi, kp, vp, ki, ks, pt):
-        o, _, _ = ops.msa_decode(q, qi, kp, vp, ki, pt, pos, ki_scale=ks, topk=K, implementation=impl,
-                                 launch_table=table)
-        return o[0, 0, 0, 0].astype(jnp.float32)
-
-    def select(q, qi, kp, vp, ki, ks, pt):
-        ids = ops.msa_decode_select(qi, ki, pt, pos, ki_scale=ks, topk=K, implementation=impl, launch_table=table)
-        return ids[0, 0, 0, 0].astype(jnp.float32)
-
-    def scores(q, qi, kp, vp, ki, ks, pt):
-        from pallas_kernels.decode import gpu_select
-        return gpu_select.page_scores_gpu(qi, ki, pt, pos, ks, table=table)[0, 0, 0, 0]
-
+    fns = step_fns(impl, table)
     msa_kv = b * G * K * PAGE * D * 2 * 2
     cases = {
-        "dense": (dense, kib, None, kv_bytes),
-        "msa_bf16": (msa, kib, None, b * ctx * DI * 2 + msa_kv),
-        "msa_fp8": (msa, ki8, ks8, b * ctx * (DI + 4) + msa_kv),
-        "select_bf16": (select, kib, None, b * ctx * DI * 2),
-        "select_fp8": (select, ki8, ks8, b * ctx * (DI + 4)),
+        "dense": (fns["dense"], kib, None, kv_bytes),
+        "msa_bf16": (fns["msa"], kib, None, b * ctx * DI * 2 + msa_kv),
+        "msa_fp8": (fns["msa"], ki8, ks8, b * ctx * (DI + 4) + msa_kv),
+        "select_bf16": (fns["select"], kib, None, b * ctx * DI * 2),
+        "select_fp8": (fns["select"], ki8, ks8, b * ctx * (DI + 4)),
     }
     if impl == "pallas_gpu":
-        cases["scores_bf16"] = (scores, kib, None, b * ctx * DI * 2)
-        cases["scores_fp8"] = (scores, ki8, ks8, b * ctx * (DI + 4))
+        cases["scores_bf16"] = (fns["scores"], kib, None, b * ctx * DI * 2)
+        cases["scores_fp8"] = (fns["scores"], ki8, ks8, b * ctx * (DI + 4))
     for name, (fn, ki, ks, nbytes) in cases.items():
-        t, n = timeit(many(fn), q, qi, kp, vp, ki, ks, tables)
+        t, n = timeit(unrolled(fn, steps, reps), q, qi, kp, vp, ki, ks, pos, tables)
         row[f"{name}_ms"] = t / steps * 1e3
         row[f"{name}_gbps"] = nbytes / (t / steps) / 1e9
         row[f"{name}_calls"] = n
     row["speedup_bf16"] = row["dense_ms"] / row["msa_bf16_ms"]
     row["speedup_fp8"] = row["dense_ms"] / row["msa_fp8_ms"]
     if profile_dir:
-        runs = {n: (many(cases[n][0]), (q, qi, kp, vp, cases[n][1], cases[n][2], tables))
+        runs = {n: (unrolled(cases[n][0], steps, reps), (q, qi, kp, vp, cases[n][1], cases[n][2], pos, tables))
                 for n in ("msa_bf16", "msa_fp8", "dense")}
         rows = profile_cases(runs, steps, os.path.join(profile_dir, f"b{b}_ctx{ctx}"))
         row["profile"] = {n: r[:2] for n, r in rows.items()}
@@ -587,7 +612,27 @@ def main():
     ap.add_argument("--profile", action="store_true",
                     help="after timing each case, profile one more call of msa_bf16 / msa_fp8 / dense under "
                          "jax.profiler (traces under --out/profile) and print the top device ops per step")
+    ap.add_argument("--serving", action="store_true",
+                    help="after the rows, the serving sweep (msa_decode_serving): batch x context cells with "
+                         "lengths +-25%% inside a batch, Q rows per request, bf16 and fp8 index keys, MSA and dense, "
+                         "after its own check; cells under \"serving\" in the JSON, its table printed last")
+    ap.add_argument("--serving-batches", default="1,8,32,64,128")
+    ap.add_argument("--serving-contexts", default="1024,4096,10240,51200,204800")
+    ap.add_argument("--serving-q", default="8,1", help="query rows per request (1-16), timed in this order")
+    ap.add_argument("--serving-first", default=None,
+                    help="batch x context cells timed before the grid (default: the issue's table cells "
+                         "128x1024,64x4096,128x5120,32x10240,8x102400,32x204800; '' = none)")
+    ap.add_argument("--serving-budget-s", type=float, default=None,
+                    help="wall seconds for the serving sweep's timings: a (batch, context, Q) starts only while "
+                         "some is left (the one running may overrun it by its compile + timing); the rest are "
+                         "listed as skipped (default: no limit)")
+    ap.add_argument("--serving-seed", type=int, default=0, help="seed of the request lengths, pages and queries")
+    ap.add_argument("--serving-dense-check", action="store_true",
+                    help="msa_decode(runtime_dense_check=True) in the serving timings (path \"cond\")")
     a = ap.parse_args()
+    serving_q = [int(x) for x in a.serving_q.split(",") if x]
+    if a.serving and not all(1 <= x <= 16 for x in serving_q):
+        ap.error(f"--serving-q takes 1..16 query rows, got {a.serving_q!r}")
     families = [f for f in a.score_family.split(",") if f]
     if unknown := [f for f in families if f not in SCORE_FAMILIES]:
         ap.error(f"unknown --score-family {unknown}; known: {SCORE_FAMILIES}")
@@ -679,8 +724,8 @@ def main():
     out["hbm_copy_gbps"] = hbm_copy_bandwidth(64 << 20 if a.smoke else 4 * GIB) / 1e9
     print(f"HBM copy (x+1 bf16, read+write): {out['hbm_copy_gbps']:.0f} GB/s", flush=True)
     rows, skipped = [], []
-    for ctx in [int(x) for x in a.contexts.split(",")]:
-        for b in [int(x) for x in a.batches.split(",")]:
+    for ctx in [int(x) for x in a.contexts.split(",") if x]:
+        for b in [int(x) for x in a.batches.split(",") if x]:
             dry = bench_one(b, ctx, a.steps, impl, dry=True)
             if dry["cache_gib"] > a.mem_gib:
                 skipped.append(dict(dry, reason=f"cache {dry['cache_gib']:.0f} GiB > {a.mem_gib} GiB"))
@@ -722,6 +767,37 @@ def main():
                   f"bf16 {json.dumps(r['score_launch_bf16'])}; fp8 {json.dumps(r['score_launch_fp8'])}")
     for r in skipped:
         print("skipped:", r)
+    if a.serving:
+        serving(a, out, impl, table, serving_q)
+
+
+def serving(a, out, impl, table, serving_q):
+    """The serving sweep (``msa_decode_serving``): its check, its cells into ``out`` and the JSON, the table."""
+    import msa_decode_serving as sv
+    path = os.path.join(a.out, "msa_decode.json")
+    # GPU: the kernels; CPU with --smoke: the GPU kernels in interpret mode for the check, xla timings.
+    check_impl = impl if impl == "pallas_gpu" or not a.smoke else "pallas_gpu_interpret"
+    out["serving_check"] = sv.serving_check(check_impl, table, a.serving_seed)
+    out["serving_check"]["implementation"] = check_impl
+    print("serving check:", json.dumps(out["serving_check"]), flush=True)
+    order = sv.cell_order([int(x) for x in a.serving_batches.split(",") if x],
+                          [int(x) for x in a.serving_contexts.split(",") if x],
+                          _parse_cases(sv.FIRST if a.serving_first is None else a.serving_first))
+    out["serving_config"] = dict(order=order, q_rows=serving_q, steps=a.steps, budget_s=a.serving_budget_s,
+                                 seed=a.serving_seed, spread=sv.SPREAD, mem_gib=a.mem_gib, implementation=impl,
+                                 runtime_dense_check=a.serving_dense_check)
+
+    def save(cells, skipped):
+        with open(path, "w") as f:
+            json.dump(dict(out, serving=cells, serving_skipped=skipped), f, indent=1)
+    cells, skipped, wall = sv.run_sweep(order, serving_q, a.steps, impl, table, a.mem_gib, a.serving_budget_s,
+                                        a.serving_seed, a.serving_dense_check,
+                                        **({} if impl == "pallas_gpu" else {"l2_bytes": 1}), on_unit=save)
+    out["serving_config"]["wall_s"] = wall
+    out.update(serving=cells, serving_skipped=skipped)
+    save(cells, skipped)
+    print()
+    print(sv.format_table(cells, skipped, out["serving_check"]["ok"]))
 
 
 if __name__ == "__main__":

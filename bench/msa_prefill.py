@@ -269,7 +269,7 @@ def bench_indexer_variants(model, t, key, interpret=False):
     inp = Inputs(key, 1, t, t, m["h"], m["g"], m["d"], jnp.bfloat16)
     _, _, index_f = _flops(t, m["h"], m["d"], m["g"], DI, BLK, TOPK)
     out = []
-    for rows, warps, stages in ((128, 8, 2), (256, 8, 2), (128, 4, 2)):
+    for rows, warps, stages in ((128, 8, 2), (128, 8, 3), (256, 8, 2), (64, 4, 2), (128, 4, 3)):
         f = jax.jit(lambda qi, ki, rows=rows, warps=warps, stages=stages: msa_select_blocks_gpu(
             qi, ki, block_size=BLK, topk=TOPK, rows=rows, num_warps=warps, num_stages=stages,
             interpret=interpret, **inp.pos()))

@@ -9,6 +9,8 @@ Math, per row, applied to the raw logits before temperature and the top-k / top-
 * presence ``p`` and frequency ``f`` penalties (OpenAI API): ``l - f * c - p * (c > 0)`` with ``c``
   the token's count in the generated text (the prompt is not counted, as in OpenAI and vLLM);
   ``0`` is off, positive values discourage repeats, negative ones encourage them.
+* logit bias (OpenAI ``logit_bias``): ``l + b[t]`` for the listed token ids ``t`` (``apply_logit_bias``;
+  after the penalties, all of which are additive except the repetition penalty).
 
 Shapes: ``logits [B, V]`` float, ``seen [B, V]`` bool, ``counts [B, V]`` int; the result is float32.
 """
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["PenaltyTracker", "apply_penalties"]
+__all__ = ["PenaltyTracker", "apply_logit_bias", "apply_penalties"]
 
 
 def apply_penalties(logits, seen, counts, *, repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
@@ -39,6 +41,19 @@ def apply_penalties(logits, seen, counts, *, repetition_penalty: float = 1.0, pr
     if presence_penalty != 0.0:
         x = x - np.float32(presence_penalty) * (counts > 0).astype(np.float32)
     return x.astype(np.float32)
+
+
+def apply_logit_bias(logits, token_ids, biases) -> np.ndarray:
+    """float32 copy of ``logits [B, V]`` with ``biases[j]`` added to column ``token_ids[j]`` of every row
+    (ids distinct, in ``[0, V)``). Raises ValueError on mismatched lengths or ids out of range."""
+    x = np.array(logits, np.float32)
+    ids, b = np.asarray(token_ids, np.int64), np.asarray(biases, np.float32)
+    if ids.shape != b.shape or ids.ndim != 1:
+        raise ValueError(f"token_ids and biases must be [n]; got {ids.shape}, {b.shape}")
+    if x.ndim != 2 or (ids.size and not (0 <= ids.min() and ids.max() < x.shape[1])):
+        raise ValueError(f"token ids must lie in [0, {x.shape[-1]}) of logits [B, V] {x.shape}")
+    x[:, ids] += b
+    return x
 
 
 class PenaltyTracker:

@@ -98,7 +98,9 @@ def build_app(scheduler: Scheduler, tokenizer, model_name: str, *, metrics, defa
         seed = req.seed if req.seed is not None else random.randrange(1 << 31)
         try:
             return SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k_value,
-                                  min_p=req.min_p, seed=seed)
+                                  min_p=req.min_p, seed=seed, presence_penalty=req.presence_penalty,
+                                  frequency_penalty=req.frequency_penalty,
+                                  repetition_penalty=req.repetition_penalty)
         except ValueError as e:
             raise ApiError(400, str(e), None, "invalid_value") from None
 
@@ -114,9 +116,9 @@ def build_app(scheduler: Scheduler, tokenizer, model_name: str, *, metrics, defa
                     pass
             return emit
 
-        params = sampling(req)
+        params, bias = sampling(req), req.logit_bias_arrays(vocab)
         seqs = [Sequence(prompt, max_tokens, params, sink(j), row_id=j, stop_strings=tuple(req.stop or ()),
-                         logprobs=logprobs, ignore_eos=req.ignore_eos) for j in range(req.n)]
+                         logprobs=logprobs, ignore_eos=req.ignore_eos, logit_bias=bias) for j in range(req.n)]
         if not scheduler.alive:
             raise ApiError(503, "engine worker is not running")
         try:
@@ -185,9 +187,10 @@ def build_app(scheduler: Scheduler, tokenizer, model_name: str, *, metrics, defa
         max_tokens = check(req, "prompt", prompt, req.max_tokens)
         seqs, queue = start(req, prompt, max_tokens, req.logprobs)
         cid, now = R.new_id("cmpl"), R.now()
+        echo = "" if not req.echo else p if isinstance(p, str) else tokenizer.decode(prompt, skip_special_tokens=False)
         if not req.stream:
             done, entries = await collect(seqs, queue, request)
-            choices = [{"index": j, "text": d["text"], "finish_reason": d["finish_reason"],
+            choices = [{"index": j, "text": echo + d["text"], "finish_reason": d["finish_reason"],
                         "logprobs": None if req.logprobs is None else R.completion_logprobs(entries[j], piece)}
                        for j, d in enumerate(done)]
             return {"id": cid, "object": "text_completion", "created": now, "model": model_name,
@@ -195,6 +198,9 @@ def build_app(scheduler: Scheduler, tokenizer, model_name: str, *, metrics, defa
 
         async def body():
             done, offsets = [], [0] * len(seqs)
+            for j in range(len(seqs) if echo else 0):
+                yield sse({"id": cid, "object": "text_completion", "created": now, "model": model_name,
+                           "choices": [{"index": j, "text": echo, "finish_reason": None, "logprobs": None}]})
             async for i, ev in events(seqs, queue):
                 if ev["type"] == "error":
                     yield stream_error(ev)

@@ -41,6 +41,13 @@ def build_parser():
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="Cast the parameters on load.")
     p.add_argument("--attention", choices=("as_trained", "dense"), default="as_trained",
                    help="as_trained, or dense: run MSA layers as full attention (as infer.py --attention).")
+    p.add_argument("--speculative", choices=("none", "mtp"), default="none",
+                   help="Speculative decoding: 'mtp' drafts with the model's MTP modules and verifies the drafts in "
+                        "the batched decode step (greedy output identical; as infer.py --speculative).")
+    p.add_argument("--num_draft", type=cli_main.int_at_least(1), default=None,
+                   help="Drafts per step with --speculative mtp (default: all MTP modules).")
+    p.add_argument("--mtp_window", type=cli_main.int_at_least(1), default=64,
+                   help="Positions the MTP layers attend over while drafting.")
     cli_main.add_bool(p, "prefix_cache", True, "Share cached prompt pages across requests.")
     return cli_main.add_common(p, cache=True)
 
@@ -51,14 +58,18 @@ def _main(argv) -> int:
     from minimax_jax.infer.loading import load_model
     from minimax_jax.serve.server import build
 
-    flags = cli_main.parse_args(build_parser(), argv)
+    parser = build_parser()
+    flags = cli_main.parse_args(parser, argv)
+    if flags.num_draft is not None and flags.speculative == "none":
+        parser.error("--num_draft needs --speculative mtp")
     cli_main.enable_compilation_cache(flags.compilation_cache, prog=PROG)
     model = load_model(flags.checkpoint, tokenizer_path=flags.tokenizer, dtype=flags.dtype,
                        attention=flags.attention, log=lambda m: print(m, file=sys.stderr, flush=True))
     server = build(model, max_batch=flags.max_batch, max_len=flags.max_len, max_queue=flags.max_queue,
                    prefill_chunk=flags.prefill_chunk, model_name=flags.served_model_name,
                    default_max_tokens=flags.default_max_tokens, prefix_cache=flags.prefix_cache,
-                   token_budget=flags.token_budget)
+                   token_budget=flags.token_budget, num_draft=flags.num_draft, mtp_window=flags.mtp_window,
+                   speculative=None if flags.speculative == "none" else flags.speculative)
     print(f"serving {server.model_name} on http://{flags.host}:{flags.port}/v1 ({server.scheduler.max_batch} "
           f"slots, max_len {server.scheduler.max_len})", file=sys.stderr, flush=True)
     try:

@@ -54,6 +54,7 @@ class Metrics:
         self._lock = threading.Lock()
         self.ttft, self.itl = Histogram(), Histogram()
         self.generated = self.prompt_tokens = self.cached_tokens = self.rejected = 0
+        self.drafted = self.accepted = 0
         self.finished_by = collections.Counter()
         self.state = dict(queue=0, active=0, free_pages=0, cached_pages=0)
         self.window_s = window_s
@@ -77,6 +78,12 @@ class Metrics:
         with self._lock:
             self.finished_by[reason] += 1
 
+    def verified(self, drafted: int, accepted: int) -> None:
+        """Speculative decoding: ``drafted`` draft tokens verified, ``accepted`` of them kept."""
+        with self._lock:
+            self.drafted += drafted
+            self.accepted += accepted
+
     def reject(self) -> None:
         with self._lock:
             self.rejected += 1
@@ -99,7 +106,9 @@ class Metrics:
             for name, v, h in (("generated_tokens_total", self.generated, "Generated tokens."),
                                ("prompt_tokens_total", self.prompt_tokens, "Prompt tokens admitted."),
                                ("cached_prompt_tokens_total", self.cached_tokens, "Prompt tokens from the prefix cache."),
-                               ("requests_rejected_total", self.rejected, "Requests refused with 429.")):
+                               ("requests_rejected_total", self.rejected, "Requests refused with 429."),
+                               ("draft_tokens_total", self.drafted, "Speculative draft tokens verified."),
+                               ("accepted_draft_tokens_total", self.accepted, "Speculative draft tokens kept.")):
                 lines += [f"# HELP {_P}{name} {h}", f"# TYPE {_P}{name} counter", f"{_P}{name} {v}"]
             lines += [f"# HELP {_P}requests_finished_total Finished sequences by reason.",
                       f"# TYPE {_P}requests_finished_total counter"]

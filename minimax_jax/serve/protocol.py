@@ -1,7 +1,13 @@
 """OpenAI-style request models (pydantic) and errors for the server.
 
-Requests follow the OpenAI completions / chat completions APIs; fields we do not implement
-(``presence_penalty`` / ``frequency_penalty`` other than 0, ``logit_bias``, ``best_of`` > n, ``echo``,
+Requests follow the OpenAI completions / chat completions APIs. Sampling adjustments, per choice
+(``minimax_jax.infer.penalties``, applied to the raw logits before temperature and filters):
+``presence_penalty`` / ``frequency_penalty`` in [-2, 2] over the tokens generated so far by that choice,
+``logit_bias`` ``{"<token id>": bias in [-100, 100]}`` (``repetition_penalty`` > 0 over prompt +
+generated tokens is an extension, as vLLM's). Reported log-probabilities are the model's own (before
+these adjustments). ``echo`` (completions) prepends the prompt text to each choice's text; echo with
+``logprobs`` is refused with 400 (prompt log-probabilities would need the logits of every prompt
+position, which the chunked prefill does not produce). Fields we do not implement (``best_of`` > n,
 ``suffix``) are refused with 400 rather than ignored. ``top_k`` (0 or -1 = off), ``min_p`` and
 ``ignore_eos`` (keep generating past stop tokens up to ``max_tokens``, as vLLM's; for load tests) are
 extensions (pass them in ``extra_body`` with the ``openai`` client). Errors are
@@ -14,12 +20,13 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-__all__ = ["ApiError", "ChatCompletionRequest", "CompletionRequest", "MAX_N", "MAX_STOP", "MAX_TOP_LOGPROBS",
-           "StreamOptions"]
+__all__ = ["ApiError", "ChatCompletionRequest", "CompletionRequest", "MAX_LOGIT_BIAS", "MAX_N", "MAX_STOP",
+           "MAX_TOP_LOGPROBS", "StreamOptions"]
 
 MAX_N = 16
 MAX_STOP = 4
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0
 
 
 class ApiError(Exception):
@@ -58,9 +65,10 @@ class _Common(BaseModel):
     stop: Optional[Union[str, list[str]]] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: Optional[dict] = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    logit_bias: Optional[dict[str, Any]] = None
     user: Optional[str] = None
 
     @field_validator("stop")
@@ -73,13 +81,31 @@ class _Common(BaseModel):
             raise ValueError("stop sequences must be non-empty strings")
         return stops
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v):
+        for key, b in (v or {}).items():
+            if not key.isdigit() or not key.isascii():
+                raise ValueError(f"logit_bias key {key!r} is not a token id (a non-negative integer string)")
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias[{key!r}] = {b!r} is not a number in [-{MAX_LOGIT_BIAS:g}, "
+                                 f"{MAX_LOGIT_BIAS:g}]")
+        return v
+
     def unsupported(self) -> None:
         """Raise ApiError(400) for accepted-but-unimplemented fields set to non-defaults."""
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0.0:
-                raise ApiError(400, f"{name} is not supported by this server (use 0)", name, "unsupported_parameter")
-        if self.logit_bias:
-            raise ApiError(400, "logit_bias is not supported by this server", "logit_bias", "unsupported_parameter")
+
+    def logit_bias_arrays(self, vocab_size: int) -> tuple[list[int], list[float]] | None:
+        """``logit_bias`` as (token ids, biases), None when empty. Raises ApiError(400) naming a key
+        outside ``[0, vocab_size)``."""
+        if not self.logit_bias:
+            return None
+        ids = [int(k) for k in self.logit_bias]
+        for k, t in zip(self.logit_bias, ids):
+            if t >= vocab_size:
+                raise ApiError(400, f"logit_bias key {k!r} is not a token id of this model ([0, {vocab_size}))",
+                               "logit_bias", "invalid_value")
+        return ids, [float(b) for b in self.logit_bias.values()]
 
     @property
     def top_k_value(self) -> int:
@@ -102,8 +128,9 @@ class CompletionRequest(_Common):
 
     def unsupported(self) -> None:
         super().unsupported()
-        if self.echo:
-            raise ApiError(400, "echo is not supported by this server", "echo", "unsupported_parameter")
+        if self.echo and self.logprobs is not None:
+            raise ApiError(400, "echo with logprobs is not supported by this server (no prompt log-probabilities); "
+                                "drop one of them", "echo", "unsupported_parameter")
         if self.suffix:
             raise ApiError(400, "suffix is not supported by this server", "suffix", "unsupported_parameter")
         if self.best_of is not None and self.best_of != self.n:

@@ -11,7 +11,11 @@ prompt is prefilled.
 Token choice, stop rules and log-probabilities are those of the generation loop
 (``minimax_jax.infer.sampler.RowSampler`` keyed by (seed, row id, step), ``minimax_jax.stopping``,
 ``token_logprobs``), so a greedy sequence gets the tokens ``Generator.generate`` gives its prompt.
+Penalties and logit bias (``minimax_jax.infer.penalties``) are per sequence: each row of a batch
+step is adjusted with its own settings and its own generated tokens before its token is chosen.
 Prefix reuse is the engine's prefix cache (full pages shared by content hash across requests).
+With ``speculative="mtp"`` the decode step is ``minimax_jax.serve.speculative.MTPStep`` (MTP drafts
+verified in the same batched step; greedy output unchanged).
 
 Events go to ``Sequence.emit`` (called on the worker thread; the HTTP side bridges it to asyncio):
 ``{"type": "token", "text": delta, "logprobs": [entry...]}``, then one ``{"type": "done", ...}`` or
@@ -31,7 +35,9 @@ from typing import Callable
 import numpy as np
 
 from minimax_jax.infer.generation import GenerationConfig, Generator
+from minimax_jax.infer.penalties import PenaltyTracker, apply_logit_bias
 from minimax_jax.infer.sampler import RowSampler, SamplingParams, token_logprobs
+from minimax_jax.serve.speculative import MTPStep
 from minimax_jax.stopping import StopChecker, StopConfig
 
 __all__ = ["QueueFull", "Scheduler", "Sequence"]
@@ -45,7 +51,8 @@ class QueueFull(RuntimeError):
 class Sequence:
     """One choice to generate. ``logprobs``: None = off, k >= 0 = the chosen token's log-probability
     plus the k most likely tokens'. ``row_id`` keys the random draws (choice index, as ``infer.py``'s
-    sample index). ``ignore_eos``: stop tokens do not end it (only ``max_tokens`` and stop strings)."""
+    sample index). ``ignore_eos``: stop tokens do not end it (only ``max_tokens`` and stop strings).
+    Penalties: ``sampling``'s; ``logit_bias``: None or (token ids, biases) (``apply_logit_bias``)."""
 
     prompt: list
     max_tokens: int
@@ -55,6 +62,7 @@ class Sequence:
     stop_strings: tuple = ()
     logprobs: int | None = None
     ignore_eos: bool = False
+    logit_bias: tuple | None = None
     cancelled: bool = False
     # worker state
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
@@ -67,6 +75,18 @@ class Sequence:
     last_token_at: float = 0.0
     checker: StopChecker | None = None
     sampler: RowSampler | None = None
+    penalties: PenaltyTracker | None = None
+    rng: np.random.Generator | None = None      # speculative sampling's draws
+    refeed: list | None = None                  # speculative: prompt tokens to compute in the next step
+
+    def adjust(self, logits: np.ndarray) -> np.ndarray:
+        """This sequence's penalties and logit bias applied to its next-token logits ``[1, V]``."""
+        x = logits
+        if self.penalties is not None:
+            x = self.penalties.apply(x, [0], **self.sampling.penalties())
+        if self.logit_bias is not None:
+            x = apply_logit_bias(x, *self.logit_bias)
+        return x
 
     def cancel(self) -> None:
         """Ask the worker to drop this sequence (thread-safe: a flag read between steps)."""
@@ -84,10 +104,14 @@ class Scheduler:
       token_budget: tokens per iteration (decode tokens + prefill tokens); None = one prefill chunk
         per prefilling sequence on top of the decode tokens.
       metrics: ``minimax_jax.serve.metrics.Metrics`` or None.
+      speculative: None or "mtp" (``MTPStep``: ``num_draft`` drafts per step, default all MTP modules;
+        ``mtp_window`` positions the MTP layers attend over).
+    Raises: ValueError (bad sizes / engine / method), InferenceError (no MTP modules, no hidden states).
     """
 
     def __init__(self, generator: Generator, *, max_batch: int, max_len: int, max_queue: int = 64,
-                 token_budget: int | None = None, metrics=None):
+                 token_budget: int | None = None, metrics=None, speculative: str | None = None,
+                 num_draft: int | None = None, mtp_window: int = 64):
         if generator.engine != "paged":
             raise ValueError(f"the server needs the paged engine, got {generator.engine!r}")
         self.gen = generator
@@ -109,6 +133,10 @@ class Scheduler:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        if speculative not in (None, "mtp"):
+            raise ValueError(f"speculative must be None or 'mtp', got {speculative!r}")
+        self.mtp = None if speculative is None else MTPStep(self, num_draft, mtp_window)
+        self._extra = 0 if self.mtp is None else self.mtp.k     # drafts written past the end before truncation
 
     # ------------------------------------------------------------------ control
     def start(self) -> None:
@@ -136,6 +164,10 @@ class Scheduler:
                 stop_ids = frozenset() if s.ignore_eos else self.stop_ids
                 s.checker = StopChecker(StopConfig(stop_ids, tuple(s.stop_strings), s.max_tokens))
                 s.sampler = RowSampler(s.sampling)
+                s.rng = np.random.default_rng([s.sampling.seed, s.row_id])
+                if s.sampling.has_penalties:
+                    s.penalties = PenaltyTracker(self.gen.cfg.vocab_size)
+                    s.penalties.start(0, s.prompt)
             self._waiting.extend(seqs)
             self._cv.notify_all()
         self._gauges()
@@ -188,6 +220,8 @@ class Scheduler:
         if s in self._prefilling:
             self._prefilling.remove(s)
         if s.handle is not None:
+            if self.mtp is not None:
+                self.mtp.drafter.drop(s.handle)
             self.backend.free(s.handle)
             s.handle = None
 
@@ -218,14 +252,15 @@ class Scheduler:
     def _admit(self) -> None:
         slots = self.free_slots()
         # pages the active sequences may still need to reach prompt + max_tokens
-        owed = sum(max(0, self._pages(len(s.prompt) + s.max_tokens) - len(self.engine.seqs[s.handle].pages))
+        owed = sum(max(0, self._pages(len(s.prompt) + s.max_tokens + self._extra)
+                       - len(self.engine.seqs[s.handle].pages))
                    for s in self._active + self._prefilling)
         budget = self.engine.pool.num_free - owed
         take: list[Sequence] = []
         with self._cv:
             while self._waiting and len(take) < slots:
                 s = self._waiting[0]
-                need = self._pages(len(s.prompt) + s.max_tokens)
+                need = self._pages(len(s.prompt) + s.max_tokens + self._extra)
                 if need > budget:
                     break      # wait for pages to come back
                 budget -= need
@@ -259,10 +294,19 @@ class Scheduler:
             self._active.append(s)
             if self.metrics is not None:
                 self.metrics.admitted(len(s.prompt), s.cached_tokens, now - s.arrival)
-        self._choose_and_emit(finished, np.stack([done[s.handle][0] for s in finished]))
+        if self.mtp is not None:       # drafting sequences take their first token from the next step
+            finished = [s for s in finished if not self.mtp.prefilled(s)]
+        if finished:
+            self._choose_and_emit(finished, np.stack([done[s.handle][0] for s in finished]))
 
     def _step(self) -> None:
         rows = list(self._active)
+        if self.mtp is not None:
+            try:
+                self.mtp.step(rows)
+            except Exception as e:
+                self._fail([s for s in rows if s.handle is not None], "speculative decode step", e)
+            return
         toks = np.array([[s.pending] for s in rows], np.int32)
         try:
             logits, _ = self.backend.step([s.handle for s in rows], toks)
@@ -273,17 +317,24 @@ class Scheduler:
 
     # ------------------------------------------------------------------ tokens
     def _choose_and_emit(self, rows: list[Sequence], logits: np.ndarray) -> None:
-        now = time.perf_counter()
+        """Choose (adjusted, ``Sequence.adjust``) and emit one token per row from ``logits [n, V]``."""
         for i, s in enumerate(rows):
             x = logits[i:i + 1]
-            tok = int(s.sampler.choose(x, [s.row_id], [s.drawn])[0])
-            s.drawn += 1
+            tok = int(s.sampler.choose(s.adjust(x), [s.row_id], [s.drawn])[0])
             s.pending = tok
-            entry = None if s.logprobs is None else self._logprob_entry(x[0], tok, s.logprobs)
+            self._emit_tokens(s, [tok], x)
+
+    def _emit_tokens(self, s: Sequence, toks: list[int], logits: np.ndarray) -> None:
+        """Emit ``toks`` (chosen from ``logits [len(toks), V]``, row by row) until the sequence ends."""
+        now = time.perf_counter()
+        for tok, row in zip(toks, logits):
+            s.drawn += 1
+            entry = None if s.logprobs is None else self._logprob_entry(row, tok, s.logprobs)
             if self.metrics is not None:
                 self.metrics.token(None if s.drawn == 1 else now - s.last_token_at)
             s.last_token_at = now
-            self._emit(s, tok, entry)
+            if self._emit(s, tok, entry):
+                return
 
     def _logprob_entry(self, row: np.ndarray, tok: int, k: int) -> dict:
         lp = float(token_logprobs(row[None], [tok])[0])
@@ -291,14 +342,16 @@ class Scheduler:
         top = token_logprobs(np.repeat(row[None], len(ids), 0), ids) if k else []
         return {"id": tok, "logprob": lp, "top": [(int(t), float(v)) for t, v in zip(ids, top)]}
 
-    def _emit(self, s: Sequence, tok: int, entry: dict | None) -> None:
+    def _emit(self, s: Sequence, tok: int, entry: dict | None) -> bool:
         """The generation loop's emission rule: stop tokens are not part of the output; text that may
-        still become a stop string is held back."""
+        still become a stop string is held back. True when the sequence is finished (released)."""
         ck = s.checker
         res = ck.update(tok, self.gen._text(s.ids + [tok]))
         entries = []
         if res is None or res.reason != "stop_token":
             s.ids.append(tok)
+            if s.penalties is not None:
+                s.penalties.add(0, tok)
             if entry is not None:
                 entries.append(entry)
         text = ck.emittable_text()
@@ -314,3 +367,4 @@ class Scheduler:
             s.emit({"type": "done", "finish_reason": reason, "stop_reason": res.reason, "text": res.text,
                     "tokens": list(s.ids[:res.num_tokens]), "prompt_tokens": len(s.prompt),
                     "cached_tokens": s.cached_tokens})
+        return res is not None

@@ -12,7 +12,10 @@ query tile are stacked as the M dimension ([TQ*Hi, Di] @ [Di, B] per key tile). 
 of a row's segment may belong to two blocks (packed segments need not start on a tile boundary):
 the kernel keeps both partial maxima and completes block n0 = floor((tile*B - base)/B) from the
 previous tile's second part and this tile's first part, then offers it to the row's running top
-list (replace the worst entry - lowest score, ties highest id - if strictly better).
+list (replace the worst entry - lowest score, ties highest id - if strictly better). The walk is two
+loops: the leading key tiles that every row of the tile sees whole, one block each (computed in XLA
+by ``fast_tile_ends``; all tiles below the diagonal of an unpacked prefill), take a mask-free body
+with no per-tile reductions over keys or branches; the rest take the masked body.
 """
 
 from __future__ import annotations
@@ -47,8 +50,9 @@ def _insert(top_v, top_i, x, n):
     return jnp.where(repl, x[:, None], top_v), jnp.where(repl, n[:, None], top_i)
 
 
-def _kernel(qi_ref, ki_ref, qpos_ref, qseg_ref, base_ref, kvpos_ref, kvseg_ref, tv_ref, ti_ref,
-            lok_ref, *, blk, rows, n_rank, width, init, local_blocks, scale, n_tiles):
+def _kernel(qi_ref, ki_ref, qpos_ref, qseg_ref, base_ref, kvpos_ref, kvseg_ref, fast_end_ref,
+            tv_ref, ti_ref, lok_ref, *, blk, rows, n_rank, width, init, local_blocks, scale,
+            n_tiles):
     rt = pl.program_id(0)
     b = pl.program_id(1)
     rs = pl.ds(rt * rows, rows)
@@ -62,60 +66,85 @@ def _kernel(qi_ref, ki_ref, qpos_ref, qseg_ref, base_ref, kvpos_ref, kvseg_ref, 
     col = jax.lax.broadcasted_iota(jnp.int32, (rows, width), 1)
     top_v = jnp.where(col < n_rank, -jnp.inf, jnp.inf).astype(jnp.float32)
     top_i = -1 - col
-    base_min = jnp.min(base)
-    t_lo = jax.lax.div(jnp.maximum(base_min, 0), blk)
+    t_lo = jax.lax.div(jnp.maximum(jnp.min(base), 0), blk)
     t_hi = jnp.minimum(jax.lax.div(jnp.maximum(jnp.max(qidx), 0), blk) + 1, n_tiles)
-    # All rows in one segment with the same block-aligned base: tiles wholly visible to every row
-    # take a fast path without per-element masks (the common case of long unpacked prefill).
-    qseg_min = jnp.min(qseg)
-    qpos_min = jnp.min(qpos)
-    uniform = ((qseg_min == jnp.max(qseg)) & (base_min == jnp.max(base))
-               & (base_min - jax.lax.div(base_min, blk) * blk == 0))
+    fast_end = jnp.clip(fast_end_ref[b, rt], t_lo, t_hi)
 
-    def body(tile, carry):
-        top_v, top_i, prev1, lok = carry
-        sl = pl.ds(tile * blk, blk)
-        kb = ki_ref[b, sl, :]                          # [B, Di]
-        kvp = kvpos_ref[b, sl]
-        kvs = kvseg_ref[b, sl]
-        s = _dot(qi, kb, trans_b=True)                 # [R, B] unscaled (scale applied at the end)
+    def offer(tile, top_v, top_i, prev1, p0):
         n0 = jax.lax.div(tile * blk - base + n_tiles * blk, blk) - n_tiles
-        kblk = jax.lax.div(kvp, blk)
-        kblk_min = jnp.min(kblk)
-        fast = (uniform & (jnp.min(kvs) == qseg_min) & (jnp.max(kvs) == qseg_min)
-                & (qseg_min >= 0) & (jnp.max(kvp) <= qpos_min) & (kblk_min == jnp.max(kblk))
-                & (kblk_min == jax.lax.div(tile * blk - base_min, blk)))
-
-        def fast_path(_):
-            p0 = jnp.max(s, axis=1)
-            return p0, jnp.full_like(p0, -jnp.inf), (n0 == local).astype(jnp.int32)
-
-        def slow_path(_):
-            vis = ((kvs[None, :] == qseg[:, None]) & (kvs[None, :] >= 0)
-                   & (kvp[None, :] <= qpos[:, None]))
-            in0 = kblk[None, :] == n0[:, None]
-            p0 = jnp.max(jnp.where(vis & in0, s, -jnp.inf), axis=1)
-            p1 = jnp.max(jnp.where(vis & jnp.logical_not(in0), s, -jnp.inf), axis=1)
-            in_local = vis & (kblk[None, :] == local[:, None])
-            return p0, p1, jnp.max(in_local.astype(jnp.int32), axis=1)
-
-        p0, p1, lok_t = jax.lax.cond(fast, fast_path, slow_path, None)
         val = jnp.maximum(prev1, p0)
         ok = (n0 >= init) & (n0 <= hi_rank)
-        top_v, top_i = _insert(top_v, top_i, jnp.where(ok, val, -jnp.inf), n0)
-        return top_v, top_i, p1, jnp.maximum(lok, lok_t)
+        return _insert(top_v, top_i, jnp.where(ok, val, -jnp.inf), n0), n0
 
-    prev1 = jnp.full((rows,), -jnp.inf, jnp.float32)
+    def fast_body(tile, carry):
+        # Tiles in [t_lo, fast_end) are wholly visible to every row and are exactly one block
+        # (fast_tile_ends): no per-element masks, no split maxima.
+        top_v, top_i, lok = carry
+        s = _dot(qi, ki_ref[b, pl.ds(tile * blk, blk), :], trans_b=True)   # [R, B] unscaled
+        (top_v, top_i), n0 = offer(tile, top_v, top_i, jnp.full((rows,), -jnp.inf, jnp.float32),
+                                   jnp.max(s, axis=1))
+        return top_v, top_i, jnp.maximum(lok, (n0 == local).astype(jnp.int32))
+
+    def slow_body(tile, carry):
+        top_v, top_i, prev1, lok = carry
+        sl = pl.ds(tile * blk, blk)
+        kvp = kvpos_ref[b, sl]
+        kvs = kvseg_ref[b, sl]
+        s = _dot(qi, ki_ref[b, sl, :], trans_b=True)
+        n0 = jax.lax.div(tile * blk - base + n_tiles * blk, blk) - n_tiles
+        kblk = jax.lax.div(kvp, blk)
+        vis = ((kvs[None, :] == qseg[:, None]) & (kvs[None, :] >= 0)
+               & (kvp[None, :] <= qpos[:, None]))
+        in0 = kblk[None, :] == n0[:, None]
+        p0 = jnp.max(jnp.where(vis & in0, s, -jnp.inf), axis=1)
+        p1 = jnp.max(jnp.where(vis & jnp.logical_not(in0), s, -jnp.inf), axis=1)
+        in_local = vis & (kblk[None, :] == local[:, None])
+        (top_v, top_i), _ = offer(tile, top_v, top_i, prev1, p0)
+        return top_v, top_i, p1, jnp.maximum(lok, jnp.max(in_local.astype(jnp.int32), axis=1))
+
     lok = jnp.zeros((rows,), jnp.int32)
-    top_v, top_i, _, lok = jax.lax.fori_loop(t_lo, t_hi, body, (top_v, top_i, prev1, lok))
+    top_v, top_i, lok = jax.lax.fori_loop(t_lo, fast_end, fast_body, (top_v, top_i, lok))
+    prev1 = jnp.full((rows,), -jnp.inf, jnp.float32)
+    top_v, top_i, _, lok = jax.lax.fori_loop(fast_end, t_hi, slow_body, (top_v, top_i, prev1, lok))
     tv_ref[b, rs, :] = top_v * scale
     ti_ref[b, rs, :] = top_i
     lok_ref[b, rs] = lok
 
 
+def fast_tile_ends(qpos, qseg, base, kv_pos, kv_seg, *, blk, rows_per_tile):
+    """Per (batch row, row tile): end of the run of key tiles, from the tile's first, that every
+    query of the row tile sees whole and that hold exactly one of its blocks. int32 [B, n_rt].
+
+    Such a tile needs no masks in the kernel. Exact: a tile qualifies iff the row tile is one
+    segment (>= 0) with one block-aligned base, every key of the key tile is in that segment with
+    block ``tile - base / B`` and position <= the row tile's smallest query position. O(n_rt * n_tiles)
+    int ops in one XLA reduction (no [T, S] array). Inputs: the padded per-token arrays of the
+    kernel ([B, Tp] with Tp a multiple of rows_per_tile tokens) and the padded keys [B, Sp].
+    """
+    bsz, sp = kv_pos.shape
+    n_tiles = sp // blk
+    tile_r = lambda x: x.reshape(bsz, -1, rows_per_tile)
+    seg_lo, seg_hi = tile_r(qseg).min(-1), tile_r(qseg).max(-1)
+    base_lo, base_hi = tile_r(base).min(-1), tile_r(base).max(-1)
+    qpos_lo = tile_r(qpos).min(-1)
+    t_lo = jnp.maximum(base_lo, 0) // blk
+    uniform = (seg_lo == seg_hi) & (seg_lo >= 0) & (base_lo == base_hi) & (base_lo % blk == 0)
+    ks, kp = kv_seg.reshape(bsz, n_tiles, blk), kv_pos.reshape(bsz, n_tiles, blk)
+    kb = jax.lax.div(kp, blk)
+    one_seg = (ks.min(-1) == ks.max(-1)) & (kb.min(-1) == kb.max(-1))
+    tseg = jnp.where(one_seg, ks[..., 0], -3)          # -3: never a query segment
+    tblk, tmax = kb[..., 0], kp.max(-1)
+    tile = jnp.arange(n_tiles, dtype=jnp.int32)
+    exp_blk = jax.lax.div(tile[None, None, :] * blk - base_lo[:, :, None], blk)
+    fast = (uniform[:, :, None] & (tseg[:, None, :] == seg_lo[:, :, None])
+            & (tmax[:, None, :] <= qpos_lo[:, :, None]) & (tblk[:, None, :] == exp_blk))
+    fail = (tile[None, None, :] >= t_lo[:, :, None]) & ~fast
+    return jnp.min(jnp.where(fail, tile[None, None, :], n_tiles), axis=-1).astype(jnp.int32)
+
+
 def block_topk_gpu(qi, ki, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None,
                    block_size, topk, init_blocks=0, local_blocks=1, rows=128, interpret=False,
-                   num_warps=8, num_stages=2):
+                   num_warps=8, num_stages=3):
     """Fused index scores + block max-pool + running top list (unordered), Pallas/Triton GPU.
 
     Args: as msa_select_blocks_gpu; rows = query rows (token x index head) per program.
@@ -137,6 +166,8 @@ def block_topk_gpu(qi, ki, *, q_positions, kv_positions, q_segment_ids=None, kv_
     kernel = functools.partial(_kernel, blk=block_size, rows=rows, n_rank=n_rank, width=width,
                                init=init_blocks, local_blocks=local_blocks,
                                scale=1.0 / math.sqrt(di), n_tiles=n_tiles)
+    fast_end = fast_tile_ends(qpos, qseg, base, prep.kv_pos, prep.kv_seg, blk=block_size,
+                              rows_per_tile=tq)
     tv, ti, lok = pl.pallas_call(
         kernel,
         grid=(tp * hi // rows, bsz),
@@ -147,7 +178,7 @@ def block_topk_gpu(qi, ki, *, q_positions, kv_positions, q_segment_ids=None, kv_
         interpret=interpret,
         name="msa_indexer_gpu",
     )(qi.reshape(bsz, tp * hi, di), kip, rep(qpos), rep(qseg), rep(base), prep.kv_pos,
-      prep.kv_seg)
+      prep.kv_seg, fast_end)
     tv = tv.reshape(bsz, tp, hi, width)[:, :t, :, :n_rank]
     ti = ti.reshape(bsz, tp, hi, width)[:, :t, :, :n_rank]
     lok = lok.reshape(bsz, tp, hi)[:, :t] > 0
@@ -156,7 +187,7 @@ def block_topk_gpu(qi, ki, *, q_positions, kv_positions, q_segment_ids=None, kv_
 
 def msa_select_blocks_gpu(qi, ki, *, q_positions, kv_positions, q_segment_ids=None,
                           kv_segment_ids=None, block_size, topk, init_blocks=0, local_blocks=1,
-                          rows=128, interpret=False, num_warps=8, num_stages=2):
+                          rows=128, interpret=False, num_warps=8, num_stages=3):
     """MSA block selection with the fused Pallas/Triton GPU indexer kernel.
 
     Args:

@@ -1,17 +1,19 @@
-"""bench/msa_decode.py sweep helpers, its --sweep-scores CLI and bench/decode_ncu.py plumbing (CPU, kernels in
-interpret mode)."""
+"""bench/msa_decode.py sweep helpers, its --sweep-scores and --serving CLIs and bench/decode_ncu.py plumbing (CPU,
+kernels in interpret mode)."""
 
 from tests.paths import REPO_ROOT
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = REPO_ROOT
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import msa_decode  # noqa: E402
+import msa_decode_serving  # noqa: E402
 
 
 def test_score_candidate_families():
@@ -130,6 +132,71 @@ def test_case_sizes_rotate_past_the_l2():
     npg, reps, steps, p = msa_decode.case_sizes(2, 4096, 3, l2_bytes=10 * 2 * 4096 * msa_decode.DI * 2)
     assert (npg, reps, steps, p) == (32, 10, 10, 10 * 2 * 32 + 1)
     assert msa_decode.case_sizes(32, 1 << 20, 4, l2_bytes=200 << 20)[1:3] == (1, 4)
+
+
+def test_serving_cells_ragged_and_shuffled():
+    """Lengths +-25 % around the context, seeded; every request's pages a disjoint shuffled set of 1..P-1 over
+    the replicas, 0 past its own pages; rows at the last Q positions; the first cells before the grid, once."""
+    sv = msa_decode_serving
+    lens = sv.request_lengths(64, 4096, seed=3)
+    assert lens.min() >= 3072 and lens.max() <= 5120 and len(set(lens.tolist())) > 32
+    assert (lens == sv.request_lengths(64, 4096, seed=3)).all() and (lens != sv.request_lengths(64, 4096, 4)).any()
+    lay = sv.layout(5, 1000, 3, seed=1, l2_bytes=4 * 5 * 1000 * msa_decode.DI * 2)
+    assert (lay["replicas"], lay["steps_per_call"]) == (4, 4)
+    assert (lay["pages"] == -(-lay["lengths"] // msa_decode.PAGE)).all() and lay["width"] == lay["pages"].max()
+    assert lay["phys_pages"] == 4 * lay["pages"].sum() + 1
+    t = sv.page_tables(lay, seed=1)
+    assert t.shape == (4, 5, lay["width"]) and t.dtype == np.int32
+    used = np.arange(lay["width"])[None, None, :] < lay["pages"][None, :, None]
+    assert sorted(t[np.broadcast_to(used, t.shape)].tolist()) == list(range(1, lay["phys_pages"]))
+    assert (t[~np.broadcast_to(used, t.shape)] == 0).all()
+    assert not (np.diff(t[0, 0, :lay["pages"][0]]) == 1).all()                       # shuffled
+    pos = sv.positions(np.array([20, 300]), 8)
+    assert pos.tolist() == [list(range(12, 20)), list(range(292, 300))]
+    assert sv.layout(3, 1600, 1, 0, 1, min_width=20)["width"] == 20
+    assert sv.cell_order([1, 8], [1024, 4096], [(8, 4096), (2, 9)]) == [(8, 4096), (2, 9), (1, 1024), (8, 1024),
+                                                                          (1, 4096)]
+
+
+def test_serving_sweep_skips_past_budget_and_memory():
+    """Nothing is allocated for a cell over --mem-gib or once the budget is spent; both are listed."""
+    cells, skipped, wall = msa_decode_serving.run_sweep([(128, 204800), (1, 1024)], [8, 1], 1, "xla", None,
+                                                        mem_gib=1.0, budget_s=0.0)
+    assert cells == [] and wall < 5
+    assert [(s["batch"], s["q_rows"]) for s in skipped] == [(128, None), (1, None)]
+    assert "GiB > --mem-gib 1.0" in skipped[0]["reason"] and "budget" in skipped[1]["reason"]
+
+
+def test_serving_cli_smoke(tmp_path):
+    """--serving on the CPU: the check (GPU kernels in interpret mode) first, then every (batch, context, Q,
+    index dtype) cell with finite times and the path the op took, a cell over --mem-gib listed, the table last."""
+    import json
+    import math
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "msa_decode.py"), "--smoke", "--contexts", "", "--steps", "1",
+           "--serving", "--serving-batches", "2", "--serving-contexts", "512,2560", "--serving-q", "8,1",
+           "--serving-first", "64x204800", "--mem-gib", "1", "--out", str(tmp_path)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.load(open(tmp_path / "msa_decode.json"))
+    chk = out["serving_check"]
+    assert chk["ok"] and chk["implementation"] == "pallas_gpu_interpret" and chk["all_pages_jit_path"] == "sparse"
+    assert chk["bf16_set_mismatch_rows"] == 0 and chk["fp8_o_maxerr"] < 3e-2
+    cells = out["serving"]
+    assert sorted((c["context"], c["q_rows"], c["index_dtype"]) for c in cells) == sorted(
+        (ctx, q, d) for ctx in (512, 2560) for q in (1, 8) for d in ("bf16", "fp8"))
+    for c in cells:
+        assert c["batch"] == 2 and all(math.isfinite(c[k]) and c[k] > 0 for k in ("dense_ms", "msa_ms", "speedup"))
+        assert c["speedup"] == pytest.approx(c["dense_ms"] / c["msa_ms"])
+        assert c["msa_path"] == ("dense" if c["context"] == 512 else "sparse")      # table <= K pages wide: dense
+        assert 0.75 * c["context"] <= c["len_min"] <= c["len_max"] <= 1.25 * c["context"]
+    assert [(s["batch"], s["context"]) for s in out["serving_skipped"]] == [(64, 204800)]
+    assert out["serving_config"]["order"][0] == [64, 204800] and out["rows"] == []
+    tail = r.stdout.rstrip().split("\n")[-7:]                 # title, header, 4 lines, the skipped cell
+    assert tail[0].startswith("serving sweep (check ok=True") and tail[-1].startswith("serving skipped: 64x204800")
+    bad = subprocess.run(cmd[:-2] + ["--serving-q", "8,17", "--out", str(tmp_path)], capture_output=True,
+                         text=True, timeout=120, env=env, cwd=ROOT)
+    assert bad.returncode == 2 and "--serving-q takes 1..16" in bad.stderr
 
 
 def test_decode_ncu_script_runs_every_kernel():

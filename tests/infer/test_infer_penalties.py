@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from minimax_jax.infer import GenerationConfig, Generator, SamplingParams
-from minimax_jax.infer.penalties import PenaltyTracker, apply_penalties
+from minimax_jax.infer.penalties import PenaltyTracker, apply_logit_bias, apply_penalties
 from minimax_jax.model import forward
 from tests import infer_helpers as H
 
@@ -26,6 +26,23 @@ def reference(logits, context, generated, rep=1.0, pres=0.0, freq=0.0):
             c = list(generated[b]).count(t)
             out[b, t] -= freq * c + pres
     return out
+
+
+
+def test_logit_bias_adds_to_the_listed_columns_of_every_row():
+    logits, _, _ = _case(5)
+    got = apply_logit_bias(logits, [3, 0, 36], [100.0, -2.5, 0.25])
+    want = np.array(logits, np.float64)
+    want[:, 3] += 100.0
+    want[:, 0] -= 2.5
+    want[:, 36] += 0.25
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
+    np.testing.assert_array_equal(apply_logit_bias(logits, [], []), logits)
+    with pytest.raises(ValueError, match="token ids must lie in"):
+        apply_logit_bias(logits, [37], [1.0])
+    with pytest.raises(ValueError, match="must be"):
+        apply_logit_bias(logits, [1, 2], [1.0])
 
 
 def _case(seed, b=4, v=37):

@@ -10,10 +10,14 @@ def test_defaults_serve_the_demo_on_loopback():
     assert f.checkpoint is None and f.host == "127.0.0.1" and f.port == 8000 and f.max_batch == 8
     assert f.prefix_cache and build_parser().parse_args(["--no_prefix_cache"]).prefix_cache is False
     assert f.attention == "as_trained" and build_parser().parse_args(["--attention", "dense"]).attention == "dense"
+    assert f.speculative == "none" and f.num_draft is None and f.mtp_window == 64
+    g = build_parser().parse_args(["--speculative", "mtp", "--num_draft", "1", "--mtp_window", "32"])
+    assert (g.speculative, g.num_draft, g.mtp_window) == ("mtp", 1, 32)
 
 
 @pytest.mark.parametrize("argv", [["--port", "-1"], ["--max_batch", "0"], ["--bogus"],
-                                  ["--attention", "sparse"]])
+                                  ["--attention", "sparse"], ["--speculative", "eagle"], ["--num_draft", "1"],
+                                  ["--speculative", "mtp", "--num_draft", "0"]])
 def test_bad_flags_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)

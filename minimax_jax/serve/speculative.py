@@ -1,0 +1,120 @@
+"""MTP speculative decoding inside the continuous batch (``Scheduler(speculative="mtp")``).
+
+Per decode iteration ONE engine step over every decoding sequence, ``Q = 1 + k`` query rows
+(``k = num_draft``), hidden states returned. Each row is one of:
+
+* a sequence whose prefill just finished: the chunked prefill returns no hidden states, so its last
+  ``r = min(len(prompt), 1 + k)`` prompt tokens are dropped after the prefill (``truncate``) and
+  computed again here; their logits give the first token, their hidden states start the drafter;
+* a drafting sequence: its pending token and ``k`` MTP drafts (``minimax_jax.infer.drafter``), verified
+  with ``minimax_jax.infer.speculative.accept_greedy`` / ``accept_sampled`` (the generation loop's
+  rules; greedy output equals plain greedy decoding), the cache truncated after the accepted drafts;
+* a sequence with penalties or a logit bias: its pending token only (plain decoding, as the
+  generation loop requires), chosen with the scheduler's adjusted sampling.
+
+Drafts are chosen per sequence (argmax when greedy, else drawn from its own filtered distribution with
+its ``Sequence.rng``). ``drafted`` / ``accepted`` count draft tokens over the server's life.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from minimax_jax.infer.drafter import MTPDrafter
+from minimax_jax.infer.errors import EngineUnavailable
+from minimax_jax.infer.speculative import accept_greedy, accept_sampled
+
+__all__ = ["MTPStep"]
+
+
+class MTPStep:
+    """The speculative decode step of ``sched`` (a ``Scheduler``). Raises InferenceError (no MTP
+    modules / bad ``num_draft``) or EngineUnavailable (the engine returns no hidden states)."""
+
+    def __init__(self, sched, num_draft: int | None, window: int):
+        self.sched = sched
+        self.drafter = MTPDrafter(sched.gen.params, sched.gen.cfg, num_draft, window)
+        if not sched.backend.supports_hidden:
+            raise EngineUnavailable("MTP speculation needs an engine that returns hidden states")
+        self.k = self.drafter.num_draft
+        self.drafted = self.accepted = 0
+
+    @staticmethod
+    def drafts(s) -> bool:
+        """Whether sequence ``s`` speculates (penalties and logit bias need plain decoding)."""
+        return s.penalties is None and s.logit_bias is None
+
+    def prefilled(self, s) -> bool:
+        """Called when ``s``'s prefill is done; True when its first token comes from the next ``step``."""
+        if not self.drafts(s):
+            return False
+        r = min(len(s.prompt), 1 + self.k)
+        self.sched.backend.truncate(s.handle, len(s.prompt) - r)
+        s.refeed = list(s.prompt[-r:])
+        return True
+
+    def _chooser(self, rows, qprobs: list):
+        def choose(logits, depth):
+            out = np.zeros(len(rows), np.int64)
+            for j, s in enumerate(rows):
+                if s.sampling.greedy:
+                    out[j] = int(np.argmax(logits[j]))
+                else:
+                    q = s.sampler.probs(logits[j:j + 1])[0]
+                    qprobs[j].append(q)
+                    out[j] = s.rng.choice(q.shape[-1], p=q / q.sum())
+            return out
+        return choose
+
+    def step(self, rows) -> None:
+        """One verification step over the decoding sequences ``rows`` (module doc)."""
+        backend, q = self.sched.backend, 1 + self.k
+        drafting = [s for s in rows if s.refeed is None and self.drafts(s)]
+        qprobs: list = [[] for _ in drafting]
+        drafts = None
+        if drafting:
+            drafts, _ = self.drafter.draft([s.handle for s in drafting], [s.pending for s in drafting],
+                                           self._chooser(drafting, qprobs))
+        where = {id(s): j for j, s in enumerate(drafting)}
+        lengths = [backend.length(s.handle) for s in rows]
+        toks = np.zeros((len(rows), q), np.int32)
+        counts, ks = [], []
+        for i, s in enumerate(rows):
+            if s.refeed is not None:
+                toks[i, :len(s.refeed)] = s.refeed
+                counts.append(len(s.refeed))
+                ks.append(0)
+                continue
+            toks[i, 0] = s.pending
+            kr = max(0, min(self.k, backend.max_len - lengths[i] - 1)) if id(s) in where else 0
+            if kr:
+                toks[i, 1:1 + kr] = drafts[where[id(s)], :kr]
+            counts.append(1 + kr)
+            ks.append(kr)
+        logits, hidden = backend.step([s.handle for s in rows], toks, num_tokens=counts, want_hidden=True)
+        for i, s in enumerate(rows):
+            if s.refeed is not None:
+                r = len(s.refeed)
+                s.refeed = None
+                self.drafter.start(s.handle, s.prompt, hidden[i, :r])
+                self.sched._choose_and_emit([s], logits[i, r - 1:r])
+            elif id(s) not in where:
+                self.sched._choose_and_emit([s], logits[i, :1])
+            else:
+                self._verify(s, where[id(s)], ks[i], lengths[i], drafts, qprobs, logits[i], hidden[i])
+
+    def _verify(self, s, j: int, kr: int, length: int, drafts, qprobs, logits, hidden) -> None:
+        d = drafts[j, :kr]
+        if s.sampling.greedy:
+            a, nxt = accept_greedy(logits[:kr + 1], d)
+        else:
+            target = s.sampler.probs(logits[:kr + 1])
+            a, nxt = accept_sampled(target, np.stack(qprobs[j], 0)[:kr], d, s.rng)
+        self.drafted += kr
+        self.accepted += a
+        if self.sched.metrics is not None:
+            self.sched.metrics.verified(kr, a)
+        self.sched.backend.truncate(s.handle, length + 1 + a)
+        self.drafter.extend(s.handle, [s.pending] + [int(t) for t in d[:a]], hidden[:1 + a])
+        s.pending = int(nxt)
+        self.sched._emit_tokens(s, [int(t) for t in d[:a]] + [int(nxt)], logits[:a + 1])
