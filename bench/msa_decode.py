@@ -17,7 +17,9 @@ Selection / sparse-attention launch sweeps (after --sweep-scores when both are g
   per sparse_pages_per_split value over real selections, o/lse checked against pps=1; each keeps its
   best geometric mean in the run's launch table; rows under "select_sweep" / "sparse_pps_sweep")
 Serving sweep (``msa_decode_serving``: batches x contexts with lengths +-25 % inside a batch, Q = 8 and 1 query
-rows, bf16 / fp8 index keys, MSA vs dense, after its own check; ``--serving-budget-s`` caps its timings):
+rows, bf16 / fp8 index keys, MSA vs dense, each under the ``--serving-tilings`` attention tilings (default
+"default,legacy": shared 128-row tiles vs the former ones) in the same run, after its own check;
+``--serving-budget-s`` caps its timings):
   PYTHONUNBUFFERED=1 python3 bench/msa_decode.py --contexts 1048576 --batches 32 --serving --serving-budget-s 300 \
       --out $OUT
   python bench/msa_decode.py --smoke --contexts "" --steps 1 --serving --serving-batches 2 --serving-contexts 512,2560 \
@@ -627,12 +629,18 @@ def main():
                          "some is left (the one running may overrun it by its compile + timing); the rest are "
                          "listed as skipped (default: no limit)")
     ap.add_argument("--serving-seed", type=int, default=0, help="seed of the request lengths, pages and queries")
+    ap.add_argument("--serving-tilings", default="default,legacy",
+                    help="attention tilings timed side by side in the serving sweep (msa_decode_serving.TILINGS; "
+                         "the first one's cells are the headline, the table compares the others to it)")
     ap.add_argument("--serving-dense-check", action="store_true",
                     help="msa_decode(runtime_dense_check=True) in the serving timings (path \"cond\")")
     a = ap.parse_args()
     serving_q = [int(x) for x in a.serving_q.split(",") if x]
     if a.serving and not all(1 <= x <= 16 for x in serving_q):
         ap.error(f"--serving-q takes 1..16 query rows, got {a.serving_q!r}")
+    import msa_decode_serving
+    if a.serving and (unknown := [t for t in a.serving_tilings.split(",") if t not in msa_decode_serving.TILINGS]):
+        ap.error(f"unknown --serving-tilings {unknown}; known: {list(msa_decode_serving.TILINGS)}")
     families = [f for f in a.score_family.split(",") if f]
     if unknown := [f for f in families if f not in SCORE_FAMILIES]:
         ap.error(f"unknown --score-family {unknown}; known: {SCORE_FAMILIES}")
@@ -777,8 +785,13 @@ def serving(a, out, impl, table, serving_q):
     path = os.path.join(a.out, "msa_decode.json")
     # GPU: the kernels; CPU with --smoke: the GPU kernels in interpret mode for the check, xla timings.
     check_impl = impl if impl == "pallas_gpu" or not a.smoke else "pallas_gpu_interpret"
-    out["serving_check"] = sv.serving_check(check_impl, table, a.serving_seed)
-    out["serving_check"]["implementation"] = check_impl
+    tilings = sv.tiling_tables([t for t in a.serving_tilings.split(",") if t], table)
+    # Every tiling's kernels are checked on the GPU; in interpret mode (CPU, minutes per tiling) the first only.
+    checked = tilings if impl == "pallas_gpu" else dict([next(iter(tilings.items()))])
+    checks = {n: sv.serving_check(check_impl, t, a.serving_seed) for n, t in checked.items()}
+    out["serving_check"] = dict(next(iter(checks.values())), implementation=check_impl,
+                                tilings_ok={n: c["ok"] for n, c in checks.items()})
+    out["serving_check"]["ok"] = all(c["ok"] for c in checks.values())
     print("serving check:", json.dumps(out["serving_check"]), flush=True)
     order = sv.cell_order([int(x) for x in a.serving_batches.split(",") if x],
                           [int(x) for x in a.serving_contexts.split(",") if x],
@@ -786,13 +799,15 @@ def serving(a, out, impl, table, serving_q):
     out["serving_config"] = dict(order=order, q_rows=serving_q, steps=a.steps, budget_s=a.serving_budget_s,
                                  seed=a.serving_seed, spread=sv.SPREAD, mem_gib=a.mem_gib, implementation=impl,
                                  runtime_dense_check=a.serving_dense_check)
+    out["serving_config"]["tilings"] = {n: t.to_dict() for n, t in tilings.items()}
 
     def save(cells, skipped):
         with open(path, "w") as f:
             json.dump(dict(out, serving=cells, serving_skipped=skipped), f, indent=1)
     cells, skipped, wall = sv.run_sweep(order, serving_q, a.steps, impl, table, a.mem_gib, a.serving_budget_s,
                                         a.serving_seed, a.serving_dense_check,
-                                        **({} if impl == "pallas_gpu" else {"l2_bytes": 1}), on_unit=save)
+                                        **({} if impl == "pallas_gpu" else {"l2_bytes": 1}), on_unit=save,
+                                        tilings=tilings)
     out["serving_config"]["wall_s"] = wall
     out.update(serving=cells, serving_skipped=skipped)
     save(cells, skipped)

@@ -5,10 +5,13 @@ uniformly from ``[0.75 C, 1.25 C]`` tokens (seeded by ``seed``, B and C; at leas
 positions ``L_b - Q .. L_b - 1`` (Q = 8: 1 main + 7 MTP draft rows). The page table is ``ceil(max L_b / PAGE)``
 pages wide (entries past a request's own pages hold page 0), its pages shuffled over the physical cache, with
 ``msa_decode.case_sizes``' replicas (disjoint tables rotated per step so the L2 never holds the data).
-Per (B, C, Q), timed in one run: dense ``paged_attention`` and ``msa_decode`` (top-K) over bf16 and over fp8
+Per (B, C, Q) and attention tiling (``TILINGS``: the run's launch table with other ``tile_rows`` /
+``sparse_tile``; ``--serving-tilings``, default "default,legacy": shared 128-row tiles vs the former 64-row /
+per-row tiles), timed in one run: dense ``paged_attention`` and ``msa_decode`` (top-K) over bf16 and over fp8
 e4m3 index keys, each through ``msa_decode.unrolled`` / ``msa_decode.timeit`` (``--steps`` steps per call;
-ms per decode step). ``msa_path`` is the op's ``msa_decode.path`` record of that trace: ``dense`` (table at
-most K pages wide: no scoring), ``sparse``, or ``cond`` (``runtime_dense_check``).
+ms per decode step); a cell's ``tiling`` names its tiling. ``msa_path`` is the op's ``msa_decode.path`` record of
+that trace: ``dense`` (table at most K pages wide: no scoring), ``sparse`` (GPU kernels: requests that select
+every page unscored, see ``msa_decode``), or ``cond`` (``runtime_dense_check``).
 ``serving_check`` runs first: MSA == dense where every page is selected, and MSA vs the XLA reference.
 Order: the ``first`` cells, then the grid (contexts outer, batches inner); a (B, C, Q) starts only while
 ``budget_s`` is left (the one running may overrun it); a cell whose cache exceeds ``mem_gib`` is skipped.
@@ -16,6 +19,7 @@ Order: the ``first`` cells, then the grid (contexts outer, batches inner); a (B,
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -30,6 +34,19 @@ from minimax_jax.ops.registry import implementation_report
 SPREAD = 0.25
 #: Issue 34's table cells (batch x context), timed before the grid.
 FIRST = "128x1024,64x4096,128x5120,32x10240,8x102400,32x204800"
+#: Attention tilings the sweep can time side by side: ``LaunchTable`` fields over the run's table.
+TILINGS = {"default": {}, "legacy": dict(tile_rows=64, sparse_tile="per_row"), "rows64": dict(tile_rows=64),
+           "per_row": dict(sparse_tile="per_row"), "warps4": dict(attn_warps_wide=4)}
+
+
+def tiling_tables(names, table):
+    """``{name: LaunchTable}``: each ``TILINGS`` entry over ``table`` (None = ``DEFAULT_TABLE``); raises
+    ValueError for an unknown name."""
+    from pallas_kernels.decode.gpu_config import DEFAULT_TABLE
+    if unknown := [n for n in names if n not in TILINGS]:
+        raise ValueError(f"unknown tilings {unknown}; known: {list(TILINGS)}")
+    base = DEFAULT_TABLE if table is None else table
+    return {n: dataclasses.replace(base, **TILINGS[n]) for n in names}
 
 
 # ----------------------------------------------------------------------------- cells
@@ -139,23 +156,25 @@ def _errors(label, o, lse, o_ref, lse_ref, rows):
 
 # ----------------------------------------------------------------------------- timing
 
-def time_unit(lay, cache, tables, nq, impl, table, seed, runtime_dense_check=False):
-    """Dense and MSA (bf16, fp8 index keys) at one (B, C, Q): one cell per index dtype."""
+def time_unit(lay, cache, tables, nq, impl, table, seed, runtime_dense_check=False, tilings=None):
+    """Dense and MSA (bf16, fp8 index keys) at one (B, C, Q) under each tiling of ``tilings`` (``{name:
+    LaunchTable}``; None = ``{"default": table}``): one cell per (tiling, index dtype)."""
     b, steps, reps = lay["batch"], lay["steps_per_call"], lay["replicas"]
     kp, vp, kib, ki8, ks8 = cache
     q, qi = queries(jax.random.PRNGKey(seed * 1000003 + b * 131 + lay["context"] + nq), (steps,), b, nq)
     pos = jnp.asarray(positions(lay["lengths"], nq))
-    fns = md.step_fns(impl, table, runtime_dense_check)
-    t_d, n_d = md.timeit(md.unrolled(fns["dense"], steps, reps), q, qi, kp, vp, kib, None, pos, tables)
     lens = lay["lengths"]
-    common = dict(batch=b, context=lay["context"], q_rows=nq, len_min=int(lens.min()), len_mean=float(lens.mean()),
-                  len_max=int(lens.max()), table_pages=lay["width"], replicas=reps, steps_per_call=steps,
-                  cache_gib=lay["cache_gib"], dense_ms=t_d / steps * 1e3, dense_calls=n_d)
     cells = []
-    for label, ki, ks in (("bf16", kib, None), ("fp8", ki8, ks8)):
-        t, n = md.timeit(md.unrolled(fns["msa"], steps, reps), q, qi, kp, vp, ki, ks, pos, tables)
-        cells.append(dict(common, index_dtype=label, msa_ms=t / steps * 1e3, msa_calls=n,
-                          speedup=t_d / t, msa_path=_path()))
+    for name, tt in (tilings or {"default": table}).items():
+        fns = md.step_fns(impl, tt, runtime_dense_check)
+        t_d, n_d = md.timeit(md.unrolled(fns["dense"], steps, reps), q, qi, kp, vp, kib, None, pos, tables)
+        common = dict(batch=b, context=lay["context"], q_rows=nq, tiling=name, len_min=int(lens.min()),
+                      len_mean=float(lens.mean()), len_max=int(lens.max()), table_pages=lay["width"], replicas=reps,
+                      steps_per_call=steps, cache_gib=lay["cache_gib"], dense_ms=t_d / steps * 1e3, dense_calls=n_d)
+        for label, ki, ks in (("bf16", kib, None), ("fp8", ki8, ks8)):
+            t, n = md.timeit(md.unrolled(fns["msa"], steps, reps), q, qi, kp, vp, ki, ks, pos, tables)
+            cells.append(dict(common, index_dtype=label, msa_ms=t / steps * 1e3, msa_calls=n,
+                              speedup=t_d / t, msa_path=_path()))
     return cells
 
 
@@ -169,8 +188,9 @@ def cell_order(batches, contexts, first):
 
 
 def run_sweep(order, qs, min_steps, impl, table, mem_gib, budget_s=None, seed=0, runtime_dense_check=False,
-              l2_bytes=200 * 1024 * 1024, on_unit=None):
-    """Time ``order``'s (batch, context) cells at each Q of ``qs``. Returns ``(cells, skipped, wall_s)``;
+              l2_bytes=200 * 1024 * 1024, on_unit=None, tilings=None):
+    """Time ``order``'s (batch, context) cells at each Q of ``qs`` under each of ``tilings`` (see ``time_unit``).
+    Returns ``(cells, skipped, wall_s)``;
     skipped: dicts (batch, context, q_rows or None = every Q, reason): cache over ``mem_gib``, budget
     spent, or the error of a unit that failed (e.g. out of memory). ``on_unit(cells, skipped)`` after each
     (B, C, Q)."""
@@ -204,7 +224,7 @@ def run_sweep(order, qs, min_steps, impl, table, mem_gib, budget_s=None, seed=0,
                 continue
             t_unit = time.perf_counter()
             try:
-                new = time_unit(lay, cache, tables, nq, impl, table, seed, runtime_dense_check)
+                new = time_unit(lay, cache, tables, nq, impl, table, seed, runtime_dense_check, tilings)
             except Exception as e:
                 skip(b, ctx, nq, _reason(e))
                 continue
@@ -223,24 +243,43 @@ def _reason(e):
 
 
 def format_table(cells, skipped, check_ok):
-    """The sweep's table, one line per (B, C, Q) (bf16 and fp8 index keys side by side; ``/ Q=1`` = dense ms
-    over the same cell's dense ms at Q = 1), then the skipped cells."""
+    """The sweep's table, one line per (B, C, Q, tiling) (bf16 and fp8 index keys side by side; ``/ Q=1`` = dense
+    ms over the same cell's and tiling's dense ms at Q = 1), then per tiling after the first the geometric mean
+    of its dense and MSA ms over the first tiling's in the cells both have, then the skipped cells."""
     lines = [f"serving sweep (check ok={check_ok}; ms per decode step; x = dense ms / MSA ms; path = msa_decode.path)",
-             f"{'B':>4} {'ctx':>7} {'Q':>2} {'lens':>13} {'dense ms':>9} {'/ Q=1':>6} {'msa16 ms':>9} {'x bf16':>7} "
-             f"{'msa8 ms':>8} {'x fp8':>7} {'path':>6}"]
+             f"{'B':>4} {'ctx':>7} {'Q':>2} {'tiling':>8} {'lens':>13} {'dense ms':>9} {'/ Q=1':>6} {'msa16 ms':>9} "
+             f"{'x bf16':>7} {'msa8 ms':>8} {'x fp8':>7} {'path':>6}"]
     by = {}
     for c in cells:
-        by.setdefault((c["batch"], c["context"], c["q_rows"]), {})[c["index_dtype"]] = c
+        by.setdefault((c["batch"], c["context"], c["q_rows"], c.get("tiling", "default")), {})[c["index_dtype"]] = c
     nan = dict(msa_ms=float("nan"), speedup=float("nan"), msa_path="-")
-    for (b, ctx, nq), d in by.items():
+    for (b, ctx, nq, tl), d in by.items():
         c16, c8 = d.get("bf16", nan), d.get("fp8", nan)
         any_c = d.get("bf16") or d["fp8"]
-        q1 = next(iter(by.get((b, ctx, 1), {}).values()), None)        # dense ms at Q = 1 of the same cell
+        q1 = next(iter(by.get((b, ctx, 1, tl), {}).values()), None)    # dense ms at Q = 1 of the same cell
         vs_q1 = any_c["dense_ms"] / q1["dense_ms"] if q1 else float("nan")
         lens = f"{any_c['len_min']}-{any_c['len_max']}"
-        lines.append(f"{b:>4} {ctx:>7} {nq:>2} {lens:>13} {any_c['dense_ms']:>9.3f} {vs_q1:>6.2f} "
-                     f"{c16['msa_ms']:>9.3f} {c16['speedup']:>7.2f} {c8['msa_ms']:>8.3f} {c8['speedup']:>7.2f} {any_c['msa_path']:>6}")
+        lines.append(f"{b:>4} {ctx:>7} {nq:>2} {tl:>8} {lens:>13} {any_c['dense_ms']:>9.3f} {vs_q1:>6.2f} "
+                     f"{c16['msa_ms']:>9.3f} {c16['speedup']:>7.2f} {c8['msa_ms']:>8.3f} {c8['speedup']:>7.2f} "
+                     f"{any_c['msa_path']:>6}")
+    lines += tiling_summary(cells)
     for s in skipped:
         q = "all Q" if s["q_rows"] is None else f"Q={s['q_rows']}"
         lines.append(f"serving skipped: {s['batch']}x{s['context']} {q}: {s['reason']}")
     return "\n".join(lines)
+
+
+def tiling_summary(cells):
+    """Lines ``tiling T vs F: dense x.xx, msa x.xx (n cells)``: geometric means of T's ms over the first
+    tiling F's ms (below 1 = T faster) over the (B, C, Q, index dtype) cells both timed."""
+    names = list(dict.fromkeys(c.get("tiling", "default") for c in cells))
+    key = lambda c: (c["batch"], c["context"], c["q_rows"], c["index_dtype"])
+    first = {key(c): c for c in cells if c.get("tiling", "default") == names[0]} if names else {}
+    lines = []
+    for name in names[1:]:
+        pairs = [(c, first[key(c)]) for c in cells if c.get("tiling", "default") == name and key(c) in first]
+        if pairs:
+            gm = lambda f: float(np.exp(np.mean([np.log(f(a) / f(b)) for a, b in pairs])))
+            lines.append(f"tiling {name} vs {names[0]}: dense {gm(lambda c: c['dense_ms']):.3f}, "
+                         f"msa {gm(lambda c: c['msa_ms']):.3f} ({len(pairs)} cells; < 1 = {name} faster)")
+    return lines

@@ -2,6 +2,10 @@
 
 Usage (GPU machine):  PYTHONUNBUFFERED=1 python3 bench/msa_prefill.py --out $OUT
 CPU smoke run:        python bench/msa_prefill.py --interpret --tiny --out /tmp/msa_bench
+Launch variants:      --indexer-variants m3:131072 / --attn-fwd-variants m3:131072 (with e.g.
+                      --small-check --cases m3:131072) time the indexer's / the attention
+                      forward's (rows, num_warps, num_stages) variants at one context, each
+                      checked against the first (default) variant in the same run.
 
 1. Correctness (fresh random bf16 inputs): the Pallas GPU indexer's block-id SETS against the
    reference (``minimax_jax.ops.msa``, implementation="xla"; a near-tie is accepted when every
@@ -41,6 +45,7 @@ from minimax_jax.ops import msa as msa_ops  # noqa: E402
 from pallas_kernels.msa.gpu_attention import msa_attention_gpu  # noqa: E402
 from pallas_kernels.msa.gpu_indexer import msa_select_blocks_gpu  # noqa: E402
 from pallas_kernels.msa.gpu_kl import indexer_kl_gpu  # noqa: E402
+from pallas_kernels.msa.gpu_sparse_fwd import sparse_fwd_kv_outer  # noqa: E402
 
 MODELS = {"m3": dict(h=64, g=4, d=128), "m2": dict(h=48, g=8, d=128)}
 BLK, TOPK, DI = 128, 16, 128
@@ -263,25 +268,78 @@ def bench_case(model, t, inp, interpret, dense_max, dense_ref):
     return row
 
 
+def _time_variants(tag, base, variants, make_fn, args, flops, check=None):
+    """Time make_fn(**kw)(*args) for every kw of ``variants`` (rows printed as ``tag``; errors such
+    as a compile failure are reported in the row). ``check(out) -> dict`` adds a correctness check."""
+    out = []
+    for kw in variants:
+        r = dict(base, **kw)
+        try:
+            f = make_fn(**kw)
+            if check is not None:
+                r.update(check(f(*args)))
+            ms = _timeit(f, *args)[0]
+            r.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
+        except Exception as e:
+            r["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        print(tag, json.dumps(r), flush=True)
+        out.append(r)
+        gc.collect()
+    return out
+
+
 def bench_indexer_variants(model, t, key, interpret=False):
     """Time the fused indexer at one context for several (rows, num_warps, num_stages)."""
     m = MODELS[model]
     inp = Inputs(key, 1, t, t, m["h"], m["g"], m["d"], jnp.bfloat16)
     _, _, index_f = _flops(t, m["h"], m["d"], m["g"], DI, BLK, TOPK)
-    out = []
-    for rows, warps, stages in ((128, 8, 2), (128, 8, 3), (256, 8, 2), (64, 4, 2), (128, 4, 3)):
-        f = jax.jit(lambda qi, ki, rows=rows, warps=warps, stages=stages: msa_select_blocks_gpu(
-            qi, ki, block_size=BLK, topk=TOPK, rows=rows, num_warps=warps, num_stages=stages,
-            interpret=interpret, **inp.pos()))
-        r = {"model": model, "T": t, "rows": rows, "num_warps": warps, "num_stages": stages}
-        try:
-            ms = _timeit(f, inp.qi, inp.ki)[0]
-            r.update(ms=ms, tflops=index_f / (ms * 1e-3) / 1e12)
-        except Exception as e:
-            r["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-        print("IDXVAR", json.dumps(r), flush=True)
-        out.append(r)
-    return out
+    variants = [dict(rows=r, num_warps=w, num_stages=st) for r, w, st in
+                ((128, 8, 2), (128, 8, 3), (256, 8, 2), (64, 4, 2), (128, 4, 3))]
+    make = lambda **kw: jax.jit(lambda qi, ki: msa_select_blocks_gpu(
+        qi, ki, block_size=BLK, topk=TOPK, interpret=interpret, **kw, **inp.pos()))
+    return _time_variants("IDXVAR", {"model": model, "T": t}, variants, make, (inp.qi, inp.ki), index_f)
+
+
+# KV-outer attention forward launches; the first is the default of sparse_fwd_kv_outer (at M3 / M2)
+FWD_VARIANTS = [dict(rows=r, num_warps=w, num_stages=st) for r, w, st in
+                ((64, 4, 2), (128, 4, 2), (64, 4, 3), (64, 8, 2), (128, 8, 3))]
+
+
+def bench_attn_fwd_variants(model, t, key, interpret=False):
+    """Time the KV-outer attention forward at one context for FWD_VARIANTS (rows, num_warps,
+    num_stages) on the indexer's ids. Check: every variant's o / lse against the first one's
+    (o atol = rtol = 3e-2, lse 1e-3, same -inf pattern; ``bitwise``: identical), the first being
+    the default launch that ``check_case`` compares with the XLA reference."""
+    m = MODELS[model]
+    inp = Inputs(key, 1, t, t, m["h"], m["g"], m["d"], jnp.bfloat16)
+    pos = inp.pos()
+    _, main_f, _ = _flops(t, m["h"], m["d"], m["g"], DI, BLK, TOPK)
+    ids = jax.block_until_ready(jax.jit(lambda qi, ki: msa_select_blocks_gpu(
+        qi, ki, block_size=BLK, topk=TOPK, interpret=interpret, **pos))(inp.qi, inp.ki))
+    make = lambda **kw: jax.jit(lambda q, k, v, ids: sparse_fwd_kv_outer(
+        q, k, v, ids, pos["q_positions"], pos["kv_positions"], pos["q_segment_ids"],
+        pos["kv_segment_ids"], block_size=BLK, interpret=interpret, **kw))
+    first = []
+
+    @jax.jit
+    def diff(o, lse, o0, l0):
+        fin = jnp.isfinite(l0)
+        o, o0 = o.astype(jnp.float32), o0.astype(jnp.float32)
+        d = jnp.abs(o - o0)
+        ok = (jnp.all(d <= 3e-2 + 3e-2 * jnp.abs(o0)) & jnp.all(jnp.isfinite(lse) == fin)
+              & ~jnp.any(jnp.isnan(o)))
+        return (jnp.max(d), jnp.max(jnp.where(fin, jnp.abs(lse - l0), 0.0)), ok,
+                jnp.all(o == o0) & jnp.all((lse == l0) | ~fin))
+
+    def check(out):
+        if not first:
+            first.extend(out)
+        o_d, l_d, ok, same = diff(*out, *first)
+        return {"o_max_diff": float(o_d), "lse_max_diff": float(l_d), "bitwise": bool(same),
+                "ok": bool(ok) and float(l_d) <= 1e-3}
+
+    return _time_variants("FWDVAR", {"model": model, "T": t}, FWD_VARIANTS, make,
+                          (inp.q, inp.k, inp.v, ids), main_f, check)
 
 
 def main():
@@ -295,6 +353,8 @@ def main():
     ap.add_argument("--cases", default="", help="ordered model:T list; overrides models/contexts")
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--indexer-variants", default="", help="model:T at which to time indexer tilings")
+    ap.add_argument("--attn-fwd-variants", default="",
+                    help="model:T at which to time attention-forward launches (FWD_VARIANTS)")
     ap.add_argument("--small-check", action="store_true", help="smaller GPU check shapes")
     ap.add_argument("--check-only", action="store_true")
     ap.add_argument("--interpret", action="store_true", help="GPU kernels in interpret mode (CPU)")
@@ -340,13 +400,22 @@ def main():
             json.dump({"meta": meta, "checks": checks}, f, indent=1)
     if args.check_only:
         return
-    variants = []
+    variants, fwd_variants, rows = [], [], []
+
+    def save():
+        with open(os.path.join(args.out, "msa_prefill.json"), "w") as f:
+            json.dump({"meta": meta, "checks": checks, "indexer_variants": variants,
+                       "attn_fwd_variants": fwd_variants, "rows": rows}, f, indent=1)
     if args.indexer_variants:
         mo, tt = args.indexer_variants.split(":")
         key, sub = jax.random.split(key)
         variants = bench_indexer_variants(mo, int(tt), sub, args.interpret)
+    if args.attn_fwd_variants:
+        mo, tt = args.attn_fwd_variants.split(":")
+        key, sub = jax.random.split(key)
+        fwd_variants = bench_attn_fwd_variants(mo, int(tt), sub, args.interpret)
+    save()
     caps = dict(x.split("=") for x in args.max_tokens.split(",") if x)
-    rows = []
     dense_ref = {}
     if args.cases:
         plan = [(c.split(":")[0], int(c.split(":")[1])) for c in args.cases.split(",")]
@@ -374,9 +443,7 @@ def main():
             print("ROW", json.dumps(row), flush=True)
             inp = None
             gc.collect()
-            with open(os.path.join(args.out, "msa_prefill.json"), "w") as f:
-                json.dump({"meta": meta, "checks": checks, "indexer_variants": variants,
-                           "rows": rows}, f, indent=1)
+            save()
     cols = ["model", "T", "indexer_ms", "attn_fwd_ms", "attn_fwd_bwd_ms", "kl_fwd_bwd_ms", "msa_fwd_ms",
             "msa_fwd_bwd_ms", "dense_fwd_ms", "dense_fwd_bwd_ms", "indexer_tflops",
             "attn_fwd_tflops", "attn_fwd_bwd_tflops", "dense_fwd_tflops", "indexer_share_fwd",

@@ -1,6 +1,6 @@
 """Command line for checkpoint conversion.
 
-    python -m minimax_jax.convert --src HF_DIR --dst OUT_DIR [--dtype bfloat16|float32]
+    python -m minimax_jax.convert --src HF_DIR --dst OUT_DIR [--dtype bfloat16|float32] [--weights_dtype fp8]
     python -m minimax_jax.convert --export --src OUT_DIR --dst HF_DIR [--fp8] [--max_shard_mb 5120]
 
 Exit status (``minimax_jax.exit_codes``): 0 on success, 2 for bad arguments (a missing --src, a --dst
@@ -39,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dst", required=True, help="output directory (must not exist unless --overwrite)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                    help="parameter dtype of the orbax checkpoint (router weights stay float32); default bfloat16")
+    p.add_argument("--weights_dtype", choices=["fp8"], default=None,
+                   help="fp8: keep an FP8 checkpoint's e4m3 layer weights (attention, experts, MLPs) in FP8 with "
+                        "their block scales (about half the bytes of bfloat16; load with infer.py --weights_dtype "
+                        "fp8); default: dequantise them to --dtype")
     p.add_argument("--export", action="store_true", help="orbax -> HF safetensors instead of HF -> orbax")
     p.add_argument("--fp8", action="store_true", help="with --export: re-quantise layer weights to FP8 e4m3 + "
                                                       "128x128 weight_scale_inv (the M2 hub format)")
@@ -85,6 +89,10 @@ def _main(argv: list[str] | None) -> int:
     except DestinationError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
+    if args.export and args.weights_dtype:
+        print(f"{PROG}: error: --weights_dtype applies to HF -> orbax conversion; with --export, --fp8 writes FP8 "
+              "(FP8 leaves of --src are written as stored)", file=sys.stderr)
+        return 2
     if args.export:
         from minimax_jax.convert.export import export_orbax_to_hf
 
@@ -97,7 +105,8 @@ def _main(argv: list[str] | None) -> int:
 
         cfg, rep = convert_hf_to_orbax(args.src, args.dst, args.dtype, overwrite=args.overwrite,
                                        progress=args.progress, chunk_bytes=args.chunk_mb * 1024 ** 2,
-                                       compress=args.compress, max_in_flight=args.in_flight)
+                                       compress=args.compress, max_in_flight=args.in_flight,
+                                       weights_dtype=args.weights_dtype)
         gb = rep["source_bytes"] / 1e9
         print(f"converted {rep['source_tensors']} tensors ({gb:.3f} GB) in {rep['seconds']:.1f} s "
               f"({gb / max(rep['seconds'], 1e-9):.3f} GB/s) to {args.dst}")

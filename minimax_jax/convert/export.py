@@ -6,7 +6,9 @@ layout (``mlp.experts.gate_up_proj`` ...), the only one ``MiniMaxM3VLForCausalLM
 with transformers 5.24). Tensors keep the stored dtype (BF16 or F32; router weights F32), or with
 ``fp8=True`` every decoder-layer linear weight (attention, index, experts, shared / dense MLP)
 is re-quantised to e4m3 + 128x128 ``weight_scale_inv`` (router, norms, embedding, lm_head and
-MTP ``eh_proj`` stay unquantised, as in the M2 hub). Shards of at most ``max_shard_bytes`` with
+MTP ``eh_proj`` stay unquantised, as in the M2 hub). Leaves kept in FP8 (``fp8_keep``) are written as stored
+with ``fp8=True`` (the HF e4m3 bytes and scales come back bit for bit) and dequantised to the param dtype
+without. Shards of at most ``max_shard_bytes`` with
 ``model.safetensors.index.json``; ``config.json`` from ``cfg.to_hf_config()``.
 """
 
@@ -23,7 +25,9 @@ from minimax_jax.convert import fp8 as fp8_lib
 from minimax_jax.convert.atomic_dir import (PARAMS_DIR, atomic_output_dir, check_destination, copy_side_files,
                                             read_config, write_json)
 from minimax_jax.convert.errors import ChecksumMismatch
-from minimax_jax.convert.layout import EXPORT_STYLE, layer_slots, mtp_layer_prefixes, mtp_slots, ours_to_piece, top_slots
+from minimax_jax.convert.fp8_keep import read_blocks, scale_dest
+from minimax_jax.convert.layout import (EXPORT_STYLE, Piece, layer_slots, mtp_layer_prefixes, mtp_slots, ours_to_piece,
+                                        top_slots)
 from minimax_jax.convert.load import checkpoint_metadata
 from minimax_jax.convert.manifest import (MANIFEST_FILE, StreamDigest, array_digest, default_warn, entry,
                                           read_manifest, write_manifest)
@@ -116,12 +120,28 @@ def iter_hf_tensors(directory: str, cfg: ModelConfig, *, fp8: bool = False, on_r
                     store: _LeafStore | None = None) -> Iterator[tuple[str, np.ndarray]]:
     """Yield ``(hf_name, array)`` for the whole checkpoint, one leaf unit (a layer of a leaf) in memory
     at a time; ``on_read(nbytes)`` is called per unit read (progress)."""
+    from minimax_jax.config import dtype_of
     from minimax_jax.model.params import layer_segments
 
     store = store or _LeafStore(directory, on_read)
     style = EXPORT_STYLE[cfg.norm_kind]
+    blocks = read_blocks(directory)
+    dense_dtype = np.dtype(dtype_of(cfg.param_dtype))
+
+    def read(path, index=()):
+        name = ".".join(map(str, path))
+        if name not in blocks:
+            return store.read(path, index)
+        return store.read(path + ("w",), index), store.read(path + ("scale_inv",), index), blocks[name]
 
     def emit(name, arr):
+        if isinstance(arr, tuple):   # a kept-FP8 piece: (e4m3 [out, in], scale_inv [ceil(out/128), ceil(in/128)])
+            if fp8:
+                yield name, arr[0]
+                yield name + "_scale_inv", arr[1]
+            else:
+                yield name, fp8_lib.dequantize(arr[0], arr[1], name=name).astype(dense_dtype)
+            return
         if fp8 and arr.ndim >= 2 and _quantizable(name):
             q, s = fp8_lib.quantize(arr.astype(np.float32))
             yield name, q
@@ -129,21 +149,31 @@ def iter_hf_tensors(directory: str, cfg: ModelConfig, *, fp8: bool = False, on_r
         else:
             yield name, arr
 
+    def cut(p, buf):
+        if not isinstance(buf, tuple):
+            return ours_to_piece(p, buf)
+        w, sc, block = buf
+        # our scale rows of this piece, every (128 / block)-th: its own 128x128 scales (fp8_keep)
+        dest = list(scale_dest(p.dest, block))
+        for k in (-2, -1):
+            dest[k] = slice(dest[k].start, dest[k].stop, fp8_lib.BLOCK[k] // block[k])
+        return ours_to_piece(p, w), ours_to_piece(Piece(p.name, fp8_lib.scale_shape(p.shape), tuple(dest), p.perm), sc)
+
     for slot in top_slots(cfg):
-        buf = store.read(slot.path)
+        buf = read(slot.path)
         for p in slot.for_style(style).pieces:
-            yield from emit(p.name, ours_to_piece(p, buf))
+            yield from emit(p.name, cut(p, buf))
     for si, seg in enumerate(layer_segments(cfg)):
         for j in range(seg.length):
             for slot in layer_slots(cfg, f"model.layers.{seg.start + j}.", seg.layer_type, seg.mlp_type):
-                buf = store.read(("segments", si) + slot.path, (j,))
+                buf = read(("segments", si) + slot.path, (j,))
                 for p in slot.for_style(style).pieces:
-                    yield from emit(p.name, ours_to_piece(p, buf))
+                    yield from emit(p.name, cut(p, buf))
     for i in range(cfg.num_mtp_modules):
         for slot in mtp_slots(cfg, i, mtp_layer_prefixes(i)[0]):
-            buf = store.read(("mtp", i) + slot.path)
+            buf = read(("mtp", i) + slot.path)
             for p in slot.for_style(style).pieces:
-                yield from emit(p.name, ours_to_piece(p, buf))
+                yield from emit(p.name, cut(p, buf))
 
 
 def export_orbax_to_hf(src: str | os.PathLike, dst: str | os.PathLike, fp8: bool = False, *,

@@ -7,6 +7,7 @@ Output directory (written atomically, see ``atomic_dir``)::
     DST/config.yaml      ModelConfig.to_dict() (param_dtype/dtype = the conversion dtype)
     DST/conversion.json  source, dtype, warnings (skipped tensors), bytes, seconds
     DST/minimax_manifest.json  a checksum per leaf (``manifest``), verified by ``load_checkpoint``
+    DST/fp8_weights.json the leaves kept in FP8 and their blocks (only with ``weights_dtype="fp8"``, ``fp8_keep``)
     DST/hf_config.json   the source config.json, for provenance
     DST/tokenizer.json, tokenizer_config.json, chat_template.jinja, ... (copied when present)
 """
@@ -25,7 +26,8 @@ from minimax_jax.config import ModelConfig
 from minimax_jax.convert.assemble import PieceReader, fill_unit
 from minimax_jax.convert.atomic_dir import (PARAMS_DIR, REPORT_FILE, atomic_output_dir, check_destination,
                                             copy_side_files, write_config, write_json)
-from minimax_jax.convert.errors import CheckpointError
+from minimax_jax.convert.errors import CheckpointError, TensorDtypeError
+from minimax_jax.convert.fp8_keep import WEIGHTS_DTYPES, lazy_fp8_leaves, plan_blocks, write_blocks
 from minimax_jax.convert.manifest import write_manifest
 from minimax_jax.convert.orbax_stream import DEFAULT_CHUNK_BYTES, LazyLeaf, save_lazy_tree
 from minimax_jax.convert.plan import ConversionPlan, make_plan
@@ -79,6 +81,9 @@ def lazy_tree(plan: ConversionPlan, reader: SafetensorsReader, *, on_bytes=None)
     pool = BufferPool()
     items = []
     for leaf in plan.leaves:
+        if leaf.fp8_block:
+            items += lazy_fp8_leaves(leaf, plan, reader, pool, on_bytes)
+            continue
         if leaf.stacked:
             units = [(index, (lambda p=pieces, s=leaf.unit_shape, d=leaf.dtype: fill_unit(pool.acquire(s, d), p, read)))
                      for index, pieces in leaf.units]
@@ -91,13 +96,15 @@ def lazy_tree(plan: ConversionPlan, reader: SafetensorsReader, *, on_bytes=None)
     return nest(items)
 
 
-def _check_against_model(tree: Any, cfg: ModelConfig) -> None:
-    """The planned tree must have exactly the structure, shapes and dtypes of ``abstract_params``."""
+def _check_against_model(tree: Any, cfg: ModelConfig, blocks: dict | None = None) -> None:
+    """The planned tree must have exactly the structure and shapes of ``abstract_params`` (with ``blocks``:
+    its FP8 leaves as stored, ``minimax_jax.model.fp8_params``)."""
     import jax
 
+    from minimax_jax.model.fp8_params import quantized_abstract, to_storage
     from minimax_jax.model.params import abstract_params
 
-    want = abstract_params(cfg)
+    want = to_storage(quantized_abstract(abstract_params(cfg), blocks or {}))
     is_leaf = lambda x: isinstance(x, LazyLeaf)  # noqa: E731
     got_l = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
     want_l = jax.tree_util.tree_flatten_with_path(want)[0]
@@ -115,7 +122,7 @@ def _check_against_model(tree: Any, cfg: ModelConfig) -> None:
 def convert_hf_to_orbax(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "bfloat16", *,
                         overwrite: bool = False, progress: bool = True, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                         max_in_flight: int = 2, compress: bool = False,
-                        cfg: ModelConfig | None = None) -> tuple[ModelConfig, dict]:
+                        cfg: ModelConfig | None = None, weights_dtype: str | None = None) -> tuple[ModelConfig, dict]:
     """Convert the HF checkpoint in ``src`` into our orbax checkpoint directory ``dst``.
 
     Args:
@@ -131,9 +138,12 @@ def convert_hf_to_orbax(src: str | os.PathLike, dst: str | os.PathLike, dtype: s
       max_in_flight: layer units held at once while writing (memory ~ this x largest unit).
       compress: zstd-compress the orbax chunks (orbax's default, off here for speed).
       cfg: use this config instead of ``src/config.json`` (its dtype fields are replaced).
+      weights_dtype: None (FP8 tensors are dequantised to ``dtype``) or ``"fp8"``: layer weights stored FP8
+        e4m3 stay FP8 with their block scales (``fp8_keep``; about half the bytes of bfloat16).
     Returns: ``(cfg, report)``; ``report`` is what ``conversion.json`` holds.
     Raises: ConfigError (bad config), CheckpointError subclasses (missing / unknown / wrong shape /
-      wrong dtype / truncated tensors; raised before anything is written), DestinationError /
+      wrong dtype / truncated tensors; ``weights_dtype="fp8"`` for a checkpoint without FP8 layer weights:
+      TensorDtypeError; raised before anything is written), DestinationError /
       DestinationExistsError (a FileExistsError), before anything is read or written.
     """
     from tqdm.auto import tqdm
@@ -141,30 +151,41 @@ def convert_hf_to_orbax(src: str | os.PathLike, dst: str | os.PathLike, dtype: s
     src = os.fspath(src)
     if dtype not in ("bfloat16", "float32"):
         raise ValueError(f"dtype must be 'bfloat16' or 'float32', got {dtype!r}")
+    if weights_dtype not in WEIGHTS_DTYPES:
+        raise ValueError(f"weights_dtype must be one of {WEIGHTS_DTYPES}, got {weights_dtype!r}")
     check_destination(dst, sources=(src,), overwrite=overwrite)
     cfg = (cfg or ModelConfig.from_hf_config(src)).replace(dtype=dtype, param_dtype=dtype)
     reader = SafetensorsReader(src)
-    plan = make_plan(reader, cfg)
+    plan = make_plan(reader, cfg, keep_fp8=weights_dtype == "fp8")
+    blocks = plan_blocks(plan)
+    if weights_dtype == "fp8" and not blocks:
+        raise TensorDtypeError(f"weights_dtype='fp8': {src} has no FP8 (F8_E4M3 + weight_scale_inv) layer weights "
+                               f"to keep; convert it without weights_dtype='fp8'")
     for w in plan.warnings:
         log.warning("%s", w)
     t0 = time.time()
     with tqdm(total=plan.source_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="convert",
               disable=not progress, dynamic_ncols=True) as bar:
         tree = lazy_tree(plan, reader, on_bytes=bar.update)
-        _check_against_model(tree, cfg)
+        _check_against_model(tree, cfg, blocks)
         with atomic_output_dir(dst, overwrite=overwrite, sources=(src,)) as tmp:
             entries = save_lazy_tree(os.path.join(tmp, PARAMS_DIR), tree, chunk_bytes=chunk_bytes,
                                      max_in_flight=max_in_flight, compress=compress)
             write_manifest(tmp, entries, writer="convert")
             write_config(cfg, tmp)
+            if blocks:
+                write_blocks(tmp, blocks)
             copied = copy_side_files(src, tmp)
             if os.path.isfile(os.path.join(src, "config.json")):
                 shutil.copy2(os.path.join(src, "config.json"), os.path.join(tmp, "hf_config.json"))
             seconds = time.time() - t0
             fp8 = sum(1 for i in plan.infos.values() if i.dtype == "F8_E4M3")
+            kept = sum(len(ps) for leaf in plan.leaves if leaf.fp8_block for _, ps in leaf.units)
             report = {"source": os.path.abspath(src), "dtype": dtype, "warnings": plan.warnings,
                       "source_bytes": plan.source_bytes, "seconds": round(seconds, 3),
-                      "source_tensors": len(plan.infos), "fp8_tensors_dequantized": fp8, "copied_files": copied,
+                      "source_tensors": len(plan.infos), "fp8_tensors_dequantized": fp8 - kept,
+                      "weights_dtype": weights_dtype or dtype, "fp8_tensors_kept": kept, "fp8_leaves": len(blocks),
+                      "copied_files": copied,
                       "format": "minimax-jax orbax checkpoint v1"}
             write_json(report, os.path.join(tmp, REPORT_FILE))
     return cfg, report

@@ -14,7 +14,23 @@ from minimax_jax.convert.atomic_dir import PARAMS_DIR, read_config
 from minimax_jax.convert.errors import CheckpointError, CorruptFileError, first_line
 from minimax_jax.convert.manifest import MANIFEST_FILE, default_warn, read_manifest, verify_tree
 
-__all__ = ["load_checkpoint", "checkpoint_metadata"]
+__all__ = ["load_checkpoint", "checkpoint_metadata", "stored_abstract"]
+
+
+def stored_abstract(directory: str | os.PathLike, cfg: ModelConfig) -> tuple[Any, dict]:
+    """``(tree, blocks)``: the ShapeDtypeStructs ``directory/params`` must hold for ``cfg`` (its FP8 leaves,
+    named in ``fp8_weights.json``, as ``{"w", "scale_inv"}`` dicts) and those FP8 leaves' blocks.
+
+    Raises: CheckpointError when ``fp8_weights.json`` names a leaf the config does not have."""
+    from minimax_jax.convert.fp8_keep import read_blocks
+    from minimax_jax.model.fp8_params import quantized_abstract, to_storage
+    from minimax_jax.model.params import abstract_params
+
+    blocks = read_blocks(directory)
+    try:
+        return to_storage(quantized_abstract(abstract_params(cfg), blocks)), blocks
+    except KeyError as e:
+        raise CheckpointError(f"checkpoint {directory}: {e.args[0]} (fp8_weights.json and the config disagree)") from None
 
 
 def checkpoint_metadata(directory: str | os.PathLike) -> Any:
@@ -42,7 +58,7 @@ def checkpoint_metadata(directory: str | os.PathLike) -> Any:
 
 def load_checkpoint(directory: str | os.PathLike, cfg: ModelConfig | None = None, mesh=None, rules=None, *,
                     shardings: Any = None, dtype: str | None = None, verify: bool = True,
-                    warn=default_warn) -> tuple[ModelConfig, Any]:
+                    warn=default_warn, weights_dtype: str | None = None) -> tuple[ModelConfig, Any]:
     """Load ``(cfg, params)`` from a converted checkpoint directory.
 
     Args:
@@ -55,21 +71,32 @@ def load_checkpoint(directory: str | os.PathLike, cfg: ModelConfig | None = None
       dtype: cast floating leaves (except the float32 router weights) on restore, e.g. "float32".
       verify: check every leaf against ``minimax_manifest.json`` right after the restore (before a
         cast); a checkpoint without one loads with one line to ``warn``.
-    Returns: ``(cfg, params)`` with jax.Array leaves (on the default device without a mesh).
-    Raises: FileNotFoundError, CheckpointError (structure / shape mismatch naming the leaf),
+      weights_dtype: for a checkpoint with FP8 leaves (``fp8_weights.json``, written by
+        ``convert_hf_to_orbax(weights_dtype="fp8")``): None dequantises them (to ``dtype``, else the stored
+        param dtype) on the device after the restore; ``"fp8"`` keeps them as ``minimax_jax.ops.moe.Fp8Weight``
+        (the dense leaf's sharding for ``w``; ``shardings``, if given, is the dense tree's).
+    Returns: ``(cfg, params)`` with jax.Array (and ``Fp8Weight``) leaves (on the default device without a mesh).
+    Raises: FileNotFoundError, CheckpointError (structure / shape mismatch naming the leaf; ``weights_dtype="fp8"``
+      for a checkpoint without FP8 leaves),
       CorruptFileError (unreadable metadata, truncated or missing weight files), ChecksumMismatch
       (a corrupt leaf, named).
     """
     import jax
 
     from minimax_jax.config import dtype_of
-    from minimax_jax.model.params import abstract_params
+    from minimax_jax.convert.fp8_keep import FP8_FILE, WEIGHTS_DTYPES
+    from minimax_jax.model.fp8_params import dequantize_params, fp8_shardings, from_storage, quantized_abstract
 
+    if weights_dtype not in WEIGHTS_DTYPES:
+        raise ValueError(f"weights_dtype must be one of {WEIGHTS_DTYPES}, got {weights_dtype!r}")
     directory = os.path.abspath(os.fspath(directory))  # orbax metadata lookups fail on relative paths
     stored_cfg = read_config(directory)
     cfg = cfg or stored_cfg
+    want, blocks = stored_abstract(directory, cfg)
+    if weights_dtype == "fp8" and not blocks:
+        raise CheckpointError(f"checkpoint {directory} holds no FP8 weights (no {FP8_FILE}): convert an FP8 "
+                              f"checkpoint with weights_dtype='fp8', or load it without weights_dtype='fp8'")
     stored = checkpoint_metadata(directory)
-    want = abstract_params(cfg)
     s_flat = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(stored)[0]}
     w_flat, treedef = jax.tree_util.tree_flatten_with_path(want)
     only_stored = sorted(set(s_flat) - {jax.tree_util.keystr(k) for k, _ in w_flat})
@@ -91,13 +118,22 @@ def load_checkpoint(directory: str | os.PathLike, cfg: ModelConfig | None = None
     if shardings is None:
         dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         shardings = jax.tree.map(lambda _: dev, want)
+    elif blocks:
+        from minimax_jax.model.fp8_params import to_storage
+        from minimax_jax.model.params import abstract_params
+
+        shardings = to_storage(fp8_shardings(shardings, quantized_abstract(abstract_params(cfg), blocks)))
     cast = np.dtype(dtype_of(dtype)) if dtype else None
     manifest = read_manifest(directory) if verify else None
     if verify and manifest is None:
         warn(f"checkpoint {directory} has no {MANIFEST_FILE} (written by an older version): loaded without "
              "checksum verification")
 
+    fp8_keys = (jax.tree_util.DictKey("w"), jax.tree_util.DictKey("scale_inv"))
+
     def final_dtype(path, st):
+        if blocks and path[-1] in fp8_keys:   # FP8 leaves: dequantised (or kept) below, never cast
+            return np.dtype(st.dtype)
         if cast is not None and path[-1] not in (jax.tree_util.DictKey("router"), jax.tree_util.DictKey("router_bias")):
             return cast
         return np.dtype(st.dtype)
@@ -127,4 +163,8 @@ def load_checkpoint(directory: str | os.PathLike, cfg: ModelConfig | None = None
             if leaves[i].dtype != dt:
                 leaves[i] = leaves[i].astype(dt)
         params = jax.tree_util.tree_unflatten(tdef, leaves)
+    if blocks:
+        params = from_storage(params, blocks)
+        if weights_dtype != "fp8":
+            params = dequantize_params(params, cast if cast is not None else dtype_of(cfg.param_dtype))
     return cfg, params

@@ -54,6 +54,7 @@ class LeafPlan:
     dtype: np.dtype
     stacked: bool
     units: list[tuple[tuple[int, ...], tuple[Piece, ...]]]
+    fp8_block: tuple[int, int] | None = None   # kept FP8 (``fp8_keep``): its scale block in our axes
 
     @property
     def unit_shape(self) -> tuple[int, ...]:
@@ -80,13 +81,16 @@ def _path_leaf(path):
     return ".".join(str(p) for p in path)
 
 
-def make_plan(reader: SafetensorsReader, cfg: ModelConfig, *, dtype: str | None = None) -> ConversionPlan:
+def make_plan(reader: SafetensorsReader, cfg: ModelConfig, *, dtype: str | None = None,
+              keep_fp8: bool = False) -> ConversionPlan:
     """Map every leaf of ``cfg``'s params to checkpoint tensors and validate names, shapes, dtypes.
 
     Args:
       reader: the checkpoint (headers already parsed).
       cfg: the architecture (normally ``ModelConfig.from_hf_config`` of the same directory).
       dtype: our parameter dtype name (default ``cfg.param_dtype``); router weights stay float32.
+      keep_fp8: layer leaves whose pieces are all F8_E4M3 are planned as kept FP8 (``LeafPlan.fp8_block``,
+        ``fp8_keep.keep_block``); the others as ``dtype``.
     Returns: a ConversionPlan.
     Raises: MissingTensorError, UnknownTensorError, TensorShapeError, TensorDtypeError (each names
       the tensor and the expected vs actual value).
@@ -140,6 +144,11 @@ def make_plan(reader: SafetensorsReader, cfg: ModelConfig, *, dtype: str | None 
         for _, pieces in leaf.units:
             for p in pieces:
                 source_bytes += _check_piece(p, infos, actual)
+    if keep_fp8:
+        from minimax_jax.convert.fp8_keep import keep_block
+
+        for leaf in leaves:
+            leaf.fp8_block = keep_block(leaf, infos)
     return ConversionPlan(cfg, leaves, actual, infos, warnings, source_bytes)
 
 

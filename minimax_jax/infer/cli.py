@@ -146,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                                                   'param_dtype); also the dtype '
                                                                                   'of an on-the-fly Hugging Face '
                                                                                   'conversion (default bfloat16).')
+    p.add_argument("--weights_dtype", choices=("fp8",), default=None, help='fp8: keep the FP8 e4m3 layer weights '
+                   '(with their 128x128 block scales) of an FP8 checkpoint in FP8 in device memory, dequantised '
+                   'inside each step (about half the weight memory of bf16); the checkpoint must hold them (ours: '
+                   'converted with --weights_dtype fp8; or an FP8 Hugging Face directory). Default: dequantise.')
     p.add_argument("--mesh", default=None, help="Device mesh, e.g. 'fsdp=2,tensor=2' (axes data, fsdp, expert, "
                                                 'sequence, tensor; one may be -1); parameters are loaded sharded '
                                                 'by --sharding_rules.')
@@ -285,14 +289,15 @@ def run() -> int:
     from minimax_jax.infer.backends import auto_prefill_chunk
     from minimax_jax.infer.cli_output import Output
     from minimax_jax.infer.generation import Generator
-    from minimax_jax.infer.loading import (check_tokenizer_fits, load_model, load_tokenizer_for, peek_config,
-                                           resolve_checkpoint)
+    from minimax_jax.infer.loading import (check_tokenizer_fits, check_weights_dtype, load_model, load_tokenizer_for,
+                                           peek_config, resolve_checkpoint)
 
     check_flags()
     items = build_items()
     config = _config()
     # Cheap checks first (tokenizer, config, context length, output file), then the parameters.
     ckpt = resolve_checkpoint(FLAGS.checkpoint)
+    check_weights_dtype(ckpt, FLAGS.weights_dtype)
     cfg = peek_config(ckpt)
     tokenizer = load_tokenizer_for(ckpt, FLAGS.tokenizer)
     check_tokenizer_fits(tokenizer, cfg, FLAGS.tokenizer or ckpt)
@@ -306,7 +311,7 @@ def run() -> int:
     try:
         model = load_model(ckpt, tokenizer_path=FLAGS.tokenizer, dtype=FLAGS.dtype, mesh=FLAGS.mesh,
                            rules=FLAGS.sharding_rules or "default", convert_dir=FLAGS.convert_dir, attention=FLAGS.attention,
-                           log=_err)
+                           log=_err, weights_dtype=FLAGS.weights_dtype)
         where = "single device" if model.mesh is None else "mesh " + ",".join(
             f"{k}={v}" for k, v in model.mesh.shape.items() if v > 1)
         _err(f"model: {model.checkpoint_dir} [{model.source}], {model.cfg.num_layers} layers, "
@@ -401,10 +406,12 @@ def main(argv=None) -> int:
     from minimax_jax.chat import ChatFormatError
     from minimax_jax.config import ConfigError
     from minimax_jax.convert.errors import CheckpointError
-    from minimax_jax.infer.errors import CheckpointNotFound, ContextTooLong, InferenceError, TokenizerNotFound
+    from minimax_jax.infer.errors import (CheckpointNotFound, ContextTooLong, Fp8WeightsUnavailable, InferenceError,
+                                          TokenizerNotFound)
 
     return cli_main.run(_main, argv, prog=PROG, hard_interrupt=True,
-                        usage=(ValueError, ChatFormatError, CheckpointNotFound, TokenizerNotFound, ContextTooLong),
+                        usage=(ValueError, ChatFormatError, CheckpointNotFound, TokenizerNotFound, ContextTooLong,
+                               Fp8WeightsUnavailable),
                         failure=(InferenceError, ConfigError, CheckpointError))
 
 

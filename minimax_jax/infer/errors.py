@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 __all__ = ["InferenceError", "CheckpointNotFound", "CheckpointMismatch", "TokenizerNotFound",
-           "ContextTooLong", "EngineUnavailable"]
+           "ContextTooLong", "EngineUnavailable", "Fp8WeightsUnavailable"]
 
 
 class InferenceError(RuntimeError):
@@ -32,3 +32,7 @@ class ContextTooLong(InferenceError):
 
 class EngineUnavailable(InferenceError):
     """The requested generation engine cannot do what was asked (e.g. no hidden states for MTP)."""
+
+
+class Fp8WeightsUnavailable(InferenceError):
+    """``--weights_dtype fp8`` for a checkpoint without FP8 weights (the message says how to get them)."""

@@ -21,10 +21,10 @@ from typing import Any, Callable
 
 from minimax_jax.config import ModelConfig
 from minimax_jax.infer.attention_mode import apply_attention_mode, check_attention_mode, describe_attention_mode
-from minimax_jax.infer.errors import CheckpointMismatch, CheckpointNotFound, TokenizerNotFound
+from minimax_jax.infer.errors import CheckpointMismatch, CheckpointNotFound, Fp8WeightsUnavailable, TokenizerNotFound
 
 __all__ = ["DEFAULT_CHECKPOINT", "LoadedModel", "checkpoint_kind", "find_mismatches", "load_model",
-           "load_tokenizer_for", "peek_config", "resolve_checkpoint", "check_tokenizer_fits"]
+           "load_tokenizer_for", "peek_config", "resolve_checkpoint", "check_tokenizer_fits", "check_weights_dtype"]
 
 #: Shipped demo checkpoint directory used when no ``--checkpoint`` is given.
 DEFAULT_CHECKPOINT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
@@ -92,18 +92,19 @@ def checkpoint_kind(directory: str) -> str:
 
 
 def find_mismatches(directory: str, cfg: ModelConfig) -> list[tuple[str, str, str]]:
-    """Every leaf whose stored shape differs from ``abstract_params(cfg)``.
+    """Every leaf whose stored shape differs from ``abstract_params(cfg)`` (FP8 leaves as stored,
+    ``minimax_jax.convert.load.stored_abstract``).
 
     Returns: ``[(leaf path, expected, stored)]`` where expected/stored is a shape or "absent".
     """
     import jax
 
-    from minimax_jax.convert.load import checkpoint_metadata
-    from minimax_jax.model.params import abstract_params
+    from minimax_jax.convert.load import checkpoint_metadata, stored_abstract
 
     stored = {jax.tree_util.keystr(k): v for k, v in
               jax.tree_util.tree_flatten_with_path(checkpoint_metadata(directory))[0]}
-    want = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(abstract_params(cfg))[0]}
+    want = {jax.tree_util.keystr(k): v for k, v in
+            jax.tree_util.tree_flatten_with_path(stored_abstract(directory, cfg)[0])[0]}
     out = []
     for k in sorted(set(stored) | set(want)):
         w = list(want[k].shape) if k in want else "absent"
@@ -153,7 +154,8 @@ def _mesh_and_rules(mesh_spec: str | None, rules_name: str):
 
 def load_model(checkpoint_dir: str | None = None, *, tokenizer_path: str | None = None, dtype: str | None = None,
                mesh: str | None = None, rules: str = "default", convert_dir: str | None = None,
-               attention: str = "as_trained", log: Callable[[str], None] = print, verify: bool = True) -> LoadedModel:
+               attention: str = "as_trained", log: Callable[[str], None] = print, verify: bool = True,
+               weights_dtype: str | None = None) -> LoadedModel:
     """Load a checkpoint (ours or HF, see module doc) and its tokenizer.
 
     Args:
@@ -169,12 +171,18 @@ def load_model(checkpoint_dir: str | None = None, *, tokenizer_path: str | None 
         (``minimax_jax.infer.attention_mode.apply_attention_mode``; the indexer weights are dropped).
       log: receives one-line progress messages.
       verify: check our checkpoint's tensors against its checksum manifest (``load_checkpoint``).
+      weights_dtype: None, or ``"fp8"``: keep FP8 layer weights in FP8 (``minimax_jax.ops.moe.Fp8Weight``,
+        dequantised inside the jitted step): ours must hold them (``fp8_weights.json``), an HF directory must be
+        an FP8 checkpoint (converted keeping FP8). None dequantises an FP8 checkpoint of ours on load.
     Raises: CheckpointNotFound, CheckpointMismatch (all mismatched leaves), TokenizerNotFound,
+      Fp8WeightsUnavailable (``weights_dtype="fp8"`` for a checkpoint without FP8 weights),
       ConfigError / CheckpointError from the converter (ChecksumMismatch naming a corrupt tensor),
       ValueError for an unknown ``attention``.
     """
     check_attention_mode(attention)   # before any heavy work
-    model = _load_any(checkpoint_dir, tokenizer_path, dtype, mesh, rules, convert_dir, log, verify)
+    if weights_dtype not in (None, "fp8"):
+        raise ValueError(f"weights_dtype must be None or 'fp8', got {weights_dtype!r}")
+    model = _load_any(checkpoint_dir, tokenizer_path, dtype, mesh, rules, convert_dir, log, verify, weights_dtype)
     note = describe_attention_mode(model.cfg, attention)
     cfg, params = apply_attention_mode(model.cfg, model.params, attention)
     if cfg is not model.cfg and model.mesh is not None:
@@ -188,34 +196,61 @@ def load_model(checkpoint_dir: str | None = None, *, tokenizer_path: str | None 
     return dataclasses.replace(model, cfg=cfg, params=params, attention=attention, attention_note=note)
 
 
-def _load_any(checkpoint_dir, tokenizer_path, dtype, mesh, rules, convert_dir, log, verify=True) -> LoadedModel:
+def check_weights_dtype(checkpoint_dir: str, weights_dtype: str | None) -> None:
+    """Raise Fp8WeightsUnavailable when ``weights_dtype="fp8"`` meets a checkpoint without FP8 weights (ours:
+    no ``fp8_weights.json``; HF: no ``weight_scale_inv`` tensor); reads headers only."""
+    if weights_dtype != "fp8":
+        return
+    if checkpoint_kind(checkpoint_dir) == "orbax":
+        from minimax_jax.convert.fp8_keep import FP8_FILE, read_blocks
+
+        if not read_blocks(checkpoint_dir):
+            raise Fp8WeightsUnavailable(
+                f"--weights_dtype fp8: checkpoint {checkpoint_dir} holds no FP8 weights (no {FP8_FILE}); convert an "
+                "FP8 Hugging Face checkpoint with `python -m minimax_jax.convert --weights_dtype fp8`, or drop "
+                "--weights_dtype")
+        return
+    from minimax_jax.convert.safetensors_io import SafetensorsReader
+
+    if not any(n.endswith("_scale_inv") for n in SafetensorsReader(checkpoint_dir).names()):
+        raise Fp8WeightsUnavailable(f"--weights_dtype fp8: {checkpoint_dir} is not an FP8 checkpoint (no "
+                                    "weight_scale_inv tensors); drop --weights_dtype")
+
+
+def _load_any(checkpoint_dir, tokenizer_path, dtype, mesh, rules, convert_dir, log, verify=True,
+              weights_dtype=None) -> LoadedModel:
     checkpoint_dir = resolve_checkpoint(checkpoint_dir)
     kind = checkpoint_kind(checkpoint_dir)
+    check_weights_dtype(checkpoint_dir, weights_dtype)
     tokenizer = load_tokenizer_for(checkpoint_dir, tokenizer_path)  # fail fast, before any heavy work
     mesh_obj, rules_obj = _mesh_and_rules(mesh, rules)
     if kind == "hf":
         from minimax_jax.convert import convert_hf_to_orbax
 
         conv_dtype = dtype if dtype in ("float32", "bfloat16") else "bfloat16"
+        what = conv_dtype + (", FP8 layer weights kept" if weights_dtype == "fp8" else "")
         if convert_dir and os.path.isdir(convert_dir):
             log(f"using the earlier conversion in {convert_dir}")
+            check_weights_dtype(convert_dir, weights_dtype)
             return _load_orbax(convert_dir, checkpoint_dir, tokenizer, dtype, mesh_obj, rules_obj,
-                               f"hf (converted earlier to {convert_dir})", verify)
+                               f"hf (converted earlier to {convert_dir})", verify, weights_dtype)
         if convert_dir:
-            log(f"converting Hugging Face checkpoint {checkpoint_dir} -> {convert_dir} ({conv_dtype})")
-            convert_hf_to_orbax(checkpoint_dir, convert_dir, conv_dtype, progress=False)
+            log(f"converting Hugging Face checkpoint {checkpoint_dir} -> {convert_dir} ({what})")
+            convert_hf_to_orbax(checkpoint_dir, convert_dir, conv_dtype, progress=False, weights_dtype=weights_dtype)
             return _load_orbax(convert_dir, checkpoint_dir, tokenizer, dtype, mesh_obj, rules_obj,
-                               f"hf (converted to {convert_dir})", verify)
+                               f"hf (converted to {convert_dir})", verify, weights_dtype)
         with tempfile.TemporaryDirectory(prefix="minimax_infer_convert_") as tmp:
             dst = os.path.join(tmp, "ckpt")
-            log(f"converting Hugging Face checkpoint {checkpoint_dir} on the fly ({conv_dtype}, temporary)")
-            convert_hf_to_orbax(checkpoint_dir, dst, conv_dtype, progress=False)
+            log(f"converting Hugging Face checkpoint {checkpoint_dir} on the fly ({what}, temporary)")
+            convert_hf_to_orbax(checkpoint_dir, dst, conv_dtype, progress=False, weights_dtype=weights_dtype)
             return _load_orbax(dst, checkpoint_dir, tokenizer, dtype, mesh_obj, rules_obj,
-                               "hf (converted on the fly)", verify)
-    return _load_orbax(checkpoint_dir, checkpoint_dir, tokenizer, dtype, mesh_obj, rules_obj, "orbax", verify)
+                               "hf (converted on the fly)", verify, weights_dtype)
+    return _load_orbax(checkpoint_dir, checkpoint_dir, tokenizer, dtype, mesh_obj, rules_obj, "orbax", verify,
+                       weights_dtype)
 
 
-def _load_orbax(directory, origin, tokenizer, dtype, mesh, rules, source, verify=True) -> LoadedModel:
+def _load_orbax(directory, origin, tokenizer, dtype, mesh, rules, source, verify=True,
+                weights_dtype=None) -> LoadedModel:
     import jax
 
     from minimax_jax.convert.atomic_dir import read_config
@@ -227,7 +262,8 @@ def _load_orbax(directory, origin, tokenizer, dtype, mesh, rules, source, verify
         lines = "\n".join(f"  {leaf}: config expects {w}, checkpoint has {s}" for leaf, w, s in bad)
         raise CheckpointMismatch(f"checkpoint {directory} does not match its config.yaml "
                                  f"({len(bad)} parameters):\n{lines}", bad)
-    cfg, params = load_checkpoint(directory, cfg, mesh=mesh, rules=rules, dtype=dtype, verify=verify)
+    cfg, params = load_checkpoint(directory, cfg, mesh=mesh, rules=rules, dtype=dtype, verify=verify,
+                                  weights_dtype=weights_dtype)
     if dtype:
         cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
     params = jax.block_until_ready(params)  # the temporary conversion may be deleted after this

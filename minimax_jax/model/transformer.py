@@ -101,8 +101,9 @@ def project_index(p: dict, x: jax.Array, cfg: ModelConfig, cos: jax.Array, sin: 
 
 
 def attention_block(p, x, cfg: ModelConfig, layer_type: str, positions, segment_ids, cos, sin,
-                    indexer_kl: str | None, return_msa: bool = False):
-    """Self-attention of one layer over its own tokens.
+                    indexer_kl: str | None, return_msa: bool = False, subtree_end=None):
+    """Self-attention of one layer over its own tokens (``subtree_end``: prefix-tree visibility, see
+    ``minimax_jax.ops.attention``; not yet for MSA layers).
 
     Returns ``(out [B,T,H], kl_sum, kl_count, msa)`` where ``msa`` is ``{}`` or, for MSA layers with
     ``return_msa``, ``{"block_ids": [B,Hi,T,K] int32, "lse": [B,T,H] f32}`` (main-branch LSE).
@@ -118,6 +119,9 @@ def attention_block(p, x, cfg: ModelConfig, layer_type: str, positions, segment_
                   kv_segment_ids=segment_ids)
     if layer_type == "msa":
         from minimax_jax.ops import msa as msa_ops  # imported only when a model has MSA layers
+
+        if subtree_end is not None:
+            raise ValueError("prefix-tree visibility (subtree_end) is not implemented for MSA layers")
 
         qi, ki = project_index(p, x, cfg, cos, sin)
         if indexer_kl == "dense":
@@ -141,7 +145,7 @@ def attention_block(p, x, cfg: ModelConfig, layer_type: str, positions, segment_
     else:
         window = cfg.sliding_window if layer_type == "sliding" else None
         impl = cfg.sliding_attention_impl if window is not None else cfg.attention_impl
-        o = attention(q, k, v, sliding_window=window, implementation=impl, **pos_kw)
+        o = attention(q, k, v, sliding_window=window, implementation=impl, kv_subtree_end=subtree_end, **pos_kw)
     out = o.reshape(b, t, cfg.q_dim) @ p["attn"]["o_proj"].astype(x.dtype)
     return out, kl_sum, kl_cnt, extra
 
@@ -163,10 +167,10 @@ def mlp_block(p, x, cfg: ModelConfig, mlp_type: str):
 
 
 def decoder_layer(p, x, cfg, layer_type, mlp_type, positions, segment_ids, cos, sin, indexer_kl,
-                  return_msa=False):
+                  return_msa=False, subtree_end=None):
     """One decoder layer. Returns (x_out, (load [E], kl_sum, kl_count, msa dict))."""
     a, kl_sum, kl_cnt, extra = attention_block(p, _norm(x, p["input_norm"], cfg), cfg, layer_type, positions,
-                                               segment_ids, cos, sin, indexer_kl, return_msa)
+                                               segment_ids, cos, sin, indexer_kl, return_msa, subtree_end)
     h = constrain(x + a, ("batch", "length", "act_embed"))
     m, load = mlp_block(p, _norm(h, p["post_attn_norm"], cfg), cfg, mlp_type)
     return h + m, (load, kl_sum, kl_cnt, extra)
@@ -199,7 +203,7 @@ def _save_dots_and_kernels(prim, *args, **params) -> bool:
 def forward(params, cfg: ModelConfig, tokens: jax.Array, *, positions: jax.Array | None = None,
             segment_ids: jax.Array | None = None, indexer_kl: str | None = None,
             return_hidden: bool = False, return_msa: bool = False, remat: str = "none",
-            return_logits: bool = True) -> ModelOutput:
+            return_logits: bool = True, subtree_end: jax.Array | None = None) -> ModelOutput:
     """Full-sequence forward pass.
 
     Args:
@@ -208,6 +212,8 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, *, positions: jax.Array
       tokens: ``[B, T]`` int32 token ids.
       positions: ``[B, T]`` int32 (default ``arange(T)``); packed documents restart at 0.
       segment_ids: ``[B, T]`` int32 document ids (default all 0); attention never crosses them.
+      subtree_end: ``[B, T]`` int32 or None: prefix-tree rows (``minimax_jax.data.prefix_tree``): token j
+        is visible only to tokens at slots ``j <= i < subtree_end[j]``; positions are per trajectory.
       indexer_kl: None, ``"sparse"`` (KL on the selected support) or ``"dense"`` (warm-up: dense
         attention in MSA layers, KL over the causal history).
       return_hidden: also return the pre-final-norm hidden state (input of MTP modules).
@@ -237,7 +243,7 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, *, positions: jax.Array
     for seg, sp in zip(layer_segments(cfg), params["segments"]):
         def body(carry, lp, seg=seg):
             y, aux = decoder_layer(lp, carry, cfg, seg.layer_type, seg.mlp_type, positions, segment_ids, cos, sin,
-                                   indexer_kl, return_msa)
+                                   indexer_kl, return_msa, subtree_end)
             return y, aux
 
         if remat == "full":
@@ -266,7 +272,7 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, *, positions: jax.Array
 
 def mtp_forward(params, cfg: ModelConfig, hidden: jax.Array, tokens: jax.Array, *,
                 positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
-                return_logits: bool = True) -> list[jax.Array]:
+                return_logits: bool = True, subtree_end: jax.Array | None = None) -> list[jax.Array]:
     """Multi-token-prediction heads (DeepSeek-V3 style, as M3 ships them).
 
     Depth d (1-based) predicts token ``t + d + 1`` at position t:
@@ -292,7 +298,8 @@ def mtp_forward(params, cfg: ModelConfig, hidden: jax.Array, tokens: jax.Array, 
         shifted = jnp.pad(tokens[:, d:], ((0, 0), (0, d)))
         e = _norm(embed(params, cfg, shifted), mod["enorm"], cfg)
         x = jnp.concatenate([e, _norm(h, mod["hnorm"], cfg)], axis=-1) @ mod["eh_proj"].astype(e.dtype)
-        h, _ = decoder_layer(mod["layer"], x, cfg, lt, mt, positions, segment_ids, cos, sin, None)
+        h, _ = decoder_layer(mod["layer"], x, cfg, lt, mt, positions, segment_ids, cos, sin, None,
+                             subtree_end=subtree_end)
         head_input = _norm(h, mod["final_norm"], cfg)
         outs.append(unembed(params, cfg, head_input) if return_logits else head_input)
     return outs

@@ -53,10 +53,8 @@ def build_parser():
 
 
 def _main(argv) -> int:
-    import uvicorn
-
     from minimax_jax.infer.loading import load_model
-    from minimax_jax.serve.server import build
+    from minimax_jax.serve.server import build, uvicorn_config
 
     parser = build_parser()
     flags = cli_main.parse_args(parser, argv)
@@ -73,7 +71,7 @@ def _main(argv) -> int:
     print(f"serving {server.model_name} on http://{flags.host}:{flags.port}/v1 ({server.scheduler.max_batch} "
           f"slots, max_len {server.scheduler.max_len})", file=sys.stderr, flush=True)
     try:
-        uvicorn.run(server.app, host=flags.host, port=flags.port, log_level="warning")
+        uvicorn.Server(uvicorn_config(server.app, host=flags.host, port=flags.port)).run()
     finally:
         server.close()
     return 0

@@ -57,6 +57,21 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+# Idle keep-alive connections are closed by the server after this many seconds. Longer than the
+# clients' own pool expiry (httpx, under the openai client: 5 s), so the client drops an idle
+# connection first; at uvicorn's default (5 s, the same as httpx) a request sent on a connection the
+# server is closing at that moment fails as a connection error (seen under load while a long
+# prefill kept the event loop waiting).
+KEEP_ALIVE_S = 65
+
+
+def uvicorn_config(app, *, host: str, port: int, keep_alive_s: float = KEEP_ALIVE_S):
+    """The uvicorn config both the CLI and ``in_thread`` run ``app`` with."""
+    import uvicorn
+
+    return uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_keep_alive=keep_alive_s)
+
+
 @contextlib.contextmanager
 def in_thread(app, *, host: str = "127.0.0.1", port: int | None = None, start_timeout_s: float = 30.0):
     """Run ``app`` under uvicorn in a daemon thread; yields the port once it listens. Raises
@@ -64,7 +79,7 @@ def in_thread(app, *, host: str = "127.0.0.1", port: int | None = None, start_ti
     import uvicorn
 
     port = free_port(host) if port is None else port
-    uv = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    uv = uvicorn.Server(uvicorn_config(app, host=host, port=port))
     th = threading.Thread(target=uv.run, daemon=True)
     th.start()
     end = time.monotonic() + start_timeout_s

@@ -4,7 +4,7 @@ A training YAML (``configs/train/*.yaml``) has these sections; every key is list
 dataclasses below (defaults in code)::
 
     model:      name: tiny-m2 | path/to/config.yaml | HF dir   (plus any ModelConfig field to override)
-    data:       kind: grain | synthetic  (plus minimax_jax.data.pipeline.DataConfig fields; see DataSection)
+    data:       kind: grain | synthetic | trajectory  (plus the fields of that kind; see DataSection)
     optim:      AdamW, clipping, accumulation, loss weights, freezing        (OptimConfig)
     schedule:   warmup + cosine | wsd | constant                              (ScheduleConfig)
     checkpoint: orbax CheckpointManager cadence / retention                   (CheckpointConfig)
@@ -37,7 +37,7 @@ __all__ = ["TrainConfigError", "TrainConfig", "OptimConfig", "ScheduleConfig", "
 SCHEDULES = ("cosine", "wsd", "constant")
 INIT_MODES = ("scratch", "checkpoint", "sparse_cpt")
 REMAT = ("none", "full", "dots", "dots_kernels")
-DATA_KINDS = ("grain", "synthetic")
+DATA_KINDS = ("grain", "synthetic", "trajectory")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -212,10 +212,12 @@ class DataSection:
     ``kind: grain`` passes every other key to ``minimax_jax.data.pipeline.DataConfig`` (sources,
     tokenizer, seq_len, batch_size, ...). ``kind: synthetic`` needs only ``seq_len``, ``batch_size``,
     ``seed`` (uniform random tokens in packed rows of random-length documents; no grain, no
-    tokenizer; for benchmarks and smoke tests).
+    tokenizer; for benchmarks and smoke tests). ``kind: trajectory`` passes the other keys to
+    ``minimax_jax.data.trajectories.TrajectoryConfig`` (agent trajectories merged into prefix trees).
 
     Attributes:
-      kind: ``grain`` (text files through a tokenizer) or ``synthetic`` (random tokens; nothing learnable).
+      kind: ``grain`` (text files through a tokenizer), ``synthetic`` (random tokens; nothing learnable) or
+        ``trajectory`` (JSONL conversations / token ids, prefix-tree merged).
       fields: the section's other keys.
 
     Synthetic keys:
@@ -289,6 +291,10 @@ def _model_keys() -> list[str]:
 def _data_keys(kind: str) -> list[str]:
     if kind == "synthetic":
         return ["kind", *DataSection.SYNTHETIC_KEYS]
+    if kind == "trajectory":
+        from minimax_jax.data.trajectories import TrajectoryConfig
+
+        return ["kind"] + sorted(f.name for f in dataclasses.fields(TrajectoryConfig))
     try:
         from minimax_jax.data.pipeline import DataConfig
     except ImportError as e:  # grain missing (e.g. the GPU image): only synthetic data works
@@ -506,6 +512,13 @@ def from_dict(raw: Mapping[str, Any], source_path: str | None = None) -> TrainCo
             DataConfig.from_dict(data)
         except (DataConfigError, TypeError) as e:
             raise TrainConfigError(f"data: {e}") from None
+    elif kind == "trajectory":
+        from minimax_jax.data.trajectories import TrajectoryConfig, TrajectoryError
+
+        try:
+            TrajectoryConfig.from_dict(data)
+        except (TrajectoryError, TypeError) as e:
+            raise TrainConfigError(f"data (kind=trajectory): {e}") from None
     sections = {n: _build_section(n, raw.get(n)) for n in SECTIONS}
     tc = TrainConfig(model=model, data=DataSection(kind, data), mesh=str(raw.get("mesh", "data=-1")),
                      source_path=source_path, **sections)

@@ -24,6 +24,7 @@ from minimax_jax import sharding
 from minimax_jax.config import IMPLEMENTATION_FIELDS, ModelConfig
 from minimax_jax.ops.registry import implementation_names
 from minimax_jax.data.pipeline import DataConfig
+from minimax_jax.data.trajectories import TrajectoryConfig
 from minimax_jax.train import config as tcfg
 from minimax_jax.train.data import SyntheticIterator
 
@@ -174,7 +175,10 @@ def _data_section() -> list[str]:
             "#### `data` with `kind: grain`", "",
             "The other keys are `minimax_jax.data.pipeline.DataConfig` fields: " + _summary(DataConfig), "",
             *_table(_dataclass_rows(DataConfig, "data.")),
-            "#### `data` with `kind: synthetic`", "", *_table(rows)]
+            "#### `data` with `kind: synthetic`", "", *_table(rows),
+            "#### `data` with `kind: trajectory`", "",
+            "The other keys are `minimax_jax.data.trajectories.TrajectoryConfig` fields: " + _summary(TrajectoryConfig),
+            "", *_table(_dataclass_rows(TrajectoryConfig, "data."))]
 
 
 def _mesh_section() -> list[str]:

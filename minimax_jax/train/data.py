@@ -1,7 +1,9 @@
-"""Training data for the loop: the grain pipeline or a grain-free synthetic stream, as global arrays.
+"""Training data for the loop: the grain pipeline, a grain-free synthetic stream or prefix-tree packed
+agent trajectories, as global arrays.
 
-Both iterators yield per-host numpy batches ``{tokens, targets, segment_ids, positions, loss_mask}``
-``[batch_size / process_count, seq_len]`` (``minimax_jax.data.pipeline`` layout) and have
+The iterators yield per-host numpy batches ``{tokens, targets, segment_ids, positions, loss_mask}``
+``[batch_size / process_count, seq_len]`` (``minimax_jax.data.pipeline`` layout; trajectory batches add
+``subtree_end`` and ``loss_index``, ``minimax_jax.data.prefix_tree``) and have
 ``get_state()`` / ``set_state(state)`` so a checkpoint restores the exact next batch.
 ``to_global`` turns a per-host batch into global ``jax.Array`` s with the batch sharding.
 """
@@ -72,6 +74,8 @@ def make_iterator(data: DataSection, vocab_size: int, *, sources: tuple[str, ...
         seed = int(f.get("seed", 0)) + (1_000_003 if eval_mode else 0)
         return SyntheticIterator(int(f["seq_len"]), int(f["batch_size"]), vocab_size, seed,
                                  int(f.get("mean_doc_len", 0)), jax.process_index(), jax.process_count())
+    if data.kind == "trajectory":
+        return _trajectory_iterator(data, sources, eval_mode)
     from minimax_jax.data.pipeline import DataConfig, make_train_iterator
 
     fields = dict(data.fields)
@@ -80,6 +84,21 @@ def make_iterator(data: DataSection, vocab_size: int, *, sources: tuple[str, ...
     if eval_mode:
         fields.update(shuffle=False, num_epochs=None)
     return make_train_iterator(DataConfig.from_dict(fields))
+
+
+def _trajectory_iterator(data: DataSection, sources, eval_mode: bool):
+    import functools
+
+    from minimax_jax.chat import render_chat
+    from minimax_jax.data.trajectories import TrajectoryConfig, TrajectoryIterator
+
+    fields = dict(data.fields)
+    if sources is not None:
+        fields["sources"] = tuple(sources)
+    if eval_mode:
+        fields["num_epochs"] = None
+    render = functools.partial(render_chat, add_generation_prompt=False)     # render(messages, tools)
+    return TrajectoryIterator(TrajectoryConfig.from_dict(fields), render=render)
 
 
 def to_global(batch: dict[str, np.ndarray], sharding: jax.sharding.Sharding) -> dict[str, jax.Array]:

@@ -280,6 +280,7 @@ def _train(tr: Trainer, sig: StopSignals) -> dict[str, Any]:
     peak = peak_flops_per_device(tr.mesh.devices.flat[0].device_kind, tc.run.peak_tflops)
     status, metrics, done_here = "completed", {}, 0
     t0, flops, toks, excluded = time.perf_counter(), 0.0, 0.0, 0.0  # excluded: eval / recall seconds
+    tree = [0.0, 0.0, 0.0]  # prefix-tree batches since the last log: tokens before, after, before (timed)
     pending: dict[str, float] = {}  # compile_s for the next metrics row
 
     saved = {step} if restored is not None else set()
@@ -320,6 +321,10 @@ def _train(tr: Trainer, sig: StopSignals) -> dict[str, Any]:
             except StopIteration:
                 status = "data_exhausted"
                 break
+            packed = getattr(data_it, "last_stats", None)   # PackStats of a trajectory batch
+            if packed is not None:
+                tree[0] += packed.tokens_before * jax.process_count()
+                tree[1] += packed.tokens_after * jax.process_count()
             compiling = not tr.is_compiled(phase)
             if compiling:
                 writer.message(f"step {step + 1}: compiling the train step ({phase} phase)...")
@@ -335,9 +340,11 @@ def _train(tr: Trainer, sig: StopSignals) -> dict[str, Any]:
                 writer.message(f"compiled in {compile_s:.1f} s (first step done in {first_s:.1f} s)")
                 pending["compile_s"] = pending.get("compile_s", 0.0) + compile_s
                 t0, flops, toks, excluded = time.perf_counter(), 0.0, 0.0, 0.0
+                tree[2] = 0.0
             else:
                 flops += train_flops(tr.cfg, batch["positions"]) * jax.process_count()
                 toks += float(np.asarray(batch["tokens"]).size) * jax.process_count()
+                tree[2] += packed.tokens_before * jax.process_count() if packed is not None else 0.0
             impls = implementation_report()       # filled while a step is traced: say which kernels run
             if impls != reported_impls:
                 writer.message(f"step {step} ({phase}): implementations " +
@@ -351,6 +358,12 @@ def _train(tr: Trainer, sig: StopSignals) -> dict[str, Any]:
                     metrics["model_tflops_per_s"] = flops / dt / 1e12
                     if peak:
                         metrics["mfu"] = flops / dt / (peak * tr.mesh.devices.size)
+                    if tree[2]:
+                        metrics["tree/original_tokens_per_s"] = tree[2] / dt
+                if tree[1]:
+                    metrics.update({"tree/tokens_before": tree[0], "tree/tokens_after": tree[1],
+                                    "tree/saving": 1.0 - tree[1] / tree[0]})
+                tree[:] = [0.0, 0.0, 0.0]
                 metrics["phase_warmup"] = float(phase == PHASE_WARMUP)
                 metrics.update(pending)
                 pending.clear()

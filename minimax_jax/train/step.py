@@ -14,6 +14,11 @@ micro-batches and devices)::
     kl        = indexer_kl_sum / indexer_kl_count      (mean over micro-batches) times msa.kl_coeff
     aux       = optim.aux_loss * aux["moe_aux_loss"]   (only when the model reports it)
 
+Prefix-tree batches (``minimax_jax.data.prefix_tree``) also hold ``subtree_end`` (attention visibility)
+and ``loss_index``: target t is predicted from the logits of slot ``loss_index[t]`` (its parent in the
+tree), so a branch point's logits serve every child. MTP is refused on them (its shifted tokens are not
+defined at a branch point).
+
 After the optimizer update the MoE ``router_bias`` moves by
 ``optim.router_bias_rate * sign(mean_load - load)`` with the load summed over the whole step
 (``minimax_jax.model.router_bias.update_router_biases``).
@@ -37,6 +42,7 @@ from minimax_jax.train.losses import chunked_cross_entropy_sums, cross_entropy_s
 __all__ = ["StepSpec", "init_state", "make_train_step", "make_eval_step", "BATCH_KEYS", "batch_norms"]
 
 BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
+TREE_KEYS = ("subtree_end", "loss_index")   # present together, only in prefix-tree batches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,8 +77,11 @@ def batch_norms(batch: dict[str, jax.Array], num_mtp: int) -> dict[str, jax.Arra
     return norms
 
 
-def _ce_sums(params, cfg: ModelConfig, chunk: int, head_out: jax.Array, targets, mask):
-    """CE / z sums from logits (``chunk == 0``) or from the lm head's input, slice by slice."""
+def _ce_sums(params, cfg: ModelConfig, chunk: int, head_out: jax.Array, targets, mask, loss_index=None):
+    """CE / z sums from logits (``chunk == 0``) or from the lm head's input, slice by slice; with
+    ``loss_index`` ``[B, T]`` target t is scored on row ``loss_index[t]`` of ``head_out``."""
+    if loss_index is not None:
+        head_out = jnp.take_along_axis(head_out, loss_index[..., None].astype(jnp.int32), axis=1)
     if chunk:
         return chunked_cross_entropy_sums(head_out, lm_head_weight(params, cfg), targets, mask, chunk)
     return cross_entropy_sums(head_out, targets, mask)
@@ -86,10 +95,14 @@ def _loss_fn(spec: StepSpec, trainable: Any):
     def loss(params, mb, norms):
         # Frozen leaves get no gradient at all, so XLA drops their part of the backward pass.
         p = jax.tree.map(lambda x, t: x if t else jax.lax.stop_gradient(x), params, trainable)
+        if num_mtp and "loss_index" in mb:
+            raise ValueError("MTP losses are not defined on prefix-tree batches; set optim.mtp_weights: 0 or "
+                             "use a model without MTP modules")
         out = forward(p, cfg, mb["tokens"], positions=mb["positions"], segment_ids=mb["segment_ids"],
                       indexer_kl=spec.kl_mode, return_hidden=num_mtp > 0, remat=spec.remat,
-                      return_logits=not chunk)
-        ce, zs = _ce_sums(p, cfg, chunk, out.head_input if chunk else out.logits, mb["targets"], mb["loss_mask"])
+                      return_logits=not chunk, subtree_end=mb.get("subtree_end"))
+        ce, zs = _ce_sums(p, cfg, chunk, out.head_input if chunk else out.logits, mb["targets"], mb["loss_mask"],
+                          mb.get("loss_index"))
         m = {"lm_loss": ce / norms["tokens"]}
         total = m["lm_loss"]
         if spec.z_loss:
@@ -147,7 +160,7 @@ def make_train_step(spec: StepSpec, tx: optax.GradientTransformation, trainable:
 
     def step(state, batch):
         params = state["params"]
-        batch = {k: batch[k] for k in BATCH_KEYS}
+        batch = {k: batch[k] for k in BATCH_KEYS + TREE_KEYS if k in batch}
         norms = batch_norms(batch, len(spec.mtp_weights))
         if accum == 1:
             (_, metrics), grads = grad_fn(params, batch, norms)
@@ -184,8 +197,8 @@ def make_eval_step(cfg: ModelConfig, logits_chunk: int = 0) -> Callable:
     as in ``StepSpec``."""
     def eval_step(params, batch):
         out = forward(params, cfg, batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"],
-                      return_logits=not logits_chunk)
+                      return_logits=not logits_chunk, subtree_end=batch.get("subtree_end"))
         ce, _ = _ce_sums(params, cfg, logits_chunk, out.head_input if logits_chunk else out.logits,
-                         batch["targets"], batch["loss_mask"])
+                         batch["targets"], batch["loss_mask"], batch.get("loss_index"))
         return ce, jnp.sum(batch["loss_mask"].astype(jnp.float32))
     return eval_step

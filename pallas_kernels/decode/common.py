@@ -5,7 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["next_pow2", "pad_rows", "pack_rows", "unpack_rows", "combine_splits", "compute_dtype", "dot_nt", "dot_nn"]
+__all__ = ["next_pow2", "pad_rows", "pack_rows", "unpack_rows", "union_pages", "combine_splits", "compute_dtype",
+           "dot_nt", "dot_nn"]
 
 
 def next_pow2(n: int, minimum: int = 1) -> int:
@@ -61,6 +62,33 @@ def unpack_rows(o: jax.Array, lse: jax.Array, nq: int, hg: int, qpb: int):
     o = o.transpose(0, 2, 1, 3, 4).reshape(b, nq, g * hg, d)
     lse = lse.transpose(0, 2, 1, 3).reshape(b, nq, g * hg)
     return o, lse
+
+
+def union_pages(block_ids: jax.Array, qpb: int):
+    """Per row block of ``qpb`` query rows: the union of its rows' selected pages and who selected each.
+
+    Args: block_ids ``[B, G, Q, K]`` int32 logical page ids (``-1`` = empty; repeats allowed).
+    Returns: ``(ids [B, G, R, U], bits [B, G, R, U], count [B, G, R])`` int32, ``R = ceil(Q / qpb)``
+      row blocks (the ``pack_rows`` blocks), ``U = qpb * K``: the ``count`` distinct pages of the
+      block's rows in first-seen order (rows ascending, then slots), ``-1`` after; bit ``j`` of
+      ``bits`` set iff row ``r * qpb + j`` selected that page (0 for ``-1`` slots).
+    """
+    assert 1 <= qpb <= 31
+    b, g, nq, k = block_ids.shape
+    nblk = -(-nq // qpb)
+    blk = pad_rows(block_ids.astype(jnp.int32), 2, nblk * qpb, -1).reshape(b, g, nblk, qpb, k)
+    flat = blk.reshape(b, g, nblk, qpb * k)                                   # [.., U]
+    u = qpb * k
+    i = jnp.arange(u, dtype=jnp.int32)
+    valid = flat >= 0
+    same = flat[..., :, None] == flat[..., None, :]                          # [.., U, U] (i, j)
+    first = valid & ~jnp.any(same & (i[None, :] < i[:, None]), axis=-1)      # no equal id before it
+    dest = jnp.cumsum(first.astype(jnp.int32), axis=-1) - 1                  # its slot in the union
+    put = first[..., :, None] & (dest[..., :, None] == i[None, :])           # [.., U (src), U (dst)]
+    ids = jnp.sum(jnp.where(put, flat[..., :, None] + 1, 0), axis=-2) - 1
+    member = jnp.any(ids[..., :, None, None] == blk[..., None, :, :], axis=-1) & (ids[..., :, None] >= 0)
+    bits = jnp.sum(member.astype(jnp.int32) << jnp.arange(qpb, dtype=jnp.int32), axis=-1)   # [.., U]
+    return ids.astype(jnp.int32), bits.astype(jnp.int32), jnp.sum(first, axis=-1).astype(jnp.int32)
 
 
 def combine_splits(o_part: jax.Array, lse_part: jax.Array, axis: int):

@@ -5,11 +5,15 @@ a physical page ``p`` is the row range ``[p*page, (p+1)*page)`` and is gathered 
 data-dependent ``pl.ds(page_id * page, page)`` load.
 
 ``paged_attention_gpu``: split-KV flash decoding. One program per (request x kv group, row block,
-split); a split walks ``pps`` pages with an online softmax (all H/G heads of the group, and in
-dense mode all Q rows, stacked as the matmul M dimension) and writes a normalised partial output
-and its log-sum-exp; ``combine_splits`` merges them. Dense mode walks logical pages in order (pages
-past the longest row are skipped); sparse (MSA) mode walks each row's selected logical page ids
-(``-1`` slots skipped), ``sparse_pps`` slots per split (default ``LaunchTable.sparse_pps``).
+split); a split walks ``pps`` pages with an online softmax and writes a normalised partial output and
+its log-sum-exp; ``combine_splits`` merges them. A tile stacks all H/G heads of the group and up to
+``LaunchTable.tile_rows`` rows' worth of query rows (Q x H/G rows, padded to a power of two >= 16,
+the MMA minimum) as the matmul M dimension, so each page is read once per (request, kv group, row
+block); each row sees the cache up to its own position. Dense mode walks logical pages in order (pages
+past the request's last row are skipped). Sparse (MSA) mode, ``sparse_tile="shared"``: the tile walks
+the union of its rows' selected pages (``common.union_pages``) and row ``r`` sees a page only if it
+selected it; ``"per_row"``: one tile per query row over its own ``block_ids`` (``-1`` slots skipped).
+``sparse_pps`` slots per split (default ``LaunchTable.sparse_pps``).
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.decode.common import combine_splits, compute_dtype, dot_nn, dot_nt, pack_rows, pad_rows, unpack_rows
+from pallas_kernels.decode.common import (combine_splits, compute_dtype, dot_nn, dot_nt, pack_rows, pad_rows,
+                                          union_pages, unpack_rows)
 from pallas_kernels.decode.gpu_config import DEFAULT_TABLE, LaunchTable, pages_per_program
 
 __all__ = ["paged_attention_gpu"]
@@ -30,8 +35,8 @@ __all__ = ["paged_attention_gpu"]
 _NEG = -1e30
 
 
-def _attn_kernel(pt_ref, pos_ref, lim_ref, ids_ref, q_ref, k_ref, v_ref, *rest, page, pps, scale, g_count,
-                 dense, has_scale, cdt, loop):
+def _attn_kernel(pt_ref, pos_ref, lim_ref, ids_ref, bits_ref, q_ref, k_ref, v_ref, *rest, page, pps, scale, g_count,
+                 mode, nsplit, hg, has_scale, cdt, loop):
     if has_scale:
         ks_ref, vs_ref, o_ref, l_ref = rest
     else:
@@ -45,17 +50,33 @@ def _attn_kernel(pt_ref, pos_ref, lim_ref, ids_ref, q_ref, k_ref, v_ref, *rest, 
     qpos = pos_ref[b, r]                                     # [M]
     m_rows, d = q.shape
     kidx = jax.lax.broadcasted_iota(jnp.int32, (1, page), 1)
+    if mode == "shared":
+        # The union's valid slots [0, cnt) split evenly over the nsplit programs of (b, g, r).
+        n_slots = ids_ref.shape[-1]
+        cnt = lim_ref[b, g, r]
+        chunk = (cnt + nsplit - 1) // nsplit
+        lo = sp * chunk
+        hi = jnp.minimum(cnt, lo + chunk)
+        row_q = jnp.minimum(jax.lax.broadcasted_iota(jnp.int32, (m_rows,), 0) // hg, 31)   # tile row -> query row
+
+    def slot(j):
+        """(logical page, ok, [M] row mask or None) of the split's j-th step."""
+        if mode == "dense":
+            idx = sp * pps + j
+            logical = idx if loop == "dynamic" else jnp.clip(idx, 0, jnp.maximum(lim_ref[b] - 1, 0))
+            return logical, idx < lim_ref[b], None
+        if mode == "per_row":
+            logical = ids_ref[b, g, r, sp * pps + j]
+            return jnp.maximum(logical, 0), logical >= 0, None
+        idx = lo + j
+        i = idx if loop == "dynamic" else jnp.minimum(idx, n_slots - 1)
+        logical = ids_ref[b, g, r, i]
+        rows = ((bits_ref[b, g, r, i] >> row_q) & 1) == 1    # only the rows that selected the page
+        return jnp.maximum(logical, 0), (idx < hi) & (logical >= 0), rows
 
     def body(j, carry):
         acc, m_prev, l_prev = carry
-        idx = sp * pps + j
-        if dense:
-            logical = idx if loop == "dynamic" else jnp.clip(idx, 0, jnp.maximum(lim_ref[b] - 1, 0))
-            ok = idx < lim_ref[b]
-        else:
-            logical = ids_ref[b, g, r, idx]
-            ok = logical >= 0
-            logical = jnp.maximum(logical, 0)
+        logical, ok, rows = slot(j)
         start = pt_ref[b, logical] * page
         kb = k_ref[g, pl.ds(start, page), :].astype(cdt)      # [page, D]
         vb = v_ref[g, pl.ds(start, page), :].astype(cdt)
@@ -63,6 +84,8 @@ def _attn_kernel(pt_ref, pos_ref, lim_ref, ids_ref, q_ref, k_ref, v_ref, *rest, 
         if has_scale:
             s = s * ks_ref[g, pl.ds(start, page)][None, :]
         vis = ((logical * page + kidx) <= qpos[:, None]) & ok
+        if rows is not None:
+            vis = vis & rows[:, None]
         s = jnp.where(vis, s, _NEG)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
         corr = jnp.exp(m_prev - m_next)
@@ -73,13 +96,16 @@ def _attn_kernel(pt_ref, pos_ref, lim_ref, ids_ref, q_ref, k_ref, v_ref, *rest, 
         acc = acc * corr[:, None] + dot_nn(p.astype(cdt), vb)
         return acc, m_next, l_next
 
-    # Dynamic trip counts (scf.for): dense splits stop at the last needed page; a sparse split
+    # Dynamic trip counts (scf.for): dense splits stop at the last needed page; a per-row sparse split
     # visits its one slot only when it holds a page (-1 = empty), or with pps > 1 its slots up to
-    # the last one holding a page (-1 slots before it are masked).
-    # ("static": a fixed pps-step loop; slots past the end are masked.)
-    if loop != "dynamic":
+    # the last one holding a page (-1 slots before it are masked); a shared split walks its chunk of
+    # the union's valid slots.
+    # ("static": a fixed-step loop; slots past the end are masked.)
+    if mode == "shared":
+        n_iter = jnp.maximum(hi - lo, 0) if loop == "dynamic" else -(-n_slots // nsplit)
+    elif loop != "dynamic":
         n_iter = pps
-    elif dense:
+    elif mode == "dense":
         n_iter = jnp.clip(lim_ref[b] - sp * pps, 0, pps)
     elif pps == 1:
         n_iter = jnp.where(ids_ref[b, g, r, sp] >= 0, jnp.int32(1), jnp.int32(0))
@@ -96,22 +122,38 @@ def _attn_kernel(pt_ref, pos_ref, lim_ref, ids_ref, q_ref, k_ref, v_ref, *rest, 
     l_ref[b, g, r, sp] = jnp.where(l_i == 0.0, -jnp.inf, m_i + jnp.log(l_safe))
 
 
+def _shared_splits(k: int, pps: int, programs: int) -> int:
+    """Splits per (request, kv group, row block) of shared sparse tiles: ``ceil(K / pps)``, doubled while
+    below ``K`` and ``programs`` (= B * G * row blocks) times it is under 528 (enough to fill the GPU)."""
+    n = -(-k // pps)
+    while n * 2 <= k and programs * n < 528:
+        n *= 2
+    return n
+
+
 @functools.partial(jax.jit, static_argnames=("interpret", "pages_per_split", "num_warps", "num_stages", "loop",
-                                             "sparse_pages_per_split"))
+                                             "sparse_pages_per_split", "tile_rows", "sparse_tile", "wide_warps"))
 def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_scale, block_ids, *, interpret,
-                     pages_per_split, num_warps, num_stages, loop, sparse_pages_per_split=1):
+                     pages_per_split, num_warps, num_stages, loop, sparse_pages_per_split=1, tile_rows=64,
+                     sparse_tile="per_row", wide_warps=None):
     """Split-KV paged decode attention (dense, or sparse over ``block_ids``).
 
     Args: as ``minimax_jax.ops.paged.paged_attention`` (q ``[B,Q,H,D]``, pages ``[G,P,page,D]``,
       page_table ``[B,NP]``, q_positions ``[B,Q]``, scales ``[G,P,page]`` or None, block_ids
       ``[B,G,Q,K]`` or None); pages_per_split: dense-mode pages per program;
       num_warps / num_stages / loop: launch variant;
-      sparse_pages_per_split: sparse-mode ``block_ids`` slots per program (pps, a power of two >= 1;
-      ``ceil(K / pps)`` splits, block_ids padded with -1 to a multiple of pps). pps = 1: one slot per
+      sparse_pages_per_split: sparse-mode slots per program (pps, a power of two >= 1). Shared tiles:
+      ``ceil(K / pps)`` splits per (request, group, row block), doubled up to K while the grid is
+      small (``_shared_splits``), the union's valid pages divided evenly among them (loop "static":
+      a fixed ``ceil(U / splits)``-step loop, masked). Per-row tiles: ``block_ids`` slots per program,
+      ``ceil(K / pps)`` splits, block_ids padded with -1 to a multiple of pps. pps = 1: one slot per
       split (the page is read only when the slot holds one). pps > 1: with loop "dynamic" a split
       walks its slots up to its last valid one (selections put valid slots first), skipping none
       before it but masking -1 slots; "static" walks all pps slots, masked. Same result as pps = 1
       up to float rounding (another split / log-sum-exp grouping).
+      tile_rows: most rows of a tile (a power of two >= 16; see the module docstring); sparse_tile:
+      "shared" (the tile's rows walk the union of their pages) or "per_row"; num_warps: warps of a
+      tile of at most 64 rows, wide_warps (None = num_warps) of a wider one.
     Returns: ``(o [B,Q,H,D] q.dtype, lse [B,Q,H] f32)``.
     Raises ValueError for a sparse_pages_per_split that is not a power of two >= 1.
     """
@@ -120,31 +162,40 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_sc
     npg = page_table.shape[1]
     dense = block_ids is None
     cdt = compute_dtype(k_pages.dtype)
-    qr, pos, hg, m, qpb = pack_rows(q, q_positions, g, dense, 16)
+    shared = not dense and sparse_tile == "shared"
+    assert sparse_tile in ("shared", "per_row") and tile_rows >= 16 and not tile_rows & (tile_rows - 1)
+    qr, pos, hg, m, qpb = pack_rows(q, q_positions, g, dense or shared, 16, max_m=tile_rows)
     rows = qr.shape[2]
+    bits = jnp.zeros((1, 1, 1, 1), jnp.int32)
+    ids = jnp.zeros((1, 1, 1, 1), jnp.int32)
+    pps = sparse_pages_per_split
+    if not dense and (isinstance(pps, bool) or not isinstance(pps, int) or pps < 1 or pps & (pps - 1)):
+        raise ValueError(f"sparse_pages_per_split must be a power of two >= 1, got {pps!r}")
     if dense:
         if pages_per_split is None:
             pages_per_split = pages_per_program(b * g * npg, 528, 64)
         pps = pages_per_split
         nsplit = -(-npg // pps)
         lim = jnp.clip(jnp.max(q_positions, axis=1) // page + 1, 0, npg).astype(jnp.int32)
-        ids = jnp.zeros((1, 1, 1, 1), jnp.int32)
+    elif shared:
+        ids, bits, lim = union_pages(block_ids, qpb)         # [B, G, rows, qpb * K], counts [B, G, rows]
+        nsplit = _shared_splits(block_ids.shape[-1], pps, b * g * rows)
     else:
-        pps = sparse_pages_per_split
-        if isinstance(pps, bool) or not isinstance(pps, int) or pps < 1 or pps & (pps - 1):
-            raise ValueError(f"sparse_pages_per_split must be a power of two >= 1, got {pps!r}")
         nsplit = -(-block_ids.shape[-1] // pps)
         lim = jnp.zeros((b,), jnp.int32)
         ids = block_ids.astype(jnp.int32)
         if nsplit * pps != ids.shape[-1]:
             ids = pad_rows(ids, 3, nsplit * pps, -1)
-    args = [page_table.astype(jnp.int32), pos, lim, ids, qr,
+    args = [page_table.astype(jnp.int32), pos, lim, ids, bits, qr,
             k_pages.reshape(g, n_phys * page, d), v_pages.reshape(g, n_phys * page, d)]
     if k_scale is not None:
         args += [k_scale.reshape(g, n_phys * page).astype(jnp.float32),
                  v_scale.reshape(g, n_phys * page).astype(jnp.float32)]
     kernel = functools.partial(_attn_kernel, page=page, pps=pps, scale=1.0 / math.sqrt(d), g_count=g,
-                               dense=dense, has_scale=k_scale is not None, cdt=cdt, loop=loop)
+                               mode="dense" if dense else sparse_tile, nsplit=nsplit, hg=hg,
+                               has_scale=k_scale is not None, cdt=cdt, loop=loop)
+    if m > 64 and wide_warps is not None:
+        num_warps = wide_warps
     o_part, l_part = pl.pallas_call(
         kernel, grid=(b * g, rows, nsplit),
         out_shape=[jax.ShapeDtypeStruct((b, g, rows, nsplit, m, d), jnp.float32),
@@ -161,11 +212,14 @@ def paged_attention_gpu(q, k_pages, v_pages, page_table, q_positions, k_scale=No
                         *, interpret=False, pages_per_split=None, num_warps=None, num_stages=None, loop=None,
                         sparse_pages_per_split=None, table: LaunchTable | None = None):
     """See ``_paged_attention``; launch parameters left as None come from ``table`` (None =
-    ``gpu_config.DEFAULT_TABLE``): ``attn_warps``, ``attn_stages``, ``loop``, ``sparse_pps``."""
+    ``gpu_config.DEFAULT_TABLE``): ``attn_warps`` / ``attn_warps_wide`` (an explicit ``num_warps``
+    applies to every tile), ``attn_stages``, ``loop``, ``sparse_pps``, ``tile_rows``, ``sparse_tile``."""
     table = DEFAULT_TABLE if table is None else table
     return _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_scale, block_ids,
                             interpret=interpret, pages_per_split=pages_per_split,
                             num_warps=num_warps or table.attn_warps,
+                            wide_warps=None if num_warps else table.attn_warps_wide,
                             num_stages=num_stages or table.attn_stages, loop=loop or table.loop,
                             sparse_pages_per_split=(table.sparse_pps if sparse_pages_per_split is None
-                                                    else sparse_pages_per_split))
+                                                    else sparse_pages_per_split),
+                            tile_rows=table.tile_rows, sparse_tile=table.sparse_tile)

@@ -15,8 +15,8 @@ from collections.abc import Mapping
 
 import jax.numpy as jnp
 
-__all__ = ["LaunchTable", "DEFAULT_TABLE", "SCORE_CLASSES", "SCORE_LAUNCH_BASE", "SCORE_STATIC", "EVICT",
-           "score_size_class", "score_keys_label", "score_launch", "pages_per_program"]
+__all__ = ["LaunchTable", "DEFAULT_TABLE", "LEGACY_TILES", "SPARSE_TILES", "SCORE_CLASSES", "SCORE_LAUNCH_BASE",
+           "SCORE_STATIC", "EVICT", "score_size_class", "score_keys_label", "score_launch", "pages_per_program"]
 
 # Size classes of a scoring call, chosen at trace time from static shapes: the first entry whose bound
 # is >= B * NP (logical pages of the page table; bound None = no limit). Batch 1 x 1M tokens (8192
@@ -32,6 +32,7 @@ SCORE_CLASSES = (("small", 16384), ("large", None))
 SCORE_LAUNCH_BASE = types.MappingProxyType({"ppp": None, "num_warps": 4, "num_stages": 3, "unroll": 1,
                                             "f16": False, "programs": 0, "evict": "evict_normal"})
 EVICT = ("evict_normal", "evict_first", "evict_last")
+SPARSE_TILES = ("shared", "per_row")
 SCORE_STATIC = ("ppp", "num_warps", "num_stages", "loop", "unroll", "f16", "programs", "evict")
 
 
@@ -65,7 +66,14 @@ class LaunchTable:
       key by key. The defaults are the per-case winners of bench/msa_decode.py --sweep-scores
       (``--score-family narrow``, scoring alone; the best geometric mean when several swept cases fall
       into one class; see BENCHMARKS.md, msa_decode).
-    attn_warps, attn_stages: Triton launch of the split-KV attention kernel.
+    attn_warps, attn_stages: Triton launch of the split-KV attention kernel; attn_warps_wide: its warps
+      when a tile holds more than 64 rows (the accumulator and logits of a 128-row tile need 8 warps'
+      registers).
+    tile_rows: most rows (query rows x heads of a kv group, padded to a power of two >= 16) of one
+      attention tile; the Q rows of a request beyond it go to further row blocks, each reading the pages.
+    sparse_tile: sparse (MSA) attention tiling: "shared" = the Q rows of a row block share one tile and
+      walk the union of their selected pages (each page read once per request, kv group and row block;
+      a row sees only its own pages), "per_row" = one tile per query row over its own pages.
     select_splits: slices per score row of the top-k selection (``gpu_select._select_rows``): 1 = one
       program per row (single stage), a power of two S > 1 = two-stage split top-k, "auto" = the
       largest power of two S with W / S >= 512 pages per slice and B * rows * S <= 4096 programs
@@ -79,11 +87,19 @@ class LaunchTable:
     score: Mapping[str, Mapping[str, Mapping[str, object]]] = dataclasses.field(default_factory=dict)
     attn_warps: int = 4
     attn_stages: int = 2
+    attn_warps_wide: int = 8
+    tile_rows: int = 128
+    sparse_tile: str = "shared"
     select_splits: int | str = 4
     sparse_pps: int = 4
 
     def __post_init__(self):
         object.__setattr__(self, "score", _frozen(self.score))
+        if self.sparse_tile not in SPARSE_TILES:
+            raise ValueError(f"sparse_tile must be one of {SPARSE_TILES}, got {self.sparse_tile!r}")
+        t = self.tile_rows
+        if isinstance(t, bool) or not isinstance(t, int) or t < 16 or t & (t - 1):
+            raise ValueError(f"tile_rows must be a power of two >= 16, got {t!r}")
 
     def __hash__(self):
         return hash(_hash_key(self.to_dict()))
@@ -99,7 +115,12 @@ DEFAULT_TABLE = LaunchTable(
                     "large": {"num_warps": 1, "num_stages": 2, "ppp": 8}},
            "fp8": {"small": {"num_warps": 1, "num_stages": 3, "ppp": 8, "f16": True},
                    "large": {"num_warps": 1, "num_stages": 3, "ppp": 4, "f16": True}}},
-    attn_warps=4, attn_stages=2, select_splits=4, sparse_pps=4)
+    attn_warps=4, attn_stages=2, attn_warps_wide=8, tile_rows=128, sparse_tile="shared", select_splits=4,
+    sparse_pps=4)
+
+#: The attention tiling before shared tiles (for comparison in bench/msa_decode.py --serving): at most 64
+#: rows per tile (Q = 8 rows of 16 heads in two row blocks), one tile per query row in sparse mode.
+LEGACY_TILES = dataclasses.replace(DEFAULT_TABLE, tile_rows=64, sparse_tile="per_row")
 
 
 def _table(table: LaunchTable | None) -> LaunchTable:

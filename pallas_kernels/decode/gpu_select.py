@@ -16,6 +16,9 @@ keyed by the key dtype and a size class of the work (``gpu_config.LaunchTable.sc
 ``select_pages_gpu``: the scoring kernel, then one selection program per (request, row x group)
 that holds the row's page scores in registers and extracts the best page ``K - 1`` times (ties to
 the lower id; forced pages first; the local page in the last valid slot): no sort, no XLA top-k.
+A row whose local page is ``< K`` selects every page ``0..local`` (MSA == dense): its program writes
+them without loading a score, and a request whose rows all do is not scored, so in a ragged batch
+only the long requests pay for scoring and ranking.
 With ``select_splits`` S > 1 the selection runs in two stages: S programs per row each take the
 top-(K-1) of one slice of the row's pages, then one program per row takes the top-(K-1) of the S
 candidate lists (exact: same ids as S = 1).
@@ -136,11 +139,12 @@ def _score_width(b: int, npg: int, ppp, unroll: int, programs: int) -> int:
 
 
 def _page_scores_raw(qi, ki_pages, page_table, q_positions, ki_scale, *, interpret, ppp, num_warps, num_stages,
-                     loop, unroll=1, f16=False, programs=0, evict="evict_normal"):
+                     loop, unroll=1, f16=False, programs=0, evict="evict_normal", topk=None):
     """Raw page scores ``[B, R, W]`` float32, row ``q * Hi + h`` (max over each page's tokens of ``<qi, ki>/sqrt(Di)``).
 
     Only pages ``< max_i(pos_i // page)`` of each request are computed; the others hold garbage and
-    must be masked by the caller (``select_from_page_scores`` does).
+    must be masked by the caller (``select_from_page_scores`` does). With ``topk`` (an int), a request
+    whose rows all have ``pos_i // page < topk`` (its selection keeps every page) is not scored at all.
     Args: qi ``[B, Q, Hi, Di]``; ki_pages ``[P, page, Di]``; page_table ``[B, NP]`` int32;
       q_positions ``[B, Q]`` int32; ki_scale ``[P, page]`` f32 or None; ppp: pages per program;
       num_warps / num_stages / loop ("dynamic" | "static"): launch variant;
@@ -166,6 +170,8 @@ def _page_scores_raw(qi, ki_pages, page_table, q_positions, ki_scale, *, interpr
     r = max(16, next_pow2(nq * hi))
     q2 = pad_rows(qi.reshape(b, nq * hi, di).astype(cdt), 1, r)
     n_score = jnp.clip(jnp.max(q_positions, axis=1) // page, 0, npg).astype(jnp.int32)
+    if topk is not None:
+        n_score = jnp.where(n_score < topk, 0, n_score)      # every page selected: nothing to rank
     width = _score_width(b, npg, ppp, unroll, programs)
     keys = [q2, ki_pages.reshape(n_phys * page, di)]
     if ki_scale is not None:
@@ -237,17 +243,31 @@ def _extract_topk(x, ids, local, topk):
     return jnp.where((slot == n_valid) & (local >= 0), local, out)
 
 
+def _all_or_ranked(local, topk, ranked):
+    """``[topk]`` int32 ids of one row: pages ``0..local`` ascending then ``-1`` when ``local < topk`` (the
+    selection keeps every page: nothing is loaded or ranked; padding rows, ``local = -1``, get all ``-1``),
+    else ``ranked()``."""
+    def every_page():
+        slot = jax.lax.broadcasted_iota(jnp.int32, (topk,), 0)
+        return jnp.where(slot <= local, slot, -1)
+    return jax.lax.cond(local < topk, every_page, ranked)
+
+
 def _select_kernel(sc_ref, pos_ref, o_ref, *, page, topk, init_blocks, local_blocks):
     b = pl.program_id(0)
     r = pl.program_id(1)
-    x = sc_ref[b, r, :]                                      # [W] f32 (junk at and after local)
     pos = pos_ref[b, r]
     local = jnp.where(pos >= 0, pos // page, -1)
-    ids = jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)
-    before = ids < local
-    forced = before & ((ids < init_blocks) | (ids > local - local_blocks))
-    x = jnp.where(forced, jnp.inf, jnp.where(before, x, -jnp.inf))
-    o_ref[b, r, :] = _extract_topk(x, ids, local, topk)
+
+    def ranked():
+        x = sc_ref[b, r, :]                                  # [W] f32 (junk at and after local)
+        ids = jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)
+        before = ids < local
+        forced = before & ((ids < init_blocks) | (ids > local - local_blocks))
+        x = jnp.where(forced, jnp.inf, jnp.where(before, x, -jnp.inf))
+        return _extract_topk(x, ids, local, topk)
+
+    o_ref[b, r, :] = _all_or_ranked(local, topk, ranked)
 
 
 def _select_slice_kernel(sc_ref, pos_ref, v_ref, i_ref, *, page, n_ranked, kp, width, init_blocks, local_blocks):
@@ -256,28 +276,36 @@ def _select_slice_kernel(sc_ref, pos_ref, v_ref, i_ref, *, page, n_ranked, kp, w
     Same masks as ``_select_kernel`` on the global page ids (the local page and later pages are not
     "before", hence -inf and never taken); writes the slice's best ``n_ranked`` (value desc, id asc)
     as values ``v_ref[b, r, s] [kp]`` f32 and ids ``i_ref[b, r, s] [kp]`` int32, unused slots
-    ``-inf`` / ``_NO_ID``.
+    ``-inf`` / ``_NO_ID``. A slice starting at or after the local page, or a row whose selection keeps
+    every page (``local <= n_ranked``), loads and ranks nothing (all slots unused).
     """
     b = pl.program_id(0)
     r = pl.program_id(1)
     s = pl.program_id(2)
-    x = sc_ref[b, r, pl.ds(s * width, width)]                # [width] f32
     pos = pos_ref[b, r]
     local = jnp.where(pos >= 0, pos // page, -1)
-    ids = s * width + jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)
-    before = ids < local
-    forced = before & ((ids < init_blocks) | (ids > local - local_blocks))
-    x = jnp.where(forced, jnp.inf, jnp.where(before, x, -jnp.inf))
     slot = jax.lax.broadcasted_iota(jnp.int32, (kp,), 0)
-    vals = jnp.full((kp,), -jnp.inf, jnp.float32)
-    out = jnp.full((kp,), _NO_ID, jnp.int32)
-    for k in range(n_ranked):                                # best remaining, ties -> lowest id
-        m = jnp.max(x)
-        am = jnp.min(jnp.where(x == m, ids, jnp.int32(_NO_ID)))
-        put = (slot == k) & (m > -jnp.inf)
-        vals = jnp.where(put, m, vals)
-        out = jnp.where(put, am, out)
-        x = jnp.where(ids == am, -jnp.inf, x)
+
+    def unused():
+        return jnp.full((kp,), -jnp.inf, jnp.float32), jnp.full((kp,), _NO_ID, jnp.int32)
+
+    def ranked():
+        x = sc_ref[b, r, pl.ds(s * width, width)]            # [width] f32
+        ids = s * width + jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)
+        before = ids < local
+        forced = before & ((ids < init_blocks) | (ids > local - local_blocks))
+        x = jnp.where(forced, jnp.inf, jnp.where(before, x, -jnp.inf))
+        vals, out = unused()
+        for k in range(n_ranked):                            # best remaining, ties -> lowest id
+            m = jnp.max(x)
+            am = jnp.min(jnp.where(x == m, ids, jnp.int32(_NO_ID)))
+            put = (slot == k) & (m > -jnp.inf)
+            vals = jnp.where(put, m, vals)
+            out = jnp.where(put, am, out)
+            x = jnp.where(ids == am, -jnp.inf, x)
+        return vals, out
+
+    vals, out = jax.lax.cond((local <= n_ranked) | (s * width >= local), unused, ranked)
     v_ref[b, r, s, :] = vals
     i_ref[b, r, s, :] = out
 
@@ -288,11 +316,15 @@ def _select_merge_kernel(v_ref, i_ref, pos_ref, o_ref, *, page, topk):
     the local page after the last valid one, exactly as ``_select_kernel``."""
     b = pl.program_id(0)
     r = pl.program_id(1)
-    x = v_ref[b, r, :]                                       # [S * kp] f32
-    ids = i_ref[b, r, :]                                     # [S * kp] int32 (global page ids)
     pos = pos_ref[b, r]
     local = jnp.where(pos >= 0, pos // page, -1)
-    o_ref[b, r, :] = _extract_topk(x, ids, local, topk)
+
+    def ranked():
+        x = v_ref[b, r, :]                                   # [S * kp] f32
+        ids = i_ref[b, r, :]                                 # [S * kp] int32 (global page ids)
+        return _extract_topk(x, ids, local, topk)
+
+    o_ref[b, r, :] = _all_or_ranked(local, topk, ranked)
 
 
 def _auto_select_splits(b: int, rows: int, width: int) -> int:
@@ -373,10 +405,10 @@ def _select_rows(raw, pos, *, n_rows, page, topk, init_blocks, local_blocks, int
                                              "select_splits", *SCORE_STATIC))
 def _select(qi, ki_pages, page_table, q_positions, ki_scale, *, page, topk, init_blocks, local_blocks,
             interpret, select_splits=1, **launch):
-    """Page scores (``_page_scores_raw`` with the ``launch`` options) then ``_select_rows``: ids
-    ``[B, Hi, Q, K]`` int32."""
+    """Page scores (``_page_scores_raw`` with the ``launch`` options; requests whose selection keeps every
+    page are not scored) then ``_select_rows``: ids ``[B, Hi, Q, K]`` int32."""
     b, nq, hi, _ = qi.shape
-    raw = _page_scores_raw(qi, ki_pages, page_table, q_positions, ki_scale, interpret=interpret,
+    raw = _page_scores_raw(qi, ki_pages, page_table, q_positions, ki_scale, interpret=interpret, topk=topk,
                            **launch)   # [B, R, W]
     r = raw.shape[1]
     pos = pad_rows(jnp.repeat(q_positions, hi, axis=1), 1, r, -1).astype(jnp.int32)  # row = q * hi + h
@@ -415,9 +447,11 @@ def select_pages_gpu(qi, ki_pages, page_table, q_positions, ki_scale=None, *, to
       then one program per row merges the ``S`` candidate lists (``_select_rows``); the ids are
       exactly those of S = 1 for every input (ties included);
       table: the launch defaults (``gpu_config.LaunchTable``; None = ``gpu_config.DEFAULT_TABLE``).
-    Returns the same sets and order as ``minimax_jax.ops.paged.select_from_page_scores`` (forced
-    pages first in ascending id, then by score descending with ties to the lower id, the local page
-    in the last valid slot, ``-1`` after).
+    Returns the same sets as ``minimax_jax.ops.paged.select_from_page_scores``. A row whose local page
+    is ``< topk`` keeps every page: ids ``0..local`` ascending, no score computed or ranked (and a
+    request whose rows all do is not scored). Other rows: that function's order (forced pages first in
+    ascending id, then by score descending with ties to the lower id, the local page in the last valid
+    slot, ``-1`` after).
     Raises ValueError for a bad ``select_splits`` (not a power of two >= 1 / "auto", or above W), a bad
     scoring launch (``_check_score_options``) or an unknown ``size_class``.
     """

@@ -32,7 +32,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.msa import layout
 from pallas_kernels.msa.gpu_sparse_bwd import add_owned, merge_pieces, owned, slice_bounds
-from pallas_kernels.msa.gpu_sparse_fwd import PARTIALS_BUDGET, Window, mask_logits, schedule, tile_rows
+from pallas_kernels.msa.gpu_sparse_fwd import (PARTIALS_BUDGET, Window, mask_logits, schedule,
+                                              tile_loops, tile_rows)
 
 __all__ = ["indexer_kl_gpu"]
 
@@ -72,14 +73,15 @@ class _Tile:
             flat_ref, ids_ref, qpos_ref, qseg_ref, b, g, e_tok, self.ok_tok, topk, a)
 
 
-def _logits(q_ref, qi_ref, win, kib, tl, b, g, scale, iscale):
-    """Masked teacher logits of the rows [R, B] and student logits of the tokens [P, B] (log2)."""
+def _logits(q_ref, qi_ref, win, kib, tl, b, g, scale, iscale, masked):
+    """Masked teacher logits of the rows [R, B] and student logits of the tokens [P, B] (log2);
+    ``masked=False``: a mask-free tile (``tile_loops``), only the rows not ``ok`` blanked."""
     q = q_ref[b, tl.t, tl.head, :]                                   # [R, D] gathered rows
     s = mask_logits(_dot(q, win.k, trans_b=True) * (scale * _LOG2E), win, tl.ok, tl.n, tl.qp, tl.qs,
-                    mask_rows=True)
+                    masked=masked)
     qi = qi_ref[b, tl.t_tok, g, :]                                   # [P, Di]
     x = mask_logits(_dot(qi, kib, trans_b=True) * (iscale * _LOG2E), win, tl.ok_tok, tl.n_tok,
-                    tl.qp_tok, tl.qs_tok, mask_rows=True)
+                    tl.qp_tok, tl.qs_tok, masked=masked)
     return s, x, qi
 
 
@@ -88,9 +90,9 @@ def _spare(ok, t, ref):
     return jnp.where(ok, t, ref.shape[1] - 1)
 
 
-def _lse_kernel(flat_ref, key_ref, rend_ref, nval_ref, q_ref, k_ref, qi_ref, ki_ref, ids_ref, qpos_ref,
-                qseg_ref, kvpos_ref, kvseg_ref, lp_ref, lxp_ref, *, blk, topk, scale, iscale, hg, per,
-                per_pad, chunk, rows):
+def _lse_kernel(flat_ref, key_ref, rend_ref, nval_ref, mend_ref, q_ref, k_ref, qi_ref, ki_ref,
+                ids_ref, qpos_ref, qseg_ref, kvpos_ref, kvseg_ref, lp_ref, lxp_ref, *, blk, topk, scale,
+                iscale, hg, per, per_pad, chunk, rows):
     i = pl.program_id(0)
     g = pl.program_id(1)
     b = pl.program_id(2)
@@ -102,9 +104,9 @@ def _lse_kernel(flat_ref, key_ref, rend_ref, nval_ref, q_ref, k_ref, qi_ref, ki_
         win = Window(k_ref, None, kvpos_ref, kvseg_ref, b, g, key_ref[b, g, a], blk)
         kib = ki_ref[b, pl.ds(key_ref[b, g, a], blk), 0, :]          # [B, Di]
 
-        def tile(si, carry):
+        def tile(si, carry, masked):
             tl = _Tile(refs, b, g, a, si, end, hg=hg, per=per, per_pad=per_pad, topk=topk, rows=rows)
-            s, x, _ = _logits(q_ref, qi_ref, win, kib, tl, b, g, scale, iscale)
+            s, x, _ = _logits(q_ref, qi_ref, win, kib, tl, b, g, scale, iscale, masked)
             pltriton.store(lp_ref.at[b, _spare(tl.ok, tl.t, lp_ref), tl.slot, tl.head],
                            _row_lse2(s) * _LN2, mask=tl.ok)
             gcol = jnp.full_like(tl.slot_tok, g)
@@ -112,15 +114,15 @@ def _lse_kernel(flat_ref, key_ref, rend_ref, nval_ref, q_ref, k_ref, qi_ref, ki_
                            _row_lse2(x) * _LN2, mask=tl.ok_tok)
             return carry
 
-        jax.lax.fori_loop(0, (end - a + per - 1) // per, tile, 0)
+        tile_loops(tile, mend_ref, b, g, a, end, per, 0)
         return end
 
     jax.lax.while_loop(lambda a: a < hi, run, lo)
 
 
-def _kl_kernel(flat_ref, key_ref, rend_ref, nval_ref, q_ref, k_ref, qi_ref, ki_ref, ids_ref, qpos_ref,
-               qseg_ref, kvpos_ref, kvseg_ref, lse_ref, lsex_ref, *refs, blk, topk, scale, iscale, hg,
-               per, per_pad, chunk, rows, s_pad, grads):
+def _kl_kernel(flat_ref, key_ref, rend_ref, nval_ref, mend_ref, q_ref, k_ref, qi_ref, ki_ref,
+               ids_ref, qpos_ref, qseg_ref, kvpos_ref, kvseg_ref, lse_ref, lsex_ref, *refs, blk, topk,
+               scale, iscale, hg, per, per_pad, chunk, rows, s_pad, grads):
     if grads:
         _, klp_ref, dqip_ref, bdki_ref, dki_ref = refs       # refs[0]: the aliased d ki input
     else:
@@ -138,9 +140,9 @@ def _kl_kernel(flat_ref, key_ref, rend_ref, nval_ref, q_ref, k_ref, qi_ref, ki_r
         win = Window(k_ref, None, kvpos_ref, kvseg_ref, b, g, w0, blk)
         kib = ki_ref[b, pl.ds(w0, blk), 0, :]                        # [B, Di]
 
-        def tile(si, dki):
+        def tile(si, dki, masked):
             tl = _Tile(trefs, b, g, a, si, end, hg=hg, per=per, per_pad=per_pad, topk=topk, rows=rows)
-            s, x, qi = _logits(q_ref, qi_ref, win, kib, tl, b, g, scale, iscale)
+            s, x, qi = _logits(q_ref, qi_ref, win, kib, tl, b, g, scale, iscale, masked)
             lse2 = lse_ref[b, tl.t, tl.head] * _LOG2E
             pt = jnp.exp2(s - jnp.where(lse2 == -jnp.inf, 0.0, lse2)[:, None])   # [R, B]
             # teacher of token row p: the mean of its heads' rows (exact f32 sums, ``per`` of them)
@@ -169,8 +171,7 @@ def _kl_kernel(flat_ref, key_ref, rend_ref, nval_ref, q_ref, k_ref, qi_ref, ki_r
                            dqi, mask=tl.ok_tok[:, None])
             return dki + _dot(dx, qi, trans_a=True) * iscale            # [B, Di]
 
-        n_tiles = (end - a + per - 1) // per
-        dki = jax.lax.fori_loop(0, n_tiles, tile, jnp.zeros((blk, di), jnp.float32))
+        dki = tile_loops(tile, mend_ref, b, g, a, end, per, jnp.zeros((blk, di), jnp.float32))
         if grads:
             is_head = (a == lo) & cont_in
             is_tail = (end == hi) & cont_out & jnp.logical_not(is_head)
@@ -206,14 +207,16 @@ def _chunk(q, qi, ids, starts, qpos, qseg, fresh, dki, *, kp, kip, kvpos, kvseg,
     bsz, t, h, d = q.shape
     g, di = kp.shape[2], qi.shape[-1]
     topk = ids.shape[-1]
-    hg, per, n_items, (flat, key, run_end, n_valid) = schedule(ids, starts, h, rows, chunk)
+    hg, per, n_items, lists = schedule(ids, starts, qpos, qseg, kvpos, kvseg, h=h, rows=rows,
+                                       chunk=chunk, blk=blk)
+    _, key, run_end, n_valid, _ = lists
     per_pad = max(16, layout.next_pow2(per))
     sp = kp.shape[1]
     consts = dict(blk=blk, topk=topk, scale=1.0 / math.sqrt(d), iscale=1.0 / math.sqrt(di), hg=hg,
                   per=per, per_pad=per_pad, chunk=chunk, rows=rows)
     params = dict(compiler_params=pltriton.CompilerParams(num_warps=8, num_stages=2),
                   interpret=interpret)
-    head = (flat, key, run_end, n_valid, q, kp, qi, kip, ids, qpos, qseg, kvpos, kvseg)
+    head = (*lists, q, kp, qi, kip, ids, qpos, qseg, kvpos, kvseg)
     grid = (n_items, g, bsz)
     lp, lxp = pl.pallas_call(
         functools.partial(_lse_kernel, **consts), grid=grid,

@@ -31,7 +31,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.msa import layout
-from pallas_kernels.msa.gpu_sparse_fwd import PARTIALS_BUDGET, Window, mask_logits, schedule, tile_rows
+from pallas_kernels.msa.gpu_sparse_fwd import (PARTIALS_BUDGET, Window, mask_logits, schedule,
+                                              tile_loops, tile_rows)
 
 __all__ = ["sparse_bwd_kv_outer", "default_bwd_query_chunk", "slice_bounds", "owned", "add_owned",
            "follow_counts", "merge_pieces"]
@@ -70,8 +71,8 @@ def add_owned(ref, b, w0, g, val, own):
     pltriton.store(view, view[...] + val, mask=own[:, None])
 
 
-def _kernel(flat_ref, key_ref, rend_ref, nval_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-            ids_ref, qpos_ref, qseg_ref, kvpos_ref, kvseg_ref, dk_in_ref, dv_in_ref,
+def _kernel(flat_ref, key_ref, rend_ref, nval_ref, mend_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
+            delta_ref, ids_ref, qpos_ref, qseg_ref, kvpos_ref, kvseg_ref, dk_in_ref, dv_in_ref,
             dqp_ref, bdk_ref, bdv_ref, dk_ref, dv_ref, *, blk, topk, scale, hg, per, chunk, rows,
             s_pad):
     del dk_in_ref, dv_in_ref                    # aliased with dk_ref / dv_ref
@@ -93,7 +94,7 @@ def _kernel(flat_ref, key_ref, rend_ref, nval_ref, q_ref, k_ref, v_ref, do_ref, 
         win = Window(k_ref, v_ref, kvpos_ref, kvseg_ref, b, g, w0, blk)
         kb, vb = win.k, win.v
 
-        def tile(si, carry):
+        def tile(si, carry, masked):
             dk, dv = carry
             e = a + si * per + j
             ok = row_in & (e < end)
@@ -103,7 +104,7 @@ def _kernel(flat_ref, key_ref, rend_ref, nval_ref, q_ref, k_ref, v_ref, do_ref, 
             lse2 = lse_ref[b, t, head] * _LOG2E
             delta = delta_ref[b, t, head]
             s = _dot(q, kb, trans_b=True) * qk_scale           # [R, B] log2 domain
-            s = mask_logits(s, win, ok, n, qp, qs, mask_rows=True)
+            s = mask_logits(s, win, ok, n, qp, qs, masked=masked)
             # a row that sees no key at all has lse = -inf; its s is all -inf here, so p = 0
             p = jnp.exp2(s - jnp.where(lse2 == -jnp.inf, 0.0, lse2)[:, None])
             dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)          # [B, Dv]
@@ -118,9 +119,8 @@ def _kernel(flat_ref, key_ref, rend_ref, nval_ref, q_ref, k_ref, v_ref, do_ref, 
                            mask=ok[:, None])
             return dk, dv
 
-        n_tiles = (end - a + per - 1) // per
-        dk, dv = jax.lax.fori_loop(0, n_tiles, tile, (jnp.zeros((blk, d), jnp.float32),
-                                                      jnp.zeros((blk, dv_dim), jnp.float32)))
+        dk, dv = tile_loops(tile, mend_ref, b, g, a, end, per,
+                            (jnp.zeros((blk, d), jnp.float32), jnp.zeros((blk, dv_dim), jnp.float32)))
         dk = dk * scale
         is_head = (a == lo) & cont_in
         is_tail = (end == hi) & cont_out & jnp.logical_not(is_head)
@@ -219,8 +219,9 @@ def _chunk_bwd(q, do, lse, delta, ids, starts, qpos, qseg, dk, dv, *, prep_k, pr
     sp, g = prep_k.shape[1], prep_k.shape[2]
     dvd = prep_v.shape[-1]
     topk = ids.shape[-1]
-    hg, per, n_items, lists = schedule(ids, starts, h, rows, chunk)
-    flat, key, run_end, n_valid = lists
+    hg, per, n_items, lists = schedule(ids, starts, qpos, qseg, kvpos, kvseg, h=h, rows=rows,
+                                       chunk=chunk, blk=blk)
+    _, key, run_end, n_valid, _ = lists
     params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     kernel = functools.partial(_kernel, blk=blk, topk=topk, scale=1.0 / math.sqrt(d), hg=hg,
                                per=per, chunk=chunk, rows=rows, s_pad=sp)
@@ -231,11 +232,11 @@ def _chunk_bwd(q, do, lse, delta, ids, starts, qpos, qseg, dk, dv, *, prep_k, pr
         out_shape=[jax.ShapeDtypeStruct((bsz, t + 1, topk, h, d), jnp.float32),   # + spare row
                    jax.ShapeDtypeStruct((bsz, g, n_items, 2, blk, d), jnp.float32),
                    jax.ShapeDtypeStruct((bsz, g, n_items, 2, blk, dvd), jnp.float32)] + tot,
-        input_output_aliases={15: 3, 16: 4},
+        input_output_aliases={16: 3, 17: 4},
         compiler_params=params,
         interpret=interpret,
         name="msa_bwd_gpu",
-    )(flat, key, run_end, n_valid, q, prep_k, prep_v, do, lse, delta, ids, qpos, qseg, kvpos, kvseg,
+    )(*lists, q, prep_k, prep_v, do, lse, delta, ids, qpos, qseg, kvpos, kvseg,
       dk, dv)
     dk, dv = merge_pieces(key, run_end, n_valid, kvpos, kvseg, [bdk, bdv], [dk, dv], blk=blk,
                           chunk=chunk, interpret=interpret)

@@ -13,7 +13,9 @@ Triton-class GPUs):
    each run of equal keys inside it, it loads the K/V window once and walks the run in row tiles of
    ``per`` entries x H/G heads (<= 128 rows: e.g. 8 tokens x 16 heads at M3, 21 x 6 at M2); q rows are
    gathered, the block's softmax is computed exactly (it is one block), and the normalised partial
-   output (q.dtype) and its LSE (f32) are written to the (token, slot) they belong to.
+   output (q.dtype) and its LSE (f32) are written to the (token, slot) they belong to. The tiles
+   of a run up to its last selection that does not see the whole window (``needs_mask`` /
+   ``mask_ends``, in XLA) take the masked body, the rest a mask-free one (``tile_loops``).
 3. Combine (XLA): per (token, head), the K partials are merged by their LSE (fp32 weights).
 Queries are processed in chunks of ``query_chunk`` tokens (one compiled loop writing the outputs in
 place), so the partial buffers, [B, Tc, K, H, Dv] + [B, Tc, K, H] f32, stay bounded at any length.
@@ -32,7 +34,8 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.msa import layout
 
 __all__ = ["sparse_fwd_kv_outer", "worklist", "default_query_chunk", "PARTIALS_BUDGET",
-           "Window", "tile_rows", "mask_logits", "schedule"]
+           "Window", "tile_rows", "mask_logits", "needs_mask", "mask_ends", "masked_tiles",
+           "tile_loops", "schedule"]
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -74,11 +77,6 @@ class Window:
         self.v = None if v_ref is None else v_ref[b, sl, g, :]
         self.kvp = kvpos_ref[b, sl]
         self.kvs = kvseg_ref[b, sl]
-        self.kmin, self.kmax = jnp.min(self.kvp), jnp.max(self.kvp)
-        self.seg0 = kvseg_ref[b, w0]
-        # The window is one segment's keys (the common case): a row sees all of it iff its query
-        # is in that segment, its block is the window's and every key is at or before it.
-        self.one_seg = (jnp.min(self.kvs) == jnp.max(self.kvs)) & (self.seg0 >= 0)
         self.blk = blk
 
 
@@ -90,37 +88,81 @@ def tile_rows(flat_ref, ids_ref, qpos_ref, qseg_ref, b, g, e, ok, topk, a):
     return t, slot, ids_ref[b, g, t, slot], qpos_ref[b, t], qseg_ref[b, t]
 
 
-def mask_logits(s, win, ok, n, qp, qs, mask_rows):
+def mask_logits(s, win, ok, n, qp, qs, *, masked):
     """-inf where row r (block n, query position qp, segment qs) does not see a window key.
 
     A row sees keys with kvp in [n*B, min(n*B + B - 1, qp)] and kvs == qs (a query of segment < 0
-    sees nothing; a row not ``ok`` sees nothing). A tile whose rows all see the whole window skips
-    the mask (``lax.cond``); ``mask_rows`` still blanks the rows not ``ok`` there.
+    sees nothing; a row not ``ok`` sees nothing). ``masked=False`` (a tile after the run's masked
+    tiles, ``tile_loops``: every ``ok`` row sees the whole window, one segment >= 0) only blanks
+    the rows not ``ok``; its [R, B] predicate (ok & kvs >= 0, true on those rows) keeps the
+    compiled softmax the same as the masked body's, so a row's result does not depend on which
+    body its tile takes (bitwise: query chunks give the results of one pass).
     """
+    if not masked:
+        return jnp.where(ok[:, None] & (win.kvs[None, :] >= 0), s, -jnp.inf)
     lo_r = n * win.blk
     hi_r = jnp.where(ok & (qs >= 0), jnp.minimum(lo_r + win.blk - 1, qp), -1)
-    full = win.one_seg & (jnp.min(jnp.where(ok, ((qs == win.seg0) & (win.kmin >= lo_r)
-                                                  & (win.kmax <= hi_r)).astype(jnp.int32), 1)) == 1)
-
-    def masked(s):
-        vis = ((win.kvp[None, :] >= lo_r[:, None]) & (win.kvp[None, :] <= hi_r[:, None])
-               & (win.kvs[None, :] == qs[:, None]))
-        return jnp.where(vis, s, -jnp.inf)
-
-    unmasked = (lambda s: jnp.where(ok[:, None], s, -jnp.inf)) if mask_rows else (lambda s: s)
-    return jax.lax.cond(full, unmasked, masked, s)
+    vis = ((win.kvp[None, :] >= lo_r[:, None]) & (win.kvp[None, :] <= hi_r[:, None])
+           & (win.kvs[None, :] == qs[:, None]))
+    return jnp.where(vis, s, -jnp.inf)
 
 
-def schedule(ids, starts, h, rows, chunk):
-    """(H/G, tokens per row tile, programs per group, ``worklist`` arrays) of a query chunk."""
+def needs_mask(ids, starts, qpos, qseg, kvpos, kvseg, blk):
+    """Per selection: False iff its query sees every key of its window. bool [B,G,T,K].
+
+    Exact under the storage-layout contract (layout.py: a segment's keys are one run, positions
+    +1): the window [w0, w0+B) is wholly segment s >= 0 iff kv_seg[w0] == kv_seg[w0+B-1] == s,
+    its positions are then kv_pos[w0] + [0, B), and the query (block n, position qp, segment qs)
+    sees them all iff qs == s, kv_pos[w0] == n*B and kv_pos[w0] + B - 1 <= qp. Unused slots
+    (id < 0) are True. O(B*G*T*K) gathers.
+    """
+    bsz = ids.shape[0]
+    at = lambda x, idx: jnp.take_along_axis(x, idx.reshape(bsz, -1), axis=1).reshape(idx.shape)
+    seg0, seg1, p0 = at(kvseg, starts), at(kvseg, starts + blk - 1), at(kvpos, starts)
+    qs, qp = qseg[:, None, :, None], qpos[:, None, :, None]
+    full = ((ids >= 0) & (seg0 == seg1) & (seg0 >= 0) & (qs == seg0) & (p0 == ids * blk)
+            & (p0 + blk - 1 <= qp))
+    return jnp.logical_not(full)
+
+
+def mask_ends(needs, flat):
+    """Per sorted entry e: one past the last entry <= e that needs a mask (0: none), so a run
+    piece [a, end) needs masks up to ``mask_ends[end - 1]`` (none when that is <= a).
+    needs [B,G,T,K] bool (``needs_mask``), flat from ``worklist``; int32 [B,G,T*K]."""
+    bsz, g = flat.shape[:2]
+    nm = jnp.take_along_axis(needs.reshape(bsz, g, -1), flat, axis=2)          # sorted order
+    idx = jnp.arange(1, flat.shape[-1] + 1, dtype=jnp.int32)
+    return jax.lax.cummax(jnp.where(nm, idx, 0), axis=2)
+
+
+def masked_tiles(mend, a, end, per):
+    """(masked, all) row tiles of the run piece [a, end) (``per`` entries each): the masked ones
+    reach its last entry that needs a mask (``mend``: ``mask_ends`` at end - 1)."""
+    n_tiles = (end - a + per - 1) // per
+    return jnp.minimum((jnp.maximum(mend - a, 0) + per - 1) // per, n_tiles), n_tiles
+
+
+def tile_loops(tile, mend_ref, b, g, a, end, per, init):
+    """Walk the row tiles of the run piece [a, end) in order: ``tile(si, carry, masked=True)`` on
+    the leading tiles up to its last entry that needs a mask (``mend_ref``: ``mask_ends``), then
+    ``masked=False`` on the rest (no key mask, no per-tile reduction or branch)."""
+    n_mask, n_tiles = masked_tiles(mend_ref[b, g, end - 1], a, end, per)
+    carry = jax.lax.fori_loop(0, n_mask, functools.partial(tile, masked=True), init)
+    return jax.lax.fori_loop(n_mask, n_tiles, functools.partial(tile, masked=False), carry)
+
+
+def schedule(ids, starts, qpos, qseg, kvpos, kvseg, *, h, rows, chunk, blk):
+    """(H/G, tokens per row tile, programs per group, ``worklist`` arrays + ``mask_ends``)."""
     g, t, topk = ids.shape[1:]
     hg = h // g
     assert hg <= rows, f"{hg} heads per group > {rows} rows per tile"
-    return hg, max(1, rows // hg), -(-t * topk // chunk), worklist(ids, starts)
+    flat, key, run_end, n_valid = worklist(ids, starts)
+    mend = mask_ends(needs_mask(ids, starts, qpos, qseg, kvpos, kvseg, blk), flat)
+    return hg, max(1, rows // hg), -(-t * topk // chunk), (flat, key, run_end, n_valid, mend)
 
 
-def _kernel(flat_ref, key_ref, rend_ref, nval_ref, q_ref, k_ref, v_ref, ids_ref, qpos_ref, qseg_ref,
-            kvpos_ref, kvseg_ref, op_ref, lp_ref, *, blk, topk, scale, hg, per, chunk, rows):
+def _kernel(flat_ref, key_ref, rend_ref, nval_ref, mend_ref, q_ref, k_ref, v_ref, ids_ref, qpos_ref,
+            qseg_ref, kvpos_ref, kvseg_ref, op_ref, lp_ref, *, blk, topk, scale, hg, per, chunk, rows):
     i = pl.program_id(0)
     g = pl.program_id(1)
     b = pl.program_id(2)
@@ -136,13 +178,13 @@ def _kernel(flat_ref, key_ref, rend_ref, nval_ref, q_ref, k_ref, v_ref, ids_ref,
         end = jnp.minimum(rend_ref[b, g, a], hi)
         win = Window(k_ref, v_ref, kvpos_ref, kvseg_ref, b, g, key_ref[b, g, a], blk)
 
-        def tile(si, carry):
+        def tile(si, carry, masked):
             e = a + si * per + j
             ok = row_in & (e < end)
             t, slot, n, qp, qs = tile_rows(flat_ref, ids_ref, qpos_ref, qseg_ref, b, g, e, ok, topk, a)
             q = q_ref[b, t, head, :]                         # [R, D] gathered rows
             s = _dot(q, win.k, trans_b=True) * qk_scale       # [R, B] log2 domain
-            s = mask_logits(s, win, ok, n, qp, qs, mask_rows=False)
+            s = mask_logits(s, win, ok, n, qp, qs, masked=masked)
             m = jnp.max(s, axis=1)
             m_safe = jnp.where(m == -jnp.inf, 0.0, m)
             p = jnp.exp2(s - m_safe[:, None])
@@ -161,7 +203,7 @@ def _kernel(flat_ref, key_ref, rend_ref, nval_ref, q_ref, k_ref, v_ref, ids_ref,
             pltriton.store(lp_ref.at[b, t_st[:, 0], slot, head], lse, mask=ok)
             return carry
 
-        jax.lax.fori_loop(0, (end - a + per - 1) // per, tile, 0)
+        tile_loops(tile, mend_ref, b, g, a, end, per, 0)
         return end
 
     jax.lax.while_loop(lambda a: a < hi, run, lo)
@@ -196,8 +238,8 @@ def _partials(q, prep_k, prep_v, ids, starts, qpos, qseg, kvpos, kvseg, *, blk, 
     g = prep_k.shape[2]
     dv = prep_v.shape[-1]
     topk = ids.shape[-1]
-    hg, per, n_items, lists = schedule(ids, starts, h, rows, chunk)
-    flat, key, run_end, n_valid = lists
+    hg, per, n_items, lists = schedule(ids, starts, qpos, qseg, kvpos, kvseg, h=h, rows=rows,
+                                       chunk=chunk, blk=blk)
     kernel = functools.partial(_kernel, blk=blk, topk=topk, scale=1.0 / math.sqrt(d), hg=hg,
                                per=per, chunk=chunk, rows=rows)
     op, lp = pl.pallas_call(
@@ -208,7 +250,7 @@ def _partials(q, prep_k, prep_v, ids, starts, qpos, qseg, kvpos, kvseg, *, blk, 
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="msa_fwd_gpu",
-    )(flat, key, run_end, n_valid, q, prep_k, prep_v, ids, qpos, qseg, kvpos, kvseg)
+    )(*lists, q, prep_k, prep_v, ids, qpos, qseg, kvpos, kvseg)
     return op[:, :t], lp[:, :t]
 
 

@@ -168,8 +168,9 @@ def test_serving_sweep_skips_past_budget_and_memory():
 
 
 def test_serving_cli_smoke(tmp_path):
-    """--serving on the CPU: the check (GPU kernels in interpret mode) first, then every (batch, context, Q,
-    index dtype) cell with finite times and the path the op took, a cell over --mem-gib listed, the table last."""
+    """--serving on the CPU: the check (GPU kernels in interpret mode, the first tiling) first, then every (batch,
+    context, Q, tiling, index dtype) cell with finite times and the path the op took, a cell over --mem-gib
+    listed, the table last (with the tiling comparison)."""
     import json
     import math
     env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -182,9 +183,11 @@ def test_serving_cli_smoke(tmp_path):
     chk = out["serving_check"]
     assert chk["ok"] and chk["implementation"] == "pallas_gpu_interpret" and chk["all_pages_jit_path"] == "sparse"
     assert chk["bf16_set_mismatch_rows"] == 0 and chk["fp8_o_maxerr"] < 3e-2
+    assert chk["tilings_ok"] == {"default": True}              # interpret mode: the first tiling's check only
+    assert out["serving_config"]["tilings"]["legacy"]["sparse_tile"] == "per_row"
     cells = out["serving"]
-    assert sorted((c["context"], c["q_rows"], c["index_dtype"]) for c in cells) == sorted(
-        (ctx, q, d) for ctx in (512, 2560) for q in (1, 8) for d in ("bf16", "fp8"))
+    assert sorted((c["context"], c["q_rows"], c["tiling"], c["index_dtype"]) for c in cells) == sorted(
+        (ctx, q, t, d) for ctx in (512, 2560) for q in (1, 8) for t in ("default", "legacy") for d in ("bf16", "fp8"))
     for c in cells:
         assert c["batch"] == 2 and all(math.isfinite(c[k]) and c[k] > 0 for k in ("dense_ms", "msa_ms", "speedup"))
         assert c["speedup"] == pytest.approx(c["dense_ms"] / c["msa_ms"])
@@ -192,11 +195,15 @@ def test_serving_cli_smoke(tmp_path):
         assert 0.75 * c["context"] <= c["len_min"] <= c["len_max"] <= 1.25 * c["context"]
     assert [(s["batch"], s["context"]) for s in out["serving_skipped"]] == [(64, 204800)]
     assert out["serving_config"]["order"][0] == [64, 204800] and out["rows"] == []
-    tail = r.stdout.rstrip().split("\n")[-7:]                 # title, header, 4 lines, the skipped cell
+    tail = r.stdout.rstrip().split("\n")[-12:]     # title, header, 8 lines, the tiling comparison, the skipped cell
     assert tail[0].startswith("serving sweep (check ok=True") and tail[-1].startswith("serving skipped: 64x204800")
+    assert tail[-2].startswith("tiling legacy vs default: dense ") and "(8 cells;" in tail[-2]
     bad = subprocess.run(cmd[:-2] + ["--serving-q", "8,17", "--out", str(tmp_path)], capture_output=True,
                          text=True, timeout=120, env=env, cwd=ROOT)
     assert bad.returncode == 2 and "--serving-q takes 1..16" in bad.stderr
+    bad = subprocess.run(cmd[:-2] + ["--serving-tilings", "default,wide", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert bad.returncode == 2 and "unknown --serving-tilings ['wide']" in bad.stderr
 
 
 def test_decode_ncu_script_runs_every_kernel():

@@ -2,7 +2,11 @@
 
 Masking is defined by positions and segment ids (docs/ARCHITECTURE.md): key j is visible to
 query i iff ``kv_seg[j] == q_seg[i]``, ``kv_seg[j] >= 0``, ``kv_pos[j] <= q_pos[i]`` and, with a
-window W, ``q_pos[i] - kv_pos[j] < W``. Scale ``1/sqrt(D)``; softmax in float32.
+window W, ``q_pos[i] - kv_pos[j] < W``. Prefix-tree rows (``minimax_jax.data.prefix_tree``) add
+``kv_subtree_end`` ``[B, S]``: key slot j is visible only to query slots ``j <= i < kv_subtree_end[j]``
+(self-attention, T == S; positions are those of each token in its own trajectory). Only ``"xla"``
+serves tree visibility; every other implementation's ``supports`` refuses it, so ``"auto"`` picks
+``"xla"``. Scale ``1/sqrt(D)``; softmax in float32.
 
 Implementations (registered under the op ``"attention"`` of ``minimax_jax.ops.registry``):
 - ``"xla"``: reference in plain JAX, queries processed in chunks so memory is O(chunk * S) (xla.py).
@@ -57,13 +61,23 @@ def _auto(backend, q, k, v, *, q_segment_ids, kv_segment_ids, sliding_window, **
     return (*names, "xla")
 
 
+def _no_tree(check):
+    """``check`` that also refuses prefix-tree visibility (``kv_subtree_end``), which only ``"xla"`` serves."""
+    def supports(*args, kv_subtree_end=None, **kw):
+        if kv_subtree_end is not None:
+            return "prefix-tree visibility (kv_subtree_end) is served only by 'xla'"
+        return check(*args, **kw)
+    return supports
+
+
 registry.register("attention", [
     Implementation("xla", xla.xla),
-    Implementation("xla_banded", xla.xla_banded, supports=xla.banded_unsupported),
-    Implementation("cudnn", cudnn.cudnn, platforms=("gpu",), supports=cudnn.cudnn_unsupported),
-    Implementation("cudnn_packed", cudnn.cudnn_packed, platforms=("gpu",), supports=cudnn.cudnn_packed_unsupported),
+    Implementation("xla_banded", xla.xla_banded, supports=_no_tree(xla.banded_unsupported)),
+    Implementation("cudnn", cudnn.cudnn, platforms=("gpu",), supports=_no_tree(cudnn.cudnn_unsupported)),
+    Implementation("cudnn_packed", cudnn.cudnn_packed, platforms=("gpu",),
+                   supports=_no_tree(cudnn.cudnn_packed_unsupported)),
     *(Implementation(f"pallas_flash_{b}", flash.run(b), platforms=None if b.endswith("_interpret") else (b,),
-                     supports=flash.supports(b)) for b in flash.BACKENDS),
+                     supports=_no_tree(flash.supports(b))) for b in flash.BACKENDS),
 ], auto=_auto)
 
 #: Every ``implementation=`` name, ``"auto"`` first.
@@ -82,6 +96,7 @@ def attention(
     sliding_window: int | None = None,
     implementation: str = "xla",
     chunk_size: int = 512,
+    kv_subtree_end: jax.Array | None = None,
 ) -> jax.Array:
     """Causal GQA attention.
 
@@ -93,6 +108,7 @@ def attention(
       sliding_window: None or window W in tokens (query included).
       implementation: one of ``IMPLEMENTATIONS`` (module docstring).
       chunk_size: query chunk of the XLA paths (memory O(chunk * S)).
+      kv_subtree_end: ``[B, S]`` int32 or None: prefix-tree visibility (module docstring); needs T == S.
     Returns: ``[B, T, H, D]`` in ``q.dtype``. Rows with no visible key return zeros.
     Raises: ValueError on shape mismatch; ImplementationUnavailable when the requested
       implementation cannot serve the call (the message says why).
@@ -103,8 +119,12 @@ def attention(
         raise ValueError(f"attention: k {k.shape} / v {v.shape} do not match q {q.shape} as [B,S,G,D]")
     if h % g:
         raise ValueError(f"attention: {h} query heads not divisible by {g} kv heads")
+    if kv_subtree_end is not None and (t != s or kv_subtree_end.shape != (b, s)):
+        raise ValueError(f"attention: kv_subtree_end {kv_subtree_end.shape} needs self-attention T == S and "
+                         f"shape [B, S] = {(b, s)} (q {q.shape}, k {k.shape})")
+    tree = {} if kv_subtree_end is None else {"kv_subtree_end": kv_subtree_end}
     # Segment ids go on as passed (None = one segment): the kernels' checks tell "not given" from given.
     return registry.dispatch("attention", implementation, q, k, v, q_positions=q_positions,
                              kv_positions=kv_positions, q_segment_ids=q_segment_ids,
                              kv_segment_ids=kv_segment_ids, sliding_window=sliding_window,
-                             chunk_size=chunk_size)
+                             chunk_size=chunk_size, **tree)

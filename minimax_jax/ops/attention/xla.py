@@ -1,6 +1,7 @@
 """Plain-JAX attention: the chunked reference (``"xla"``) and the banded sliding-window path (``"xla_banded"``).
 
-Masking as in ``minimax_jax.ops.attention.api`` (positions and segment ids); scale ``1/sqrt(D)``,
+Masking as in ``minimax_jax.ops.attention.api`` (positions, segment ids and, for prefix-tree rows,
+``kv_subtree_end``); scale ``1/sqrt(D)``,
 float32 logits and softmax, probabilities cast to the value dtype before the PV product, output in
 ``q.dtype``; rows with no visible key return zeros.
 """
@@ -17,14 +18,20 @@ __all__ = ["visibility_mask", "xla", "xla_banded", "banded_unsupported"]
 _NEG = -1e30
 
 
-def visibility_mask(q_pos, kv_pos, q_seg, kv_seg, sliding_window=None):
+def visibility_mask(q_pos, kv_pos, q_seg, kv_seg, sliding_window=None, q_index=None, kv_subtree_end=None):
     """Boolean mask ``[B, T, S]`` of visible (query, key) pairs: same segment, segment >= 0,
-    ``kv_pos <= q_pos`` and, with a window W, ``q_pos - kv_pos < W``."""
+    ``kv_pos <= q_pos``, with a window W ``q_pos - kv_pos < W`` and, with ``kv_subtree_end`` ``[B, S]``
+    (prefix-tree rows; ``q_index`` ``[B, T]``: the queries' storage slots among the keys), key slot j
+    only for queries at slots ``j <= q_index < kv_subtree_end[j]`` (its subtree)."""
     m = kv_pos[:, None, :] <= q_pos[:, :, None]
     m &= kv_seg[:, None, :] == q_seg[:, :, None]
     m &= kv_seg[:, None, :] >= 0
     if sliding_window is not None:
         m &= (q_pos[:, :, None] - kv_pos[:, None, :]) < sliding_window
+    if kv_subtree_end is not None:
+        slot = jnp.arange(kv_pos.shape[1], dtype=jnp.int32)[None, None, :]
+        qi = q_index[:, :, None]
+        m &= (slot <= qi) & (qi < kv_subtree_end[:, None, :])
     return m
 
 
@@ -35,10 +42,12 @@ def _segments(q, k, q_seg, kv_seg):
             jnp.zeros((b, s), jnp.int32) if kv_seg is None else kv_seg)
 
 
-def xla(q, k, v, *, q_positions, kv_positions, q_segment_ids, kv_segment_ids, sliding_window, chunk_size):
+def xla(q, k, v, *, q_positions, kv_positions, q_segment_ids, kv_segment_ids, sliding_window, chunk_size,
+        kv_subtree_end=None):
     """The reference: queries in chunks of ``chunk_size``, memory O(chunk * S)."""
     q_seg, kv_seg = _segments(q, k, q_segment_ids, kv_segment_ids)
-    return _xla_chunked(q, k, v, q_positions, kv_positions, q_seg, kv_seg, sliding_window, chunk_size)
+    return _xla_chunked(q, k, v, q_positions, kv_positions, q_seg, kv_seg, sliding_window, chunk_size,
+                        kv_subtree_end)
 
 
 def banded_unsupported(q, k, v, *, q_positions, kv_positions, sliding_window, **_) -> str | None:
@@ -50,7 +59,8 @@ def banded_unsupported(q, k, v, *, q_positions, kv_positions, sliding_window, **
     return None
 
 
-def xla_banded(q, k, v, *, q_positions, kv_positions, q_segment_ids, kv_segment_ids, sliding_window, chunk_size):
+def xla_banded(q, k, v, *, q_positions, kv_positions, q_segment_ids, kv_segment_ids, sliding_window, chunk_size,
+               **_):
     """Sliding-window self-attention over the band only: query chunk ``[c, c + C)`` attends to the key
     slice ``[c - W, c + C)`` (memory and FLOPs O(T * (C + W))); the mask is applied exactly inside it."""
     assert banded_unsupported(q, k, v, q_positions=q_positions, kv_positions=kv_positions,
@@ -59,13 +69,13 @@ def xla_banded(q, k, v, *, q_positions, kv_positions, q_segment_ids, kv_segment_
     return _xla_banded(q, k, v, q_positions, q_seg, kv_seg, int(sliding_window), chunk_size)
 
 
-def _attend(q, k, v, q_pos, kv_pos, q_seg, kv_seg, window):
+def _attend(q, k, v, q_pos, kv_pos, q_seg, kv_seg, window, q_index=None, kv_end=None):
     b, t, h, d = q.shape
     g = k.shape[2]
     qg = q.reshape(b, t, g, h // g, d)
     logits = jnp.einsum("btgjd,bsgd->bgjts", qg, k, preferred_element_type=jnp.float32)
     logits = logits * (1.0 / math.sqrt(d))
-    mask = visibility_mask(q_pos, kv_pos, q_seg, kv_seg, window)[:, None, None]
+    mask = visibility_mask(q_pos, kv_pos, q_seg, kv_seg, window, q_index, kv_end)[:, None, None]
     logits = jnp.where(mask, logits, _NEG)
     m = jnp.max(logits, axis=-1, keepdims=True)
     p = jnp.where(mask, jnp.exp(logits - m), 0.0)
@@ -75,24 +85,25 @@ def _attend(q, k, v, q_pos, kv_pos, q_seg, kv_seg, window):
     return o.reshape(b, t, h, d).astype(q.dtype)
 
 
-def _xla_chunked(q, k, v, q_pos, kv_pos, q_seg, kv_seg, window, chunk):
+def _xla_chunked(q, k, v, q_pos, kv_pos, q_seg, kv_seg, window, chunk, kv_end=None):
     b, t, h, d = q.shape
+    q_idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     if t <= chunk:
-        return _attend(q, k, v, q_pos, kv_pos, q_seg, kv_seg, window)
+        return _attend(q, k, v, q_pos, kv_pos, q_seg, kv_seg, window, q_idx, kv_end)
     n = -(-t // chunk)
     pad = n * chunk - t
     qp = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
     pp = jnp.pad(q_pos, ((0, 0), (0, pad)))
     sp = jnp.pad(q_seg, ((0, 0), (0, pad)), constant_values=-2)
+    ip = jnp.pad(q_idx, ((0, 0), (0, pad)))
 
     def one(args):
-        qc, pc, sc = args
-        return _attend(qc, k, v, pc, kv_pos, sc, kv_seg, window)
+        qc, pc, sc, ic = args
+        return _attend(qc, k, v, pc, kv_pos, sc, kv_seg, window, ic, kv_end)
 
     qs = qp.reshape(b, n, chunk, h, d).transpose(1, 0, 2, 3, 4)
-    ps = pp.reshape(b, n, chunk).transpose(1, 0, 2)
-    ss = sp.reshape(b, n, chunk).transpose(1, 0, 2)
-    out = jax.lax.map(one, (qs, ps, ss))
+    ps, ss, is_ = (x.reshape(b, n, chunk).transpose(1, 0, 2) for x in (pp, sp, ip))
+    out = jax.lax.map(one, (qs, ps, ss, is_))
     return out.transpose(1, 0, 2, 3, 4).reshape(b, n * chunk, h, d)[:, :t]
 
 

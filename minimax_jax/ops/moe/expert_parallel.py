@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as PS
 
 from minimax_jax.ops import registry
+from minimax_jax.ops.moe.fp8_weight import Fp8Weight
 from minimax_jax.ops.moe.grouped_matmul import OP as GMM_OP
 from minimax_jax.ops.moe.grouped_matmul import sorted_expert_mlp
 from minimax_jax.ops.moe.permute import gather_rows, group_starts, permute_rows, sort_by_expert, unpermute_combine
@@ -81,6 +82,8 @@ def moe_expert_parallel(x: jax.Array, weights: jax.Array, experts: jax.Array, wi
       (``moe_experts`` refuses an unknown transport).
     """
     assert transport in TRANSPORTS, transport
+    # FP8 experts (``Fp8Weight``) enter the shard_map dequantised (GSPMD-partitioned, inside the jitted step)
+    wi, wo = (w.astype(x.dtype) if isinstance(w, Fp8Weight) else w for w in (wi, wo))
     n, h = x.shape
     k = experts.shape[1]
     e, inter = wo.shape[0], wo.shape[1]

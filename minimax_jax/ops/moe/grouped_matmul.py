@@ -16,6 +16,10 @@ Implementations (registry op ``"grouped_matmul"``, ``implementation=``):
 - ``"pallas_gpu_interpret"``: the same kernels in Pallas interpret mode (any backend; CPU tests).
 - ``"auto"``: ``"pallas_gpu"`` on a GPU backend, ``"xla"`` elsewhere (CPU, and TPU, where no project
   kernel exists and tokamax is opt-in).
+FP8 experts (``rhs`` an ``Fp8Weight``, ``fp8_weight.py``): ``"xla"`` dequantises ``FP8_EXPERTS_PER_STEP``
+experts at a time inside a scan (one ``ragged_dot`` per chunk; the bf16 copy of a layer's experts never exists
+whole); the kernels (``"pallas_gpu*"``, ``"tokamax"``) take the layer's experts dequantised to ``lhs.dtype``
+(in the same jitted step) and run as for bf16 weights.
 What ran is recorded under ``"grouped_matmul"`` (``minimax_jax.ops.registry.implementation_report``).
 """
 
@@ -28,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from minimax_jax.ops import registry
+from minimax_jax.ops.moe.fp8_weight import Fp8Weight
 from minimax_jax.ops.registry import Implementation
 from pallas_kernels.common import match_vma
 from pallas_kernels.moe.gpu_gmm import gmm
@@ -38,6 +43,8 @@ OP = "grouped_matmul"
 # implementations whose output rows past sum(group_sizes) are exactly 0 (tested in tests/kernels/moe/test_gmm_pallas.py);
 # for the others callers mask those rows
 _ZEROS_PAST_SUM = frozenset({"pallas_gpu", "pallas_gpu_interpret"})
+#: Experts dequantised per step by the ``"xla"`` path for ``Fp8Weight`` experts (the largest divisor of G up to this).
+FP8_EXPERTS_PER_STEP = 8
 
 
 @functools.lru_cache(maxsize=1)
@@ -77,7 +84,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, im
     Args:
       lhs: ``[M, K]`` rows sorted by group; rows past ``sum(group_sizes)`` are unspecified in the
         output (callers mask them, unless ``zeros_past_sum(implementation)``).
-      rhs: ``[G, K, N]`` one matrix per group (cast to ``lhs.dtype``).
+      rhs: ``[G, K, N]`` one matrix per group (cast to ``lhs.dtype``), or an ``Fp8Weight`` of that shape
+        (dequantised to ``lhs.dtype`` inside the op, module docstring).
       group_sizes: ``[G]`` int rows per group, ``sum <= M``.
       implementation: a registered name of op ``"grouped_matmul"`` (module docstring).
     Returns: ``[M, N]`` in ``preferred_element_type``.
@@ -90,16 +98,52 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, im
     if group_sizes.shape[0] != rhs.shape[0] or lhs.shape[1] != rhs.shape[1]:
         raise ValueError(f"{OP}: lhs {lhs.shape}, rhs {rhs.shape} and group_sizes {group_sizes.shape} do not fit "
                          f"as [M, K], [G, K, N], [G]")
-    return registry.dispatch(OP, implementation, lhs, rhs.astype(lhs.dtype), group_sizes.astype(jnp.int32),
+    if not isinstance(rhs, Fp8Weight):
+        rhs = rhs.astype(lhs.dtype)
+    return registry.dispatch(OP, implementation, lhs, rhs, group_sizes.astype(jnp.int32),
                              preferred_element_type=preferred_element_type)
 
 
+def _dense_rhs(lhs, rhs):
+    """A kernel's rhs: ``Fp8Weight`` experts dequantised to ``lhs.dtype`` (module docstring)."""
+    return rhs.astype(lhs.dtype) if isinstance(rhs, Fp8Weight) else rhs
+
+
 def _xla(lhs, rhs, group_sizes, *, preferred_element_type):
+    if isinstance(rhs, Fp8Weight):
+        return _xla_fp8(lhs, rhs, group_sizes, preferred_element_type)
     return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
+
+
+def _xla_fp8(lhs, rhs: Fp8Weight, group_sizes, preferred_element_type):
+    """``ragged_dot`` over chunks of ``c`` experts, each dequantised inside the scan step. Chunk ``j`` runs on
+    ``c + 1`` groups: a zero matrix for the rows before its experts, then its experts; rows after them are
+    masked. Rows past ``sum(group_sizes)`` come out 0."""
+    g, k, n = rhs.shape
+    c = max(d for d in range(1, min(g, FP8_EXPERTS_PER_STEP) + 1) if g % d == 0)
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+    rows = jnp.arange(lhs.shape[0], dtype=jnp.int32)[:, None]
+    w = Fp8Weight(rhs.w.reshape((g // c, c) + rhs.w.shape[1:]),
+                  rhs.scale_inv.reshape((g // c, c) + rhs.scale_inv.shape[1:]), rhs.block)
+    zero = jnp.zeros((1, k, n), lhs.dtype)
+
+    def step(acc, xs):
+        wq, sq, j = xs
+        chunk = jnp.concatenate([zero, Fp8Weight(wq, sq, rhs.block).astype(lhs.dtype)], axis=0)
+        lo, hi = starts[j * c], ends[j * c + c - 1]
+        sizes = jnp.concatenate([lo[None], jax.lax.dynamic_slice(group_sizes, (j * c,), (c,))])
+        out = jax.lax.ragged_dot(lhs, chunk, sizes, preferred_element_type=jnp.float32)
+        return acc + jnp.where((rows >= lo) & (rows < hi), out, 0.0), None
+
+    acc = jnp.zeros((lhs.shape[0], n), jnp.float32)
+    acc, _ = jax.lax.scan(step, acc, (w.w, w.scale_inv, jnp.arange(g // c)))
+    return acc.astype(preferred_element_type)
 
 
 def _pallas(interpret: bool):
     def run(lhs, rhs, group_sizes, *, preferred_element_type):
+        rhs = _dense_rhs(lhs, rhs)
         # Output in lhs.dtype (fp32 accumulation inside), widened outside as for tokamax: the backward
         # kernels then get a cotangent of the operands' dtype, and a bf16 output halves the kernel's
         # store traffic (sorted_expert_mlp narrows h to bf16 right after anyway).
@@ -115,6 +159,7 @@ def _pallas_supports(lhs=None, *_, **__) -> str | None:
 
 
 def _tokamax_gmm(lhs, rhs, group_sizes, *, preferred_element_type):
+    rhs = _dense_rhs(lhs, rhs)
     # tokamax's backward multiplies the output cotangent with the operands and requires equal dtypes (a
     # float32 cotangent against bf16 weights raises NotImplementedError in tokamax 0.0.17), so the kernel
     # returns lhs.dtype (accumulated in f32 inside) and the widening happens outside, where autodiff
@@ -138,7 +183,7 @@ def sorted_expert_mlp(xs: jax.Array, group_sizes: jax.Array, wi: jax.Array, wo: 
     """Gated expert MLP on rows sorted by expert: ``[M, H] -> [M, H]`` in ``out_dtype``.
 
     Args: ``xs [M, H]`` compute dtype, rows sorted by expert; ``group_sizes [G]`` int32, sum <= M;
-      ``wi [G, H, 2I]`` (gate columns first), ``wo [G, I, H]``; ``act`` maps ``[..., 2I] -> [..., I]``;
+      ``wi [G, H, 2I]`` (gate columns first), ``wo [G, I, H]`` (arrays or ``Fp8Weight``); ``act`` maps ``[..., 2I] -> [..., I]``;
       ``gmm_impl`` a grouped-matmul implementation (module docstring); ``out_dtype`` of the result (both
       grouped matmuls accumulate in float32; a caller that narrows the result anyway passes its dtype,
       the values are the same).

@@ -15,8 +15,9 @@ Ops (one per concern):
   with the index query (block score = max over the page's tokens of ``<qi, ki> / sqrt(Di)``), keep
   the best ``topk - 1`` (ties to the lower id) and force the local page. Returns logical page ids.
 - ``msa_decode``: the two above composed; when every valid row's local page is ``< topk`` (the
-  selection would keep every page ``0..local``) it skips the scoring and runs the dense
-  ``paged_attention`` (same result; recorded under ``"msa_decode.path"``).
+  selection would keep every page ``0..local``) and that is known at trace time it skips the scoring
+  and runs the dense ``paged_attention`` (same result; recorded under ``"msa_decode.path"``); in a
+  traced ragged batch the GPU kernels skip scoring per short row (see ``msa_decode``).
 
 Implementations (``minimax_jax.ops.registry``; what ran is recorded under the op's name):
 ``"xla"`` (reference, gathers pages; every platform; ``xla.py``), ``"pallas_gpu"`` (Triton),
@@ -120,14 +121,21 @@ def msa_decode(q, qi, k_pages, v_pages, ki_pages, page_table, q_positions, *, k_
                runtime_dense_check=False):
     """``msa_decode_select`` then ``paged_attention(block_ids=...)``. Returns ``(o, lse, block_ids)``.
 
-    Arguments as those two ops (valid rows' positions inside the page table). When every valid row has
-    ``pos // page < topk`` the selection keeps every page ``0..local`` (MSA == dense, MSA_SPEC.md
-    section 2, whatever ``init_blocks`` / ``local_blocks``), so no scoring runs: dense
-    ``paged_attention`` and ids ``0..local`` ascending (equal as sets). ``"msa_decode.path"`` records
-    ``"dense"`` (static ``NP <= topk``, or eager positions all short), ``"sparse"`` (eager, a long row;
-    or traced positions by default) or ``"cond"`` (traced positions with ``runtime_dense_check``:
-    ``jax.lax.cond`` picks at run time; a long row runs the sparse path for every row). The run-time
-    check is opt-in because a GPU conditional may cost a host round trip per layer and step (unmeasured).
+    Arguments as those two ops (valid rows' positions inside the page table). A row with
+    ``pos // page < topk`` selects every page ``0..local`` (MSA == dense, MSA_SPEC.md section 2, whatever
+    ``init_blocks`` / ``local_blocks``). Paths (``"msa_decode.path"``):
+    ``"dense"``: static ``NP <= topk``, or eager positions all short: no scoring, dense
+    ``paged_attention``, ids ``0..local`` ascending (equal as sets).
+    ``"sparse"`` (eager with a long row; traced positions by default): selection then sparse attention
+    for the whole batch, one launch each. With the GPU kernels every short row is handled per row
+    inside those launches: its ids are ``0..local`` with no score computed or ranked, a request whose
+    rows all are short is not scored (``"msa_decode_select.short_rows": "unscored"``), scoring reads
+    each request's own pages only, and the shared-tile sparse attention reads each selected page once
+    per (request, kv group), so a short request costs what dense attention costs. The XLA and TPU
+    selections score every request (``"scored"`` for TPU; same ids as sets).
+    ``"cond"`` (traced positions with ``runtime_dense_check``): ``jax.lax.cond`` picks dense when every
+    row is short, else the sparse path above (opt-in: a GPU conditional may cost a host round trip per
+    layer and step, unmeasured).
     Raises: ValueError (shapes, as the two ops); ImplementationUnavailable.
     """
     op = "msa_decode"

@@ -4,8 +4,10 @@ Each implementation is a thin wrapper over a kernel of ``pallas_kernels.decode``
 validated arguments, plus a ``supports`` check:
 - ``paged_attention``: sliding windows are xla-only (no kernel has one);
 - ``msa_decode_select``: every kernel serves every call. GPU: the scoring kernel plus the in-kernel
-  top-k (``"msa_decode_select.topk": "pallas_gpu"``); TPU: the Mosaic scoring kernel, then the
-  selection from the scores in XLA (``jax.lax.top_k``; ``"msa_decode_select.topk": "xla"``).
+  top-k (``"msa_decode_select.topk": "pallas_gpu"``); rows whose local page is ``< topk`` get pages
+  ``0..local`` unscored (``"msa_decode_select.short_rows": "unscored"``); TPU: the Mosaic scoring
+  kernel, then the selection from the scores in XLA (``jax.lax.top_k``; ``"msa_decode_select.topk":
+  "xla"``, ``"msa_decode_select.short_rows": "scored"``).
 The GPU kernels take the op's ``launch_table`` (``pallas_kernels.decode.gpu_config.LaunchTable``;
 None = its ``DEFAULT_TABLE``); the TPU kernels have none and ignore it.
 Names: ``pallas_gpu`` (Triton) / ``pallas_tpu`` (Mosaic, page tables via scalar prefetch), compiled
@@ -45,6 +47,7 @@ def _attention_tpu(q, k_pages, v_pages, page_table, q_positions, *, k_scale, v_s
 def _select_gpu(qi, ki_pages, page_table, q_positions, *, ki_scale, topk, init_blocks, local_blocks, launch_table,
                 interpret):
     record_implementation("msa_decode_select.topk", "pallas_gpu")
+    record_implementation("msa_decode_select.short_rows", "unscored")
     return select_pages_gpu(qi, ki_pages, page_table, q_positions, ki_scale, topk=topk, init_blocks=init_blocks,
                             local_blocks=local_blocks, interpret=interpret, table=launch_table)
 
@@ -52,6 +55,7 @@ def _select_gpu(qi, ki_pages, page_table, q_positions, *, ki_scale, topk, init_b
 def _select_tpu(qi, ki_pages, page_table, q_positions, *, ki_scale, topk, init_blocks, local_blocks, launch_table,
                 interpret):
     record_implementation("msa_decode_select.topk", "xla")
+    record_implementation("msa_decode_select.short_rows", "scored")
     scores = page_scores_tpu(qi, ki_pages, page_table, q_positions, ki_scale, interpret=interpret)
     return select_from_page_scores(scores, q_positions, ki_pages.shape[1], topk=topk, init_blocks=init_blocks,
                                    local_blocks=local_blocks)

@@ -4,7 +4,8 @@ GPU: Pallas -> Triton IR through ``.lower(lowering_platforms=("cuda",))`` (the f
 compile needs the GPU). TPU: ``jax.export`` for platform "tpu" runs Mosaic's lowering and catches
 layout errors (block shapes, unsupported ops). bf16 and fp8 e4m3 caches, dense and sparse modes
 (GPU: also the split top-k selection, sparse attention with several pages per program, the
-persistent page-scoring kernel and key loads with an L2 eviction policy).
+persistent page-scoring kernel, key loads with an L2 eviction policy, and the attention tilings:
+shared 128-row tiles at Q = 8 / 16, per-row legacy tiles, static loops).
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import dataclasses
+
 from pallas_kernels.decode.gpu_attention import paged_attention_gpu
+from pallas_kernels.decode.gpu_config import DEFAULT_TABLE, LEGACY_TILES
 from pallas_kernels.decode.gpu_select import select_pages_gpu
 from pallas_kernels.decode.tpu import page_scores_tpu, paged_attention_tpu
 
@@ -28,11 +32,11 @@ def _index_args(dt, b=B):
             S((P, PAGE), jnp.float32) if fp8 else None)
 
 
-def _attn_args(dt, sparse):
+def _attn_args(dt, sparse, nq=Q):
     fp8 = dt == jnp.float8_e4m3fn
     sc = [S((G, P, PAGE), jnp.float32)] * 2 if fp8 else [None, None]
-    return (S((B, Q, G * HG, D), jnp.bfloat16), S((G, P, PAGE, D), dt), S((G, P, PAGE, D), dt),
-            S((B, NP), jnp.int32), S((B, Q), jnp.int32), *sc, S((B, G, Q, K), jnp.int32) if sparse else None)
+    return (S((B, nq, G * HG, D), jnp.bfloat16), S((G, P, PAGE, D), dt), S((G, P, PAGE, D), dt),
+            S((B, NP), jnp.int32), S((B, nq), jnp.int32), *sc, S((B, G, nq, K), jnp.int32) if sparse else None)
 
 
 def _cuda_text(f, args):
@@ -66,6 +70,18 @@ def test_gpu_kernels_lower_to_triton(dt):
         txt = _cuda_text(lambda *a: paged_attention_gpu(*a, sparse_pages_per_split=4, loop=loop),
                          _attn_args(dt, True))
         assert "__gpu$xla.gpu.triton" in txt
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_gpu_attention_tilings_lower_to_triton(dt):
+    static = dataclasses.replace(DEFAULT_TABLE, loop="static")
+    for nq in (8, 16):
+        for table in (DEFAULT_TABLE, LEGACY_TILES, static):
+            for sparse in (False, True):
+                txt = _cuda_text(lambda *a: paged_attention_gpu(*a, table=table), _attn_args(dt, sparse, nq))
+                assert txt.count("__gpu$xla.gpu.triton") == 1, (nq, table.sparse_tile, sparse)
+                wide = table.tile_rows > 64 and (not sparse or table.sparse_tile == "shared")   # 128-row tiles
+                assert f"num_warps = {8 if wide else 4} : i32" in txt, (nq, table.sparse_tile, sparse)
 
 
 @pytest.mark.parametrize("dt", DTYPES)

@@ -62,15 +62,19 @@ def test_packed_unaligned_windows_and_empty_tokens():
     assert np.all(np.isneginf(lse[0, 5:9]))
 
 
-def test_query_chunk_loop_equals_one_pass_bitwise():
+def test_query_chunk_loop_equals_one_pass():
+    # A row's tile (and so whether it runs the masked or the mask-free body) depends on the query
+    # chunk; in interpret mode the two bodies compile separately and may round lse 1 ulp apart.
+    # Repeating one call is bitwise (below).
     rng = np.random.default_rng()
     c = make_case(rng, bsz=1, t=50, s=130, h=4, g=2, d=16)      # queries: a suffix of the keys
     ids = random_ids(rng, c["q_pos"], c["q_seg"], 2, 4, BLK)
     one = _fwd(c, ids, dtype=jnp.bfloat16)
     for qc in (16, 24):                    # 50 = 3 x 16 + 2, 2 x 24 + 2: the last chunk is clamped
         looped = _fwd(c, ids, dtype=jnp.bfloat16, query_chunk=qc)
-        np.testing.assert_array_equal(looped[0], one[0])
-        np.testing.assert_array_equal(looped[1], one[1])
+        np.testing.assert_allclose(np.asarray(looped[0], np.float32), np.asarray(one[0], np.float32),
+                                   rtol=8e-3, atol=1e-6)          # one bf16 ulp
+        np.testing.assert_allclose(looped[1], one[1], rtol=2e-6, atol=0)
     o, lse = _fwd(c, ids, query_chunk=16)
     _check(c, ids, o, lse)
     again = _fwd(c, ids, query_chunk=16)

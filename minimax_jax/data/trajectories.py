@@ -1,0 +1,217 @@
+"""Agent-trajectory source: JSONL of chat conversations or of token ids, packed per step by the prefix tree.
+
+Each non-empty line of a ``.jsonl`` source is one trajectory, either
+
+- ``{"messages": [...], "tools": [...]?}``: an OpenAI-style conversation (system, user, assistant with
+  ``reasoning_content`` / ``tool_calls``, tool results), rendered with the MiniMax chat template (a
+  ``render(messages, tools) -> str`` callable the caller passes, e.g. ``minimax_jax.chat.render_chat``
+  without the generation prompt) and tokenised; with ``loss_on: assistant`` the trained tokens are
+  those of every assistant turn after its ``]~b]ai\\n`` header, its closing ``[e~[`` included;
+- ``{"tokens": [ids], "loss_mask": [0/1 per token]?}``: token ids (mask default: all ones).
+
+``loss_on: all`` trains every token but the first. The trajectories of one step are consecutive in file
+order (rollouts of one prompt should be adjacent; there is no shuffling, which would scatter them) and
+are as many as fit ``batch_size / shard_count`` rows of ``seq_len`` after merging (at most
+``max_trajectories`` when > 0); ``minimax_jax.data.prefix_tree`` lays them out. Multi-host: host h
+reads the trajectories ``h::shard_count``. The files are read and tokenised once, at construction.
+
+Batches: ``prefix_tree.ROW_KEYS`` arrays ``[rows, seq_len]``; ``it.last_stats`` is the ``PackStats``
+of the batch returned last. ``get_state()`` / ``set_state()`` restore the exact next batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from minimax_jax.data.prefix_tree import PackStats, Trajectory, TreePackingError, pack_trajectories
+from minimax_jax.data.sources import resolve_paths
+from minimax_jax.data.tokenizer import EOS, ROLE_START, load_tokenizer
+
+__all__ = ["TrajectoryConfig", "TrajectoryError", "TrajectoryIterator", "load_trajectories",
+           "conversation_trajectory", "LOSS_ON"]
+
+LOSS_ON = ("assistant", "all")
+_AI_HEADER = ROLE_START + "ai\n"
+
+
+class TrajectoryError(ValueError):
+    """A trajectory file, line or setting cannot be used (the message names it)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrajectoryConfig:
+    """Agent trajectories (JSONL conversations or token ids), packed per step into prefix trees.
+
+    Attributes:
+      sources: JSONL files, directories or globs (one trajectory per line).
+      seq_len: slots per packed row.
+      batch_size: GLOBAL rows per step.
+      tokenizer: ``tokenizer.json`` or its directory (needed for conversations).
+      loss_on: ``assistant`` (the assistant turns of conversations; the given mask of token ids) or ``all``.
+      merge: prefix-tree merging (False: each trajectory its own chain, the unmerged baseline).
+      max_trajectories: at most this many trajectories per step and host (0 = as many as fit the rows).
+      num_epochs: passes over the trajectories; None repeats forever.
+      shard_index, shard_count: this host's shard; None = jax's process index / count.
+    """
+
+    sources: tuple[str, ...]
+    seq_len: int
+    batch_size: int
+    tokenizer: str | None = None
+    loss_on: str = "assistant"
+    merge: bool = True
+    max_trajectories: int = 0
+    num_epochs: int | None = 1
+    shard_index: int | None = None
+    shard_count: int | None = None
+
+    def __post_init__(self):
+        srcs = (self.sources,) if isinstance(self.sources, (str, os.PathLike)) else self.sources
+        object.__setattr__(self, "sources", tuple(os.fspath(s) for s in srcs))
+        for name in ("seq_len", "batch_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise TrajectoryError(f"{name} must be a positive int, got {v!r}")
+        if self.loss_on not in LOSS_ON:
+            raise TrajectoryError(f"loss_on must be one of {LOSS_ON}, got {self.loss_on!r}")
+        if not isinstance(self.max_trajectories, int) or self.max_trajectories < 0:
+            raise TrajectoryError(f"max_trajectories must be an int >= 0, got {self.max_trajectories!r}")
+        if self.num_epochs is not None and (not isinstance(self.num_epochs, int) or self.num_epochs < 1):
+            raise TrajectoryError(f"num_epochs must be a positive int or None, got {self.num_epochs!r}")
+        if (self.shard_index is None) != (self.shard_count is None):
+            raise TrajectoryError("give both shard_index and shard_count, or neither")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TrajectoryConfig":
+        """From a dict; unknown keys raise TrajectoryError naming them."""
+        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise TrajectoryError(f"unknown trajectory data keys: {unknown}")
+        return cls(**d)
+
+    def shard(self) -> tuple[int, int]:
+        if self.shard_count is not None:
+            return self.shard_index, self.shard_count
+        import jax
+
+        return jax.process_index(), jax.process_count()
+
+
+def conversation_trajectory(text: str, tokenizer, loss_on: str = "assistant") -> Trajectory:
+    """Tokenise a rendered conversation; the loss mask marks the assistant turns (module docstring)."""
+    enc = tokenizer.encode(text, add_special_tokens=False)
+    ids = np.asarray(enc.ids, np.int32)
+    if loss_on == "all":
+        return Trajectory(ids, np.ones(ids.size, np.float32))
+    starts = np.asarray([s for s, _ in enc.offsets], np.int64)
+    mask = np.zeros(ids.size, bool)
+    at = text.find(_AI_HEADER)
+    while at >= 0:
+        body = at + len(_AI_HEADER)
+        close = text.find(EOS, body)
+        end = len(text) if close < 0 else close + len(EOS)
+        mask |= (starts >= body) & (starts < end)
+        at = text.find(_AI_HEADER, end)
+    return Trajectory(ids, mask.astype(np.float32))
+
+
+def _parse(obj: Any, where: str, tokenizer, render, loss_on: str) -> Trajectory:
+    if not isinstance(obj, dict) or ("messages" in obj) == ("tokens" in obj):
+        raise TrajectoryError(f"{where}: expected an object with 'messages' or 'tokens'")
+    if "tokens" in obj:
+        toks = np.asarray(obj["tokens"], np.int64)
+        mask = np.asarray(obj.get("loss_mask", np.ones(toks.size)), np.float32)
+        if toks.ndim != 1 or toks.size == 0 or mask.shape != toks.shape:
+            raise TrajectoryError(f"{where}: 'tokens' must be a non-empty list with a 'loss_mask' of the same length")
+        return Trajectory(toks, mask if loss_on == "assistant" else np.ones(toks.size, np.float32))
+    if render is None or tokenizer is None:
+        raise TrajectoryError(f"{where}: a conversation needs a tokenizer and a chat renderer")
+    try:
+        text = render(obj["messages"], obj.get("tools"))
+    except ValueError as e:
+        raise TrajectoryError(f"{where}: {e}") from None
+    return conversation_trajectory(text, tokenizer, loss_on)
+
+
+def load_trajectories(paths: Sequence[str] | str, tokenizer=None, render: Callable | None = None,
+                      loss_on: str = "assistant") -> list[Trajectory]:
+    """Every trajectory of ``paths`` in file order (module docstring). Raises TrajectoryError."""
+    out = []
+    for path in resolve_paths(paths):
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise TrajectoryError(f"{path} line {n}: invalid JSON ({e})") from None
+                out.append(_parse(obj, f"{path} line {n}", tokenizer, render, loss_on))
+    if not out:
+        raise TrajectoryError(f"sources {paths} hold no trajectories")
+    return out
+
+
+class TrajectoryIterator:
+    """Per-host batches of prefix-tree-packed trajectories (module docstring)."""
+
+    def __init__(self, config: TrajectoryConfig, render: Callable | None = None, tokenizer=None):
+        self.config = config
+        tok = tokenizer if tokenizer is not None or config.tokenizer is None else load_tokenizer(config.tokenizer)
+        index, count = config.shard()
+        if config.batch_size % count:
+            raise TrajectoryError(f"batch_size={config.batch_size} is not divisible by shard_count={count}")
+        self.rows = config.batch_size // count
+        self.trajectories = load_trajectories(config.sources, tok, render, config.loss_on)[index::count]
+        if not self.trajectories:
+            raise TrajectoryError(f"shard {index} of {count} holds no trajectory")
+        self.index = 0
+        self.last_stats: PackStats | None = None
+
+    def __iter__(self):
+        return self
+
+    def _take(self, n: int) -> list[Trajectory]:
+        m = len(self.trajectories)
+        return [self.trajectories[(self.index + i) % m] for i in range(n)]
+
+    def _pack(self, n: int):
+        try:
+            return pack_trajectories(self._take(n), self.config.seq_len, self.rows, self.config.merge)
+        except TreePackingError:
+            return None
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        c, m = self.config, len(self.trajectories)
+        left = None if c.num_epochs is None else c.num_epochs * m - self.index
+        if left is not None and left <= 0:
+            raise StopIteration
+        cap = min(x for x in (left, c.max_trajectories or None, 1 << 30) if x is not None)
+        best = self._pack(1)
+        if best is None:
+            t = self.trajectories[self.index % m]
+            raise TrajectoryError(f"trajectory {self.index % m} of this shard ({t.tokens.size} tokens) does not fit "
+                                  f"a row of seq_len={c.seq_len}")
+        lo, hi = 1, 2                   # grow while it fits, then bisect between the last fit and the first miss
+        while hi <= cap and (got := self._pack(hi)) is not None:
+            lo, best, hi = hi, got, hi * 2
+        hi = min(hi, cap + 1)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            got = self._pack(mid)
+            lo, hi, best = (mid, hi, got) if got is not None else (lo, mid, best)
+        rows, self.last_stats = best
+        self.index += lo
+        return rows
+
+    def get_state(self) -> dict[str, Any]:
+        return {"index": self.index}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.index = int(state["index"])

@@ -1,0 +1,111 @@
+"""The Hopper (Mosaic GPU) KV-outer MSA forward (pallas_kernels/msa/gpu_sparse_fwd_wgmma.py).
+
+In the Mosaic GPU interpreter (jax >= 0.11; the tests skip and say so on older jax), o and lse against
+the fp32 XLA reference (``minimax_jax.ops.msa``, implementation "xla", on the same bf16-rounded inputs),
+every element: 16 heads per group with 64- and 128-key blocks (aligned windows), packed documents of
+unaligned lengths (wide windows) with empty slots, queries as a suffix of the keys, tokens with no
+selection (-1 ids) and duplicate ids; small ``chunk`` splits runs over programs. On any jax: the CUDA
+lowering at M3 shapes (128K tokens) and the ``wgmma_supported`` predicate.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from minimax_jax.ops import msa as msa_ops
+from pallas_kernels.msa.gpu_sparse_fwd_wgmma import interpreter_available, sparse_fwd_wgmma, wgmma_supported
+from tests.kernels.msa.test_msa_kernels_oracle import make_case, positions, random_ids
+
+needs_interpreter = pytest.mark.skipif(
+    not interpreter_available(),
+    reason=f"the Mosaic GPU interpreter of jax >= 0.11 is needed (jax {jax.__version__})")
+
+
+def _run_and_check(c, ids, blk, chunk):
+    q, k, v = (jnp.asarray(c[n], jnp.bfloat16) for n in ("q", "k", "v"))
+    pos = positions(c)
+    o, lse = jax.jit(lambda q, k, v, ids: sparse_fwd_wgmma(
+        q, k, v, ids, pos["q_positions"], pos["kv_positions"], pos["q_segment_ids"], pos["kv_segment_ids"],
+        block_size=blk, chunk=chunk, interpret=True))(q, k, v, jnp.asarray(ids))
+    assert o.shape == q.shape[:3] + (v.shape[-1],) and o.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
+    f32 = lambda x: x.astype(jnp.float32)
+    ro, rlse = msa_ops.msa_attention(f32(q), f32(k), f32(v), jnp.asarray(ids), block_size=blk,
+                                     implementation="xla", **pos)
+    o, lse, ro, rlse = (np.asarray(x, np.float64) for x in (o, lse, ro, rlse))
+    # bf16 P and bf16 partials / output: a few bf16 ulps of |o| <= max |v|; lse is f32 throughout
+    np.testing.assert_allclose(o, ro, atol=2e-2, rtol=2e-2)
+    np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(rlse))
+    fin = np.isfinite(rlse)
+    np.testing.assert_allclose(lse[fin], rlse[fin], atol=1e-4, rtol=1e-5)
+    assert np.all(o[~np.broadcast_to(fin[..., None], o.shape)] == 0.0)
+    return fin
+
+
+@needs_interpreter
+@pytest.mark.parametrize("blk", [64, 128])
+def test_m3_like_groups_empty_and_duplicate_ids(blk):
+    """16 heads per group (M3), 8-row aligned windows; some tokens select nothing, some repeat an id."""
+    rng = np.random.default_rng()
+    c = make_case(rng, bsz=1, t=192, s=192, h=32, g=2, d=128)
+    ids = random_ids(rng, c["q_pos"], c["q_seg"], 2, 4, blk)
+    ids[0, :, 150:153] = -1                     # no selection: lse -inf, o = 0
+    ids[0, 1, 180, :] = ids[0, 1, 180, 0]       # duplicates count once
+    ids[0, 0, 130, 1:] = ids[0, 0, 130, 0]
+    fin = _run_and_check(c, ids, blk, chunk=64)
+    assert not fin[0, 151].any() and fin[0, 180].all()
+
+
+@needs_interpreter
+def test_packed_unaligned_documents():
+    """Documents of 37, 70 and 43 keys and 10 empty slots (segment -1): the windows of the second and
+    third start off 8-row boundaries (the wide-window kernel, which also serves the aligned windows of
+    the first); 8 heads per group (8 selections per row tile)."""
+    rng = np.random.default_rng()
+    c = make_case(rng, bsz=1, t=160, s=160, h=16, g=2, d=128, segments=[[37, 70, 43]])
+    ids = random_ids(rng, c["q_pos"], c["q_seg"], 2, 3, 64)
+    fin = _run_and_check(c, ids, 64, chunk=32)
+    assert not fin[0, 150:].any()               # empty slots see nothing
+
+
+@needs_interpreter
+def test_queries_as_suffix_of_keys():
+    """72 queries after 228 earlier keys, 32 heads per group (2 selections per tile), D = Dv = 64."""
+    rng = np.random.default_rng()
+    c = make_case(rng, bsz=1, t=72, s=300, h=64, g=2, d=64)
+    ids = random_ids(rng, c["q_pos"], c["q_seg"], 2, 3, 128)
+    _run_and_check(c, ids, 128, chunk=16)
+
+
+@pytest.mark.parametrize("blk", [64, 128])
+def test_lowers_for_cuda_at_m3_shapes(blk):
+    """M3 attention shapes at 128K tokens (64 heads, 4 kv groups, D 128, top-16 blocks, query chunks):
+    both kernel variants (aligned / wide windows) lower for CUDA on a CPU machine."""
+    sd = jax.ShapeDtypeStruct
+    b, t, h, g, d, topk = 1, 131072, 64, 4, 128, 16
+
+    def f(q, k, v, ids, pos):
+        return sparse_fwd_wgmma(q, k, v, ids, pos, pos, None, None, block_size=blk)
+    txt = jax.jit(f).trace(sd((b, t, h, d), jnp.bfloat16), sd((b, t, g, d), jnp.bfloat16),
+                           sd((b, t, g, d), jnp.bfloat16), sd((b, g, t, topk), jnp.int32),
+                           sd((b, t), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert txt.count("mosaic_gpu") >= 2
+
+
+def test_supported_shapes():
+    assert wgmma_supported((1, 8, 64, 128), (1, 8, 4, 128), 128, jnp.bfloat16, 128) is None    # M3
+    assert wgmma_supported((1, 8, 64, 64), (1, 8, 8, 64), 64, jnp.float16, 64) is None
+    assert "heads per group" in wgmma_supported((1, 8, 48, 128), (1, 8, 8, 128), 128, jnp.bfloat16, 128)  # M2
+    assert "dtype" in wgmma_supported((1, 8, 64, 128), (1, 8, 4, 128), 128, jnp.float32, 128)
+    assert "head dims" in wgmma_supported((1, 8, 64, 96), (1, 8, 4, 96), 96, jnp.bfloat16, 128)
+    assert "head dims" in wgmma_supported((1, 8, 64, 128), (1, 8, 4, 128), 64, jnp.bfloat16, 128)
+    assert "block size" in wgmma_supported((1, 8, 64, 128), (1, 8, 4, 128), 128, jnp.bfloat16, 32)
+    if not interpreter_available():
+        x = jnp.zeros((1, 64, 16, 128), jnp.bfloat16)
+        kv = jnp.zeros((1, 64, 1, 128), jnp.bfloat16)
+        pos = jnp.arange(64, dtype=jnp.int32)[None]
+        with pytest.raises(NotImplementedError, match="jax >= 0.11"):
+            sparse_fwd_wgmma(x, kv, kv, jnp.zeros((1, 1, 64, 1), jnp.int32), pos, pos, None, None,
+                             block_size=64, interpret=True)
