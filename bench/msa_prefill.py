@@ -2,12 +2,16 @@
 
 Usage (GPU machine):  PYTHONUNBUFFERED=1 python3 bench/msa_prefill.py --out $OUT
 CPU smoke run:        python bench/msa_prefill.py --interpret --tiny --out /tmp/msa_bench
-Launch variants:      --indexer-variants m3:131072 / --attn-fwd-variants m3:131072 (with e.g.
-                      --small-check --cases m3:131072) time the indexer's / the attention
-                      forward's (rows, num_warps, num_stages) variants at one context, each
-                      checked against the first (default) variant in the same run.
+Kernel variants:      --indexer-kernels m3:131072 times the indexer kernels (Triton, Hopper wgmma bf16,
+                      Hopper wgmma fp8 index path) at one context: selection agreement with the Triton
+                      kernel (bf16: rows with equal sets; fp8: recall of the bf16 selection) and ms;
+                      --attn-fwd-variants m3:131072 the attention forward kernels (Triton, wgmma), each
+                      checked against the first in the same run.
+Implementation:       --implementation auto (default: what the ops pick, recorded per row under "ran"),
+                      pallas_gpu (Triton kernels) or pallas_hopper_gpu.
 
-1. Correctness (fresh random bf16 inputs): the Pallas GPU indexer's block-id SETS against the
+1. Correctness (fresh random bf16 inputs), for each GPU kernel set (pallas_gpu and, on Hopper,
+   pallas_hopper_gpu): the indexer's block-id SETS against the
    reference (``minimax_jax.ops.msa``, implementation="xla"; a near-tie is accepted when every
    selected block's reference score is >= the (K-1)-th best - 5e-3, the MSA repo's criterion),
    the local block present; attention o (atol=rtol=3e-2) and lse (1e-3) on the same ids;
@@ -42,12 +46,14 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from minimax_jax.ops import msa as msa_ops  # noqa: E402
-from pallas_kernels.msa.gpu_attention import msa_attention_gpu  # noqa: E402
+from minimax_jax.ops.registry import clear_implementation_report, implementation_report  # noqa: E402
+from pallas_kernels.common import gpu_compute_capability  # noqa: E402
+from pallas_kernels.msa.gpu_attention import FORWARDS  # noqa: E402
 from pallas_kernels.msa.gpu_indexer import msa_select_blocks_gpu  # noqa: E402
-from pallas_kernels.msa.gpu_kl import indexer_kl_gpu  # noqa: E402
-from pallas_kernels.msa.gpu_sparse_fwd import sparse_fwd_kv_outer  # noqa: E402
+from pallas_kernels.msa.gpu_indexer_wgmma import msa_select_blocks_wgmma  # noqa: E402
 
-MODELS = {"m3": dict(h=64, g=4, d=128), "m2": dict(h=48, g=8, d=128)}
+# M3, M2 and the attention of bench/train_step.py's 1.9B model (4 heads per group)
+MODELS = {"m3": dict(h=64, g=4, d=128), "m2": dict(h=48, g=8, d=128), "train": dict(h=16, g=4, d=128)}
 BLK, TOPK, DI = 128, 16, 128
 
 
@@ -110,13 +116,28 @@ class Inputs:
                     kv_segment_ids=self.kv_seg)
 
 
-def check_case(name, inp, interpret):
-    """Compare the Pallas GPU kernels with the XLA reference on one input set."""
-    res = {"case": name, "shape": list(inp.q.shape) + [inp.k.shape[1], inp.k.shape[2]]}
+def _impl(impl, interpret):
+    """The registry name of a GPU kernel set; in interpret mode (CPU) its interpreted twin ("auto": the
+    Triton set's, as "auto" on a CPU would run the XLA reference)."""
+    if not interpret:
+        return impl
+    return ("pallas_gpu" if impl == "auto" else impl) + "_interpret"
+
+
+def _ran():
+    return {k: v for k, v in implementation_report().items() if not k.endswith("auto_reason")}
+
+
+def check_case(name, inp, interpret, impl):
+    """Compare one GPU kernel set (``impl``) with the XLA reference on one input set."""
+    res = {"case": name, "implementation": impl, "shape": list(inp.q.shape) + [inp.k.shape[1], inp.k.shape[2]]}
     pos = inp.pos()
-    sel = jax.jit(lambda qi, ki: msa_select_blocks_gpu(qi, ki, block_size=BLK, topk=TOPK,
-                                                       interpret=interpret, **pos))
+    impl = _impl(impl, interpret)
+    clear_implementation_report()
+    sel = jax.jit(lambda qi, ki: msa_ops.msa_select_blocks(qi, ki, block_size=BLK, topk=TOPK,
+                                                           implementation=impl, **pos))
     ids = np.asarray(sel(inp.qi, inp.ki))
+    ran = _ran()
     ref_ids = np.asarray(msa_ops.msa_select_blocks(inp.qi, inp.ki, block_size=BLK, topk=TOPK,
                                                    implementation="xla", **pos))
     scores = np.asarray(msa_ops.msa_index_scores(inp.qi, inp.ki, block_size=BLK,
@@ -143,9 +164,10 @@ def check_case(name, inp, interpret):
     gids = ids_j   # same ids for both implementations
     # ids are jit arguments, never closed over: a constant ids array makes XLA constant-fold the
     # backward's inverse-map sort (minutes at these sizes)
-    attn = jax.jit(lambda q, k, v, ids: msa_attention_gpu(q, k, v, ids, block_size=BLK,
-                                                          interpret=interpret, **pos))
+    attn = jax.jit(lambda q, k, v, ids: msa_ops.msa_attention(q, k, v, ids, block_size=BLK,
+                                                              implementation=impl, **pos))
     o, lse = attn(inp.q, inp.k, inp.v, gids)
+    ran.update(_ran())
     ro, rlse = msa_ops.msa_attention(inp.q.astype(jnp.float32), inp.k.astype(jnp.float32),
                                      inp.v.astype(jnp.float32), gids, block_size=BLK,
                                      implementation="xla", **pos)
@@ -160,7 +182,7 @@ def check_case(name, inp, interpret):
     res["lse_ok"] = res["lse_max_err"] <= 1e-3 and res["lse_inf_match"]
 
     def loss_k(q, k, v, ids, do):
-        o, _ = msa_attention_gpu(q, k, v, ids, block_size=BLK, interpret=interpret, **pos)
+        o, _ = msa_ops.msa_attention(q, k, v, ids, block_size=BLK, implementation=impl, **pos)
         return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
 
     def loss_r(q, k, v, ids, do):
@@ -179,31 +201,34 @@ def check_case(name, inp, interpret):
         res[f"{nm}_cos"] = _cos(a, b)
         res[f"{nm}_max_err_rel"] = float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))
     res["bwd_bitwise_repeat"] = all(bool(jnp.array_equal(a, b)) for a, b in zip(g1, g2))
+    res["ran"] = ran
     res["ok"] = bool(res["o_ok"] and res["lse_ok"] and not res["nan"] and res["ids_bad"] == 0
                      and res["ids_no_local"] == 0 and res["bwd_bitwise_repeat"]
                      and all(res[f"{n}_cos"] > 0.99 for n in ("dq", "dk", "dv")))
     return res
 
 
-def bench_case(model, t, inp, interpret, dense_max, dense_ref):
+def bench_case(model, t, inp, interpret, dense_max, dense_ref, impl="auto"):
     m = MODELS[model]
     pos = inp.pos()
+    impl = _impl(impl, interpret)
     dense_fl, main_f, index_f = _flops(t, m["h"], m["d"], m["g"], DI, BLK, TOPK)
     row = {"model": model, "T": t, "H": m["h"], "G": m["g"], "D": m["d"]}
-    sel = jax.jit(lambda qi, ki: msa_select_blocks_gpu(qi, ki, block_size=BLK, topk=TOPK,
-                                                       interpret=interpret, **pos))
+    clear_implementation_report()
+    sel = jax.jit(lambda qi, ki: msa_ops.msa_select_blocks(qi, ki, block_size=BLK, topk=TOPK,
+                                                           implementation=impl, **pos))
     ids = jax.block_until_ready(sel(inp.qi, inp.ki))
 
     def attn_f(q, k, v, ids):
-        return msa_attention_gpu(q, k, v, ids, block_size=BLK, interpret=interpret, **pos)
+        return msa_ops.msa_attention(q, k, v, ids, block_size=BLK, implementation=impl, **pos)
 
     def attn_fb(q, k, v, ids, do):
         (o, lse), vjp = jax.vjp(lambda q, k, v: attn_f(q, k, v, ids), q, k, v)
         return vjp((do, jnp.zeros_like(lse)))
 
     def kl_fb(q, k, qi, ki, ids):   # indexer-KL loss and its gradients (qi, ki), sparse support
-        return jax.grad(lambda qi, ki: indexer_kl_gpu(q, k, qi, ki, ids, block_size=BLK,
-                                                      interpret=interpret, **pos)[0],
+        return jax.grad(lambda qi, ki: msa_ops.indexer_kl(q, k, qi, ki, ids, block_size=BLK,
+                                                          implementation=impl, **pos)[0],
                         argnums=(0, 1))(qi, ki)
 
     timings = {}
@@ -218,6 +243,7 @@ def bench_case(model, t, inp, interpret, dense_max, dense_ref):
             timings[name] = None
             row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
         gc.collect()
+    row["ran"] = _ran()
     # dense cuDNN
     if not interpret and t <= dense_max:
         def dense_f(q, k, v):
@@ -288,37 +314,59 @@ def _time_variants(tag, base, variants, make_fn, args, flops, check=None):
     return out
 
 
-def bench_indexer_variants(model, t, key, interpret=False):
-    """Time the fused indexer at one context for several (rows, num_warps, num_stages)."""
+# The indexer kernels: the first (Triton) is the reference of the agreement columns.
+INDEXER_KERNELS = {
+    "triton": lambda qi, ki, pos, interpret: msa_select_blocks_gpu(qi, ki, block_size=BLK, topk=TOPK,
+                                                                   interpret=interpret, **pos),
+    "wgmma": lambda qi, ki, pos, interpret: msa_select_blocks_wgmma(qi, ki, block_size=BLK, topk=TOPK,
+                                                                    interpret=interpret, **pos),
+    "wgmma_fp8": lambda qi, ki, pos, interpret: msa_select_blocks_wgmma(
+        qi, ki, block_size=BLK, topk=TOPK, index_dtype="float8_e4m3fn", interpret=interpret, **pos),
+}
+
+
+@jax.jit
+def _id_agreement(ids, ref):
+    """(fraction of rows whose id set equals ref's, recall: ref ids found / ref ids). ids [B,G,T,K]."""
+    hit = (ids[..., :, None] == ref[..., None, :]) & (ref[..., None, :] >= 0)
+    found = jnp.any(hit, axis=-2)                                   # [B,G,T,K] per ref slot
+    n_ref = jnp.sum(ref >= 0, axis=-1)
+    n_got = jnp.sum(ids >= 0, axis=-1)
+    rows_equal = jnp.mean(((jnp.sum(found, axis=-1) == n_ref) & (n_got == n_ref)).astype(jnp.float32))
+    return rows_equal, jnp.sum(found) / jnp.maximum(jnp.sum(n_ref), 1)
+
+
+def bench_indexer_kernels(model, t, key, interpret=False):
+    """Time every indexer kernel of INDEXER_KERNELS at one context; selection agreement with the first."""
     m = MODELS[model]
     inp = Inputs(key, 1, t, t, m["h"], m["g"], m["d"], jnp.bfloat16)
+    pos = inp.pos()
     _, _, index_f = _flops(t, m["h"], m["d"], m["g"], DI, BLK, TOPK)
-    variants = [dict(rows=r, num_warps=w, num_stages=st) for r, w, st in
-                ((128, 8, 2), (128, 8, 3), (256, 8, 2), (64, 4, 2), (128, 4, 3))]
-    make = lambda **kw: jax.jit(lambda qi, ki: msa_select_blocks_gpu(
-        qi, ki, block_size=BLK, topk=TOPK, interpret=interpret, **kw, **inp.pos()))
-    return _time_variants("IDXVAR", {"model": model, "T": t}, variants, make, (inp.qi, inp.ki), index_f)
+    first = []
 
-
-# KV-outer attention forward launches; the first is the default of sparse_fwd_kv_outer (at M3 / M2)
-FWD_VARIANTS = [dict(rows=r, num_warps=w, num_stages=st) for r, w, st in
-                ((64, 4, 2), (128, 4, 2), (64, 4, 3), (64, 8, 2), (128, 8, 3))]
+    def check(ids):
+        if not first:
+            first.append(ids)
+        eq, recall = _id_agreement(ids, first[0])
+        return {"rows_equal_to_first": float(eq), "recall_of_first": float(recall)}
+    variants = [dict(kernel=k) for k in INDEXER_KERNELS]
+    make = lambda kernel: jax.jit(lambda qi, ki: INDEXER_KERNELS[kernel](qi, ki, pos, interpret))
+    return _time_variants("IDXVAR", {"model": model, "T": t}, variants, make, (inp.qi, inp.ki), index_f, check)
 
 
 def bench_attn_fwd_variants(model, t, key, interpret=False):
-    """Time the KV-outer attention forward at one context for FWD_VARIANTS (rows, num_warps,
-    num_stages) on the indexer's ids. Check: every variant's o / lse against the first one's
-    (o atol = rtol = 3e-2, lse 1e-3, same -inf pattern; ``bitwise``: identical), the first being
-    the default launch that ``check_case`` compares with the XLA reference."""
+    """Time the attention forward kernels (``gpu_attention.FORWARDS``: Triton, Hopper wgmma) at one context
+    on the Triton indexer's ids. Check: every kernel's o / lse against the first one's (o atol = rtol = 3e-2,
+    lse 1e-3, same -inf pattern; ``bitwise``: identical); ``check_case`` compares each with the reference."""
     m = MODELS[model]
     inp = Inputs(key, 1, t, t, m["h"], m["g"], m["d"], jnp.bfloat16)
     pos = inp.pos()
     _, main_f, _ = _flops(t, m["h"], m["d"], m["g"], DI, BLK, TOPK)
     ids = jax.block_until_ready(jax.jit(lambda qi, ki: msa_select_blocks_gpu(
         qi, ki, block_size=BLK, topk=TOPK, interpret=interpret, **pos))(inp.qi, inp.ki))
-    make = lambda **kw: jax.jit(lambda q, k, v, ids: sparse_fwd_kv_outer(
+    make = lambda forward: jax.jit(lambda q, k, v, ids: FORWARDS[forward](
         q, k, v, ids, pos["q_positions"], pos["kv_positions"], pos["q_segment_ids"],
-        pos["kv_segment_ids"], block_size=BLK, interpret=interpret, **kw))
+        pos["kv_segment_ids"], block_size=BLK, interpret=interpret))
     first = []
 
     @jax.jit
@@ -338,7 +386,7 @@ def bench_attn_fwd_variants(model, t, key, interpret=False):
         return {"o_max_diff": float(o_d), "lse_max_diff": float(l_d), "bitwise": bool(same),
                 "ok": bool(ok) and float(l_d) <= 1e-3}
 
-    return _time_variants("FWDVAR", {"model": model, "T": t}, FWD_VARIANTS, make,
+    return _time_variants("FWDVAR", {"model": model, "T": t}, [dict(forward=f) for f in FORWARDS], make,
                           (inp.q, inp.k, inp.v, ids), main_f, check)
 
 
@@ -352,9 +400,14 @@ def main():
     ap.add_argument("--deadline-s", type=float, default=1e9, help="skip cases started after this")
     ap.add_argument("--cases", default="", help="ordered model:T list; overrides models/contexts")
     ap.add_argument("--skip-check", action="store_true")
-    ap.add_argument("--indexer-variants", default="", help="model:T at which to time indexer tilings")
+    ap.add_argument("--indexer-kernels", default="",
+                    help="model:T[,model:T] at which to time the indexer kernels (INDEXER_KERNELS)")
     ap.add_argument("--attn-fwd-variants", default="",
-                    help="model:T at which to time attention-forward launches (FWD_VARIANTS)")
+                    help="model:T[,model:T] at which to time the attention forward kernels (gpu_attention.FORWARDS)")
+    ap.add_argument("--implementation", default="auto",
+                    help="kernel set of the timed rows: auto | pallas_gpu | pallas_hopper_gpu")
+    ap.add_argument("--check-implementations", default="",
+                    help="kernel sets to check (default: pallas_gpu, and auto on a Hopper GPU)")
     ap.add_argument("--small-check", action="store_true", help="smaller GPU check shapes")
     ap.add_argument("--check-only", action="store_true")
     ap.add_argument("--interpret", action="store_true", help="GPU kernels in interpret mode (CPU)")
@@ -369,6 +422,11 @@ def main():
     print(meta, flush=True)
     key = jax.random.PRNGKey(int(time.time()) & 0xFFFF)
     checks = []
+    check_impls = [x for x in args.check_implementations.split(",") if x]
+    if not check_impls:       # the interpreted Hopper set is slow on a CPU: only when asked for there
+        check_impls = ["pallas_gpu"]
+        if not args.interpret and str(gpu_compute_capability() or "").startswith("9."):
+            check_impls.append("auto")
     if not args.skip_check:
         if args.tiny:
             cases = [("unpacked_m3like", dict(bsz=1, t=300, s=300, h=8, g=2, d=32), None),
@@ -388,14 +446,16 @@ def main():
             key, sub = jax.random.split(key)
             inp = Inputs(sub, shp["bsz"], shp["t"], shp["s"], shp["h"], shp["g"], shp["d"],
                          jnp.bfloat16, segs)
-            t0 = time.time()
-            try:
-                r = check_case(name, inp, args.interpret)
-            except Exception as e:
-                r = {"case": name, "ok": False, "error": f"{type(e).__name__}: {str(e)[:400]}"}
-            r["seconds"] = time.time() - t0
-            checks.append(r)
-            print("CHECK", json.dumps(r), flush=True)
+            for impl in check_impls:
+                t0 = time.time()
+                try:
+                    r = check_case(name, inp, args.interpret, impl)
+                except Exception as e:
+                    r = {"case": name, "implementation": impl, "ok": False,
+                         "error": f"{type(e).__name__}: {str(e)[:400]}"}
+                r["seconds"] = time.time() - t0
+                checks.append(r)
+                print("CHECK", json.dumps(r), flush=True)
         with open(os.path.join(args.out, "msa_prefill_check.json"), "w") as f:
             json.dump({"meta": meta, "checks": checks}, f, indent=1)
     if args.check_only:
@@ -406,14 +466,16 @@ def main():
         with open(os.path.join(args.out, "msa_prefill.json"), "w") as f:
             json.dump({"meta": meta, "checks": checks, "indexer_variants": variants,
                        "attn_fwd_variants": fwd_variants, "rows": rows}, f, indent=1)
-    if args.indexer_variants:
-        mo, tt = args.indexer_variants.split(":")
+    for case in (c for c in args.indexer_kernels.split(",") if c):
+        mo, tt = case.split(":")
         key, sub = jax.random.split(key)
-        variants = bench_indexer_variants(mo, int(tt), sub, args.interpret)
-    if args.attn_fwd_variants:
-        mo, tt = args.attn_fwd_variants.split(":")
+        variants += bench_indexer_kernels(mo, int(tt), sub, args.interpret)
+        save()
+    for case in (c for c in args.attn_fwd_variants.split(",") if c):
+        mo, tt = case.split(":")
         key, sub = jax.random.split(key)
-        fwd_variants = bench_attn_fwd_variants(mo, int(tt), sub, args.interpret)
+        fwd_variants += bench_attn_fwd_variants(mo, int(tt), sub, args.interpret)
+        save()
     save()
     caps = dict(x.split("=") for x in args.max_tokens.split(",") if x)
     dense_ref = {}
@@ -435,7 +497,7 @@ def main():
             t0 = time.time()
             try:
                 inp = Inputs(sub, 1, t, t, m["h"], m["g"], m["d"], jnp.bfloat16)
-                row = bench_case(model, t, inp, args.interpret, args.dense_max, dense_ref)
+                row = bench_case(model, t, inp, args.interpret, args.dense_max, dense_ref, args.implementation)
             except Exception as e:
                 row = {"model": model, "T": t, "error": f"{type(e).__name__}: {str(e)[:300]}"}
             row["seconds"] = time.time() - t0

@@ -39,7 +39,8 @@ import numpy as np  # noqa: E402
 import moe as bench_moe  # noqa: E402
 from minimax_jax.ops.moe.permute import sort_by_expert  # noqa: E402
 from pallas_kernels.moe import gpu_gmm  # noqa: E402
-from pallas_kernels.moe.gpu_tgmm_ws import WS_TGMM_CANDIDATES, interpreter_available  # noqa: E402
+from pallas_kernels.common import mosaic_interpreter_available as interpreter_available  # noqa: E402
+from pallas_kernels.moe.gpu_tgmm_ws import WS_TGMM_CANDIDATES  # noqa: E402
 
 DTYPE = jnp.bfloat16
 CPU_SHAPES = {"m2": dict(h=256, i=128, e=8, k=2), "m3": dict(h=256, i=128, e=4, k=2)}

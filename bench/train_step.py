@@ -5,6 +5,9 @@ Usage (GPU machine, one H200)::
     PYTHONUNBUFFERED=1 python3 bench/train_step.py --out $OUT            # dense 8K and MSA 64K
     python3 bench/train_step.py --modes msa --compile-only --out $OUT     # compile + XLA's memory plan only
     python3 bench/train_step.py --modes msa --steps 3 --warmup 1 --out $OUT
+    # the MSA 64K step saving kernel outputs (no KL / attention / indexer recompute): ~111 GB of XLA's plan,
+    # more than JAX's default 75 % of an H200, hence the memory fraction
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 bench/train_step.py --modes msa --remat dots_kernels --out $OUT
 
 CPU, no GPU needed: ``--lower-for cuda`` traces the step as the GPU runs it (ops' "auto" choices as
 on a GPU, ``minimax_jax.ops.registry.assume_backend``), lowers it for CUDA and reports the Pallas
@@ -47,7 +50,8 @@ parameters are allocated).
 Measured: compile time, the median step time over ``--steps`` timed steps after ``--warmup``
 steps (each ``block_until_ready``), tokens/s, model TFLOP/s and MFU by
 ``minimax_jax.train.metrics.train_flops`` (6 x matmul params + attention + indexer FLOPs, causal
-context per token), peak device memory, and the op implementations that ran. Writes
+context per token; ``flops_parts`` splits model / indexer / KL FLOPs, ``mfu_model`` counts the model's
+alone and ``mfu_all`` all three), peak device memory, and the op implementations that ran. Writes
 ``train_step.json`` under ``--out``.
 """
 
@@ -73,7 +77,8 @@ from minimax_jax.ops.registry import assume_backend, clear_implementation_report
 from minimax_jax.train.config import from_dict  # noqa: E402
 from minimax_jax.train.data import SyntheticIterator, to_global  # noqa: E402
 from minimax_jax.train.loop import Trainer  # noqa: E402
-from minimax_jax.train.metrics import matmul_params_per_token, peak_flops_per_device, train_flops  # noqa: E402
+from minimax_jax.train.metrics import (matmul_params_per_token, peak_flops_per_device, train_flops,  # noqa: E402
+                                      train_flops_parts)
 
 M3_STYLE = dict(
     vocab_size=32768, hidden_size=2048, num_layers=10, num_heads=16, num_kv_heads=4, head_dim=128, rotary_dim=64,
@@ -366,12 +371,21 @@ def bench_one(mode: str, seq: int, args) -> dict:
     row.update({
         "step_s_median": step_s, "step_s_all": times, "tokens_per_s": args.batch * seq / step_s,
         "model_tflops_per_s": fl / step_s / 1e12, "mfu": (fl / step_s / peak) if peak else None,
-        "flops_per_step": fl, "loss_last": loss, "implementations": implementation_report(), **_device_memory(),
+        "flops_per_step": fl, **_flop_parts(cfg, b["positions"], step_s, peak), "loss_last": loss, "implementations": implementation_report(), **_device_memory(),
     })
     if args.profile:
         row["profile"] = profile_steps(tag, args, lambda i: run(f"profiled step {i + 1}/{args.profile}"))
     print(json.dumps({k: v for k, v in row.items() if k not in ("step_s_all", "profile")}), flush=True)
     return row
+
+
+def _flop_parts(cfg, positions, step_s, peak) -> dict:
+    """Per-step FLOPs by part (model / indexer / KL, ``train_flops_parts``) and the MFU of the model
+    FLOPs alone (``mfu_model``) and of all three (``mfu_all``)."""
+    parts = train_flops_parts(cfg, positions)
+    total = sum(parts.values())
+    return {"flops_parts": parts, "mfu_model": parts["model"] / step_s / peak if peak else None,
+            "mfu_all": total / step_s / peak if peak else None}
 
 
 def profile_steps(tag: str, args, run_step) -> dict:

@@ -5,17 +5,23 @@
 - shard_map typing: ``typed_out_struct``, ``varying_axes``, ``VmaType`` / ``vma_type``, ``match_vma``,
   ``match_cotangent`` (kernel outputs and custom-VJP cotangents typed like their operands).
 - ``triton_cuda_target``: lower Pallas Triton kernels for CUDA on a machine without a GPU.
+- Mosaic GPU (Hopper) helpers: ``mosaic_interpreter_available`` / ``mosaic_interpret_params`` (the
+  Mosaic GPU interpreter of jax >= 0.11), ``mosaic_smem_transforms`` (tiling + swizzle of a ``wgmma`` /
+  TMA operand), ``mosaic_load_rows`` (an SMEM vector in a ``wgmma`` accumulator's row layout),
+  ``gpu_compute_capability`` (of the first visible GPU).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 
 import jax
 import jax.numpy as jnp
 
 __all__ = ["searchsorted", "typed_out_struct", "triton_cuda_target", "varying_axes", "VmaType", "vma_type",
-           "match_vma", "match_cotangent"]
+           "match_vma", "match_cotangent", "mosaic_interpreter_available", "mosaic_interpret_params",
+           "mosaic_smem_transforms", "mosaic_load_rows", "gpu_compute_capability"]
 
 
 def searchsorted(sorted_values: jax.Array, queries: jax.Array, side: str = "left") -> jax.Array:
@@ -100,6 +106,72 @@ def _gpu_visible() -> bool:
         return bool(jax.local_devices(backend="gpu"))
     except RuntimeError:
         return False
+
+
+# ----------------------------------------------------------------------------- Mosaic GPU (Hopper)
+
+def _plgpu():
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    return plgpu
+
+
+def mosaic_interpreter_available() -> bool:
+    """Whether this jax has the Mosaic GPU interpreter (``plgpu.InterpretGPUParams``, jax >= 0.11)."""
+    return getattr(_plgpu(), "InterpretGPUParams", None) is not None
+
+
+def _cpu_executions() -> int:
+    """How many XLA CPU executions run at once: the CPU client's pool, ``NPROC`` or the usable cores."""
+    try:
+        return int(os.environ["NPROC"])
+    except (KeyError, ValueError):
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def mosaic_interpret_params(kernel: str, warpgroups: int = 3):
+    """``plgpu.InterpretGPUParams()`` for running ``kernel`` (a name for the error) in the interpreter.
+
+    The interpreter runs a CTA's ``warpgroups`` as concurrent XLA CPU executions that wait on each
+    other's barriers, inside the kernel call's own execution: with fewer than ``warpgroups + 1`` at
+    once (the CPU client's pool: ``NPROC`` or the core count) a warp-specialised kernel can deadlock.
+    Raises NotImplementedError on a jax without the interpreter (jax < 0.11); RuntimeError when the
+    pool is too small (set ``NPROC`` before JAX starts; tests/conftest.py does)."""
+    if not mosaic_interpreter_available():
+        raise NotImplementedError(f"{kernel}(interpret=True) needs the Mosaic GPU interpreter of jax >= 0.11 "
+                                  f"(this is jax {jax.__version__})")
+    if _cpu_executions() < warpgroups + 1:
+        raise RuntimeError(f"{kernel}(interpret=True): the Mosaic GPU interpreter needs {warpgroups + 1} concurrent "
+                           f"XLA CPU executions and this process allows {_cpu_executions()}: set NPROC="
+                           f"{warpgroups + 1} (or more) in the environment before JAX starts")
+    return _plgpu().InterpretGPUParams()
+
+
+def mosaic_smem_transforms(minor: int, itemsize: int):
+    """8-row tiling and the widest swizzle for an SMEM operand whose minor dimension holds ``minor``
+    elements of ``itemsize`` bytes (``wgmma`` operands and their TMA copies)."""
+    plgpu = _plgpu()
+    swizzle = plgpu.find_swizzle(minor * itemsize * 8)
+    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
+def mosaic_load_rows(ref, axis: int = 1):
+    """A 1-D SMEM vector loaded in the row layout of a ``wgmma`` accumulator (one value per row; with
+    ``axis=0`` the column layout: one value per column)."""
+    plgpu = _plgpu()
+    layout = plgpu.Layout.WGMMA.reduce(axis)
+    try:
+        return plgpu.load(ref, layout=layout)
+    except TypeError:                       # jax 0.10 takes an index argument
+        return plgpu.load(ref, (), layout=layout)
+
+
+def gpu_compute_capability() -> str | None:
+    """Compute capability of the first visible GPU (``"9.0"`` on Hopper), None without a GPU."""
+    try:
+        devices = jax.local_devices(backend="gpu")
+    except RuntimeError:
+        return None
+    return getattr(devices[0], "compute_capability", None) if devices else None
 
 
 # ----------------------------------------------------------------------------- shard_map typing

@@ -21,6 +21,9 @@
    found" on a CPU; there the target is taken to be a Hopper GPU, sm_90 (``pallas_kernels.common.triton_cuda_target``,
    entered for the session in this process; subprocesses that lower for CUDA go through
    ``assume_backend("gpu")``, which enters it too). A machine with a GPU keeps its own answer.
+5. ``NPROC`` (XLA's CPU client pool: executions at once) at least 8, set before JAX starts: the Mosaic
+   GPU interpreter runs a kernel's three warpgroups as concurrent executions that wait on each other,
+   which deadlocks on a 2-core machine's default pool (``pallas_kernels.common.mosaic_interpret_params``).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import sys
 import tempfile
 
 _OWNER = "MINIMAX_TEST_JAX_CACHE_OWNER"
+os.environ["NPROC"] = str(max(8, int(os.environ.get("NPROC", "0") or 0), os.cpu_count() or 1))
 
 if os.environ.get("MINIMAX_TEST_JAX_CACHE", "1") != "0" and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="minimax-jax-test-cache-")

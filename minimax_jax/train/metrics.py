@@ -24,7 +24,7 @@ import numpy as np
 
 from minimax_jax.config import ModelConfig
 
-__all__ = ["matmul_params_per_token", "train_flops", "peak_flops_per_device", "MetricsWriter"]
+__all__ = ["matmul_params_per_token", "train_flops", "train_flops_parts", "peak_flops_per_device", "MetricsWriter"]
 
 # bf16 dense peak TFLOP/s per device (vendor datasheets).
 _PEAK_TFLOPS = {"h200": 989.0, "h100": 989.0, "a100": 312.0, "b200": 2250.0, "tpu v4": 275.0,
@@ -55,19 +55,32 @@ def _ctx(pos1: np.ndarray, layer_type: str, cfg: ModelConfig) -> tuple[float, fl
     return float(np.mean(pos1)), 0.0
 
 
-def train_flops(cfg: ModelConfig, positions: np.ndarray) -> float:
-    """Training FLOPs of a batch with these ``positions`` ``[B, L]`` (see module docstring)."""
+def train_flops_parts(cfg: ModelConfig, positions: np.ndarray) -> dict[str, float]:
+    """Training FLOPs of a batch with these ``positions`` ``[B, L]``, by part (module docstring):
+    ``model`` (matmuls + attention), ``indexer`` (index scores, forward + backward) and ``kl`` (the
+    indexer KL on the selected support: the teacher's QK^T once, 2 H D per key, and the student's
+    scores with their two gradients, 6 Hi Di per key; counted whether or not the run trains it)."""
     pos1 = np.asarray(positions, np.float64) + 1.0
     tokens = pos1.size
-    per_tok = 6.0 * matmul_params_per_token(cfg)
+    model = 6.0 * matmul_params_per_token(cfg)
+    index = kl = 0.0
     kinds = list(cfg.layer_types) + [cfg.layer_types[-1]] * cfg.num_mtp_modules
     hd = cfg.num_heads * cfg.head_dim
+    hdi = cfg.index_num_heads * cfg.index_head_dim if "msa" in kinds else 0
     for lt in kinds:
         ctx, ictx = _ctx(pos1, lt, cfg)
-        per_tok += 3.0 * 4.0 * hd * ctx
+        model += 3.0 * 4.0 * hd * ctx
         if lt == "msa":
-            per_tok += 3.0 * 2.0 * cfg.index_num_heads * cfg.index_head_dim * ictx
-    return per_tok * tokens
+            index += 3.0 * 2.0 * hdi * ictx
+            kl += (2.0 * hd + 6.0 * hdi) * ctx
+    return {"model": model * tokens, "indexer": index * tokens, "kl": kl * tokens}
+
+
+def train_flops(cfg: ModelConfig, positions: np.ndarray) -> float:
+    """Training FLOPs of a batch with these ``positions`` ``[B, L]``: model + indexer parts of
+    ``train_flops_parts`` (the MFU of the train loop's metrics)."""
+    parts = train_flops_parts(cfg, positions)
+    return parts["model"] + parts["indexer"]
 
 
 def peak_flops_per_device(device_kind: str, override_tflops: float | None = None) -> float | None:

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.decode.common import combine_splits, compute_dtype, pack_rows, pad_rows, unpack_rows
+from pallas_kernels.decode.common import compute_dtype, pack_rows, pad_rows, unpack_rows
 
 __all__ = ["page_scores_tpu", "paged_attention_tpu"]
 

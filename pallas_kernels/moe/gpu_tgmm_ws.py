@@ -47,10 +47,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import match_vma, typed_out_struct
+from pallas_kernels.common import match_vma, mosaic_interpret_params, mosaic_smem_transforms, typed_out_struct
 from pallas_kernels.moe.groups import group_bounds
 
-__all__ = ["WsTgmmConfig", "WS_TGMM_CANDIDATES", "interpreter_available", "tgmm_ws"]
+__all__ = ["WsTgmmConfig", "WS_TGMM_CANDIDATES", "tgmm_ws"]
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _SMEM_BYTES = 227 * 1024          # Hopper: dynamic shared memory per CTA
@@ -120,29 +120,12 @@ WS_TGMM_CANDIDATES = (
 )
 
 
-def _interpret_params():
-    """The Mosaic GPU interpreter's params (jax >= 0.11 exports them); None where there is none."""
-    return getattr(plgpu, "InterpretGPUParams", None)
-
-
-def interpreter_available() -> bool:
-    """Whether this jax has the Mosaic GPU interpreter that ``tgmm_ws(interpret=True)`` needs (jax >= 0.11;
-    jax 0.10's cannot interpret ``transpose_ref`` SMEM views)."""
-    return _interpret_params() is not None
-
-
 def _transposed(ref):
     """The 2-D SMEM ref transposed (a view for ``wgmma``): ``ref.transpose`` where jax has it (0.11 deprecates
     ``plgpu.transpose_ref``), ``plgpu.transpose_ref`` before."""
     if hasattr(ref, "transpose"):
         return ref.transpose((1, 0))
     return plgpu.transpose_ref(ref, (1, 0))
-
-
-def _transforms(minor: int, itemsize: int):
-    """8-row tiling and the widest swizzle for a minor dimension of ``minor`` elements (wgmma / TMA)."""
-    swizzle = plgpu.find_swizzle(minor * itemsize * 8)
-    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
 def tgmm_ws(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, config: WsTgmmConfig | None = None,
@@ -184,13 +167,7 @@ def tgmm_ws(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, config: 
     if kdim % bk or ndim % bn:
         raise ValueError(f"tgmm_ws {cfg.label()} needs K % {bk} == 0 and N % {bn} == 0, got K={kdim}, N={ndim} "
                          f"(gpu_gmm.tgmm has no such constraint)")
-    interpret_params = None
-    if interpret:
-        params = _interpret_params()
-        if params is None:
-            raise NotImplementedError(f"tgmm_ws(interpret=True) needs the Mosaic GPU interpreter of jax >= 0.11 "
-                                      f"(this is jax {jax.__version__})")
-        interpret_params = params()
+    interpret_params = mosaic_interpret_params("tgmm_ws") if interpret else None
     g = group_sizes.shape[0]
     bh = bn // 2                                   # columns per compute warpgroup
     nk, nn = kdim // bk, ndim // bn
@@ -306,9 +283,9 @@ def tgmm_ws(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, config: 
 
         pl.run_scoped(
             scope,
-            lhs_smem=plgpu.SMEM((stages, br, bk), lhs.dtype, transforms=_transforms(bk, itemsize)),
-            dout_smem=plgpu.SMEM((stages, br, bn), lhs.dtype, transforms=_transforms(bh, itemsize)),
-            out_smem=plgpu.SMEM((2, bk, bh), out_dtype, transforms=_transforms(bh, out_dtype.itemsize)),
+            lhs_smem=plgpu.SMEM((stages, br, bk), lhs.dtype, transforms=mosaic_smem_transforms(bk, itemsize)),
+            dout_smem=plgpu.SMEM((stages, br, bn), lhs.dtype, transforms=mosaic_smem_transforms(bh, itemsize)),
+            out_smem=plgpu.SMEM((2, bk, bh), out_dtype, transforms=mosaic_smem_transforms(bh, out_dtype.itemsize)),
             produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
             consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
             collective_axes="wg",

@@ -6,8 +6,9 @@ scale 1/sqrt(D); exact softmax with fp32 statistics. Outputs o [B,T,H,D] (q.dtyp
 lse [B,T,H] f32 (natural log; -inf for a query that sees no key, whose o is 0).
 
 Forward and backward are KV-outer (each selected K/V block loaded once for all the queries that
-chose it): gpu_sparse_fwd.py (partial outputs merged by LSE) and gpu_sparse_bwd.py (dq partials
-summed over slots, dk / dv per window). This module holds the ``custom_vjp``.
+chose it): gpu_sparse_fwd.py (Triton) or gpu_sparse_fwd_wgmma.py (Hopper, Mosaic GPU; partial outputs
+merged by LSE) and gpu_sparse_bwd.py (dq partials summed over slots, dk / dv per window). This module
+holds the ``custom_vjp``.
 """
 
 from __future__ import annotations
@@ -20,15 +21,19 @@ import numpy as np
 from pallas_kernels.msa import layout
 from pallas_kernels.msa.gpu_sparse_bwd import sparse_bwd_kv_outer
 from pallas_kernels.msa.gpu_sparse_fwd import sparse_fwd_kv_outer
+from pallas_kernels.msa.gpu_sparse_fwd_wgmma import sparse_fwd_wgmma
 
-__all__ = ["msa_attention_gpu"]
+__all__ = ["msa_attention_gpu", "FORWARDS"]
+
+
+FORWARDS = {"triton": sparse_fwd_kv_outer, "wgmma": sparse_fwd_wgmma}
 
 
 def _fwd(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids, *,
-         block_size, interpret, num_warps, num_stages):
+         block_size, interpret, num_warps, num_stages, forward):
     del num_warps, num_stages          # the backward kernel's launch parameters
-    return sparse_fwd_kv_outer(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids,
-                               kv_segment_ids, block_size=block_size, interpret=interpret)
+    return FORWARDS[forward](q, k, v, block_ids, q_positions, kv_positions, q_segment_ids,
+                             kv_segment_ids, block_size=block_size, interpret=interpret)
 
 
 def _bwd(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids, o, lse,
@@ -38,18 +43,18 @@ def _bwd(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segmen
                                num_warps=num_warps, num_stages=num_stages)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12))
 def _attn(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-          block_size, interpret, num_warps, num_stages):
+          block_size, interpret, num_warps, num_stages, forward):
     return _fwd(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
                 block_size=block_size, interpret=interpret, num_warps=num_warps,
-                num_stages=num_stages)
+                num_stages=num_stages, forward=forward)
 
 
 def _attn_fwd(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-              block_size, interpret, num_warps, num_stages):
+              block_size, interpret, num_warps, num_stages, forward):
     o, lse = _attn(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids,
-                   kv_segment_ids, block_size, interpret, num_warps, num_stages)
+                   kv_segment_ids, block_size, interpret, num_warps, num_stages, forward)
     return (o, lse), (q, k, v, block_ids, q_positions, kv_positions, q_segment_ids,
                       kv_segment_ids, o, lse)
 
@@ -60,7 +65,8 @@ def _zero_cot(x):
     return np.zeros(x.shape, jax.dtypes.float0)
 
 
-def _attn_bwd(block_size, interpret, num_warps, num_stages, res, cot):
+def _attn_bwd(block_size, interpret, num_warps, num_stages, forward, res, cot):
+    del forward
     q, k, v, block_ids, q_positions, kv_positions, q_seg, kv_seg, o, lse = res
     do, _dlse = cot   # lse is an auxiliary output; its cotangent is not propagated (documented)
     dq, dk, dv = _bwd(q, k, v, block_ids, q_positions, kv_positions, q_seg, kv_seg, o, lse, do,
@@ -80,7 +86,7 @@ def _pow2_tile(x: int) -> bool:
 
 def msa_attention_gpu(q, k, v, block_ids, *, q_positions, kv_positions, q_segment_ids=None,
                       kv_segment_ids=None, block_size, interpret=False, num_warps=8,
-                      num_stages=2):
+                      num_stages=2, forward="triton"):
     """Block-sparse MSA attention, Pallas/Triton GPU kernels, differentiable in q, k, v.
 
     Args:
@@ -93,6 +99,9 @@ def msa_attention_gpu(q, k, v, block_ids, *, q_positions, kv_positions, q_segmen
       interpret: run the same kernels in Pallas interpret mode (CPU tests).
       num_warps, num_stages: Triton launch parameters of the backward kernel (the forward has
         its own tuned launch).
+      forward: "triton" (``gpu_sparse_fwd``, any CUDA GPU with Triton) or "wgmma" (the Hopper kernel of
+        ``gpu_sparse_fwd_wgmma``: bf16 / f16, shapes of its ``wgmma_supported``; ``interpret`` then runs the
+        Mosaic GPU interpreter). The backward is the Triton KV-outer kernel either way.
     Returns:
       (o [B,T,H,Dv] q.dtype, lse [B,T,H] f32 natural log, -inf where a query sees no key).
     Preconditions are asserted (AssertionError); the ops layer checks them for its callers.
@@ -104,5 +113,6 @@ def msa_attention_gpu(q, k, v, block_ids, *, q_positions, kv_positions, q_segmen
     assert _pow2_tile(block_size), f"block_size must be a power of two >= 16, got {block_size}"
     assert _pow2_tile(q.shape[-1]) and _pow2_tile(v.shape[-1]), \
         f"head dims {q.shape[-1]}, {v.shape[-1]} must be powers of two >= 16 (Triton tiles)"
+    assert forward in FORWARDS, f"forward must be one of {sorted(FORWARDS)}, got {forward!r}"
     return _attn(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-                 block_size, interpret, num_warps, num_stages)
+                 block_size, interpret, num_warps, num_stages, forward)

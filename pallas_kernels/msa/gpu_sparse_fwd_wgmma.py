@@ -7,8 +7,8 @@ slice [i*C, (i+1)*C) of its group's list, runs = one K/V window) and ``gpu_spars
 (LSE merge of the K partials). Per CTA (slice i, group g, batch row b), three warpgroups:
 
 - memory warpgroup: per run, TMA of the K and V window [B_blk, D] into one of two SMEM slots (one
-  when they do not fit); per row tile of 64 rows (64 / (H/G) selections x H/G heads), one TMA per selection of its
-  token's H/G contiguous q rows into a 2-stage q ring per compute warpgroup, plus the tile's 64
+  when they do not fit); per row tile of 64 rows (64 / sr selections x sr head rows, sr = ``head_slot(H/G)``), one TMA
+  per selection of its token's sr contiguous q rows into a 2-stage q ring per compute warpgroup, plus the tile's 64
   visible-key intervals;
 - two compute warpgroups take the tiles of a run alternately: S = Q K^T (``wgmma``, fp32), the
   mask (each row sees the keys of one interval of window columns), the exact softmax of the one
@@ -26,8 +26,9 @@ boundary (packed documents of unaligned lengths) is loaded from the aligned row 
 more rows (the ``wgmma`` contraction of P V needs a multiple of 64); a second compiled variant with
 room for such windows (one K/V slot at B = 128) runs when any window is unaligned (``lax.cond``).
 
-Restrictions: ``wgmma_supported`` (bf16 / f16, H/G in {8, 16, 32, 64}, D = Dv in {64, 128}, B in
-{64, 128}); other shapes keep the Triton kernel (the caller chooses). Not wired into the ops registry.
+Restrictions: ``wgmma_supported`` (bf16 / f16, H/G <= 64, D = Dv in {64, 128}, B in {64, 128}).
+H/G not in {8, 16, 32, 64} runs in padded head slots (``head_slot``: q padded in XLA, spare rows
+computed and dropped). Served through the ops registry as ``pallas_hopper_gpu`` (gpu_attention.py).
 """
 
 from __future__ import annotations
@@ -41,11 +42,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import searchsorted, typed_out_struct
+from pallas_kernels.common import mosaic_interpret_params, mosaic_load_rows, mosaic_smem_transforms, typed_out_struct
 from pallas_kernels.msa import layout
 from pallas_kernels.msa.gpu_sparse_fwd import _combine, default_query_chunk, worklist
 
-__all__ = ["sparse_fwd_wgmma", "wgmma_supported", "interpreter_available", "ROWS"]
+__all__ = ["sparse_fwd_wgmma", "wgmma_supported", "head_slot", "ROWS"]
 
 ROWS = 64                      # rows per tile: one wgmma M per compute warpgroup
 _WIDE = 64                     # extra window rows when a window starts off an 8-row boundary (wgmma K % 64)
@@ -53,11 +54,6 @@ _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _SMEM_BYTES = 227 * 1024
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
-
-def interpreter_available() -> bool:
-    """Whether this jax has the Mosaic GPU interpreter (jax >= 0.11)."""
-    return getattr(plgpu, "InterpretGPUParams", None) is not None
 
 
 def _smem_bytes(widths, d, dv, itemsize, kv_slots, p_in_smem):
@@ -82,42 +78,30 @@ def _windows(blk, d, dv, itemsize, p_in_smem, wide_runs, interpret):
                      f"{_SMEM_BYTES // 1024} KiB of shared memory")
 
 
+def head_slot(hg: int) -> int:
+    """q rows one selection occupies in a 64-row tile: H/G rounded up to 8, 16, 32 or 64 (TMA row
+    offsets into 8-row tiled SMEM are multiples of 8); the padded rows compute and are dropped."""
+    return next(r for r in (8, 16, 32, 64) if r >= hg)
+
+
 def wgmma_supported(q_shape, kv_shape, v_dim, dtype, block_size) -> str | None:
     """None when ``sparse_fwd_wgmma`` serves these shapes, else the reason (a short sentence).
 
-    q_shape [B,T,H,D], kv_shape [B,S,G,D], v_dim Dv. Needs bf16 / f16, H/G in {8, 16, 32, 64}
-    (q rows of a token land on 8-row SMEM tiles; 64-row tiles), D = Dv in {64, 128} (the spent q tile
-    stages the o rows; fp32 accumulators in registers), block size 64 or 128.
+    q_shape [B,T,H,D], kv_shape [B,S,G,D], v_dim Dv. Needs bf16 / f16, H/G <= 64 (a selection's q
+    rows fill ``head_slot(H/G)`` rows of a 64-row tile: H/G = 6 computes 8 rows, 25 % spare), D = Dv
+    in {64, 128} (the spent q tile stages the o rows; fp32 accumulators in registers), block 64 or 128.
     """
     if jnp.dtype(dtype) not in _DTYPES:
         return f"dtype {jnp.dtype(dtype)} is not bf16 / f16"
     h, d = q_shape[2], q_shape[3]
     g = kv_shape[2]
-    if h % g or (h // g) not in (8, 16, 32, 64):
-        return f"heads per group {h / g} not in (8, 16, 32, 64)"
+    if h % g or h // g > 64:
+        return f"heads per group {h / g}: need an integer <= 64"
     if d != v_dim or d not in (64, 128):
         return f"head dims D={d}, Dv={v_dim}: need D = Dv in (64, 128)"
     if block_size not in (64, 128):
         return f"block size {block_size} not in (64, 128)"
     return None
-
-
-def _transforms(minor, itemsize):
-    swizzle = plgpu.find_swizzle(minor * itemsize * 8)
-    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
-
-
-def _segment_runs(kv_seg, q_seg):
-    """Per query: first and last storage index of its segment's keys (j1 < j0 when none). [S],[T]."""
-    order = jnp.argsort(kv_seg, stable=True)
-    srt = kv_seg[order]
-    n = kv_seg.shape[0]
-    a = searchsorted(srt, q_seg, side="left")
-    e = searchsorted(srt, q_seg, side="right")
-    found = (e > a) & (q_seg >= 0)
-    j0 = order[jnp.clip(a, 0, n - 1)]
-    j1 = order[jnp.clip(e - 1, 0, n - 1)]
-    return jnp.where(found, j0, 1), jnp.where(found, j1, 0)
 
 
 def _intervals(ids, flat, key, qpos, base, j0, j1, blk, hg, pad):
@@ -139,23 +123,15 @@ def _intervals(ids, flat, key, qpos, base, j0, j1, blk, hg, pad):
     return jnp.repeat(lims, hg, axis=3).astype(jnp.int32)
 
 
-def _load_rows(ref):
-    """A [ROWS] SMEM vector in the row layout of a wgmma accumulator (jax 0.10 needs an index)."""
-    layout = plgpu.Layout.WGMMA.reduce(1)
-    try:
-        return plgpu.load(ref, layout=layout)
-    except TypeError:
-        return plgpu.load(ref, (), layout=layout)
-
-
 def _body(flat_ref, key_ref, rend_ref, nval_ref, lims_ref, q_ref, k_ref, v_ref, op_ref, lp_ref, *,
-          blk, topk, hg, per, chunk, kv_slots, scale, p_in_smem, widths):
+          blk, topk, sr, per, chunk, kv_slots, scale, p_in_smem, widths):
+    """One CTA (sr: the head slot, ``head_slot(H/G)``; q, op and lp carry G * sr head rows)."""
     i, g, b = lax.axis_index("i"), lax.axis_index("g"), lax.axis_index("b")
     lo = i * chunk
     hi = jnp.minimum(lo + chunk, nval_ref[b, g])
     dtype = q_ref.dtype
     d, dv = q_ref.shape[-1], v_ref.shape[-1]
-    heads = pl.ds(g * hg, hg)
+    heads = pl.ds(g * sr, sr)
     nrows = max(widths)
 
     def choices(w0):
@@ -214,9 +190,9 @@ def _body(flat_ref, key_ref, rend_ref, nval_ref, lims_ref, q_ref, k_ref, v_ref, 
                     e0 = a + si * per
                     for j in range(per):
                         t = lax.div(flat_ref[b, g, jnp.minimum(e0 + j, end - 1)], topk)
-                        plgpu.copy_gmem_to_smem(q_ref.at[b, t, heads], q_smem.at[qs, pl.ds(j * hg, hg)],
+                        plgpu.copy_gmem_to_smem(q_ref.at[b, t, heads], q_smem.at[qs, pl.ds(j * sr, sr)],
                                                 q_ready.at[qs])
-                    plgpu.copy_gmem_to_smem(lims_ref.at[b, g, :, pl.ds(pl.multiple_of(e0 * hg, 8), ROWS)],
+                    plgpu.copy_gmem_to_smem(lims_ref.at[b, g, :, pl.ds(pl.multiple_of(e0 * sr, 8), ROWS)],
                                             lim_smem.at[qs], q_ready.at[qs])
                     return carry
                 lax.fori_loop(0, nt, tile, None)
@@ -249,8 +225,8 @@ def _body(flat_ref, key_ref, rend_ref, nval_ref, lims_ref, q_ref, k_ref, v_ref, 
                 # the selections' (token, slot) first: their loads' latency hides behind the wgmmas
                 flats = [flat_ref[b, g, jnp.minimum(e0 + j, end - 1)] for j in range(per)]
                 plgpu.barrier_wait(q_ready.at[qs])
-                c_lo = _load_rows(lim_smem.at[qs, 0])
-                c_hi = _load_rows(lim_smem.at[qs, 1])
+                c_lo = mosaic_load_rows(lim_smem.at[qs, 0])
+                c_hi = mosaic_load_rows(lim_smem.at[qs, 1])
                 k_win = k_smem.at[slot, pl.ds(0, ncols)]
                 v_win = v_smem.at[slot, pl.ds(0, ncols)]
 
@@ -292,8 +268,8 @@ def _body(flat_ref, key_ref, rend_ref, nval_ref, lims_ref, q_ref, k_ref, v_ref, 
                     def _(f=f):
                         t = lax.div(f, topk)
                         sk = f - t * topk
-                        plgpu.copy_smem_to_gmem(o_ref.at[pl.ds(j * hg, hg)], op_ref.at[b, t, sk, heads])
-                        plgpu.copy_smem_to_gmem(l_smem.at[wg, pl.ds(j * hg, hg)], lp_ref.at[b, t, sk, heads])
+                        plgpu.copy_smem_to_gmem(o_ref.at[pl.ds(j * sr, sr)], op_ref.at[b, t, sk, heads])
+                        plgpu.copy_smem_to_gmem(l_smem.at[wg, pl.ds(j * sr, sr)], lp_ref.at[b, t, sk, heads])
 
             def per_run(a, end, ri, ct, nt, w0):
                 slot = lax.rem(ri, kv_slots)
@@ -320,13 +296,13 @@ def _body(flat_ref, key_ref, rend_ref, nval_ref, lims_ref, q_ref, k_ref, v_ref, 
     itemsize = jnp.dtype(dtype).itemsize
     extra = {}
     if p_in_smem:
-        extra["p_smem"] = {n: plgpu.SMEM((2, ROWS, n), dtype, transforms=_transforms(n, itemsize))
+        extra["p_smem"] = {n: plgpu.SMEM((2, ROWS, n), dtype, transforms=mosaic_smem_transforms(n, itemsize))
                            for n in widths}
     pl.run_scoped(
         scope,
-        k_smem=plgpu.SMEM((kv_slots, nrows, d), dtype, transforms=_transforms(d, itemsize)),
-        v_smem=plgpu.SMEM((kv_slots, nrows, dv), dtype, transforms=_transforms(dv, itemsize)),
-        q_smem=plgpu.SMEM((4, ROWS, d), dtype, transforms=_transforms(d, itemsize)),
+        k_smem=plgpu.SMEM((kv_slots, nrows, d), dtype, transforms=mosaic_smem_transforms(d, itemsize)),
+        v_smem=plgpu.SMEM((kv_slots, nrows, dv), dtype, transforms=mosaic_smem_transforms(dv, itemsize)),
+        q_smem=plgpu.SMEM((4, ROWS, d), dtype, transforms=mosaic_smem_transforms(d, itemsize)),
         lim_smem=plgpu.SMEM((4, 2, ROWS), jnp.int32),
         l_smem=plgpu.SMEM((2, ROWS), jnp.float32),
         kv_ready=plgpu.Barrier(num_arrivals=2, num_barriers=kv_slots),
@@ -345,26 +321,22 @@ def _partials(q, k_pad, v_pad, ids, starts, qpos, base, j0, j1, *, blk, chunk, i
     dv = v_pad.shape[-1]
     topk = ids.shape[-1]
     hg = h // g
-    per = ROWS // hg
+    sr = head_slot(hg)
+    per = ROWS // sr
     n_items = -(-t * topk // chunk)
     flat, key, run_end, n_valid = worklist(ids, starts)
-    lims = _intervals(ids, flat, key, qpos, base, j0, j1, blk, hg, per)
+    lims = _intervals(ids, flat, key, qpos, base, j0, j1, blk, sr, per)
     p_in_smem = bool(interpret or p_in_smem)
-    params = None
-    if interpret:
-        if not interpreter_available():
-            raise NotImplementedError(f"sparse_fwd_wgmma(interpret=True) needs the Mosaic GPU interpreter of "
-                                      f"jax >= 0.11 (this is jax {jax.__version__})")
-        params = plgpu.InterpretGPUParams()
+    params = mosaic_interpret_params("sparse_fwd_wgmma") if interpret else None
 
     def call(wide_runs):
         widths, kv_slots = _windows(blk, d, dv, q.dtype.itemsize, p_in_smem, wide_runs, interpret)
-        body = functools.partial(_body, blk=blk, topk=topk, hg=hg, per=per, chunk=chunk, scale=1.0 / math.sqrt(d),
+        body = functools.partial(_body, blk=blk, topk=topk, sr=sr, per=per, chunk=chunk, scale=1.0 / math.sqrt(d),
                                  p_in_smem=p_in_smem, widths=widths, kv_slots=kv_slots)
         kernel = plgpu.kernel(
             body,
-            out_type=[typed_out_struct((bsz, t, topk, h, dv), q.dtype, q),
-                      typed_out_struct((bsz, t, topk, h), jnp.float32, q)],
+            out_type=[typed_out_struct((bsz, t, topk, g * sr, dv), q.dtype, q),
+                      typed_out_struct((bsz, t, topk, g * sr), jnp.float32, q)],
             grid=(n_items, g, bsz), grid_names=("i", "g", "b"),
             num_threads=3, thread_name="wg",
             interpret=params,
@@ -373,8 +345,14 @@ def _partials(q, k_pad, v_pad, ids, starts, qpos, base, j0, j1, *, blk, chunk, i
     # Every window 8-row aligned (positions from 0 in every stored run, blocks of 64 / 128: the common
     # case): windows of exactly B rows, two K/V slots. Otherwise the kernel that also loads wide windows.
     aligned = jnp.all((key % 8 == 0) | (key == jnp.iinfo(jnp.int32).max))
+    if sr != hg:        # head slots of sr rows per group: pad q, drop the spare rows of the partials
+        q = jnp.pad(q.reshape(bsz, t, g, hg, d), ((0, 0),) * 3 + ((0, sr - hg), (0, 0))).reshape(bsz, t, g * sr, d)
     args = (flat, key, run_end, n_valid, lims, q, k_pad, v_pad)
-    return lax.cond(aligned, call(False), call(True), *args)
+    op, lp = lax.cond(aligned, call(False), call(True), *args)
+    if sr != hg:
+        op = op.reshape(bsz, t, topk, g, sr, dv)[:, :, :, :, :hg].reshape(bsz, t, topk, h, dv)
+        lp = lp.reshape(bsz, t, topk, g, sr)[..., :hg].reshape(bsz, t, topk, h)
+    return op, lp
 
 
 def sparse_fwd_wgmma(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids, *,
@@ -400,7 +378,7 @@ def sparse_fwd_wgmma(q, k, v, block_ids, q_positions, kv_positions, q_segment_id
     ids = layout.dedupe_ids(block_ids)
     starts = layout.window_starts(ids, prep.base, block_size, prep.s_pad)
     qpos = q_positions.astype(jnp.int32)
-    j0, j1 = jax.vmap(_segment_runs)(prep.kv_seg, prep.q_seg)
+    j0, j1 = jax.vmap(layout.segment_runs)(prep.kv_seg, prep.q_seg)
     # _WIDE zero rows past the keys: a wide window of the last block stays inside the array
     k_pad, v_pad = (jnp.pad(x, ((0, 0), (0, _WIDE), (0, 0), (0, 0))) for x in (prep.k, prep.v))
     if query_chunk is None:

@@ -24,7 +24,7 @@ import numpy as np
 from pallas_kernels.common import searchsorted
 
 __all__ = ["Prepared", "prepare", "next_pow2", "pad_query_rows", "check_shapes", "check_layout",
-           "window_starts", "dedupe_ids"]
+           "window_starts", "dedupe_ids", "segment_runs"]
 
 
 def next_pow2(x: int) -> int:
@@ -114,6 +114,22 @@ def _segment_base(kv_pos, kv_seg, q_seg):
     j = order[idx]
     found = (sorted_seg[idx] == q_seg) & (q_seg >= 0)
     return jnp.where(found, j - kv_pos[j], 0).astype(jnp.int32)
+
+
+def segment_runs(kv_seg, q_seg):
+    """Per query: first and last storage index of its segment's keys (j1 < j0 when it has none).
+
+    One batch row: kv_seg [S] int32 (-1 on empty slots), q_seg [T] int32 -> (j0, j1) int32 [T]. Under the
+    storage-layout contract the segment's keys are exactly storage [j0, j1]."""
+    order = jnp.argsort(kv_seg, stable=True)
+    srt = kv_seg[order]
+    n = kv_seg.shape[0]
+    a = searchsorted(srt, q_seg, side="left")
+    e = searchsorted(srt, q_seg, side="right")
+    found = (e > a) & (q_seg >= 0)
+    j0 = order[jnp.clip(a, 0, n - 1)]
+    j1 = order[jnp.clip(e - 1, 0, n - 1)]
+    return jnp.where(found, j0, 1), jnp.where(found, j1, 0)
 
 
 def window_starts(block_ids, base, block_size, s_pad):

@@ -70,7 +70,7 @@ def test_tgmm_ws_probe_flags_and_cpu_run(tmp_path):
     """bench/tgmm_ws_probe.py: bad flags are argparse errors; with the Mosaic GPU interpreter (jax >= 0.11) a
     --cpu run checks the candidate against the Triton tgmm at both projections of both models (error 0 or
     small) and runs the gmm-level comparison with it; without one, --cpu is refused naming the jax version."""
-    from pallas_kernels.moe.gpu_tgmm_ws import interpreter_available
+    from pallas_kernels.common import mosaic_interpreter_available as interpreter_available
 
     r = _run("tgmm_ws_probe.py", "--rounds=0")
     assert r.returncode == 2 and "--rounds" in r.stderr

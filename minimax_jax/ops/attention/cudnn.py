@@ -42,6 +42,7 @@ import jax.numpy as jnp
 
 from minimax_jax.ops import registry
 from minimax_jax.ops.attention import flash
+from pallas_kernels.common import gpu_compute_capability
 
 __all__ = ["DEFAULT_MAX_SEGMENTS", "DEFAULT_OVERFLOW", "OVERFLOWS", "bucket_index", "cudnn", "cudnn_packed",
            "cudnn_packed_unsupported", "cudnn_unsupported", "packed_attention", "segment_runs",
@@ -107,15 +108,6 @@ def segment_runs(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, 
     return seqlen.astype(jnp.int32), offsets.astype(jnp.int32), count
 
 
-def _compute_capability() -> str | None:
-    """The first local GPU's compute capability (e.g. ``"9.0"``); None when no GPU is visible."""
-    try:
-        devices = jax.local_devices(backend="gpu")
-    except RuntimeError:
-        return None
-    return getattr(devices[0], "compute_capability", None) if devices else None
-
-
 def unavailable_reason(q: jax.Array) -> str | None:
     """Why cuDNN's packed attention cannot serve queries like ``q`` on this machine; None when it can.
 
@@ -129,7 +121,7 @@ def unavailable_reason(q: jax.Array) -> str | None:
     backend = registry.default_backend()
     if backend != "gpu":
         return f"cudnn_packed needs a CUDA GPU backend (got {backend!r})"
-    cc = _compute_capability()
+    cc = gpu_compute_capability()
     if cc is None:
         return ("cudnn_packed needs a CUDA GPU on this machine (the GPU backend is only assumed here; JAX's cuDNN "
                 "attention reads the device's compute capability when traced)")

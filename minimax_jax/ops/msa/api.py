@@ -13,8 +13,11 @@ Implementations (``minimax_jax.ops.registry``; what ran is recorded under the op
 - ``"pallas_gpu"``, ``"pallas_tpu"``, ``"pallas_gpu_interpret"``, ``"pallas_tpu_interpret"``: the
   kernels of ``pallas_kernels.msa`` (``pallas.py`` says when each applies); not for
   ``msa_index_scores``.
-- ``"auto"``: ``"xla"`` on CPU; on GPU / TPU the backend's kernel when its ``supports`` accepts the
-  call, else ``"xla"`` with the reason recorded under ``"<op>.auto_reason"``.
+- ``"pallas_hopper_gpu"`` (``"pallas_hopper_gpu_interpret"``): the Hopper kernel set (``pallas.py``).
+- ``"auto"``: ``"xla"`` on CPU; on GPU ``"pallas_hopper_gpu"`` (``indexer_kl``: its Triton kernel, named
+  ``"pallas_gpu"``), then ``"pallas_gpu"``, on TPU ``"pallas_tpu"``,
+  each when its ``supports`` accepts the call, else ``"xla"``; the reasons of the ones passed over are
+  recorded under ``"<op>.auto_reason"``.
 An explicit implementation that cannot serve the call raises ``ImplementationUnavailable``.
 """
 
@@ -301,7 +304,12 @@ def _xla(reference_fn):
 
 def _kernel_then_xla(backend, *args, **kwargs):
     """``"auto"``: the backend's kernel when it serves the call, else the XLA reference."""
-    return {"gpu": ("pallas_gpu", "xla"), "tpu": ("pallas_tpu", "xla")}.get(backend, ("xla",))
+    return {"gpu": ("pallas_hopper_gpu", "pallas_gpu", "xla"), "tpu": ("pallas_tpu", "xla")}.get(backend, ("xla",))
+
+
+def _kl_kernel_then_xla(backend, *args, **kwargs):
+    """``"auto"`` for the KL: the Hopper set runs the Triton KL, so on GPU it is named ``pallas_gpu``."""
+    return ("pallas_gpu", "xla") if backend == "gpu" else _kernel_then_xla(backend)
 
 
 registry.register("msa_index_scores", [Implementation("xla", _xla(_ref.index_scores))],
@@ -311,7 +319,7 @@ registry.register("msa_select_blocks", [Implementation("xla", _xla(_ref.select_b
 registry.register("msa_attention", [Implementation("xla", _xla(_ref.attention)), *_pallas.ATTENTION],
                   auto=_kernel_then_xla)
 registry.register("indexer_kl", [Implementation("xla", _xla(_kl.indexer_kl)), *_pallas.INDEXER_KL],
-                  auto=_kernel_then_xla)
+                  auto=_kl_kernel_then_xla)
 
 #: Every ``implementation=`` name of the MSA ops that take kernels (``"auto"`` first).
 IMPLEMENTATIONS = registry.implementation_names("msa_attention")

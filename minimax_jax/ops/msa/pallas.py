@@ -12,6 +12,15 @@ dropped here), plus a ``supports`` check that says when the kernel cannot serve 
   ``jit`` it is a precondition).
 Names: ``pallas_gpu`` / ``pallas_tpu`` (compiled, on their platform) and ``pallas_gpu_interpret`` /
 ``pallas_tpu_interpret`` (the same kernels in Pallas interpret mode, any platform; CPU tests).
+``pallas_hopper_gpu``: the Hopper set (compute capability 9.x; Pallas Mosaic GPU, ``wgmma`` + TMA) where
+one is built, the ``pallas_gpu`` (Triton) kernels for the rest: the indexer (``gpu_indexer_wgmma``,
+bf16 / f16 index inputs), the attention forward (``gpu_sparse_fwd_wgmma``, bf16 / f16, up to 64 heads per
+group filling at least 3/4 of its padded head slots: 6-8, 12-16, 24-32, 48-64; D = Dv in {64, 128}, blocks
+of 64 / 128) with the Triton backward, and the Triton indexer KL; a
+call outside those shapes is refused with the reason (``"auto"`` then takes ``pallas_gpu``).
+``pallas_hopper_gpu_interpret`` runs the same set in the Mosaic GPU interpreter (jax >= 0.11) and Pallas'
+interpret mode. Without a visible GPU (lowering for CUDA under ``assume_backend("gpu")``) the Hopper
+target is assumed.
 """
 
 from __future__ import annotations
@@ -21,9 +30,12 @@ import functools
 import jax
 
 from minimax_jax.ops.registry import Implementation
+from pallas_kernels.common import gpu_compute_capability, mosaic_interpreter_available
 from pallas_kernels.msa import layout
 from pallas_kernels.msa.gpu_attention import msa_attention_gpu
 from pallas_kernels.msa.gpu_indexer import msa_select_blocks_gpu
+from pallas_kernels.msa.gpu_indexer_wgmma import msa_select_blocks_wgmma, wgmma_indexer_supported
+from pallas_kernels.msa.gpu_sparse_fwd_wgmma import head_slot, wgmma_supported
 from pallas_kernels.msa.gpu_kl import indexer_kl_gpu
 from pallas_kernels.msa.tpu_attention import msa_attention_tpu
 from pallas_kernels.msa.tpu_indexer import msa_select_blocks_tpu
@@ -75,6 +87,45 @@ def _sparse_only(check):
     return supports
 
 
+def _hopper_device(interpret: bool) -> str | None:
+    """Why the Hopper kernels cannot run here (None when they can): compiled, a visible GPU must be of
+    compute capability 9.x (none visible: lowering for the Hopper target); interpreted, jax >= 0.11."""
+    if interpret:
+        return None if mosaic_interpreter_available() else "the Mosaic GPU interpreter needs jax >= 0.11"
+    cc = gpu_compute_capability()
+    if cc is not None and not str(cc).startswith("9."):
+        return f"the wgmma kernels need a Hopper GPU (compute capability 9.x), got {cc}"
+    return None
+
+
+def _hopper_supports(interpret, kernel_reason, triton_check):
+    """The Hopper set's check: device, the wgmma kernel's shapes (``kernel_reason(args, kw)``, None for
+    an op served by Triton kernels alone), then the Triton kernels' check (layout, and backward tiles)."""
+    def supports(*args, **kw):
+        why = _hopper_device(interpret)
+        if why is None and kernel_reason is not None:
+            why = kernel_reason(args, kw)
+        return why if why is not None else triton_check(*args, **kw)
+    return supports
+
+
+def _indexer_shapes(args, kw):
+    return wgmma_indexer_supported(args[0].shape, args[1].shape, args[0].dtype, kw.get("block_size"))
+
+
+def _attention_shapes(args, kw):
+    q, k, v = args[:3]
+    why = wgmma_supported(q.shape, k.shape, v.shape[-1], q.dtype, kw.get("block_size"))
+    if why is None and not (k.dtype == q.dtype == v.dtype):
+        why = f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})"
+    hg = q.shape[2] // k.shape[2]
+    if why is None and 4 * hg < 3 * head_slot(hg):
+        # measured (BENCHMARKS.md): 4 heads per group in 8-row slots run 26 % slower than the Triton forward
+        why = (f"{hg} heads per group fill {hg} of the wgmma forward's {head_slot(hg)}-row head slots "
+               f"(under 3/4): the Triton forward is faster")
+    return why
+
+
 _select_dims = lambda args: (args[0].shape[-1],)                          # qi
 _main_dims = lambda args: (args[0].shape[-1], args[2].shape[-1])          # (q, v) or (q, qi)
 
@@ -93,8 +144,13 @@ def _select_tpu(qi, ki, *, chunk_size, interpret, **kw):
     return msa_select_blocks_tpu(qi, ki, interpret=interpret, **kw)
 
 
-def _attention_gpu(q, k, v, block_ids, *, chunk_size, interpret, **kw):
-    return msa_attention_gpu(q, k, v, block_ids, interpret=interpret, **kw)
+def _select_hopper(qi, ki, *, chunk_size, interpret, **kw):
+    qi, ki = jax.lax.stop_gradient(qi), jax.lax.stop_gradient(ki)
+    return msa_select_blocks_wgmma(qi, ki, interpret=interpret, **kw)
+
+
+def _attention_gpu(q, k, v, block_ids, *, chunk_size, interpret, forward="triton", **kw):
+    return msa_attention_gpu(q, k, v, block_ids, interpret=interpret, forward=forward, **kw)
 
 
 def _attention_tpu(q, k, v, block_ids, *, chunk_size, interpret, **kw):
@@ -118,10 +174,23 @@ def _four(gpu_fn, tpu_fn, gpu_check, tpu_check, tpu_interpret_check):
             Implementation("pallas_gpu_interpret", p(gpu_fn, interpret=True), None, gpu_check)]
 
 
+def _hopper(fn, kernel_reason, triton_check):
+    """The Hopper set's two implementations: pallas_hopper_gpu and pallas_hopper_gpu_interpret."""
+    p = functools.partial
+    return [Implementation("pallas_hopper_gpu", p(fn, interpret=False), ("gpu",),
+                           _hopper_supports(False, kernel_reason, triton_check)),
+            Implementation("pallas_hopper_gpu_interpret", p(fn, interpret=True), None,
+                           _hopper_supports(True, kernel_reason, triton_check))]
+
+
 _gpu = functools.partial(_gpu_supports, _main_dims)
-SELECT_BLOCKS = _four(_select_gpu, _select_tpu, functools.partial(_gpu_supports, _select_dims),
-                      functools.partial(_tpu_supports, 128), functools.partial(_tpu_supports, None))
-ATTENTION = _four(_attention_gpu, _attention_tpu, _gpu, functools.partial(_tpu_supports, 128),
-                  functools.partial(_tpu_supports, 8))
-INDEXER_KL = _four(_kl_gpu, _kl_tpu, _sparse_only(_gpu), _sparse_only(functools.partial(_tpu_supports, 128)),
-                   _sparse_only(functools.partial(_tpu_supports, 8)))
+_gpu_select = functools.partial(_gpu_supports, _select_dims)
+SELECT_BLOCKS = [*_four(_select_gpu, _select_tpu, _gpu_select, functools.partial(_tpu_supports, 128),
+                        functools.partial(_tpu_supports, None)),
+                 *_hopper(_select_hopper, _indexer_shapes, lambda *args, **kw: _layout_reason(kw))]
+ATTENTION = [*_four(_attention_gpu, _attention_tpu, _gpu, functools.partial(_tpu_supports, 128),
+                    functools.partial(_tpu_supports, 8)),
+             *_hopper(functools.partial(_attention_gpu, forward="wgmma"), _attention_shapes, _gpu)]
+INDEXER_KL = [*_four(_kl_gpu, _kl_tpu, _sparse_only(_gpu), _sparse_only(functools.partial(_tpu_supports, 128)),
+                     _sparse_only(functools.partial(_tpu_supports, 8))),
+              *_hopper(_kl_gpu, None, _sparse_only(_gpu))]

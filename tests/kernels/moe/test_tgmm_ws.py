@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels.moe import gpu_gmm
-from pallas_kernels.moe.gpu_tgmm_ws import WS_TGMM_CANDIDATES, WsTgmmConfig, interpreter_available, tgmm_ws
+from pallas_kernels.common import mosaic_interpreter_available as interpreter_available
+from pallas_kernels.moe.gpu_tgmm_ws import WS_TGMM_CANDIDATES, WsTgmmConfig, tgmm_ws
 
 needs_interpreter = pytest.mark.skipif(
     not interpreter_available(),

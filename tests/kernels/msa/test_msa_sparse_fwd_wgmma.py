@@ -2,7 +2,8 @@
 
 In the Mosaic GPU interpreter (jax >= 0.11; the tests skip and say so on older jax), o and lse against
 the fp32 XLA reference (``minimax_jax.ops.msa``, implementation "xla", on the same bf16-rounded inputs),
-every element: 16 heads per group with 64- and 128-key blocks (aligned windows), packed documents of
+every element: 16 heads per group with 64- and 128-key blocks (aligned windows), 6 and 3 heads per
+group (padded 8-row head slots), packed documents of
 unaligned lengths (wide windows) with empty slots, queries as a suffix of the keys, tokens with no
 selection (-1 ids) and duplicate ids; small ``chunk`` splits runs over programs. On any jax: the CUDA
 lowering at M3 shapes (128K tokens) and the ``wgmma_supported`` predicate.
@@ -16,7 +17,8 @@ import numpy as np
 import pytest
 
 from minimax_jax.ops import msa as msa_ops
-from pallas_kernels.msa.gpu_sparse_fwd_wgmma import interpreter_available, sparse_fwd_wgmma, wgmma_supported
+from pallas_kernels.common import mosaic_interpreter_available as interpreter_available
+from pallas_kernels.msa.gpu_sparse_fwd_wgmma import head_slot, sparse_fwd_wgmma, wgmma_supported
 from tests.kernels.msa.test_msa_kernels_oracle import make_case, positions, random_ids
 
 needs_interpreter = pytest.mark.skipif(
@@ -79,6 +81,17 @@ def test_queries_as_suffix_of_keys():
     _run_and_check(c, ids, 128, chunk=16)
 
 
+@needs_interpreter
+@pytest.mark.parametrize("h,g", [(12, 2), (6, 2)])
+def test_padded_head_slots_m2_like(h, g):
+    """6 heads per group (M2: slots of 8 rows, 8 selections per tile) and 3 (slots of 8): the spare
+    slot rows compute and are dropped; causal blocks of 64 with a packed second document."""
+    rng = np.random.default_rng()
+    c = make_case(rng, bsz=1, t=200, s=200, h=h, g=g, d=64, segments=[[128, 72]])
+    ids = random_ids(rng, c["q_pos"], c["q_seg"], g, 3, 64)
+    _run_and_check(c, ids, 64, chunk=32)
+
+
 @pytest.mark.parametrize("blk", [64, 128])
 def test_lowers_for_cuda_at_m3_shapes(blk):
     """M3 attention shapes at 128K tokens (64 heads, 4 kv groups, D 128, top-16 blocks, query chunks):
@@ -97,7 +110,9 @@ def test_lowers_for_cuda_at_m3_shapes(blk):
 def test_supported_shapes():
     assert wgmma_supported((1, 8, 64, 128), (1, 8, 4, 128), 128, jnp.bfloat16, 128) is None    # M3
     assert wgmma_supported((1, 8, 64, 64), (1, 8, 8, 64), 64, jnp.float16, 64) is None
-    assert "heads per group" in wgmma_supported((1, 8, 48, 128), (1, 8, 8, 128), 128, jnp.bfloat16, 128)  # M2
+    assert wgmma_supported((1, 8, 48, 128), (1, 8, 8, 128), 128, jnp.bfloat16, 128) is None    # M2: slots of 8
+    assert "heads per group" in wgmma_supported((1, 8, 130, 64), (1, 8, 2, 64), 64, jnp.bfloat16, 128)
+    assert [head_slot(n) for n in (1, 3, 6, 8, 12, 16, 17, 64)] == [8, 8, 8, 8, 16, 16, 32, 64]
     assert "dtype" in wgmma_supported((1, 8, 64, 128), (1, 8, 4, 128), 128, jnp.float32, 128)
     assert "head dims" in wgmma_supported((1, 8, 64, 96), (1, 8, 4, 96), 96, jnp.bfloat16, 128)
     assert "head dims" in wgmma_supported((1, 8, 64, 128), (1, 8, 4, 128), 64, jnp.bfloat16, 128)

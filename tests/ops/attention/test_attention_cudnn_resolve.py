@@ -24,7 +24,7 @@ def _resolved(dtype=jnp.bfloat16):
 
 @pytest.mark.parametrize("cc,want", [("9.0", "cudnn_packed"), ("10.0", "cudnn_packed"), ("8.0", "pallas_flash_gpu")])
 def test_assumed_gpu_resolves_packed_rows_by_the_device(monkeypatch, cc, want):
-    monkeypatch.setattr(cudnn, "_compute_capability", lambda: cc)      # the GPU the call would see
+    monkeypatch.setattr(cudnn, "gpu_compute_capability", lambda: cc)      # the GPU the call would see
     with registry.assume_backend("gpu"):
         assert _resolved() == want
         assert _resolved(jnp.float32) == "pallas_flash_gpu"   # cuDNN's packed layout: bf16/fp16 only
@@ -34,7 +34,7 @@ def test_assumed_gpu_resolves_packed_rows_by_the_device(monkeypatch, cc, want):
 
 
 def test_assumed_gpu_without_a_device_passes_over_cudnn_with_the_reason(monkeypatch):
-    monkeypatch.setattr(cudnn, "_compute_capability", lambda: None)    # no GPU visible (a CPU machine)
+    monkeypatch.setattr(cudnn, "gpu_compute_capability", lambda: None)    # no GPU visible (a CPU machine)
     with registry.assume_backend("gpu"):
         assert _resolved() == "pallas_flash_gpu"
         assert "GPU backend is only assumed" in cudnn.unavailable_reason(Q)
