@@ -359,11 +359,12 @@ def bench_one(mode: str, seq: int, args) -> dict:
     row["first_step_s"] = round(first_s, 3)
     for i in range(args.warmup):
         run(f"warmup step {i + 1}/{args.warmup}")
-    times, flops, loss = [], [], None
+    times, flops, parts, loss = [], [], [], None
     for i in range(args.steps):
         dt, b, m = run(f"timed step {i + 1}/{args.steps}")
         times.append(dt)
         flops.append(train_flops(cfg, b["positions"]))
+        parts.append(train_flops_parts(cfg, b["positions"]))
         loss = float(m["loss"])
     step_s = statistics.median(times)
     fl = statistics.median(flops)
@@ -371,7 +372,7 @@ def bench_one(mode: str, seq: int, args) -> dict:
     row.update({
         "step_s_median": step_s, "step_s_all": times, "tokens_per_s": args.batch * seq / step_s,
         "model_tflops_per_s": fl / step_s / 1e12, "mfu": (fl / step_s / peak) if peak else None,
-        "flops_per_step": fl, **_flop_parts(cfg, b["positions"], step_s, peak), "loss_last": loss, "implementations": implementation_report(), **_device_memory(),
+        "flops_per_step": fl, **_flop_parts(parts, step_s, peak), "loss_last": loss, "implementations": implementation_report(), **_device_memory(),
     })
     if args.profile:
         row["profile"] = profile_steps(tag, args, lambda i: run(f"profiled step {i + 1}/{args.profile}"))
@@ -379,10 +380,10 @@ def bench_one(mode: str, seq: int, args) -> dict:
     return row
 
 
-def _flop_parts(cfg, positions, step_s, peak) -> dict:
-    """Per-step FLOPs by part (model / indexer / KL, ``train_flops_parts``) and the MFU of the model
-    FLOPs alone (``mfu_model``) and of all three (``mfu_all``)."""
-    parts = train_flops_parts(cfg, positions)
+def _flop_parts(per_step: list[dict], step_s, peak) -> dict:
+    """Per-step FLOPs by part (model / indexer / KL, ``train_flops_parts``; the median over the timed
+    steps' batches) and the MFU of the model FLOPs alone (``mfu_model``) and of all three (``mfu_all``)."""
+    parts = {k: statistics.median(p[k] for p in per_step) for k in per_step[0]}
     total = sum(parts.values())
     return {"flops_parts": parts, "mfu_model": parts["model"] / step_s / peak if peak else None,
             "mfu_all": total / step_s / peak if peak else None}

@@ -121,28 +121,39 @@ def mosaic_interpreter_available() -> bool:
 
 
 def _cpu_executions() -> int:
-    """How many XLA CPU executions run at once: the CPU client's pool, ``NPROC`` or the usable cores."""
-    try:
-        return int(os.environ["NPROC"])
-    except (KeyError, ValueError):
-        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    """How many XLA CPU executions run at once: the CPU client's pool, ``PJRT_NPROC`` or ``NPROC`` (read
+    by XLA in that order), else the usable cores."""
+    for name in ("PJRT_NPROC", "NPROC"):
+        try:
+            return int(os.environ[name])
+        except (KeyError, ValueError):
+            pass
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def mosaic_interpreter_pool_reason(warpgroups: int = 3) -> str | None:
+    """Why the Mosaic GPU interpreter could deadlock here (None when it cannot): it runs a CTA's
+    ``warpgroups`` as concurrent XLA CPU executions that wait on each other's barriers, inside the
+    kernel call's own execution, so the CPU client must run ``warpgroups + 1`` at once."""
+    n = _cpu_executions()
+    if n >= warpgroups + 1:
+        return None
+    return (f"the Mosaic GPU interpreter needs {warpgroups + 1} concurrent XLA CPU executions and this process "
+            f"allows {n}: set NPROC={warpgroups + 1} (or more) in the environment before JAX starts")
 
 
 def mosaic_interpret_params(kernel: str, warpgroups: int = 3):
     """``plgpu.InterpretGPUParams()`` for running ``kernel`` (a name for the error) in the interpreter.
 
-    The interpreter runs a CTA's ``warpgroups`` as concurrent XLA CPU executions that wait on each
-    other's barriers, inside the kernel call's own execution: with fewer than ``warpgroups + 1`` at
-    once (the CPU client's pool: ``NPROC`` or the core count) a warp-specialised kernel can deadlock.
     Raises NotImplementedError on a jax without the interpreter (jax < 0.11); RuntimeError when the
-    pool is too small (set ``NPROC`` before JAX starts; tests/conftest.py does)."""
+    CPU client's pool could deadlock it (``mosaic_interpreter_pool_reason``; set ``NPROC`` before JAX
+    starts; tests/conftest.py does)."""
     if not mosaic_interpreter_available():
         raise NotImplementedError(f"{kernel}(interpret=True) needs the Mosaic GPU interpreter of jax >= 0.11 "
                                   f"(this is jax {jax.__version__})")
-    if _cpu_executions() < warpgroups + 1:
-        raise RuntimeError(f"{kernel}(interpret=True): the Mosaic GPU interpreter needs {warpgroups + 1} concurrent "
-                           f"XLA CPU executions and this process allows {_cpu_executions()}: set NPROC="
-                           f"{warpgroups + 1} (or more) in the environment before JAX starts")
+    why = mosaic_interpreter_pool_reason(warpgroups)
+    if why is not None:
+        raise RuntimeError(f"{kernel}(interpret=True): {why}")
     return _plgpu().InterpretGPUParams()
 
 

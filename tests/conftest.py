@@ -21,14 +21,16 @@
    found" on a CPU; there the target is taken to be a Hopper GPU, sm_90 (``pallas_kernels.common.triton_cuda_target``,
    entered for the session in this process; subprocesses that lower for CUDA go through
    ``assume_backend("gpu")``, which enters it too). A machine with a GPU keeps its own answer.
-5. ``NPROC`` (XLA's CPU client pool: executions at once) at least 8, set before JAX starts: the Mosaic
-   GPU interpreter runs a kernel's three warpgroups as concurrent executions that wait on each other,
-   which deadlocks on a 2-core machine's default pool (``pallas_kernels.common.mosaic_interpret_params``).
+5. With jax >= 0.11 (the Mosaic GPU interpreter) and no ``NPROC`` set: ``NPROC`` (XLA's CPU client pool:
+   executions at once) = max(8, cores), before JAX starts: the interpreter runs a kernel's three warpgroups
+   as concurrent executions that wait on each other, which deadlocks on a 2-core machine's default pool
+   (``pallas_kernels.common.mosaic_interpret_params``).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import os
 import re
 import shutil
@@ -37,7 +39,12 @@ import sys
 import tempfile
 
 _OWNER = "MINIMAX_TEST_JAX_CACHE_OWNER"
-os.environ["NPROC"] = str(max(8, int(os.environ.get("NPROC", "0") or 0), os.cpu_count() or 1))
+try:       # only where the Mosaic GPU interpreter exists (jax >= 0.11): elsewhere XLA's pool stays as it was
+    _JAX = tuple(int(x) for x in importlib.metadata.version("jax").split(".")[:2])
+except (importlib.metadata.PackageNotFoundError, ValueError):
+    _JAX = (0, 0)
+if _JAX >= (0, 11) and "NPROC" not in os.environ:
+    os.environ["NPROC"] = str(max(8, os.cpu_count() or 1))
 
 if os.environ.get("MINIMAX_TEST_JAX_CACHE", "1") != "0" and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="minimax-jax-test-cache-")

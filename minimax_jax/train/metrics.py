@@ -4,8 +4,13 @@ FLOPs of one training token (forward + backward = 3 x forward)::
 
     6 * (active matmul params per token)                      # every projection, lm_head included
   + 3 * sum over attention layers of 4 * H * D * ctx          # QK^T and PV, forward 4*H*D per key
-  + 3 * sum over MSA layers of 2 * Hi * Di * ctx_index        # the indexer scores
+  + sum over MSA layers of 2 * Hi * Di * ctx_index            # the indexer scores: forward only (the
+                                                              # selection is discrete, no gradient)
   (+ the same for each MTP module's layer and lm_head)
+
+``train_flops_parts`` also counts the indexer KL on the selected support, apart: per MSA layer
+``(2 * H * D + 6 * Hi * Di) * ctx`` (the teacher's QK^T once; the student's scores and their two
+gradients, the only gradients the index branch gets).
 
 ``ctx`` is the number of keys a token attends: its position + 1 within its document for dense
 layers, ``min(position + 1, topk * block)`` for MSA layers (MSA_SPEC.md section 6), the sliding
@@ -57,9 +62,9 @@ def _ctx(pos1: np.ndarray, layer_type: str, cfg: ModelConfig) -> tuple[float, fl
 
 def train_flops_parts(cfg: ModelConfig, positions: np.ndarray) -> dict[str, float]:
     """Training FLOPs of a batch with these ``positions`` ``[B, L]``, by part (module docstring):
-    ``model`` (matmuls + attention), ``indexer`` (index scores, forward + backward) and ``kl`` (the
-    indexer KL on the selected support: the teacher's QK^T once, 2 H D per key, and the student's
-    scores with their two gradients, 6 Hi Di per key; counted whether or not the run trains it)."""
+    ``model`` (matmuls + attention), ``indexer`` (index scores, forward only) and ``kl`` (the indexer
+    KL on the selected support: the teacher's QK^T once, 2 H D per key, and the student's scores with
+    their two gradients, 6 Hi Di per key; counted whether or not the run trains it)."""
     pos1 = np.asarray(positions, np.float64) + 1.0
     tokens = pos1.size
     model = 6.0 * matmul_params_per_token(cfg)
@@ -71,7 +76,7 @@ def train_flops_parts(cfg: ModelConfig, positions: np.ndarray) -> dict[str, floa
         ctx, ictx = _ctx(pos1, lt, cfg)
         model += 3.0 * 4.0 * hd * ctx
         if lt == "msa":
-            index += 3.0 * 2.0 * hdi * ictx
+            index += 2.0 * hdi * ictx
             kl += (2.0 * hd + 6.0 * hdi) * ctx
     return {"model": model * tokens, "indexer": index * tokens, "kl": kl * tokens}
 

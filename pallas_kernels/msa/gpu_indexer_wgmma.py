@@ -26,7 +26,8 @@ does no division. t_hi stops at the last key of the last rankable block (the loc
 ranked; whether a row sees its local block, ``local_ok``, is computed in XLA from the same interval).
 
 Restrictions (``wgmma_indexer_supported``): bf16 / f16 / float8_e4m3fn (FP8 ``wgmma``), Hi dividing 64,
-Di a multiple of 64 up to 256, B in {64, 128, 256}; otherwise the Triton kernel. Windows are not
+Di a multiple of 64 up to 256, B in {64, 128, 256}, two key tiles beside the q rows in shared memory
+(the registry's ``auto`` takes the Triton kernel otherwise). Windows are not
 re-checked key by key: the storage-layout contract is a precondition (as for the Triton kernels,
 checked by the ops layer when the positions are concrete).
 """
@@ -71,6 +72,10 @@ def wgmma_indexer_supported(qi_shape, ki_shape, dtype, block_size) -> str | None
         return f"index dim {di} is not a multiple of 64 up to 256"
     if block_size not in (64, 128, 256):
         return f"block size {block_size} not in (64, 128, 256)"
+    try:
+        _stages(block_size, di, jnp.dtype(dtype).itemsize)
+    except ValueError as e:
+        return str(e)
     return None
 
 

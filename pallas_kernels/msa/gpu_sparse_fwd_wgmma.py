@@ -96,7 +96,7 @@ def wgmma_supported(q_shape, kv_shape, v_dim, dtype, block_size) -> str | None:
     h, d = q_shape[2], q_shape[3]
     g = kv_shape[2]
     if h % g or h // g > 64:
-        return f"heads per group {h / g}: need an integer <= 64"
+        return f"heads per group {h}/{g}: need an integer <= 64"
     if d != v_dim or d not in (64, 128):
         return f"head dims D={d}, Dv={v_dim}: need D = Dv in (64, 128)"
     if block_size not in (64, 128):
@@ -382,7 +382,9 @@ def sparse_fwd_wgmma(q, k, v, block_ids, q_positions, kv_positions, q_segment_id
     # _WIDE zero rows past the keys: a wide window of the last block stays inside the array
     k_pad, v_pad = (jnp.pad(x, ((0, 0), (0, _WIDE), (0, 0), (0, 0))) for x in (prep.k, prep.v))
     if query_chunk is None:
-        query_chunk = default_query_chunk(bsz, h, v.shape[-1], topk, q.dtype.itemsize)
+        # the partials hold G padded head slots per (token, slot)
+        query_chunk = default_query_chunk(bsz, k.shape[2] * head_slot(h // k.shape[2]), v.shape[-1], topk,
+                                          q.dtype.itemsize)
     hg = h // k.shape[2]
 
     def run(q, ids, starts, qpos, base, j0, j1):      # q_seg is folded into j0 / j1

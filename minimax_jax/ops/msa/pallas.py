@@ -14,9 +14,10 @@ Names: ``pallas_gpu`` / ``pallas_tpu`` (compiled, on their platform) and ``palla
 ``pallas_tpu_interpret`` (the same kernels in Pallas interpret mode, any platform; CPU tests).
 ``pallas_hopper_gpu``: the Hopper set (compute capability 9.x; Pallas Mosaic GPU, ``wgmma`` + TMA) where
 one is built, the ``pallas_gpu`` (Triton) kernels for the rest: the indexer (``gpu_indexer_wgmma``,
-bf16 / f16 index inputs), the attention forward (``gpu_sparse_fwd_wgmma``, bf16 / f16, up to 64 heads per
-group filling at least 3/4 of its padded head slots: 6-8, 12-16, 24-32, 48-64; D = Dv in {64, 128}, blocks
-of 64 / 128) with the Triton backward, and the Triton indexer KL; a
+qi and ki of one dtype, bf16 / f16, Hi dividing 64, Di a multiple of 64 up to 256, blocks of 64 / 128 /
+256), the attention forward (``gpu_sparse_fwd_wgmma``, bf16 / f16, up to 64 heads per group filling at
+least 3/4 of its padded head slots: 6-8, 12-16, 24-32, 48-64; D = Dv in {64, 128}, blocks of 64 / 128)
+with the Triton backward, and the Triton indexer KL; a
 call outside those shapes is refused with the reason (``"auto"`` then takes ``pallas_gpu``).
 ``pallas_hopper_gpu_interpret`` runs the same set in the Mosaic GPU interpreter (jax >= 0.11) and Pallas'
 interpret mode. Without a visible GPU (lowering for CUDA under ``assume_backend("gpu")``) the Hopper
@@ -28,9 +29,11 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from minimax_jax.ops.registry import Implementation
-from pallas_kernels.common import gpu_compute_capability, mosaic_interpreter_available
+from pallas_kernels.common import (gpu_compute_capability, mosaic_interpreter_available,
+                                   mosaic_interpreter_pool_reason)
 from pallas_kernels.msa import layout
 from pallas_kernels.msa.gpu_attention import msa_attention_gpu
 from pallas_kernels.msa.gpu_indexer import msa_select_blocks_gpu
@@ -91,7 +94,9 @@ def _hopper_device(interpret: bool) -> str | None:
     """Why the Hopper kernels cannot run here (None when they can): compiled, a visible GPU must be of
     compute capability 9.x (none visible: lowering for the Hopper target); interpreted, jax >= 0.11."""
     if interpret:
-        return None if mosaic_interpreter_available() else "the Mosaic GPU interpreter needs jax >= 0.11"
+        if not mosaic_interpreter_available():
+            return "the Mosaic GPU interpreter needs jax >= 0.11"
+        return mosaic_interpreter_pool_reason()
     cc = gpu_compute_capability()
     if cc is not None and not str(cc).startswith("9."):
         return f"the wgmma kernels need a Hopper GPU (compute capability 9.x), got {cc}"
@@ -110,7 +115,13 @@ def _hopper_supports(interpret, kernel_reason, triton_check):
 
 
 def _indexer_shapes(args, kw):
-    return wgmma_indexer_supported(args[0].shape, args[1].shape, args[0].dtype, kw.get("block_size"))
+    qi, ki = args[:2]
+    if ki.dtype != qi.dtype:
+        return f"qi and ki dtypes differ ({qi.dtype}, {ki.dtype})"
+    if jnp.dtype(qi.dtype) == jnp.dtype(jnp.float8_e4m3fn):
+        return ("float8 index inputs need their scales: call gpu_indexer_wgmma.msa_select_blocks_wgmma "
+                "with index_dtype='float8_e4m3fn' on bf16 / f16 inputs")
+    return wgmma_indexer_supported(qi.shape, ki.shape, qi.dtype, kw.get("block_size"))
 
 
 def _attention_shapes(args, kw):

@@ -18,8 +18,8 @@ KW = dict(q_positions=POS, kv_positions=POS, q_segment_ids=None, kv_segment_ids=
           chunk_size=256)
 
 
-def _select(dtype=jnp.bfloat16, hi=4, di=128, impl="auto"):
-    qi, ki = S((1, T, hi, di), dtype), S((1, T, di), dtype)
+def _select(dtype=jnp.bfloat16, hi=4, di=128, impl="auto", ki_dtype=None):
+    qi, ki = S((1, T, hi, di), dtype), S((1, T, di), ki_dtype or dtype)
     return registry.resolve("msa_select_blocks", impl, qi, ki, topk=4, init_blocks=0, local_blocks=1,
                             **KW).name
 
@@ -42,6 +42,12 @@ def test_hopper_first_on_hopper(monkeypatch, cc):
         assert _select(jnp.float32) == "pallas_gpu"              # the wgmma indexer: bf16 / f16 / e4m3
         assert _attention(dtype=jnp.float32) == "pallas_gpu"
         assert _select(hi=3) == "pallas_gpu"                     # index heads must divide 64
+        with pytest.raises(ImplementationUnavailable, match="qi and ki dtypes differ"):
+            _select(ki_dtype=jnp.float32, impl="pallas_hopper_gpu")
+        with pytest.raises(ImplementationUnavailable, match="float8 index inputs need their scales"):
+            _select(jnp.float8_e4m3fn, impl="pallas_hopper_gpu")
+        with pytest.raises(ImplementationUnavailable, match="do not fit shared memory"):
+            _select_big()
         bf = lambda *shape: S(shape, jnp.bfloat16)
         kl = registry.resolve("indexer_kl", "auto", bf(1, T, 64, 128), bf(1, T, 4, 128), bf(1, T, 4, 128),
                               bf(1, T, 128), S((1, 4, T, 4), jnp.int32), **KW)
@@ -58,3 +64,18 @@ def test_other_gpus_pass_over_hopper_with_the_reason(monkeypatch):
         assert _select() == "pallas_gpu" and _attention() == "pallas_gpu"
         with pytest.raises(ImplementationUnavailable, match="compute capability 9.x"):
             _attention(impl="pallas_hopper_gpu")
+
+
+def _select_big():
+    """Di 256 with blocks of 256 in bf16: the key tiles do not fit beside the q rows."""
+    pos = jnp.arange(512, dtype=jnp.int32)[None]
+    return registry.resolve("msa_select_blocks", "pallas_hopper_gpu", S((1, 512, 4, 256), jnp.bfloat16),
+                            S((1, 512, 256), jnp.bfloat16), topk=2, init_blocks=0, local_blocks=1,
+                            **dict(KW, q_positions=pos, kv_positions=pos, block_size=256))
+
+
+def test_interpreted_hopper_set_refuses_a_small_cpu_pool(monkeypatch):
+    monkeypatch.setattr(msa_pallas, "mosaic_interpreter_available", lambda: True)
+    monkeypatch.setenv("PJRT_NPROC", "2")                   # XLA reads it before NPROC
+    with pytest.raises(ImplementationUnavailable, match="set NPROC=4"):
+        _select(impl="pallas_hopper_gpu_interpret")
