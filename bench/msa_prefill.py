@@ -11,7 +11,7 @@ Implementation:       --implementation auto (default: what the ops pick, recorde
                       pallas_gpu (Triton kernels) or pallas_hopper_gpu.
 
 1. Correctness (fresh random bf16 inputs), for each GPU kernel set (pallas_gpu and, on Hopper,
-   pallas_hopper_gpu): the indexer's block-id SETS against the
+   auto, i.e. pallas_hopper_gpu where it serves the shapes): the indexer's block-id SETS against the
    reference (``minimax_jax.ops.msa``, implementation="xla"; a near-tie is accepted when every
    selected block's reference score is >= the (K-1)-th best - 5e-3, the MSA repo's criterion),
    the local block present; attention o (atol=rtol=3e-2) and lse (1e-3) on the same ids;
@@ -166,6 +166,7 @@ def check_case(name, inp, interpret, impl):
     # backward's inverse-map sort (minutes at these sizes)
     attn = jax.jit(lambda q, k, v, ids: msa_ops.msa_attention(q, k, v, ids, block_size=BLK,
                                                               implementation=impl, **pos))
+    clear_implementation_report()          # the reference calls above recorded "xla"
     o, lse = attn(inp.q, inp.k, inp.v, gids)
     ran.update(_ran())
     ro, rlse = msa_ops.msa_attention(inp.q.astype(jnp.float32), inp.k.astype(jnp.float32),

@@ -77,8 +77,7 @@ from minimax_jax.ops.registry import assume_backend, clear_implementation_report
 from minimax_jax.train.config import from_dict  # noqa: E402
 from minimax_jax.train.data import SyntheticIterator, to_global  # noqa: E402
 from minimax_jax.train.loop import Trainer  # noqa: E402
-from minimax_jax.train.metrics import (matmul_params_per_token, peak_flops_per_device, train_flops,  # noqa: E402
-                                      train_flops_parts)
+from minimax_jax.train.metrics import matmul_params_per_token, peak_flops_per_device, train_flops_parts  # noqa: E402
 
 M3_STYLE = dict(
     vocab_size=32768, hidden_size=2048, num_layers=10, num_heads=16, num_kv_heads=4, head_dim=128, rotary_dim=64,
@@ -359,20 +358,20 @@ def bench_one(mode: str, seq: int, args) -> dict:
     row["first_step_s"] = round(first_s, 3)
     for i in range(args.warmup):
         run(f"warmup step {i + 1}/{args.warmup}")
-    times, flops, parts, loss = [], [], [], None
+    times, parts, loss = [], [], None
     for i in range(args.steps):
         dt, b, m = run(f"timed step {i + 1}/{args.steps}")
         times.append(dt)
-        flops.append(train_flops(cfg, b["positions"]))
         parts.append(train_flops_parts(cfg, b["positions"]))
         loss = float(m["loss"])
     step_s = statistics.median(times)
-    fl = statistics.median(flops)
+    fl = statistics.median(p["model"] + p["indexer"] for p in parts)       # = train_flops
     peak = peak_flops_per_device(dev.device_kind, args.peak_tflops)
     row.update({
         "step_s_median": step_s, "step_s_all": times, "tokens_per_s": args.batch * seq / step_s,
         "model_tflops_per_s": fl / step_s / 1e12, "mfu": (fl / step_s / peak) if peak else None,
-        "flops_per_step": fl, **_flop_parts(parts, step_s, peak), "loss_last": loss, "implementations": implementation_report(), **_device_memory(),
+        "flops_per_step": fl, **_flop_parts(parts, step_s, peak), "loss_last": loss,
+        "implementations": implementation_report(), **_device_memory(),
     })
     if args.profile:
         row["profile"] = profile_steps(tag, args, lambda i: run(f"profiled step {i + 1}/{args.profile}"))

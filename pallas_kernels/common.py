@@ -5,8 +5,8 @@
 - shard_map typing: ``typed_out_struct``, ``varying_axes``, ``VmaType`` / ``vma_type``, ``match_vma``,
   ``match_cotangent`` (kernel outputs and custom-VJP cotangents typed like their operands).
 - ``triton_cuda_target``: lower Pallas Triton kernels for CUDA on a machine without a GPU.
-- Mosaic GPU (Hopper) helpers: ``mosaic_interpreter_available`` / ``mosaic_interpret_params`` (the
-  Mosaic GPU interpreter of jax >= 0.11), ``mosaic_smem_transforms`` (tiling + swizzle of a ``wgmma`` /
+- Mosaic GPU (Hopper) helpers: ``mosaic_interpreter_available`` / ``mosaic_interpreter_pool_reason`` /
+  ``mosaic_interpret_params`` (the Mosaic GPU interpreter of jax >= 0.11), ``mosaic_smem_transforms`` (tiling + swizzle of a ``wgmma`` /
   TMA operand), ``mosaic_load_rows`` (an SMEM vector in a ``wgmma`` accumulator's row layout),
   ``gpu_compute_capability`` (of the first visible GPU).
 """
@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 
 __all__ = ["searchsorted", "typed_out_struct", "triton_cuda_target", "varying_axes", "VmaType", "vma_type",
-           "match_vma", "match_cotangent", "mosaic_interpreter_available", "mosaic_interpret_params",
+           "match_vma", "match_cotangent", "mosaic_interpreter_available", "mosaic_interpreter_pool_reason",
+           "mosaic_interpret_params",
            "mosaic_smem_transforms", "mosaic_load_rows", "gpu_compute_capability"]
 
 

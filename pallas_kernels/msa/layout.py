@@ -107,13 +107,9 @@ def prepare(k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, bloc
 
 
 def _segment_base(kv_pos, kv_seg, q_seg):
-    """Per query: j - kv_pos[j] for a key j of the query's segment (0 when it has none). [S],[S],[T]."""
-    order = jnp.argsort(kv_seg, stable=True)
-    sorted_seg = kv_seg[order]
-    idx = jnp.clip(searchsorted(sorted_seg, q_seg, side="left"), 0, kv_seg.shape[0] - 1)
-    j = order[idx]
-    found = (sorted_seg[idx] == q_seg) & (q_seg >= 0)
-    return jnp.where(found, j - kv_pos[j], 0).astype(jnp.int32)
+    """Per query: j - kv_pos[j] for the first key j of the query's segment (0 when it has none). [S],[S],[T]."""
+    j0, j1 = segment_runs(kv_seg, q_seg)
+    return jnp.where(j1 >= j0, j0 - kv_pos[jnp.clip(j0, 0, kv_seg.shape[0] - 1)], 0).astype(jnp.int32)
 
 
 def segment_runs(kv_seg, q_seg):

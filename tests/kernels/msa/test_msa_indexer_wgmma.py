@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from minimax_jax.ops import msa as msa_ops
-from pallas_kernels.common import mosaic_interpreter_available
+from pallas_kernels.common import mosaic_interpret_params, mosaic_interpreter_available
 from pallas_kernels.msa.gpu_indexer_wgmma import (block_topk_wgmma, msa_select_blocks_wgmma, quantize_index_fp8,
                                                   wgmma_indexer_supported)
 from tests.kernels.msa.test_msa_kernels_oracle import make_case, positions
@@ -153,6 +153,7 @@ def test_supported_shapes():
     assert "index heads" in ok(3, 128, jnp.bfloat16, 128)
     assert "index dim" in ok(4, 96, jnp.bfloat16, 128)
     assert "block size" in ok(4, 128, jnp.bfloat16, 32)
+    assert "do not fit shared memory" in ok(4, 256, jnp.bfloat16, 256)        # q rows + two key tiles > 227 KiB
     if not mosaic_interpreter_available():
         x = jnp.zeros((1, 64, 4, 64), jnp.bfloat16)
         pos = jnp.arange(64, dtype=jnp.int32)[None]
@@ -165,7 +166,7 @@ def test_supported_shapes():
 def test_interpreter_refuses_a_pool_too_small_for_three_warpgroups(monkeypatch):
     """Three warpgroups wait on each other as concurrent XLA CPU executions: a pool of 2 (a 2-core
     machine's default) could deadlock, so the call refuses and names the fix."""
-    from pallas_kernels.common import mosaic_interpret_params
+    monkeypatch.delenv("PJRT_NPROC", raising=False)          # read by XLA before NPROC
     monkeypatch.setenv("NPROC", "2")
     with pytest.raises(RuntimeError, match="NPROC=4"):
         mosaic_interpret_params("block_topk_wgmma")
