@@ -63,6 +63,8 @@ class SequenceState:
     hashes: list                      # chain hashes of the first len(hashes) full pages
     cached_tokens: int = 0            # tokens that came from the prefix cache at admission
     prompt: list | None = None        # the whole prompt while ``prefill_advance`` computes it, else None
+    hidden_last: int = 0              # ``prefill_advance`` keeps the hidden states of this many last prompt tokens
+    hidden: list = dataclasses.field(default_factory=list)   # ... collected so far (host arrays [m, H])
 
 
 _PAGE_AXIS = {"k": 1, "v": 1, "k_scale": 1, "v_scale": 1, "ki": 0, "ki_scale": 0}
@@ -407,10 +409,15 @@ class DecodeEngine:
             return slots, logits, [np.concatenate(hids[s], 0) for s in slots]
         return slots, logits
 
-    def prefill_start(self, prompt: Sequence[int]) -> int:
+    def prefill_start(self, prompt: Sequence[int], hidden_last: int = 0) -> int:
         """Admit one prompt into a free slot (prefix-cache lookup, pages for the whole prompt) without
         computing it; ``prefill_advance`` then runs its uncached suffix a chunk at a time, between
-        decode steps of other slots. Returns the slot. Raises as ``prefill`` (nothing admitted)."""
+        decode steps of other slots. ``hidden_last > 0``: ``prefill_advance`` also returns the
+        pre-final-norm hidden states of the last ``hidden_last`` computed prompt positions (the MTP
+        drafter's input; as ``prefill(return_hidden=True, hidden_last=...)``). Returns the slot.
+        Raises as ``prefill`` (nothing admitted), ValueError for a negative ``hidden_last``."""
+        if hidden_last < 0:
+            raise ValueError(f"hidden_last must be >= 0, got {hidden_last}")
         prompt = [int(t) for t in prompt]
         slot = self._admit(prompt)
         try:
@@ -419,6 +426,7 @@ class DecodeEngine:
             self.free(slot)
             raise
         self.seqs[slot].prompt = prompt
+        self.seqs[slot].hidden_last = hidden_last
         return slot
 
     def prefill_remaining(self, slot: int) -> int:
@@ -430,8 +438,10 @@ class DecodeEngine:
         """One prefill step over ``prefill_start`` slots: up to ``prefill_chunk`` next prompt tokens of
         each, ``max_tokens`` in all (slots served in the order given; None = no limit; at least one
         token). Returns ``{slot: float32 [1, V] logits of the last prompt position}`` for the slots
-        whose prompt is now complete (they take ``decode_step`` from here). Raises ValueError for a
-        slot with no pending prefill."""
+        whose prompt is now complete (they take ``decode_step`` from here); a slot started with
+        ``hidden_last`` maps to ``(logits, hidden [m, H])``, ``1 <= m <= hidden_last`` (the computed
+        positions among its last ``hidden_last``). Raises ValueError for a slot with no pending
+        prefill."""
         budget = self.prefill_chunk * len(slots) if max_tokens is None else max(1, int(max_tokens))
         c = self.prefill_chunk
         tok = np.zeros((self.max_seqs, c), np.int32)
@@ -451,20 +461,31 @@ class DecodeEngine:
             pos[slot, :n] = np.arange(start, start + n)
             rows[slot, 0] = n - 1
             took[slot], end, budget = n, max(end, start + n), budget - n
-        logits = self._run(tok, pos, "gather", self.prefill_implementation,
-                           table_width=self.prefill_table_width(end), logit_rows=rows)
+        # Hidden states only for the chunks that reach into some slot's last ``hidden_last`` positions.
+        keep_from = {slot: len(self.seqs[slot].prompt) - self.seqs[slot].hidden_last for slot in took}
+        want_hidden = any(self.seqs[slot].hidden_last and len(self.seqs[slot].tokens) + n > keep_from[slot]
+                          for slot, n in took.items())
+        out = self._run(tok, pos, "gather", self.prefill_implementation, want_hidden,
+                        table_width=self.prefill_table_width(end), logit_rows=rows)
+        logits, hidden = out if want_hidden else (out, None)
         finished = [slot for slot, n in took.items() if self.prefill_remaining(slot) == n]
         if finished:
             logits = np.asarray(logits)
-        out = {}
+        res = {}
         for slot, n in took.items():
             s = self.seqs[slot]
-            s.tokens.extend(s.prompt[len(s.tokens):len(s.tokens) + n])
+            start = len(s.tokens)
+            if s.hidden_last and start + n > keep_from[slot]:
+                s.hidden.append(np.asarray(hidden[slot, max(0, keep_from[slot] - start):n]))
+            s.tokens.extend(s.prompt[start:start + n])
             self._publish(slot)
             if slot in finished:
                 s.prompt = None
-                out[slot] = logits[slot, :1]
-        return out
+                res[slot] = logits[slot, :1]
+                if s.hidden_last:
+                    res[slot] = (res[slot], np.concatenate(s.hidden, 0))
+                    s.hidden = []
+        return res
 
     def decode_step(self, tokens, slots: Sequence[int], num_tokens: Sequence[int] | None = None,
                     return_hidden: bool = False):

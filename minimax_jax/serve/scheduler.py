@@ -77,7 +77,6 @@ class Sequence:
     sampler: RowSampler | None = None
     penalties: PenaltyTracker | None = None
     rng: np.random.Generator | None = None      # speculative sampling's draws
-    refeed: list | None = None                  # speculative: prompt tokens to compute in the next step
 
     def adjust(self, logits: np.ndarray) -> np.ndarray:
         """This sequence's penalties and logit bias applied to its next-token logits ``[1, V]``."""
@@ -267,7 +266,8 @@ class Scheduler:
                 take.append(self._waiting.popleft())
         for s in take:
             try:
-                s.handle = self.engine.prefill_start(s.prompt)
+                hidden_last = self.mtp.drafter.window if self.mtp is not None and self.mtp.drafts(s) else 0
+                s.handle = self.engine.prefill_start(s.prompt, hidden_last=hidden_last)
             except Exception as e:
                 s.emit({"type": "error", "message": f"prefill failed: {type(e).__name__}: {e}"})
                 if self.metrics is not None:
@@ -294,10 +294,14 @@ class Scheduler:
             self._active.append(s)
             if self.metrics is not None:
                 self.metrics.admitted(len(s.prompt), s.cached_tokens, now - s.arrival)
-        if self.mtp is not None:       # drafting sequences take their first token from the next step
-            finished = [s for s in finished if not self.mtp.prefilled(s)]
-        if finished:
-            self._choose_and_emit(finished, np.stack([done[s.handle][0] for s in finished]))
+        logits = []
+        for s in finished:
+            out = done[s.handle]
+            if isinstance(out, tuple):      # a drafting sequence (speculative): its prompt's last hidden states
+                out, hidden = out
+                self.mtp.drafter.start(s.handle, s.prompt, hidden)
+            logits.append(out[0])
+        self._choose_and_emit(finished, np.stack(logits))
 
     def _step(self) -> None:
         rows = list(self._active)

@@ -1,11 +1,11 @@
 """MTP speculative decoding inside the continuous batch (``Scheduler(speculative="mtp")``).
 
 Per decode iteration ONE engine step over every decoding sequence, ``Q = 1 + k`` query rows
-(``k = num_draft``), hidden states returned. Each row is one of:
+(``k = num_draft``), hidden states returned. A sequence's first token comes from its prefill, as in
+plain decoding (``DecodeEngine.prefill_start(hidden_last=window)`` hands the drafter the hidden states
+of the prompt's last positions), so its prompt's cache and logits are bit for bit those of plain
+decoding. Each row of the step is one of:
 
-* a sequence whose prefill just finished: the chunked prefill returns no hidden states, so its last
-  ``r = min(len(prompt), 1 + k)`` prompt tokens are dropped after the prefill (``truncate``) and
-  computed again here; their logits give the first token, their hidden states start the drafter;
 * a drafting sequence: its pending token and ``k`` MTP drafts (``minimax_jax.infer.drafter``), verified
   with ``minimax_jax.infer.speculative.accept_greedy`` / ``accept_sampled`` (the generation loop's
   rules; greedy output equals plain greedy decoding), the cache truncated after the accepted drafts;
@@ -44,15 +44,6 @@ class MTPStep:
         """Whether sequence ``s`` speculates (penalties and logit bias need plain decoding)."""
         return s.penalties is None and s.logit_bias is None
 
-    def prefilled(self, s) -> bool:
-        """Called when ``s``'s prefill is done; True when its first token comes from the next ``step``."""
-        if not self.drafts(s):
-            return False
-        r = min(len(s.prompt), 1 + self.k)
-        self.sched.backend.truncate(s.handle, len(s.prompt) - r)
-        s.refeed = list(s.prompt[-r:])
-        return True
-
     def _chooser(self, rows, qprobs: list):
         def choose(logits, depth):
             out = np.zeros(len(rows), np.int64)
@@ -69,7 +60,7 @@ class MTPStep:
     def step(self, rows) -> None:
         """One verification step over the decoding sequences ``rows`` (module doc)."""
         backend, q = self.sched.backend, 1 + self.k
-        drafting = [s for s in rows if s.refeed is None and self.drafts(s)]
+        drafting = [s for s in rows if self.drafts(s)]
         qprobs: list = [[] for _ in drafting]
         drafts = None
         if drafting:
@@ -80,11 +71,6 @@ class MTPStep:
         toks = np.zeros((len(rows), q), np.int32)
         counts, ks = [], []
         for i, s in enumerate(rows):
-            if s.refeed is not None:
-                toks[i, :len(s.refeed)] = s.refeed
-                counts.append(len(s.refeed))
-                ks.append(0)
-                continue
             toks[i, 0] = s.pending
             kr = max(0, min(self.k, backend.max_len - lengths[i] - 1)) if id(s) in where else 0
             if kr:
@@ -93,12 +79,7 @@ class MTPStep:
             ks.append(kr)
         logits, hidden = backend.step([s.handle for s in rows], toks, num_tokens=counts, want_hidden=True)
         for i, s in enumerate(rows):
-            if s.refeed is not None:
-                r = len(s.refeed)
-                s.refeed = None
-                self.drafter.start(s.handle, s.prompt, hidden[i, :r])
-                self.sched._choose_and_emit([s], logits[i, r - 1:r])
-            elif id(s) not in where:
+            if id(s) not in where:
                 self.sched._choose_and_emit([s], logits[i, :1])
             else:
                 self._verify(s, where[id(s)], ks[i], lengths[i], drafts, qprobs, logits[i], hidden[i])
