@@ -24,6 +24,9 @@ Row layout (numpy, ``[R, L]``; ``s`` is a slot, i.e. a storage index in its row)
                         padding), so sum(loss_mask * CE) over the rows equals the sum over the unmerged
                         trajectories, and sum(loss_mask) their token count: the losses normalised by it
                         are equal
+    input_weight f32    how many unmerged input positions slot s stands for: the trajectories through s
+                        that continue past it (0 on padding and on slots only ever a last token); the
+                        weight of per-input terms that are not CE targets (the MSA indexer KL rows)
 
 ``merge=False`` lays out every trajectory as its own chain (no sharing): the unmerged baseline with the
 same layout. Ancestor intervals per slot (for kernels): the ancestors of slot i are the slots j <= i
@@ -40,7 +43,9 @@ import numpy as np
 __all__ = ["Trajectory", "TreePackingError", "PackStats", "plan_groups", "pack_trajectories", "ROW_KEYS",
            "ancestor_mask"]
 
-ROW_KEYS = ("tokens", "targets", "positions", "segment_ids", "subtree_end", "loss_index", "loss_mask")
+ROW_KEYS = ("tokens", "targets", "positions", "segment_ids", "subtree_end", "loss_index", "loss_mask",
+            "input_weight")
+FLOAT_KEYS = ("loss_mask", "input_weight")
 
 
 class TreePackingError(ValueError):
@@ -147,6 +152,7 @@ def _layout(trajs, group, out: dict[str, np.ndarray], row: int, base: int, seg: 
         parents = path[np.arange(lcp, n) - 1]
         out["loss_index"][row, new] = np.where(np.arange(lcp, n) == 0, new, parents)
         out["loss_mask"][row, path[1:n]] += m[1:]
+        out["input_weight"][row, path[:n - 1]] += 1.0
         cur, prev_len = cur + n - lcp, n
     out["subtree_end"][row, path[:prev_len]] = cur
     return cur
@@ -163,8 +169,7 @@ def pack_trajectories(trajs: Sequence[Trajectory], seq_len: int, num_rows: int |
     row_of = _assign_rows(sizes, seq_len, num_rows)
     rows = num_rows if num_rows is not None else max(row_of) + 1
     slot = np.broadcast_to(np.arange(seq_len, dtype=np.int32), (rows, seq_len))
-    out = {k: np.zeros((rows, seq_len), np.int32) for k in ROW_KEYS if k != "loss_mask"}
-    out["loss_mask"] = np.zeros((rows, seq_len), np.float32)
+    out = {k: np.zeros((rows, seq_len), np.float32 if k in FLOAT_KEYS else np.int32) for k in ROW_KEYS}
     out["subtree_end"][:] = slot + 1
     out["loss_index"][:] = slot
     fill = [0] * rows

@@ -101,9 +101,10 @@ def project_index(p: dict, x: jax.Array, cfg: ModelConfig, cos: jax.Array, sin: 
 
 
 def attention_block(p, x, cfg: ModelConfig, layer_type: str, positions, segment_ids, cos, sin,
-                    indexer_kl: str | None, return_msa: bool = False, subtree_end=None):
+                    indexer_kl: str | None, return_msa: bool = False, subtree_end=None, input_weight=None):
     """Self-attention of one layer over its own tokens (``subtree_end``: prefix-tree visibility, see
-    ``minimax_jax.ops.attention``; not yet for MSA layers).
+    ``minimax_jax.ops.attention`` and ``minimax_jax.ops.msa``; ``input_weight``: the weight of each
+    token's indexer-KL rows, see ``forward``).
 
     Returns ``(out [B,T,H], kl_sum, kl_count, msa)`` where ``msa`` is ``{}`` or, for MSA layers with
     ``return_msa``, ``{"block_ids": [B,Hi,T,K] int32, "lse": [B,T,H] f32}`` (main-branch LSE).
@@ -117,23 +118,23 @@ def attention_block(p, x, cfg: ModelConfig, layer_type: str, positions, segment_
     extra: dict[str, jax.Array] = {}
     pos_kw = dict(q_positions=positions, kv_positions=positions, q_segment_ids=segment_ids,
                   kv_segment_ids=segment_ids)
+    tree_kw = {} if subtree_end is None else {"kv_subtree_end": subtree_end}
+    kl_kw = {} if input_weight is None else {"q_weights": input_weight}
     if layer_type == "msa":
         from minimax_jax.ops import msa as msa_ops  # imported only when a model has MSA layers
-
-        if subtree_end is not None:
-            raise ValueError("prefix-tree visibility (subtree_end) is not implemented for MSA layers")
 
         qi, ki = project_index(p, x, cfg, cos, sin)
         if indexer_kl == "dense":
             # Dense warm-up: full attention in the main branch, KL over the whole causal history.
-            o = attention(q, k, v, implementation=cfg.attention_impl, **pos_kw)
-            kl_sum, kl_cnt = msa_ops.indexer_kl(q, k, qi, ki, None, block_size=cfg.index_block_size, **pos_kw)
+            o = attention(q, k, v, implementation=cfg.attention_impl, **pos_kw, **tree_kw)
+            kl_sum, kl_cnt = msa_ops.indexer_kl(q, k, qi, ki, None, block_size=cfg.index_block_size, **pos_kw,
+                                                **tree_kw, **kl_kw)
         else:
             ids = msa_ops.msa_select_blocks(
                 qi, ki, block_size=cfg.index_block_size, topk=cfg.index_topk, init_blocks=cfg.index_init_blocks,
-                local_blocks=cfg.index_local_blocks, implementation=cfg.msa_impl, **pos_kw)
+                local_blocks=cfg.index_local_blocks, implementation=cfg.msa_impl, **pos_kw, **tree_kw)
             o, lse = msa_ops.msa_attention(q, k, v, ids, block_size=cfg.index_block_size,
-                                           implementation=cfg.msa_impl, **pos_kw)
+                                           implementation=cfg.msa_impl, **pos_kw, **tree_kw)
             if return_msa:
                 extra = {"block_ids": ids, "lse": lse}
             if indexer_kl == "sparse":
@@ -141,11 +142,11 @@ def attention_block(p, x, cfg: ModelConfig, layer_type: str, positions, segment_
                 # GPU/TPU. The XLA reference scores every visible key in fp32 (O(T^2): ~475 TFLOP per
                 # step for the 1.9B bench model at 64K, vs the kernel's O(T * topk * block)).
                 kl_sum, kl_cnt = msa_ops.indexer_kl(q, k, qi, ki, ids, block_size=cfg.index_block_size,
-                                                    implementation=cfg.msa_impl, **pos_kw)
+                                                    implementation=cfg.msa_impl, **pos_kw, **tree_kw, **kl_kw)
     else:
         window = cfg.sliding_window if layer_type == "sliding" else None
         impl = cfg.sliding_attention_impl if window is not None else cfg.attention_impl
-        o = attention(q, k, v, sliding_window=window, implementation=impl, kv_subtree_end=subtree_end, **pos_kw)
+        o = attention(q, k, v, sliding_window=window, implementation=impl, **pos_kw, **tree_kw)
     out = o.reshape(b, t, cfg.q_dim) @ p["attn"]["o_proj"].astype(x.dtype)
     return out, kl_sum, kl_cnt, extra
 
@@ -167,10 +168,11 @@ def mlp_block(p, x, cfg: ModelConfig, mlp_type: str):
 
 
 def decoder_layer(p, x, cfg, layer_type, mlp_type, positions, segment_ids, cos, sin, indexer_kl,
-                  return_msa=False, subtree_end=None):
+                  return_msa=False, subtree_end=None, input_weight=None):
     """One decoder layer. Returns (x_out, (load [E], kl_sum, kl_count, msa dict))."""
     a, kl_sum, kl_cnt, extra = attention_block(p, _norm(x, p["input_norm"], cfg), cfg, layer_type, positions,
-                                               segment_ids, cos, sin, indexer_kl, return_msa, subtree_end)
+                                               segment_ids, cos, sin, indexer_kl, return_msa, subtree_end,
+                                               input_weight)
     h = constrain(x + a, ("batch", "length", "act_embed"))
     m, load = mlp_block(p, _norm(h, p["post_attn_norm"], cfg), cfg, mlp_type)
     return h + m, (load, kl_sum, kl_cnt, extra)
@@ -203,7 +205,8 @@ def _save_dots_and_kernels(prim, *args, **params) -> bool:
 def forward(params, cfg: ModelConfig, tokens: jax.Array, *, positions: jax.Array | None = None,
             segment_ids: jax.Array | None = None, indexer_kl: str | None = None,
             return_hidden: bool = False, return_msa: bool = False, remat: str = "none",
-            return_logits: bool = True, subtree_end: jax.Array | None = None) -> ModelOutput:
+            return_logits: bool = True, subtree_end: jax.Array | None = None,
+            input_weight: jax.Array | None = None) -> ModelOutput:
     """Full-sequence forward pass.
 
     Args:
@@ -214,6 +217,10 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, *, positions: jax.Array
       segment_ids: ``[B, T]`` int32 document ids (default all 0); attention never crosses them.
       subtree_end: ``[B, T]`` int32 or None: prefix-tree rows (``minimax_jax.data.prefix_tree``): token j
         is visible only to tokens at slots ``j <= i < subtree_end[j]``; positions are per trajectory.
+        MSA layers score, select and attend each token's own trajectory (its blocks are the unmerged ones).
+      input_weight: ``[B, T]`` float or None: how many unmerged input positions each slot stands for
+        (prefix-tree rows); weights the indexer-KL rows and their count, so the merged KL equals the
+        unmerged one. None = 1 each.
       indexer_kl: None, ``"sparse"`` (KL on the selected support) or ``"dense"`` (warm-up: dense
         attention in MSA layers, KL over the causal history).
       return_hidden: also return the pre-final-norm hidden state (input of MTP modules).
@@ -243,7 +250,7 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, *, positions: jax.Array
     for seg, sp in zip(layer_segments(cfg), params["segments"]):
         def body(carry, lp, seg=seg):
             y, aux = decoder_layer(lp, carry, cfg, seg.layer_type, seg.mlp_type, positions, segment_ids, cos, sin,
-                                   indexer_kl, return_msa, subtree_end)
+                                   indexer_kl, return_msa, subtree_end, input_weight)
             return y, aux
 
         if remat == "full":

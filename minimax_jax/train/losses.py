@@ -103,11 +103,16 @@ def mtp_targets(targets: jax.Array, loss_mask: jax.Array, segment_ids: jax.Array
 
 
 def mtp_weights_list(weights, num_modules: int) -> tuple[float, ...]:
-    """Per-depth MTP weights from a number (same for all depths) or a list (one per module)."""
+    """Per-depth MTP weights from a number (same for all depths) or a list (one per module). Trailing
+    zero weights are dropped (those depths are not computed at all), so ``0`` turns MTP off."""
     if not num_modules:
         return ()
     if isinstance(weights, (list, tuple)):
         if len(weights) != num_modules:
             raise ValueError(f"mtp_weights has {len(weights)} entries for {num_modules} MTP modules")
-        return tuple(float(w) for w in weights)
-    return (float(weights),) * num_modules
+        ws = [float(w) for w in weights]
+    else:
+        ws = [float(weights)] * num_modules
+    while ws and ws[-1] == 0.0:
+        ws.pop()
+    return tuple(ws)

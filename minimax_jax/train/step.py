@@ -16,8 +16,9 @@ micro-batches and devices)::
 
 Prefix-tree batches (``minimax_jax.data.prefix_tree``) also hold ``subtree_end`` (attention visibility)
 and ``loss_index``: target t is predicted from the logits of slot ``loss_index[t]`` (its parent in the
-tree), so a branch point's logits serve every child. MTP is refused on them (its shifted tokens are not
-defined at a branch point).
+tree), so a branch point's logits serve every child, and ``input_weight`` (how many unmerged input
+positions a slot stands for), which weights the MSA indexer-KL rows: the merged loss and gradients equal the
+unmerged batch's. MTP is refused on them (its shifted tokens are not defined at a branch point).
 
 After the optimizer update the MoE ``router_bias`` moves by
 ``optim.router_bias_rate * sign(mean_load - load)`` with the load summed over the whole step
@@ -42,7 +43,7 @@ from minimax_jax.train.losses import chunked_cross_entropy_sums, cross_entropy_s
 __all__ = ["StepSpec", "init_state", "make_train_step", "make_eval_step", "BATCH_KEYS", "batch_norms"]
 
 BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
-TREE_KEYS = ("subtree_end", "loss_index")   # present together, only in prefix-tree batches
+TREE_KEYS = ("subtree_end", "loss_index", "input_weight")   # present together, only in prefix-tree batches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +101,8 @@ def _loss_fn(spec: StepSpec, trainable: Any):
                              "use a model without MTP modules")
         out = forward(p, cfg, mb["tokens"], positions=mb["positions"], segment_ids=mb["segment_ids"],
                       indexer_kl=spec.kl_mode, return_hidden=num_mtp > 0, remat=spec.remat,
-                      return_logits=not chunk, subtree_end=mb.get("subtree_end"))
+                      return_logits=not chunk, subtree_end=mb.get("subtree_end"),
+                      input_weight=mb.get("input_weight"))
         ce, zs = _ce_sums(p, cfg, chunk, out.head_input if chunk else out.logits, mb["targets"], mb["loss_mask"],
                           mb.get("loss_index"))
         m = {"lm_loss": ce / norms["tokens"]}

@@ -1,5 +1,5 @@
 """The prefix-tree packer against brute force: each trajectory is a path of visible slots, visibility is
-exactly the ancestor relation, weights count every original token once per occurrence, merging is maximal."""
+exactly the ancestor relation, weights count every original token (as a target and as an input) once per occurrence, merging is maximal."""
 
 import numpy as np
 import pytest
@@ -38,6 +38,7 @@ def _path(rows, vis, traj, taken, leaf):
 def _check(trajs, rows, stats, merged=True):
     vis = ancestor_mask(rows)
     weights = np.zeros_like(rows["loss_mask"])
+    inputs = np.zeros_like(rows["loss_mask"])
     on_path = np.zeros(rows["tokens"].shape, bool)
     taken = set()
     for t in trajs:
@@ -49,8 +50,10 @@ def _check(trajs, rows, stats, merged=True):
             np.testing.assert_array_equal(np.flatnonzero(vis[r, s]), p[: d + 1])
             assert rows["loss_index"][r, s] == (p[d - 1] if d else s)
         weights[r, p[1:]] += t.loss_mask[1:]
+        inputs[r, p[:-1]] += 1.0          # every token but the last is an input of this trajectory
         on_path[r, p] = True
     np.testing.assert_allclose(rows["loss_mask"], weights, rtol=1e-6)
+    np.testing.assert_array_equal(rows["input_weight"], inputs)
     np.testing.assert_array_equal(rows["targets"], rows["tokens"])
     real = rows["segment_ids"] > 0
     np.testing.assert_array_equal(on_path, real)          # no slot that belongs to no trajectory

@@ -66,6 +66,8 @@ def test_mtp_targets_mask_boundaries():
     t2, m2 = mtp_targets(targets, loss_mask, seg, 2)
     assert m2.tolist() == [[0, 0, 0, 0, 0, 0]] and t2[0, :4].tolist() == [13, 14, 15, 16]
     assert mtp_weights_list(0.3, 2) == (0.3, 0.3) and mtp_weights_list([1, 2], 2) == (1.0, 2.0)
+    assert mtp_weights_list(0, 2) == () and mtp_weights_list([1, 0], 2) == (1.0,)     # zero depths not computed
+    assert mtp_weights_list([0, 1], 2) == (0.0, 1.0)     # depth 2 needs depth 1's hidden state
     with pytest.raises(ValueError):
         mtp_weights_list([1.0], 2)
 

@@ -4,9 +4,9 @@ Masking is defined by positions and segment ids (docs/ARCHITECTURE.md): key j is
 query i iff ``kv_seg[j] == q_seg[i]``, ``kv_seg[j] >= 0``, ``kv_pos[j] <= q_pos[i]`` and, with a
 window W, ``q_pos[i] - kv_pos[j] < W``. Prefix-tree rows (``minimax_jax.data.prefix_tree``) add
 ``kv_subtree_end`` ``[B, S]``: key slot j is visible only to query slots ``j <= i < kv_subtree_end[j]``
-(self-attention, T == S; positions are those of each token in its own trajectory). Only ``"xla"``
-serves tree visibility; every other implementation's ``supports`` refuses it, so ``"auto"`` picks
-``"xla"``. Scale ``1/sqrt(D)``; softmax in float32.
+(self-attention, T == S; positions are those of each token in its own trajectory). Tree visibility is
+served by ``"xla"`` and ``"pallas_tree_gpu"`` (below); every other implementation refuses it. Scale
+``1/sqrt(D)``; softmax in float32.
 
 Implementations (registered under the op ``"attention"`` of ``minimax_jax.ops.registry``):
 - ``"xla"``: reference in plain JAX, queries processed in chunks so memory is O(chunk * S) (xla.py).
@@ -29,12 +29,16 @@ Implementations (registered under the op ``"attention"`` of ``minimax_jax.ops.re
   sliding window.
 - ``"pallas_flash_gpu_interpret"`` / ``"pallas_flash_tpu_interpret"``: the same kernels in Pallas
   interpret mode (any backend; CPU tests).
+- ``"pallas_tree_gpu"`` (``"pallas_tree_gpu_interpret"``): prefix-tree rows only (``kv_subtree_end``),
+  our Triton-lowered kernel that walks only the key tiles a query's trajectory reaches, forward and
+  backward (tree.py); no sliding window.
 - ``"auto"``: on GPU, ``"cudnn"`` for plain causal self-attention (T == S, no segment ids, no
   window) and, for packed self-attention (segment ids; one positions array and one segment-id array
   for queries and keys) that the flash kernels accept, ``"cudnn_packed"`` where cuDNN's packed
   layout runs (Hopper or newer, bf16/fp16) and ``"pallas_flash_gpu"`` otherwise (see BENCHMARKS.md);
   ``"xla_banded"`` for a sliding window when its conditions hold; else ``"xla"``. On TPU ``"auto"``
-  does not pick the flash kernel. Sliding-window layers of the model use
+  does not pick the flash kernel. Prefix-tree rows: ``"pallas_tree_gpu"`` on GPU where it serves the
+  call, else ``"xla"``. Sliding-window layers of the model use
   ``ModelConfig.sliding_attention_impl`` (no flash kernel here has a window).
 What ran is recorded under ``"attention"`` (``registry.implementation_report``).
 """
@@ -44,14 +48,16 @@ from __future__ import annotations
 import jax
 
 from minimax_jax.ops import registry
-from minimax_jax.ops.attention import cudnn, flash, xla
+from minimax_jax.ops.attention import cudnn, flash, tree, xla
 from minimax_jax.ops.registry import Implementation
 
 __all__ = ["IMPLEMENTATIONS", "attention"]
 
 
-def _auto(backend, q, k, v, *, q_segment_ids, kv_segment_ids, sliding_window, **_):
+def _auto(backend, q, k, v, *, q_segment_ids, kv_segment_ids, sliding_window, kv_subtree_end=None, **_):
     """The ``"auto"`` preference list (module docstring); each candidate's ``supports`` decides."""
+    if kv_subtree_end is not None:
+        return ("pallas_tree_gpu", "xla") if backend == "gpu" else ("xla",)
     segments = q_segment_ids is not None or kv_segment_ids is not None
     names = []
     if backend == "gpu":
@@ -62,10 +68,10 @@ def _auto(backend, q, k, v, *, q_segment_ids, kv_segment_ids, sliding_window, **
 
 
 def _no_tree(check):
-    """``check`` that also refuses prefix-tree visibility (``kv_subtree_end``), which only ``"xla"`` serves."""
+    """``check`` that also refuses prefix-tree visibility (``kv_subtree_end``)."""
     def supports(*args, kv_subtree_end=None, **kw):
         if kv_subtree_end is not None:
-            return "prefix-tree visibility (kv_subtree_end) is served only by 'xla'"
+            return "prefix-tree visibility (kv_subtree_end) is served only by 'xla' and 'pallas_tree_gpu'"
         return check(*args, **kw)
     return supports
 
@@ -78,6 +84,8 @@ registry.register("attention", [
                    supports=_no_tree(cudnn.cudnn_packed_unsupported)),
     *(Implementation(f"pallas_flash_{b}", flash.run(b), platforms=None if b.endswith("_interpret") else (b,),
                      supports=_no_tree(flash.supports(b))) for b in flash.BACKENDS),
+    Implementation("pallas_tree_gpu", tree.run(False), platforms=("gpu",), supports=tree.supports),
+    Implementation("pallas_tree_gpu_interpret", tree.run(True), supports=tree.supports),
 ], auto=_auto)
 
 #: Every ``implementation=`` name, ``"auto"`` first.

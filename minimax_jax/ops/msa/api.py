@@ -3,6 +3,9 @@
 Math: MSA_SPEC.md (restating arXiv 2606.13392). Masks follow docs/ARCHITECTURE.md: key ``j`` is
 visible to query ``i`` iff ``kv_seg[j] == q_seg[i] and kv_seg[j] >= 0 and kv_pos[j] <= q_pos[i]``;
 a key's block is ``kv_pos // block_size`` and a query's local block is ``q_pos // block_size``.
+With ``kv_subtree_end`` ``[B, S]`` (prefix-tree rows, ``minimax_jax.data.prefix_tree``; needs T == S)
+key slot ``j`` is visible only to query slots ``j <= i < kv_subtree_end[j]`` as well, so every op sees
+each query's own trajectory (its blocks are those of the unmerged trajectory); only ``"xla"`` serves it.
 The number of key blocks is ``NB = ceil(S / block_size)``, so key positions must lie in
 ``[0, NB * block_size)`` (checked when the positions are concrete; under ``jit`` keys past that
 range are never selected).
@@ -114,6 +117,15 @@ def _masks(op, b, t, s, q_positions, kv_positions, q_segment_ids, kv_segment_ids
     return q_pos, kv_pos, q_seg, kv_seg
 
 
+def _tree(op, kv_subtree_end, b: int, t: int, s: int) -> dict:
+    """Checked prefix-tree visibility as the dispatch keyword (``{}`` when None)."""
+    if kv_subtree_end is None:
+        return {}
+    if t != s:
+        raise ValueError(f"{op}: kv_subtree_end (prefix-tree visibility) needs self-attention T == S, got T={t}, S={s}")
+    return {"kv_subtree_end": _check_int("kv_subtree_end", kv_subtree_end, (b, s), op)}
+
+
 def _check_chunk(op, chunk_size):
     if chunk_size is None:
         return DEFAULT_CHUNK_SIZE
@@ -152,7 +164,8 @@ def _check_main(op, q, k, v=None):
 # ----------------------------------------------------------------------------- public ops
 
 def msa_index_scores(qi, ki, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None,
-                     block_size: int, implementation: str = "xla", chunk_size: int | None = None) -> jax.Array:
+                     block_size: int, implementation: str = "xla", chunk_size: int | None = None,
+                     kv_subtree_end=None) -> jax.Array:
     """MSA block scores (for inspection and tests).
 
     ``s[r, i, j] = <qi[i, r], ki[j]> / sqrt(Di)`` for visible keys; the block score is the max of
@@ -166,6 +179,7 @@ def msa_index_scores(qi, ki, *, q_positions, kv_positions, q_segment_ids=None, k
         ``kv_segment_ids < 0`` marks empty key slots.
       block_size: tokens per block (> 0).
       implementation: ``"xla"`` or ``"auto"`` (no kernel). chunk_size: queries per step of the xla reference.
+      kv_subtree_end: ``[B, S]`` int or None: prefix-tree visibility (module docstring; T == S).
     Returns: ``[B, Hi, T, NB]`` float32, ``NB = ceil(S / block_size)``; ``-inf`` for blocks without
       a visible key (all blocks after the query's local block, other documents, empty slots).
     Raises: ValueError / TypeError for bad shapes, dtypes or sizes; ImplementationUnavailable.
@@ -177,12 +191,14 @@ def msa_index_scores(qi, ki, *, q_positions, kv_positions, q_segment_ids=None, k
     q_pos, kv_pos, q_seg, kv_seg = _masks(op, b, t, s, q_positions, kv_positions, q_segment_ids,
                                           kv_segment_ids, block_size)
     return registry.dispatch(op, implementation, qi, ki, q_positions=q_pos, kv_positions=kv_pos,
-                             q_segment_ids=q_seg, kv_segment_ids=kv_seg, block_size=block_size, chunk_size=chunk)
+                             q_segment_ids=q_seg, kv_segment_ids=kv_seg, block_size=block_size, chunk_size=chunk,
+                             **_tree(op, kv_subtree_end, b, t, s))
 
 
 def msa_select_blocks(qi, ki, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None,
                       block_size: int, topk: int, init_blocks: int = 0, local_blocks: int = 1,
-                      implementation: str = "xla", chunk_size: int | None = None) -> jax.Array:
+                      implementation: str = "xla", chunk_size: int | None = None,
+                      kv_subtree_end=None) -> jax.Array:
     """MSA block selection per query token and per group (MSA_SPEC.md section 2).
 
     The local block ``q_pos // block_size`` is always kept, with the ``init_blocks`` first blocks
@@ -193,6 +209,7 @@ def msa_select_blocks(qi, ki, *, q_positions, kv_positions, q_segment_ids=None, 
 
     Args: as ``msa_index_scores``, plus ``topk`` (K >= 1), ``init_blocks`` (>= 0),
       ``local_blocks`` (>= 1), with ``init_blocks + local_blocks <= topk``.
+      kv_subtree_end: ``[B, S]`` int or None: prefix-tree visibility (module docstring; T == S).
     Returns: ``[B, Hi, T, K]`` int32 block ids, ``-1`` padded. Reference order ("xla"): forced
       non-local blocks (ascending), then by score descending with ties to the lower block id, then
       the local block in the last valid slot. Kernels may order slots differently: compare SETS.
@@ -212,12 +229,13 @@ def msa_select_blocks(qi, ki, *, q_positions, kv_positions, q_segment_ids=None, 
                                           kv_segment_ids, block_size)
     return registry.dispatch(op, implementation, qi, ki, q_positions=q_pos, kv_positions=kv_pos,
                              q_segment_ids=q_seg, kv_segment_ids=kv_seg, block_size=block_size, topk=topk,
-                             init_blocks=init_blocks, local_blocks=local_blocks, chunk_size=chunk)
+                             init_blocks=init_blocks, local_blocks=local_blocks, chunk_size=chunk,
+                             **_tree(op, kv_subtree_end, b, t, s))
 
 
 def msa_attention(q, k, v, block_ids, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None,
                   block_size: int, implementation: str = "xla",
-                  chunk_size: int | None = None) -> tuple[jax.Array, jax.Array]:
+                  chunk_size: int | None = None, kv_subtree_end=None) -> tuple[jax.Array, jax.Array]:
     """Block-sparse GQA attention over selected key blocks (MSA_SPEC.md section 3).
 
     Query head ``h`` (group ``r = h // (H / G)``) attends the visible keys of the blocks
@@ -227,7 +245,8 @@ def msa_attention(q, k, v, block_ids, *, q_positions, kv_positions, q_segment_id
     Args:
       q: ``[B, T, H, D]``; k: ``[B, S, G, D]``; v: ``[B, S, G, Dv]`` float (any float dtype).
       block_ids: ``[B, G, T, K]`` int block ids (``-1`` = empty slot; duplicates count once).
-      q_positions, kv_positions, q_segment_ids, kv_segment_ids, block_size: as ``msa_index_scores``.
+      q_positions, kv_positions, q_segment_ids, kv_segment_ids, block_size, kv_subtree_end: as
+        ``msa_index_scores``.
     Returns: ``(o [B, T, H, Dv] in q.dtype, lse [B, T, H] float32)`` with ``lse`` the natural-log
       sum-exp of the scaled logits over the attended keys; a query with no attended key gets
       ``o = 0`` and ``lse = -inf``.
@@ -244,12 +263,14 @@ def msa_attention(q, k, v, block_ids, *, q_positions, kv_positions, q_segment_id
     q_pos, kv_pos, q_seg, kv_seg = _masks(op, b, t, s, q_positions, kv_positions, q_segment_ids,
                                           kv_segment_ids, block_size)
     return registry.dispatch(op, implementation, q, k, v, ids, q_positions=q_pos, kv_positions=kv_pos,
-                             q_segment_ids=q_seg, kv_segment_ids=kv_seg, block_size=block_size, chunk_size=chunk)
+                             q_segment_ids=q_seg, kv_segment_ids=kv_seg, block_size=block_size, chunk_size=chunk,
+                             **_tree(op, kv_subtree_end, b, t, s))
 
 
 def indexer_kl(q, k, qi, ki, block_ids, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None,
                block_size: int | None = None, implementation: str = "xla",
-               chunk_size: int | None = None) -> tuple[jax.Array, jax.Array]:
+               chunk_size: int | None = None, kv_subtree_end=None,
+               q_weights=None) -> tuple[jax.Array, jax.Array]:
     """Indexer KL loss on the selected support (MSA_SPEC.md section 4), un-normalised.
 
     For each (batch, query i, group r) with support ``U`` (the visible keys of the selected blocks,
@@ -261,9 +282,13 @@ def indexer_kl(q, k, qi, ki, block_ids, *, q_positions, kv_positions, q_segment_
       q: ``[B, T, H, D]``, k: ``[B, S, G, D]`` main-branch queries / keys (receive no gradient).
       qi: ``[B, T, Hi, Di]`` with ``Hi == G``; ki: ``[B, S, Di]`` (gradients reach only these).
       block_ids: ``[B, Hi, T, K]`` int (from ``msa_select_blocks``) or None for the dense warm-up.
-      positions / segment ids: as ``msa_index_scores``; block_size: required with ``block_ids``.
-    Returns: ``(kl_sum float32 [], count int32 [])``: the sum over (b, i, r) and the number of
-      (b, i, r) with a non-empty support (``Hi * T`` for ordinary inputs). The training loss is
+      positions / segment ids, kv_subtree_end: as ``msa_index_scores``; block_size: required with
+        ``block_ids``.
+      q_weights: ``[B, T]`` float or None: each query's rows count ``q_weights[b, i]`` times in the sum
+        and the count (prefix-tree rows: how many unmerged input positions a slot stands for).
+    Returns: ``(kl_sum float32 [], count [])``: the sum over (b, i, r) and the number of
+      (b, i, r) with a non-empty support (``Hi * T`` for ordinary inputs; int32, or float32 with
+      ``q_weights``, then the weighted count). The training loss is
       ``coeff * kl_sum / (Hi * T_total)``; the gradient wrt one row's student logits is
       ``p_student - p_teacher``.
     Raises: ValueError / TypeError for bad inputs; ImplementationUnavailable.
@@ -289,8 +314,15 @@ def indexer_kl(q, k, qi, ki, block_ids, *, q_positions, kv_positions, q_segment_
         block_size = _check_pos_int("block_size", block_size, op)
     q_pos, kv_pos, q_seg, kv_seg = _masks(op, b, t, s, q_positions, kv_positions, q_segment_ids,
                                           kv_segment_ids, block_size if ids is not None else None)
+    extra = _tree(op, kv_subtree_end, b, t, s)
+    if q_weights is not None:
+        _check_float("q_weights", q_weights, 2, op)
+        if tuple(q_weights.shape) != (b, t):
+            raise ValueError(f"{op}: q_weights must have shape [B={b}, T={t}], got {tuple(q_weights.shape)}")
+        extra["q_weights"] = q_weights
     return registry.dispatch(op, implementation, q, k, qi, ki, ids, q_positions=q_pos, kv_positions=kv_pos,
-                             q_segment_ids=q_seg, kv_segment_ids=kv_seg, block_size=block_size, chunk_size=chunk)
+                             q_segment_ids=q_seg, kv_segment_ids=kv_seg, block_size=block_size, chunk_size=chunk,
+                             **extra)
 
 
 # ----------------------------------------------------------------------------- registry

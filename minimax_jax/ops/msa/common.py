@@ -15,7 +15,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-__all__ = ["visible", "num_key_blocks", "key_block_ids", "map_query_chunks", "unchunk", "masked_softmax", "HIGHEST"]
+__all__ = ["visible", "tree_query_args", "num_key_blocks", "key_block_ids", "map_query_chunks", "unchunk", "masked_softmax", "HIGHEST"]
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -41,17 +41,36 @@ def key_block_ids(kv_positions: jax.Array, kv_segment_ids: jax.Array, block_size
 
 
 def visible(q_positions: jax.Array, q_segment_ids: jax.Array, kv_positions: jax.Array,
-            kv_segment_ids: jax.Array) -> jax.Array:
+            kv_segment_ids: jax.Array, q_index: jax.Array | None = None,
+            kv_subtree_end: jax.Array | None = None) -> jax.Array:
     """Token visibility mask ``[B, T, S]`` bool (see the module docstring for the rule).
 
     Args:
       q_positions, q_segment_ids: ``[B, T]`` int32.
       kv_positions, kv_segment_ids: ``[B, S]`` int32.
+      q_index, kv_subtree_end: prefix-tree rows (``minimax_jax.data.prefix_tree``), both or neither:
+        ``[B, T]`` the queries' storage slots among the keys, ``[B, S]`` one past each key's subtree;
+        key slot ``j`` is then visible only to queries at slots ``j <= q_index < kv_subtree_end[j]``
+        (its own trajectory's ancestors), so positions and blocks are those of the query's trajectory.
     """
     same = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
     valid = (kv_segment_ids >= 0)[:, None, :]
     causal = kv_positions[:, None, :] <= q_positions[:, :, None]
-    return same & valid & causal
+    m = same & valid & causal
+    if kv_subtree_end is not None:
+        slot = jnp.arange(kv_positions.shape[1], dtype=jnp.int32)[None, None, :]
+        qi = q_index[:, :, None]
+        m &= (slot <= qi) & (qi < kv_subtree_end[:, None, :])
+    return m
+
+
+def tree_query_args(b: int, t: int, kv_subtree_end: jax.Array | None) -> tuple[tuple, tuple, tuple]:
+    """Extra per-query chunk inputs for prefix-tree visibility: ``((q_index [B, T],), (pad,), (t_axis,))``
+    with ``q_index`` the query slots ``0..T-1`` (self-attention), padding ``-1`` (sees no key); empty
+    tuples without ``kv_subtree_end``."""
+    if kv_subtree_end is None:
+        return (), (), ()
+    return (jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),), (-1,), (1,)
 
 
 def map_query_chunks(fn: Callable, q_args: tuple, chunk_size: int, *, pad_values: tuple,

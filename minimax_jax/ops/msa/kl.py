@@ -21,7 +21,15 @@ import math
 import jax
 import jax.numpy as jnp
 
-from minimax_jax.ops.msa.common import HIGHEST, key_block_ids, map_query_chunks, masked_softmax, num_key_blocks, visible
+from minimax_jax.ops.msa.common import (
+    HIGHEST,
+    key_block_ids,
+    map_query_chunks,
+    masked_softmax,
+    num_key_blocks,
+    tree_query_args,
+    visible,
+)
 from minimax_jax.ops.msa.reference import block_membership
 
 __all__ = ["indexer_kl", "kl_rows"]
@@ -49,7 +57,7 @@ def kl_rows(main_logits: jax.Array, index_logits: jax.Array, support: jax.Array)
 
 @functools.partial(jax.jit, static_argnames=("block_size", "chunk_size"))
 def indexer_kl(q, k, qi, ki, block_ids, q_pos, kv_pos, q_seg, kv_seg, *, block_size: int | None,
-               chunk_size: int) -> tuple[jax.Array, jax.Array]:
+               chunk_size: int, kv_subtree_end=None, q_weights=None) -> tuple[jax.Array, jax.Array]:
     """KL sum and row count (see module docstring).
 
     Args:
@@ -58,7 +66,9 @@ def indexer_kl(q, k, qi, ki, block_ids, q_pos, kv_pos, q_seg, kv_seg, *, block_s
       block_ids: ``[B, Hi, T, K]`` int32 or ``None`` (dense warm-up over the whole causal history).
       q_pos, q_seg: ``[B, T]`` int32; kv_pos, kv_seg: ``[B, S]`` int32.
       block_size: B (required when ``block_ids`` is given).
-    Returns: ``(kl_sum float32 [], count int32 [])``.
+      kv_subtree_end: ``[B, S]`` int32 or None: prefix-tree visibility (``common.visible``).
+      q_weights: ``[B, T]`` float32 or None: weight of each query's rows in the sum and the count.
+    Returns: ``(kl_sum float32 [], count [])``: count int32, float32 with ``q_weights``.
     """
     b, _, h, d = q.shape
     g = k.shape[2]
@@ -71,19 +81,31 @@ def indexer_kl(q, k, qi, ki, block_ids, q_pos, kv_pos, q_seg, kv_seg, *, block_s
         nb = num_key_blocks(k.shape[1], block_size)
         kv_blk = key_block_ids(kv_pos, kv_seg, block_size, nb)
 
-    def body(q_c, qi_c, qpos_c, qseg_c, *ids):
+    tree, tree_pads, tree_axes = tree_query_args(b, q.shape[1], kv_subtree_end)
+
+    weighted = q_weights is not None
+    wts = (q_weights.astype(jnp.float32),) if weighted else ()
+
+    def body(q_c, qi_c, qpos_c, qseg_c, *rest):
         c = q_c.shape[1]
-        support = jnp.broadcast_to(visible(qpos_c, qseg_c, kv_pos, kv_seg)[:, None], (b, g, c, kv_pos.shape[1]))
+        qidx = rest[:len(tree)]
+        rest = rest[len(tree):]
+        if weighted:
+            w_c, rest = rest[0][:, None, :], rest[1:]
+        vis = visible(qpos_c, qseg_c, kv_pos, kv_seg, *qidx, kv_subtree_end)
+        support = jnp.broadcast_to(vis[:, None], (b, g, c, kv_pos.shape[1]))
         if sparse:
-            support = support & block_membership(ids[0], kv_blk, nb)
+            support = support & block_membership(rest[0], kv_blk, nb)
         qg = jax.lax.stop_gradient(q_c).astype(jnp.float32).reshape(b, c, g, r, d)
         main = jnp.einsum("bcgrd,bsgd->bgcrs", qg, kf, precision=HIGHEST) / math.sqrt(d)
         idx = jnp.einsum("bcgd,bsd->bgcs", qi_c.astype(jnp.float32), kif, precision=HIGHEST) / math.sqrt(di)
         kl, nonempty = kl_rows(main, idx, support)
+        if weighted:
+            return jnp.sum(kl * w_c), jnp.sum(jnp.where(nonempty, w_c, 0.0))
         return jnp.sum(kl), jnp.sum(nonempty.astype(jnp.int32))
 
-    args = (q, qi, q_pos, q_seg) + ((block_ids,) if sparse else ())
-    pads = (0, 0, 0, -1) + ((-1,) if sparse else ())
-    axes = (1, 1, 1, 1) + ((2,) if sparse else ())
+    args = (q, qi, q_pos, q_seg) + tree + wts + ((block_ids,) if sparse else ())
+    pads = (0, 0, 0, -1) + tree_pads + ((0,) if weighted else ()) + ((-1,) if sparse else ())
+    axes = (1, 1, 1, 1) + tree_axes + ((1,) if weighted else ()) + ((2,) if sparse else ())
     (kl, cnt), _, _, _ = map_query_chunks(body, args, chunk_size, pad_values=pads, t_axes=axes)
     return jnp.sum(kl), jnp.sum(cnt)

@@ -176,9 +176,22 @@ def _kl_tpu(q, k, qi, ki, block_ids, *, chunk_size, interpret, **kw):
     return indexer_kl_tpu(q, k, qi, ki, block_ids, interpret=interpret, **kw)
 
 
+def _no_tree(check):
+    """``check`` that also refuses prefix-tree visibility (``kv_subtree_end``) and weighted KL rows
+    (``q_weights``): only ``"xla"`` serves them."""
+    def supports(*args, kv_subtree_end=None, q_weights=None, **kw):
+        if kv_subtree_end is not None:
+            return "prefix-tree visibility (kv_subtree_end) is served only by 'xla'"
+        if q_weights is not None:
+            return "weighted KL rows (q_weights) are served only by 'xla'"
+        return None if check is None else check(*args, **kw)
+    return supports
+
+
 def _four(gpu_fn, tpu_fn, gpu_check, tpu_check, tpu_interpret_check):
     """The op's kernels in registry order: pallas_gpu, pallas_tpu, pallas_tpu_interpret, pallas_gpu_interpret."""
     p = functools.partial
+    gpu_check, tpu_check, tpu_interpret_check = _no_tree(gpu_check), _no_tree(tpu_check), _no_tree(tpu_interpret_check)
     return [Implementation("pallas_gpu", p(gpu_fn, interpret=False), ("gpu",), gpu_check),
             Implementation("pallas_tpu", p(tpu_fn, interpret=False), ("tpu",), tpu_check),
             Implementation("pallas_tpu_interpret", p(tpu_fn, interpret=True), None, tpu_interpret_check),
@@ -189,9 +202,9 @@ def _hopper(fn, kernel_reason, triton_check):
     """The Hopper set's two implementations: pallas_hopper_gpu and pallas_hopper_gpu_interpret."""
     p = functools.partial
     return [Implementation("pallas_hopper_gpu", p(fn, interpret=False), ("gpu",),
-                           _hopper_supports(False, kernel_reason, triton_check)),
+                           _no_tree(_hopper_supports(False, kernel_reason, triton_check))),
             Implementation("pallas_hopper_gpu_interpret", p(fn, interpret=True), None,
-                           _hopper_supports(True, kernel_reason, triton_check))]
+                           _no_tree(_hopper_supports(True, kernel_reason, triton_check)))]
 
 
 _gpu = functools.partial(_gpu_supports, _main_dims)

@@ -21,6 +21,7 @@ from minimax_jax.ops.msa.common import (
     map_query_chunks,
     masked_softmax,
     num_key_blocks,
+    tree_query_args,
     unchunk,
     visible,
 )
@@ -28,12 +29,12 @@ from minimax_jax.ops.msa.common import (
 __all__ = ["index_scores", "select_blocks", "attention", "select_from_block_scores", "block_membership"]
 
 
-def _chunk_block_scores(qi_c, qpos_c, qseg_c, ki, kv_pos, kv_seg, kv_blk, nb):
+def _chunk_block_scores(qi_c, qpos_c, qseg_c, ki, kv_pos, kv_seg, kv_blk, nb, qidx_c=None, kv_subtree_end=None):
     """Block max-pool of token index scores for one query chunk -> ``[B, Hi, C, NB]`` f32."""
     di = qi_c.shape[-1]
     s = jnp.einsum("bchd,bsd->bhcs", qi_c.astype(jnp.float32), ki.astype(jnp.float32),
                    precision=HIGHEST) / math.sqrt(di)
-    vis = visible(qpos_c, qseg_c, kv_pos, kv_seg)  # [B, C, S]
+    vis = visible(qpos_c, qseg_c, kv_pos, kv_seg, qidx_c, kv_subtree_end)  # [B, C, S]
     s = jnp.where(vis[:, None], s, -jnp.inf)
 
     def per_row(s_b, blk_b):  # s_b [Hi, C, S], blk_b [S] -> [NB + 1, Hi, C]
@@ -104,47 +105,52 @@ def block_membership(block_ids: jax.Array, kv_blk: jax.Array, nb: int) -> jax.Ar
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "chunk_size"))
-def index_scores(qi, ki, q_pos, kv_pos, q_seg, kv_seg, *, block_size: int, chunk_size: int) -> jax.Array:
-    """Block scores ``[B, Hi, T, NB]`` float32 (``-inf`` where a block has no visible key)."""
+def index_scores(qi, ki, q_pos, kv_pos, q_seg, kv_seg, *, block_size: int, chunk_size: int,
+                 kv_subtree_end=None) -> jax.Array:
+    """Block scores ``[B, Hi, T, NB]`` float32 (``-inf`` where a block has no visible key);
+    ``kv_subtree_end``: prefix-tree visibility (``common.visible``)."""
     nb = num_key_blocks(ki.shape[1], block_size)
     kv_blk = key_block_ids(kv_pos, kv_seg, block_size, nb)
+    tree, tree_pads, tree_axes = tree_query_args(qi.shape[0], qi.shape[1], kv_subtree_end)
 
-    def body(qi_c, qpos_c, qseg_c):
-        return _chunk_block_scores(qi_c, qpos_c, qseg_c, ki, kv_pos, kv_seg, kv_blk, nb)
+    def body(qi_c, qpos_c, qseg_c, *qidx):
+        return _chunk_block_scores(qi_c, qpos_c, qseg_c, ki, kv_pos, kv_seg, kv_blk, nb, *qidx, kv_subtree_end)
 
-    out, _, _, t = map_query_chunks(body, (qi, q_pos, q_seg), chunk_size, pad_values=(0, 0, -1),
-                                    t_axes=(1, 1, 1), remat=False)
+    out, _, _, t = map_query_chunks(body, (qi, q_pos, q_seg) + tree, chunk_size, pad_values=(0, 0, -1) + tree_pads,
+                                    t_axes=(1, 1, 1) + tree_axes, remat=False)
     return unchunk(out, 2, t)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "topk", "init_blocks", "local_blocks",
                                              "chunk_size"))
 def select_blocks(qi, ki, q_pos, kv_pos, q_seg, kv_seg, *, block_size: int, topk: int, init_blocks: int,
-                  local_blocks: int, chunk_size: int) -> jax.Array:
+                  local_blocks: int, chunk_size: int, kv_subtree_end=None) -> jax.Array:
     """Selected block ids ``[B, Hi, T, K]`` int32 (see ``select_from_block_scores``)."""
     nb = num_key_blocks(ki.shape[1], block_size)
     kv_blk = key_block_ids(kv_pos, kv_seg, block_size, nb)
     qi = jax.lax.stop_gradient(qi)
     ki = jax.lax.stop_gradient(ki)
+    tree, tree_pads, tree_axes = tree_query_args(qi.shape[0], qi.shape[1], kv_subtree_end)
 
-    def body(qi_c, qpos_c, qseg_c):
-        bs = _chunk_block_scores(qi_c, qpos_c, qseg_c, ki, kv_pos, kv_seg, kv_blk, nb)
+    def body(qi_c, qpos_c, qseg_c, *qidx):
+        bs = _chunk_block_scores(qi_c, qpos_c, qseg_c, ki, kv_pos, kv_seg, kv_blk, nb, *qidx, kv_subtree_end)
         return select_from_block_scores(bs, qpos_c // block_size, topk=topk, init_blocks=init_blocks,
                                         local_blocks=local_blocks)
 
-    out, _, _, t = map_query_chunks(body, (qi, q_pos, q_seg), chunk_size, pad_values=(0, 0, -1),
-                                    t_axes=(1, 1, 1), remat=False)
+    out, _, _, t = map_query_chunks(body, (qi, q_pos, q_seg) + tree, chunk_size, pad_values=(0, 0, -1) + tree_pads,
+                                    t_axes=(1, 1, 1) + tree_axes, remat=False)
     return unchunk(out, 2, t)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "chunk_size"))
 def attention(q, k, v, block_ids, q_pos, kv_pos, q_seg, kv_seg, *, block_size: int,
-              chunk_size: int) -> tuple[jax.Array, jax.Array]:
+              chunk_size: int, kv_subtree_end=None) -> tuple[jax.Array, jax.Array]:
     """Block-sparse GQA attention: ``o [B, T, H, D]`` (``q.dtype``) and ``lse [B, T, H]`` float32.
 
     Query head ``h`` uses group ``r = h // (H / G)`` and attends the keys of ``block_ids[:, r]`` that are
-    visible to it; fp32 logits (scale ``1/sqrt(D)``), softmax and accumulation. A query with no
-    visible key gets ``o = 0`` and ``lse = -inf``.
+    visible to it (``common.visible``, with ``kv_subtree_end`` prefix-tree visibility); fp32 logits
+    (scale ``1/sqrt(D)``), softmax and accumulation. A query with no visible key gets ``o = 0`` and
+    ``lse = -inf``.
     """
     b, _, h, d = q.shape
     g = k.shape[2]
@@ -155,15 +161,18 @@ def attention(q, k, v, block_ids, q_pos, kv_pos, q_seg, kv_seg, *, block_size: i
     vf = v.astype(jnp.float32)
     scale = 1.0 / math.sqrt(d)
 
-    def body(q_c, ids_c, qpos_c, qseg_c):
+    tree, tree_pads, tree_axes = tree_query_args(b, q.shape[1], kv_subtree_end)
+
+    def body(q_c, ids_c, qpos_c, qseg_c, *qidx):
         c = q_c.shape[1]
-        mask = block_membership(ids_c, kv_blk, nb) & visible(qpos_c, qseg_c, kv_pos, kv_seg)[:, None]
+        vis = visible(qpos_c, qseg_c, kv_pos, kv_seg, *qidx, kv_subtree_end)
+        mask = block_membership(ids_c, kv_blk, nb) & vis[:, None]
         qg = q_c.astype(jnp.float32).reshape(b, c, g, r, d)
         logits = jnp.einsum("bcgrd,bsgd->bgrcs", qg, kf, precision=HIGHEST) * scale
         p, lse = masked_softmax(logits, mask[:, :, None])
         o = jnp.einsum("bgrcs,bsgd->bcgrd", p, vf, precision=HIGHEST)
         return o.reshape(b, c, h, d).astype(q.dtype), jnp.transpose(lse, (0, 3, 1, 2)).reshape(b, c, h)
 
-    (o, lse), _, _, t = map_query_chunks(body, (q, block_ids, q_pos, q_seg), chunk_size,
-                                         pad_values=(0, -1, 0, -1), t_axes=(1, 2, 1, 1))
+    (o, lse), _, _, t = map_query_chunks(body, (q, block_ids, q_pos, q_seg) + tree, chunk_size,
+                                         pad_values=(0, -1, 0, -1) + tree_pads, t_axes=(1, 2, 1, 1) + tree_axes)
     return unchunk(o, 1, t), unchunk(lse, 1, t)

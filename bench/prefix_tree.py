@@ -1,0 +1,214 @@
+"""Prefix-tree merged training vs the same trajectories unmerged: time per training step (forward + backward).
+
+Usage (GPU machine, one H200)::
+
+    PYTHONUNBUFFERED=1 python3 bench/prefix_tree.py --out $OUT                 # dense and MSA, default workload
+    python3 bench/prefix_tree.py --modes dense --steps 3 --out $OUT
+
+CPU smoke run (tiny model and workload, float32; prints the equality check)::
+
+    python bench/prefix_tree.py --tiny --out /tmp/tree_bench
+
+Workload (synthetic agent rollouts, ``synthetic_rollouts``): ``--rollouts`` trajectories sharing a
+``--prompt``-token system prompt + task; the rollouts split ``--branch-min``..``--branch-max`` ways at each
+branch point until each has its own leaf, every edge a turn of ``--turn-min``..``--turn-max`` tokens
+(assistant turns carry the loss, tool results do not); each leaf then continues for 0..``--tail-turns``
+more turns alone (default 0).
+
+Layouts, one step each over the same trajectories and the same parameters:
+- ``unmerged``: the pipeline layout (inputs ``t[:-1]``, targets ``t[1:]``), trajectories packed first-fit
+  into rows of ``--seq-len`` as separate documents (segment ids): the ordinary packed path (on GPU the
+  attention op's ``auto``: cuDNN's packed layout or the flash kernel; MSA: the Pallas kernels);
+- ``merged``: ``minimax_jax.data.prefix_tree.pack_trajectories`` (shared prefixes once; prefix-tree
+  visibility: on GPU the attention op's ``pallas_tree_gpu`` kernel; MSA layers run the XLA reference, the
+  only MSA implementation that serves trees so far).
+Measured: compile time, median step time over ``--steps`` after ``--warmup``, tokens per step of each layout,
+the ideal ratio (unmerged tokens / merged tokens) and the measured one (unmerged time / merged time), the
+loss of both (equal up to compute-dtype rounding; ``--tiny`` runs float32 and checks 1e-5), and the
+implementations that ran. Model (``--tiny`` off): bench/train_step.py's M3-style 1.9B model (``dense``:
+every MSA layer full attention), bf16 compute, fp32 params, ``remat=full``, no MTP, chunked lm head.
+Writes ``prefix_tree.json`` under ``--out``; the table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from minimax_jax.config import ModelConfig  # noqa: E402
+from minimax_jax.data.prefix_tree import Trajectory, pack_trajectories  # noqa: E402
+from minimax_jax.model import init_params  # noqa: E402
+from minimax_jax.ops.registry import clear_implementation_report, implementation_report  # noqa: E402
+from minimax_jax.train.step import StepSpec, _loss_fn, batch_norms  # noqa: E402
+
+M3_STYLE = dict(
+    vocab_size=32768, hidden_size=2048, num_layers=10, num_heads=16, num_kv_heads=4, head_dim=128, rotary_dim=64,
+    max_position_embeddings=131072, norm_kind="gemma", qk_norm="per_head", mlp_activation="swigluoai",
+    layer_types=["full"] + ["msa"] * 9, mlp_types=["dense"] + ["moe"] * 9, dense_intermediate_size=5632,
+    num_experts=16, num_experts_per_tok=2, moe_intermediate_size=1536, shared_intermediate_size=1536,
+    routed_scaling_factor=2.0, index_head_dim=128, index_block_size=128, index_topk=16, num_mtp_modules=0,
+    bos_token_id=1, eos_token_id=2, dtype="bfloat16", param_dtype="float32")
+TINY = dict(M3_STYLE, vocab_size=512, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
+            rotary_dim=8, layer_types=["full", "msa", "msa"], mlp_types=["dense", "moe", "moe"],
+            dense_intermediate_size=96, num_experts=4, moe_intermediate_size=32, shared_intermediate_size=32,
+            index_head_dim=16, index_block_size=16, index_topk=4, max_position_embeddings=4096,
+            dtype="float32")
+TINY_WORKLOAD = dict(prompt=96, rollouts=6, turn_min=8, turn_max=40, seq_len=512)
+
+
+def synthetic_rollouts(rng, *, prompt: int, rollouts: int, turn_min: int, turn_max: int, branch_min: int,
+                       branch_max: int, vocab: int, tail_turns: int = 0) -> list[Trajectory]:
+    """Agent-style trajectories sharing a prompt and branching (module docstring); loss on assistant turns."""
+    def turn(assistant: bool):
+        n = int(rng.integers(turn_min, turn_max + 1))
+        return rng.integers(3, vocab, n).astype(np.int32), np.full(n, 1.0 if assistant else 0.0, np.float32)
+
+    out: list[Trajectory] = []
+
+    def grow(toks, mask, leaves, assistant):
+        if leaves == 1:
+            for _ in range(int(rng.integers(0, tail_turns + 1))):
+                t, m = turn(assistant)
+                toks, mask, assistant = np.concatenate([toks, t]), np.concatenate([mask, m]), not assistant
+            out.append(Trajectory(toks, mask))
+            return
+        k = min(int(rng.integers(branch_min, branch_max + 1)), leaves)
+        split = np.diff(np.linspace(0, leaves, k + 1).round().astype(int))
+        for n in split:
+            t, m = turn(assistant)
+            grow(np.concatenate([toks, t]), np.concatenate([mask, m]), int(n), not assistant)
+
+    grow(rng.integers(3, vocab, prompt).astype(np.int32), np.zeros(prompt, np.float32), rollouts, True)
+    return out
+
+
+def unmerged_rows(trajs, seq_len: int) -> dict[str, np.ndarray]:
+    """The pipeline layout: per trajectory inputs ``t[:-1]`` / targets ``t[1:]``, packed first-fit into rows
+    of ``seq_len`` as separate documents (segments 1, 2, ...; padding segment -1)."""
+    fill: list[int] = []
+    place = []
+    for t in sorted(trajs, key=lambda t: -t.tokens.size):
+        n = t.tokens.size - 1
+        r = next((r for r, f in enumerate(fill) if f + n <= seq_len), None)
+        if r is None:
+            fill.append(0)
+            r = len(fill) - 1
+        place.append((t, r, fill[r]))
+        fill[r] += n
+    rows = len(fill)
+    b = {k: np.zeros((rows, seq_len), np.int32) for k in ("tokens", "targets", "positions")}
+    b["segment_ids"] = np.full((rows, seq_len), -1, np.int32)
+    b["loss_mask"] = np.zeros((rows, seq_len), np.float32)
+    segs = [0] * rows
+    for t, r, s in place:
+        n = t.tokens.size - 1
+        segs[r] += 1
+        b["tokens"][r, s:s + n], b["targets"][r, s:s + n] = t.tokens[:-1], t.tokens[1:]
+        b["positions"][r, s:s + n], b["segment_ids"][r, s:s + n] = np.arange(n), segs[r]
+        b["loss_mask"][r, s:s + n] = t.loss_mask[1:]
+    return b
+
+
+def time_step(cfg: ModelConfig, params, batch: dict, *, kl_mode, steps: int, warmup: int, logits_chunk: int):
+    """Compile and time ``value_and_grad`` of the training loss on ``batch``: (loss, compile s, median s, impls)."""
+    spec = StepSpec(cfg=cfg, kl_mode=kl_mode, remat="full", logits_chunk=logits_chunk)
+    fn = jax.jit(jax.value_and_grad(_loss_fn(spec, jax.tree.map(lambda _: True, params)), has_aux=True))
+    batch = {k: jnp.asarray(v) for k, v in batch.items()}
+    norms = batch_norms(batch, 0)
+    clear_implementation_report()
+    t0 = time.perf_counter()
+    compiled = fn.lower(params, batch, norms).compile()
+    compile_s = time.perf_counter() - t0
+    impls = {k: v for k, v in implementation_report().items() if not k.endswith("auto_reason")}
+    times, loss = [], None
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        (loss, _), grads = compiled(params, batch, norms)
+        jax.block_until_ready(grads)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return float(loss), compile_s, statistics.median(times), impls
+
+
+def bench_mode(mode: str, trajs, args) -> dict:
+    fields = dict(TINY if args.tiny else M3_STYLE)
+    if mode == "dense":
+        fields["layer_types"] = ["full"] * fields["num_layers"]
+    cfg = ModelConfig.from_dict(fields)
+    params = init_params(cfg, jax.random.key(0))
+    kl = "sparse" if cfg.has_msa else None
+    layouts = {"unmerged": unmerged_rows(trajs, args.seq_len), "merged": pack_trajectories(trajs, args.seq_len)[0]}
+    row = {"mode": mode, "rollouts": len(trajs)}
+    for name, batch in layouts.items():
+        tokens = int((batch["segment_ids"] > 0).sum())
+        loss, comp, step, impls = time_step(cfg, params, batch, kl_mode=kl, steps=args.steps, warmup=args.warmup,
+                                            logits_chunk=args.logits_chunk)
+        row[name] = {"rows": int(batch["tokens"].shape[0]), "tokens": tokens, "loss": loss, "compile_s": round(comp, 2),
+                     "step_s": step, "implementations": impls}
+        print(f"[prefix_tree] {mode} {name}: {batch['tokens'].shape[0]} rows, {tokens} tokens, loss {loss:.6f}, "
+              f"compile {comp:.1f} s, step {step * 1e3:.1f} ms, {impls}", flush=True)
+    u, m = row["unmerged"], row["merged"]
+    row["ideal_ratio"] = u["tokens"] / m["tokens"]
+    row["speedup"] = u["step_s"] / m["step_s"]
+    row["loss_rel_diff"] = abs(u["loss"] - m["loss"]) / abs(u["loss"])
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--modes", default="dense,msa")
+    p.add_argument("--tiny", action="store_true", help="tiny float32 model and workload (CPU smoke run)")
+    p.add_argument("--prompt", type=int, default=6144)
+    p.add_argument("--rollouts", type=int, default=16)
+    p.add_argument("--turn-min", type=int, default=200)
+    p.add_argument("--turn-max", type=int, default=1500)
+    p.add_argument("--branch-min", type=int, default=2)
+    p.add_argument("--branch-max", type=int, default=4)
+    p.add_argument("--tail-turns", type=int, default=0)
+    p.add_argument("--seq-len", type=int, default=32768)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--logits-chunk", type=int, default=4096)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.tiny:
+        for k, v in TINY_WORKLOAD.items():
+            setattr(args, k, v)
+        args.logits_chunk = 0
+    os.makedirs(args.out, exist_ok=True)
+    vocab = (TINY if args.tiny else M3_STYLE)["vocab_size"]
+    trajs = synthetic_rollouts(np.random.default_rng(args.seed), prompt=args.prompt, rollouts=args.rollouts,
+                               turn_min=args.turn_min, turn_max=args.turn_max, branch_min=args.branch_min,
+                               branch_max=args.branch_max, vocab=vocab, tail_turns=args.tail_turns)
+    rows = [bench_mode(m, trajs, args) for m in args.modes.split(",")]
+    result = {"device": str(jax.devices()[0].device_kind), "tiny": args.tiny,
+              "workload": {k: getattr(args, k) for k in ("prompt", "rollouts", "turn_min", "turn_max", "branch_min",
+                                                         "branch_max", "tail_turns", "seq_len", "seed")},
+              "rows": rows}
+    with open(os.path.join(args.out, "prefix_tree.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    ok = all(r["loss_rel_diff"] < (1e-5 if args.tiny else 2e-2) for r in rows)
+    print(f"\nequality check (loss merged vs unmerged, rel. tol {'1e-5' if args.tiny else '2e-2'}): "
+          f"{'PASS' if ok else 'FAIL'}")
+    print(f"{'mode':6} {'unmerged tok':>12} {'merged tok':>10} {'ideal':>6} {'unmerged ms':>11} {'merged ms':>9} "
+          f"{'speedup':>7} {'of ideal':>8}")
+    for r in rows:
+        u, m = r["unmerged"], r["merged"]
+        print(f"{r['mode']:6} {u['tokens']:12d} {m['tokens']:10d} {r['ideal_ratio']:6.2f} {u['step_s'] * 1e3:11.1f} "
+              f"{m['step_s'] * 1e3:9.1f} {r['speedup']:7.2f} {r['speedup'] / r['ideal_ratio']:8.2f}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Prefix-tree attention kernels (``gpu_attention``: Triton-lowered forward and backward)."""
