@@ -28,6 +28,19 @@ Row layout (numpy, ``[R, L]``; ``s`` is a slot, i.e. a storage index in its row)
                         that continue past it (0 on padding and on slots only ever a last token); the
                         weight of per-input terms that are not CE targets (the MSA indexer KL rows)
 
+With ``key_len`` the rows also carry a per-trajectory KEY layout ``[R, key_len]`` for attention kernels
+that take queries apart from keys (MSA): every trajectory of the row (in layout order) as its own
+document, its root-to-leaf path of slots one contiguous run (gathered from the row's slots), so the
+trajectory's tokens sit at their own positions as in the unmerged batch::
+
+    key_slot            int32  the row slot a key entry is gathered from (0 on padding)
+    key_positions       int32  its position in its trajectory (0..n-1)
+    key_segment_ids     int32  1-based trajectory index in the row, -1 = padding
+    key_kl_segment_ids  int32  = key_segment_ids on the entries that are inputs of their trajectory (all
+                               but its last token), else -1: as query rows they are the unmerged inputs
+    query_segment_ids   int32  [R, L]: the key segment of the trajectory that laid slot s out (the one it
+                               is new in; s sees that trajectory's prefix = its own ancestors), -1 padding
+
 ``merge=False`` lays out every trajectory as its own chain (no sharing): the unmerged baseline with the
 same layout. Ancestor intervals per slot (for kernels): the ancestors of slot i are the slots j <= i
 with subtree_end[j] > i; along a path they form at most depth(i) + 1 runs of consecutive slots.
@@ -40,11 +53,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["Trajectory", "TreePackingError", "PackStats", "plan_groups", "pack_trajectories", "ROW_KEYS",
+__all__ = ["Trajectory", "TreePackingError", "PackStats", "plan_groups", "pack_trajectories", "ROW_KEYS", "KEY_KEYS",
            "ancestor_mask"]
 
 ROW_KEYS = ("tokens", "targets", "positions", "segment_ids", "subtree_end", "loss_index", "loss_mask",
             "input_weight")
+KEY_KEYS = ("key_slot", "key_positions", "key_segment_ids", "key_kl_segment_ids", "query_segment_ids")
 FLOAT_KEYS = ("loss_mask", "input_weight")
 
 
@@ -134,8 +148,9 @@ def _assign_rows(sizes: list[int], seq_len: int, num_rows: int | None) -> list[i
     return row_of
 
 
-def _layout(trajs, group, out: dict[str, np.ndarray], row: int, base: int, seg: int) -> int:
-    """Writes one tree into ``out[*][row]`` from slot ``base``; returns the slot after it."""
+def _layout(trajs, group, out: dict[str, np.ndarray], row: int, base: int, seg: int, paths: list) -> int:
+    """Writes one tree into ``out[*][row]`` from slot ``base``; returns the slot after it. Appends each
+    trajectory's ``(path slots, new slots)`` to ``paths``."""
     depth = max(trajs[i].tokens.size for i, _ in group)
     path = np.zeros(depth, np.int64)     # slot of each depth on the current trajectory's path
     cur, prev_len = base, 0
@@ -153,15 +168,40 @@ def _layout(trajs, group, out: dict[str, np.ndarray], row: int, base: int, seg: 
         out["loss_index"][row, new] = np.where(np.arange(lcp, n) == 0, new, parents)
         out["loss_mask"][row, path[1:n]] += m[1:]
         out["input_weight"][row, path[:n - 1]] += 1.0
+        paths.append((path[:n].copy(), new))
         cur, prev_len = cur + n - lcp, n
     out["subtree_end"][row, path[:prev_len]] = cur
     return cur
 
 
+def _key_layout(row_paths: list[list], rows: int, seq_len: int, key_len: int) -> dict[str, np.ndarray]:
+    """The KEY_KEYS arrays (module docstring) of the rows' trajectory paths."""
+    out = {k: np.zeros((rows, key_len), np.int32) for k in KEY_KEYS if k != "query_segment_ids"}
+    for k in ("key_segment_ids", "key_kl_segment_ids"):
+        out[k][:] = -1
+    out["query_segment_ids"] = np.full((rows, seq_len), -1, np.int32)
+    for r, paths in enumerate(row_paths):
+        need = sum(p.size for p, _ in paths)
+        if need > key_len:
+            raise TreePackingError(f"row {r} needs {need} key entries (its trajectories unmerged), more than "
+                                   f"key_len={key_len}")
+        o = 0
+        for i, (path, new) in enumerate(paths, start=1):
+            n = path.size
+            out["key_slot"][r, o:o + n] = path
+            out["key_positions"][r, o:o + n] = np.arange(n)
+            out["key_segment_ids"][r, o:o + n] = i
+            out["key_kl_segment_ids"][r, o:o + n - 1] = i
+            out["query_segment_ids"][r, new] = i
+            o += n
+    return out
+
+
 def pack_trajectories(trajs: Sequence[Trajectory], seq_len: int, num_rows: int | None = None,
-                      merge: bool = True) -> tuple[dict[str, np.ndarray], PackStats]:
+                      merge: bool = True, key_len: int | None = None) -> tuple[dict[str, np.ndarray], PackStats]:
     """Packs ``trajs`` into ``[num_rows, seq_len]`` rows (module docstring; ``num_rows=None``: as many
-    as needed). Returns ``(rows, stats)``. Raises TreePackingError when they do not fit."""
+    as needed; ``key_len``: also the key layout, ``KEY_KEYS``). Returns ``(rows, stats)``. Raises
+    TreePackingError when they do not fit (rows, or ``key_len`` key entries per row)."""
     if not trajs:
         raise TreePackingError("no trajectories to pack")
     groups = plan_groups(trajs, seq_len, merge)
@@ -174,11 +214,14 @@ def pack_trajectories(trajs: Sequence[Trajectory], seq_len: int, num_rows: int |
     out["loss_index"][:] = slot
     fill = [0] * rows
     segs = [0] * rows
+    row_paths: list[list] = [[] for _ in range(rows)]
     for g, group in enumerate(groups):
         r = row_of[g]
         segs[r] += 1
-        fill[r] = _layout(trajs, group, out, r, fill[r], segs[r])
+        fill[r] = _layout(trajs, group, out, r, fill[r], segs[r], row_paths[r])
     out["targets"] = out["tokens"].copy()
+    if key_len is not None:
+        out.update(_key_layout(row_paths, rows, seq_len, key_len))
     before = int(sum(t.tokens.size for t in trajs))
     return out, PackStats(before, int(sum(sizes)), len(set(row_of)))
 

@@ -15,7 +15,7 @@ are as many as fit ``batch_size / shard_count`` rows of ``seq_len`` after mergin
 ``max_trajectories`` when > 0); ``minimax_jax.data.prefix_tree`` lays them out. Multi-host: host h
 reads the trajectories ``h::shard_count``. The files are read and tokenised once, at construction.
 
-Batches: ``prefix_tree.ROW_KEYS`` arrays ``[rows, seq_len]``; ``it.last_stats`` is the ``PackStats``
+Batches: ``prefix_tree.ROW_KEYS`` arrays ``[rows, seq_len]`` (and ``KEY_KEYS`` with ``key_len``); ``it.last_stats`` is the ``PackStats``
 of the batch returned last. ``get_state()`` / ``set_state()`` restore the exact next batch.
 """
 
@@ -56,6 +56,9 @@ class TrajectoryConfig:
       loss_on: ``assistant`` (the assistant turns of conversations; the given mask of token ids) or ``all``.
       merge: prefix-tree merging (False: each trajectory its own chain, the unmerged baseline).
       max_trajectories: at most this many trajectories per step and host (0 = as many as fit the rows).
+      key_len: > 0: the batches also carry the per-trajectory key layout (``prefix_tree.KEY_KEYS``) of this
+        many entries per row (the row's trajectories unmerged must fit it), with which MSA layers run
+        the ordinary MSA kernels instead of the XLA reference (0 = none).
       num_epochs: passes over the trajectories; None repeats forever.
       shard_index, shard_count: this host's shard; None = jax's process index / count.
     """
@@ -67,6 +70,7 @@ class TrajectoryConfig:
     loss_on: str = "assistant"
     merge: bool = True
     max_trajectories: int = 0
+    key_len: int = 0
     num_epochs: int | None = 1
     shard_index: int | None = None
     shard_count: int | None = None
@@ -80,6 +84,8 @@ class TrajectoryConfig:
                 raise TrajectoryError(f"{name} must be a positive int, got {v!r}")
         if self.loss_on not in LOSS_ON:
             raise TrajectoryError(f"loss_on must be one of {LOSS_ON}, got {self.loss_on!r}")
+        if not isinstance(self.key_len, int) or isinstance(self.key_len, bool) or self.key_len < 0:
+            raise TrajectoryError(f"key_len must be an int >= 0, got {self.key_len!r}")
         if not isinstance(self.max_trajectories, int) or self.max_trajectories < 0:
             raise TrajectoryError(f"max_trajectories must be an int >= 0, got {self.max_trajectories!r}")
         if self.num_epochs is not None and (not isinstance(self.num_epochs, int) or self.num_epochs < 1):
@@ -183,7 +189,8 @@ class TrajectoryIterator:
 
     def _pack(self, n: int):
         try:
-            return pack_trajectories(self._take(n), self.config.seq_len, self.rows, self.config.merge)
+            return pack_trajectories(self._take(n), self.config.seq_len, self.rows, self.config.merge,
+                                     self.config.key_len or None)
         except TreePackingError:
             return None
 
@@ -197,7 +204,7 @@ class TrajectoryIterator:
         if best is None:
             t = self.trajectories[self.index % m]
             raise TrajectoryError(f"trajectory {self.index % m} of this shard ({t.tokens.size} tokens) does not fit "
-                                  f"a row of seq_len={c.seq_len}")
+                                  f"a row of seq_len={c.seq_len}" + (f" and key_len={c.key_len}" if c.key_len else ""))
         lo, hi = 1, 2                   # grow while it fits, then bisect between the last fit and the first miss
         while hi <= cap and (got := self._pack(hi)) is not None:
             lo, best, hi = hi, got, hi * 2

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from minimax_jax.config import ModelConfig, dtype_of
 from minimax_jax.model.layers import apply_rope, dense_mlp, rms_norm, rope_frequencies, swiglu
+from minimax_jax.model.msa_block import msa_block
 from minimax_jax.model.params import layer_segments, mtp_layer_kinds
 from minimax_jax.ops.attention import attention
 from minimax_jax.ops.logits import logits_matmul
@@ -101,10 +102,10 @@ def project_index(p: dict, x: jax.Array, cfg: ModelConfig, cos: jax.Array, sin: 
 
 
 def attention_block(p, x, cfg: ModelConfig, layer_type: str, positions, segment_ids, cos, sin,
-                    indexer_kl: str | None, return_msa: bool = False, subtree_end=None, input_weight=None):
-    """Self-attention of one layer over its own tokens (``subtree_end``: prefix-tree visibility, see
-    ``minimax_jax.ops.attention`` and ``minimax_jax.ops.msa``; ``input_weight``: the weight of each
-    token's indexer-KL rows, see ``forward``).
+                    indexer_kl: str | None, return_msa: bool = False, subtree_end=None, input_weight=None,
+                    tree_keys=None):
+    """Self-attention of one layer over its own tokens (``subtree_end``, ``input_weight``, ``tree_keys``:
+    prefix-tree rows, see ``forward`` and ``minimax_jax.model.msa_block``).
 
     Returns ``(out [B,T,H], kl_sum, kl_count, msa)`` where ``msa`` is ``{}`` or, for MSA layers with
     ``return_msa``, ``{"block_ids": [B,Hi,T,K] int32, "lse": [B,T,H] f32}`` (main-branch LSE).
@@ -119,30 +120,13 @@ def attention_block(p, x, cfg: ModelConfig, layer_type: str, positions, segment_
     pos_kw = dict(q_positions=positions, kv_positions=positions, q_segment_ids=segment_ids,
                   kv_segment_ids=segment_ids)
     tree_kw = {} if subtree_end is None else {"kv_subtree_end": subtree_end}
-    kl_kw = {} if input_weight is None else {"q_weights": input_weight}
     if layer_type == "msa":
-        from minimax_jax.ops import msa as msa_ops  # imported only when a model has MSA layers
-
         qi, ki = project_index(p, x, cfg, cos, sin)
-        if indexer_kl == "dense":
-            # Dense warm-up: full attention in the main branch, KL over the whole causal history.
-            o = attention(q, k, v, implementation=cfg.attention_impl, **pos_kw, **tree_kw)
-            kl_sum, kl_cnt = msa_ops.indexer_kl(q, k, qi, ki, None, block_size=cfg.index_block_size, **pos_kw,
-                                                **tree_kw, **kl_kw)
-        else:
-            ids = msa_ops.msa_select_blocks(
-                qi, ki, block_size=cfg.index_block_size, topk=cfg.index_topk, init_blocks=cfg.index_init_blocks,
-                local_blocks=cfg.index_local_blocks, implementation=cfg.msa_impl, **pos_kw, **tree_kw)
-            o, lse = msa_ops.msa_attention(q, k, v, ids, block_size=cfg.index_block_size,
-                                           implementation=cfg.msa_impl, **pos_kw, **tree_kw)
-            if return_msa:
-                extra = {"block_ids": ids, "lse": lse}
-            if indexer_kl == "sparse":
-                # Same implementation as the selection and attention: "auto" is the Pallas KL kernel on
-                # GPU/TPU. The XLA reference scores every visible key in fp32 (O(T^2): ~475 TFLOP per
-                # step for the 1.9B bench model at 64K, vs the kernel's O(T * topk * block)).
-                kl_sum, kl_cnt = msa_ops.indexer_kl(q, k, qi, ki, ids, block_size=cfg.index_block_size,
-                                                    implementation=cfg.msa_impl, **pos_kw, **tree_kw, **kl_kw)
+        o, kl_sum, kl_cnt, ids, lse = msa_block(q, k, v, qi, ki, cfg, positions, segment_ids, indexer_kl,
+                                                subtree_end=subtree_end, input_weight=input_weight,
+                                                tree_keys=tree_keys)
+        if return_msa and ids is not None:
+            extra = {"block_ids": ids, "lse": lse}
     else:
         window = cfg.sliding_window if layer_type == "sliding" else None
         impl = cfg.sliding_attention_impl if window is not None else cfg.attention_impl
@@ -168,11 +152,11 @@ def mlp_block(p, x, cfg: ModelConfig, mlp_type: str):
 
 
 def decoder_layer(p, x, cfg, layer_type, mlp_type, positions, segment_ids, cos, sin, indexer_kl,
-                  return_msa=False, subtree_end=None, input_weight=None):
+                  return_msa=False, subtree_end=None, input_weight=None, tree_keys=None):
     """One decoder layer. Returns (x_out, (load [E], kl_sum, kl_count, msa dict))."""
     a, kl_sum, kl_cnt, extra = attention_block(p, _norm(x, p["input_norm"], cfg), cfg, layer_type, positions,
                                                segment_ids, cos, sin, indexer_kl, return_msa, subtree_end,
-                                               input_weight)
+                                               input_weight, tree_keys)
     h = constrain(x + a, ("batch", "length", "act_embed"))
     m, load = mlp_block(p, _norm(h, p["post_attn_norm"], cfg), cfg, mlp_type)
     return h + m, (load, kl_sum, kl_cnt, extra)
@@ -206,7 +190,7 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, *, positions: jax.Array
             segment_ids: jax.Array | None = None, indexer_kl: str | None = None,
             return_hidden: bool = False, return_msa: bool = False, remat: str = "none",
             return_logits: bool = True, subtree_end: jax.Array | None = None,
-            input_weight: jax.Array | None = None) -> ModelOutput:
+            input_weight: jax.Array | None = None, tree_keys: dict | None = None) -> ModelOutput:
     """Full-sequence forward pass.
 
     Args:
@@ -221,6 +205,9 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, *, positions: jax.Array
       input_weight: ``[B, T]`` float or None: how many unmerged input positions each slot stands for
         (prefix-tree rows); weights the indexer-KL rows and their count, so the merged KL equals the
         unmerged one. None = 1 each.
+      tree_keys: the packer's per-trajectory key layout (``prefix_tree.KEY_KEYS``) or None: MSA layers
+        then gather each trajectory's keys into its own run and use the ordinary MSA kernels
+        (``minimax_jax.model.msa_block``; ``input_weight`` is not needed then).
       indexer_kl: None, ``"sparse"`` (KL on the selected support) or ``"dense"`` (warm-up: dense
         attention in MSA layers, KL over the causal history).
       return_hidden: also return the pre-final-norm hidden state (input of MTP modules).
@@ -250,7 +237,7 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, *, positions: jax.Array
     for seg, sp in zip(layer_segments(cfg), params["segments"]):
         def body(carry, lp, seg=seg):
             y, aux = decoder_layer(lp, carry, cfg, seg.layer_type, seg.mlp_type, positions, segment_ids, cos, sin,
-                                   indexer_kl, return_msa, subtree_end, input_weight)
+                                   indexer_kl, return_msa, subtree_end, input_weight, tree_keys)
             return y, aux
 
         if remat == "full":

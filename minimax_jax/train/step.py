@@ -18,7 +18,8 @@ Prefix-tree batches (``minimax_jax.data.prefix_tree``) also hold ``subtree_end``
 and ``loss_index``: target t is predicted from the logits of slot ``loss_index[t]`` (its parent in the
 tree), so a branch point's logits serve every child, and ``input_weight`` (how many unmerged input
 positions a slot stands for), which weights the MSA indexer-KL rows: the merged loss and gradients equal the
-unmerged batch's. MTP is refused on them (its shifted tokens are not defined at a branch point).
+unmerged batch's; with ``data.key_len`` also the per-trajectory key layout (``KEY_KEYS``), with which MSA
+layers run the ordinary MSA kernels (``minimax_jax.model.msa_block``). MTP is refused on them (its shifted tokens are not defined at a branch point).
 
 After the optimizer update the MoE ``router_bias`` moves by
 ``optim.router_bias_rate * sign(mean_load - load)`` with the load summed over the whole step
@@ -35,6 +36,7 @@ import jax.numpy as jnp
 import optax
 
 from minimax_jax.config import ModelConfig
+from minimax_jax.data.prefix_tree import KEY_KEYS
 from minimax_jax.model import forward, mtp_forward
 from minimax_jax.model.transformer import lm_head_weight
 from minimax_jax.model.router_bias import update_router_biases
@@ -43,7 +45,8 @@ from minimax_jax.train.losses import chunked_cross_entropy_sums, cross_entropy_s
 __all__ = ["StepSpec", "init_state", "make_train_step", "make_eval_step", "BATCH_KEYS", "batch_norms"]
 
 BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
-TREE_KEYS = ("subtree_end", "loss_index", "input_weight")   # present together, only in prefix-tree batches
+TREE_KEYS = ("subtree_end", "loss_index", "input_weight") + KEY_KEYS   # only in prefix-tree batches (KEY_KEYS
+                                                                       # with data.key_len)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +91,11 @@ def _ce_sums(params, cfg: ModelConfig, chunk: int, head_out: jax.Array, targets,
     return cross_entropy_sums(head_out, targets, mask)
 
 
+def _tree_keys(batch) -> dict | None:
+    """The per-trajectory key layout of a prefix-tree batch packed with ``data.key_len``, else None."""
+    return {k: batch[k] for k in KEY_KEYS} if KEY_KEYS[0] in batch else None
+
+
 def _loss_fn(spec: StepSpec, trainable: Any):
     cfg = spec.cfg
     num_mtp = len(spec.mtp_weights)
@@ -102,7 +110,7 @@ def _loss_fn(spec: StepSpec, trainable: Any):
         out = forward(p, cfg, mb["tokens"], positions=mb["positions"], segment_ids=mb["segment_ids"],
                       indexer_kl=spec.kl_mode, return_hidden=num_mtp > 0, remat=spec.remat,
                       return_logits=not chunk, subtree_end=mb.get("subtree_end"),
-                      input_weight=mb.get("input_weight"))
+                      input_weight=mb.get("input_weight"), tree_keys=_tree_keys(mb))
         ce, zs = _ce_sums(p, cfg, chunk, out.head_input if chunk else out.logits, mb["targets"], mb["loss_mask"],
                           mb.get("loss_index"))
         m = {"lm_loss": ce / norms["tokens"]}
@@ -199,7 +207,8 @@ def make_eval_step(cfg: ModelConfig, logits_chunk: int = 0) -> Callable:
     as in ``StepSpec``."""
     def eval_step(params, batch):
         out = forward(params, cfg, batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"],
-                      return_logits=not logits_chunk, subtree_end=batch.get("subtree_end"))
+                      return_logits=not logits_chunk, subtree_end=batch.get("subtree_end"),
+                      tree_keys=_tree_keys(batch))
         ce, _ = _ce_sums(params, cfg, logits_chunk, out.head_input if logits_chunk else out.logits,
                          batch["targets"], batch["loss_mask"], batch.get("loss_index"))
         return ce, jnp.sum(batch["loss_mask"].astype(jnp.float32))

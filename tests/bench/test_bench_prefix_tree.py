@@ -23,4 +23,5 @@ def test_tiny_run_checks_equality_and_writes_results(tmp_path):
     (row,) = res["rows"]
     assert row["merged"]["tokens"] < row["unmerged"]["tokens"] and row["ideal_ratio"] > 1.2
     assert row["loss_rel_diff"] < 1e-5 and row["merged"]["step_s"] > 0
-    assert row["merged"]["implementations"]["msa_attention"] == "xla"
+    assert row["merged"]["implementations"]["msa_attention"] == "xla"        # CPU: the reference
+    assert "pallas_tree" not in json.dumps(row)

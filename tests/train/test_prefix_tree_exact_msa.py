@@ -2,8 +2,10 @@
 top-4, so trajectories past 64 tokens are really sparse) the merged batch's loss, indexer KL and every
 gradient equal those of the unmerged trajectories (fp32, 1e-5), with the sparse KL and the dense warm-up,
 for trees of 1-6 levels with branch points inside and on 16-token blocks, several trees per row, a
-trajectory that is a prefix of another, and a duplicate. Without tree visibility the MSA layer would see
-sibling branches: that case differs."""
+trajectory that is a prefix of another, and a duplicate; both ways of running MSA on trees: tree
+visibility in the XLA ops (``subtree_end`` + ``input_weight``) and the per-trajectory key layout
+(``key_len``), the latter also through the Pallas GPU kernels (interpreted). Without tree visibility the MSA
+layer would see sibling branches: that case differs."""
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +15,7 @@ import pytest
 from minimax_jax.config import ModelConfig
 from minimax_jax.data.prefix_tree import pack_trajectories
 from minimax_jax.model import init_params
+from minimax_jax.ops import registry
 from minimax_jax.train.step import StepSpec, _loss_fn, batch_norms
 from tests.train.test_prefix_tree_exact import _trajs, _tree
 
@@ -43,6 +46,7 @@ def _unmerged(trajs):
 
 def _run(cfg, params, batch, kl_mode):
     spec = StepSpec(cfg=cfg, z_loss=1e-3, kl_mode=kl_mode, kl_coeff=0.5)
+    registry.clear_implementation_report()
     trainable = jax.tree.map(lambda _: True, params)
     batch = {k: jnp.asarray(v) for k, v in batch.items()}
     norms = batch_norms(batch, 0)
@@ -62,8 +66,12 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_msa_merged_loss_kl_and_grads_equal_unmerged(model, name):
+WAYS = [(name, way) for name in sorted(CASES) for way in ("ops_xla", "keys_xla")] + \
+       [("several_trees_per_row", "keys_pallas"), ("on_block_16_and_64", "keys_pallas")]
+
+
+@pytest.mark.parametrize("name,way", WAYS)
+def test_msa_merged_loss_kl_and_grads_equal_unmerged(model, name, way):
     cfg, params = model
     specs, seq_len, rows, kl_mode = CASES[name]
     rng = np.random.default_rng(len(name) + 3)
@@ -71,11 +79,16 @@ def test_msa_merged_loss_kl_and_grads_equal_unmerged(model, name):
     if name == "several_trees_per_row":   # a prefix of another trajectory and a duplicate
         tokens += [tokens[0][:30], list(tokens[1])]
     trajs = _trajs(rng, tokens)
-    packed, stats = pack_trajectories(trajs, seq_len, rows)
+    packed, stats = pack_trajectories(trajs, seq_len, rows, key_len=None if way == "ops_xla" else 4 * seq_len)
     assert stats.tokens_after < stats.tokens_before or len(tokens) == 1
     assert max(t.tokens.size for t in trajs) > cfg.index_topk * cfg.index_block_size   # really sparse
     l_ref, kl_ref, g_ref = _run(cfg, params, _unmerged(trajs), kl_mode)
+    if way == "keys_pallas":
+        cfg = cfg.replace(msa_impl="pallas_gpu_interpret")
     l_tree, kl_tree, g_tree = _run(cfg, params, packed, kl_mode)
+    ran = registry.implementation_report()
+    assert ran["msa_attention" if kl_mode == "sparse" else "indexer_kl"] == (
+        "pallas_gpu_interpret" if way == "keys_pallas" else "xla")
     assert kl_ref > 0
     np.testing.assert_allclose(kl_tree, kl_ref, rtol=1e-5)
     np.testing.assert_allclose(l_tree, l_ref, rtol=1e-5)
@@ -102,3 +115,24 @@ def test_msa_without_tree_visibility_or_weights_differs(model):
     assert abs(_run(cfg, params, blind, "sparse")[0] - l_ref) > 1e-4 * abs(l_ref)
     unweighted = {k: v for k, v in packed.items() if k != "input_weight"}
     assert abs(_run(cfg, params, unweighted, "sparse")[1] - kl_ref) > 1e-4 * abs(kl_ref)
+
+
+def test_gpu_lowering_runs_the_kernels_on_tree_rows(model):
+    """Traced as on a GPU and lowered for CUDA (nothing runs): with the key layout the MSA layer's ops and
+    the KL resolve to the Pallas kernels and the dense layer to the tree attention kernel."""
+    cfg, params = model
+    cfg = cfg.replace(dtype="bfloat16")
+    rng = np.random.default_rng(5)
+    trajs = _trajs(rng, _tree(rng, (40, [(50, []), (45, [])])))
+    packed, _ = pack_trajectories(trajs, 256, 1, key_len=512)
+    spec = StepSpec(cfg=cfg, kl_mode="sparse")
+    batch = {k: jnp.asarray(v) for k, v in packed.items()}
+    fn = jax.jit(jax.value_and_grad(_loss_fn(spec, jax.tree.map(lambda _: True, params)), has_aux=True))
+    registry.clear_implementation_report()
+    with registry.assume_backend("gpu"):
+        txt = fn.trace(params, batch, batch_norms(batch, 0)).lower(lowering_platforms=("cuda",)).as_text()
+    ran = registry.implementation_report()
+    assert ran["attention"] == "pallas_tree_gpu"
+    assert ran["msa_attention"] in ("pallas_gpu", "pallas_hopper_gpu") and ran["indexer_kl"] == "pallas_gpu"
+    assert ran["msa_select_blocks"] in ("pallas_gpu", "pallas_hopper_gpu")
+    assert txt.count("__gpu$xla.gpu.triton") >= 5
