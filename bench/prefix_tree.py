@@ -40,6 +40,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -51,18 +52,11 @@ from minimax_jax.model import init_params  # noqa: E402
 from minimax_jax.ops.registry import clear_implementation_report, implementation_report  # noqa: E402
 from minimax_jax.train.step import StepSpec, _loss_fn, batch_norms  # noqa: E402
 
-M3_STYLE = dict(
-    vocab_size=32768, hidden_size=2048, num_layers=10, num_heads=16, num_kv_heads=4, head_dim=128, rotary_dim=64,
-    max_position_embeddings=131072, norm_kind="gemma", qk_norm="per_head", mlp_activation="swigluoai",
-    layer_types=["full"] + ["msa"] * 9, mlp_types=["dense"] + ["moe"] * 9, dense_intermediate_size=5632,
-    num_experts=16, num_experts_per_tok=2, moe_intermediate_size=1536, shared_intermediate_size=1536,
-    routed_scaling_factor=2.0, index_head_dim=128, index_block_size=128, index_topk=16, num_mtp_modules=0,
-    bos_token_id=1, eos_token_id=2, dtype="bfloat16", param_dtype="float32")
-TINY = dict(M3_STYLE, vocab_size=512, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
-            rotary_dim=8, layer_types=["full", "msa", "msa"], mlp_types=["dense", "moe", "moe"],
-            dense_intermediate_size=96, num_experts=4, moe_intermediate_size=32, shared_intermediate_size=32,
-            index_head_dim=16, index_block_size=16, index_topk=4, max_position_embeddings=4096,
-            dtype="float32")
+import train_step  # noqa: E402  (bench/train_step.py: the same models)
+
+# bench/train_step.py's models (no MTP: prefix-tree batches refuse it), compute dtype as ``run`` sets there.
+M3_STYLE = dict(train_step.M3_STYLE, num_mtp_modules=0, dtype="bfloat16", param_dtype="float32")
+TINY = dict(train_step.TINY, num_mtp_modules=0, dtype="float32", param_dtype="float32")
 TINY_WORKLOAD = dict(prompt=96, rollouts=6, turn_min=8, turn_max=40, seq_len=512)
 
 

@@ -19,10 +19,28 @@ import os
 import jax
 import jax.numpy as jnp
 
-__all__ = ["searchsorted", "typed_out_struct", "triton_cuda_target", "varying_axes", "VmaType", "vma_type",
+__all__ = ["gqa_triton_reason", "searchsorted", "typed_out_struct", "triton_cuda_target", "varying_axes", "VmaType", "vma_type",
            "match_vma", "match_cotangent", "mosaic_interpreter_available", "mosaic_interpreter_pool_reason",
            "mosaic_interpret_params",
            "mosaic_smem_transforms", "mosaic_load_rows", "gpu_compute_capability"]
+
+
+def gqa_triton_reason(q, k, v) -> str | None:
+    """Why q ``[B, T, H, D]`` and k / v ``[B, S, G, D]`` (arrays or ShapeDtypeStructs) do not fit the
+    Triton GQA attention kernels (rank, shapes, heads, a power-of-two head dim in [16, 256], one dtype of
+    float32 / bfloat16 / float16); None when they do."""
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        return f"q, k, v must be rank 4, got {q.shape}, {k.shape}, {v.shape}"
+    bsz, _, h, d = q.shape
+    if k.shape != v.shape or k.shape[0] != bsz or k.shape[3] != d:
+        return f"k {k.shape} / v {v.shape} do not match q {q.shape} as [B, S, G, D]"
+    if k.shape[2] < 1 or h % k.shape[2]:
+        return f"{h} query heads are not a multiple of {k.shape[2]} kv heads"
+    if d < 16 or d & (d - 1) or d > 256:
+        return f"head_dim must be a power of two in [16, 256] (Triton tiles), got {d}"
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        return f"q/k/v must share one dtype of float32/bfloat16/float16, got {q.dtype}/{k.dtype}/{v.dtype}"
+    return None
 
 
 def searchsorted(sorted_values: jax.Array, queries: jax.Array, side: str = "left") -> jax.Array:

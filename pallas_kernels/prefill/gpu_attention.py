@@ -30,13 +30,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.common import gqa_triton_reason
+
 __all__ = ["suffix_attention_gpu", "unsupported_reason", "BLOCK_K"]
 
 #: Keys per tile (the view is zero-padded to a multiple of it).
 BLOCK_K = 64
 _LOG2E = math.log2(math.e)
 _BIG = 1 << 30
-_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 def _dot(a, b, trans_b=False):
@@ -98,18 +99,7 @@ def unsupported_reason(q, k, v, sliding_window=None) -> str | None:
     """
     if sliding_window is not None:
         return "the suffix attention kernel has no sliding window"
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        return f"q, k, v must be rank 4, got {q.shape}, {k.shape}, {v.shape}"
-    bsz, t, h, d = q.shape
-    if k.shape != v.shape or k.shape[0] != bsz or k.shape[3] != d:
-        return f"k {k.shape} / v {v.shape} do not match q {q.shape} as [B, S, G, D]"
-    if k.shape[2] < 1 or h % k.shape[2]:
-        return f"{h} query heads are not a multiple of {k.shape[2]} kv heads"
-    if not _pow2(d) or d > 256:
-        return f"head_dim must be a power of two in [16, 256] (Triton tiles), got {d}"
-    if not (q.dtype == k.dtype == v.dtype) or not any(q.dtype == x for x in _DTYPES):
-        return f"q/k/v must share one dtype of float32/bfloat16/float16, got {q.dtype}/{k.dtype}/{v.dtype}"
-    return None
+    return gqa_triton_reason(q, k, v)
 
 
 def suffix_attention_gpu(q, k, v, q_positions, *, rows: int | None = None, block_k: int = BLOCK_K,

@@ -17,9 +17,10 @@ Schedule: as ``pallas_kernels.prefill.gpu_attention``, the rows of a program are
 of one kv group, token-major (``rows`` per query tile), and keys come in tiles of ``block_k`` slots.
 ``tile_lists`` (XLA, O(query tiles x key tiles) integers) marks key tile ``c`` as reachable from
 query tile ``r`` when its first slot is at most the tile's last token and the largest
-``subtree_end`` in it exceeds the tile's first token (conservative: the per-element mask is exact);
-the forward and ``dq`` programs walk their query tile's reachable key tiles in ascending order, the
-``dk`` / ``dv`` programs the transposed lists. On a DFS layout a query tile reaches its own
+``subtree_end`` in it exceeds the tile's first token (conservative: the per-element mask is exact),
+and as FULL when every (row, key) pair of the two tiles is visible (a shared prefix's tiles seen from
+its descendants); the forward and ``dq`` programs walk their query tile's full tiles without a mask,
+then the partial ones masked, the ``dk`` / ``dv`` programs the transposed lists. On a DFS layout a query tile reaches its own
 trajectory's tiles plus the neighbourhood of its branch, not the sibling subtrees.
 """
 
@@ -33,12 +34,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.common import gqa_triton_reason
+
 __all__ = ["tree_attention_gpu", "tile_lists", "unsupported_reason", "BLOCK_K"]
 
 #: Keys per tile (rows are padded to a multiple of it).
 BLOCK_K = 64
 _LOG2E = math.log2(math.e)
-_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 def _dot(a, b, trans_b=False):
@@ -56,46 +58,57 @@ def unsupported_reason(q, k, v) -> str | None:
 
     Args: q ``[B, T, H, D]``, k / v ``[B, T, G, D]`` (arrays or ShapeDtypeStructs).
     """
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        return f"q, k, v must be rank 4, got {q.shape}, {k.shape}, {v.shape}"
-    b, t, h, d = q.shape
-    if k.shape != v.shape or k.shape[:2] != (b, t) or k.shape[3] != d:
-        return f"k {k.shape} / v {v.shape} do not match q {q.shape} as [B, T, G, D] (self-attention)"
-    if k.shape[2] < 1 or h % k.shape[2]:
-        return f"{h} query heads are not a multiple of {k.shape[2]} kv heads"
-    if not _pow2(d) or d > 256:
-        return f"head_dim must be a power of two in [16, 256] (Triton tiles), got {d}"
-    if not (q.dtype == k.dtype == v.dtype) or not any(q.dtype == x for x in _DTYPES):
-        return f"q/k/v must share one dtype of float32/bfloat16/float16, got {q.dtype}/{k.dtype}/{v.dtype}"
-    return None
+    if k.ndim == 4 and q.ndim == 4 and k.shape[1] != q.shape[1]:
+        return f"self-attention only: q {q.shape} and k {k.shape} must have the same T"
+    return gqa_triton_reason(q, k, v)
 
 
-def tile_lists(subtree_end, num_tokens: int, rep: int, rows: int, block_k: int):
-    """Reachable key tiles per query tile and its transpose (module docstring).
+def tile_lists(subtree_end, kv_seg, kv_pos, row_seg, row_pos, num_tokens: int, rep: int, rows: int, block_k: int):
+    """Reachable key tiles per query tile, split into full and partial ones, and the transposes.
 
     Args:
-      subtree_end: ``[B, Tp]`` int32 (``Tp`` a multiple of ``block_k``; padding keys 0).
-      num_tokens: T (real tokens per row); rep: query heads per kv group; rows: query rows per tile.
-    Returns: ``(fwd_ids [B, NQ, NK], fwd_cnt [B, NQ], bwd_ids [B, NK, NQ], bwd_cnt [B, NK])`` int32:
-      the first ``cnt`` entries of each list are the reachable tiles, ascending.
+      subtree_end, kv_seg, kv_pos: ``[B, Tp]`` int32 keys (``Tp`` a multiple of ``block_k``; padding keys
+        end 0, segment -1).
+      row_seg, row_pos: ``[B, Rp]`` int32 of the query rows (token x head, token-major; padding rows
+        segment and position -1; ``Rp`` a multiple of ``rows``); num_tokens: T; rep: query heads per kv
+        group; rows: query rows per tile.
+    Returns: ``(fwd, bwd)``, each ``(full_ids, full_cnt, part_ids, part_cnt)`` int32: per query tile
+      (fwd, ``[B, NQ, NK]`` / ``[B, NQ]``) or per key tile (bwd, ``[B, NK, NQ]`` / ``[B, NK]``) the first
+      ``cnt`` entries of ``ids`` are its tiles, ascending. A reachable pair is FULL when every (row, key)
+      of it is visible (no mask needed: keys before the tile's first token, every subtree covering its
+      last token, one segment >= 0 on both sides (so no padding row), key positions <= the smallest
+      query position), else PARTIAL (masked per element).
     """
     b, tp = subtree_end.shape
-    nk = tp // block_k
-    nq = -(-num_tokens * rep // rows)
+    t = num_tokens
+    nk, nq = tp // block_k, row_seg.shape[1] // rows
     r0 = jnp.arange(nq, dtype=jnp.int32) * rows
     tok_lo = r0 // rep
-    tok_hi = jnp.minimum((r0 + rows - 1) // rep, num_tokens - 1)
-    emax = jnp.max(subtree_end.reshape(b, nk, block_k), axis=-1)                 # [B, NK]
+    tok_hi = jnp.minimum((r0 + rows - 1) // rep, t - 1)
+
+    def per_key_tile(x, red):
+        return red(x.reshape(b, nk, block_k), axis=-1)[:, None, :]                      # [B, 1, NK]
+
+    def per_query_tile(x, red):
+        return red(x.reshape(b, nq, rows), axis=-1)[:, :, None]                         # [B, NQ, 1]
+
     j0 = jnp.arange(nk, dtype=jnp.int32) * block_k
-    reach = (j0[None, None, :] <= tok_hi[None, :, None]) & (emax[:, None, :] > tok_lo[None, :, None])
+    reach = (j0[None, None, :] <= tok_hi[None, :, None]) & (per_key_tile(subtree_end, jnp.max) > tok_lo[None, :, None])
+    kseg_lo, kseg_hi = per_key_tile(kv_seg, jnp.min), per_key_tile(kv_seg, jnp.max)
+    qseg_lo, qseg_hi = per_query_tile(row_seg, jnp.min), per_query_tile(row_seg, jnp.max)
+    full = (reach & (j0[None, None, :] + block_k - 1 <= tok_lo[None, :, None])
+            & (per_key_tile(subtree_end, jnp.min) > tok_hi[None, :, None])
+            & (kseg_lo == kseg_hi) & (qseg_lo == qseg_hi) & (kseg_lo == qseg_lo) & (kseg_lo >= 0)
+            & (per_key_tile(kv_pos, jnp.max) <= per_query_tile(row_pos, jnp.min)))
 
     def compact(m):   # [..., N] bool -> ascending indices of the True entries first, and their count
         idx = jnp.argsort(jnp.logical_not(m), axis=-1, stable=True).astype(jnp.int32)
         return idx, jnp.sum(m, axis=-1, dtype=jnp.int32)
 
-    fwd_ids, fwd_cnt = compact(reach)
-    bwd_ids, bwd_cnt = compact(jnp.swapaxes(reach, 1, 2))
-    return fwd_ids, fwd_cnt, bwd_ids, bwd_cnt
+    part = reach & jnp.logical_not(full)
+    fwd = (*compact(full), *compact(part))
+    bwd = (*compact(jnp.swapaxes(full, 1, 2)), *compact(jnp.swapaxes(part, 1, 2)))
+    return fwd, bwd
 
 
 def _visible(qi, qs, qp, kt, ke, ks, kp, block_k, transposed=False):
@@ -111,21 +124,22 @@ def _visible(qi, qs, qp, kt, ke, ks, kp, block_k, transposed=False):
     return (kj <= qi) & (qi < ke) & (ks == qs) & (ks >= 0) & (kp <= qp)
 
 
-def _fwd_kernel(ids_ref, cnt_ref, q_ref, k_ref, v_ref, qi_ref, qs_ref, qp_ref, ke_ref, ks_ref, kp_ref,
-                o_ref, lse_ref, *, rows, block_k, scale):
+def _fwd_kernel(fids_ref, fcnt_ref, pids_ref, pcnt_ref, q_ref, k_ref, v_ref, qi_ref, qs_ref, qp_ref, ke_ref,
+                ks_ref, kp_ref, o_ref, lse_ref, *, rows, block_k, scale):
     qt, g, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rs = pl.ds(qt * rows, rows)
     q = q_ref[b, g, rs, :]
     qi, qs, qp = qi_ref[b, rs], qs_ref[b, rs], qp_ref[b, rs]
     qk_scale = scale * _LOG2E
 
-    def step(n, carry):
+    def step(n, carry, ids_ref, masked):
         acc, m_prev, l_prev = carry
         kt = ids_ref[b, qt, n]
         sl = pl.ds(kt * block_k, block_k)
         kb, vb = k_ref[b, sl, g, :], v_ref[b, sl, g, :]
-        vis = _visible(qi, qs, qp, kt, ke_ref[b, sl], ks_ref[b, sl], kp_ref[b, sl], block_k)
-        s = jnp.where(vis, _dot(q, kb, trans_b=True) * qk_scale, -jnp.inf)
+        s = _dot(q, kb, trans_b=True) * qk_scale
+        if masked:
+            s = jnp.where(_visible(qi, qs, qp, kt, ke_ref[b, sl], ks_ref[b, sl], kp_ref[b, sl], block_k), s, -jnp.inf)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
         m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
         corr = jnp.exp2(m_prev - m_safe)
@@ -135,15 +149,16 @@ def _fwd_kernel(ids_ref, cnt_ref, q_ref, k_ref, v_ref, qi_ref, qs_ref, qp_ref, k
 
     init = (jnp.zeros((rows, v_ref.shape[-1]), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
-    acc, m, l_i = jax.lax.fori_loop(0, cnt_ref[b, qt], step, init)
+    carry = jax.lax.fori_loop(0, fcnt_ref[b, qt], functools.partial(step, ids_ref=fids_ref, masked=False), init)
+    acc, m, l_i = jax.lax.fori_loop(0, pcnt_ref[b, qt], functools.partial(step, ids_ref=pids_ref, masked=True), carry)
     ok = l_i > 0.0
     l_safe = jnp.where(ok, l_i, 1.0)
     o_ref[b, g, rs, :] = jnp.where(ok[:, None], acc / l_safe[:, None], 0.0).astype(o_ref.dtype)
     lse_ref[b, g, rs] = jnp.where(ok, m + jnp.log2(l_safe), -jnp.inf)
 
 
-def _dq_kernel(ids_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qi_ref, qs_ref, qp_ref,
-               ke_ref, ks_ref, kp_ref, dq_ref, *, rows, block_k, scale):
+def _dq_kernel(fids_ref, fcnt_ref, pids_ref, pcnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qi_ref,
+               qs_ref, qp_ref, ke_ref, ks_ref, kp_ref, dq_ref, *, rows, block_k, scale):
     qt, g, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rs = pl.ds(qt * rows, rows)
     q, do = q_ref[b, g, rs, :], do_ref[b, g, rs, :]
@@ -152,42 +167,48 @@ def _dq_kernel(ids_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref
     qi, qs, qp = qi_ref[b, rs], qs_ref[b, rs], qp_ref[b, rs]
     qk_scale = scale * _LOG2E
 
-    def step(n, dq):
+    def step(n, dq, ids_ref, masked):
         kt = ids_ref[b, qt, n]
         sl = pl.ds(kt * block_k, block_k)
         kb, vb = k_ref[b, sl, g, :], v_ref[b, sl, g, :]
-        vis = _visible(qi, qs, qp, kt, ke_ref[b, sl], ks_ref[b, sl], kp_ref[b, sl], block_k)
-        p = jnp.where(vis, jnp.exp2(_dot(q, kb, trans_b=True) * qk_scale - lse[:, None]), 0.0)
+        p = jnp.exp2(_dot(q, kb, trans_b=True) * qk_scale - lse[:, None])
+        if masked:
+            p = jnp.where(_visible(qi, qs, qp, kt, ke_ref[b, sl], ks_ref[b, sl], kp_ref[b, sl], block_k), p, 0.0)
         ds = p * (_dot(do, vb, trans_b=True) - delta[:, None])
         return dq + _dot(ds.astype(kb.dtype), kb)
 
-    dq = jax.lax.fori_loop(0, cnt_ref[b, qt], step, jnp.zeros(q.shape, jnp.float32))
+    dq = jax.lax.fori_loop(0, fcnt_ref[b, qt], functools.partial(step, ids_ref=fids_ref, masked=False),
+                           jnp.zeros(q.shape, jnp.float32))
+    dq = jax.lax.fori_loop(0, pcnt_ref[b, qt], functools.partial(step, ids_ref=pids_ref, masked=True), dq)
     dq_ref[b, g, rs, :] = (dq * scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(ids_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qi_ref, qs_ref, qp_ref,
-                ke_ref, ks_ref, kp_ref, dk_ref, dv_ref, *, rows, block_k, scale):
+def _dkv_kernel(fids_ref, fcnt_ref, pids_ref, pcnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qi_ref,
+                qs_ref, qp_ref, ke_ref, ks_ref, kp_ref, dk_ref, dv_ref, *, rows, block_k, scale):
     kt, g, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     sl = pl.ds(kt * block_k, block_k)
     kb, vb = k_ref[b, sl, g, :], v_ref[b, sl, g, :]
     ke, ks, kp = ke_ref[b, sl], ks_ref[b, sl], kp_ref[b, sl]
     qk_scale = scale * _LOG2E
 
-    def step(n, carry):
+    def step(n, carry, ids_ref, masked):
         dk, dv = carry
         qt = ids_ref[b, kt, n]
         rs = pl.ds(qt * rows, rows)
         q, do = q_ref[b, g, rs, :], do_ref[b, g, rs, :]
         lse, delta = lse_ref[b, g, rs], delta_ref[b, g, rs]
         lse = jnp.where(lse == -jnp.inf, 0.0, lse)
-        vis = _visible(qi_ref[b, rs], qs_ref[b, rs], qp_ref[b, rs], kt, ke, ks, kp, block_k, transposed=True)
-        pt = jnp.where(vis, jnp.exp2(_dot(kb, q, trans_b=True) * qk_scale - lse[None, :]), 0.0)   # [bk, R]
+        pt = jnp.exp2(_dot(kb, q, trans_b=True) * qk_scale - lse[None, :])                 # [bk, R]
+        if masked:
+            vis = _visible(qi_ref[b, rs], qs_ref[b, rs], qp_ref[b, rs], kt, ke, ks, kp, block_k, transposed=True)
+            pt = jnp.where(vis, pt, 0.0)
         dv = dv + _dot(pt.astype(do.dtype), do)
         dst = pt * (_dot(vb, do, trans_b=True) - delta[None, :])
         return dk + _dot(dst.astype(q.dtype), q), dv
 
-    zeros = jnp.zeros((block_k, kb.shape[-1]), jnp.float32)
-    dk, dv = jax.lax.fori_loop(0, cnt_ref[b, kt], step, (zeros, jnp.zeros((block_k, vb.shape[-1]), jnp.float32)))
+    zeros = (jnp.zeros((block_k, kb.shape[-1]), jnp.float32), jnp.zeros((block_k, vb.shape[-1]), jnp.float32))
+    carry = jax.lax.fori_loop(0, fcnt_ref[b, kt], functools.partial(step, ids_ref=fids_ref, masked=False), zeros)
+    dk, dv = jax.lax.fori_loop(0, pcnt_ref[b, kt], functools.partial(step, ids_ref=pids_ref, masked=True), carry)
     dk_ref[b, sl, g, :] = (dk * scale).astype(dk_ref.dtype)
     dv_ref[b, sl, g, :] = dv.astype(dv_ref.dtype)
 
@@ -232,7 +253,7 @@ def _op(rows: int, block_k: int, num_warps: int, num_stages: int, interpret: boo
         kints = (jnp.pad(subtree_end.astype(jnp.int32), kpad), jnp.pad(kv_seg.astype(jnp.int32), kpad,
                                                                           constant_values=-1),
                  jnp.pad(kv_pos.astype(jnp.int32), kpad))
-        lists = tile_lists(kints[0], t, rep, rows, block_k)
+        lists = tile_lists(*kints, ints[1], ints[2], t, rep, rows, block_k)
         return g, rep, rp, tp, ints, kints, lists
 
     def pad_kv(x, tp):
@@ -240,15 +261,15 @@ def _op(rows: int, block_k: int, num_warps: int, num_stages: int, interpret: boo
 
     def forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, subtree_end):
         b, t, h, d = q.shape
-        g, rep, rp, tp, ints, kints, (fids, fcnt, bids, bcnt) = prepare(q, k, q_pos, kv_pos, q_seg, kv_seg,
-                                                                        subtree_end)
+        g, rep, rp, tp, ints, kints, (fwd_lists, bwd_lists) = prepare(q, k, q_pos, kv_pos, q_seg, kv_seg,
+                                                                      subtree_end)
         qg, kp_, vp_ = _rows_layout(q, g, rep, rp), pad_kv(k, tp), pad_kv(v, tp)
         kern = functools.partial(_fwd_kernel, rows=rows, block_k=block_k, scale=1.0 / math.sqrt(d))
         og, lse = _call(kern, (rp // rows, g, b),
                         (jax.ShapeDtypeStruct((b, g, rp, v.shape[-1]), q.dtype),
                          jax.ShapeDtypeStruct((b, g, rp), jnp.float32)),
-                        cfg, "tree_attention_fwd_gpu", fids, fcnt, qg, kp_, vp_, *ints, *kints)
-        return _from_rows(og, t, h), (qg, kp_, vp_, og, lse, ints, kints, bids, bcnt, fids, fcnt)
+                        cfg, "tree_attention_fwd_gpu", *fwd_lists, qg, kp_, vp_, *ints, *kints)
+        return _from_rows(og, t, h), (qg, kp_, vp_, og, lse, ints, kints, fwd_lists, bwd_lists)
 
     @jax.custom_vjp
     def attn(q, k, v, q_pos, kv_pos, q_seg, kv_seg, subtree_end):
@@ -259,18 +280,18 @@ def _op(rows: int, block_k: int, num_warps: int, num_stages: int, interpret: boo
         return o, (res, q.shape, k.shape[1])
 
     def attn_bwd(saved, do):
-        (qg, kp_, vp_, og, lse, ints, kints, bids, bcnt, fids, fcnt), (b, t, h, d), _ = saved
+        (qg, kp_, vp_, og, lse, ints, kints, fwd_lists, bwd_lists), (b, t, h, d), _ = saved
         g, rp = qg.shape[1], qg.shape[2]
         dog = _rows_layout(do, g, h // g, rp)
         delta = jnp.sum(og.astype(jnp.float32) * dog.astype(jnp.float32), axis=-1)
         scale = 1.0 / math.sqrt(d)
         common = (qg, kp_, vp_, dog, lse, delta, *ints, *kints)
         dqg = _call(functools.partial(_dq_kernel, rows=rows, block_k=block_k, scale=scale), (rp // rows, g, b),
-                    jax.ShapeDtypeStruct(qg.shape, qg.dtype), cfg, "tree_attention_dq_gpu", fids, fcnt, *common)
+                    jax.ShapeDtypeStruct(qg.shape, qg.dtype), cfg, "tree_attention_dq_gpu", *fwd_lists, *common)
         dk, dv = _call(functools.partial(_dkv_kernel, rows=rows, block_k=block_k, scale=scale),
                        (kp_.shape[1] // block_k, g, b),
                        (jax.ShapeDtypeStruct(kp_.shape, kp_.dtype), jax.ShapeDtypeStruct(vp_.shape, vp_.dtype)),
-                       cfg, "tree_attention_dkv_gpu", bids, bcnt, *common)
+                       cfg, "tree_attention_dkv_gpu", *bwd_lists, *common)
         return (_from_rows(dqg, t, h), dk[:, :t], dv[:, :t], None, None, None, None, None)
 
     attn.defvjp(attn_fwd, attn_bwd)

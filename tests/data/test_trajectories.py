@@ -35,7 +35,8 @@ def test_batches_merge_shared_prefixes_and_train_assistant_turns():
 
 def test_key_len_adds_the_key_layout_and_limits_the_step():
     free, keyed = _it(), _it(key_len=2048)
-    b, k = next(free), next(keyed)
+    next(free)
+    k = next(keyed)
     assert set(k) == set(ROW_KEYS) | set(KEY_KEYS) and k["key_slot"].shape == (3, 2048)
     assert keyed.index <= free.index
     for r in range(3):             # each row's key entries are its trajectories' paths, unmerged

@@ -37,10 +37,12 @@ def _trajs(rng, token_lists):
     return [Trajectory(np.asarray(t, np.int32), (rng.random(len(t)) < 0.7).astype(np.float32)) for t in token_lists]
 
 
-def _unmerged(trajs):
-    """The reference batch: one trajectory per row, the pipeline layout (targets = next token)."""
+def _unmerged(trajs, pad_segment: int = 0):
+    """The reference batch: one trajectory per row, the pipeline layout (targets = next token); padding in
+    segment ``pad_segment`` (-1: no key visible, so no MSA indexer-KL row)."""
     n = max(t.tokens.size for t in trajs) - 1
-    b = {k: np.zeros((len(trajs), n), np.int32) for k in ("tokens", "targets", "segment_ids", "positions")}
+    b = {k: np.zeros((len(trajs), n), np.int32) for k in ("tokens", "targets", "positions")}
+    b["segment_ids"] = np.full((len(trajs), n), pad_segment, np.int32)
     b["loss_mask"] = np.zeros((len(trajs), n), np.float32)
     for r, t in enumerate(trajs):
         m = t.tokens.size - 1
@@ -50,13 +52,28 @@ def _unmerged(trajs):
     return b
 
 
-def _loss_and_grads(cfg, params, batch, z_loss):
-    spec = StepSpec(cfg=cfg, z_loss=z_loss)
+def _value_and_grad(spec, params, batch):
+    """The training loss of ``spec`` on ``batch``: ``(loss, metrics, norms, grads)``."""
     trainable = jax.tree.map(lambda _: True, params)
     batch = {k: jnp.asarray(v) for k, v in batch.items()}
     norms = batch_norms(batch, 0)
     (loss, m), g = jax.jit(jax.value_and_grad(_loss_fn(spec, trainable), has_aux=True))(params, batch, norms)
-    return float(loss), float(norms["tokens"]), g
+    return float(loss), m, norms, g
+
+
+def _loss_and_grads(cfg, params, batch, z_loss):
+    loss, _, norms, g = _value_and_grad(StepSpec(cfg=cfg, z_loss=z_loss), params, batch)
+    return loss, float(norms["tokens"]), g
+
+
+def _assert_grads_equal(g_ref, g_got):
+    """Every leaf within 1e-5 (relative, or of the leaf's largest entry); some gradient is non-zero."""
+    flat_ref, _ = jax.tree_util.tree_flatten_with_path(g_ref)
+    for (path, a), b in zip(flat_ref, jax.tree.leaves(g_got)):
+        a, b = np.asarray(a), np.asarray(b)
+        scale = max(np.abs(a).max(), 1e-30)
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5 * scale, err_msg=jax.tree_util.keystr(path))
+    assert any(np.abs(np.asarray(x)).max() > 0 for x in jax.tree.leaves(g_ref))
 
 
 CASES = {
@@ -85,12 +102,7 @@ def test_merged_loss_and_grads_equal_unmerged(model, name):
     l_tree, n_tree, g_tree = _loss_and_grads(cfg, params, packed, 1e-3)
     assert n_ref == n_tree
     np.testing.assert_allclose(l_tree, l_ref, rtol=1e-5)
-    flat_ref, _ = jax.tree_util.tree_flatten_with_path(g_ref)
-    for (path, a), b in zip(flat_ref, jax.tree.leaves(g_tree)):
-        a, b = np.asarray(a), np.asarray(b)
-        scale = max(np.abs(a).max(), 1e-30)
-        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5 * scale, err_msg=jax.tree_util.keystr(path))
-    assert any(np.abs(np.asarray(x)).max() > 0 for x in jax.tree.leaves(g_ref))
+    _assert_grads_equal(g_ref, g_tree)
 
 
 def test_merged_row_unmerged_layout_also_equal(model):

@@ -17,7 +17,8 @@ from minimax_jax.data.prefix_tree import pack_trajectories
 from minimax_jax.model import init_params
 from minimax_jax.ops import registry
 from minimax_jax.train.step import StepSpec, _loss_fn, batch_norms
-from tests.train.test_prefix_tree_exact import _trajs, _tree
+from tests.train.test_prefix_tree_exact import _assert_grads_equal, _trajs, _tree, _value_and_grad
+from tests.train.test_prefix_tree_exact import _unmerged as _unmerged_rows
 
 VOCAB = 97
 
@@ -32,26 +33,13 @@ def model():
 
 def _unmerged(trajs):
     """The reference: one trajectory per row; padding in segment -1 (no key visible: no KL row)."""
-    n = max(t.tokens.size for t in trajs) - 1
-    b = {k: np.zeros((len(trajs), n), np.int32) for k in ("tokens", "targets", "positions")}
-    b["segment_ids"] = np.full((len(trajs), n), -1, np.int32)
-    b["loss_mask"] = np.zeros((len(trajs), n), np.float32)
-    for r, t in enumerate(trajs):
-        m = t.tokens.size - 1
-        b["tokens"][r, :m], b["targets"][r, :m] = t.tokens[:-1], t.tokens[1:]
-        b["segment_ids"][r, :m], b["positions"][r, :m] = 1, np.arange(m)
-        b["loss_mask"][r, :m] = t.loss_mask[1:]
-    return b
+    return _unmerged_rows(trajs, pad_segment=-1)
 
 
 def _run(cfg, params, batch, kl_mode):
-    spec = StepSpec(cfg=cfg, z_loss=1e-3, kl_mode=kl_mode, kl_coeff=0.5)
     registry.clear_implementation_report()
-    trainable = jax.tree.map(lambda _: True, params)
-    batch = {k: jnp.asarray(v) for k, v in batch.items()}
-    norms = batch_norms(batch, 0)
-    (loss, m), g = jax.jit(jax.value_and_grad(_loss_fn(spec, trainable), has_aux=True))(params, batch, norms)
-    return float(loss), float(m["indexer_kl"]), g
+    loss, m, _, g = _value_and_grad(StepSpec(cfg=cfg, z_loss=1e-3, kl_mode=kl_mode, kl_coeff=0.5), params, batch)
+    return loss, float(m["indexer_kl"]), g
 
 
 CASES = {
@@ -92,11 +80,7 @@ def test_msa_merged_loss_kl_and_grads_equal_unmerged(model, name, way):
     assert kl_ref > 0
     np.testing.assert_allclose(kl_tree, kl_ref, rtol=1e-5)
     np.testing.assert_allclose(l_tree, l_ref, rtol=1e-5)
-    flat_ref, _ = jax.tree_util.tree_flatten_with_path(g_ref)
-    for (path, a), b in zip(flat_ref, jax.tree.leaves(g_tree)):
-        a, b = np.asarray(a), np.asarray(b)
-        scale = max(np.abs(a).max(), 1e-30)
-        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5 * scale, err_msg=jax.tree_util.keystr(path))
+    _assert_grads_equal(g_ref, g_tree)
     idx = g_ref["segments"][1]["attn"]["index_q_proj"] if "segments" in g_ref else None
     assert idx is None or np.abs(np.asarray(idx)).max() > 0     # the KL really trains the indexer
 

@@ -82,17 +82,21 @@ def test_op_runs_the_kernel_in_bf16_and_through_auto_on_gpu():
 
 
 def test_tile_lists_skip_sibling_subtrees():
-    """Two branches of 256 slots under a 128-slot prompt: a query tile of the second branch never
-    reaches the first branch's tiles; the first branch's tiles are reached by its own tiles only."""
+    """Two branches of 256 slots under a 128-slot prompt (tiles of 64): a query tile of the second branch
+    never reaches the first branch's tiles and sees the prompt and its own earlier tiles unmasked (full);
+    the first branch's tiles are reached by its own query tiles only."""
     end = np.zeros((1, 640), np.int32)
     end[0, :128] = 640                                   # the prompt: an ancestor of every slot
     end[0, 128:384] = 384                                # branch 1, a chain: its subtree closes at 384
     end[0, 384:640] = 640                                # branch 2, a chain to the end
-    fwd, cnt, bwd, bcnt = map(np.asarray, tile_lists(jnp.asarray(end), 640, 1, 64, 64))
-    second = [set(fwd[0, r, :cnt[0, r]].tolist()) for r in range(6, 10)]      # query tiles of branch 2
-    assert all(s.isdisjoint({2, 3, 4, 5}) for s in second)
-    assert set(fwd[0, 9, :cnt[0, 9]].tolist()) == {0, 1, 6, 7, 8, 9}
-    assert set(bwd[0, 3, :bcnt[0, 3]].tolist()) == {3, 4, 5}
+    pos = np.r_[np.arange(384), np.arange(128, 384)].astype(np.int32)[None]
+    seg = np.ones((1, 640), np.int32)
+    fwd, bwd = tile_lists(*map(jnp.asarray, (end, seg, pos, seg, pos)), 640, 1, 64, 64)
+    (ff, fc, pf, pc), (bf, bc, bp, bpc) = ([np.asarray(x)[0] for x in lists] for lists in (fwd, bwd))
+    for r in range(6, 10):                               # query tiles of branch 2
+        assert set(ff[r, :fc[r]]) | set(pf[r, :pc[r]]) <= {0, 1, 6, 7, 8, 9}
+    assert set(ff[9, :fc[9]].tolist()) == {0, 1, 6, 7, 8} and set(pf[9, :pc[9]].tolist()) == {9}
+    assert set(bf[3, :bc[3]].tolist()) == {4, 5} and set(bp[3, :bpc[3]].tolist()) == {3}
 
 
 def test_kernel_lowers_for_cuda_forward_and_backward():
