@@ -9,6 +9,12 @@ CPU smoke run (tiny model and workload, float32; prints the equality check)::
 
     python bench/prefix_tree.py --tiny --out /tmp/tree_bench
 
+CPU, no GPU needed: ``--lower-for cuda`` traces every step as the GPU runs it (the ops' "auto" choices
+under ``assume_backend("gpu")``, abstract parameters) and lowers it for CUDA, reporting the
+implementations and the number of Triton kernels; nothing is compiled or run::
+
+    python bench/prefix_tree.py --lower-for cuda --out /tmp/tree_bench
+
 Workload (synthetic agent rollouts, ``synthetic_rollouts``): ``--rollouts`` trajectories sharing a
 ``--prompt``-token system prompt + task; the rollouts split ``--branch-min``..``--branch-max`` ways at each
 branch point until each has its own leaf, every edge a turn of ``--turn-min``..``--turn-max`` tokens
@@ -49,7 +55,7 @@ import numpy as np  # noqa: E402
 from minimax_jax.config import ModelConfig  # noqa: E402
 from minimax_jax.data.prefix_tree import Trajectory, pack_trajectories  # noqa: E402
 from minimax_jax.model import init_params  # noqa: E402
-from minimax_jax.ops.registry import clear_implementation_report, implementation_report  # noqa: E402
+from minimax_jax.ops.registry import assume_backend, clear_implementation_report, implementation_report  # noqa: E402
 from minimax_jax.train.step import StepSpec, _loss_fn, batch_norms  # noqa: E402
 
 import train_step  # noqa: E402  (bench/train_step.py: the same models)
@@ -113,6 +119,23 @@ def unmerged_rows(trajs, seq_len: int) -> dict[str, np.ndarray]:
     return b
 
 
+def _impls() -> dict:
+    return {k: v for k, v in implementation_report().items() if not k.endswith("auto_reason")}
+
+
+def lower_step(cfg: ModelConfig, params, batch: dict, *, kl_mode, logits_chunk: int, platform: str) -> dict:
+    """Trace the step as on ``platform`` ("cuda") and lower it: the implementations and Triton kernel count."""
+    spec = StepSpec(cfg=cfg, kl_mode=kl_mode, remat="full", logits_chunk=logits_chunk)
+    fn = jax.jit(jax.value_and_grad(_loss_fn(spec, jax.tree.map(lambda _: True, params)), has_aux=True))
+    batch = {k: jnp.asarray(v) for k, v in batch.items()}
+    clear_implementation_report()
+    t0 = time.perf_counter()
+    with assume_backend("gpu"):
+        txt = fn.trace(params, batch, batch_norms(batch, 0)).lower(lowering_platforms=(platform,)).as_text()
+    return {"lower_s": round(time.perf_counter() - t0, 1), "triton_kernels": txt.count("__gpu$xla.gpu.triton"),
+            "implementations": _impls()}
+
+
 def time_step(cfg: ModelConfig, params, batch: dict, *, kl_mode, steps: int, warmup: int, logits_chunk: int):
     """Compile and time ``value_and_grad`` of the training loss on ``batch``: (loss, compile s, median s, impls)."""
     spec = StepSpec(cfg=cfg, kl_mode=kl_mode, remat="full", logits_chunk=logits_chunk)
@@ -123,7 +146,7 @@ def time_step(cfg: ModelConfig, params, batch: dict, *, kl_mode, steps: int, war
     t0 = time.perf_counter()
     compiled = fn.lower(params, batch, norms).compile()
     compile_s = time.perf_counter() - t0
-    impls = {k: v for k, v in implementation_report().items() if not k.endswith("auto_reason")}
+    impls = _impls()
     times, loss = [], None
     for i in range(warmup + steps):
         t0 = time.perf_counter()
@@ -139,7 +162,10 @@ def bench_mode(mode: str, trajs, args) -> dict:
     if mode == "dense":
         fields["layer_types"] = ["full"] * fields["num_layers"]
     cfg = ModelConfig.from_dict(fields)
-    params = init_params(cfg, jax.random.key(0))
+    if args.lower_for:
+        params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    else:
+        params = init_params(cfg, jax.random.key(0))
     kl = "sparse" if cfg.has_msa else None
     key_len = -(-sum(t.tokens.size for t in trajs) // 1024) * 1024          # room for every row's paths
     layouts = {"unmerged": unmerged_rows(trajs, args.seq_len),
@@ -147,6 +173,12 @@ def bench_mode(mode: str, trajs, args) -> dict:
     row = {"mode": mode, "rollouts": len(trajs)}
     for name, batch in layouts.items():
         tokens = int((batch["segment_ids"] > 0).sum())
+        if args.lower_for:
+            row[name] = {"rows": int(batch["tokens"].shape[0]), "tokens": tokens,
+                         **lower_step(cfg, params, batch, kl_mode=kl, logits_chunk=args.logits_chunk,
+                                      platform=args.lower_for)}
+            print(f"[prefix_tree] {mode} {name}: lowered for {args.lower_for}: {row[name]}", flush=True)
+            continue
         loss, comp, step, impls = time_step(cfg, params, batch, kl_mode=kl, steps=args.steps, warmup=args.warmup,
                                             logits_chunk=args.logits_chunk)
         row[name] = {"rows": int(batch["tokens"].shape[0]), "tokens": tokens, "loss": loss, "compile_s": round(comp, 2),
@@ -155,6 +187,8 @@ def bench_mode(mode: str, trajs, args) -> dict:
               f"compile {comp:.1f} s, step {step * 1e3:.1f} ms, {impls}", flush=True)
     u, m = row["unmerged"], row["merged"]
     row["ideal_ratio"] = u["tokens"] / m["tokens"]
+    if args.lower_for:
+        return row
     row["speedup"] = u["step_s"] / m["step_s"]
     row["loss_rel_diff"] = abs(u["loss"] - m["loss"]) / abs(u["loss"])
     return row
@@ -177,6 +211,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--logits-chunk", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lower-for", choices=("cuda",), default=None,
+                   help="trace and lower each step for this platform on the CPU; nothing runs")
     args = p.parse_args(argv)
     if args.tiny:
         for k, v in TINY_WORKLOAD.items():
@@ -194,6 +230,11 @@ def main(argv=None) -> int:
               "rows": rows}
     with open(os.path.join(args.out, "prefix_tree.json"), "w") as f:
         json.dump(result, f, indent=1)
+    if args.lower_for:
+        for r in rows:
+            print(f"{r['mode']:6} ideal {r['ideal_ratio']:.2f}: " + ", ".join(
+                f"{n} {r[n]['triton_kernels']} Triton kernels {r[n]['implementations']}" for n in ("unmerged", "merged")))
+        return 0
     ok = all(r["loss_rel_diff"] < (1e-5 if args.tiny else 2e-2) for r in rows)
     print(f"\nequality check (loss merged vs unmerged, rel. tol {'1e-5' if args.tiny else '2e-2'}): "
           f"{'PASS' if ok else 'FAIL'}")
