@@ -25,3 +25,16 @@ def test_tiny_run_checks_equality_and_writes_results(tmp_path):
     assert row["loss_rel_diff"] < 1e-5 and row["merged"]["step_s"] > 0
     assert row["merged"]["implementations"]["msa_attention"] == "xla"        # CPU: the reference
     assert "pallas_tree" not in json.dumps(row)
+
+
+def test_lower_for_cuda_picks_the_tree_and_msa_kernels(tmp_path):
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, SCRIPT, "--tiny", "--modes", "msa", "--lower-for", "cuda", f"--out={tmp_path}"],
+                       capture_output=True, text=True, timeout=600, env=env, cwd=REPO_ROOT)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    with open(tmp_path / "prefix_tree.json") as f:
+        (row,) = json.load(f)["rows"]
+    merged = row["merged"]["implementations"]
+    assert merged["attention"] == "pallas_tree_gpu" and merged["indexer_kl"] == "pallas_gpu"
+    assert merged["msa_attention"].startswith("pallas") and row["merged"]["triton_kernels"] >= 5
+    assert "loss" not in row["merged"]          # nothing ran
