@@ -1,5 +1,7 @@
-"""bench/prefix_tree.py --tiny on CPU: the synthetic rollouts share their prompt (fewer merged tokens), the
-merged and unmerged steps give the same loss (float32, 1e-5), the JSON and the table are written."""
+"""bench/prefix_tree.py on CPU: ``--tiny`` (dense): the synthetic rollouts share their prompt (fewer merged
+tokens), the merged and unmerged steps give the same loss (float32, 1e-5), the JSON and the table are
+written; ``--lower-for cuda`` (MSA): the merged step's GPU kernels (tree attention, MSA kernels on the key
+layout)."""
 
 import json
 import os
@@ -13,17 +15,17 @@ SCRIPT = os.path.join(REPO_ROOT, "bench", "prefix_tree.py")
 
 def test_tiny_run_checks_equality_and_writes_results(tmp_path):
     env = dict(os.environ, PYTHONPATH=REPO_ROOT, JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, SCRIPT, "--tiny", "--modes", "msa", "--steps", "1", "--warmup", "0",
+    r = subprocess.run([sys.executable, SCRIPT, "--tiny", "--modes", "dense", "--steps", "1", "--warmup", "0",
                         f"--out={tmp_path}"], capture_output=True, text=True, timeout=600, env=env, cwd=REPO_ROOT)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     assert "equality check (loss merged vs unmerged, rel. tol 1e-5): PASS" in r.stdout
-    assert r.stdout.rstrip().splitlines()[-1].startswith("msa ")
+    assert r.stdout.rstrip().splitlines()[-1].startswith("dense ")
     with open(tmp_path / "prefix_tree.json") as f:
         res = json.load(f)
     (row,) = res["rows"]
     assert row["merged"]["tokens"] < row["unmerged"]["tokens"] and row["ideal_ratio"] > 1.2
     assert row["loss_rel_diff"] < 1e-5 and row["merged"]["step_s"] > 0
-    assert row["merged"]["implementations"]["msa_attention"] == "xla"        # CPU: the reference
+    assert row["merged"]["implementations"]["attention"] == "xla"            # CPU: the reference
     assert "pallas_tree" not in json.dumps(row)
 
 
