@@ -70,6 +70,9 @@ def msa_block(q, k, v, qi, ki, cfg: ModelConfig, positions, segment_ids, indexer
         # Same implementation as the selection and attention: "auto" is the Pallas KL kernel on GPU/TPU.
         # The XLA reference scores every visible key in fp32 (O(T^2): ~475 TFLOP per step for the 1.9B
         # bench model at 64K, vs the kernel's O(T * topk * block)).
+        # The attention's LSE is the teacher's normaliser over the same support: the KL kernel skips
+        # recomputing it (stop_gradient: the teacher gets no gradient).
+        lse_kl = jax.lax.stop_gradient(lse if tree_keys is None else _gather(lse, tree_keys["key_slot"]))
         kl_sum, kl_cnt = msa_ops.indexer_kl(q_kl, k_sel, qi_kl, ki_sel, ids_kl(ids), block_size=blk,
-                                            implementation=cfg.msa_impl, **kl_rows, **kl_extra)
+                                            implementation=cfg.msa_impl, teacher_lse=lse_kl, **kl_rows, **kl_extra)
     return o, kl_sum, kl_cnt, ids, lse

@@ -11,7 +11,9 @@ Returns (sum of KL over (b, i, r), number of rows with a non-empty support).
 Schedule (gpu_sparse_fwd.py): selections sorted by block window, fixed slices of C entries per
 program, runs of one window walked in row tiles of tokens x heads. Per query chunk:
 1. ``msa_kl_lse_gpu``: per (token, slot) the block log-sum-exp of every head's teacher logits and
-   of the student logits; XLA merges the K slots (the support's log-sum-exps).
+   of the student logits; XLA merges the K slots (the support's log-sum-exps). Given the teacher's
+   LSE (``teacher_lse``: the attention forward computed it over the same support), only the
+   student's (``msa_kl_student_lse_gpu``: no main-branch logits).
 2. ``msa_kl_gpu``: per (token, slot) the teacher (the mean over the tile rows of a token's heads,
    exact f32), the KL terms and, with gradients, d x = p - t: d qi partials per slot (summed in
    XLA) and d ki accumulated per window piece (per group, added with the attention backward's
@@ -73,15 +75,21 @@ class _Tile:
             flat_ref, ids_ref, qpos_ref, qseg_ref, b, g, e_tok, self.ok_tok, topk, a)
 
 
+def _student_logits(qi_ref, win, kib, tl, b, g, iscale, masked):
+    """Masked student logits of the tokens [P, B] (log2) and their index queries [P, Di]."""
+    qi = qi_ref[b, tl.t_tok, g, :]                                   # [P, Di]
+    x = mask_logits(_dot(qi, kib, trans_b=True) * (iscale * _LOG2E), win, tl.ok_tok, tl.n_tok,
+                    tl.qp_tok, tl.qs_tok, masked=masked)
+    return x, qi
+
+
 def _logits(q_ref, qi_ref, win, kib, tl, b, g, scale, iscale, masked):
     """Masked teacher logits of the rows [R, B] and student logits of the tokens [P, B] (log2);
     ``masked=False``: a mask-free tile (``tile_loops``), only the rows not ``ok`` blanked."""
     q = q_ref[b, tl.t, tl.head, :]                                   # [R, D] gathered rows
     s = mask_logits(_dot(q, win.k, trans_b=True) * (scale * _LOG2E), win, tl.ok, tl.n, tl.qp, tl.qs,
                     masked=masked)
-    qi = qi_ref[b, tl.t_tok, g, :]                                   # [P, Di]
-    x = mask_logits(_dot(qi, kib, trans_b=True) * (iscale * _LOG2E), win, tl.ok_tok, tl.n_tok,
-                    tl.qp_tok, tl.qs_tok, masked=masked)
+    x, qi = _student_logits(qi_ref, win, kib, tl, b, g, iscale, masked)
     return s, x, qi
 
 
@@ -91,8 +99,9 @@ def _spare(ok, t, ref):
 
 
 def _lse_kernel(flat_ref, key_ref, rend_ref, nval_ref, mend_ref, q_ref, k_ref, qi_ref, ki_ref,
-                ids_ref, qpos_ref, qseg_ref, kvpos_ref, kvseg_ref, lp_ref, lxp_ref, *, blk, topk, scale,
-                iscale, hg, per, per_pad, chunk, rows):
+                ids_ref, qpos_ref, qseg_ref, kvpos_ref, kvseg_ref, *out_refs, blk, topk, scale,
+                iscale, hg, per, per_pad, chunk, rows, teacher):
+    lp_ref, lxp_ref = out_refs if teacher else (None, out_refs[0])
     i = pl.program_id(0)
     g = pl.program_id(1)
     b = pl.program_id(2)
@@ -101,14 +110,17 @@ def _lse_kernel(flat_ref, key_ref, rend_ref, nval_ref, mend_ref, q_ref, k_ref, q
 
     def run(a):
         end = jnp.minimum(rend_ref[b, g, a], hi)
-        win = Window(k_ref, None, kvpos_ref, kvseg_ref, b, g, key_ref[b, g, a], blk)
+        win = Window(k_ref if teacher else None, None, kvpos_ref, kvseg_ref, b, g, key_ref[b, g, a], blk)
         kib = ki_ref[b, pl.ds(key_ref[b, g, a], blk), 0, :]          # [B, Di]
 
         def tile(si, carry, masked):
             tl = _Tile(refs, b, g, a, si, end, hg=hg, per=per, per_pad=per_pad, topk=topk, rows=rows)
-            s, x, _ = _logits(q_ref, qi_ref, win, kib, tl, b, g, scale, iscale, masked)
-            pltriton.store(lp_ref.at[b, _spare(tl.ok, tl.t, lp_ref), tl.slot, tl.head],
-                           _row_lse2(s) * _LN2, mask=tl.ok)
+            if teacher:
+                s, x, _ = _logits(q_ref, qi_ref, win, kib, tl, b, g, scale, iscale, masked)
+                pltriton.store(lp_ref.at[b, _spare(tl.ok, tl.t, lp_ref), tl.slot, tl.head],
+                               _row_lse2(s) * _LN2, mask=tl.ok)
+            else:                         # the teacher's LSE is given (the attention forward's)
+                x, _ = _student_logits(qi_ref, win, kib, tl, b, g, iscale, masked)
             gcol = jnp.full_like(tl.slot_tok, g)
             pltriton.store(lxp_ref.at[b, _spare(tl.ok_tok, tl.t_tok, lxp_ref), tl.slot_tok, gcol],
                            _row_lse2(x) * _LN2, mask=tl.ok_tok)
@@ -201,9 +213,10 @@ def _logsumexp_slots(parts, valid):
     return jnp.where(total == 0.0, -jnp.inf, m_safe + jnp.log(jnp.where(total == 0.0, 1.0, total)))
 
 
-def _chunk(q, qi, ids, starts, qpos, qseg, fresh, dki, *, kp, kip, kvpos, kvseg, blk, chunk, rows,
+def _chunk(q, qi, ids, starts, qpos, qseg, fresh, dki, teacher_lse, *, kp, kip, kvpos, kvseg, blk, chunk, rows,
            grads, interpret):
-    """One query chunk: (kl_sum, count, dqi [B,Tc,G,Di] f32 or None, dki totals [B,Sp,G,Di] f32)."""
+    """One query chunk: (kl_sum, count, dqi [B,Tc,G,Di] f32 or None, dki totals [B,Sp,G,Di] f32);
+    ``teacher_lse`` ``[B,Tc,H]`` (natural log) or None (computed here, pass 1)."""
     bsz, t, h, d = q.shape
     g, di = kp.shape[2], qi.shape[-1]
     topk = ids.shape[-1]
@@ -218,15 +231,17 @@ def _chunk(q, qi, ids, starts, qpos, qseg, fresh, dki, *, kp, kip, kvpos, kvseg,
                   interpret=interpret)
     head = (*lists, q, kp, qi, kip, ids, qpos, qseg, kvpos, kvseg)
     grid = (n_items, g, bsz)
-    lp, lxp = pl.pallas_call(
-        functools.partial(_lse_kernel, **consts), grid=grid,
-        out_shape=[jax.ShapeDtypeStruct((bsz, t + 1, topk, h), jnp.float32),     # + spare row
-                   jax.ShapeDtypeStruct((bsz, t + 1, topk, g), jnp.float32)],
-        name="msa_kl_lse_gpu", **params,
+    teacher = teacher_lse is None
+    parts = pl.pallas_call(
+        functools.partial(_lse_kernel, teacher=teacher, **consts), grid=grid,
+        out_shape=[jax.ShapeDtypeStruct((bsz, t + 1, topk, h), jnp.float32)] * teacher     # + spare row
+        + [jax.ShapeDtypeStruct((bsz, t + 1, topk, g), jnp.float32)],
+        name="msa_kl_lse_gpu" if teacher else "msa_kl_student_lse_gpu", **params,
     )(*head)
     valid = jnp.transpose(ids >= 0, (0, 2, 3, 1))                              # [B,T,K,G]
-    lse = _logsumexp_slots(lp[:, :t], jnp.repeat(valid, hg, axis=-1))            # [B,T,H]
-    lsex = _logsumexp_slots(lxp[:, :t], valid)                                  # [B,T,G]
+    lse = (_logsumexp_slots(parts[0][:, :t], jnp.repeat(valid, hg, axis=-1)) if teacher
+           else teacher_lse.astype(jnp.float32))                                # [B,T,H]
+    lsex = _logsumexp_slots(parts[-1][:, :t], valid)                            # [B,T,G]
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
     outs = [f32(bsz, t + 1, topk, g)]
     args = list(head) + [lse, lsex]
@@ -259,7 +274,7 @@ def _query_chunk(bsz, h, g, di, topk, blk, chunk, budget_bytes=PARTIALS_BUDGET):
 
 
 def _run(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, blk, interpret, grads,
-         rows=32, chunk=128, query_chunk=None):
+         teacher_lse=None, rows=32, chunk=128, query_chunk=None):
     """(kl_sum, count, dqi, dki) for a unit cotangent (dqi / dki None without ``grads``)."""
     bsz, t, h, _ = q.shape
     g, di = k.shape[2], qi.shape[-1]
@@ -273,7 +288,7 @@ def _run(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, blk,
                             blk=blk, chunk=chunk, rows=rows, grads=grads, interpret=interpret)
     dki = jnp.zeros((bsz, prep.s_pad, g, di), jnp.float32)
     if t <= qc:
-        kl, count, dqi, dki = run(q, qi, ids, starts, qpos, prep.q_seg, jnp.ones((t,), bool), dki)
+        kl, count, dqi, dki = run(q, qi, ids, starts, qpos, prep.q_seg, jnp.ones((t,), bool), dki, teacher_lse)
     else:
         # One compiled loop over query chunks; the last one is clamped to end at T and its tokens
         # already done get no slot (nothing counted twice) and keep their d qi.
@@ -287,7 +302,7 @@ def _run(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, blk,
             ids_c = jnp.where(fresh[None, None, :, None], dsl(ids, a, qc, 2), -1)
             sl = lambda x, ax=1: dsl(x, a, qc, ax)
             kl_c, cnt_c, dqi_c, dki = run(sl(q), sl(qi), ids_c, sl(starts, 2), sl(qpos),
-                                          sl(prep.q_seg), fresh, dki)
+                                          sl(prep.q_seg), fresh, dki, None if teacher_lse is None else sl(teacher_lse))
             if grads:
                 dqi_c = jnp.where(fresh[None, :, None, None], dqi_c, sl(dqi))
                 dqi = jax.lax.dynamic_update_slice_in_dim(dqi, dqi_c, a, 1)
@@ -304,33 +319,34 @@ def _f0(x):
     return None if x is None else np.zeros(x.shape, jax.dtypes.float0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10))
-def _kl(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, blk, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11))
+def _kl(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, teacher_lse, blk, interpret):
     kl, count, _, _ = _run(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, blk,
-                           interpret, grads=False)
+                           interpret, grads=False, teacher_lse=teacher_lse)
     return kl, count
 
 
-def _kl_fwd(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, blk, interpret):
+def _kl_fwd(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, teacher_lse, blk, interpret):
     kl, count, dqi, dki = _run(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg,
-                               blk, interpret, grads=True)
+                               blk, interpret, grads=True, teacher_lse=teacher_lse)
     dtypes = (jnp.zeros((0,), qi.dtype), jnp.zeros((0,), ki.dtype))     # the cotangents' dtypes
-    return (kl, count), (q, k, block_ids, q_positions, kv_positions, q_seg, kv_seg, dqi, dki, dtypes)
+    return (kl, count), (q, k, block_ids, q_positions, kv_positions, q_seg, kv_seg, teacher_lse, dqi, dki, dtypes)
 
 
 def _kl_bwd(blk, interpret, res, cot):
-    q, k, block_ids, q_positions, kv_positions, q_seg, kv_seg, dqi, dki, (qi_dt, ki_dt) = res
+    q, k, block_ids, q_positions, kv_positions, q_seg, kv_seg, teacher_lse, dqi, dki, (qi_dt, ki_dt) = res
     ct = cot[0].astype(jnp.float32)
     return (jnp.zeros_like(q), jnp.zeros_like(k), (dqi * ct).astype(qi_dt.dtype),
             (dki * ct).astype(ki_dt.dtype),
-            _f0(block_ids), _f0(q_positions), _f0(kv_positions), _f0(q_seg), _f0(kv_seg))
+            _f0(block_ids), _f0(q_positions), _f0(kv_positions), _f0(q_seg), _f0(kv_seg),
+            None if teacher_lse is None else jnp.zeros_like(teacher_lse))
 
 
 _kl.defvjp(_kl_fwd, _kl_bwd)
 
 
 def indexer_kl_gpu(q, k, qi, ki, block_ids, *, q_positions, kv_positions, q_segment_ids=None,
-                   kv_segment_ids=None, block_size=None, interpret=False):
+                   kv_segment_ids=None, block_size=None, teacher_lse=None, interpret=False):
     """Indexer KL(teacher || student) on the selected support, Pallas/Triton GPU kernels.
 
     Args:
@@ -338,6 +354,9 @@ def indexer_kl_gpu(q, k, qi, ki, block_ids, *, q_positions, kv_positions, q_segm
       qi [B,T,G,Di], ki [B,S,Di]: index branch (gradients flow here; Di a power of two >= 16).
       block_ids int [B,G,T,K] (-1 = empty); positions / segment ids (layout.py conventions);
       block_size B (power of two >= 16); interpret: Pallas interpret mode (CPU tests).
+      teacher_lse: None, or float32 [B,T,H] natural-log LSE of every head's scaled logits over the
+        same support (``msa_attention``'s second output for these block ids; no gradient): pass 1
+        then computes only the student's LSE (no main-branch logits: ~H/G times less work).
     Returns: (kl_sum f32 [], count int32 []) as minimax_jax.ops.msa.indexer_kl.
     Raises: ValueError for block_ids=None (the dense warm-up has no kernel). Other preconditions
       (tile sizes, head counts) are asserted; the ops layer checks them for its callers.
@@ -348,5 +367,8 @@ def indexer_kl_gpu(q, k, qi, ki, block_ids, *, q_positions, kv_positions, q_segm
     for name, x in (("block_size", block_size), ("head dim", q.shape[-1]), ("index dim", qi.shape[-1])):
         assert x is not None and x >= 16 and not x & (x - 1), f"{name} must be a power of two >= 16, got {x}"
     assert qi.shape[2] == k.shape[2], f"index heads {qi.shape[2]} must equal kv heads {k.shape[2]}"
-    return _kl(q, k, qi, ki, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
+    if teacher_lse is not None:
+        assert teacher_lse.shape == q.shape[:3], f"teacher_lse must be [B,T,H] = {q.shape[:3]}, got {teacher_lse.shape}"
+        teacher_lse = jax.lax.stop_gradient(teacher_lse)
+    return _kl(q, k, qi, ki, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids, teacher_lse,
                block_size, interpret)

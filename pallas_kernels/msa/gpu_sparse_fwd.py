@@ -73,7 +73,7 @@ class Window:
 
     def __init__(self, k_ref, v_ref, kvpos_ref, kvseg_ref, b, g, w0, blk):
         sl = pl.ds(w0, blk)
-        self.k = k_ref[b, sl, g, :]                  # [B, D]
+        self.k = None if k_ref is None else k_ref[b, sl, g, :]      # [B, D]
         self.v = None if v_ref is None else v_ref[b, sl, g, :]
         self.kvp = kvpos_ref[b, sl]
         self.kvs = kvseg_ref[b, sl]

@@ -270,7 +270,7 @@ def msa_attention(q, k, v, block_ids, *, q_positions, kv_positions, q_segment_id
 def indexer_kl(q, k, qi, ki, block_ids, *, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None,
                block_size: int | None = None, implementation: str = "xla",
                chunk_size: int | None = None, kv_subtree_end=None,
-               q_weights=None) -> tuple[jax.Array, jax.Array]:
+               q_weights=None, teacher_lse=None) -> tuple[jax.Array, jax.Array]:
     """Indexer KL loss on the selected support (MSA_SPEC.md section 4), un-normalised.
 
     For each (batch, query i, group r) with support ``U`` (the visible keys of the selected blocks,
@@ -286,6 +286,10 @@ def indexer_kl(q, k, qi, ki, block_ids, *, q_positions, kv_positions, q_segment_
         ``block_ids``.
       q_weights: ``[B, T]`` float or None: each query's rows count ``q_weights[b, i]`` times in the sum
         and the count (prefix-tree rows: how many unmerged input positions a slot stands for).
+      teacher_lse: ``[B, T, H]`` float32 or None: each head's natural-log LSE over the same support,
+        i.e. ``msa_attention``'s second output for these ``block_ids`` (no gradient). The GPU kernel
+        then skips recomputing it (the main-branch logits of its first pass); the other
+        implementations compute their own (the result is the same up to rounding).
     Returns: ``(kl_sum float32 [], count [])``: the sum over (b, i, r) and the number of
       (b, i, r) with a non-empty support (``Hi * T`` for ordinary inputs; int32, or float32 with
       ``q_weights``, then the weighted count). The training loss is
@@ -320,6 +324,13 @@ def indexer_kl(q, k, qi, ki, block_ids, *, q_positions, kv_positions, q_segment_
         if tuple(q_weights.shape) != (b, t):
             raise ValueError(f"{op}: q_weights must have shape [B={b}, T={t}], got {tuple(q_weights.shape)}")
         extra["q_weights"] = q_weights
+    if teacher_lse is not None:
+        if ids is None:
+            raise ValueError(f"{op}: teacher_lse needs block_ids (the sparse support's attention LSE)")
+        _check_float("teacher_lse", teacher_lse, 3, op)
+        if tuple(teacher_lse.shape) != (b, t, h):
+            raise ValueError(f"{op}: teacher_lse must have shape [B={b}, T={t}, H={h}], got {tuple(teacher_lse.shape)}")
+        extra["teacher_lse"] = teacher_lse
     return registry.dispatch(op, implementation, q, k, qi, ki, ids, q_positions=q_pos, kv_positions=kv_pos,
                              q_segment_ids=q_seg, kv_segment_ids=kv_seg, block_size=block_size, chunk_size=chunk,
                              **extra)
@@ -350,7 +361,12 @@ registry.register("msa_select_blocks", [Implementation("xla", _xla(_ref.select_b
                   auto=_kernel_then_xla)
 registry.register("msa_attention", [Implementation("xla", _xla(_ref.attention)), *_pallas.ATTENTION],
                   auto=_kernel_then_xla)
-registry.register("indexer_kl", [Implementation("xla", _xla(_kl.indexer_kl)), *_pallas.INDEXER_KL],
+def _kl_xla(*arrays, teacher_lse=None, **kw):
+    """The reference computes the teacher's LSE itself (``teacher_lse`` is an optimisation of the kernel)."""
+    return _xla(_kl.indexer_kl)(*arrays, **kw)
+
+
+registry.register("indexer_kl", [Implementation("xla", _kl_xla), *_pallas.INDEXER_KL],
                   auto=_kl_kernel_then_xla)
 
 #: Every ``implementation=`` name of the MSA ops that take kernels (``"auto"`` first).

@@ -172,8 +172,8 @@ def _kl_gpu(q, k, qi, ki, block_ids, *, chunk_size, interpret, **kw):
     return indexer_kl_gpu(q, k, qi, ki, block_ids, interpret=interpret, **kw)
 
 
-def _kl_tpu(q, k, qi, ki, block_ids, *, chunk_size, interpret, **kw):
-    return indexer_kl_tpu(q, k, qi, ki, block_ids, interpret=interpret, **kw)
+def _kl_tpu(q, k, qi, ki, block_ids, *, chunk_size, interpret, teacher_lse=None, **kw):
+    return indexer_kl_tpu(q, k, qi, ki, block_ids, interpret=interpret, **kw)      # computes its own LSE
 
 
 def _no_tree(check):

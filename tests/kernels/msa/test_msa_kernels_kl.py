@@ -130,3 +130,31 @@ def test_model_sparse_kl_follows_msa_impl():
     assert n >= 2
     rep = run("pallas_gpu_interpret", mode="dense", trace_only=True)
     assert rep["indexer_kl"] == "xla"
+
+
+def test_kl_with_the_attention_lse_skips_the_teacher_pass_and_agrees():
+    """``teacher_lse`` = msa_attention's LSE over the same support: the same KL and gradients as the kernel
+    computing it (and as the reference), and the kernel's first pass no longer computes main-branch logits."""
+    rng = np.random.default_rng(3)
+    c = make_case(rng, bsz=2, t=40, s=40, h=6, g=2, d=16, segments=[[13, 20, 5], [40]])
+    ids = jnp.asarray(random_ids(rng, c["q_pos"], c["q_seg"], 2, 3, BLK))
+    qi = jnp.asarray(rng.standard_normal((2, 40, 2, 16)).astype(np.float32))
+    ki = jnp.asarray(rng.standard_normal((2, 40, 16)).astype(np.float32))
+    q, k = jnp.asarray(c["q"]), jnp.asarray(c["k"])
+    pos = positions(c)
+    _, lse = msa_ops.msa_attention(q, k, k, ids, block_size=BLK, implementation="xla", **pos)
+
+    def kl(impl, **kw):
+        f = lambda qi, ki: msa_ops.indexer_kl(q, k, qi, ki, ids, block_size=BLK, implementation=impl, **pos, **kw)[0]
+        return jax.value_and_grad(f, (0, 1))(qi, ki)
+
+    (a, ga), (b, gb), (r, gr) = kl("pallas_gpu_interpret", teacher_lse=lse), kl("pallas_gpu_interpret"), kl("xla")
+    np.testing.assert_allclose(float(a), float(b), rtol=1e-5)
+    np.testing.assert_allclose(float(a), float(r), rtol=1e-5)
+    for x, y in zip(ga, gb):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-5 * np.abs(np.asarray(y)).max())
+    f = lambda qi, ki, lse: indexer_kl_gpu(q, k, qi, ki, ids, block_size=BLK, teacher_lse=lse, **pos)[0]
+    txt = jax.jit(f).trace(qi, ki, lse).lower(lowering_platforms=("cuda",)).as_text()
+    assert "msa_kl_student_lse_gpu" in txt and "msa_kl_lse_gpu" not in txt.replace("msa_kl_student_lse_gpu", "")
+    with pytest.raises(ValueError, match="teacher_lse must have shape"):
+        kl("xla", teacher_lse=lse[:, :, :3])
