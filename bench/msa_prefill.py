@@ -22,8 +22,8 @@ Implementation:       --implementation auto (default: what the ops pick, recorde
    the sum of the separately timed parts),
    and cuDNN dense causal attention (jax.nn.dot_product_attention(implementation="cudnn")) fwd and
    fwd+bwd. Dense is timed up to --dense-max tokens and extrapolated by the quadratic law above
-   (marked "extrapolated"); the indexer-KL loss + gradients (kl_fwd_bwd, GPU kernel) is timed
-   too (ms only). FLOPs by MSA_SPEC.md section 6: dense 4*D*H*t per token, MSA main
+   (marked "extrapolated"); the indexer-KL loss + gradients (kl_fwd_bwd, GPU kernel, given the
+   attention forward's LSE as in training) is timed too (ms only). FLOPs by MSA_SPEC.md section 6: dense 4*D*H*t per token, MSA main
    4*D*H*min(t, K*B), indexer 2*Di*Hi*t; backward counted as 2.5x forward (fwd+bwd = 3.5x).
 Writes msa_prefill.json / msa_prefill.csv / msa_prefill_check.json under --out.
 """
@@ -227,16 +227,23 @@ def bench_case(model, t, inp, interpret, dense_max, dense_ref, impl="auto"):
         (o, lse), vjp = jax.vjp(lambda q, k, v: attn_f(q, k, v, ids), q, k, v)
         return vjp((do, jnp.zeros_like(lse)))
 
-    def kl_fb(q, k, qi, ki, ids):   # indexer-KL loss and its gradients (qi, ki), sparse support
-        return jax.grad(lambda qi, ki: msa_ops.indexer_kl(q, k, qi, ki, ids, block_size=BLK,
+    def kl_fb(q, k, qi, ki, ids, lse):   # indexer-KL loss and its gradients (qi, ki), sparse support; the
+        # teacher's LSE is the attention forward's (as in training: model/msa_block.py)
+        return jax.grad(lambda qi, ki: msa_ops.indexer_kl(q, k, qi, ki, ids, block_size=BLK, teacher_lse=lse,
                                                           implementation=impl, **pos)[0],
                         argnums=(0, 1))(qi, ki)
+
+    try:
+        lse = jax.block_until_ready(jax.jit(attn_f)(inp.q, inp.k, inp.v, ids)[1])
+    except Exception as e:  # reported with the attention rows below
+        lse = None
+        row["kl_lse_error"] = f"{type(e).__name__}: {str(e)[:200]}"
 
     timings = {}
     cases = [("indexer", sel, (inp.qi, inp.ki)),
              ("attn_fwd", jax.jit(attn_f), (inp.q, inp.k, inp.v, ids)),
              ("attn_fwd_bwd", jax.jit(attn_fb), (inp.q, inp.k, inp.v, ids, inp.do)),
-             ("kl_fwd_bwd", jax.jit(kl_fb), (inp.q, inp.k, inp.qi, inp.ki, ids))]
+             ("kl_fwd_bwd", jax.jit(kl_fb), (inp.q, inp.k, inp.qi, inp.ki, ids, lse))]
     for name, fn, args in cases:
         try:
             timings[name] = _timeit(fn, *args)[0]

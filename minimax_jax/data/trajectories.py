@@ -57,8 +57,8 @@ class TrajectoryConfig:
       merge: prefix-tree merging (False: each trajectory its own chain, the unmerged baseline).
       max_trajectories: at most this many trajectories per step and host (0 = as many as fit the rows).
       key_len: > 0: the batches also carry the per-trajectory key layout (``prefix_tree.KEY_KEYS``) of this
-        many entries per row (the row's trajectories unmerged must fit it), with which MSA layers run
-        the ordinary MSA kernels instead of the XLA reference (0 = none).
+        many entries per row (>= seq_len; the row's trajectories unmerged must fit it), with which MSA
+        layers run the ordinary MSA kernels instead of the XLA reference (0 = none).
       num_epochs: passes over the trajectories; None repeats forever.
       shard_index, shard_count: this host's shard; None = jax's process index / count.
     """
@@ -86,6 +86,8 @@ class TrajectoryConfig:
             raise TrajectoryError(f"loss_on must be one of {LOSS_ON}, got {self.loss_on!r}")
         if not isinstance(self.key_len, int) or isinstance(self.key_len, bool) or self.key_len < 0:
             raise TrajectoryError(f"key_len must be an int >= 0, got {self.key_len!r}")
+        if 0 < self.key_len < self.seq_len:   # the MSA kernels take at most as many queries (slots) as keys
+            raise TrajectoryError(f"key_len must be 0 or >= seq_len={self.seq_len}, got {self.key_len}")
         if not isinstance(self.max_trajectories, int) or self.max_trajectories < 0:
             raise TrajectoryError(f"max_trajectories must be an int >= 0, got {self.max_trajectories!r}")
         if self.num_epochs is not None and (not isinstance(self.num_epochs, int) or self.num_epochs < 1):

@@ -38,15 +38,15 @@ def test_key_len_adds_the_key_layout_and_limits_the_step():
     next(free)
     k = next(keyed)
     assert set(k) == set(ROW_KEYS) | set(KEY_KEYS) and k["key_slot"].shape == (3, 2048)
-    assert keyed.index <= free.index
     for r in range(3):             # each row's key entries are its trajectories' paths, unmerged
         used = k["key_segment_ids"][r] > 0
         slots = k["key_slot"][r, used]
         np.testing.assert_array_equal(k["positions"][r, slots], k["key_positions"][r, used])
         assert (k["segment_ids"][r, slots] > 0).all()
         assert used.sum() == (k["key_kl_segment_ids"][r] > 0).sum() + len(np.unique(k["key_segment_ids"][r, used]))
-    with pytest.raises(TrajectoryError, match="key_len=64"):
-        next(_it(key_len=64))
+    tight = _it(key_len=1280)                   # the key layout holds the trajectories unmerged: fewer fit
+    next(tight)
+    assert tight.index < keyed.index < free.index
 
 
 def test_state_resumes_the_exact_next_batch():
@@ -64,5 +64,7 @@ def test_state_resumes_the_exact_next_batch():
 def test_bad_settings_are_refused():
     with pytest.raises(TrajectoryError, match="key_len must be an int >= 0"):
         _it(key_len=-1)
+    with pytest.raises(TrajectoryError, match="key_len must be 0 or >= seq_len=1280"):
+        _it(key_len=1000)
     with pytest.raises(TrajectoryError, match="unknown trajectory data keys"):
         _it(keylen=4)

@@ -7,8 +7,8 @@ dropped here), plus a ``supports`` check that says when the kernel cannot serve 
 - TPU (Mosaic) kernels: ``block_size % 128 == 0`` (lane-dense key tiles); in interpret mode the
   attention and KL kernels take any multiple of 8;
 - ``indexer_kl``: the dense warm-up (``block_ids=None``) has no kernel;
-- every kernel: the storage layout of ``pallas_kernels.msa.layout`` (each segment's keys one
-  contiguous run, positions increasing by one), checked when the positions are concrete (under
+- every kernel: T <= S, and the storage layout of ``pallas_kernels.msa.layout`` (each segment's keys
+  one contiguous run, positions increasing by one), checked when the positions are concrete (under
   ``jit`` it is a precondition).
 Names: ``pallas_gpu`` / ``pallas_tpu`` (compiled, on their platform) and ``pallas_gpu_interpret`` /
 ``pallas_tpu_interpret`` (the same kernels in Pallas interpret mode, any platform; CPU tests).
@@ -54,6 +54,9 @@ def _pow2(x: int) -> bool:
 
 
 def _layout_reason(kw) -> str | None:
+    t, s = kw["q_positions"].shape[1], kw["kv_positions"].shape[1]
+    if t > s:
+        return f"the MSA kernels need at most as many queries as keys, got T={t} > S={s}"
     try:
         layout.check_layout(kw["q_positions"], kw["kv_positions"], kw.get("q_segment_ids"),
                             kw.get("kv_segment_ids"))
