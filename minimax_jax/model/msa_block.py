@@ -50,18 +50,20 @@ def msa_block(q, k, v, qi, ki, cfg: ModelConfig, positions, segment_ids, indexer
                    kv_segment_ids=kseg)
         kl_rows = dict(q_positions=kpos, q_segment_ids=tree_keys["key_kl_segment_ids"], kv_positions=kpos,
                        kv_segment_ids=kseg)
-        k_sel, v_sel, ki_sel = _gather(k, slot), _gather(v, slot), _gather(ki, slot)
-        q_kl, qi_kl = _gather(q, slot), _gather(qi, slot)
+        take = lambda x: _gather(x, slot)                                      # noqa: E731
         ids_kl = lambda ids: jax.vmap(lambda ib, sb: ib[:, sb])(ids, slot)      # noqa: E731
+        k_sel, v_sel, ki_sel = take(k), take(v), take(ki)
         kl_extra = {}
     else:
         sel, kl_rows = dict(rows, **tree), dict(rows, **tree)
-        k_sel, v_sel, ki_sel, q_kl, qi_kl, ids_kl = k, v, ki, q, qi, (lambda ids: ids)
+        take = ids_kl = lambda x: x                                             # noqa: E731
+        k_sel, v_sel, ki_sel = k, v, ki
         kl_extra = {} if input_weight is None else {"q_weights": input_weight}
     kl_sum = kl_cnt = jax.numpy.zeros((), jax.numpy.float32)
     if indexer_kl == "dense":
         o = attention(q, k, v, implementation=cfg.attention_impl, **rows, **tree)
-        kl_sum, kl_cnt = msa_ops.indexer_kl(q_kl, k_sel, qi_kl, ki_sel, None, block_size=blk, **kl_rows, **kl_extra)
+        kl_sum, kl_cnt = msa_ops.indexer_kl(take(q), k_sel, take(qi), ki_sel, None, block_size=blk, **kl_rows,
+                                            **kl_extra)
         return o, kl_sum, kl_cnt, None, None
     ids = msa_ops.msa_select_blocks(qi, ki_sel, block_size=blk, topk=cfg.index_topk, init_blocks=cfg.index_init_blocks,
                                     local_blocks=cfg.index_local_blocks, implementation=cfg.msa_impl, **sel)
@@ -72,7 +74,7 @@ def msa_block(q, k, v, qi, ki, cfg: ModelConfig, positions, segment_ids, indexer
         # bench model at 64K, vs the kernel's O(T * topk * block)).
         # The attention's LSE is the teacher's normaliser over the same support: the KL kernel skips
         # recomputing it (stop_gradient: the teacher gets no gradient).
-        lse_kl = jax.lax.stop_gradient(lse if tree_keys is None else _gather(lse, tree_keys["key_slot"]))
-        kl_sum, kl_cnt = msa_ops.indexer_kl(q_kl, k_sel, qi_kl, ki_sel, ids_kl(ids), block_size=blk,
-                                            implementation=cfg.msa_impl, teacher_lse=lse_kl, **kl_rows, **kl_extra)
+        kl_sum, kl_cnt = msa_ops.indexer_kl(take(q), k_sel, take(qi), ki_sel, ids_kl(ids), block_size=blk,
+                                            implementation=cfg.msa_impl, teacher_lse=jax.lax.stop_gradient(take(lse)),
+                                            **kl_rows, **kl_extra)
     return o, kl_sum, kl_cnt, ids, lse
