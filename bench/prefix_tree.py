@@ -53,7 +53,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from minimax_jax.config import ModelConfig  # noqa: E402
-from minimax_jax.data.prefix_tree import Trajectory, pack_trajectories  # noqa: E402
+from minimax_jax.data.prefix_tree import ROW_KEYS, Trajectory, pack_trajectories  # noqa: E402
 from minimax_jax.model import init_params  # noqa: E402
 from minimax_jax.ops.registry import assume_backend, clear_implementation_report, implementation_report  # noqa: E402
 from minimax_jax.train.step import StepSpec, _loss_fn, batch_norms  # noqa: E402
@@ -119,6 +119,19 @@ def unmerged_rows(trajs, seq_len: int) -> dict[str, np.ndarray]:
     return b
 
 
+#: The arrays of a layout indexed by row slot (the key layout's arrays have their own length).
+SLOT_KEYS = frozenset(ROW_KEYS) | {"query_segment_ids"}
+
+
+def fit_rows(batch: dict[str, np.ndarray], multiple: int) -> dict[str, np.ndarray]:
+    """The layout with its rows cut after the fullest row's last token, rounded up to ``multiple`` slots
+    (padding is a packing choice; ``--fit-rows`` gives both layouts the same treatment)."""
+    length = batch["tokens"].shape[1]
+    used = int(np.flatnonzero((batch["segment_ids"] > 0).any(axis=0)).max()) + 1
+    cut = min(length, -(-used // multiple) * multiple)
+    return {k: (v[:, :cut] if k in SLOT_KEYS and v.shape[1] == length else v) for k, v in batch.items()}
+
+
 def _impls() -> dict:
     return {k: v for k, v in implementation_report().items() if not k.endswith("auto_reason")}
 
@@ -136,25 +149,45 @@ def lower_step(cfg: ModelConfig, params, batch: dict, *, kl_mode, logits_chunk: 
             "implementations": _impls()}
 
 
-def time_step(cfg: ModelConfig, params, batch: dict, *, kl_mode, steps: int, warmup: int, logits_chunk: int):
-    """Compile and time ``value_and_grad`` of the training loss on ``batch``: (loss, compile s, median s, impls)."""
+def time_step(cfg: ModelConfig, params, batch: dict, *, kl_mode, steps: int, warmup: int, logits_chunk: int,
+              rows_per_call: int = 0, profile: tuple | None = None):
+    """Compile and time ``value_and_grad`` of the training loss on ``batch``: (loss, compile s, median s, impls).
+
+    ``rows_per_call`` > 0 splits the rows into calls of that many (gradient accumulation with the batch's
+    global token count, so the summed LM loss equals the one-call one; the indexer KL, a per-call mean, does
+    not sum to the one-call value); a step is all calls plus the sums. Returns (loss, lm loss, ...).
+    """
     spec = StepSpec(cfg=cfg, kl_mode=kl_mode, remat="full", logits_chunk=logits_chunk)
     fn = jax.jit(jax.value_and_grad(_loss_fn(spec, jax.tree.map(lambda _: True, params)), has_aux=True))
-    batch = {k: jnp.asarray(v) for k, v in batch.items()}
-    norms = batch_norms(batch, 0)
+    norms = batch_norms({k: jnp.asarray(v) for k, v in batch.items()}, 0)
+    rows = next(iter(batch.values())).shape[0]
+    per = rows_per_call if 0 < rows_per_call < rows else rows
+    if rows % per:
+        raise ValueError(f"--rows-per-call {per} does not divide the layout's {rows} rows")
+    calls = [{k: jnp.asarray(v[i:i + per]) for k, v in batch.items()} for i in range(0, rows, per)]
+    add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
     clear_implementation_report()
     t0 = time.perf_counter()
-    compiled = fn.lower(params, batch, norms).compile()
+    compiled = fn.lower(params, calls[0], norms).compile()
     compile_s = time.perf_counter() - t0
     impls = _impls()
-    times, loss = [], None
+    def one_step(_=None):
+        total = None
+        for mb in calls:
+            (part, aux), grads = compiled(params, mb, norms)
+            part = (part, aux["lm_loss"], grads)
+            total = part if total is None else add(total, part)
+        return jax.block_until_ready(total)
+
+    times = []
     for i in range(warmup + steps):
         t0 = time.perf_counter()
-        (loss, _), grads = compiled(params, batch, norms)
-        jax.block_until_ready(grads)
+        loss, lm_loss, _ = one_step()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    return float(loss), compile_s, statistics.median(times), impls
+    if profile is not None:             # (tag, args): bench/train_step.py's profiler summary
+        train_step.profile_steps(profile[0], profile[1], one_step)
+    return float(loss), float(lm_loss), compile_s, statistics.median(times), impls
 
 
 def bench_mode(mode: str, trajs, args) -> dict:
@@ -170,27 +203,42 @@ def bench_mode(mode: str, trajs, args) -> dict:
     key_len = -(-sum(t.tokens.size for t in trajs) // 1024) * 1024          # room for every row's paths
     layouts = {"unmerged": unmerged_rows(trajs, args.seq_len),
                "merged": pack_trajectories(trajs, args.seq_len, key_len=key_len if cfg.has_msa else None)[0]}
+    if args.fit_rows:
+        layouts = {n: fit_rows(b, args.fit_rows) for n, b in layouts.items()}
     row = {"mode": mode, "rollouts": len(trajs)}
     for name, batch in layouts.items():
+        if name not in args.layouts.split(","):
+            continue
         tokens = int((batch["segment_ids"] > 0).sum())
+        base = {"rows": int(batch["tokens"].shape[0]), "row_len": int(batch["tokens"].shape[1]), "tokens": tokens}
         if args.lower_for:
-            row[name] = {"rows": int(batch["tokens"].shape[0]), "tokens": tokens,
+            row[name] = {**base,
                          **lower_step(cfg, params, batch, kl_mode=kl, logits_chunk=args.logits_chunk,
                                       platform=args.lower_for)}
             print(f"[prefix_tree] {mode} {name}: lowered for {args.lower_for}: {row[name]}", flush=True)
             continue
-        loss, comp, step, impls = time_step(cfg, params, batch, kl_mode=kl, steps=args.steps, warmup=args.warmup,
-                                            logits_chunk=args.logits_chunk)
-        row[name] = {"rows": int(batch["tokens"].shape[0]), "tokens": tokens, "loss": loss, "compile_s": round(comp, 2),
-                     "step_s": step, "implementations": impls}
+        try:
+            loss, lm_loss, comp, step, impls = time_step(
+                cfg, params, batch, kl_mode=kl, steps=args.steps, warmup=args.warmup, logits_chunk=args.logits_chunk,
+                rows_per_call=args.rows_per_call, profile=(f"{mode}_{name}", args) if args.profile else None)
+        except Exception as e:  # noqa: BLE001  (an OOM in one layout must not lose the others' numbers)
+            row[name] = {**base, "error": f"{type(e).__name__}: {e}"[:500]}
+            print(f"[prefix_tree] {mode} {name}: FAILED {row[name]['error']}", flush=True)
+            continue
+        row[name] = {**base, "loss": loss, "lm_loss": lm_loss, "compile_s": round(comp, 2), "step_s": step,
+                     "implementations": impls}
         print(f"[prefix_tree] {mode} {name}: {batch['tokens'].shape[0]} rows, {tokens} tokens, loss {loss:.6f}, "
               f"compile {comp:.1f} s, step {step * 1e3:.1f} ms, {impls}", flush=True)
+    if "unmerged" not in row or "merged" not in row:
+        return row
     u, m = row["unmerged"], row["merged"]
     row["ideal_ratio"] = u["tokens"] / m["tokens"]
-    if args.lower_for:
+    if args.lower_for or "error" in u or "error" in m:
         return row
     row["speedup"] = u["step_s"] / m["step_s"]
-    row["loss_rel_diff"] = abs(u["loss"] - m["loss"]) / abs(u["loss"])
+    key = "lm_loss" if args.rows_per_call else "loss"      # split calls: the KL term is a per-call mean
+    row["checked"] = key
+    row["loss_rel_diff"] = abs(u[key] - m[key]) / abs(u[key])
     return row
 
 
@@ -210,6 +258,13 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--logits-chunk", type=int, default=4096)
+    p.add_argument("--profile", type=int, default=0,
+                   help="after the timed steps, profile this many more per layout (bench/train_step.py's summary)")
+    p.add_argument("--layouts", default="unmerged,merged", help="comma list of unmerged,merged")
+    p.add_argument("--fit-rows", type=int, default=0, metavar="MULTIPLE",
+                   help="cut each layout's rows after its fullest row, rounded up to MULTIPLE slots (0: --seq-len)")
+    p.add_argument("--rows-per-call", type=int, default=0,
+                   help="rows per value_and_grad call (gradient accumulation; 0: all rows in one call)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lower-for", choices=("cuda",), default=None,
                    help="trace and lower each step for this platform on the CPU; nothing runs")
@@ -223,27 +278,37 @@ def main(argv=None) -> int:
     trajs = synthetic_rollouts(np.random.default_rng(args.seed), prompt=args.prompt, rollouts=args.rollouts,
                                turn_min=args.turn_min, turn_max=args.turn_max, branch_min=args.branch_min,
                                branch_max=args.branch_max, vocab=vocab, tail_turns=args.tail_turns)
-    rows = [bench_mode(m, trajs, args) for m in args.modes.split(",")]
+    rows = []
     result = {"device": str(jax.devices()[0].device_kind), "tiny": args.tiny,
               "workload": {k: getattr(args, k) for k in ("prompt", "rollouts", "turn_min", "turn_max", "branch_min",
-                                                         "branch_max", "tail_turns", "seq_len", "seed")},
-              "rows": rows}
-    with open(os.path.join(args.out, "prefix_tree.json"), "w") as f:
-        json.dump(result, f, indent=1)
+                                                         "branch_max", "tail_turns", "seq_len", "seed",
+                                                         "fit_rows")},
+              "rows_per_call": args.rows_per_call, "rows": rows}
+    for m in args.modes.split(","):
+        rows.append(bench_mode(m, trajs, args))
+        with open(os.path.join(args.out, "prefix_tree.json"), "w") as f:      # after each mode: a crash keeps it
+            json.dump(result, f, indent=1)
     if args.lower_for:
         for r in rows:
             print(f"{r['mode']:6} ideal {r['ideal_ratio']:.2f}: " + ", ".join(
-                f"{n} {r[n]['triton_kernels']} Triton kernels {r[n]['implementations']}" for n in ("unmerged", "merged")))
+                f"{n} {r[n]['triton_kernels']} Triton kernels {r[n]['implementations']}"
+                for n in ("unmerged", "merged")))
         return 0
-    ok = all(r["loss_rel_diff"] < (1e-5 if args.tiny else 2e-2) for r in rows)
-    print(f"\nequality check (loss merged vs unmerged, rel. tol {'1e-5' if args.tiny else '2e-2'}): "
-          f"{'PASS' if ok else 'FAIL'}")
-    print(f"{'mode':6} {'unmerged tok':>12} {'merged tok':>10} {'ideal':>6} {'unmerged ms':>11} {'merged ms':>9} "
-          f"{'speedup':>7} {'of ideal':>8}")
+    ok = all(r.get("loss_rel_diff", float("inf")) < (1e-5 if args.tiny else 2e-2) for r in rows)
+    what, tol = ("LM loss" if args.rows_per_call else "loss"), ("1e-5" if args.tiny else "2e-2")
+    print(f"\nequality check ({what} merged vs unmerged, rel. tol {tol}): {'PASS' if ok else 'FAIL'}")
+    print(f"{'mode':6} {'unmerged tok':>12} {'merged tok':>10} {'ideal':>6} {'slots u/m':>13} {'unmerged ms':>11} "
+          f"{'merged ms':>9} {'speedup':>7} {'of ideal':>8}")
     for r in rows:
+        if "speedup" not in r:
+            print(f"{r['mode']:6} " + "; ".join(f"{n}: {r[n].get('error') or r[n].get('step_s')}"
+                                                for n in ("unmerged", "merged") if n in r))
+            continue
         u, m = r["unmerged"], r["merged"]
-        print(f"{r['mode']:6} {u['tokens']:12d} {m['tokens']:10d} {r['ideal_ratio']:6.2f} {u['step_s'] * 1e3:11.1f} "
-              f"{m['step_s'] * 1e3:9.1f} {r['speedup']:7.2f} {r['speedup'] / r['ideal_ratio']:8.2f}")
+        slots = f"{u['rows'] * u['row_len']}/{m['rows'] * m['row_len']}"
+        print(f"{r['mode']:6} {u['tokens']:12d} {m['tokens']:10d} {r['ideal_ratio']:6.2f} {slots:>13} "
+              f"{u['step_s'] * 1e3:11.1f} {m['step_s'] * 1e3:9.1f} {r['speedup']:7.2f} "
+              f"{r['speedup'] / r['ideal_ratio']:8.2f}")
     return 0 if ok else 1
 
 

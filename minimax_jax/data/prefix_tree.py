@@ -36,8 +36,6 @@ trajectory's tokens sit at their own positions as in the unmerged batch::
     key_slot            int32  the row slot a key entry is gathered from (0 on padding)
     key_positions       int32  its position in its trajectory (0..n-1)
     key_segment_ids     int32  1-based trajectory index in the row, -1 = padding
-    key_kl_segment_ids  int32  = key_segment_ids on the entries that are inputs of their trajectory (all
-                               but its last token), else -1: as query rows they are the unmerged inputs
     query_segment_ids   int32  [R, L]: the key segment of the trajectory that laid slot s out (the one it
                                is new in; s sees that trajectory's prefix = its own ancestors), -1 padding
 
@@ -58,7 +56,7 @@ __all__ = ["Trajectory", "TreePackingError", "PackStats", "plan_groups", "pack_t
 
 ROW_KEYS = ("tokens", "targets", "positions", "segment_ids", "subtree_end", "loss_index", "loss_mask",
             "input_weight")
-KEY_KEYS = ("key_slot", "key_positions", "key_segment_ids", "key_kl_segment_ids", "query_segment_ids")
+KEY_KEYS = ("key_slot", "key_positions", "key_segment_ids", "query_segment_ids")
 FLOAT_KEYS = ("loss_mask", "input_weight")
 
 
@@ -177,8 +175,7 @@ def _layout(trajs, group, out: dict[str, np.ndarray], row: int, base: int, seg: 
 def _key_layout(row_paths: list[list], rows: int, seq_len: int, key_len: int) -> dict[str, np.ndarray]:
     """The KEY_KEYS arrays (module docstring) of the rows' trajectory paths."""
     out = {k: np.zeros((rows, key_len), np.int32) for k in KEY_KEYS if k != "query_segment_ids"}
-    for k in ("key_segment_ids", "key_kl_segment_ids"):
-        out[k][:] = -1
+    out["key_segment_ids"][:] = -1
     out["query_segment_ids"] = np.full((rows, seq_len), -1, np.int32)
     for r, paths in enumerate(row_paths):
         need = sum(p.size for p, _ in paths)
@@ -191,7 +188,6 @@ def _key_layout(row_paths: list[list], rows: int, seq_len: int, key_len: int) ->
             out["key_slot"][r, o:o + n] = path
             out["key_positions"][r, o:o + n] = np.arange(n)
             out["key_segment_ids"][r, o:o + n] = i
-            out["key_kl_segment_ids"][r, o:o + n - 1] = i
             out["query_segment_ids"][r, new] = i
             o += n
     return out

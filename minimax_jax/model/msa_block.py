@@ -5,8 +5,9 @@ Prefix-tree rows come two ways:
 - ``tree_keys`` (the packer's ``KEY_KEYS``, ``data.key_len``): keys, values and index keys are gathered
   into one run per trajectory (``key_slot``), so each query sees its own trajectory as an ordinary
   document at its own positions; queries keep the row's slots (``query_segment_ids`` names their
-  trajectory). Every MSA implementation serves that (kernels included). The KL runs over the gathered
-  rows as queries too (``key_kl_segment_ids``: every unmerged input once), so it is the unmerged KL.
+  trajectory). Every MSA implementation serves the selection and attention (kernels included). The KL
+  rows are the merged queries weighted by ``input_weight`` (a shared input's KL is the same in every
+  trajectory through it): the XLA reference and the GPU KL kernels serve that.
 - ``subtree_end`` alone: tree visibility inside the ops, ``input_weight`` weighting the KL rows (only the
   XLA reference serves it).
 Either way the loss, the KL and every gradient equal those of the unmerged trajectories.
@@ -44,26 +45,20 @@ def msa_block(q, k, v, qi, ki, cfg: ModelConfig, positions, segment_ids, indexer
     rows = dict(q_positions=positions, kv_positions=positions, q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
     tree = {} if subtree_end is None else {"kv_subtree_end": subtree_end}
     if tree_keys is not None:
+        if input_weight is None:
+            raise ValueError("prefix-tree rows with a key layout need input_weight (the KL rows' weights)")
         slot = tree_keys["key_slot"]
-        kpos, kseg = tree_keys["key_positions"], tree_keys["key_segment_ids"]
-        sel = dict(q_positions=positions, q_segment_ids=tree_keys["query_segment_ids"], kv_positions=kpos,
-                   kv_segment_ids=kseg)
-        kl_rows = dict(q_positions=kpos, q_segment_ids=tree_keys["key_kl_segment_ids"], kv_positions=kpos,
-                       kv_segment_ids=kseg)
-        take = lambda x: _gather(x, slot)                                      # noqa: E731
-        ids_kl = lambda ids: jax.vmap(lambda ib, sb: ib[:, sb])(ids, slot)      # noqa: E731
-        k_sel, v_sel, ki_sel = take(k), take(v), take(ki)
-        kl_extra = {}
+        sel = dict(q_positions=positions, q_segment_ids=tree_keys["query_segment_ids"],
+                   kv_positions=tree_keys["key_positions"], kv_segment_ids=tree_keys["key_segment_ids"])
+        k_sel, v_sel, ki_sel = _gather(k, slot), _gather(v, slot), _gather(ki, slot)
     else:
-        sel, kl_rows = dict(rows, **tree), dict(rows, **tree)
-        take = ids_kl = lambda x: x                                             # noqa: E731
+        sel = dict(rows, **tree)
         k_sel, v_sel, ki_sel = k, v, ki
-        kl_extra = {} if input_weight is None else {"q_weights": input_weight}
+    kl_extra = {} if input_weight is None else {"q_weights": input_weight}
     kl_sum = kl_cnt = jax.numpy.zeros((), jax.numpy.float32)
     if indexer_kl == "dense":
         o = attention(q, k, v, implementation=cfg.attention_impl, **rows, **tree)
-        kl_sum, kl_cnt = msa_ops.indexer_kl(take(q), k_sel, take(qi), ki_sel, None, block_size=blk, **kl_rows,
-                                            **kl_extra)
+        kl_sum, kl_cnt = msa_ops.indexer_kl(q, k_sel, qi, ki_sel, None, block_size=blk, **sel, **kl_extra)
         return o, kl_sum, kl_cnt, None, None
     ids = msa_ops.msa_select_blocks(qi, ki_sel, block_size=blk, topk=cfg.index_topk, init_blocks=cfg.index_init_blocks,
                                     local_blocks=cfg.index_local_blocks, implementation=cfg.msa_impl, **sel)
@@ -74,7 +69,7 @@ def msa_block(q, k, v, qi, ki, cfg: ModelConfig, positions, segment_ids, indexer
         # bench model at 64K, vs the kernel's O(T * topk * block)).
         # The attention's LSE is the teacher's normaliser over the same support: the KL kernel skips
         # recomputing it (stop_gradient: the teacher gets no gradient).
-        kl_sum, kl_cnt = msa_ops.indexer_kl(take(q), k_sel, take(qi), ki_sel, ids_kl(ids), block_size=blk,
-                                            implementation=cfg.msa_impl, teacher_lse=jax.lax.stop_gradient(take(lse)),
-                                            **kl_rows, **kl_extra)
+        kl_sum, kl_cnt = msa_ops.indexer_kl(q, k_sel, qi, ki_sel, ids, block_size=blk,
+                                            implementation=cfg.msa_impl, teacher_lse=jax.lax.stop_gradient(lse),
+                                            **sel, **kl_extra)
     return o, kl_sum, kl_cnt, ids, lse

@@ -6,7 +6,9 @@ support U is the visible keys of the selected blocks block_ids[b, r, i, :].
   teacher t_j = mean over the group's H/G heads of softmax_U(q_h . k_j / sqrt(D))   (no gradient)
   student p_j = softmax_U(qi_r . ki_j / sqrt(Di))
   KL(t || p) = sum_j t_j (log t_j - log p_j);  d KL / d x_j = p_j - t_j  (x = student logits).
-Returns (sum of KL over (b, i, r), number of rows with a non-empty support).
+Returns (sum of KL over (b, i, r), number of rows with a non-empty support); with per-query weights w_i
+(prefix-tree rows: a merged query stands for w_i unmerged ones) the weighted sum and count, and the
+gradients of the weighted sum (d x scaled by w_i in the kernel).
 
 Schedule (gpu_sparse_fwd.py): selections sorted by block window, fixed slices of C entries per
 program, runs of one window walked in row tiles of tokens x heads. Per query chunk:
@@ -134,7 +136,9 @@ def _lse_kernel(flat_ref, key_ref, rend_ref, nval_ref, mend_ref, q_ref, k_ref, q
 
 def _kl_kernel(flat_ref, key_ref, rend_ref, nval_ref, mend_ref, q_ref, k_ref, qi_ref, ki_ref,
                ids_ref, qpos_ref, qseg_ref, kvpos_ref, kvseg_ref, lse_ref, lsex_ref, *refs, blk, topk,
-               scale, iscale, hg, per, per_pad, chunk, rows, s_pad, grads):
+               scale, iscale, hg, per, per_pad, chunk, rows, s_pad, grads, weighted):
+    if weighted:                                         # per-token weights [B, T+1] (spare row 0)
+        qw_ref, refs = refs[0], refs[1:]
     if grads:
         _, klp_ref, dqip_ref, bdki_ref, dki_ref = refs       # refs[0]: the aliased d ki input
     else:
@@ -176,7 +180,10 @@ def _kl_kernel(flat_ref, key_ref, rend_ref, nval_ref, mend_ref, q_ref, k_ref, qi
                            mask=tl.ok_tok)
             if not grads:
                 return dki
-            dx = (jnp.exp2(log_p) - tch).astype(qi.dtype)              # [P, B]; 0 off the support
+            dx = jnp.exp2(log_p) - tch                                  # [P, B]; 0 off the support
+            if weighted:                                                # a weighted row's gradient
+                dx = dx * qw_ref[b, t_st][:, None]
+            dx = dx.astype(qi.dtype)
             dqi = _dot(dx, kib) * iscale                                # [P, Di]
             dcol = jax.lax.broadcasted_iota(jnp.int32, (1, di), 1)
             pltriton.store(dqip_ref.at[b, t_st[:, None], tl.slot_tok[:, None], gcol[:, None], dcol],
@@ -213,10 +220,11 @@ def _logsumexp_slots(parts, valid):
     return jnp.where(total == 0.0, -jnp.inf, m_safe + jnp.log(jnp.where(total == 0.0, 1.0, total)))
 
 
-def _chunk(q, qi, ids, starts, qpos, qseg, fresh, dki, teacher_lse, *, kp, kip, kvpos, kvseg, blk, chunk, rows,
+def _chunk(q, qi, ids, starts, qpos, qseg, fresh, dki, teacher_lse, qw, *, kp, kip, kvpos, kvseg, blk, chunk, rows,
            grads, interpret):
     """One query chunk: (kl_sum, count, dqi [B,Tc,G,Di] f32 or None, dki totals [B,Sp,G,Di] f32);
-    ``teacher_lse`` ``[B,Tc,H]`` (natural log) or None (computed here, pass 1)."""
+    ``teacher_lse`` ``[B,Tc,H]`` (natural log) or None (computed here, pass 1); ``qw`` ``[B,Tc]`` f32 query
+    weights or None (then ``count`` is int32, else the weighted float32 count)."""
     bsz, t, h, d = q.shape
     g, di = kp.shape[2], qi.shape[-1]
     topk = ids.shape[-1]
@@ -245,18 +253,26 @@ def _chunk(q, qi, ids, starts, qpos, qseg, fresh, dki, teacher_lse, *, kp, kip, 
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
     outs = [f32(bsz, t + 1, topk, g)]
     args = list(head) + [lse, lsex]
+    if qw is not None:
+        args.append(jnp.pad(qw.astype(jnp.float32), ((0, 0), (0, 1))))          # + spare row
     if grads:
         outs += [f32(bsz, t + 1, topk, g, di), f32(bsz, g, n_items, 2, blk, di), f32(*dki.shape)]
         args.append(dki)
     res = pl.pallas_call(
-        functools.partial(_kl_kernel, s_pad=sp, grads=grads, **consts), grid=grid, out_shape=outs,
+        functools.partial(_kl_kernel, s_pad=sp, grads=grads, weighted=qw is not None, **consts), grid=grid,
+        out_shape=outs,
         input_output_aliases={len(args) - 1: 3} if grads else {},
         name="msa_kl_gpu", **params,
     )(*args)
     klp = res[0][:, :t]
     rows_ok = jnp.isfinite(lsex) & fresh[None, :, None]
-    kl = jnp.sum(jnp.where(valid & rows_ok[:, :, None, :], klp, 0.0))
-    count = jnp.sum(rows_ok.astype(jnp.int32))
+    if qw is None:
+        kl = jnp.sum(jnp.where(valid & rows_ok[:, :, None, :], klp, 0.0))
+        count = jnp.sum(rows_ok.astype(jnp.int32))
+    else:
+        w = qw.astype(jnp.float32)[:, :, None]                                   # [B,T,1]
+        kl = jnp.sum(jnp.sum(jnp.where(valid & rows_ok[:, :, None, :], klp, 0.0), axis=2) * w)
+        count = jnp.sum(jnp.where(rows_ok, w, 0.0))
     if not grads:
         return kl, count, None, dki
     (dki,) = merge_pieces(key, run_end, n_valid, kvpos, kvseg, [res[2]], [res[3]], blk=blk,
@@ -274,7 +290,7 @@ def _query_chunk(bsz, h, g, di, topk, blk, chunk, budget_bytes=PARTIALS_BUDGET):
 
 
 def _run(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, blk, interpret, grads,
-         teacher_lse=None, rows=32, chunk=128, query_chunk=None):
+         teacher_lse=None, q_weights=None, rows=32, chunk=128, query_chunk=None):
     """(kl_sum, count, dqi, dki) for a unit cotangent (dqi / dki None without ``grads``)."""
     bsz, t, h, _ = q.shape
     g, di = k.shape[2], qi.shape[-1]
@@ -288,7 +304,8 @@ def _run(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, blk,
                             blk=blk, chunk=chunk, rows=rows, grads=grads, interpret=interpret)
     dki = jnp.zeros((bsz, prep.s_pad, g, di), jnp.float32)
     if t <= qc:
-        kl, count, dqi, dki = run(q, qi, ids, starts, qpos, prep.q_seg, jnp.ones((t,), bool), dki, teacher_lse)
+        kl, count, dqi, dki = run(q, qi, ids, starts, qpos, prep.q_seg, jnp.ones((t,), bool), dki, teacher_lse,
+                                  q_weights)
     else:
         # One compiled loop over query chunks; the last one is clamped to end at T and its tokens
         # already done get no slot (nothing counted twice) and keep their d qi.
@@ -302,14 +319,16 @@ def _run(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, blk,
             ids_c = jnp.where(fresh[None, None, :, None], dsl(ids, a, qc, 2), -1)
             sl = lambda x, ax=1: dsl(x, a, qc, ax)
             kl_c, cnt_c, dqi_c, dki = run(sl(q), sl(qi), ids_c, sl(starts, 2), sl(qpos),
-                                          sl(prep.q_seg), fresh, dki, None if teacher_lse is None else sl(teacher_lse))
+                                          sl(prep.q_seg), fresh, dki, None if teacher_lse is None else sl(teacher_lse),
+                                          None if q_weights is None else sl(q_weights))
             if grads:
                 dqi_c = jnp.where(fresh[None, :, None, None], dqi_c, sl(dqi))
                 dqi = jax.lax.dynamic_update_slice_in_dim(dqi, dqi_c, a, 1)
             return kl + kl_c, count + cnt_c, dqi, dki
 
         dqi0 = jnp.zeros(qi.shape, jnp.float32) if grads else None
-        kl, count, dqi, dki = jax.lax.fori_loop(0, n_c, body, (jnp.float32(0.0), jnp.int32(0), dqi0, dki))
+        count0 = jnp.int32(0) if q_weights is None else jnp.float32(0.0)
+        kl, count, dqi, dki = jax.lax.fori_loop(0, n_c, body, (jnp.float32(0.0), count0, dqi0, dki))
     if not grads:
         return kl, count, None, None
     return kl, count, dqi, jnp.sum(dki[:, :ki.shape[1]], axis=2)
@@ -319,34 +338,38 @@ def _f0(x):
     return None if x is None else np.zeros(x.shape, jax.dtypes.float0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11))
-def _kl(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, teacher_lse, blk, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(11, 12))
+def _kl(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, teacher_lse, q_weights, blk, interpret):
     kl, count, _, _ = _run(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, blk,
-                           interpret, grads=False, teacher_lse=teacher_lse)
+                           interpret, grads=False, teacher_lse=teacher_lse, q_weights=q_weights)
     return kl, count
 
 
-def _kl_fwd(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, teacher_lse, blk, interpret):
+def _kl_fwd(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, teacher_lse, q_weights, blk,
+            interpret):
     kl, count, dqi, dki = _run(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg,
-                               blk, interpret, grads=True, teacher_lse=teacher_lse)
+                               blk, interpret, grads=True, teacher_lse=teacher_lse, q_weights=q_weights)
     dtypes = (jnp.zeros((0,), qi.dtype), jnp.zeros((0,), ki.dtype))     # the cotangents' dtypes
-    return (kl, count), (q, k, block_ids, q_positions, kv_positions, q_seg, kv_seg, teacher_lse, dqi, dki, dtypes)
+    res = (q, k, block_ids, q_positions, kv_positions, q_seg, kv_seg, teacher_lse, q_weights, dqi, dki, dtypes)
+    return (kl, count), res
 
 
 def _kl_bwd(blk, interpret, res, cot):
-    q, k, block_ids, q_positions, kv_positions, q_seg, kv_seg, teacher_lse, dqi, dki, (qi_dt, ki_dt) = res
+    q, k, block_ids, q_positions, kv_positions, q_seg, kv_seg, teacher_lse, q_weights, dqi, dki, dts = res
+    qi_dt, ki_dt = dts
     ct = cot[0].astype(jnp.float32)
+    zeros = lambda x: None if x is None else jnp.zeros_like(x)              # noqa: E731  (no gradient)
     return (jnp.zeros_like(q), jnp.zeros_like(k), (dqi * ct).astype(qi_dt.dtype),
             (dki * ct).astype(ki_dt.dtype),
             _f0(block_ids), _f0(q_positions), _f0(kv_positions), _f0(q_seg), _f0(kv_seg),
-            None if teacher_lse is None else jnp.zeros_like(teacher_lse))
+            zeros(teacher_lse), zeros(q_weights))
 
 
 _kl.defvjp(_kl_fwd, _kl_bwd)
 
 
 def indexer_kl_gpu(q, k, qi, ki, block_ids, *, q_positions, kv_positions, q_segment_ids=None,
-                   kv_segment_ids=None, block_size=None, teacher_lse=None, interpret=False):
+                   kv_segment_ids=None, block_size=None, teacher_lse=None, q_weights=None, interpret=False):
     """Indexer KL(teacher || student) on the selected support, Pallas/Triton GPU kernels.
 
     Args:
@@ -357,7 +380,9 @@ def indexer_kl_gpu(q, k, qi, ki, block_ids, *, q_positions, kv_positions, q_segm
       teacher_lse: None, or float32 [B,T,H] natural-log LSE of every head's scaled logits over the
         same support (``msa_attention``'s second output for these block ids; no gradient): pass 1
         then computes only the student's LSE (no main-branch logits: ~H/G times less work).
-    Returns: (kl_sum f32 [], count int32 []) as minimax_jax.ops.msa.indexer_kl.
+      q_weights: None, or float [B,T]: query i's rows count ``q_weights[b, i]`` times in the sum, the
+        count and the gradients (no gradient; prefix-tree rows, minimax_jax.data.prefix_tree).
+    Returns: (kl_sum f32 [], count int32 [], or float32 with q_weights) as minimax_jax.ops.msa.indexer_kl.
     Raises: ValueError for block_ids=None (the dense warm-up has no kernel). Other preconditions
       (tile sizes, head counts) are asserted; the ops layer checks them for its callers.
     """
@@ -370,5 +395,8 @@ def indexer_kl_gpu(q, k, qi, ki, block_ids, *, q_positions, kv_positions, q_segm
     if teacher_lse is not None:
         assert teacher_lse.shape == q.shape[:3], f"teacher_lse must be [B,T,H] = {q.shape[:3]}, got {teacher_lse.shape}"
         teacher_lse = jax.lax.stop_gradient(teacher_lse)
+    if q_weights is not None:
+        assert q_weights.shape == q.shape[:2], f"q_weights must be [B,T] = {q.shape[:2]}, got {q_weights.shape}"
+        q_weights = jax.lax.stop_gradient(q_weights.astype(jnp.float32))
     return _kl(q, k, qi, ki, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids, teacher_lse,
-               block_size, interpret)
+               q_weights, block_size, interpret)

@@ -36,10 +36,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.common import gqa_triton_reason
 
-__all__ = ["tree_attention_gpu", "tile_lists", "unsupported_reason", "BLOCK_K"]
-
-#: Keys per tile (rows are padded to a multiple of it).
-BLOCK_K = 64
+__all__ = ["tree_attention_gpu", "tile_lists", "unsupported_reason", "default_config"]
 _LOG2E = math.log2(math.e)
 
 
@@ -298,9 +295,17 @@ def _op(rows: int, block_k: int, num_warps: int, num_stages: int, interpret: boo
     return attn
 
 
+def default_config(d: int) -> dict[str, int]:
+    """Launch configuration for head dim ``d``: rows, block_k, num_warps, num_stages (D = 128's measured
+    fastest by bench/tree_blocks.py, see BENCHMARKS.md)."""
+    if d > 64:
+        return dict(rows=128, block_k=32, num_warps=4, num_stages=3)
+    return dict(rows=128, block_k=64, num_warps=4, num_stages=2)
+
+
 def tree_attention_gpu(q, k, v, *, q_positions, kv_positions, q_segment_ids, kv_segment_ids, subtree_end,
-                       rows: int | None = None, block_k: int = BLOCK_K, num_warps: int | None = None,
-                       num_stages: int = 2, interpret: bool = False):
+                       rows: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+                       num_stages: int | None = None, interpret: bool = False):
     """Prefix-tree causal GQA self-attention (module docstring), differentiable in q, k, v.
 
     Args:
@@ -308,17 +313,17 @@ def tree_attention_gpu(q, k, v, *, q_positions, kv_positions, q_segment_ids, kv_
       q_positions, kv_positions, q_segment_ids, kv_segment_ids, subtree_end: ``[B, T]`` int; key slot j
         is visible to query slot i iff ``j <= i < subtree_end[j]``, ``kv_seg[j] == q_seg[i] >= 0`` and
         ``kv_pos[j] <= q_pos[i]`` (exactly, per element).
-      rows: query rows (token x head) per program, a power of two >= 16 (default 128 for ``D <= 64``,
-        else 64); block_k: keys per tile (power of two >= 16); num_warps (default 4 for ``D <= 64``,
-        else 8), num_stages: Triton launch parameters; interpret: Pallas interpret mode (CPU tests).
+      rows: query rows (token x head) per program, a power of two >= 16; block_k: keys per tile (power of
+        two >= 16); num_warps, num_stages: Triton launch parameters (None: ``default_config(D)``);
+        interpret: Pallas interpret mode (CPU tests).
     Returns: ``[B, T, H, D]`` in ``q.dtype``; rows with no visible key are zeros.
     Preconditions (asserted; the attention op checks them for users): ``unsupported_reason`` is None.
     """
     why = unsupported_reason(q, k, v)
     assert why is None, why
-    d = q.shape[-1]
-    rows = rows or (128 if d <= 64 else 64)
+    cfg = default_config(q.shape[-1])
+    rows, block_k = rows or cfg["rows"], block_k or cfg["block_k"]
     assert _pow2(rows) and _pow2(block_k), f"rows ({rows}) and block_k ({block_k}) must be powers of two >= 16"
-    num_warps = num_warps or (4 if d <= 64 else 8)
+    num_warps, num_stages = num_warps or cfg["num_warps"], num_stages or cfg["num_stages"]
     return _op(rows, block_k, num_warps, num_stages, bool(interpret))(
         q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, subtree_end)

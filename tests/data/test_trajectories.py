@@ -43,7 +43,12 @@ def test_key_len_adds_the_key_layout_and_limits_the_step():
         slots = k["key_slot"][r, used]
         np.testing.assert_array_equal(k["positions"][r, slots], k["key_positions"][r, used])
         assert (k["segment_ids"][r, slots] > 0).all()
-        assert used.sum() == (k["key_kl_segment_ids"][r] > 0).sum() + len(np.unique(k["key_segment_ids"][r, used]))
+        # a slot's query segment names a trajectory whose key run holds that very slot (its ancestors' run)
+        live = k["segment_ids"][r] > 0
+        qs = k["query_segment_ids"][r]
+        assert (qs[live] > 0).all() and (qs[~live] == -1).all()
+        pairs = set(zip(k["key_segment_ids"][r, used].tolist(), slots.tolist()))
+        assert all((int(qs[s]), int(s)) in pairs for s in np.flatnonzero(live))
     tight = _it(key_len=1280)                   # the key layout holds the trajectories unmerged: fewer fit
     next(tight)
     assert tight.index < keyed.index < free.index

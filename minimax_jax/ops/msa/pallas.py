@@ -179,35 +179,37 @@ def _kl_tpu(q, k, qi, ki, block_ids, *, chunk_size, interpret, teacher_lse=None,
     return indexer_kl_tpu(q, k, qi, ki, block_ids, interpret=interpret, **kw)      # computes its own LSE
 
 
-def _no_tree(check):
-    """``check`` that also refuses prefix-tree visibility (``kv_subtree_end``) and weighted KL rows
-    (``q_weights``): only ``"xla"`` serves them."""
+def _no_tree(check, weights: bool = False):
+    """``check`` that also refuses prefix-tree visibility (``kv_subtree_end``: only ``"xla"`` serves it) and,
+    unless ``weights`` (the GPU KL kernels), weighted KL rows (``q_weights``)."""
     def supports(*args, kv_subtree_end=None, q_weights=None, **kw):
         if kv_subtree_end is not None:
             return "prefix-tree visibility (kv_subtree_end) is served only by 'xla'"
-        if q_weights is not None:
-            return "weighted KL rows (q_weights) are served only by 'xla'"
+        if q_weights is not None and not weights:
+            return "weighted KL rows (q_weights) are served by 'xla' and the GPU KL kernels"
         return None if check is None else check(*args, **kw)
     return supports
 
 
-def _four(gpu_fn, tpu_fn, gpu_check, tpu_check, tpu_interpret_check):
-    """The op's kernels in registry order: pallas_gpu, pallas_tpu, pallas_tpu_interpret, pallas_gpu_interpret."""
+def _four(gpu_fn, tpu_fn, gpu_check, tpu_check, tpu_interpret_check, gpu_weights=False):
+    """The op's kernels in registry order: pallas_gpu, pallas_tpu, pallas_tpu_interpret, pallas_gpu_interpret
+    (``gpu_weights``: the GPU kernels take ``q_weights``)."""
     p = functools.partial
-    gpu_check, tpu_check, tpu_interpret_check = _no_tree(gpu_check), _no_tree(tpu_check), _no_tree(tpu_interpret_check)
+    gpu_check = _no_tree(gpu_check, gpu_weights)
+    tpu_check, tpu_interpret_check = _no_tree(tpu_check), _no_tree(tpu_interpret_check)
     return [Implementation("pallas_gpu", p(gpu_fn, interpret=False), ("gpu",), gpu_check),
             Implementation("pallas_tpu", p(tpu_fn, interpret=False), ("tpu",), tpu_check),
             Implementation("pallas_tpu_interpret", p(tpu_fn, interpret=True), None, tpu_interpret_check),
             Implementation("pallas_gpu_interpret", p(gpu_fn, interpret=True), None, gpu_check)]
 
 
-def _hopper(fn, kernel_reason, triton_check):
+def _hopper(fn, kernel_reason, triton_check, weights=False):
     """The Hopper set's two implementations: pallas_hopper_gpu and pallas_hopper_gpu_interpret."""
     p = functools.partial
     return [Implementation("pallas_hopper_gpu", p(fn, interpret=False), ("gpu",),
-                           _no_tree(_hopper_supports(False, kernel_reason, triton_check))),
+                           _no_tree(_hopper_supports(False, kernel_reason, triton_check), weights)),
             Implementation("pallas_hopper_gpu_interpret", p(fn, interpret=True), None,
-                           _no_tree(_hopper_supports(True, kernel_reason, triton_check)))]
+                           _no_tree(_hopper_supports(True, kernel_reason, triton_check), weights))]
 
 
 _gpu = functools.partial(_gpu_supports, _main_dims)
@@ -219,5 +221,5 @@ ATTENTION = [*_four(_attention_gpu, _attention_tpu, _gpu, functools.partial(_tpu
                     functools.partial(_tpu_supports, 8)),
              *_hopper(functools.partial(_attention_gpu, forward="wgmma"), _attention_shapes, _gpu)]
 INDEXER_KL = [*_four(_kl_gpu, _kl_tpu, _sparse_only(_gpu), _sparse_only(functools.partial(_tpu_supports, 128)),
-                     _sparse_only(functools.partial(_tpu_supports, 8))),
-              *_hopper(_kl_gpu, None, _sparse_only(_gpu))]
+                     _sparse_only(functools.partial(_tpu_supports, 8)), gpu_weights=True),
+              *_hopper(_kl_gpu, None, _sparse_only(_gpu), weights=True)]

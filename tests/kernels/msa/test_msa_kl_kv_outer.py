@@ -111,3 +111,40 @@ def test_primal_only_path_and_public_function_agree():
     want = _reference(c, ids, qi, ki)
     assert int(cnt) == want[1]
     np.testing.assert_allclose(float(kl), want[0], rtol=2e-5)
+
+
+def _weighted_reference(c, ids, qi, ki, w):
+    pos = positions(c)
+    f = lambda qi, ki: msa_ops.indexer_kl(jnp.asarray(c["q"]), jnp.asarray(c["k"]), qi, ki, jnp.asarray(ids),
+                                          block_size=BLK, implementation="xla", q_weights=jnp.asarray(w), **pos)
+    (kl, cnt), vjp = jax.vjp(f, jnp.asarray(qi), jnp.asarray(ki))
+    dqi, dki = vjp((jnp.float32(1.0), jnp.float32(0.0)))
+    return float(kl), float(cnt), np.asarray(dqi), np.asarray(dki)
+
+
+@pytest.mark.parametrize("query_chunk", [None, 16])
+def test_weighted_rows_equal_the_xla_reference(query_chunk):
+    """``q_weights`` (prefix-tree rows: a merged query stands for several unmerged ones): KL, weighted count
+    and both gradients, queries a suffix of packed keys, weights 0..3, through the query-chunk loop too."""
+    rng = np.random.default_rng()
+    c = make_case(rng, bsz=2, t=40, s=96, h=6, g=2, d=16, segments=[[30, 66], [96]])
+    ids = random_ids(rng, c["q_pos"], c["q_seg"], 2, 3, BLK)
+    ids[0, :, 3:6] = -1                                        # tokens with no valid slot (not counted)
+    qi, ki = _inputs(rng, c, 2)
+    w = rng.integers(0, 4, c["q_pos"].shape).astype(np.float32)
+    want = _weighted_reference(c, ids, qi, ki, w)
+    pos = tuple(jnp.asarray(c[n]) for n in ("q_pos", "kv_pos", "q_seg", "kv_seg"))
+    got = jax.jit(lambda qi, ki, w: gk._run(jnp.asarray(c["q"]), jnp.asarray(c["k"]), qi, ki, jnp.asarray(ids),
+                                            *pos, BLK, True, True, q_weights=w, chunk=8,
+                                            query_chunk=query_chunk))(jnp.asarray(qi), jnp.asarray(ki), jnp.asarray(w))
+    assert got[1].dtype == jnp.float32 and float(got[1]) == want[1]
+    np.testing.assert_allclose(float(got[0]), want[0], rtol=2e-5, atol=1e-5)
+    for a, b in zip(got[2:], want[2:]):
+        np.testing.assert_allclose(np.asarray(a), b, atol=2e-5 * max(1.0, np.abs(b).max()), rtol=1e-4)
+    # the public function's custom VJP scales the weighted unit gradients by the cotangent
+    f = lambda qi, ki: gk.indexer_kl_gpu(jnp.asarray(c["q"]), jnp.asarray(c["k"]), qi, ki, jnp.asarray(ids),
+                                         block_size=BLK, interpret=True, q_weights=jnp.asarray(w),
+                                         **positions(c))[0] * 3.0
+    dqi, dki = jax.jit(jax.grad(f, argnums=(0, 1)))(jnp.asarray(qi), jnp.asarray(ki))
+    for a, b in zip((dqi, dki), want[2:]):
+        np.testing.assert_allclose(np.asarray(a), 3.0 * b, atol=6e-5 * max(1.0, np.abs(b).max()), rtol=1e-4)

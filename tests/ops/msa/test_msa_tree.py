@@ -110,10 +110,15 @@ def test_kernels_refuse_trees_and_auto_runs_xla():
         for name in ("pallas_gpu", "pallas_hopper_gpu"):
             with pytest.raises(ImplementationUnavailable, match="prefix-tree visibility"):
                 registry.resolve("msa_attention", name, q, kv, kv, ids, **kw)
+        # weighted KL rows (the key layout's merged queries): the GPU KL kernels take them, TPU's do not
+        ar = jnp.arange(n, dtype=jnp.int32)[None]               # an ordinary (key-layout-like) run
+        kw2 = dict(kw, q_positions=ar, kv_positions=ar)
+        del kw2["kv_subtree_end"]
+        kl_args = (q, kv, S((1, n, 4, 128), jnp.bfloat16), S((1, n, 128), jnp.bfloat16), ids)
+        wts = S((1, n), jnp.float32)
+        assert registry.resolve("indexer_kl", "auto", *kl_args, q_weights=wts, **kw2).name == "pallas_gpu"
         with pytest.raises(ImplementationUnavailable, match="weighted KL rows"):
-            kw2 = {k: v for k, v in kw.items() if k != "kv_subtree_end"}
-            registry.resolve("indexer_kl", "pallas_gpu", q, kv, S((1, n, 4, 128), jnp.bfloat16),
-                             S((1, n, 128), jnp.bfloat16), ids, q_weights=S((1, n), jnp.float32), **kw2)
+            registry.resolve("indexer_kl", "pallas_tpu_interpret", *kl_args, q_weights=wts, **kw2)
 
 
 def test_bad_tree_inputs_get_one_line_errors():
