@@ -29,20 +29,23 @@ def _gather(x, slot):
 
 
 def msa_block(q, k, v, qi, ki, cfg: ModelConfig, positions, segment_ids, indexer_kl: str | None, *,
-              subtree_end=None, input_weight=None, tree_keys=None):
+              subtree_end=None, input_weight=None, tree_keys=None, kv_positions=None, kv_segment_ids=None):
     """MSA attention of one layer (module docstring).
 
     Args:
       q ``[B,T,H,D]``, k / v ``[B,T,G,D]``, qi ``[B,T,G,Di]``, ki ``[B,T,Di]``: the layer's projections.
       positions, segment_ids: ``[B,T]`` int32. indexer_kl: None, "sparse" or "dense" (warm-up: dense
         main-branch attention, KL over the whole causal history).
+      kv_positions, kv_segment_ids: ``[B,S]`` of the keys when they are not the queries' own tokens
+        (context parallelism: local queries, gathered keys; ``k``, ``v``, ``ki`` then have S rows).
       subtree_end, input_weight, tree_keys: prefix-tree rows (module docstring), or None.
     Returns: ``(o [B,T,H,D], kl_sum, kl_count, block_ids or None, lse or None)``.
     """
     from minimax_jax.ops import msa as msa_ops  # imported only when a model has MSA layers
 
     blk = cfg.index_block_size
-    rows = dict(q_positions=positions, kv_positions=positions, q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
+    rows = dict(q_positions=positions, kv_positions=positions if kv_positions is None else kv_positions,
+                q_segment_ids=segment_ids, kv_segment_ids=segment_ids if kv_segment_ids is None else kv_segment_ids)
     tree = {} if subtree_end is None else {"kv_subtree_end": subtree_end}
     if tree_keys is not None:
         if input_weight is None:

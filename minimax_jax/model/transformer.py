@@ -21,6 +21,7 @@ from minimax_jax.config import ModelConfig, dtype_of
 from minimax_jax.model.layers import apply_rope, dense_mlp, rms_norm, rope_frequencies, swiglu
 from minimax_jax.model.msa_block import msa_block
 from minimax_jax.model.params import layer_segments, mtp_layer_kinds
+from minimax_jax.ops import context_parallel
 from minimax_jax.ops.attention import attention
 from minimax_jax.ops.logits import logits_matmul
 from minimax_jax.ops.moe import moe_experts, route
@@ -120,19 +121,54 @@ def attention_block(p, x, cfg: ModelConfig, layer_type: str, positions, segment_
     pos_kw = dict(q_positions=positions, kv_positions=positions, q_segment_ids=segment_ids,
                   kv_segment_ids=segment_ids)
     tree_kw = {} if subtree_end is None else {"kv_subtree_end": subtree_end}
+    # Context parallelism (a sequence-sharded mesh): local queries against all-gathered keys in shard_map.
+    # Prefix-tree rows keep GSPMD (their visibility needs T == S).
+    tree_rows = subtree_end is not None or tree_keys is not None
+    cp = None if tree_rows else context_parallel.plan(b, t, (cfg.num_heads, cfg.num_kv_heads))
     if layer_type == "msa":
         qi, ki = project_index(p, x, cfg, cos, sin)
-        o, kl_sum, kl_cnt, ids, lse = msa_block(q, k, v, qi, ki, cfg, positions, segment_ids, indexer_kl,
-                                                subtree_end=subtree_end, input_weight=input_weight,
-                                                tree_keys=tree_keys)
+        if cp is not None:
+            o, kl_sum, kl_cnt, ids, lse = _msa_context_parallel(cp, q, k, v, qi, ki, cfg, positions, segment_ids,
+                                                                indexer_kl)
+        else:
+            o, kl_sum, kl_cnt, ids, lse = msa_block(q, k, v, qi, ki, cfg, positions, segment_ids, indexer_kl,
+                                                    subtree_end=subtree_end, input_weight=input_weight,
+                                                    tree_keys=tree_keys)
         if return_msa and ids is not None:
             extra = {"block_ids": ids, "lse": lse}
     else:
         window = cfg.sliding_window if layer_type == "sliding" else None
         impl = cfg.sliding_attention_impl if window is not None else cfg.attention_impl
-        o = attention(q, k, v, sliding_window=window, implementation=impl, **pos_kw, **tree_kw)
+        if cp is not None:
+            def local(q, qp, qs, k, v, kp, ks):
+                return (attention(q, k, v, sliding_window=window, implementation=impl, q_positions=qp,
+                                  kv_positions=kp, q_segment_ids=qs, kv_segment_ids=ks),)
+            (o,) = context_parallel.run(cp, local, [(q, "bth."), (positions, "bt"), (segment_ids, "bt")],
+                                        [(k, "bth."), (v, "bth."), (positions, "bt"), (segment_ids, "bt")],
+                                        ["bth."], name="attention")
+        else:
+            o = attention(q, k, v, sliding_window=window, implementation=impl, **pos_kw, **tree_kw)
     out = o.reshape(b, t, cfg.q_dim) @ p["attn"]["o_proj"].astype(x.dtype)
     return out, kl_sum, kl_cnt, extra
+
+
+def _msa_context_parallel(cp, q, k, v, qi, ki, cfg: ModelConfig, positions, segment_ids, indexer_kl):
+    """``msa_block`` with context parallelism (``minimax_jax.ops.context_parallel``): same returns."""
+    sparse = indexer_kl != "dense"
+
+    def local(q, qi, qp, qs, k, v, ki, kp, ks):
+        o, kl_sum, kl_cnt, ids, lse = msa_block(q, k, v, qi, ki, cfg, qp, qs, indexer_kl, kv_positions=kp,
+                                                kv_segment_ids=ks)
+        return (o, ids, lse, kl_sum, kl_cnt) if sparse else (o, kl_sum, kl_cnt)
+
+    res = context_parallel.run(cp, local, [(q, "bth."), (qi, "bth."), (positions, "bt"), (segment_ids, "bt")],
+                               [(k, "bth."), (v, "bth."), (ki, "bt."), (positions, "bt"), (segment_ids, "bt")],
+                               ["bth.", "bht.", "bth"] if sparse else ["bth."], num_sums=2, name="msa")
+    if sparse:
+        o, ids, lse, kl_sum, kl_cnt = res
+        return o, kl_sum, kl_cnt, ids, lse
+    o, kl_sum, kl_cnt = res
+    return o, kl_sum, kl_cnt, None, None
 
 
 def mlp_block(p, x, cfg: ModelConfig, mlp_type: str):

@@ -16,6 +16,7 @@ import jax, numpy as np
 from minimax_jax.train.config import from_dict
 from minimax_jax.train.data import SyntheticIterator
 from minimax_jax.train.loop import Trainer
+from minimax_jax.ops.registry import clear_implementation_report, implementation_report
 from tests.train_helpers import MICRO_MSA_MODEL, micro_train_dict
 
 assert jax.device_count() == 8, jax.devices()
@@ -25,6 +26,7 @@ for mesh in json.loads(sys.argv[1]):
                                     data={"kind": "synthetic", "seq_len": 48, "batch_size": 8},
                                     optim={"router_bias_rate": 0.01, "mtp_weights": 0.5},
                                     msa={"kl_coeff": 0.5}))
+    clear_implementation_report()
     tr = Trainer(tc)
     assert tr.mesh.devices.size == (1 if mesh == "data=1" else 8)
     state = tr.initial_state()
@@ -35,7 +37,7 @@ for mesh in json.loads(sys.argv[1]):
         losses.append({k: float(v) for k, v in m.items()})
     leaves = [np.asarray(x).astype(np.float64) for x in jax.tree.leaves(jax.device_get(state["params"]))]
     out[mesh] = {"metrics": losses, "checksums": [float(x.sum()) for x in leaves],
-                 "abs": [float(np.abs(x).sum()) for x in leaves]}
+                 "abs": [float(np.abs(x).sum()) for x in leaves], "impl": implementation_report()}
 print("RESULT" + json.dumps(out))
 """
 
@@ -54,10 +56,20 @@ def _check(tmp_path, meshes):
         np.testing.assert_allclose(got["checksums"], ref["checksums"], rtol=1e-4, atol=1e-4, err_msg=mesh)
         np.testing.assert_allclose(got["abs"], ref["abs"], rtol=1e-5, err_msg=mesh)
     assert ref["metrics"][2]["loss"] != ref["metrics"][0]["loss"]
+    return res
 
 
 def test_eight_devices_data_parallel_equals_one(tmp_path):
     _check(tmp_path, ["data=1", "data=8"])
+
+
+def test_context_parallel_train_py_equals_one_device(tmp_path):
+    """train.py's Trainer with a sequence axis: attention and MSA run context-parallel in shard_map."""
+    res = _check(tmp_path, ["data=1", "sequence=4,data=2"])
+    impl = res["sequence=4,data=2"]["impl"]
+    assert impl.get("context_parallel/msa", "").startswith("sequence=4,"), impl
+    assert impl.get("context_parallel/attention", "").startswith("sequence=4,"), impl
+    assert not any(k.startswith("context_parallel") for k in res["data=1"]["impl"])
 
 
 @pytest.mark.slow

@@ -1,0 +1,115 @@
+"""Context parallelism (CP): a layer's attention over a token axis sharded on the mesh's sequence axes.
+
+GSPMD cannot split a Pallas kernel or a cuDNN call (an opaque custom call): left to it, every device
+gathers the whole sequence and runs the whole kernel. Here the attention runs in ``jax.shard_map``
+instead: each device keeps its shard of the queries and of everything per query (index queries,
+positions, segment ids), all-gathers the keys, values, index keys and the keys' positions / segment
+ids over the sequence axes, and calls the ordinary op on its local queries against the whole key axis.
+Masks come from the global positions and segment ids, so packed documents need nothing extra. The
+transpose of the all-gather is a reduce-scatter: dK, dV and d ki return summed to the devices that own
+them. Per-query outputs stay sharded; scalar sums (the indexer KL) are psum'ed over the query axes.
+(Ring attention would overlap the K/V exchange with compute; the all-gather costs S x G x D per layer,
+small next to the queries' share for GQA / MSA shapes.)
+
+Local queries against gathered keys (T < S) are served by the MSA kernels (queries may sit anywhere:
+``pallas_kernels/msa/layout.py``) and by the XLA references; the dense flash / cuDNN kernels need
+T == S, so the ``attention`` op's ``auto`` runs ``xla`` there (the implementation report says so).
+
+Layout strings name each array's dimensions: ``b`` batch (sharded over the batch rule's mesh axes that
+divide it), ``t`` tokens (the sequence axes), ``h`` heads (the ``act_heads`` axes when they divide every
+head count of the call, so a kv group's query heads stay with it), ``.`` replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import jax
+from jax.sharding import PartitionSpec as PS
+
+from minimax_jax import sharding
+from minimax_jax.ops.registry import record_implementation
+
+__all__ = ["Plan", "plan", "run"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Mesh axes of one context-parallel call: ``seq`` (tokens), ``batch``, ``heads``."""
+    mesh: jax.sharding.Mesh
+    seq: tuple[str, ...]
+    batch: tuple[str, ...]
+    heads: tuple[str, ...]
+
+    @property
+    def size(self) -> int:
+        return sharding.mesh_axis_size(self.mesh, self.seq)
+
+    @property
+    def query_axes(self) -> tuple[str, ...]:
+        """Every mesh axis a per-query sum is partitioned over."""
+        return self.batch + self.seq + self.heads
+
+    def spec(self, layout: str) -> PS:
+        axes = {"b": self.batch, "t": self.seq, "h": self.heads}
+        return PS(*[(axes.get(c) or None) for c in layout])
+
+
+def _dividing(mesh, axes: Sequence[str], n: int, used: set[str]) -> tuple[str, ...]:
+    """The leading run of ``axes`` (size > 1, not in ``used``) whose product divides ``n``."""
+    out: list[str] = []
+    for a in axes:
+        if a in used or mesh.shape[a] == 1:
+            continue
+        if n % (math.prod(mesh.shape[x] for x in out) * mesh.shape[a]):
+            break
+        out.append(a)
+    return tuple(out)
+
+
+def plan(batch: int, tokens: int, head_counts: Sequence[int]) -> Plan | None:
+    """The CP plan for a call with ``batch`` rows of ``tokens`` tokens, or None (no ``use_mesh`` context,
+    no sequence axis of size > 1, or the sequence axes do not divide ``tokens``: GSPMD as usual).
+
+    ``head_counts``: the call's head counts (q heads, kv heads, ...); heads are sharded over the
+    ``act_heads`` rule's axes only when these divide every count."""
+    ctx = sharding.current()
+    if ctx is None:
+        return None
+    mesh, rules = ctx
+    seq = tuple(a for a in rules["length"] if mesh.shape[a] > 1)
+    if not seq or tokens % sharding.mesh_axis_size(mesh, seq):
+        return None
+    b = _dividing(mesh, rules["batch"], batch, set(seq))
+    heads = _dividing(mesh, rules["act_heads"], math.gcd(*head_counts), set(seq) | set(b))
+    return Plan(mesh, seq, b, heads)
+
+
+def run(p: Plan, fn: Callable, q_side: Sequence[tuple[jax.Array, str]], kv_side: Sequence[tuple[jax.Array, str]],
+        out_layouts: Sequence[str], num_sums: int = 0, name: str = "attention"):
+    """``fn(*local q-side arrays, *gathered kv-side arrays) -> (*outputs, *sums)`` in ``shard_map``.
+
+    Args:
+      p: from ``plan``. q_side / kv_side: ``(array, layout)`` pairs; every layout has one ``t``; kv-side
+        arrays are all-gathered along it inside. out_layouts: the layouts of ``fn``'s array outputs (each
+        with its local ``t`` = the queries'); num_sums: trailing scalar outputs, psum'ed over the query axes.
+      name: recorded under ``context_parallel/<name>`` in the implementation report.
+    Returns: the outputs (sharded like the queries) and the summed scalars.
+    """
+    nq = len(q_side)
+    gather_axes = [layout.index("t") for _, layout in kv_side]
+
+    def body(*args):
+        kv = [jax.lax.all_gather(x, p.seq, axis=ax, tiled=True) for x, ax in zip(args[nq:], gather_axes)]
+        res = fn(*args[:nq], *kv)
+        outs, sums = res[:len(res) - num_sums], res[len(res) - num_sums:]
+        return (*outs, *(jax.lax.psum(s, p.query_axes) for s in sums))
+
+    record_implementation(f"context_parallel/{name}", f"sequence={p.size},heads={p.heads or '-'}")
+    # check_vma=False: the kernels' pallas_calls return invariant-typed values (see pallas_kernels.common);
+    # every input here is sharded or replicated consistently, so the plain transpose rules are exact.
+    fn_sm = jax.shard_map(body, mesh=p.mesh, in_specs=tuple(p.spec(lay) for _, lay in (*q_side, *kv_side)),
+                          out_specs=(*(p.spec(lay) for lay in out_layouts), *([PS()] * num_sums)), check_vma=False)
+    return fn_sm(*(x for x, _ in q_side), *(x for x, _ in kv_side))
