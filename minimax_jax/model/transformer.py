@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from minimax_jax.config import ModelConfig, dtype_of
 from minimax_jax.model.layers import apply_rope, dense_mlp, rms_norm, rope_frequencies, swiglu
@@ -222,6 +223,45 @@ def _save_dots_and_kernels(prim, *args, **params) -> bool:
         prim, *args, **params)
 
 
+def _balanced_order(cfg: ModelConfig, shape, tree_rows: bool) -> np.ndarray | None:
+    """Zig-zag token order when the attention runs context-parallel over n shards and 2n divides the
+    row (``minimax_jax.ops.context_parallel``), else None."""
+    if tree_rows:
+        return None
+    p = context_parallel.plan(shape[0], shape[1], (cfg.num_heads, cfg.num_kv_heads))
+    if p is None or shape[1] % (2 * p.size):
+        return None
+    return context_parallel.zigzag(shape[1], p.size)
+
+
+def _layers(params, cfg, x, positions, segment_ids, cos, sin, indexer_kl, return_msa, subtree_end, input_weight,
+            tree_keys, remat):
+    """The decoder layers (scanned per segment): ``(x, loads, msa_out, kl_sum, kl_cnt)``."""
+    loads, msa_out = [], []
+    kl_sum, kl_cnt = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
+    for seg, sp in zip(layer_segments(cfg), params["segments"]):
+        def body(carry, lp, seg=seg):
+            y, aux = decoder_layer(lp, carry, cfg, seg.layer_type, seg.mlp_type, positions, segment_ids, cos, sin,
+                                   indexer_kl, return_msa, subtree_end, input_weight, tree_keys)
+            return y, aux
+
+        if remat == "full":
+            body = jax.checkpoint(body)
+        elif remat == "dots":
+            body = jax.checkpoint(body, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+        elif remat == "dots_kernels":
+            body = jax.checkpoint(body, policy=_save_dots_and_kernels)
+        elif remat != "none":
+            raise ValueError(f"remat must be none|full|dots|dots_kernels, got {remat!r}")
+        x, (load, ks, kc, extra) = jax.lax.scan(body, x, sp)
+        if seg.mlp_type == "moe":
+            loads.append(load)
+        for j in range(seg.length if extra else 0):
+            msa_out.append({"layer": seg.start + j, **jax.tree.map(lambda a, j=j: a[j], extra)})
+        kl_sum, kl_cnt = kl_sum + ks.sum(), kl_cnt + kc.sum()
+    return x, loads, msa_out, kl_sum, kl_cnt
+
+
 def forward(params, cfg: ModelConfig, tokens: jax.Array, *, positions: jax.Array | None = None,
             segment_ids: jax.Array | None = None, indexer_kl: str | None = None,
             return_hidden: bool = False, return_msa: bool = False, remat: str = "none",
@@ -267,29 +307,17 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, *, positions: jax.Array
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
     positions, segment_ids, cos, sin = _prepare(cfg, tokens, positions, segment_ids)
+    order = _balanced_order(cfg, tokens.shape, subtree_end is not None or tree_keys is not None)
+    if order is not None:            # context parallelism: the layers see the row in zig-zag order
+        tokens, positions, segment_ids, cos, sin = (a[:, order] for a in (tokens, positions, segment_ids, cos, sin))
     x = constrain(embed(params, cfg, tokens), ("batch", "length", "act_embed"))
-    loads, msa_out = [], []
-    kl_sum, kl_cnt = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
-    for seg, sp in zip(layer_segments(cfg), params["segments"]):
-        def body(carry, lp, seg=seg):
-            y, aux = decoder_layer(lp, carry, cfg, seg.layer_type, seg.mlp_type, positions, segment_ids, cos, sin,
-                                   indexer_kl, return_msa, subtree_end, input_weight, tree_keys)
-            return y, aux
-
-        if remat == "full":
-            body = jax.checkpoint(body)
-        elif remat == "dots":
-            body = jax.checkpoint(body, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
-        elif remat == "dots_kernels":
-            body = jax.checkpoint(body, policy=_save_dots_and_kernels)
-        elif remat != "none":
-            raise ValueError(f"remat must be none|full|dots|dots_kernels, got {remat!r}")
-        x, (load, ks, kc, extra) = jax.lax.scan(body, x, sp)
-        if seg.mlp_type == "moe":
-            loads.append(load)
-        for j in range(seg.length if extra else 0):
-            msa_out.append({"layer": seg.start + j, **jax.tree.map(lambda a, j=j: a[j], extra)})
-        kl_sum, kl_cnt = kl_sum + ks.sum(), kl_cnt + kc.sum()
+    with context_parallel.token_order(order):
+        x, loads, msa_out, kl_sum, kl_cnt = _layers(params, cfg, x, positions, segment_ids, cos, sin, indexer_kl,
+                                                    return_msa, subtree_end, input_weight, tree_keys, remat)
+    if order is not None:            # natural order again for the head, the MTP modules and the losses
+        inv = np.argsort(order)
+        x = constrain(x[:, inv], ("batch", "length", "act_embed"))
+        msa_out = [{**m, "block_ids": m["block_ids"][:, :, inv], "lse": m["lse"][:, inv]} for m in msa_out]
     hidden = x
     head_input = _norm(x, params["final_norm"], cfg)
     logits = constrain(unembed(params, cfg, head_input), ("batch", "length", "act_vocab")) if return_logits else None

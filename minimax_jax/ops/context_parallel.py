@@ -15,6 +15,14 @@ Local queries against gathered keys (T < S) are served by the MSA kernels (queri
 ``pallas_kernels/msa/layout.py``) and by the XLA references; the dense flash / cuDNN kernels need
 T == S, so the ``attention`` op's ``auto`` runs ``xla`` there (the implementation report says so).
 
+Load balance: with a causal mask a device's work grows with its shard's position (the last shard's
+queries see every key), and the MSA kernels skip what is masked. ``forward`` therefore lays the row out
+in zig-zag order (``zigzag``: split into 2n chunks, device d holds chunks d and 2n-1-d) for the decoder
+layers when 2n divides the row, and restores the natural order before the final norm; inside
+``token_order`` the gathered keys are put back in natural order (the MSA kernels' storage contract:
+each document's keys one run with positions increasing), the local queries stay where they are
+(queries may sit anywhere).
+
 Layout strings name each array's dimensions: ``b`` batch (sharded over the batch rule's mesh axes that
 divide it), ``t`` tokens (the sequence axes), ``h`` heads (the ``act_heads`` axes when they divide every
 head count of the call, so a kv group's query heads stay with it), ``.`` replicated.
@@ -22,17 +30,50 @@ head count of the call, so a kv group's query heads stay with it), ``.`` replica
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as PS
 
 from minimax_jax import sharding
 from minimax_jax.ops.registry import record_implementation
 
-__all__ = ["Plan", "plan", "run"]
+__all__ = ["Plan", "plan", "run", "zigzag", "token_order", "current_order"]
+
+_state = threading.local()
+
+
+def zigzag(tokens: int, n: int) -> np.ndarray:
+    """Zig-zag token order for ``n`` sequence shards: int32 ``[tokens]`` permutation whose contiguous
+    n-way split gives shard d the chunks d and 2n-1-d of 2n equal chunks. Needs ``tokens % (2n) == 0``."""
+    if tokens % (2 * n):
+        raise ValueError(f"zigzag: {tokens} tokens do not split into 2 x {n} equal chunks")
+    c = tokens // (2 * n)
+    chunks = np.arange(tokens, dtype=np.int32).reshape(2 * n, c)
+    return np.concatenate([np.concatenate([chunks[d], chunks[2 * n - 1 - d]]) for d in range(n)])
+
+
+@contextlib.contextmanager
+def token_order(perm: np.ndarray | None) -> Iterator[None]:
+    """While tracing the layers of a row laid out in order ``perm`` (row slot i holds token perm[i]), the
+    CP calls put gathered keys back in natural order. ``None``: natural order. Nestable."""
+    prev = getattr(_state, "order", None)
+    _state.order = None if perm is None else np.asarray(perm)
+    try:
+        yield
+    finally:
+        _state.order = prev
+
+
+def current_order() -> np.ndarray | None:
+    """The token order set by ``token_order`` (None: natural)."""
+    return getattr(_state, "order", None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,14 +141,19 @@ def run(p: Plan, fn: Callable, q_side: Sequence[tuple[jax.Array, str]], kv_side:
     """
     nq = len(q_side)
     gather_axes = [layout.index("t") for _, layout in kv_side]
+    order = current_order()
+    inverse = None if order is None else jnp.asarray(np.argsort(order).astype(np.int32))
 
     def body(*args):
         kv = [jax.lax.all_gather(x, p.seq, axis=ax, tiled=True) for x, ax in zip(args[nq:], gather_axes)]
+        if inverse is not None:                                  # keys back in natural order
+            kv = [jnp.take(x, inverse, axis=ax) for x, ax in zip(kv, gather_axes)]
         res = fn(*args[:nq], *kv)
         outs, sums = res[:len(res) - num_sums], res[len(res) - num_sums:]
         return (*outs, *(jax.lax.psum(s, p.query_axes) for s in sums))
 
-    record_implementation(f"context_parallel/{name}", f"sequence={p.size},heads={p.heads or '-'}")
+    record_implementation(f"context_parallel/{name}", f"sequence={p.size},heads={p.heads or '-'},"
+                                                      f"order={'natural' if order is None else 'zigzag'}")
     # check_vma=False: the kernels' pallas_calls return invariant-typed values (see pallas_kernels.common);
     # every input here is sharded or replicated consistently, so the plain transpose rules are exact.
     fn_sm = jax.shard_map(body, mesh=p.mesh, in_specs=tuple(p.spec(lay) for _, lay in (*q_side, *kv_side)),

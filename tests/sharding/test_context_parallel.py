@@ -4,7 +4,8 @@ A subprocess (``--xla_force_host_platform_device_count=8``) computes the trainin
 sparse indexer KL for MSA models) and every parameter gradient of a tiny model on packed rows (three
 documents per row, positions restarting) once without a mesh and once per mesh with a ``sequence`` axis,
 and compares every element (fp32, 1e-5). It also checks that every attention call of the sharded step
-(the model's ``attention`` / ``msa_block``, spied on while tracing) sees the local query length T / n,
+(the model's ``attention`` / ``msa_block``, spied on while tracing) sees the local query length T / n
+(the decoder layers in zig-zag token order),
 and that the jaxpr has no Pallas kernel (the MSA kernels, run in interpret mode) outside shard_map: a
 full-length call sneaking back fails.
 """
@@ -43,10 +44,14 @@ def _check(results: list[dict], meshes: list[str], msa: bool, kernels: bool = Fa
             assert r["cp"].get("context_parallel/msa", "").startswith(f"sequence={seq},"), r
             assert r["kl"] > 0, r                                    # the KL term is in the compared loss
             assert r["pallas_inside"] > 0 or not kernels, r           # the MSA kernels ran, inside shard_map
-        # every attention call of the step (layers, MTP layers) traced with T / seq local queries, and no
-        # kernel ran on the whole row outside shard_map
-        want = {("attention", r["tokens"] // seq)} | ({("msa", r["tokens"] // seq)} if msa else set())
-        assert {tuple(c) for c in r["calls"]} == want, r
+        # every attention call of the step traced with T / seq local queries: the decoder layers' in
+        # zig-zag order (load balance), the MTP layers' in natural order; no kernel ran on the whole row
+        # outside shard_map
+        local = r["tokens"] // seq
+        calls = {tuple(c) for c in r["calls"]}
+        assert {c[1] for c in calls} == {local}, r
+        assert ("attention", local, True) in calls and (("msa", local, True) in calls or not msa), r
+        assert any(not c[2] for c in calls) == (r["mtp"] > 0), r
         assert r["pallas_outside"] == 0, r
 
 
@@ -58,6 +63,7 @@ def test_m3_msa_kernels_sequence_parallel_equal_one_device():
            kernels=True)
 
 
+@pytest.mark.slow
 def test_m2_dense_sequence_parallel_with_expert_axis():
     meshes = ["sequence=8", "sequence=2,expert=2,data=2"]
     _check(_run_worker("configs/tiny-m2.yaml", meshes), meshes, msa=False)
@@ -108,6 +114,7 @@ def _worker(model: str, meshes: list[str], msa_impl: str) -> None:
     from minimax_jax.model.params import init_params
     from minimax_jax.ops.registry import clear_implementation_report, implementation_report
     from minimax_jax.model import transformer
+    from minimax_jax.ops import context_parallel
     from minimax_jax.train.step import StepSpec, _loss_fn, batch_norms
 
     # Spies on the model's attention calls: the query length each one traces with (local inside shard_map).
@@ -115,11 +122,11 @@ def _worker(model: str, meshes: list[str], msa_impl: str) -> None:
     orig_attention, orig_msa = transformer.attention, transformer.msa_block
 
     def attention_spy(q, *a, **kw):
-        seen.append(["attention", int(q.shape[1])])
+        seen.append(["attention", int(q.shape[1]), context_parallel.current_order() is not None])
         return orig_attention(q, *a, **kw)
 
     def msa_spy(q, *a, **kw):
-        seen.append(["msa", int(q.shape[1])])
+        seen.append(["msa", int(q.shape[1]), context_parallel.current_order() is not None])
         return orig_msa(q, *a, **kw)
 
     transformer.attention, transformer.msa_block = attention_spy, msa_spy
@@ -162,8 +169,24 @@ def _worker(model: str, meshes: list[str], msa_impl: str) -> None:
         print(json.dumps({"mesh": mesh_spec, "max_abs_err": max(v for _, v in flat), "bad_leaves": bad,
                           "cp": {k: v for k, v in report.items() if k.startswith("context_parallel")},
                           "kl": float(m.get("indexer_kl", 0.0)), "tokens": t,
-                          **calls}), flush=True)
+                          "mtp": cfg.num_mtp_modules, **calls}), flush=True)
 
 
 if __name__ == "__main__":
     _worker(sys.argv[1], sys.argv[2].split(";"), sys.argv[3])
+
+
+def test_zigzag_order_balances_causal_work():
+    import numpy as np
+
+    from minimax_jax.ops.context_parallel import zigzag
+
+    for t, n in [(64, 2), (128, 4), (4096, 8)]:
+        perm = zigzag(t, n)
+        assert perm.dtype == np.int32 and sorted(perm.tolist()) == list(range(t))
+        causal = lambda order: (order + 1).reshape(n, -1).sum(1)       # noqa: E731  (keys seen per shard)
+        assert causal(perm).max() == causal(perm).min()
+        natural = causal(np.arange(t))
+        assert natural.max() > 2 * natural.min()                       # contiguous shards: far apart
+    with pytest.raises(ValueError, match="do not split"):
+        zigzag(40, 8)
