@@ -1,0 +1,22 @@
+"""bench/cp_memory.py on 8 simulated CPU devices, small shapes: the per-device buffer plan of one MSA layer's
+forward + backward shrinks with the sequence axis (inputs split n ways; temporaries smaller)."""
+
+import os
+import re
+import subprocess
+import sys
+
+from tests.paths import REPO_ROOT
+
+
+def test_cp_memory_plan_shrinks_with_the_sequence_axis():
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
+    r = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "bench", "cp_memory.py"), "--tokens", "4096",
+                        "--sequence", "1,4", "--impl", "xla"], capture_output=True, text=True, timeout=600, env=env,
+                       cwd=REPO_ROOT)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    rows = re.findall(r"sequence=(\d+) impl=xla: temp ([\d.]+) GiB, arguments ([\d.]+) GiB", r.stdout)
+    assert [int(n) for n, _, _ in rows] == [1, 4], r.stdout
+    (_, temp1, arg1), (_, temp4, arg4) = [(n, float(a), float(b)) for n, a, b in rows]
+    assert abs(arg4 - arg1 / 4) <= 0.011 and temp4 < temp1, r.stdout
