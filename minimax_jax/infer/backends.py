@@ -116,7 +116,7 @@ class PagedBackend(Backend):
 
     def __init__(self, params, cfg: ModelConfig, *, max_seqs: int, max_len: int, prefill_chunk: int = 256,
                  implementation: str = "auto", prefill_implementation: str = "auto", prefix_cache: bool = True,
-                 kv_dtype: str | None = None, prefill_widths: str = "auto"):
+                 kv_dtype: str | None = None, prefill_widths: str = "auto", query_rows: int | None = None):
         from minimax_jax.decode.engine import DecodeEngine
 
         class _CountingEngine(DecodeEngine):
@@ -131,7 +131,8 @@ class PagedBackend(Backend):
         self.cfg = cfg
         self.engine = _CountingEngine(params, cfg, max_seqs=max_seqs, max_len=max_len, prefill_chunk=prefill_chunk,
                                       implementation=implementation, prefill_implementation=prefill_implementation,
-                                      prefix_cache=prefix_cache, kv_dtype=kv_dtype, prefill_widths=prefill_widths)
+                                      prefix_cache=prefix_cache, kv_dtype=kv_dtype, prefill_widths=prefill_widths,
+                                      query_rows=query_rows)
         self.supports_hidden = self.engine_returns_hidden()
         self.max_seqs, self.max_len = max_seqs, max_len
 
@@ -146,7 +147,8 @@ class PagedBackend(Backend):
         e = self.engine
         return (f"paged (DecodeEngine: page_size={e.page_size}, prefill_chunk={e.prefill_chunk}, "
                 f"decode impl={e.implementation}, prefill impl={e.prefill_implementation}, "
-                f"prefill widths={e.prefill_widths}, slots={self.max_seqs}, max_len={self.max_len})")
+                f"prefill widths={e.prefill_widths}, decode rows={e.query_rows or 'per step'}, "
+                f"slots={self.max_seqs}, max_len={self.max_len})")
 
     def _need_hidden(self):
         if not self.supports_hidden:
@@ -291,7 +293,7 @@ class RecomputeBackend(Backend):
 
 def make_backend(engine: str, params, cfg: ModelConfig, *, max_seqs: int, max_len: int, **options) -> Backend:
     """Build the named engine (``ENGINES``). ``options`` go to ``PagedBackend`` (prefill_chunk,
-    implementation, prefill_implementation, prefix_cache, kv_dtype, prefill_widths). Raises ValueError
+    implementation, prefill_implementation, prefix_cache, kv_dtype, prefill_widths, query_rows). Raises ValueError
     for an unknown name."""
     if engine == "paged":
         return PagedBackend(params, cfg, max_seqs=max_seqs, max_len=max_len, **options)

@@ -17,7 +17,6 @@ records finished so far are written, one line says so; a second Ctrl-C aborts at
 
 from __future__ import annotations
 
-import os
 import sys
 
 import argparse
@@ -138,6 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                                                      '= by prompt length (GPU: '
                                                                                      'length // 8 in [256, '
                                                                                      '16384]; elsewhere 256).')
+    p.add_argument("--decode_rows", type=cli_main.int_at_least(1), default=None, help='Pad every decode step of the '
+                   'paged engine to this many query rows (1-16; default: each step its own row count). Two runs with '
+                   'the same value run every matrix product at the same shapes: on the CPU a --speculative mtp run '
+                   'then gives exactly the greedy tokens of a plain one (use 1 + drafts, e.g. 2 for one MTP module); '
+                   'on a GPU not yet (bf16 near-ties, issue 34).')
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help='Parameter and compute dtype: '
                                                                                   'the parameters are cast to it '
                                                                                   'on load (default: the '
@@ -250,6 +254,8 @@ def check_flags() -> None:
         raise UsageError("--overwrite applies only with --output")
     if FLAGS.num_draft is not None and FLAGS.speculative == "none":
         raise UsageError("--num_draft needs --speculative mtp")
+    if FLAGS.decode_rows is not None and (FLAGS.engine != "paged" or FLAGS.decode_rows > 16):
+        raise UsageError("--decode_rows needs --engine paged and a value in [1, 16]")
 
 
 def _config():
@@ -317,9 +323,11 @@ def run() -> int:
         _err(f"model: {model.checkpoint_dir} [{model.source}], {model.cfg.num_layers} layers, "
              f"vocab {model.cfg.vocab_size}, context {model.cfg.max_position_embeddings}, {where}")
         chunk = FLAGS.prefill_chunk or auto_prefill_chunk(max(map(len, prompts)))
+        opts = {"prefill_chunk": chunk}
+        if FLAGS.decode_rows is not None:
+            opts["query_rows"] = FLAGS.decode_rows
         gen = Generator(model.cfg, model.params, model.tokenizer, engine=FLAGS.engine,
-                        engine_options={"prefill_chunk": chunk} if FLAGS.engine == "paged" else None,
-                        log=_err)
+                        engine_options=opts if FLAGS.engine == "paged" else None, log=_err)
         return _generate_all(gen, model, items, prompts, config, chunk, out)
     finally:
         out.close()

@@ -252,6 +252,9 @@ class Generator:
         spec = config.speculative is not None
         drafter = self._drafter(config) if spec else None
         k = drafter.num_draft if spec else 0
+        rows = self.engine_options.get("query_rows")
+        if spec and rows is not None and rows < 1 + k:
+            raise ValueError(f"decode rows {rows} cannot hold a speculative step's 1 + {k} drafts; pad to >= {1 + k}")
         timer, clock = Timer(), CompileClock()
         backend = self._get_backend(len(prompts), max(len(p) + m for p, m in zip(prompts, limits)) + k + 1, spec)
         run = _Run(self, backend, prompts, config, drafter, on_text, limits, row_ids)
