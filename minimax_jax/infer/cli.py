@@ -256,6 +256,9 @@ def check_flags() -> None:
         raise UsageError("--num_draft needs --speculative mtp")
     if FLAGS.decode_rows is not None and (FLAGS.engine != "paged" or FLAGS.decode_rows > 16):
         raise UsageError("--decode_rows needs --engine paged and a value in [1, 16]")
+    if FLAGS.decode_rows is not None and FLAGS.speculative != "none" and FLAGS.num_draft is not None \
+            and FLAGS.decode_rows < 1 + FLAGS.num_draft:
+        raise UsageError(f"--decode_rows {FLAGS.decode_rows} cannot hold 1 + {FLAGS.num_draft} drafts per step")
 
 
 def _config():

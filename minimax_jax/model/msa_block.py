@@ -7,7 +7,9 @@ Prefix-tree rows come two ways:
   document at its own positions; queries keep the row's slots (``query_segment_ids`` names their
   trajectory). Every MSA implementation serves the selection and attention (kernels included). The KL
   rows are the merged queries weighted by ``input_weight`` (a shared input's KL is the same in every
-  trajectory through it): the XLA reference and the GPU KL kernels serve that.
+  trajectory through it) where the KL implementation takes weights (the XLA reference, the GPU kernels);
+  for the TPU kernels they are the gathered key rows themselves, each trajectory's inputs once (the
+  unmerged KL, about tokens-unmerged / tokens-merged times the work).
 - ``subtree_end`` alone: tree visibility inside the ops, ``input_weight`` weighting the KL rows (only the
   XLA reference serves it).
 Either way the loss, the KL and every gradient equal those of the unmerged trajectories.
@@ -26,6 +28,17 @@ __all__ = ["msa_block"]
 def _gather(x, slot):
     """``x [B, T, ...]`` gathered along T by ``slot [B, S]`` -> ``[B, S, ...]``."""
     return jax.vmap(lambda xb, sb: xb[sb])(x, slot)
+
+
+def _kl_takes_weights(cfg: ModelConfig, indexer_kl: str) -> bool:
+    """Whether the KL implementation these rows get takes ``q_weights``: the XLA reference and the GPU kernels
+    do, the TPU kernels not (``minimax_jax.ops.msa.pallas``); the dense warm-up always runs the reference."""
+    impl = cfg.msa_impl
+    if indexer_kl == "dense" or impl == "xla":
+        return True
+    if impl == "auto":
+        return jax.default_backend() != "tpu"
+    return not impl.startswith("pallas_tpu")
 
 
 def msa_block(q, k, v, qi, ki, cfg: ModelConfig, positions, segment_ids, indexer_kl: str | None, *,
@@ -47,21 +60,35 @@ def msa_block(q, k, v, qi, ki, cfg: ModelConfig, positions, segment_ids, indexer
     rows = dict(q_positions=positions, kv_positions=positions if kv_positions is None else kv_positions,
                 q_segment_ids=segment_ids, kv_segment_ids=segment_ids if kv_segment_ids is None else kv_segment_ids)
     tree = {} if subtree_end is None else {"kv_subtree_end": subtree_end}
+    unmerged_kl = False
     if tree_keys is not None:
-        if input_weight is None:
-            raise ValueError("prefix-tree rows with a key layout need input_weight (the KL rows' weights)")
         slot = tree_keys["key_slot"]
-        sel = dict(q_positions=positions, q_segment_ids=tree_keys["query_segment_ids"],
-                   kv_positions=tree_keys["key_positions"], kv_segment_ids=tree_keys["key_segment_ids"])
+        kpos, kseg = tree_keys["key_positions"], tree_keys["key_segment_ids"]
+        sel = dict(q_positions=positions, q_segment_ids=tree_keys["query_segment_ids"], kv_positions=kpos,
+                   kv_segment_ids=kseg)
         k_sel, v_sel, ki_sel = _gather(k, slot), _gather(v, slot), _gather(ki, slot)
+        if indexer_kl is not None and input_weight is None:
+            raise ValueError("prefix-tree rows with a key layout need input_weight (the KL rows' weights)")
+        unmerged_kl = indexer_kl is not None and not _kl_takes_weights(cfg, indexer_kl)
     else:
         sel = dict(rows, **tree)
         k_sel, v_sel, ki_sel = k, v, ki
-    kl_extra = {} if input_weight is None else {"q_weights": input_weight}
+    if unmerged_kl:
+        # KL rows = the gathered key rows: each trajectory's inputs (all but its last entry) once
+        nxt = jax.numpy.pad(kseg[:, 1:], ((0, 0), (0, 1)), constant_values=-1)
+        kl_rows = dict(q_positions=kpos, q_segment_ids=jax.numpy.where(nxt == kseg, kseg, -1), kv_positions=kpos,
+                       kv_segment_ids=kseg)
+        take = lambda x: _gather(x, slot)                                      # noqa: E731
+        ids_kl = lambda ids: jax.vmap(lambda ib, sb: ib[:, sb])(ids, slot)      # noqa: E731
+        kl_extra = {}
+    else:
+        kl_rows, take, ids_kl = sel, (lambda x: x), (lambda x: x)
+        kl_extra = {} if input_weight is None else {"q_weights": input_weight}
     kl_sum = kl_cnt = jax.numpy.zeros((), jax.numpy.float32)
     if indexer_kl == "dense":
         o = attention(q, k, v, implementation=cfg.attention_impl, **rows, **tree)
-        kl_sum, kl_cnt = msa_ops.indexer_kl(q, k_sel, qi, ki_sel, None, block_size=blk, **sel, **kl_extra)
+        kl_sum, kl_cnt = msa_ops.indexer_kl(take(q), k_sel, take(qi), ki_sel, None, block_size=blk, **kl_rows,
+                                            **kl_extra)
         return o, kl_sum, kl_cnt, None, None
     ids = msa_ops.msa_select_blocks(qi, ki_sel, block_size=blk, topk=cfg.index_topk, init_blocks=cfg.index_init_blocks,
                                     local_blocks=cfg.index_local_blocks, implementation=cfg.msa_impl, **sel)
@@ -72,7 +99,7 @@ def msa_block(q, k, v, qi, ki, cfg: ModelConfig, positions, segment_ids, indexer
         # bench model at 64K, vs the kernel's O(T * topk * block)).
         # The attention's LSE is the teacher's normaliser over the same support: the KL kernel skips
         # recomputing it (stop_gradient: the teacher gets no gradient).
-        kl_sum, kl_cnt = msa_ops.indexer_kl(q, k_sel, qi, ki_sel, ids, block_size=blk,
-                                            implementation=cfg.msa_impl, teacher_lse=jax.lax.stop_gradient(lse),
-                                            **sel, **kl_extra)
+        kl_sum, kl_cnt = msa_ops.indexer_kl(take(q), k_sel, take(qi), ki_sel, ids_kl(ids), block_size=blk,
+                                            implementation=cfg.msa_impl, teacher_lse=jax.lax.stop_gradient(take(lse)),
+                                            **kl_rows, **kl_extra)
     return o, kl_sum, kl_cnt, ids, lse

@@ -124,7 +124,7 @@ def attention_block(p, x, cfg: ModelConfig, layer_type: str, positions, segment_
     tree_kw = {} if subtree_end is None else {"kv_subtree_end": subtree_end}
     # Context parallelism (a sequence-sharded mesh): local queries against all-gathered keys in shard_map.
     # Prefix-tree rows keep GSPMD (their visibility needs T == S).
-    tree_rows = subtree_end is not None or tree_keys is not None
+    tree_rows = subtree_end is not None or tree_keys is not None or input_weight is not None
     cp = None if tree_rows else context_parallel.plan(b, t, (cfg.num_heads, cfg.num_kv_heads))
     if layer_type == "msa":
         qi, ki = project_index(p, x, cfg, cos, sin)
@@ -154,7 +154,8 @@ def attention_block(p, x, cfg: ModelConfig, layer_type: str, positions, segment_
 
 
 def _msa_context_parallel(cp, q, k, v, qi, ki, cfg: ModelConfig, positions, segment_ids, indexer_kl):
-    """``msa_block`` with context parallelism (``minimax_jax.ops.context_parallel``): same returns."""
+    """``msa_block`` with context parallelism (``minimax_jax.ops.context_parallel``): same returns (rows
+    without KL weights: ``attention_block`` sends prefix-tree rows, the only weighted ones, to GSPMD)."""
     sparse = indexer_kl != "dense"
 
     def local(q, qi, qp, qs, k, v, ki, kp, ks):
@@ -225,8 +226,9 @@ def _save_dots_and_kernels(prim, *args, **params) -> bool:
 
 def _balanced_order(cfg: ModelConfig, shape, tree_rows: bool) -> np.ndarray | None:
     """Zig-zag token order when the attention runs context-parallel over n shards and 2n divides the
-    row (``minimax_jax.ops.context_parallel``), else None."""
-    if tree_rows:
+    row (``minimax_jax.ops.context_parallel``), else None (also for the capacity MoE, whose dropped
+    tokens depend on the row order)."""
+    if tree_rows or cfg.moe_impl == "xla_capacity":      # capacity drops tokens by row order: keep it
         return None
     p = context_parallel.plan(shape[0], shape[1], (cfg.num_heads, cfg.num_kv_heads))
     if p is None or shape[1] % (2 * p.size):
@@ -283,7 +285,7 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, *, positions: jax.Array
         unmerged one. None = 1 each.
       tree_keys: the packer's per-trajectory key layout (``prefix_tree.KEY_KEYS``) or None: MSA layers
         then gather each trajectory's keys into its own run and use the ordinary MSA kernels
-        (``minimax_jax.model.msa_block``; ``input_weight`` is not needed then).
+        (``minimax_jax.model.msa_block``; with the indexer KL ``input_weight`` is needed too).
       indexer_kl: None, ``"sparse"`` (KL on the selected support) or ``"dense"`` (warm-up: dense
         attention in MSA layers, KL over the causal history).
       return_hidden: also return the pre-final-norm hidden state (input of MTP modules).
@@ -307,7 +309,8 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, *, positions: jax.Array
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
     positions, segment_ids, cos, sin = _prepare(cfg, tokens, positions, segment_ids)
-    order = _balanced_order(cfg, tokens.shape, subtree_end is not None or tree_keys is not None)
+    order = _balanced_order(cfg, tokens.shape, subtree_end is not None or tree_keys is not None
+                            or input_weight is not None)
     if order is not None:            # context parallelism: the layers see the row in zig-zag order
         tokens, positions, segment_ids, cos, sin = (a[:, order] for a in (tokens, positions, segment_ids, cos, sin))
     x = constrain(embed(params, cfg, tokens), ("batch", "length", "act_embed"))

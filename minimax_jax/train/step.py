@@ -208,7 +208,7 @@ def make_eval_step(cfg: ModelConfig, logits_chunk: int = 0) -> Callable:
     def eval_step(params, batch):
         out = forward(params, cfg, batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"],
                       return_logits=not logits_chunk, subtree_end=batch.get("subtree_end"),
-                      tree_keys=_tree_keys(batch))
+                      input_weight=batch.get("input_weight"), tree_keys=_tree_keys(batch))
         ce, _ = _ce_sums(params, cfg, logits_chunk, out.head_input if logits_chunk else out.logits,
                          batch["targets"], batch["loss_mask"], batch.get("loss_index"))
         return ce, jnp.sum(batch["loss_mask"].astype(jnp.float32))

@@ -45,8 +45,11 @@ def test_too_few_decode_rows_for_the_drafts_is_refused(demo):
         gen.generate(_prompts(cfg, [8]), GenerationConfig(max_new_tokens=4, speculative="mtp"))
 
 
-@pytest.mark.parametrize("argv", [["--engine", "recompute", "--decode_rows", "2"], ["--decode_rows", "17"]])
-def test_cli_refuses_decode_rows_off_the_paged_engine_or_past_16(argv, capsys):
+@pytest.mark.parametrize("argv,needle", [
+    (["--engine", "recompute", "--decode_rows", "2"], "--decode_rows needs --engine paged and a value in [1, 16]"),
+    (["--decode_rows", "17"], "--decode_rows needs --engine paged and a value in [1, 16]"),
+    (["--speculative", "mtp", "--num_draft", "2", "--decode_rows", "2"], "--decode_rows 2 cannot hold 1 + 2 drafts")])
+def test_cli_refuses_bad_decode_rows(argv, needle, capsys):
     from minimax_jax.infer import cli as infer_cli
 
     try:
@@ -55,7 +58,7 @@ def test_cli_refuses_decode_rows_off_the_paged_engine_or_past_16(argv, capsys):
         status = e.code
     assert status == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--decode_rows needs --engine paged and a value in [1, 16]" in err[0]
+    assert len(err) == 1 and needle in err[0], err
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="GPU numerics (the CPU path is tested above)")

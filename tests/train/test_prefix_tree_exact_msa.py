@@ -56,7 +56,8 @@ CASES = {
 
 WAYS = [(name, "ops_xla") for name in sorted(CASES)] + \
        [(name, "keys_xla") for name in ("six_levels", "several_trees_per_row", "dense_warmup")] + \
-       [("several_trees_per_row", "keys_pallas"), ("on_block_16_and_64", "keys_pallas")]
+       [("several_trees_per_row", "keys_pallas"), ("on_block_16_and_64", "keys_pallas"),
+        ("several_trees_per_row", "keys_tpu_kernels")]
 
 
 @pytest.mark.parametrize("name,way", WAYS)
@@ -72,12 +73,12 @@ def test_msa_merged_loss_kl_and_grads_equal_unmerged(model, name, way):
     assert stats.tokens_after < stats.tokens_before or len(tokens) == 1
     assert max(t.tokens.size for t in trajs) > cfg.index_topk * cfg.index_block_size   # really sparse
     l_ref, kl_ref, g_ref = _run(cfg, params, _unmerged(trajs), kl_mode)
-    if way == "keys_pallas":
-        cfg = cfg.replace(msa_impl="pallas_gpu_interpret")
+    impl = {"keys_pallas": "pallas_gpu_interpret", "keys_tpu_kernels": "pallas_tpu_interpret"}.get(way, "xla")
+    cfg = cfg.replace(msa_impl=impl)
     l_tree, kl_tree, g_tree = _run(cfg, params, packed, kl_mode)
     ran = registry.implementation_report()
-    assert ran["msa_attention" if kl_mode == "sparse" else "indexer_kl"] == (
-        "pallas_gpu_interpret" if way == "keys_pallas" else "xla")
+    # the GPU KL kernels take the merged queries with weights; the TPU ones the gathered unmerged rows
+    assert ran["msa_attention" if kl_mode == "sparse" else "indexer_kl"] == impl
     assert kl_ref > 0
     np.testing.assert_allclose(kl_tree, kl_ref, rtol=1e-5)
     np.testing.assert_allclose(l_tree, l_ref, rtol=1e-5)
@@ -121,3 +122,19 @@ def test_gpu_lowering_runs_the_kernels_on_tree_rows(model):
     assert ran["msa_attention"] in ("pallas_gpu", "pallas_hopper_gpu") and ran["indexer_kl"] == "pallas_gpu"
     assert ran["msa_select_blocks"] in ("pallas_gpu", "pallas_hopper_gpu")
     assert txt.count("__gpu$xla.gpu.triton") >= 5
+
+
+def test_eval_step_on_key_layout_rows_equals_unmerged(model):
+    """``make_eval_step`` (no KL) on prefix-tree rows with the key layout: the CE sum and the token count
+    equal the unmerged batch's (the evaluation of a ``data.key_len`` run)."""
+    from minimax_jax.train.step import make_eval_step
+
+    cfg, params = model
+    rng = np.random.default_rng(5)
+    trajs = _trajs(rng, _tree(rng, (40, [(50, []), (45, [(20, []), (9, [])])])))
+    packed, _ = pack_trajectories(trajs, 256, 1, key_len=512)
+    step = jax.jit(make_eval_step(cfg))
+    ce_tree, n_tree = step(params, {k: jnp.asarray(v) for k, v in packed.items()})
+    ce_ref, n_ref = step(params, {k: jnp.asarray(v) for k, v in _unmerged(trajs).items()})
+    assert float(n_tree) == float(n_ref) > 0
+    np.testing.assert_allclose(float(ce_tree), float(ce_ref), rtol=1e-5)
