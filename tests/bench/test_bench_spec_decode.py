@@ -11,12 +11,12 @@ from tests.paths import REPO_ROOT
 
 def test_spec_decode_smoke(tmp_path):
     env = dict(os.environ, PYTHONPATH=REPO_ROOT, JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "bench", "spec_decode.py"), "--lengths", "40",
-                        "--new", "12", f"--out={tmp_path}"], capture_output=True, text=True, timeout=600, env=env,
+    r = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "bench", "spec_decode.py"), "--lengths", "24",
+                        "--new", "8", f"--out={tmp_path}"], capture_output=True, text=True, timeout=600, env=env,
                        cwd=REPO_ROOT)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     with open(tmp_path / "spec_decode.json") as f:
         rows = json.load(f)["rows"]
-    assert [(x["rows"], x["prompt"], x["new"]) for x in rows] == [("per-step", 40, 12), ("padded", 40, 12)]
+    assert [(x["rows"], x["prompt"], x["new"]) for x in rows] == [("per-step", 24, 8), ("padded", 24, 8)]
     assert rows[1]["first_difference"] is None and rows[1]["drafted"] > 0
     assert r.stdout.rstrip().splitlines()[-1].startswith("padded")

@@ -30,10 +30,10 @@ def test_decode_rows_reach_the_engine_and_keep_greedy_output(demo):
     cfg, params = demo.cfg, demo.params
     k = cfg.num_mtp_modules
     gen = Generator(cfg, params, engine_options={"query_rows": 1 + k})
-    prompts = _prompts(cfg, [64, 300], seed=0)
-    plain = gen.generate(prompts, GenerationConfig(max_new_tokens=48, stop_token_ids=()))
+    prompts = _prompts(cfg, [64], seed=0)
+    plain = gen.generate(prompts, GenerationConfig(max_new_tokens=32, stop_token_ids=()))
     assert gen.backend.engine.query_rows == 1 + k and "decode rows=" + str(1 + k) in gen.backend.describe()
-    spec = gen.generate(prompts, GenerationConfig(max_new_tokens=48, stop_token_ids=(), speculative="mtp"))
+    spec = gen.generate(prompts, GenerationConfig(max_new_tokens=32, stop_token_ids=(), speculative="mtp"))
     assert gen.backend.engine.query_rows == 1 + k
     assert [s.tokens for s in spec.sequences] == [s.tokens for s in plain.sequences] and spec.stats.drafted > 0
 
