@@ -19,8 +19,8 @@ import os
 import jax
 import jax.numpy as jnp
 
-__all__ = ["gqa_triton_reason", "searchsorted", "typed_out_struct", "triton_cuda_target", "varying_axes", "VmaType", "vma_type",
-           "match_vma", "match_cotangent", "mosaic_interpreter_available", "mosaic_interpreter_pool_reason",
+__all__ = ["gqa_triton_reason", "searchsorted", "typed_out_struct", "triton_cuda_target", "varying_axes", "VmaType",
+           "vma_type", "match_vma", "match_cotangent", "mosaic_interpreter_available", "mosaic_interpreter_pool_reason",
            "mosaic_interpret_params",
            "mosaic_smem_transforms", "mosaic_load_rows", "gpu_compute_capability"]
 

@@ -293,8 +293,8 @@ class RecomputeBackend(Backend):
 
 def make_backend(engine: str, params, cfg: ModelConfig, *, max_seqs: int, max_len: int, **options) -> Backend:
     """Build the named engine (``ENGINES``). ``options`` go to ``PagedBackend`` (prefill_chunk,
-    implementation, prefill_implementation, prefix_cache, kv_dtype, prefill_widths, query_rows). Raises ValueError
-    for an unknown name."""
+    implementation, prefill_implementation, prefix_cache, kv_dtype, prefill_widths, query_rows). Raises
+    ValueError for an unknown name."""
     if engine == "paged":
         return PagedBackend(params, cfg, max_seqs=max_seqs, max_len=max_len, **options)
     if engine == "recompute":

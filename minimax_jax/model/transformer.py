@@ -123,9 +123,7 @@ def attention_block(p, x, cfg: ModelConfig, layer_type: str, positions, segment_
                   kv_segment_ids=segment_ids)
     tree_kw = {} if subtree_end is None else {"kv_subtree_end": subtree_end}
     # Context parallelism (a sequence-sharded mesh): local queries against all-gathered keys in shard_map.
-    # Prefix-tree rows keep GSPMD (their visibility needs T == S).
-    tree_rows = subtree_end is not None or tree_keys is not None or input_weight is not None
-    cp = None if tree_rows else context_parallel.plan(b, t, (cfg.num_heads, cfg.num_kv_heads))
+    cp = _context_plan(cfg, (b, t), subtree_end, input_weight, tree_keys)
     if layer_type == "msa":
         qi, ki = project_index(p, x, cfg, cos, sin)
         if cp is not None:
@@ -224,16 +222,20 @@ def _save_dots_and_kernels(prim, *args, **params) -> bool:
         prim, *args, **params)
 
 
-def _balanced_order(cfg: ModelConfig, shape, tree_rows: bool) -> np.ndarray | None:
-    """Zig-zag token order when the attention runs context-parallel over n shards and 2n divides the
-    row (``minimax_jax.ops.context_parallel``), else None (also for the capacity MoE, whose dropped
-    tokens depend on the row order)."""
-    if tree_rows or cfg.moe_impl == "xla_capacity":      # capacity drops tokens by row order: keep it
+def _context_plan(cfg: ModelConfig, shape, subtree_end, input_weight, tree_keys):
+    """The attention's context-parallel plan (``minimax_jax.ops.context_parallel``) for ``[B, T]`` rows, or
+    None: no sequence-sharded mesh, or prefix-tree / weighted rows (their visibility needs T == S: GSPMD)."""
+    if subtree_end is not None or input_weight is not None or tree_keys is not None:
         return None
-    p = context_parallel.plan(shape[0], shape[1], (cfg.num_heads, cfg.num_kv_heads))
-    if p is None or shape[1] % (2 * p.size):
+    return context_parallel.plan(shape[0], shape[1], (cfg.num_heads, cfg.num_kv_heads))
+
+
+def _balanced_order(cfg: ModelConfig, p) -> np.ndarray | None:
+    """Zig-zag token order for context-parallel plan ``p`` when 2n divides the row, else None (also for the
+    capacity MoE, whose dropped tokens depend on the row order)."""
+    if p is None or cfg.moe_impl == "xla_capacity" or p.tokens % (2 * p.size):
         return None
-    return context_parallel.zigzag(shape[1], p.size)
+    return context_parallel.zigzag(p.tokens, p.size)
 
 
 def _layers(params, cfg, x, positions, segment_ids, cos, sin, indexer_kl, return_msa, subtree_end, input_weight,
@@ -309,8 +311,7 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, *, positions: jax.Array
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
     positions, segment_ids, cos, sin = _prepare(cfg, tokens, positions, segment_ids)
-    order = _balanced_order(cfg, tokens.shape, subtree_end is not None or tree_keys is not None
-                            or input_weight is not None)
+    order = _balanced_order(cfg, _context_plan(cfg, tokens.shape, subtree_end, input_weight, tree_keys))
     if order is not None:            # context parallelism: the layers see the row in zig-zag order
         tokens, positions, segment_ids, cos, sin = (a[:, order] for a in (tokens, positions, segment_ids, cos, sin))
     x = constrain(embed(params, cfg, tokens), ("batch", "length", "act_embed"))

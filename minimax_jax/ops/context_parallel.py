@@ -78,8 +78,10 @@ def current_order() -> np.ndarray | None:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """Mesh axes of one context-parallel call: ``seq`` (tokens), ``batch``, ``heads``."""
+    """Mesh axes of one context-parallel call: ``seq`` (tokens), ``batch``, ``heads``; ``tokens``: the row
+    length it was planned for."""
     mesh: jax.sharding.Mesh
+    tokens: int
     seq: tuple[str, ...]
     batch: tuple[str, ...]
     heads: tuple[str, ...]
@@ -125,7 +127,7 @@ def plan(batch: int, tokens: int, head_counts: Sequence[int]) -> Plan | None:
         return None
     b = _dividing(mesh, rules["batch"], batch, set(seq))
     heads = _dividing(mesh, rules["act_heads"], math.gcd(*head_counts), set(seq) | set(b))
-    return Plan(mesh, seq, b, heads)
+    return Plan(mesh, tokens, seq, b, heads)
 
 
 def run(p: Plan, fn: Callable, q_side: Sequence[tuple[jax.Array, str]], kv_side: Sequence[tuple[jax.Array, str]],

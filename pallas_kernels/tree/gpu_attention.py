@@ -20,8 +20,8 @@ query tile ``r`` when its first slot is at most the tile's last token and the la
 ``subtree_end`` in it exceeds the tile's first token (conservative: the per-element mask is exact),
 and as FULL when every (row, key) pair of the two tiles is visible (a shared prefix's tiles seen from
 its descendants); the forward and ``dq`` programs walk their query tile's full tiles without a mask,
-then the partial ones masked, the ``dk`` / ``dv`` programs the transposed lists. On a DFS layout a query tile reaches its own
-trajectory's tiles plus the neighbourhood of its branch, not the sibling subtrees.
+then the partial ones masked, the ``dk`` / ``dv`` programs the transposed lists. On a DFS layout a query
+tile reaches its own trajectory's tiles plus the neighbourhood of its branch, not the sibling subtrees.
 """
 
 from __future__ import annotations

@@ -361,6 +361,8 @@ registry.register("msa_select_blocks", [Implementation("xla", _xla(_ref.select_b
                   auto=_kernel_then_xla)
 registry.register("msa_attention", [Implementation("xla", _xla(_ref.attention)), *_pallas.ATTENTION],
                   auto=_kernel_then_xla)
+
+
 def _kl_xla(*arrays, teacher_lse=None, **kw):
     """The reference computes the teacher's LSE itself (``teacher_lse`` is an optimisation of the kernel)."""
     return _xla(_kl.indexer_kl)(*arrays, **kw)
