@@ -632,6 +632,9 @@ def main():
     ap.add_argument("--serving-tilings", default="default,legacy",
                     help="attention tilings timed side by side in the serving sweep (msa_decode_serving.TILINGS; "
                          "the first one's cells are the headline, the table compares the others to it)")
+    ap.add_argument("--serving-profile", action="store_true",
+                    help="profile each serving unit once more (dense and MSA bf16 index keys, first tiling) under "
+                         "jax.profiler and print / keep the top device ops per step")
     ap.add_argument("--serving-dense-check", action="store_true",
                     help="msa_decode(runtime_dense_check=True) in the serving timings (path \"cond\")")
     a = ap.parse_args()
@@ -807,7 +810,9 @@ def serving(a, out, impl, table, serving_q):
     cells, skipped, wall = sv.run_sweep(order, serving_q, a.steps, impl, table, a.mem_gib, a.serving_budget_s,
                                         a.serving_seed, a.serving_dense_check,
                                         **({} if impl == "pallas_gpu" else {"l2_bytes": 1}), on_unit=save,
-                                        tilings=tilings)
+                                        tilings=tilings,
+                                        profile_dir=(os.path.join(a.out, "serving_profile") if a.serving_profile
+                                                     else None))
     out["serving_config"]["wall_s"] = wall
     out.update(serving=cells, serving_skipped=skipped)
     save(cells, skipped)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 
 import jax
@@ -156,9 +157,11 @@ def _errors(label, o, lse, o_ref, lse_ref, rows):
 
 # ----------------------------------------------------------------------------- timing
 
-def time_unit(lay, cache, tables, nq, impl, table, seed, runtime_dense_check=False, tilings=None):
+def time_unit(lay, cache, tables, nq, impl, table, seed, runtime_dense_check=False, tilings=None, profile_dir=None):
     """Dense and MSA (bf16, fp8 index keys) at one (B, C, Q) under each tiling of ``tilings`` (``{name:
-    LaunchTable}``; None = ``{"default": table}``): one cell per (tiling, index dtype)."""
+    LaunchTable}``; None = ``{"default": table}``): one cell per (tiling, index dtype). ``profile_dir``:
+    then one more call of dense and MSA bf16 (first tiling) under ``jax.profiler``, the device ms per step
+    of their busiest ops under the cells' ``"profile"``."""
     b, steps, reps = lay["batch"], lay["steps_per_call"], lay["replicas"]
     kp, vp, kib, ki8, ks8 = cache
     q, qi = queries(jax.random.PRNGKey(seed * 1000003 + b * 131 + lay["context"] + nq), (steps,), b, nq)
@@ -175,6 +178,12 @@ def time_unit(lay, cache, tables, nq, impl, table, seed, runtime_dense_check=Fal
             t, n = md.timeit(md.unrolled(fns["msa"], steps, reps), q, qi, kp, vp, ki, ks, pos, tables)
             cells.append(dict(common, index_dtype=label, msa_ms=t / steps * 1e3, msa_calls=n,
                               speedup=t_d / t, msa_path=_path()))
+        if profile_dir and name == next(iter(tilings or {"default": None})):
+            runs = {n: (md.unrolled(fns[n], steps, reps), (q, qi, kp, vp, kib, None, pos, tables))
+                    for n in ("dense", "msa")}
+            rows = md.profile_cases(runs, steps, os.path.join(profile_dir, f"b{b}_c{lay['context']}_q{nq}"))
+            for c in cells:
+                c["profile"] = {n: r[:6] for n, r in rows.items()}
     return cells
 
 
@@ -188,7 +197,7 @@ def cell_order(batches, contexts, first):
 
 
 def run_sweep(order, qs, min_steps, impl, table, mem_gib, budget_s=None, seed=0, runtime_dense_check=False,
-              l2_bytes=200 * 1024 * 1024, on_unit=None, tilings=None):
+              l2_bytes=200 * 1024 * 1024, on_unit=None, tilings=None, profile_dir=None):
     """Time ``order``'s (batch, context) cells at each Q of ``qs`` under each of ``tilings`` (see ``time_unit``).
     Returns ``(cells, skipped, wall_s)``;
     skipped: dicts (batch, context, q_rows or None = every Q, reason): cache over ``mem_gib``, budget
@@ -224,7 +233,8 @@ def run_sweep(order, qs, min_steps, impl, table, mem_gib, budget_s=None, seed=0,
                 continue
             t_unit = time.perf_counter()
             try:
-                new = time_unit(lay, cache, tables, nq, impl, table, seed, runtime_dense_check, tilings)
+                new = time_unit(lay, cache, tables, nq, impl, table, seed, runtime_dense_check, tilings,
+                                profile_dir)
             except Exception as e:
                 skip(b, ctx, nq, _reason(e))
                 continue

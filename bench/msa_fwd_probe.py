@@ -29,7 +29,7 @@ from minimax_jax.ops import msa as msa_ops  # noqa: E402
 from pallas_kernels.msa import gpu_sparse_fwd as kv  # noqa: E402
 from pallas_kernels.msa import layout  # noqa: E402
 
-MODELS = {"m3": (64, 4), "m2": (48, 8)}
+MODELS = {"m3": (64, 4), "m2": (48, 8), "train": (16, 4)}   # train: bench/train_step.py's model
 D, BLK, TOPK = 128, 128, 16
 
 

@@ -139,9 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                                                      '16384]; elsewhere 256).')
     p.add_argument("--decode_rows", type=cli_main.int_at_least(1), default=None, help='Pad every decode step of the '
                    'paged engine to this many query rows (1-16; default: each step its own row count). Two runs with '
-                   'the same value run every matrix product at the same shapes: on the CPU a --speculative mtp run '
-                   'then gives exactly the greedy tokens of a plain one (use 1 + drafts, e.g. 2 for one MTP module); '
-                   'on a GPU not yet (bf16 near-ties, issue 34).')
+                   'the same value run every matrix product at the same shapes and round each row as it would alone: '
+                   'a --speculative mtp run then gives exactly the greedy tokens of a plain one, on the CPU and the '
+                   'GPU (use 1 + drafts, e.g. 2 for one MTP module).')
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help='Parameter and compute dtype: '
                                                                                   'the parameters are cast to it '
                                                                                   'on load (default: the '

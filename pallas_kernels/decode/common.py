@@ -5,8 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["next_pow2", "pad_rows", "pack_rows", "unpack_rows", "union_pages", "combine_splits", "compute_dtype",
-           "dot_nt", "dot_nn"]
+__all__ = ["next_pow2", "pad_rows", "pack_rows", "unpack_rows", "union_pages", "combine_splits",
+           "compute_dtype", "dot_nt", "dot_nn"]
 
 
 def next_pow2(n: int, minimum: int = 1) -> int:
@@ -64,16 +64,23 @@ def unpack_rows(o: jax.Array, lse: jax.Array, nq: int, hg: int, qpb: int):
     return o, lse
 
 
-def union_pages(block_ids: jax.Array, qpb: int):
-    """Per row block of ``qpb`` query rows: the union of its rows' selected pages and who selected each.
+def union_pages(block_ids: jax.Array, qpb: int, nsplit: int = 1):
+    """Per row block of ``qpb`` query rows: the union of its rows' selected pages, who selected each, and
+    its order over ``nsplit`` split-KV programs.
 
-    Args: block_ids ``[B, G, Q, K]`` int32 logical page ids (``-1`` = empty; repeats allowed).
-    Returns: ``(ids [B, G, R, U], bits [B, G, R, U], count [B, G, R])`` int32, ``R = ceil(Q / qpb)``
-      row blocks (the ``pack_rows`` blocks), ``U = qpb * K``: the ``count`` distinct pages of the
-      block's rows in first-seen order (rows ascending, then slots), ``-1`` after; bit ``j`` of
-      ``bits`` set iff row ``r * qpb + j`` selected that page (0 for ``-1`` slots).
+    Split ``s`` takes the union's pages with ``page % nsplit == s``, ascending. Whatever the other rows of
+    a tile selected, a row then meets its own pages in the same splits and the same order (the pages it did
+    not select are exact no-ops of the online softmax), so it rounds alike alone or among other rows
+    (speculative verify rows vs plain decoding, issue 34). Interleaving by page id keeps the splits
+    balanced (a run of consecutive local pages spreads over all of them).
+
+    Args: block_ids ``[B, G, Q, K]`` int32 logical page ids (``-1`` = empty; repeats allowed); nsplit >= 1.
+    Returns: ``(ids [B, G, R, U], bits [B, G, R, U], starts [B, G, R, nsplit + 1])`` int32, ``R = ceil(Q /
+      qpb)`` row blocks (the ``pack_rows`` blocks), ``U = qpb * K``: the distinct pages of the block's rows,
+      split ``s`` in slots ``[starts[s], starts[s + 1])`` (``starts[nsplit]`` = the count), ``-1`` after;
+      bit ``j`` of ``bits`` set iff row ``r * qpb + j`` selected that page (0 for ``-1`` slots).
     """
-    assert 1 <= qpb <= 31
+    assert 1 <= qpb <= 31 and nsplit >= 1
     b, g, nq, k = block_ids.shape
     nblk = -(-nq // qpb)
     blk = pad_rows(block_ids.astype(jnp.int32), 2, nblk * qpb, -1).reshape(b, g, nblk, qpb, k)
@@ -83,12 +90,19 @@ def union_pages(block_ids: jax.Array, qpb: int):
     valid = flat >= 0
     same = flat[..., :, None] == flat[..., None, :]                          # [.., U, U] (i, j)
     first = valid & ~jnp.any(same & (i[None, :] < i[:, None]), axis=-1)      # no equal id before it
-    dest = jnp.cumsum(first.astype(jnp.int32), axis=-1) - 1                  # its slot in the union
+    # Slot of a first occurrence: the first occurrences ordered before it by (page % nsplit, page).
+    res = jnp.where(valid, flat % nsplit, nsplit)
+    ahead = (res[..., None, :] < res[..., :, None]) | ((res[..., None, :] == res[..., :, None])
+                                                      & (flat[..., None, :] < flat[..., :, None]))
+    dest = jnp.sum(first[..., None, :] & ahead, axis=-1, dtype=jnp.int32)
     put = first[..., :, None] & (dest[..., :, None] == i[None, :])           # [.., U (src), U (dst)]
     ids = jnp.sum(jnp.where(put, flat[..., :, None] + 1, 0), axis=-2) - 1
     member = jnp.any(ids[..., :, None, None] == blk[..., None, :, :], axis=-1) & (ids[..., :, None] >= 0)
     bits = jnp.sum(member.astype(jnp.int32) << jnp.arange(qpb, dtype=jnp.int32), axis=-1)   # [.., U]
-    return ids.astype(jnp.int32), bits.astype(jnp.int32), jnp.sum(first, axis=-1).astype(jnp.int32)
+    counts = jnp.sum(first[..., None, :] & (res[..., None, :] == jnp.arange(nsplit, dtype=jnp.int32)[:, None]),
+                     axis=-1, dtype=jnp.int32)                                 # [.., nsplit]
+    starts = jnp.concatenate([jnp.zeros(counts.shape[:-1] + (1,), jnp.int32), jnp.cumsum(counts, axis=-1)], -1)
+    return ids.astype(jnp.int32), bits.astype(jnp.int32), starts.astype(jnp.int32)
 
 
 def combine_splits(o_part: jax.Array, lse_part: jax.Array, axis: int):

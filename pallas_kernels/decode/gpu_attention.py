@@ -11,8 +11,10 @@ its log-sum-exp; ``combine_splits`` merges them. A tile stacks all H/G heads of 
 the MMA minimum) as the matmul M dimension, so each page is read once per (request, kv group, row
 block); each row sees the cache up to its own position. Dense mode walks logical pages in order (pages
 past the request's last row are skipped). Sparse (MSA) mode, ``sparse_tile="shared"``: the tile walks
-the union of its rows' selected pages (``common.union_pages``) and row ``r`` sees a page only if it
-selected it; ``"per_row"``: one tile per query row over its own ``block_ids`` (``-1`` slots skipped).
+the union of its rows' selected pages and row ``r`` sees a page only if it selected it; split ``s``
+takes the union's pages with ``page % nsplit == s`` in ascending order (``common.union_pages``), so a
+row rounds alike whatever the other rows of its tile selected. ``"per_row"``: one tile per query row
+over its own ``block_ids`` (``-1`` slots skipped).
 ``sparse_pps`` slots per split (default ``LaunchTable.sparse_pps``).
 """
 
@@ -51,12 +53,10 @@ def _attn_kernel(pt_ref, pos_ref, lim_ref, ids_ref, bits_ref, q_ref, k_ref, v_re
     m_rows, d = q.shape
     kidx = jax.lax.broadcasted_iota(jnp.int32, (1, page), 1)
     if mode == "shared":
-        # The union's valid slots [0, cnt) split evenly over the nsplit programs of (b, g, r).
+        # This split's slots of the union (``common.union_pages``: the pages with page % nsplit == sp).
         n_slots = ids_ref.shape[-1]
-        cnt = lim_ref[b, g, r]
-        chunk = (cnt + nsplit - 1) // nsplit
-        lo = sp * chunk
-        hi = jnp.minimum(cnt, lo + chunk)
+        lo = lim_ref[b, g, r, sp]
+        hi = lim_ref[b, g, r, sp + 1]
         row_q = jnp.minimum(jax.lax.broadcasted_iota(jnp.int32, (m_rows,), 0) // hg, 31)   # tile row -> query row
 
     def slot(j):
@@ -102,7 +102,7 @@ def _attn_kernel(pt_ref, pos_ref, lim_ref, ids_ref, bits_ref, q_ref, k_ref, v_re
     # the union's valid slots.
     # ("static": a fixed-step loop; slots past the end are masked.)
     if mode == "shared":
-        n_iter = jnp.maximum(hi - lo, 0) if loop == "dynamic" else -(-n_slots // nsplit)
+        n_iter = jnp.maximum(hi - lo, 0) if loop == "dynamic" else n_slots
     elif loop != "dynamic":
         n_iter = pps
     elif mode == "dense":
@@ -144,8 +144,8 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_sc
       num_warps / num_stages / loop: launch variant;
       sparse_pages_per_split: sparse-mode slots per program (pps, a power of two >= 1). Shared tiles:
       ``ceil(K / pps)`` splits per (request, group, row block), doubled up to K while the grid is
-      small (``_shared_splits``), the union's valid pages divided evenly among them (loop "static":
-      a fixed ``ceil(U / splits)``-step loop, masked). Per-row tiles: ``block_ids`` slots per program,
+      small (``_shared_splits``), the union's pages interleaved over them by page id (loop "static":
+      a fixed ``U``-step loop, masked). Per-row tiles: ``block_ids`` slots per program,
       ``ceil(K / pps)`` splits, block_ids padded with -1 to a multiple of pps. pps = 1: one slot per
       split (the page is read only when the slot holds one). pps > 1: with loop "dynamic" a split
       walks its slots up to its last valid one (selections put valid slots first), skipping none
@@ -178,8 +178,8 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_sc
         nsplit = -(-npg // pps)
         lim = jnp.clip(jnp.max(q_positions, axis=1) // page + 1, 0, npg).astype(jnp.int32)
     elif shared:
-        ids, bits, lim = union_pages(block_ids, qpb)         # [B, G, rows, qpb * K], counts [B, G, rows]
         nsplit = _shared_splits(block_ids.shape[-1], pps, b * g * rows)
+        ids, bits, lim = union_pages(block_ids, qpb, nsplit)  # [B, G, rows, qpb * K], starts [.., nsplit + 1]
     else:
         nsplit = -(-block_ids.shape[-1] // pps)
         lim = jnp.zeros((b,), jnp.int32)

@@ -277,7 +277,7 @@ def _chunk(q, qi, ids, starts, qpos, qseg, fresh, dki, teacher_lse, qw, *, kp, k
         return kl, count, None, dki
     (dki,) = merge_pieces(key, run_end, n_valid, kvpos, kvseg, [res[2]], [res[3]], blk=blk,
                           chunk=chunk, interpret=interpret)
-    dqi = jnp.sum(jnp.where(valid[..., None], res[1][:, :t], 0.0), axis=2)       # [B,T,G,Di]
+    dqi = jnp.sum(layout.keep(res[1][:, :t], valid[..., None]), axis=2)          # [B,T,G,Di]
     return kl, count, dqi, dki
 
 

@@ -34,7 +34,7 @@ from pallas_kernels.msa import layout
 from pallas_kernels.msa.gpu_sparse_fwd import (PARTIALS_BUDGET, Window, mask_logits, schedule,
                                               tile_loops, tile_rows)
 
-__all__ = ["sparse_bwd_kv_outer", "default_bwd_query_chunk", "slice_bounds", "owned", "add_owned",
+__all__ = ["sparse_bwd_kv_outer", "default_bwd_chunk", "default_bwd_query_chunk", "slice_bounds", "owned", "add_owned",
            "follow_counts", "merge_pieces"]
 
 _LOG2E = math.log2(math.e)
@@ -241,7 +241,7 @@ def _chunk_bwd(q, do, lse, delta, ids, starts, qpos, qseg, dk, dv, *, prep_k, pr
     dk, dv = merge_pieces(key, run_end, n_valid, kvpos, kvseg, [bdk, bdv], [dk, dv], blk=blk,
                           chunk=chunk, interpret=interpret)
     valid = jnp.repeat(jnp.transpose(ids >= 0, (0, 2, 3, 1)), hg, axis=-1)[..., None]   # [B,T,K,H,1]
-    dq = jnp.sum(jnp.where(valid, dqp[:, :t], 0.0), axis=2).astype(q.dtype)
+    dq = jnp.sum(layout.keep(dqp[:, :t], valid), axis=2).astype(q.dtype)
     return dq, dk, dv
 
 
@@ -252,14 +252,27 @@ def default_bwd_query_chunk(bsz, h, g, d, dv, topk, blk, chunk, budget_bytes=PAR
     return 1 << (c.bit_length() - 1)
 
 
+def default_bwd_chunk(selections: int, programs: int = 2048) -> int:
+    """Sorted selections per backward program: the largest of 512 / 256 / 128 that still gives at least
+    ``programs`` programs for ``selections`` (B x query chunk x K x G) selections per pass. Fewer, longer
+    programs write fewer run pieces (less merge traffic): on bench/train_step.py's shapes (16 / 4 heads,
+    64K tokens: 2,048 programs at 512) the backward took 22 % less time at 512 than at 128 (BENCHMARKS.md,
+    MSA backward probe); below ~2,048 programs the last wave of programs would leave the GPU idle."""
+    for c in (512, 256):
+        if selections // c >= programs:
+            return c
+    return 128
+
+
 def sparse_bwd_kv_outer(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids,
                         kv_segment_ids, o, lse, do, *, block_size, interpret=False, num_warps=8,
-                        num_stages=2, chunk=128, rows=None, query_chunk=None):
+                        num_stages=2, chunk=None, rows=None, query_chunk=None):
     """KV-outer MSA backward: (dq [B,T,H,D] q.dtype, dk [B,S,G,D] k.dtype, dv [B,S,G,Dv] v.dtype).
 
     Arguments as ``gpu_attention.msa_attention_gpu`` plus the forward's ``o`` [B,T,H,Dv], ``lse``
     [B,T,H] f32 (natural log) and the cotangent ``do`` [B,T,H,Dv]. ``chunk``: sorted selections
-    per program; ``rows``: (token, head) rows per tile (None: max(32, next_pow2(H/G)));
+    per program (None: ``default_bwd_chunk`` of the pass); ``rows``: (token, head) rows per tile
+    (None: max(32, next_pow2(H/G)));
     ``query_chunk``: query tokens per pass (None: ``default_bwd_query_chunk``). Preconditions are
     asserted.
     """
@@ -277,8 +290,10 @@ def sparse_bwd_kv_outer(q, k, v, block_ids, q_positions, kv_positions, q_segment
     qseg = prep.q_seg
     if rows is None:
         rows = max(32, layout.next_pow2(h // g))
-    if query_chunk is None:
-        query_chunk = default_bwd_query_chunk(bsz, h, g, d, v.shape[-1], topk, block_size, chunk)
+    if query_chunk is None:   # sized for chunk 128 (the most run pieces), then the chunk for it
+        query_chunk = default_bwd_query_chunk(bsz, h, g, d, v.shape[-1], topk, block_size, chunk or 128)
+    if chunk is None:
+        chunk = default_bwd_chunk(bsz * min(t, query_chunk) * topk * g)
     run = functools.partial(_chunk_bwd, prep_k=prep.k, prep_v=prep.v, kvpos=prep.kv_pos,
                             kvseg=prep.kv_seg, blk=block_size, chunk=chunk, rows=rows,
                             interpret=interpret, num_warps=num_warps, num_stages=num_stages)

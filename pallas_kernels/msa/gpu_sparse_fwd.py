@@ -218,7 +218,7 @@ def _combine(op, lp, ids, hg):
     w = jnp.exp(lp - m_safe[:, :, None, :])                                   # 0 where unused
     total = jnp.sum(w, axis=2)
     t_safe = jnp.where(total == 0.0, 1.0, total)
-    o = jnp.sum(jnp.where(valid[..., None], op.astype(jnp.float32), 0.0) * w[..., None], axis=2)
+    o = jnp.sum(layout.keep(op, valid[..., None]).astype(jnp.float32) * w[..., None], axis=2)
     o = (o / t_safe[..., None]).astype(op.dtype)
     lse = jnp.where(total == 0.0, -jnp.inf, m_safe + jnp.log(t_safe))
     return o, lse

@@ -197,3 +197,17 @@ def pad_query_rows(qi, q_positions, prep, tq: int):
         qseg = jnp.pad(qseg, ((0, 0), (0, pad)), constant_values=-2)
         base = jnp.pad(base, ((0, 0), (0, pad)))
     return qi, qpos, qseg, base, tp
+
+
+def keep(x: jax.Array, valid: jax.Array) -> jax.Array:
+    """``x`` where ``valid`` (broadcast against ``x``), +0.0 elsewhere, for partial buffers whose unused
+    slots hold whatever memory held (NaN or Inf included).
+
+    Same values as ``jnp.where(valid, x, 0.0)``, computed by masking the bits: inside a ``fori_loop`` XLA
+    hoists a ``where``'s full-size zero broadcast out of the loop as a materialised buffer (1-2 GiB at
+    64K-token query chunks) and reads it every iteration; a mask derived from ``valid`` is not hoisted.
+    """
+    ut = {2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+    mask = jnp.where(valid, jnp.array(-1, jnp.int32), 0).astype(ut)
+    return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(x, ut) & mask, x.dtype)
+

@@ -5,8 +5,8 @@ CPU: the option reaches the engine, a too-small value for the drafts is refused 
 refuses it off the paged engine, and with it the demo model's (bf16) speculative greedy output equals
 its plain greedy output (without it the one-row steps round differently: bench/spec_decode.py).
 GPU (runs only there): >= 1,000 new tokens at three prompt lengths, speculative vs plain greedy with
-``query_rows = 1 + drafts``. Issue 34's acceptance test; it fails on the H200 today (BENCHMARKS.md,
-"Speculative decoding"), hence ``xfail(strict=True)``: fixing the numerics makes it pass and must flip it."""
+``query_rows = 1 + drafts`` (issue 34's acceptance test: the shared-tile sparse decode kernel gives a row the
+same splits and page order whatever the other rows selected, ``pallas_kernels.decode.common.union_pages``)."""
 
 import jax
 import numpy as np
@@ -62,8 +62,6 @@ def test_cli_refuses_bad_decode_rows(argv, needle, capsys):
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="GPU numerics (the CPU path is tested above)")
-@pytest.mark.xfail(strict=True, reason="issue 34: padded rows are not enough on the GPU yet (first differences at "
-                                       "new tokens 66 / 15 / 580 on the H200)")
 def test_gpu_speculative_greedy_equals_plain_greedy_with_equal_decode_rows(demo):
     cfg, params = demo.cfg, demo.params
     k = cfg.num_mtp_modules

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.decode.common import union_pages
+from pallas_kernels.decode.gpu_attention import paged_attention_gpu
 from pallas_kernels.decode.gpu_config import DEFAULT_TABLE, LEGACY_TILES, LaunchTable, score_launch
 from pallas_kernels.decode.gpu_select import _page_scores_raw
 from tests.ops.paged.test_decode_oracle import check_against_oracle
@@ -32,35 +33,34 @@ def test_tilings_match_oracle(nq, kv_dtype, tiles):
     check_against_oracle("pallas_gpu_interpret", nq, kv_dtype, launch_table=TABLES[tiles])
 
 
-def _python_union(ids, qpb):
+def _python_union(ids, qpb, nsplit):
+    """Per row block: (pages ordered by (page % nsplit, page), who selected each, split starts)."""
     b, g, nq, k = ids.shape
     out = []
     for bb in range(b):
         for gg in range(g):
             for r in range(-(-nq // qpb)):
                 rows = range(r * qpb, min(nq, (r + 1) * qpb))
-                seen = []
-                for q in rows:
-                    for p in ids[bb, gg, q]:
-                        if p >= 0 and int(p) not in seen:
-                            seen.append(int(p))
+                seen = sorted({int(p) for q in rows for p in ids[bb, gg, q] if p >= 0}, key=lambda p: (p % nsplit, p))
                 bits = [sum(1 << (q - r * qpb) for q in rows if p in ids[bb, gg, q]) for p in seen]
-                out.append((seen, bits))
+                starts = np.concatenate([[0], np.cumsum([sum(p % nsplit == s for p in seen) for s in range(nsplit)])])
+                out.append((seen, bits, starts.tolist()))
     return out
 
 
-@pytest.mark.parametrize("nq,qpb", [(1, 1), (5, 2), (8, 8), (16, 4)])
-def test_union_pages(nq, qpb):
+@pytest.mark.parametrize("nq,qpb,nsplit", [(1, 1, 1), (5, 2, 3), (8, 8, 4), (16, 4, 1), (8, 8, 16)])
+def test_union_pages(nq, qpb, nsplit):
     rng = np.random.default_rng()
     b, g, k = 2, 3, 6
-    ids = rng.integers(-1, 9, (b, g, nq, k)).astype(np.int32)          # repeats and -1 slots
-    got_ids, got_bits, got_n = (np.asarray(x) for x in jax.jit(union_pages, static_argnums=1)(jnp.asarray(ids), qpb))
+    ids = rng.integers(-1, 19, (b, g, nq, k)).astype(np.int32)         # repeats and -1 slots
+    got = jax.jit(union_pages, static_argnums=(1, 2))(jnp.asarray(ids), qpb, nsplit)
+    got_ids, got_bits, got_starts = (np.asarray(x) for x in got)
     nblk = -(-nq // qpb)
-    assert got_ids.shape == got_bits.shape == (b, g, nblk, qpb * k)
-    flat_ids, flat_bits = got_ids.reshape(-1, qpb * k), got_bits.reshape(-1, qpb * k)
-    for (seen, bits), gi, gb, gn in zip(_python_union(ids, qpb), flat_ids, flat_bits, got_n.reshape(-1)):
+    assert got_ids.shape == got_bits.shape == (b, g, nblk, qpb * k) and got_starts.shape == (b, g, nblk, nsplit + 1)
+    flat = zip(got_ids.reshape(-1, qpb * k), got_bits.reshape(-1, qpb * k), got_starts.reshape(-1, nsplit + 1))
+    for (seen, bits, starts), (gi, gb, gs) in zip(_python_union(ids, qpb, nsplit), flat):
         n = len(seen)
-        assert gn == n
+        assert gs.tolist() == starts
         assert gi[:n].tolist() == seen and (gi[n:] == -1).all()
         assert gb[:n].tolist() == bits and (gb[n:] == 0).all()
 
@@ -88,3 +88,34 @@ def test_bad_tilings_raise():
         LaunchTable(sparse_tile="rows")
     with pytest.raises(ValueError, match="tile_rows"):
         LaunchTable(tile_rows=48)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+def test_shared_tile_row_rounds_alike_alone_and_among_other_rows(kv_dtype):
+    """Issue 34: a row of a shared sparse tile must give bitwise the same o / lse whether it is decoded alone
+    (row 0, the other rows padding, as in plain decoding with padded decode rows) or at row j among other
+    rows with other selections (a speculative verify step): its pages meet the same splits in the same order."""
+    b, nq, h, g, d, page, npg, k = 1, 8, 8, 2, 32, 8, 24, 5
+    rng = np.random.default_rng(7)
+    cdt = jnp.dtype(kv_dtype)
+    q = jnp.asarray(rng.standard_normal((b, nq, h, d)), jnp.float32).astype(cdt)
+    kp = jnp.asarray(rng.standard_normal((g, b * npg, page, d)), jnp.float32).astype(cdt)
+    vp = jnp.asarray(rng.standard_normal((g, b * npg, page, d)), jnp.float32).astype(cdt)
+    pt = jnp.asarray(rng.permutation(b * npg).reshape(b, npg), jnp.int32)
+    pos = np.arange(150, 150 + nq, dtype=np.int32)[None]                     # rows cross a page boundary
+    ids = np.full((b, g, nq, k), -1, np.int32)
+    for gg in range(g):
+        for j in range(nq):
+            local = pos[0, j] // page
+            ids[0, gg, j] = np.concatenate([rng.choice(local, k - 1, replace=False), [local]])
+    run = jax.jit(lambda q, pos, ids: paged_attention_gpu(q, kp, vp, pt, pos, block_ids=ids, interpret=True))
+    o_all, lse_all = (np.asarray(x) for x in run(q, jnp.asarray(pos), jnp.asarray(ids)))
+    for j in range(nq):
+        q1 = jnp.zeros_like(q).at[:, 0].set(q[:, j])
+        pos1 = np.full_like(pos, -1)
+        pos1[:, 0] = pos[:, j]
+        ids1 = np.full_like(ids, -1)
+        ids1[:, :, 0] = ids[:, :, j]
+        o1, lse1 = (np.asarray(x) for x in run(q1, jnp.asarray(pos1), jnp.asarray(ids1)))
+        np.testing.assert_array_equal(o1[:, 0], o_all[:, j], err_msg=f"row {j}: o")
+        np.testing.assert_array_equal(lse1[:, 0], lse_all[:, j], err_msg=f"row {j}: lse")

@@ -63,6 +63,14 @@ def test_gqa_groups_and_runs_split_over_programs(h, g):
     _check(c, ids, _bwd(c, ids, chunk=8, rows=32))     # popular windows span several programs
 
 
+def test_long_programs_of_the_default_chunk():
+    """chunk = 512 (``default_bwd_chunk``'s largest): 1,280 selections per group over three programs."""
+    rng = np.random.default_rng(3)
+    c = _case(rng, bsz=1, t=320, s=320, h=8, g=2, d=16)
+    ids = random_ids(rng, c["q_pos"], c["q_seg"], 2, 4, BLK)
+    _check(c, ids, _bwd(c, ids, chunk=512))
+
+
 def test_packed_unaligned_windows_empty_tokens_and_duplicates():
     rng = np.random.default_rng()
     c = _case(rng, bsz=2, t=72, s=72, h=6, g=2, d=16, segments=[[21, 30, 13, 8], [72]])
@@ -113,6 +121,15 @@ def test_chunk_budget_bounds_the_buffers():
     qc = gb.default_bwd_query_chunk(1, 64, 4, 128, 128, 16, 128, 128)
     per_token = 16 * (64 * 128 * 4 + 2 * 4 * 128 * 256 * 4 / 128)
     assert qc & (qc - 1) == 0 and qc * per_token <= gs.PARTIALS_BUDGET < 2 * qc * per_token
+
+
+def test_default_chunk_keeps_enough_programs():
+    """Selections per program: 512 at bench/train_step.py's 64K pass (16384 tokens x 16 slots x 4 groups),
+    128 at M3 128K's 4096-token passes, 256 between; never fewer than 2,048 programs unless at 128."""
+    assert gb.default_bwd_chunk(16384 * 16 * 4) == 512
+    assert gb.default_bwd_chunk(4096 * 16 * 4) == 128
+    assert gb.default_bwd_chunk(8192 * 16 * 4) == 256
+    assert gb.default_bwd_chunk(100) == 128
 
 
 def test_every_key_is_owned_by_exactly_its_own_window():

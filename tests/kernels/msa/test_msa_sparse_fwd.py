@@ -95,3 +95,18 @@ def test_default_query_chunk_bounds_the_partials():
     qc = gs.default_query_chunk(1, 64, 128, 16, 2)
     assert qc & (qc - 1) == 0
     assert qc * 16 * 64 * (128 * 2 + 4) <= gs.PARTIALS_BUDGET < 2 * qc * 16 * 64 * (128 * 2 + 4)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_keep_masks_garbage_partials_like_where(dtype):
+    """``layout.keep`` (the partial sums' mask): NaN / Inf / any value of an unused slot becomes +0.0,
+    a used slot keeps its value bit for bit."""
+    from pallas_kernels.msa import layout
+    x = jnp.asarray([[1.5, -np.nan, np.inf, -2.25], [-np.inf, 3.0, -0.0, np.nan]], dtype)
+    valid = jnp.asarray([[True, False, False, True], [False, True, True, False]])
+    got = np.asarray(jax.jit(layout.keep)(x, valid).astype(jnp.float32))
+    want = np.asarray(jnp.where(valid, x, 0.0).astype(jnp.float32))
+    np.testing.assert_array_equal(got, want)
+    assert not np.signbit(got[~np.asarray(valid)]).any() and np.signbit(got[1, 2])
+    col = jax.jit(layout.keep)(jnp.ones((2, 4, 3), dtype), valid[..., None])     # broadcast mask
+    np.testing.assert_array_equal(np.asarray(col[..., 0], np.float32), np.asarray(valid, np.float32))
