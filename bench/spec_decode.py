@@ -8,13 +8,17 @@ For each prompt length (random token prompts, seeded) and each decode-row settin
 = every step its own row count, ``padded`` = every step padded to 1 + drafts rows, ``--decode_rows``), one
 warm-up call then one timed call of plain greedy and of ``--speculative mtp`` greedy, ``--new`` tokens each
 (no stop token): tokens/s of the timed calls, the first new-token index where the two outputs differ (None:
-identical), drafts accepted per step. Writes ``spec_decode.json`` under ``--out``; the table is printed last.
+identical), drafts accepted per step. ``--decode-loops 8,32``: then plain greedy decoding with
+``GenerationConfig.decode_loop`` = each value (steps per device loop, one host round trip each), timed the same
+way and compared with the one-step plain output (rows ``loop N``; speed-up = vs one step at a time). Writes
+``spec_decode.json`` under ``--out``; the table is printed last.
 CPU smoke run: ``python bench/spec_decode.py --lengths 64 --new 16 --out /tmp/spec``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -43,6 +47,7 @@ def main(argv=None) -> int:
     ap.add_argument("--new", type=int, default=1024)
     ap.add_argument("--rows", default="per-step,padded")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--decode-loops", default="", help="comma list of decode_loop values to time after the rows")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     model = load_model(None)
@@ -68,9 +73,25 @@ def main(argv=None) -> int:
                    "drafted": st.drafted}
             print(json.dumps(row), flush=True)
             rows.append(row)
+    loops = [int(x) for x in args.decode_loops.split(",") if x]
+    if loops:
+        gen = Generator(cfg, params)
+        for n, prompt in zip(lengths, prompts):
+            base = GenerationConfig(max_new_tokens=args.new, stop_token_ids=())
+            plain, tp = _timed(gen, prompt, base)
+            for loop in loops:
+                out, tl = _timed(gen, prompt, dataclasses.replace(base, decode_loop=loop))
+                a, b = plain.sequences[0].tokens, out.sequences[0].tokens
+                first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y),
+                             None if len(a) == len(b) else min(len(a), len(b)))
+                row = {"rows": f"loop {loop}", "prompt": n, "new": len(a), "plain_tok_s": len(a) / tp,
+                       "spec_tok_s": len(b) / tl, "speedup": tp / tl, "first_difference": first,
+                       "acceptance_rate": None, "accepted_per_step": None, "drafted": 0}
+                print(json.dumps(row), flush=True)
+                rows.append(row)
     with open(os.path.join(args.out, "spec_decode.json"), "w") as f:
         json.dump({"device": str(jax.devices()[0].device_kind), "mtp_modules": k, "rows": rows}, f, indent=1)
-    print(f"\n{'rows':9} {'prompt':>6} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>7} {'accept':>6} "
+    print(f"\n{'rows':9} {'prompt':>6} {'plain tok/s':>11} {'spec/loop tok/s':>10} {'speedup':>7} {'accept':>6} "
           f"{'first diff':>10}")
     for r in rows:
         print(f"{r['rows']:9} {r['prompt']:6d} {r['plain_tok_s']:11.1f} {r['spec_tok_s']:10.1f} {r['speedup']:7.2f} "

@@ -36,7 +36,7 @@ from minimax_jax.ops import msa as msa_ops
 from minimax_jax.ops import paged, registry
 from minimax_jax.ops.prefill import prefill_attention
 
-__all__ = ["model_step", "PATHS", "PREFILL_IMPLEMENTATIONS"]
+__all__ = ["model_step", "greedy_steps", "PATHS", "PREFILL_IMPLEMENTATIONS"]
 
 PATHS = ("gather", "paged")
 #: ``implementation`` values of the "gather" path: the names of the MSA ops and of ``prefill_attention``
@@ -138,3 +138,40 @@ def model_step(params, cache, tokens, positions, page_table, logit_rows=None, *,
     if return_hidden:
         return logits, x, cache
     return logits, cache
+
+
+@functools.partial(jax.jit, static_argnames=("steps", "cfg", "spec", "implementation"), donate_argnames=("cache",))
+def greedy_steps(params, cache, tokens, positions, page_table, *, steps: int, cfg: ModelConfig, spec: CacheSpec,
+                 implementation: str = "auto"):
+    """``steps`` greedy decode steps in one compiled loop (no host round trip between steps).
+
+    Step ``i`` runs ``model_step`` ("paged" path) on each row's current token, then feeds back the
+    argmax of its logits (lowest id on ties, as ``minimax_jax.sampling.greedy``) at the next position.
+
+    Args:
+      params, cache, page_table, cfg, spec, implementation: as ``model_step``; every page the ``steps``
+        new positions touch must already be allocated.
+      tokens: ``[B, Q]`` int32: column 0 holds each row's next input token; columns ``1..Q-1`` are padding
+        (kept so that the step has the shapes of a ``Q``-row decode step, see ``DecodeEngine.query_rows``).
+      positions: ``[B, Q]`` int32: column 0 the position of that token (``-1`` = idle row), the rest ``-1``.
+      steps: static number of steps (>= 1).
+    Returns: ``(chosen [B, steps] int32, cache)``: the token chosen after each step; step ``i``'s input
+      token is written at ``positions[:, 0] + i``, so the cache then holds the input token and
+      ``chosen[:, :steps - 1]``. Idle rows' entries are meaningless.
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    pad_tok = jnp.zeros_like(tokens[:, 1:])
+
+    def body(carry, _):
+        cache, tok, pos = carry
+        logits, cache = model_step(params, cache, tok, pos, page_table, cfg=cfg, spec=spec, path="paged",
+                                   implementation=implementation)
+        nxt = jnp.argmax(logits[:, 0].astype(jnp.float32), axis=-1).astype(jnp.int32)
+        pos = pos.at[:, 0].set(jnp.where(pos[:, 0] >= 0, pos[:, 0] + 1, -1))
+        return (cache, jnp.concatenate([nxt[:, None], pad_tok], axis=1), pos), nxt
+
+    (cache, _, _), chosen = jax.lax.scan(body, (cache, tokens.astype(jnp.int32), positions.astype(jnp.int32)),
+                                         None, length=steps)
+    return chosen.T, cache
+

@@ -54,6 +54,12 @@ class Backend:
     def truncate(self, handle: int, length: int) -> None:
         raise NotImplementedError
 
+    def greedy(self, handles, tokens, steps: int):
+        """``steps`` greedy decode steps in one device loop: ``[n, steps]`` chosen tokens (the paged engine's
+        ``decode_greedy``). Raises EngineUnavailable where the backend has no such loop."""
+        raise EngineUnavailable(f"--decode_loop needs the paged engine; the {self.name} engine decodes one step "
+                                "per host round trip")
+
     def free(self, handle: int) -> None:
         raise NotImplementedError
 
@@ -187,6 +193,9 @@ class PagedBackend(Backend):
             logits, hidden = self.engine.decode_step(tokens, handles, num_tokens, return_hidden=True)
             return np.asarray(logits), np.asarray(hidden)
         return np.asarray(self.engine.decode_step(tokens, handles, num_tokens)), None
+
+    def greedy(self, handles, tokens, steps):
+        return self.engine.decode_greedy(tokens, handles, steps)
 
     def truncate(self, handle, length):
         self.engine.truncate(handle, length)

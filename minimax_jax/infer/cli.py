@@ -118,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                                                   'distribution; greedy output '
                                                                                   'identical); the acceptance '
                                                                                   'rate is reported.')
+    p.add_argument("--decode_loop", type=cli_main.int_at_least(1), default=1, help='Greedy plain decoding: run '
+                   'this many decode steps in one compiled device loop per host round trip (paged engine; greedy, '
+                   'no penalties, no --logprobs, no --speculative). The same tokens as one step at a time; text '
+                   'streams and stop conditions are checked once per loop. Default 1.')
     p.add_argument("--num_draft", type=int, default=None, help='Drafts per step with --speculative mtp (default: '
                                                                'all MTP modules).')
     p.add_argument("--mtp_window", type=cli_main.int_at_least(1), default=64, help='Positions the MTP layers '
@@ -254,6 +258,16 @@ def check_flags() -> None:
         raise UsageError("--overwrite applies only with --output")
     if FLAGS.num_draft is not None and FLAGS.speculative == "none":
         raise UsageError("--num_draft needs --speculative mtp")
+    if FLAGS.decode_loop > 1:
+        why = [w for w, bad in (("use --engine paged", FLAGS.engine != "paged"),
+                                ("pass --temperature 0", FLAGS.temperature > 0),
+                                ("drop --speculative", FLAGS.speculative != "none"),
+                                ("drop --logprobs", FLAGS.logprobs),
+                                ("drop the penalties", (FLAGS.repetition_penalty, FLAGS.presence_penalty,
+                                                        FLAGS.frequency_penalty) != (1.0, 0.0, 0.0)))
+               if bad]
+        if why:
+            raise UsageError(f"--decode_loop > 1 runs greedy plain decoding on the paged engine: {'; '.join(why)}")
     if FLAGS.decode_rows is not None and (FLAGS.engine != "paged" or FLAGS.decode_rows > 16):
         raise UsageError("--decode_rows needs --engine paged and a value in [1, 16]")
     if FLAGS.decode_rows is not None and FLAGS.speculative != "none" and FLAGS.num_draft is not None \
@@ -272,7 +286,8 @@ def _config():
         stop_strings=tuple(FLAGS.stop or ()), repeat_max_period=FLAGS.repeat_max_period,
         repeat_max_count=FLAGS.repeat_max_count,
         speculative=None if FLAGS.speculative == "none" else FLAGS.speculative,
-        num_draft=FLAGS.num_draft, mtp_window=FLAGS.mtp_window, logprobs=FLAGS.logprobs)
+        num_draft=FLAGS.num_draft, mtp_window=FLAGS.mtp_window, logprobs=FLAGS.logprobs,
+        decode_loop=FLAGS.decode_loop)
 
 
 def _encode(items, tokenizer, cfg, config) -> list:

@@ -48,6 +48,11 @@ class GenerationConfig:
     "mtp"; ``num_draft`` drafts per step (default: all MTP modules); ``mtp_window``: positions the
     MTP layers attend over while drafting. ``logprobs``: record each generated token's log-probability
     under the model (``SequenceResult.logprobs``). Penalties (``sampling``) need plain decoding.
+    ``decode_loop``: plain greedy decoding runs this many steps in one compiled device loop per host
+    round trip (the paged engine's ``decode_greedy``; 1 = one step per round trip). The same tokens as
+    one step at a time (tested on the CPU; up to the loop's compiled rounding), delivered (and stop
+    conditions checked) per loop; a row that stops inside a loop discards the loop's later tokens. Needs
+    greedy sampling without penalties or logprobs, no speculative decoding.
     """
 
     max_new_tokens: int = 128
@@ -60,10 +65,20 @@ class GenerationConfig:
     num_draft: int | None = None
     mtp_window: int = 64
     logprobs: bool = False
+    decode_loop: int = 1
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if isinstance(self.decode_loop, bool) or not isinstance(self.decode_loop, int) or self.decode_loop < 1:
+            raise ValueError(f"decode_loop must be an int >= 1, got {self.decode_loop!r}")
+        if self.decode_loop > 1:
+            why = [w for w, bad in (("sampling", not self.sampling.greedy), ("penalties", self.sampling.has_penalties),
+                                    ("logprobs", self.logprobs), ("speculative decoding", self.speculative))
+                   if bad]
+            if why:
+                raise ValueError(f"decode_loop > 1 runs greedy plain decoding on the device; it cannot serve "
+                                 f"{', '.join(why)}")
         if self.speculative not in (None,) + SPECULATIVE_METHODS:
             raise ValueError(f"speculative must be None or one of {SPECULATIVE_METHODS}, got {self.speculative!r}")
         if self.speculative is not None and self.sampling.has_penalties:
@@ -256,9 +271,12 @@ class Generator:
         if spec and rows is not None and rows < 1 + k:
             raise ValueError(f"decode rows {rows} cannot hold a speculative step's 1 + {k} drafts; pad to >= {1 + k}")
         timer, clock = Timer(), CompileClock()
-        backend = self._get_backend(len(prompts), max(len(p) + m for p, m in zip(prompts, limits)) + k + 1, spec)
+        slack = k + config.decode_loop     # the drafts of a step, or a loop's tokens past a row's limit
+        backend = self._get_backend(len(prompts), max(len(p) + m for p, m in zip(prompts, limits)) + slack, spec)
         run = _Run(self, backend, prompts, config, drafter, on_text, limits, row_ids)
         run.stats.engine = backend.describe()
+        if config.decode_loop > 1:
+            run.stats.engine += f", decode loop={config.decode_loop}"
 
         def on_tokens(n):
             if on_prefill_tokens is not None:
@@ -274,7 +292,7 @@ class Generator:
             except _Interrupted:
                 self.backend, interrupted = None, True   # its slots are mid-prefill: never reuse it
                 run.handles = {}
-            step = run.speculative_step if spec else run.plain_step
+            step = run.speculative_step if spec else run.loop_step if config.decode_loop > 1 else run.plain_step
             while run.active and not interrupted:
                 if should_stop is not None and should_stop():
                     interrupted = True
@@ -392,6 +410,21 @@ class _Run:
             self.pending[r] = int(t)
             if self._emit(r, int(t), lp):
                 self._finish(r)
+
+    def loop_step(self) -> None:
+        """``config.decode_loop`` greedy steps in one device loop (``Backend.greedy``); tokens past a row's
+        stop are dropped (its slot is freed)."""
+        rows = list(self.active)
+        chosen = self.backend.greedy([self.handles[r] for r in rows],
+                                     np.array([self.pending[r] for r in rows], np.int32), self.config.decode_loop)
+        self.stats.decode_steps += chosen.shape[1]
+        for r, toks in zip(rows, chosen):
+            for t in toks:
+                self.drawn[r] += 1
+                self.pending[r] = int(t)
+                if self._emit(r, int(t)):
+                    self._finish(r)
+                    break
 
     def _draft_chooser(self, rows, qprobs: list):
         sampler, rngs = self.sampler, self.rngs
