@@ -362,7 +362,7 @@ def _generate_all(gen, model, items, prompts, config, chunk, out) -> int:
     rows = [(i, j) for i in range(len(items)) for j in range(FLAGS.n)]
     limit = [items[i].max_new_tokens or config.max_new_tokens for i, _ in rows]
     batch = 1 if FLAGS.stream else FLAGS.batch_size
-    extra = 1 + ((config.num_draft or min(model.cfg.num_mtp_modules, 15)) if config.speculative else 0)
+    extra = config.decode_loop + ((config.num_draft or min(model.cfg.num_mtp_modules, 15)) if config.speculative else 0)
     # The engine (and its one "engine:" line) before any progress bar, sized for every batch.
     gen.reserve(min(batch, len(rows)), max(len(prompts[i]) + m for (i, _), m in zip(rows, limit)) + extra,
                 config.speculative is not None)

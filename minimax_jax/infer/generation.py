@@ -25,7 +25,7 @@ import numpy as np
 
 from minimax_jax.config import ModelConfig
 from minimax_jax.infer.backends import ENGINES, Backend, make_backend
-from minimax_jax.infer.errors import ContextTooLong, InferenceError
+from minimax_jax.infer.errors import ContextTooLong, EngineUnavailable, InferenceError
 from minimax_jax.infer.metrics import CompileClock, GenerationStats, Timer
 from minimax_jax.infer.penalties import PenaltyTracker
 from minimax_jax.infer.sampler import RowSampler, SamplingParams, token_logprobs
@@ -264,6 +264,8 @@ class Generator:
             raise ValueError(f"max_new_tokens and row_ids need one entry per prompt ({len(prompts)}), "
                              "max_new_tokens >= 1")
         check_context(self.cfg, [len(p) for p in prompts], limits)
+        if config.decode_loop > 1 and self.engine != "paged":
+            raise EngineUnavailable(f"GenerationConfig.decode_loop > 1 needs the paged engine, not {self.engine!r}")
         spec = config.speculative is not None
         drafter = self._drafter(config) if spec else None
         k = drafter.num_draft if spec else 0
@@ -413,10 +415,14 @@ class _Run:
 
     def loop_step(self) -> None:
         """``config.decode_loop`` greedy steps in one device loop (``Backend.greedy``); tokens past a row's
-        stop are dropped (its slot is freed)."""
+        stop are dropped (its slot is freed). Near the engine's ``max_len`` (the model's context), where a
+        whole loop no longer fits, one plain step (the same greedy tokens, no new compile)."""
         rows = list(self.active)
+        n = self.config.decode_loop
+        if any(self.backend.length(self.handles[r]) + n > self.backend.max_len for r in rows):
+            return self.plain_step()
         chosen = self.backend.greedy([self.handles[r] for r in rows],
-                                     np.array([self.pending[r] for r in rows], np.int32), self.config.decode_loop)
+                                     np.array([self.pending[r] for r in rows], np.int32), n)
         self.stats.decode_steps += chosen.shape[1]
         for r, toks in zip(rows, chosen):
             for t in toks:

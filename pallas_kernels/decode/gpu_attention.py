@@ -102,7 +102,7 @@ def _attn_kernel(pt_ref, pos_ref, lim_ref, ids_ref, bits_ref, q_ref, k_ref, v_re
     # the union's valid slots.
     # ("static": a fixed-step loop; slots past the end are masked.)
     if mode == "shared":
-        n_iter = jnp.maximum(hi - lo, 0) if loop == "dynamic" else n_slots
+        n_iter = jnp.maximum(hi - lo, 0) if loop == "dynamic" else min(n_slots, -(-pt_ref.shape[1] // nsplit))
     elif loop != "dynamic":
         n_iter = pps
     elif mode == "dense":
@@ -145,7 +145,7 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_sc
       sparse_pages_per_split: sparse-mode slots per program (pps, a power of two >= 1). Shared tiles:
       ``ceil(K / pps)`` splits per (request, group, row block), doubled up to K while the grid is
       small (``_shared_splits``), the union's pages interleaved over them by page id (loop "static":
-      a fixed ``U``-step loop, masked). Per-row tiles: ``block_ids`` slots per program,
+      a fixed ``min(U, ceil(NP / splits))``-step loop, masked). Per-row tiles: ``block_ids`` slots per program,
       ``ceil(K / pps)`` splits, block_ids padded with -1 to a multiple of pps. pps = 1: one slot per
       split (the page is read only when the slot holds one). pps > 1: with loop "dynamic" a split
       walks its slots up to its last valid one (selections put valid slots first), skipping none

@@ -206,8 +206,9 @@ def keep(x: jax.Array, valid: jax.Array) -> jax.Array:
     Same values as ``jnp.where(valid, x, 0.0)``, computed by masking the bits: inside a ``fori_loop`` XLA
     hoists a ``where``'s full-size zero broadcast out of the loop as a materialised buffer (1-2 GiB at
     64K-token query chunks) and reads it every iteration; a mask derived from ``valid`` is not hoisted.
+    Not differentiable (the bit cast has no gradient): for the kernels' forward / backward code only.
     """
-    ut = {2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+    ut = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[jnp.dtype(x.dtype).itemsize]
     mask = jnp.where(valid, jnp.array(-1, jnp.int32), 0).astype(ut)
     return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(x, ut) & mask, x.dtype)
 

@@ -42,3 +42,23 @@ def test_loop_gives_the_tokens_of_one_step_at_a_time(demo):
 def test_config_refuses_what_the_loop_cannot_serve(kw, needle):
     with pytest.raises(ValueError, match=needle):
         GenerationConfig(decode_loop=4, **kw)
+
+
+def test_loop_reaches_the_model_context_end(demo):
+    """prompt + max_new_tokens == the model's context: the last tokens, where a whole loop no longer fits the
+    engine, come from plain steps, and the output equals one step at a time."""
+    cfg = demo.cfg.replace(max_position_embeddings=128)
+    gen = Generator(cfg, demo.params)
+    prompt = np.random.default_rng(4).integers(3, cfg.vocab_size, 118).tolist()
+    outs = [gen.generate([prompt], GenerationConfig(max_new_tokens=10, stop_token_ids=(), decode_loop=n))
+            for n in (1, 4)]
+    assert outs[0].sequences[0].tokens == outs[1].sequences[0].tokens and len(outs[1].sequences[0].tokens) == 10
+
+
+def test_loop_off_the_paged_engine_is_refused_before_any_work(demo):
+    from minimax_jax.infer.errors import EngineUnavailable
+
+    gen = Generator(demo.cfg, demo.params, engine="recompute")
+    with pytest.raises(EngineUnavailable, match="decode_loop > 1 needs the paged engine"):
+        gen.generate([[5, 6, 7]], GenerationConfig(max_new_tokens=1, decode_loop=4))
+    assert gen.backend is None
