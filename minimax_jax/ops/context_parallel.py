@@ -12,8 +12,9 @@ them. Per-query outputs stay sharded; scalar sums (the indexer KL) are psum'ed o
 small next to the queries' share for GQA / MSA shapes.)
 
 Local queries against gathered keys (T < S) are served by the MSA kernels (queries may sit anywhere:
-``pallas_kernels/msa/layout.py``) and by the XLA references; the dense flash / cuDNN kernels need
-T == S, so the ``attention`` op's ``auto`` runs ``xla`` there (the implementation report says so).
+``pallas_kernels/msa/layout.py``), by ``"pallas_masked_gpu"`` for dense layers (the ``attention`` op's
+``auto`` on GPU for T != S: walks only the key tiles the shard's positions can see) and by the XLA
+references elsewhere (CPU, TPU, sliding windows; the implementation report says which ran).
 
 Load balance: with a causal mask a device's work grows with its shard's position (the last shard's
 queries see every key), and the MSA kernels skip what is masked. ``forward`` therefore lays the row out

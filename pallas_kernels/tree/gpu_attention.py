@@ -22,6 +22,13 @@ and as FULL when every (row, key) pair of the two tiles is visible (a shared pre
 its descendants); the forward and ``dq`` programs walk their query tile's full tiles without a mask,
 then the partial ones masked, the ``dk`` / ``dv`` programs the transposed lists. On a DFS layout a query
 tile reaches its own trajectory's tiles plus the neighbourhood of its branch, not the sibling subtrees.
+
+``masked_attention_gpu``: the same kernels without a tree, for queries that are any subset of the keys
+(T != S allowed; e.g. a context-parallel shard's queries against the gathered keys): visibility is
+segments and positions only, and ``position_tile_lists`` marks key tile ``c`` reachable from query tile
+``r`` when their segment ranges overlap and the tile's smallest key position is at most the query tile's
+largest position (FULL: one segment >= 0 on both sides and every key position <= the smallest query
+position), so a causal layout walks about half the tiles whatever the storage order of the queries.
 """
 
 from __future__ import annotations
@@ -36,7 +43,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.common import gqa_triton_reason
 
-__all__ = ["tree_attention_gpu", "tile_lists", "unsupported_reason", "default_config"]
+__all__ = ["tree_attention_gpu", "masked_attention_gpu", "tile_lists", "position_tile_lists", "unsupported_reason",
+           "default_config"]
 _LOG2E = math.log2(math.e)
 
 
@@ -50,12 +58,13 @@ def _pow2(x: int) -> bool:
     return x >= 16 and not (x & (x - 1))
 
 
-def unsupported_reason(q, k, v) -> str | None:
-    """None when ``tree_attention_gpu`` serves these shapes / dtypes, else why not (one line).
+def unsupported_reason(q, k, v, self_attention: bool = True) -> str | None:
+    """None when ``tree_attention_gpu`` (``self_attention``) or ``masked_attention_gpu`` serves these shapes /
+    dtypes, else why not (one line).
 
-    Args: q ``[B, T, H, D]``, k / v ``[B, T, G, D]`` (arrays or ShapeDtypeStructs).
+    Args: q ``[B, T, H, D]``, k / v ``[B, S, G, D]`` (arrays or ShapeDtypeStructs; S == T for the tree).
     """
-    if k.ndim == 4 and q.ndim == 4 and k.shape[1] != q.shape[1]:
+    if self_attention and k.ndim == 4 and q.ndim == 4 and k.shape[1] != q.shape[1]:
         return f"self-attention only: q {q.shape} and k {k.shape} must have the same T"
     return gqa_triton_reason(q, k, v)
 
@@ -98,6 +107,45 @@ def tile_lists(subtree_end, kv_seg, kv_pos, row_seg, row_pos, num_tokens: int, r
             & (kseg_lo == kseg_hi) & (qseg_lo == qseg_hi) & (kseg_lo == qseg_lo) & (kseg_lo >= 0)
             & (per_key_tile(kv_pos, jnp.max) <= per_query_tile(row_pos, jnp.min)))
 
+    return _compact_lists(reach, full)
+
+
+def position_tile_lists(kv_seg, kv_pos, row_seg, row_pos, rows: int, block_k: int):
+    """``tile_lists`` without a tree (``masked_attention_gpu``): reachability from segments and positions.
+
+    Args: kv_seg, kv_pos ``[B, Sp]`` int32 (``Sp`` a multiple of ``block_k``; padding keys segment -1);
+      row_seg, row_pos ``[B, Rp]`` int32 query rows (padding rows segment and position -1).
+    Returns: as ``tile_lists``. Key tile ``c`` is reachable from query tile ``r`` when some valid key and
+      some valid row may share a segment (their segment ranges overlap) and the smallest valid key position
+      is <= the largest row position (necessary for any visible pair); FULL when both tiles hold one
+      segment >= 0 and every key position <= the smallest row position.
+    """
+    b, sp = kv_seg.shape
+    nk, nq = sp // block_k, row_seg.shape[1] // rows
+    big = jnp.int32(2 ** 30)
+    kv_ok, row_ok = kv_seg >= 0, row_seg >= 0
+
+    def tiles(x, n, size, red, ok, fill):
+        return red(jnp.where(ok, x, fill).reshape(b, n, size), axis=-1)
+
+    kseg_lo, kseg_hi = (tiles(kv_seg, nk, block_k, jnp.min, kv_ok, big)[:, None, :],
+                        tiles(kv_seg, nk, block_k, jnp.max, kv_ok, -1)[:, None, :])
+    kpos_lo, kpos_hi = (tiles(kv_pos, nk, block_k, jnp.min, kv_ok, big)[:, None, :],
+                        tiles(kv_pos, nk, block_k, jnp.max, kv_ok, big)[:, None, :])
+    qseg_lo, qseg_hi = (tiles(row_seg, nq, rows, jnp.min, row_ok, big)[:, :, None],
+                        tiles(row_seg, nq, rows, jnp.max, row_ok, -1)[:, :, None])
+    qpos_lo, qpos_hi = (tiles(row_pos, nq, rows, jnp.min, row_ok, -1)[:, :, None],
+                        tiles(row_pos, nq, rows, jnp.max, row_ok, -1)[:, :, None])
+    reach = (kseg_lo <= qseg_hi) & (qseg_lo <= kseg_hi) & (kpos_lo <= qpos_hi)
+    every_row = jnp.all(row_ok.reshape(b, nq, rows), axis=-1)[:, :, None]
+    every_key = jnp.all(kv_ok.reshape(b, nk, block_k), axis=-1)[:, None, :]
+    full = (reach & every_row & every_key & (kseg_lo == kseg_hi) & (qseg_lo == qseg_hi) & (kseg_lo == qseg_lo)
+            & (kpos_hi <= qpos_lo))
+    return _compact_lists(reach, full)
+
+
+def _compact_lists(reach, full):
+    """(fwd, bwd) id / count lists of ``tile_lists`` from ``[B, NQ, NK]`` reach / full masks."""
     def compact(m):   # [..., N] bool -> ascending indices of the True entries first, and their count
         idx = jnp.argsort(jnp.logical_not(m), axis=-1, stable=True).astype(jnp.int32)
         return idx, jnp.sum(m, axis=-1, dtype=jnp.int32)
@@ -233,24 +281,30 @@ def _from_rows(y, t, h):
 
 
 @functools.lru_cache(maxsize=None)
-def _op(rows: int, block_k: int, num_warps: int, num_stages: int, interpret: bool):
-    """The custom-VJP attention for one launch configuration."""
+def _op(rows: int, block_k: int, num_warps: int, num_stages: int, interpret: bool, tree: bool = True):
+    """The custom-VJP attention for one launch configuration; ``tree=False``: ``masked_attention_gpu`` (the
+    slot terms of the mask made vacuous: every query at slot S, every key's subtree ending past it)."""
     cfg = dict(num_warps=num_warps, num_stages=num_stages, interpret=interpret)
 
     def prepare(q, k, q_pos, kv_pos, q_seg, kv_seg, subtree_end):
         b, t, h, d = q.shape
-        g = k.shape[2]
+        s, g = k.shape[1], k.shape[2]
         rep = h // g
         rp = -(-t * rep // rows) * rows
-        tp = -(-t // block_k) * block_k
-        slot = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        tp = -(-s // block_k) * block_k
+        slot = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) if tree else jnp.int32(tp), (b, t))
+        if not tree:
+            subtree_end = jnp.full((b, s), tp + 1, jnp.int32)
         ints = (_rows_layout(slot, g, rep, rp, -1), _rows_layout(q_seg, g, rep, rp, -1),
                 _rows_layout(q_pos, g, rep, rp, -1))
-        kpad = ((0, 0), (0, tp - t))
+        kpad = ((0, 0), (0, tp - s))
         kints = (jnp.pad(subtree_end.astype(jnp.int32), kpad), jnp.pad(kv_seg.astype(jnp.int32), kpad,
                                                                           constant_values=-1),
                  jnp.pad(kv_pos.astype(jnp.int32), kpad))
-        lists = tile_lists(*kints, ints[1], ints[2], t, rep, rows, block_k)
+        if tree:
+            lists = tile_lists(*kints, ints[1], ints[2], t, rep, rows, block_k)
+        else:
+            lists = position_tile_lists(kints[1], kints[2], ints[1], ints[2], rows, block_k)
         return g, rep, rp, tp, ints, kints, lists
 
     def pad_kv(x, tp):
@@ -289,7 +343,8 @@ def _op(rows: int, block_k: int, num_warps: int, num_stages: int, interpret: boo
                        (kp_.shape[1] // block_k, g, b),
                        (jax.ShapeDtypeStruct(kp_.shape, kp_.dtype), jax.ShapeDtypeStruct(vp_.shape, vp_.dtype)),
                        cfg, "tree_attention_dkv_gpu", *bwd_lists, *common)
-        return (_from_rows(dqg, t, h), dk[:, :t], dv[:, :t], None, None, None, None, None)
+        s = saved[2]
+        return (_from_rows(dqg, t, h), dk[:, :s], dv[:, :s], None, None, None, None, None)
 
     attn.defvjp(attn_fwd, attn_bwd)
     return attn
@@ -327,3 +382,30 @@ def tree_attention_gpu(q, k, v, *, q_positions, kv_positions, q_segment_ids, kv_
     num_warps, num_stages = num_warps or cfg["num_warps"], num_stages or cfg["num_stages"]
     return _op(rows, block_k, num_warps, num_stages, bool(interpret))(
         q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, subtree_end)
+
+
+def masked_attention_gpu(q, k, v, *, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
+                         rows: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+                         num_stages: int | None = None, interpret: bool = False):
+    """Causal GQA attention of any queries against any keys by positions and segments (module docstring),
+    differentiable in q, k, v; walks only the key tiles ``position_tile_lists`` finds reachable.
+
+    Args:
+      q: ``[B, T, H, D]``; k, v: ``[B, S, G, D]`` (one float dtype; T and S independent).
+      q_positions, q_segment_ids: ``[B, T]`` int; kv_positions, kv_segment_ids: ``[B, S]`` int; key j is
+        visible to query i iff ``kv_seg[j] == q_seg[i] >= 0`` and ``kv_pos[j] <= q_pos[i]`` (per element).
+      rows, block_k, num_warps, num_stages, interpret: as ``tree_attention_gpu``.
+    Returns: ``[B, T, H, D]`` in ``q.dtype``; rows with no visible key are zeros.
+    Memory: the tile lists are O(query tiles x key tiles) int32 (``tile_lists``): 1 MiB-scale for 8K local
+      queries against 64K keys, ~2 GiB for 128K against 1M (a bound on the context-parallel sizes it suits).
+    Preconditions (asserted; the attention op checks them): ``unsupported_reason(q, k, v, False)`` is None.
+    """
+    why = unsupported_reason(q, k, v, self_attention=False)
+    assert why is None, why
+    cfg = default_config(q.shape[-1])
+    rows, block_k = rows or cfg["rows"], block_k or cfg["block_k"]
+    assert _pow2(rows) and _pow2(block_k), f"rows ({rows}) and block_k ({block_k}) must be powers of two >= 16"
+    num_warps, num_stages = num_warps or cfg["num_warps"], num_stages or cfg["num_stages"]
+    return _op(rows, block_k, num_warps, num_stages, bool(interpret), False)(
+        q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, jnp.zeros(kv_positions.shape, jnp.int32))
+

@@ -24,10 +24,12 @@ from tests.paths import REPO_ROOT
 TOL = 1e-5
 
 
-def _run_worker(model: str, meshes: list[str], msa_impl: str = "xla", timeout: int = 900) -> list[dict]:
+def _run_worker(model: str, meshes: list[str], msa_impl: str = "xla", timeout: int = 900,
+                attention_impl: str = "auto") -> list[dict]:
     env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu", PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), model, ";".join(meshes), msa_impl], env=env,
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), model, ";".join(meshes), msa_impl,
+                           attention_impl], env=env,
                           capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT)
     if proc.returncode != 0:
         raise AssertionError(f"worker failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
@@ -56,11 +58,14 @@ def _check(results: list[dict], meshes: list[str], msa: bool, kernels: bool = Fa
 
 
 def test_m3_msa_kernels_sequence_parallel_equal_one_device():
-    """Tiny M3 (dense first layer, MSA layers with the interpreted GPU kernels, MTP, sparse KL):
-    sequence=4 (x data=2) and sequence=2 with tensor and fsdp."""
+    """Tiny M3 (dense first layer and MTP layer with the interpreted masked GPU kernel: local queries
+    against the gathered keys; MSA layers with the interpreted GPU kernels, sparse KL): sequence=4 (x
+    data=2) and sequence=2 with tensor and fsdp."""
     meshes = ["sequence=4,data=2", "sequence=2,tensor=2,fsdp=2"]
-    _check(_run_worker("configs/tiny-m3.yaml", meshes, msa_impl="pallas_gpu_interpret"), meshes, msa=True,
-           kernels=True)
+    results = _run_worker("configs/tiny-m3.yaml", meshes, msa_impl="pallas_gpu_interpret",
+                          attention_impl="pallas_masked_gpu_interpret")
+    _check(results, meshes, msa=True, kernels=True)
+    assert all(r["attention_ran"] == "pallas_masked_gpu_interpret" for r in results), results
 
 
 @pytest.mark.slow
@@ -103,7 +108,7 @@ def _pallas_calls(closed) -> dict:
     return out
 
 
-def _worker(model: str, meshes: list[str], msa_impl: str) -> None:
+def _worker(model: str, meshes: list[str], msa_impl: str, attention_impl: str) -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -131,7 +136,8 @@ def _worker(model: str, meshes: list[str], msa_impl: str) -> None:
 
     transformer.attention, transformer.msa_block = attention_spy, msa_spy
 
-    cfg = ModelConfig.from_yaml(os.path.join(REPO_ROOT, model)).replace(initializer_range=0.1, msa_impl=msa_impl)
+    cfg = ModelConfig.from_yaml(os.path.join(REPO_ROOT, model)).replace(initializer_range=0.1, msa_impl=msa_impl,
+                                                                        attention_impl=attention_impl)
     params = init_params(cfg, jax.random.key(1))
     b, t = 4, (128 if cfg.has_msa else 64)
     rng = np.random.default_rng(0)
@@ -168,12 +174,12 @@ def _worker(model: str, meshes: list[str], msa_impl: str) -> None:
         bad = [jax.tree_util.keystr(k) for k, v in flat if not v <= TOL]
         print(json.dumps({"mesh": mesh_spec, "max_abs_err": max(v for _, v in flat), "bad_leaves": bad,
                           "cp": {k: v for k, v in report.items() if k.startswith("context_parallel")},
-                          "kl": float(m.get("indexer_kl", 0.0)), "tokens": t,
+                          "kl": float(m.get("indexer_kl", 0.0)), "tokens": t, "attention_ran": report.get("attention"),
                           "mtp": cfg.num_mtp_modules, **calls}), flush=True)
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1], sys.argv[2].split(";"), sys.argv[3])
+    _worker(sys.argv[1], sys.argv[2].split(";"), sys.argv[3], sys.argv[4])
 
 
 def test_zigzag_order_balances_causal_work():

@@ -32,11 +32,16 @@ Implementations (registered under the op ``"attention"`` of ``minimax_jax.ops.re
 - ``"pallas_tree_gpu"`` (``"pallas_tree_gpu_interpret"``): prefix-tree rows only (``kv_subtree_end``),
   our Triton-lowered kernel that walks only the key tiles a query's trajectory reaches, forward and
   backward (tree.py); no sliding window.
+- ``"pallas_masked_gpu"`` (``"pallas_masked_gpu_interpret"``): the same kernels without a tree, for any
+  queries against any keys (T != S allowed, e.g. a context-parallel shard's local queries against the
+  gathered keys), walking only the key tiles that segments and positions allow; forward and backward; no
+  sliding window, no tree.
 - ``"auto"``: on GPU, ``"cudnn"`` for plain causal self-attention (T == S, no segment ids, no
   window) and, for packed self-attention (segment ids; one positions array and one segment-id array
   for queries and keys) that the flash kernels accept, ``"cudnn_packed"`` where cuDNN's packed
   layout runs (Hopper or newer, bf16/fp16) and ``"pallas_flash_gpu"`` otherwise (see BENCHMARKS.md);
-  ``"xla_banded"`` for a sliding window when its conditions hold; else ``"xla"``. On TPU ``"auto"``
+  ``"xla_banded"`` for a sliding window when its conditions hold; else ``"xla"``. Queries against a
+  different key count (T != S) on GPU: ``"pallas_masked_gpu"``, else ``"xla"``. On TPU ``"auto"``
   does not pick the flash kernel. Prefix-tree rows: ``"pallas_tree_gpu"`` on GPU where it serves the
   call, else ``"xla"``. Sliding-window layers of the model use
   ``ModelConfig.sliding_attention_impl`` (no flash kernel here has a window).
@@ -60,7 +65,9 @@ def _auto(backend, q, k, v, *, q_segment_ids, kv_segment_ids, sliding_window, kv
         return ("pallas_tree_gpu", "xla") if backend == "gpu" else ("xla",)
     segments = q_segment_ids is not None or kv_segment_ids is not None
     names = []
-    if backend == "gpu":
+    if backend == "gpu" and q.shape[1] != k.shape[1]:
+        names.append("pallas_masked_gpu")      # local queries against other keys (context parallelism)
+    elif backend == "gpu":
         names += ["cudnn_packed", "pallas_flash_gpu"] if segments else ["cudnn"]
     if sliding_window is not None:
         names.append("xla_banded")
@@ -86,6 +93,8 @@ registry.register("attention", [
                      supports=_no_tree(flash.supports(b))) for b in flash.BACKENDS),
     Implementation("pallas_tree_gpu", tree.run(False), platforms=("gpu",), supports=tree.supports),
     Implementation("pallas_tree_gpu_interpret", tree.run(True), supports=tree.supports),
+    Implementation("pallas_masked_gpu", tree.run_masked(False), platforms=("gpu",), supports=tree.masked_supports),
+    Implementation("pallas_masked_gpu_interpret", tree.run_masked(True), supports=tree.masked_supports),
 ], auto=_auto)
 
 #: Every ``implementation=`` name, ``"auto"`` first.

@@ -52,7 +52,12 @@ def test_kernel_output_and_grads_match_reference(rows_per_tile, block_k):
     out = kern(q, k, v)
     np.testing.assert_allclose(np.asarray(out), _reference(*map(np.asarray, (q, k, v)), rows, None),
                                rtol=1e-5, atol=1e-5)
-    w = jax.random.normal(jax.random.key(5), out.shape)
+    check_grads_against_xla(kern, q, k, v, kw)
+
+
+def check_grads_against_xla(kern, q, k, v, kw):
+    """q / k / v gradients of ``kern(q, k, v)`` vs the fp32 XLA attention op with ``kw``, every element."""
+    w = jax.random.normal(jax.random.key(5), q.shape[:3] + v.shape[3:])
     with jax.default_matmul_precision("highest"):
         g_ref = jax.grad(lambda *a: jnp.sum(attention(*a, implementation="xla", **kw) * w), (0, 1, 2))(q, k, v)
     g_ker = jax.grad(lambda *a: jnp.sum(kern(*a) * w), (0, 1, 2))(q, k, v)
