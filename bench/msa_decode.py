@@ -632,6 +632,9 @@ def main():
     ap.add_argument("--serving-tilings", default="default,legacy",
                     help="attention tilings timed side by side in the serving sweep (msa_decode_serving.TILINGS; "
                          "the first one's cells are the headline, the table compares the others to it)")
+    ap.add_argument("--serving-row-corr", type=float, default=0.0,
+                    help="correlation in [0, 1) of a request's Q rows' index queries in the serving sweep (0 = "
+                         "independent rows; MTP draft rows are consecutive tokens whose selections overlap)")
     ap.add_argument("--serving-profile", action="store_true",
                     help="profile each serving unit once more (dense and MSA bf16 index keys, first tiling) under "
                          "jax.profiler and print / keep the top device ops per step")
@@ -639,6 +642,8 @@ def main():
                     help="msa_decode(runtime_dense_check=True) in the serving timings (path \"cond\")")
     a = ap.parse_args()
     serving_q = [int(x) for x in a.serving_q.split(",") if x]
+    if not 0.0 <= a.serving_row_corr < 1.0:
+        ap.error(f"--serving-row-corr takes a value in [0, 1), got {a.serving_row_corr}")
     if a.serving and not all(1 <= x <= 16 for x in serving_q):
         ap.error(f"--serving-q takes 1..16 query rows, got {a.serving_q!r}")
     import msa_decode_serving
@@ -801,7 +806,7 @@ def serving(a, out, impl, table, serving_q):
                           _parse_cases(sv.FIRST if a.serving_first is None else a.serving_first))
     out["serving_config"] = dict(order=order, q_rows=serving_q, steps=a.steps, budget_s=a.serving_budget_s,
                                  seed=a.serving_seed, spread=sv.SPREAD, mem_gib=a.mem_gib, implementation=impl,
-                                 runtime_dense_check=a.serving_dense_check)
+                                 runtime_dense_check=a.serving_dense_check, row_corr=a.serving_row_corr)
     out["serving_config"]["tilings"] = {n: t.to_dict() for n, t in tilings.items()}
 
     def save(cells, skipped):
@@ -812,7 +817,7 @@ def serving(a, out, impl, table, serving_q):
                                         **({} if impl == "pallas_gpu" else {"l2_bytes": 1}), on_unit=save,
                                         tilings=tilings,
                                         profile_dir=(os.path.join(a.out, "serving_profile") if a.serving_profile
-                                                     else None))
+                                                     else None), row_corr=a.serving_row_corr)
     out["serving_config"]["wall_s"] = wall
     out.update(serving=cells, serving_skipped=skipped)
     save(cells, skipped)

@@ -86,11 +86,16 @@ def positions(lens, nq):
     return (np.asarray(lens)[:, None] - nq + np.arange(nq)[None]).astype(np.int32)
 
 
-def queries(key, lead, b, nq):
-    """bf16 queries ``[*lead, B, nq, H, D]`` and index queries ``[*lead, B, nq, G, DI]``."""
-    k1, k2 = jax.random.split(key)
-    return (jax.random.normal(k1, (*lead, b, nq, md.H, md.D), jnp.bfloat16),
-            jax.random.normal(k2, (*lead, b, nq, md.G, md.DI), jnp.bfloat16))
+def queries(key, lead, b, nq, row_corr=0.0):
+    """bf16 queries ``[*lead, B, nq, H, D]`` and index queries ``[*lead, B, nq, G, DI]``. ``row_corr``: the
+    correlation of a request's Q rows' index queries (0 = independent rows; MTP draft rows are consecutive
+    tokens, whose index queries and selections overlap), ``c * shared + sqrt(1 - c^2) * own``."""
+    k1, k2, k3 = jax.random.split(key, 3)
+    qi = jax.random.normal(k2, (*lead, b, nq, md.G, md.DI), jnp.float32)
+    if row_corr:
+        shared = jax.random.normal(k3, (*lead, b, 1, md.G, md.DI), jnp.float32)
+        qi = row_corr * shared + (1.0 - row_corr ** 2) ** 0.5 * qi
+    return jax.random.normal(k1, (*lead, b, nq, md.H, md.D), jnp.bfloat16), qi.astype(jnp.bfloat16)
 
 
 # ----------------------------------------------------------------------------- correctness
@@ -157,14 +162,15 @@ def _errors(label, o, lse, o_ref, lse_ref, rows):
 
 # ----------------------------------------------------------------------------- timing
 
-def time_unit(lay, cache, tables, nq, impl, table, seed, runtime_dense_check=False, tilings=None, profile_dir=None):
+def time_unit(lay, cache, tables, nq, impl, table, seed, runtime_dense_check=False, tilings=None, profile_dir=None,
+              row_corr=0.0):
     """Dense and MSA (bf16, fp8 index keys) at one (B, C, Q) under each tiling of ``tilings`` (``{name:
     LaunchTable}``; None = ``{"default": table}``): one cell per (tiling, index dtype). ``profile_dir``:
     then one more call of dense and MSA bf16 (first tiling) under ``jax.profiler``, the device ms per step
     of their busiest ops under the cells' ``"profile"``."""
     b, steps, reps = lay["batch"], lay["steps_per_call"], lay["replicas"]
     kp, vp, kib, ki8, ks8 = cache
-    q, qi = queries(jax.random.PRNGKey(seed * 1000003 + b * 131 + lay["context"] + nq), (steps,), b, nq)
+    q, qi = queries(jax.random.PRNGKey(seed * 1000003 + b * 131 + lay["context"] + nq), (steps,), b, nq, row_corr)
     pos = jnp.asarray(positions(lay["lengths"], nq))
     lens = lay["lengths"]
     cells = []
@@ -173,7 +179,8 @@ def time_unit(lay, cache, tables, nq, impl, table, seed, runtime_dense_check=Fal
         t_d, n_d = md.timeit(md.unrolled(fns["dense"], steps, reps), q, qi, kp, vp, kib, None, pos, tables)
         common = dict(batch=b, context=lay["context"], q_rows=nq, tiling=name, len_min=int(lens.min()),
                       len_mean=float(lens.mean()), len_max=int(lens.max()), table_pages=lay["width"], replicas=reps,
-                      steps_per_call=steps, cache_gib=lay["cache_gib"], dense_ms=t_d / steps * 1e3, dense_calls=n_d)
+                      steps_per_call=steps, cache_gib=lay["cache_gib"], dense_ms=t_d / steps * 1e3, dense_calls=n_d,
+                      row_corr=row_corr)
         for label, ki, ks in (("bf16", kib, None), ("fp8", ki8, ks8)):
             t, n = md.timeit(md.unrolled(fns["msa"], steps, reps), q, qi, kp, vp, ki, ks, pos, tables)
             cells.append(dict(common, index_dtype=label, msa_ms=t / steps * 1e3, msa_calls=n,
@@ -197,7 +204,7 @@ def cell_order(batches, contexts, first):
 
 
 def run_sweep(order, qs, min_steps, impl, table, mem_gib, budget_s=None, seed=0, runtime_dense_check=False,
-              l2_bytes=200 * 1024 * 1024, on_unit=None, tilings=None, profile_dir=None):
+              l2_bytes=200 * 1024 * 1024, on_unit=None, tilings=None, profile_dir=None, row_corr=0.0):
     """Time ``order``'s (batch, context) cells at each Q of ``qs`` under each of ``tilings`` (see ``time_unit``).
     Returns ``(cells, skipped, wall_s)``;
     skipped: dicts (batch, context, q_rows or None = every Q, reason): cache over ``mem_gib``, budget
@@ -234,7 +241,7 @@ def run_sweep(order, qs, min_steps, impl, table, mem_gib, budget_s=None, seed=0,
             t_unit = time.perf_counter()
             try:
                 new = time_unit(lay, cache, tables, nq, impl, table, seed, runtime_dense_check, tilings,
-                                profile_dir)
+                                profile_dir, row_corr)
             except Exception as e:
                 skip(b, ctx, nq, _reason(e))
                 continue
