@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from minimax_jax.ops import registry
 from minimax_jax.ops.attention import attention
 from pallas_kernels.tree.gpu_attention import masked_attention_gpu, position_tile_lists
 from tests.kernels.tree.test_tree_attention import check_grads_against_xla
@@ -16,8 +17,10 @@ from tests.kernels.tree.test_tree_attention import check_grads_against_xla
 def _case(s=192, chunks=8, shard=1, h=4, g=2, d=16, dtype=jnp.float32):
     """Keys: one packed row of three documents (positions restart per document) and padding; queries: the
     zig-zag shard ``shard`` of ``chunks // 2`` (chunks ``shard`` and ``chunks - 1 - shard``)."""
-    seg = np.concatenate([np.full(70, 0), np.full(50, 1), np.full(60, 2), np.full(s - 180, -1)]).astype(np.int32)
-    pos = np.concatenate([np.arange(70), np.arange(50), np.arange(60), np.zeros(s - 180)]).astype(np.int32)
+    lens = [70 * s // 192, 50 * s // 192, 60 * s // 192]                  # 70 / 50 / 60 at the default s
+    pad = s - sum(lens)
+    seg = np.concatenate([np.full(n, i) for i, n in enumerate(lens)] + [np.full(pad, -1)]).astype(np.int32)
+    pos = np.concatenate([np.arange(n) for n in lens] + [np.zeros(pad)]).astype(np.int32)
     c = s // chunks
     idx = np.concatenate([np.arange(shard * c, (shard + 1) * c),
                           np.arange((chunks - 1 - shard) * c, (chunks - shard) * c)])
@@ -89,3 +92,24 @@ def test_kernel_lowers_for_cuda_forward_and_backward_at_local_shapes():
     txt = jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, kv, kv, qi, qi, ki, ki).lower(
         lowering_platforms=("cuda",)).as_text()
     assert txt.count("__gpu$xla.gpu.triton") == 3          # forward, dq, dk/dv
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (compiled Triton kernels)")
+def test_device_kernel_matches_xla_on_a_context_parallel_shard():
+    """bf16 kernel (through the op's ``auto``: T != S on GPU) vs the f32 XLA op: shard 1 of 4 (zig-zag) of a
+    4K packed row against all 4K keys, fwd and grads."""
+    q, k, v, kw = _case(s=4096, chunks=8, shard=1, h=16, g=4, d=128)
+    w = jax.random.normal(jax.random.key(6), q.shape)
+
+    def loss(impl, dtype):
+        return lambda q, k, v: jnp.sum(attention(q.astype(dtype), k.astype(dtype), v.astype(dtype),
+                                                 implementation=impl, **kw).astype(jnp.float32) * w)
+
+    with jax.default_matmul_precision("highest"):
+        ref = jax.jit(jax.value_and_grad(loss("xla", jnp.float32), (0, 1, 2)))(q, k, v)
+    registry.clear_implementation_report()
+    got = jax.jit(jax.value_and_grad(loss("auto", jnp.bfloat16), (0, 1, 2)))(q, k, v)
+    assert registry.implementation_report()["attention"] == "pallas_masked_gpu"
+    for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.abs(a - b).max() < 3e-2 * np.abs(a).max(), (np.abs(a - b).max(), np.abs(a).max())
