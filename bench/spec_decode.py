@@ -91,10 +91,10 @@ def main(argv=None) -> int:
                 rows.append(row)
     with open(os.path.join(args.out, "spec_decode.json"), "w") as f:
         json.dump({"device": str(jax.devices()[0].device_kind), "mtp_modules": k, "rows": rows}, f, indent=1)
-    print(f"\n{'rows':9} {'prompt':>6} {'plain tok/s':>11} {'spec/loop tok/s':>10} {'speedup':>7} {'accept':>6} "
+    print(f"\n{'rows':9} {'prompt':>6} {'plain tok/s':>11} {'spec/loop tok/s':>15} {'speedup':>7} {'accept':>6} "
           f"{'first diff':>10}")
     for r in rows:
-        print(f"{r['rows']:9} {r['prompt']:6d} {r['plain_tok_s']:11.1f} {r['spec_tok_s']:10.1f} {r['speedup']:7.2f} "
+        print(f"{r['rows']:9} {r['prompt']:6d} {r['plain_tok_s']:11.1f} {r['spec_tok_s']:15.1f} {r['speedup']:7.2f} "
               f"{r['acceptance_rate'] or 0:6.2f} {str(r['first_difference']):>10}")
     return 0
 
