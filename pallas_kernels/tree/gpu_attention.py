@@ -396,8 +396,9 @@ def masked_attention_gpu(q, k, v, *, q_positions, kv_positions, q_segment_ids, k
         visible to query i iff ``kv_seg[j] == q_seg[i] >= 0`` and ``kv_pos[j] <= q_pos[i]`` (per element).
       rows, block_k, num_warps, num_stages, interpret: as ``tree_attention_gpu``.
     Returns: ``[B, T, H, D]`` in ``q.dtype``; rows with no visible key are zeros.
-    Memory: the tile lists are O(query tiles x key tiles) int32 (``tile_lists``): 1 MiB-scale for 8K local
-      queries against 64K keys, ~2 GiB for 128K against 1M (a bound on the context-parallel sizes it suits).
+    Memory: the tile lists are O(query tiles x key tiles) int32 (``tile_lists``; four arrays): ~8 MiB for 8K
+      local queries against 64K keys at D = 128, ~2 GiB for 128K against 1M (a bound on the context-parallel
+      sizes it suits).
     Preconditions (asserted; the attention op checks them): ``unsupported_reason(q, k, v, False)`` is None.
     """
     why = unsupported_reason(q, k, v, self_attention=False)
