@@ -57,8 +57,8 @@ class Backend:
     def greedy(self, handles, tokens, steps: int):
         """``steps`` greedy decode steps in one device loop: ``[n, steps]`` chosen tokens (the paged engine's
         ``decode_greedy``). Raises EngineUnavailable where the backend has no such loop."""
-        raise EngineUnavailable(f"--decode_loop needs the paged engine; the {self.name} engine decodes one step "
-                                "per host round trip")
+        raise EngineUnavailable(f"a greedy decode loop (decode_loop > 1) needs the paged engine; the {self.name} "
+                                "engine decodes one step per host round trip")
 
     def free(self, handle: int) -> None:
         raise NotImplementedError

@@ -258,16 +258,8 @@ def check_flags() -> None:
         raise UsageError("--overwrite applies only with --output")
     if FLAGS.num_draft is not None and FLAGS.speculative == "none":
         raise UsageError("--num_draft needs --speculative mtp")
-    if FLAGS.decode_loop > 1:
-        why = [w for w, bad in (("use --engine paged", FLAGS.engine != "paged"),
-                                ("pass --temperature 0", FLAGS.temperature > 0),
-                                ("drop --speculative", FLAGS.speculative != "none"),
-                                ("drop --logprobs", FLAGS.logprobs),
-                                ("drop the penalties", (FLAGS.repetition_penalty, FLAGS.presence_penalty,
-                                                        FLAGS.frequency_penalty) != (1.0, 0.0, 0.0)))
-               if bad]
-        if why:
-            raise UsageError(f"--decode_loop > 1 runs greedy plain decoding on the paged engine: {'; '.join(why)}")
+    if FLAGS.decode_loop > 1 and FLAGS.engine != "paged":   # sampling / logprobs / drafts: GenerationConfig
+        raise UsageError("--decode_loop > 1 needs --engine paged")
     if FLAGS.decode_rows is not None and (FLAGS.engine != "paged" or FLAGS.decode_rows > 16):
         raise UsageError("--decode_rows needs --engine paged and a value in [1, 16]")
     if FLAGS.decode_rows is not None and FLAGS.speculative != "none" and FLAGS.num_draft is not None \

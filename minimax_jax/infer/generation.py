@@ -73,12 +73,12 @@ class GenerationConfig:
         if isinstance(self.decode_loop, bool) or not isinstance(self.decode_loop, int) or self.decode_loop < 1:
             raise ValueError(f"decode_loop must be an int >= 1, got {self.decode_loop!r}")
         if self.decode_loop > 1:
-            why = [w for w, bad in (("sampling", not self.sampling.greedy), ("penalties", self.sampling.has_penalties),
-                                    ("logprobs", self.logprobs), ("speculative decoding", self.speculative))
-                   if bad]
+            why = [w for w, bad in (("sampling (temperature > 0)", not self.sampling.greedy),
+                                    ("penalties", self.sampling.has_penalties), ("logprobs", self.logprobs),
+                                    ("speculative decoding", self.speculative)) if bad]
             if why:
-                raise ValueError(f"decode_loop > 1 runs greedy plain decoding on the device; it cannot serve "
-                                 f"{', '.join(why)}")
+                raise ValueError(f"decode_loop > 1 runs greedy plain decoding (temperature 0) on the device; it "
+                                 f"cannot serve {', '.join(why)}")
         if self.speculative not in (None,) + SPECULATIVE_METHODS:
             raise ValueError(f"speculative must be None or one of {SPECULATIVE_METHODS}, got {self.speculative!r}")
         if self.speculative is not None and self.sampling.has_penalties:

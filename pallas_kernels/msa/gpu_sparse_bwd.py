@@ -255,9 +255,8 @@ def default_bwd_query_chunk(bsz, h, g, d, dv, topk, blk, chunk, budget_bytes=PAR
 def default_bwd_chunk(selections: int, programs: int = 2048) -> int:
     """Sorted selections per backward program: the largest of 512 / 256 / 128 that still gives at least
     ``programs`` programs for ``selections`` (B x query chunk x K x G) selections per pass. Fewer, longer
-    programs write fewer run pieces (less merge traffic): on bench/train_step.py's shapes (16 / 4 heads,
-    64K tokens: 2,048 programs at 512) the backward took 22 % less time at 512 than at 128 (BENCHMARKS.md,
-    MSA backward probe); below ~2,048 programs the last wave of programs would leave the GPU idle."""
+    programs write fewer run pieces (less merge traffic; measured in BENCHMARKS.md, MSA backward probe);
+    below ~2,048 programs the last wave of programs would leave the GPU idle."""
     for c in (512, 256):
         if selections // c >= programs:
             return c
