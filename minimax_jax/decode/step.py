@@ -12,7 +12,9 @@ Two attention paths (same math, MSA_SPEC.md sections 3 and 5):
   ``S = page_table.shape[1] * page_size``: the caller may pass only the leading columns of the
   page table that cover every valid position (``DecodeEngine`` buckets them to a power of two of
   the filled length when the XLA ops run, whose cost grows with S; the kernels walk only the keys
-  at positions ``<=`` their queries', so their cost follows the filled length at any S).
+  at positions ``<=`` their queries', so their cost follows the filled length at any S). Inside
+  ``sharding.use_mesh`` with a ``sequence`` axis that divides T, the chunk's tokens are split over
+  devices (context parallelism: ``minimax_jax.decode.prefill_cp``).
 - ``"paged"`` (decode, ``Q <= 16`` rows): ``minimax_jax.ops.paged`` reads the pages directly
   (MSA layers: page scoring over the index-key pages, top-k + local page, split-KV attention).
 
@@ -26,12 +28,15 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from minimax_jax.config import ModelConfig
+from minimax_jax.decode import prefill_cp
 from minimax_jax.decode.cache import CacheSpec, gather_pages, write_layer
 from minimax_jax.model.layers import rms_norm, rope_frequencies
 from minimax_jax.model.params import layer_segments
 from minimax_jax.model.transformer import embed, mlp_block, project_index, project_qkv, unembed
+from minimax_jax.ops import context_parallel
 from minimax_jax.ops import msa as msa_ops
 from minimax_jax.ops import paged, registry
 from minimax_jax.ops.prefill import prefill_attention
@@ -111,8 +116,29 @@ def model_step(params, cache, tokens, positions, page_table, logit_rows=None, *,
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     positions = positions.astype(jnp.int32)
+    b, t = tokens.shape
+    # Context parallelism (a sequence-sharded mesh): the chunk's tokens split over devices (prefill_cp).
+    cp = prefill_cp.plan(cfg, b, t) if path == "gather" else None
+    order = prefill_cp.order(cp)
+    if order is not None:
+        tokens, positions = tokens[:, order], positions[:, order]
     cos, sin = rope_frequencies(jnp.maximum(positions, 0), cfg.rotary_dim, cfg.rope_theta)
     x = embed(params, cfg, tokens)
+    if cp is not None:
+        x = prefill_cp.constrain(cp, x)
+    with context_parallel.token_order(order):
+        x, cache = _layers(params, cfg, spec, cache, x, cos, sin, page_table, positions, cp, path, implementation)
+    if order is not None:                     # natural token order again for the logits and hidden states
+        x = x[:, np.argsort(order)]
+    xl = x if logit_rows is None else jnp.take_along_axis(x, logit_rows.astype(jnp.int32)[..., None], axis=1)
+    logits = unembed(params, cfg, _norm(xl, params["final_norm"], cfg))
+    if return_hidden:
+        return logits, x, cache
+    return logits, cache
+
+
+def _layers(params, cfg, spec, cache, x, cos, sin, page_table, positions, cp, path, implementation):
+    """The decoder layers of ``model_step``: ``(x, cache)`` after them."""
     b, t, _ = x.shape
     cache = list(cache)
     for seg, sp in zip(layer_segments(cfg), params["segments"]):
@@ -124,20 +150,24 @@ def model_step(params, cache, tokens, positions, page_table, logit_rows=None, *,
             qi = ki = None
             if seg.layer_type == "msa":
                 qi, ki = project_index(lp, h, cfg, cos, sin)
-            cache[li] = write_layer(cache[li], k, v, ki, page_table, positions, spec)
-            if path == "gather":
-                o = _attend_gather(cfg, spec, cache[li], q, qi, page_table, positions, seg.layer_type,
-                                   implementation)
+            if cp is not None:
+                attend = functools.partial(_attend_gather, cfg, spec, layer_type=seg.layer_type, impl=implementation)
+                o, cache[li] = prefill_cp.write_and_attend(cp, attend, cache[li], spec, q, k, v, qi, ki, page_table,
+                                                           positions)
             else:
-                o = _attend_paged(cfg, cache[li], q, qi, page_table, positions, seg.layer_type, implementation)
+                cache[li] = write_layer(cache[li], k, v, ki, page_table, positions, spec)
+                if path == "gather":
+                    o = _attend_gather(cfg, spec, cache[li], q, qi, page_table, positions, seg.layer_type,
+                                       implementation)
+                else:
+                    o = _attend_paged(cfg, cache[li], q, qi, page_table, positions, seg.layer_type,
+                                      implementation)
             x = x + o.reshape(b, t, cfg.q_dim) @ lp["attn"]["o_proj"].astype(x.dtype)
             m, _ = mlp_block(lp, _norm(x, lp["post_attn_norm"], cfg), cfg, seg.mlp_type)
             x = x + m
-    xl = x if logit_rows is None else jnp.take_along_axis(x, logit_rows.astype(jnp.int32)[..., None], axis=1)
-    logits = unembed(params, cfg, _norm(xl, params["final_norm"], cfg))
-    if return_hidden:
-        return logits, x, cache
-    return logits, cache
+            if cp is not None:
+                x = prefill_cp.constrain(cp, x)
+    return x, cache
 
 
 @functools.partial(jax.jit, static_argnames=("steps", "cfg", "spec", "implementation"), donate_argnames=("cache",))

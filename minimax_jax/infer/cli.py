@@ -17,6 +17,7 @@ records finished so far are written, one line says so; a second Ctrl-C aborts at
 
 from __future__ import annotations
 
+import math
 import sys
 
 import argparse
@@ -160,7 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
                    'converted with --weights_dtype fp8; or an FP8 Hugging Face directory). Default: dequantise.')
     p.add_argument("--mesh", default=None, help="Device mesh, e.g. 'fsdp=2,tensor=2' (axes data, fsdp, expert, "
                                                 'sequence, tensor; one may be -1); parameters are loaded sharded '
-                                                'by --sharding_rules.')
+                                                'by --sharding_rules. A sequence axis splits each prefill chunk '
+                                                "of the paged engine over its devices (context parallelism).")
     p.add_argument("--sharding_rules", default=None, help='Sharding rule preset (configs/sharding.yaml) or a YAML '
                                                           'path (default: default).')
     p.add_argument("--convert_dir", default=None, help='Keep the on-the-fly conversion of a Hugging Face '
@@ -323,6 +325,8 @@ def run() -> int:
                  logprobs=FLAGS.logprobs)
     if FLAGS.n > 1 and config.sampling.greedy:
         _err(f"warning: --n {FLAGS.n} with --temperature 0 (greedy) gives {FLAGS.n} identical samples")
+    seq_devices = _sequence_devices()
+    chunk = _prefill_chunk(seq_devices, FLAGS.prefill_chunk or auto_prefill_chunk(max(map(len, prompts))))
     cli_main.enable_compilation_cache(FLAGS.compilation_cache, prog=PROG)
     try:
         model = load_model(ckpt, tokenizer_path=FLAGS.tokenizer, dtype=FLAGS.dtype, mesh=FLAGS.mesh,
@@ -332,7 +336,9 @@ def run() -> int:
             f"{k}={v}" for k, v in model.mesh.shape.items() if v > 1)
         _err(f"model: {model.checkpoint_dir} [{model.source}], {model.cfg.num_layers} layers, "
              f"vocab {model.cfg.vocab_size}, context {model.cfg.max_position_embeddings}, {where}")
-        chunk = FLAGS.prefill_chunk or auto_prefill_chunk(max(map(len, prompts)))
+        if seq_devices > 1:
+            _err(f"prefill: context parallel over sequence={seq_devices}, {chunk}-token chunks "
+                 f"({chunk // seq_devices} per device)")
         opts = {"prefill_chunk": chunk}
         if FLAGS.decode_rows is not None:
             opts["query_rows"] = FLAGS.decode_rows
@@ -341,6 +347,31 @@ def run() -> int:
         return _generate_all(gen, model, items, prompts, config, chunk, out)
     finally:
         out.close()
+
+
+def _sequence_devices() -> int:
+    """Devices ``--mesh`` splits the token axis over (the sharding rules' "length" axes; 1: none), which
+    the paged engine's prefill chunks are split over (``minimax_jax.decode.prefill_cp``)."""
+    if not FLAGS.mesh or FLAGS.engine != "paged":
+        return 1
+    import jax
+
+    from minimax_jax.sharding import MeshSpec, load_rules
+
+    spec = MeshSpec.parse(FLAGS.mesh).resolve(jax.device_count())
+    return math.prod(getattr(spec, a) for a in load_rules(FLAGS.sharding_rules or "default")["length"])
+
+
+def _prefill_chunk(n: int, chunk: int) -> int:
+    """The prefill chunk for a sequence axis of ``n`` devices (context-parallel prefill): the automatic
+    chunk rounds up to a multiple of 2n (zig-zag balance); a ``--prefill_chunk`` that n does not divide is
+    a usage error (it would run unsplit on every device)."""
+    if n <= 1:
+        return chunk
+    if FLAGS.prefill_chunk and chunk % n:
+        raise UsageError(f"--prefill_chunk {chunk} does not split over the mesh's sequence axis ({n} devices): "
+                         f"pass a multiple of {n} ({2 * n} for balanced causal work)")
+    return chunk if FLAGS.prefill_chunk else -(-chunk // (2 * n)) * 2 * n
 
 
 def _generate_all(gen, model, items, prompts, config, chunk, out) -> int:
