@@ -6,6 +6,10 @@ Usage (CPU; the device count must be set before JAX starts)::
     XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \\
         python bench/cp_memory.py --tokens 1048576 --sequence 1,8
 
+GPU's planner on one GPU (eight mocked, ``--mock-gpus``)::
+
+    python3 bench/cp_memory.py --impl pallas_gpu --mock-gpus 8 --tokens 1048576 --sequence 1,8
+
 One layer's attention (``msa_block``: selection, sparse attention, sparse indexer KL; M3 shapes: 64 q heads,
 4 kv heads, D = Di = 128, block 128, top-16, bf16), the gradient of a scalar of its output and KL with
 respect to q, k, v, qi, ki, compiled once without a mesh (sequence=1) and once per ``--sequence`` n on a
@@ -43,7 +47,19 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=1048576)
     ap.add_argument("--sequence", default="1,8")
     ap.add_argument("--impl", default="pallas_gpu_interpret")
+    ap.add_argument("--mock-gpus", type=int, default=0,
+                    help="GPU machine: compile for this many mocked GPUs (jax_mock_gpu_topology 1xNx1: one "
+                         "process's GPU stands for N hosts of one GPU; the plan of the real compiler, nothing runs)")
+    ap.add_argument("--local-program", action="store_true",
+                    help="for each n > 1 compile, on one device, what one of n devices runs: its T/n queries against "
+                         "the gathered keys (the inputs hold the gathered K/V; no collective buffers)")
     args = ap.parse_args(argv)
+    if args.mock_gpus:
+        jax.config.update("jax_mock_gpu_topology", f"1x{args.mock_gpus}x1")
+        if len(jax.devices()) != args.mock_gpus:
+            print(f"error: --mock-gpus {args.mock_gpus}: jax sees {len(jax.devices())} devices "
+                  f"({jax.devices()[0].platform}); the mock topology did not take", file=sys.stderr)
+            return 1
     t = args.tokens
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cfg = ModelConfig.from_yaml(os.path.join(root, "configs", "tiny-m3.yaml")).replace(
@@ -59,8 +75,23 @@ def main(argv=None) -> int:
         return jnp.sum(o.astype(jnp.float32) ** 2) + ks / jnp.maximum(kc, 1)
 
     grad = jax.grad(layer, argnums=(0, 1, 2, 3, 4))
+
+    def local_layer(q, k, v, qi, ki, qpos, qseg, kpos, kseg):      # one device's share, keys gathered
+        o, ks, kc, _, _ = msa_block(q, k, v, qi, ki, cfg, qpos, qseg, "sparse", kv_positions=kpos, kv_segment_ids=kseg)
+        return jnp.sum(o.astype(jnp.float32) ** 2) + ks / jnp.maximum(kc, 1)
+
     devices = len(jax.devices())
     for n in (int(x) for x in args.sequence.split(",")):
+        if args.local_program and n > 1:
+            s_ = jax.ShapeDtypeStruct
+            tl = t // n
+            inputs = (s_((1, tl, H, D), jnp.bfloat16), s_((1, t, G, D), jnp.bfloat16), s_((1, t, G, D), jnp.bfloat16),
+                      s_((1, tl, G, DI), jnp.bfloat16), s_((1, t, DI), jnp.bfloat16), s_((1, tl), jnp.int32),
+                      s_((1, tl), jnp.int32), s_((1, t), jnp.int32), s_((1, t), jnp.int32))
+            t0 = time.time()
+            m = jax.jit(jax.grad(local_layer, argnums=(0, 1, 2, 3, 4))).lower(*inputs).compile().memory_analysis()
+            _print(t, f"{n} (one device's program)", args.impl, m, t0)
+            continue
         mesh = sh.make_mesh(f"sequence={n},data={devices // n}") if n > 1 else None
 
         def sds(shape, dt, mesh=mesh):
@@ -77,12 +108,15 @@ def main(argv=None) -> int:
         else:
             with sh.use_mesh(mesh, sh.load_rules("default")):
                 compiled = jax.jit(grad).lower(*inputs).compile()
-        m = compiled.memory_analysis()
-        gib = 2.0 ** 30
-        print(f"tokens={t} sequence={n} impl={args.impl}: temp {m.temp_size_in_bytes / gib:.2f} GiB, "
-              f"arguments {m.argument_size_in_bytes / gib:.2f} GiB, outputs {m.output_size_in_bytes / gib:.2f} GiB "
-              f"per device (compiled in {time.time() - t0:.0f} s)", flush=True)
+        _print(t, n, args.impl, compiled.memory_analysis(), t0)
     return 0
+
+
+def _print(t, n, impl, m, t0):
+    gib = 2.0 ** 30
+    print(f"tokens={t} sequence={n} impl={impl}: temp {m.temp_size_in_bytes / gib:.2f} GiB, "
+          f"arguments {m.argument_size_in_bytes / gib:.2f} GiB, outputs {m.output_size_in_bytes / gib:.2f} GiB "
+          f"per device (compiled in {time.time() - t0:.0f} s)", flush=True)
 
 
 if __name__ == "__main__":

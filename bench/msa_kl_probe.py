@@ -34,10 +34,10 @@ def _index_inputs(key, q, k):
             jax.random.normal(k2, (bsz, k.shape[1], d), q.dtype))
 
 
-def kl_fb(pos, blk, interpret):
+def kl_fb(pos, blk, interpret, **tiling):
     def f(q, k, qi, ki, ids):
         (kl, cnt), vjp = jax.vjp(lambda qi, ki: indexer_kl_gpu(q, k, qi, ki, ids, block_size=blk,
-                                                               interpret=interpret, **pos), qi, ki)
+                                                               interpret=interpret, **tiling, **pos), qi, ki)
         return kl, cnt, vjp((jnp.float32(1.0), np.zeros((), jax.dtypes.float0)))
     return jax.jit(f)
 
@@ -65,7 +65,7 @@ def check(name, key, interpret, bsz, t, s, h, g, d, blk, topk, segments=None):
 
 
 def bench(model, t, key, interpret, variants, dense):
-    del variants, dense
+    del dense
     h, g = MODELS[model]
     q, k, v, ids, pos = make(key, 1, t, t, h, g, D, BLK, TOPK)
     qi, ki = _index_inputs(key, q, k)
@@ -75,6 +75,10 @@ def bench(model, t, key, interpret, variants, dense):
     rows = []
     add = row_adder(rows, model, t)
     add("indexer KL fwd+bwd", kl_fb(pos, BLK, interpret), (q, k, qi, ki, ids), float("nan"))
+    for kw in variants:      # tilings of the KL kernels (--variants "chunk=128;chunk=512")
+        if kw:
+            add("indexer KL fwd+bwd " + ",".join(f"{a}={b}" for a, b in kw.items()),
+                kl_fb(pos, BLK, interpret, **kw), (q, k, qi, ki, ids), float("nan"))
 
     def attn_fb(q, k, v, ids, do):
         (_, lse), vjp = jax.vjp(lambda q, k, v: msa_attention_gpu(

@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.msa import layout
-from pallas_kernels.msa.gpu_sparse_bwd import add_owned, merge_pieces, owned, slice_bounds
+from pallas_kernels.msa.gpu_sparse_bwd import add_owned, default_bwd_chunk, merge_pieces, owned, slice_bounds
 from pallas_kernels.msa.gpu_sparse_fwd import (PARTIALS_BUDGET, Window, mask_logits, schedule,
                                               tile_loops, tile_rows)
 
@@ -290,8 +290,9 @@ def _query_chunk(bsz, h, g, di, topk, blk, chunk, budget_bytes=PARTIALS_BUDGET):
 
 
 def _run(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, blk, interpret, grads,
-         teacher_lse=None, q_weights=None, rows=32, chunk=128, query_chunk=None):
-    """(kl_sum, count, dqi, dki) for a unit cotangent (dqi / dki None without ``grads``)."""
+         teacher_lse=None, q_weights=None, rows=32, chunk=None, query_chunk=None):
+    """(kl_sum, count, dqi, dki) for a unit cotangent (dqi / dki None without ``grads``). ``chunk``: sorted
+    selections per program (None: ``default_bwd_chunk`` of a pass, as the attention backward)."""
     bsz, t, h, _ = q.shape
     g, di = k.shape[2], qi.shape[-1]
     prep = layout.prepare(k, ki[:, :, None, :], q_positions, kv_positions, q_seg, kv_seg, blk)
@@ -299,7 +300,9 @@ def _run(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, blk,
     starts = layout.window_starts(ids, prep.base, blk, prep.s_pad)
     qpos = q_positions.astype(jnp.int32)
     rows = max(rows, layout.next_pow2(h // g))
-    qc = query_chunk or _query_chunk(bsz, h, g, di, ids.shape[-1], blk, chunk)
+    qc = query_chunk or _query_chunk(bsz, h, g, di, ids.shape[-1], blk, chunk or 128)   # sized for the most pieces
+    if chunk is None:
+        chunk = default_bwd_chunk(bsz * min(t, qc) * ids.shape[-1] * g)
     run = functools.partial(_chunk, kp=prep.k, kip=prep.v, kvpos=prep.kv_pos, kvseg=prep.kv_seg,
                             blk=blk, chunk=chunk, rows=rows, grads=grads, interpret=interpret)
     dki = jnp.zeros((bsz, prep.s_pad, g, di), jnp.float32)
@@ -338,23 +341,24 @@ def _f0(x):
     return None if x is None else np.zeros(x.shape, jax.dtypes.float0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(11, 12))
-def _kl(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, teacher_lse, q_weights, blk, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(11, 12, 13))
+def _kl(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, teacher_lse, q_weights, blk, interpret,
+        chunk):
     kl, count, _, _ = _run(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, blk,
-                           interpret, grads=False, teacher_lse=teacher_lse, q_weights=q_weights)
+                           interpret, grads=False, teacher_lse=teacher_lse, q_weights=q_weights, chunk=chunk)
     return kl, count
 
 
 def _kl_fwd(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, teacher_lse, q_weights, blk,
-            interpret):
+            interpret, chunk):
     kl, count, dqi, dki = _run(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg,
-                               blk, interpret, grads=True, teacher_lse=teacher_lse, q_weights=q_weights)
+                               blk, interpret, grads=True, teacher_lse=teacher_lse, q_weights=q_weights, chunk=chunk)
     dtypes = (jnp.zeros((0,), qi.dtype), jnp.zeros((0,), ki.dtype))     # the cotangents' dtypes
     res = (q, k, block_ids, q_positions, kv_positions, q_seg, kv_seg, teacher_lse, q_weights, dqi, dki, dtypes)
     return (kl, count), res
 
 
-def _kl_bwd(blk, interpret, res, cot):
+def _kl_bwd(blk, interpret, chunk, res, cot):
     q, k, block_ids, q_positions, kv_positions, q_seg, kv_seg, teacher_lse, q_weights, dqi, dki, dts = res
     qi_dt, ki_dt = dts
     ct = cot[0].astype(jnp.float32)
@@ -369,7 +373,8 @@ _kl.defvjp(_kl_fwd, _kl_bwd)
 
 
 def indexer_kl_gpu(q, k, qi, ki, block_ids, *, q_positions, kv_positions, q_segment_ids=None,
-                   kv_segment_ids=None, block_size=None, teacher_lse=None, q_weights=None, interpret=False):
+                   kv_segment_ids=None, block_size=None, teacher_lse=None, q_weights=None, interpret=False,
+                   chunk=None):
     """Indexer KL(teacher || student) on the selected support, Pallas/Triton GPU kernels.
 
     Args:
@@ -382,6 +387,7 @@ def indexer_kl_gpu(q, k, qi, ki, block_ids, *, q_positions, kv_positions, q_segm
         then computes only the student's LSE (no main-branch logits: ~H/G times less work).
       q_weights: None, or float [B,T]: query i's rows count ``q_weights[b, i]`` times in the sum, the
         count and the gradients (no gradient; prefix-tree rows, minimax_jax.data.prefix_tree).
+      chunk: sorted selections per program (a power of two >= 16; None: ``default_bwd_chunk`` per pass).
     Returns: (kl_sum f32 [], count int32 [], or float32 with q_weights) as minimax_jax.ops.msa.indexer_kl.
     Raises: ValueError for block_ids=None (the dense warm-up has no kernel). Other preconditions
       (tile sizes, head counts) are asserted; the ops layer checks them for its callers.
@@ -399,4 +405,4 @@ def indexer_kl_gpu(q, k, qi, ki, block_ids, *, q_positions, kv_positions, q_segm
         assert q_weights.shape == q.shape[:2], f"q_weights must be [B,T] = {q.shape[:2]}, got {q_weights.shape}"
         q_weights = jax.lax.stop_gradient(q_weights.astype(jnp.float32))
     return _kl(q, k, qi, ki, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids, teacher_lse,
-               q_weights, block_size, interpret)
+               q_weights, block_size, interpret, chunk)
