@@ -29,7 +29,8 @@ float32 logits ``[B, T, V]`` (8.6 GB at 64K tokens); at M3's 200K vocabulary tha
 Modes: ``dense`` = the same model with every MSA layer turned into full attention (``--dense-seq``,
 default 8192); ``msa`` = sparse attention with the sparse indexer KL (``--msa-seq``, default 65536).
 Both: bf16 compute, fp32 master params, ``remat=full``, AdamW, batch ``--batch`` rows of packed
-synthetic documents (one document per row unless ``--doc-len``), one device (mesh ``data=1``).
+synthetic documents (one document per row unless ``--doc-len``), one device (mesh ``data=1``; ``--mesh``
+another, e.g. ``expert=8`` as bench/multi_gpu.py ep_train runs it: MFU per device of the mesh).
 
 Implementations: ``--attention-impl``, ``--moe-impl``, ``--msa-impl`` set the model's op choices
 ("auto" by default: on GPU the MoE uses the project's Pallas grouped matmul ``pallas_gpu``, 283-432
@@ -254,7 +255,7 @@ def make_trainer(mode: str, seq: int, args) -> Trainer:
         "model": fields,
         "data": {"kind": "synthetic", "seq_len": seq, "batch_size": args.batch, "seed": 0,
                  "mean_doc_len": args.doc_len or seq * 100},
-        "mesh": "data=1",
+        "mesh": args.mesh,
         "optim": {"lr": 1e-4, "mtp_weights": 0.3, "grad_accum": 1, "mu_dtype": args.mu_dtype},
         "schedule": {"kind": "constant", "warmup_steps": 1},
         "msa": {"kl_coeff": args.kl_coeff},
@@ -367,6 +368,8 @@ def bench_one(mode: str, seq: int, args) -> dict:
     step_s = statistics.median(times)
     fl = statistics.median(p["model"] + p["indexer"] for p in parts)       # = train_flops
     peak = peak_flops_per_device(dev.device_kind, args.peak_tflops)
+    if peak:
+        peak *= tr.mesh.devices.size                # the whole mesh's peak (1 device with the default mesh)
     row.update({
         "step_s_median": step_s, "step_s_all": times, "tokens_per_s": args.batch * seq / step_s,
         "model_tflops_per_s": fl / step_s / 1e12, "mfu": (fl / step_s / peak) if peak else None,
@@ -405,7 +408,8 @@ def profile_steps(tag: str, args, run_step) -> dict:
     return {"dir": pdir, "scope": scope, "lines": rows[:6]}
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line (bench/multi_gpu.py builds its runs' arguments with it)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--modes", default="dense,msa", help="comma list of dense,msa")
     p.add_argument("--dense-seq", type=int, default=8192)
@@ -444,7 +448,15 @@ def main(argv=None) -> int:
     p.add_argument("--profile", type=int, default=0,
                    help="after the timed steps, profile this many more (jax.profiler; bench/trace_summary.py)")
     p.add_argument("--tiny", action="store_true", help="tiny model and short sequences (CPU smoke test)")
+    p.add_argument("--mesh", default="data=1",
+                   help="train.mesh (minimax_jax.sharding.MeshSpec), e.g. expert=8 or expert=2,data=4: the batch "
+                        "splits over data*fsdp*expert; MFU is per device of the mesh (default: one device)")
     p.add_argument("--out", required=True)
+    return p
+
+
+def main(argv=None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     if args.tiny:
         args.dense_seq, args.msa_seq = min(args.dense_seq, 128), min(args.msa_seq, 256)
