@@ -42,7 +42,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from minimax_jax import sharding
 from minimax_jax.config import ModelConfig
+from minimax_jax.decode import mesh_attention
 from minimax_jax.decode.cache import CacheSpec, init_cache
 from minimax_jax.decode.pages import NULL_PAGE, PagePool, chain_hashes
 from minimax_jax.decode.step import PREFILL_IMPLEMENTATIONS, greedy_steps, model_step
@@ -68,6 +70,17 @@ class SequenceState:
 
 
 _PAGE_AXIS = {"k": 1, "v": 1, "k_scale": 1, "v_scale": 1, "ki": 0, "ki_scale": 0}
+
+
+def _new_cache(cfg: ModelConfig, spec: CacheSpec, params):
+    """Zero caches placed where ``model_step`` returns them. Inside ``sharding.use_mesh``: created on that
+    mesh with K/V sharded by kv head (``mesh_attention.cache_shardings``: each device holds its heads'
+    share, never the whole cache); elsewhere as ``_commit`` places them."""
+    ctx = sharding.current()
+    if ctx is None:
+        return _commit(init_cache(cfg, spec), params)
+    make = functools.partial(init_cache, cfg, spec)
+    return jax.jit(make, out_shardings=mesh_attention.cache_shardings(cfg, jax.eval_shape(make), *ctx))()
 
 
 def _commit(cache, params):
@@ -124,6 +137,8 @@ class DecodeEngine:
       prefix_cache: share full pages between sequences by content hash.
       query_rows: if set (1..16), every decode step is padded to this many rows so one compiled
         step serves every Q <= query_rows (padding rows are never written); None = exact Q.
+    Mesh: built and run inside ``sharding.use_mesh``, the caches are sharded by kv head over the tensor
+    axes and each prefill chunk's tokens split over the sequence axes (``minimax_jax.decode.mesh_attention``).
     Raises: ValueError for inconsistent sizes.
     """
 
@@ -163,7 +178,7 @@ class DecodeEngine:
             raise ValueError(f"query_rows must be in [1, {MAX_QUERY_ROWS}], got {query_rows}")
         self.query_rows = query_rows
         self.pool = PagePool(num_pages)
-        self.cache = _commit(init_cache(cfg, self.spec), params)
+        self.cache = _new_cache(cfg, self.spec, params)
         self.tables = np.zeros((max_seqs, pages_per_seq), np.int32)
         self.seqs: list[SequenceState | None] = [None] * max_seqs
 

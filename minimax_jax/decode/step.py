@@ -12,11 +12,13 @@ Two attention paths (same math, MSA_SPEC.md sections 3 and 5):
   ``S = page_table.shape[1] * page_size``: the caller may pass only the leading columns of the
   page table that cover every valid position (``DecodeEngine`` buckets them to a power of two of
   the filled length when the XLA ops run, whose cost grows with S; the kernels walk only the keys
-  at positions ``<=`` their queries', so their cost follows the filled length at any S). Inside
-  ``sharding.use_mesh`` with a ``sequence`` axis that divides T, the chunk's tokens are split over
-  devices (context parallelism: ``minimax_jax.decode.prefill_cp``).
+  at positions ``<=`` their queries', so their cost follows the filled length at any S).
 - ``"paged"`` (decode, ``Q <= 16`` rows): ``minimax_jax.ops.paged`` reads the pages directly
   (MSA layers: page scoring over the index-key pages, top-k + local page, split-KV attention).
+
+Inside ``sharding.use_mesh``, each layer's cache write and attention run per device
+(``minimax_jax.decode.mesh_attention``): kv heads over the tensor axes, and on the "gather" path a
+chunk's tokens over the sequence axes (context parallelism).
 
 Layer math is the model's own (``minimax_jax.model.transformer``: ``project_qkv``,
 ``project_index``, ``mlp_block``, ``embed``, ``unembed``), so the step equals ``forward``.
@@ -31,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from minimax_jax.config import ModelConfig
-from minimax_jax.decode import prefill_cp
+from minimax_jax.decode import mesh_attention
 from minimax_jax.decode.cache import CacheSpec, gather_pages, write_layer
 from minimax_jax.model.layers import rms_norm, rope_frequencies
 from minimax_jax.model.params import layer_segments
@@ -117,17 +119,15 @@ def model_step(params, cache, tokens, positions, page_table, logit_rows=None, *,
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     positions = positions.astype(jnp.int32)
     b, t = tokens.shape
-    # Context parallelism (a sequence-sharded mesh): the chunk's tokens split over devices (prefill_cp).
-    cp = prefill_cp.plan(cfg, b, t) if path == "gather" else None
-    order = prefill_cp.order(cp)
+    # On a mesh (mesh_attention): kv heads over the tensor axes, a prefill chunk's tokens over the sequence axes.
+    mp = mesh_attention.plan(cfg, b, t, path)
+    order = mesh_attention.order(mp)
     if order is not None:
         tokens, positions = tokens[:, order], positions[:, order]
     cos, sin = rope_frequencies(jnp.maximum(positions, 0), cfg.rotary_dim, cfg.rope_theta)
-    x = embed(params, cfg, tokens)
-    if cp is not None:
-        x = prefill_cp.constrain(cp, x)
+    x = mesh_attention.constrain(mp, embed(params, cfg, tokens))
     with context_parallel.token_order(order):
-        x, cache = _layers(params, cfg, spec, cache, x, cos, sin, page_table, positions, cp, path, implementation)
+        x, cache = _layers(params, cfg, spec, cache, x, cos, sin, page_table, positions, mp, path, implementation)
     if order is not None:                     # natural token order again for the logits and hidden states
         x = x[:, np.argsort(order)]
     xl = x if logit_rows is None else jnp.take_along_axis(x, logit_rows.astype(jnp.int32)[..., None], axis=1)
@@ -137,7 +137,7 @@ def model_step(params, cache, tokens, positions, page_table, logit_rows=None, *,
     return logits, cache
 
 
-def _layers(params, cfg, spec, cache, x, cos, sin, page_table, positions, cp, path, implementation):
+def _layers(params, cfg, spec, cache, x, cos, sin, page_table, positions, mp, path, implementation):
     """The decoder layers of ``model_step``: ``(x, cache)`` after them."""
     b, t, _ = x.shape
     cache = list(cache)
@@ -150,10 +150,12 @@ def _layers(params, cfg, spec, cache, x, cos, sin, page_table, positions, cp, pa
             qi = ki = None
             if seg.layer_type == "msa":
                 qi, ki = project_index(lp, h, cfg, cos, sin)
-            if cp is not None:
-                attend = functools.partial(_attend_gather, cfg, spec, layer_type=seg.layer_type, impl=implementation)
-                o, cache[li] = prefill_cp.write_and_attend(cp, attend, cache[li], spec, q, k, v, qi, ki, page_table,
-                                                           positions)
+            if mp is not None:
+                kw = dict(layer_type=seg.layer_type, impl=implementation)
+                attend = (functools.partial(_attend_gather, cfg, spec, **kw) if path == "gather"
+                          else functools.partial(_attend_paged, cfg, **kw))
+                o, cache[li] = mesh_attention.write_and_attend(mp, attend, cache[li], spec, q, k, v, qi, ki,
+                                                               page_table, positions, path)
             else:
                 cache[li] = write_layer(cache[li], k, v, ki, page_table, positions, spec)
                 if path == "gather":
@@ -165,8 +167,7 @@ def _layers(params, cfg, spec, cache, x, cos, sin, page_table, positions, cp, pa
             x = x + o.reshape(b, t, cfg.q_dim) @ lp["attn"]["o_proj"].astype(x.dtype)
             m, _ = mlp_block(lp, _norm(x, lp["post_attn_norm"], cfg), cfg, seg.mlp_type)
             x = x + m
-            if cp is not None:
-                x = prefill_cp.constrain(cp, x)
+            x = mesh_attention.constrain(mp, x)
     return x, cache
 
 

@@ -351,7 +351,7 @@ def run() -> int:
 
 def _sequence_devices() -> int:
     """Devices ``--mesh`` splits the token axis over (the sharding rules' "length" axes; 1: none), which
-    the paged engine's prefill chunks are split over (``minimax_jax.decode.prefill_cp``)."""
+    the paged engine's prefill chunks are split over (``minimax_jax.decode.mesh_attention``)."""
     if not FLAGS.mesh or FLAGS.engine != "paged":
         return 1
     import jax
@@ -386,16 +386,16 @@ def _generate_all(gen, model, items, prompts, config, chunk, out) -> int:
     limit = [items[i].max_new_tokens or config.max_new_tokens for i, _ in rows]
     batch = 1 if FLAGS.stream else FLAGS.batch_size
     extra = config.decode_loop + ((config.num_draft or min(model.cfg.num_mtp_modules, 15)) if config.speculative else 0)
-    # The engine (and its one "engine:" line) before any progress bar, sized for every batch.
-    gen.reserve(min(batch, len(rows)), max(len(prompts[i]) + m for (i, _), m in zip(rows, limit)) + extra,
-                config.speculative is not None)
     ctx = contextlib.nullcontext()
-    if model.mesh is not None:
+    if model.mesh is not None:      # the engine is built inside it: its KV cache is sharded by kv head
         from minimax_jax.sharding import use_mesh
 
         ctx = use_mesh(model.mesh, model.rules)
     stats, reasons = [], {}
     with ctx, InterruptFlag() as stop:
+        # The engine (and its one "engine:" line) before any progress bar, sized for every batch.
+        gen.reserve(min(batch, len(rows)), max(len(prompts[i]) + m for (i, _), m in zip(rows, limit)) + extra,
+                    config.speculative is not None)
         for b in range(0, len(rows), batch):
             part = rows[b:b + batch]
             ps = [prompts[i] for i, _ in part]

@@ -45,7 +45,7 @@ from jax.sharding import PartitionSpec as PS
 from minimax_jax import sharding
 from minimax_jax.ops.registry import record_implementation
 
-__all__ = ["Plan", "plan", "run", "zigzag", "token_order", "current_order"]
+__all__ = ["Plan", "plan", "run", "zigzag", "token_order", "current_order", "dividing_axes"]
 
 _state = threading.local()
 
@@ -101,7 +101,7 @@ class Plan:
         return PS(*[(axes.get(c) or None) for c in layout])
 
 
-def _dividing(mesh, axes: Sequence[str], n: int, used: set[str]) -> tuple[str, ...]:
+def dividing_axes(mesh, axes: Sequence[str], n: int, used: set[str]) -> tuple[str, ...]:
     """The leading run of ``axes`` (size > 1, not in ``used``) whose product divides ``n``."""
     out: list[str] = []
     for a in axes:
@@ -126,34 +126,32 @@ def plan(batch: int, tokens: int, head_counts: Sequence[int]) -> Plan | None:
     seq = tuple(a for a in rules["length"] if mesh.shape[a] > 1)
     if not seq or tokens % sharding.mesh_axis_size(mesh, seq):
         return None
-    b = _dividing(mesh, rules["batch"], batch, set(seq))
-    heads = _dividing(mesh, rules["act_heads"], math.gcd(*head_counts), set(seq) | set(b))
+    b = dividing_axes(mesh, rules["batch"], batch, set(seq))
+    heads = dividing_axes(mesh, rules["act_heads"], math.gcd(*head_counts), set(seq) | set(b))
     return Plan(mesh, tokens, seq, b, heads)
 
 
 def run(p: Plan, fn: Callable, q_side: Sequence[tuple[jax.Array, str]], kv_side: Sequence[tuple[jax.Array, str]],
-        out_layouts: Sequence[str], num_sums: int = 0, name: str = "attention", shared: Sequence = ()):
-    """``fn(*local q-side arrays, *gathered kv-side arrays, *shared) -> (*outputs, *sums)`` in ``shard_map``.
+        out_layouts: Sequence[str], num_sums: int = 0, name: str = "attention"):
+    """``fn(*local q-side arrays, *gathered kv-side arrays) -> (*outputs, *sums)`` in ``shard_map``.
 
     Args:
       p: from ``plan``. q_side / kv_side: ``(array, layout)`` pairs; every layout has one ``t``; kv-side
         arrays are all-gathered along it inside. out_layouts: the layouts of ``fn``'s array outputs (each
-        with its local ``t`` = the queries', or ``""``: replicated, every device returns the same value);
-        num_sums: trailing scalar outputs, psum'ed over the query axes.
+        with its local ``t`` = the queries'); num_sums: trailing scalar outputs, psum'ed over the query axes.
       name: recorded under ``context_parallel/<name>`` in the implementation report.
-      shared: arrays every device gets whole (replicated in and passed as they are; e.g. a KV cache).
     Returns: the outputs (sharded like the queries) and the summed scalars.
     """
-    nq, nkv = len(q_side), len(kv_side)
+    nq = len(q_side)
     gather_axes = [layout.index("t") for _, layout in kv_side]
     order = current_order()
     inverse = None if order is None else jnp.asarray(np.argsort(order).astype(np.int32))
 
     def body(*args):
-        kv = [jax.lax.all_gather(x, p.seq, axis=ax, tiled=True) for x, ax in zip(args[nq:nq + nkv], gather_axes)]
+        kv = [jax.lax.all_gather(x, p.seq, axis=ax, tiled=True) for x, ax in zip(args[nq:], gather_axes)]
         if inverse is not None:                                  # keys back in natural order
             kv = [jnp.take(x, inverse, axis=ax) for x, ax in zip(kv, gather_axes)]
-        res = fn(*args[:nq], *kv, *args[nq + nkv:])
+        res = fn(*args[:nq], *kv)
         outs, sums = res[:len(res) - num_sums], res[len(res) - num_sums:]
         return (*outs, *(jax.lax.psum(s, p.query_axes) for s in sums))
 
@@ -161,7 +159,6 @@ def run(p: Plan, fn: Callable, q_side: Sequence[tuple[jax.Array, str]], kv_side:
                                                       f"order={'natural' if order is None else 'zigzag'}")
     # check_vma=False: the kernels' pallas_calls return invariant-typed values (see pallas_kernels.common);
     # every input here is sharded or replicated consistently, so the plain transpose rules are exact.
-    fn_sm = jax.shard_map(body, mesh=p.mesh, in_specs=(*(p.spec(lay) for _, lay in (*q_side, *kv_side)),
-                                                       *([PS()] * len(shared))),
+    fn_sm = jax.shard_map(body, mesh=p.mesh, in_specs=tuple(p.spec(lay) for _, lay in (*q_side, *kv_side)),
                           out_specs=(*(p.spec(lay) for lay in out_layouts), *([PS()] * num_sums)), check_vma=False)
-    return fn_sm(*(x for x, _ in q_side), *(x for x, _ in kv_side), *shared)
+    return fn_sm(*(x for x, _ in q_side), *(x for x, _ in kv_side))

@@ -1,12 +1,14 @@
-"""Context-parallel chunked prefill in the decode engine (``minimax_jax.decode.prefill_cp``), 8 simulated CPU devices.
+"""The decode engine on a mesh (``minimax_jax.decode.mesh_attention``), 8 simulated CPU devices: context-parallel
+chunked prefill (a chunk's tokens over the ``sequence`` axis) and kv heads over ``tensor`` (the paged cache
+sharded by kv head).
 
 A subprocess (``--xla_force_host_platform_device_count=8``) runs the same engine work once without a mesh
-and once per mesh with a ``sequence`` axis: a 300-token prompt in 64-token chunks (five chunks over a
-growing cached prefix), then two prompts in one chunk step (one sharing 200 tokens with the first: a
-prefix-cache hit), then three greedy decode steps of both. Every prompt position's logits and every
-decode logit must equal the single-device run (fp32, 1e-5). Spies on the step's attention ops check that
-every prefill attention call traced T / n local queries (a whole-chunk call sneaking back fails) and the
-jaxpr has no Pallas kernel outside shard_map when the interpreted GPU kernels run.
+and once per mesh: a 300-token prompt in 64-token chunks (five chunks over a growing cached prefix), then
+two prompts in one chunk step (one sharing 200 tokens with the first: a prefix-cache hit), then three
+greedy decode steps of both. Every prompt position's logits and every decode logit must equal the
+single-device run (fp32, 1e-5). Spies on the step's prefill attention ops check that every call traced
+T / n local queries (a whole-chunk call sneaking back fails); every device's shard of the K cache holds
+G / tensor kv heads; the jaxpr has no Pallas kernel outside shard_map when the interpreted GPU kernels run.
 """
 
 from __future__ import annotations
@@ -36,13 +38,19 @@ def _run_worker(model: str, meshes: list[str], impl: str, timeout: int = 900) ->
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
-def _check(results: list[dict], meshes: list[str], msa: bool, kernels: bool):
+def _axis(mesh: str, name: str) -> int:
+    return int(dict(kv.split("=") for kv in mesh.split(",")).get(name, 1))
+
+
+def _check(results: list[dict], meshes: list[str], msa: bool, kernels: bool, kv_heads: int = 2):
     assert [r["mesh"] for r in results] == meshes
     for r in results:
-        seq = int(dict(kv.split("=") for kv in r["mesh"].split(","))["sequence"])
+        seq, tp = _axis(r["mesh"], "sequence"), _axis(r["mesh"], "tensor")
         assert r["max_abs_err"] <= TOL and r["compared"] > 0, r
-        order = "zigzag" if CHUNK % (2 * seq) == 0 else "natural"
-        assert r["cp"] == f"sequence={seq},heads=-,order={order}", r
+        order = "-" if seq == 1 else ("zigzag" if CHUNK % (2 * seq) == 0 else "natural")
+        assert r["mesh_attention"] == f"sequence={seq},heads={'tensor' if tp > 1 else '-'},order={order}", r
+        assert r["k_shard_heads"] == kv_heads // tp, r          # the paged cache is sharded by kv head
+        assert r["decode"] == ("sequence=1,heads=tensor,order=-" if tp > 1 else None), r
         local = CHUNK // seq
         kinds = {"msa", "dense"} if msa else {"dense"}
         assert {tuple(c) for c in r["calls"]} == {(k, local) for k in kinds}, r
@@ -53,24 +61,25 @@ def _check(results: list[dict], meshes: list[str], msa: bool, kernels: bool):
 def test_m3_prefill_sequence_parallel_equals_one_device():
     """Tiny M3 (a dense first layer and MSA layers) with the interpreted GPU kernels (MSA selection and
     sparse attention, the suffix-attention kernel for the dense layer): sequence=4 x data=2, sequence=8,
-    sequence=2 x tensor=2 x fsdp=2 (every one in zig-zag order: 2n divides the 64-token chunk)."""
-    meshes = ["sequence=4,data=2", "sequence=8", "sequence=2,tensor=2,fsdp=2"]
+    sequence=2 x tensor=2 x fsdp=2 (zig-zag order: 2n divides the 64-token chunk), tensor=2 x data=4 (heads
+    only: the decode steps and the whole chunk per head group)."""
+    meshes = ["sequence=4,data=2", "sequence=8", "sequence=2,tensor=2,fsdp=2", "tensor=2,data=4"]
     _check(_run_worker("configs/tiny-m3.yaml", meshes, "pallas_gpu_interpret"), meshes, msa=True, kernels=True)
 
 
 @pytest.mark.slow
 def test_m2_prefill_sequence_parallel_with_expert_axis():
-    meshes = ["sequence=2,expert=2,data=2", "sequence=4,data=2"]
+    meshes = ["sequence=2,expert=2,data=2", "sequence=4,data=2", "tensor=2,expert=2,data=2"]
     _check(_run_worker("configs/tiny-m2.yaml", meshes, "xla"), meshes, msa=False, kernels=False)
 
 
 def test_no_plan_without_a_mesh():
     """Outside ``use_mesh`` the step runs as before (the mesh cases are checked in the worker)."""
     from minimax_jax.config import ModelConfig
-    from minimax_jax.decode import prefill_cp
+    from minimax_jax.decode import mesh_attention
 
     cfg = ModelConfig.from_yaml(os.path.join(REPO_ROOT, "configs/tiny-m3.yaml"))
-    assert prefill_cp.plan(cfg, 2, 64) is None and prefill_cp.order(None) is None
+    assert mesh_attention.plan(cfg, 2, 64, "gather") is None and mesh_attention.order(None) is None
 
 
 # ----------------------------------------------------------------------------- worker
@@ -133,23 +142,32 @@ def _worker(model: str, meshes: list[str], impl: str) -> None:
                 jaxpr = jax.make_jaxpr(lambda c: step_mod.model_step.__wrapped__(
                     eng.params, c, tok, pos, eng.tables, cfg=cfg, spec=eng.spec, path="gather",
                     implementation=impl))(eng.cache)
-        return out, eng.seqs[slots[0]].cached_tokens, jaxpr
+        k0 = eng.cache[0]["k"]
+        heads = {int(sh.data.shape[0]) for sh in k0.addressable_shards}
+        return out, eng.seqs[slots[0]].cached_tokens, jaxpr, heads
 
-    with sh.use_mesh(sh.make_mesh("sequence=8"), sh.load_rules("default")):   # which chunks get a plan
-        from minimax_jax.decode import prefill_cp
-        assert prefill_cp.plan(cfg, 3, 60) is None, "60 tokens do not split over 8 devices"
-        p = prefill_cp.plan(cfg, 3, 64)
+    from minimax_jax.decode import mesh_attention as ma
+    with sh.use_mesh(sh.make_mesh("sequence=8"), sh.load_rules("default")):   # which steps get a plan
+        assert ma.plan(cfg, 3, 60, "gather") is None, "60 tokens do not split over 8 devices"
+        assert ma.plan(cfg, 3, 64, "paged") is None, "decode steps are not split over tokens"
+        p = ma.plan(cfg, 3, 64, "gather")
         assert p is not None and p.size == 8 and p.batch == () and p.heads == (), p
-        assert prefill_cp.order(p) is not None and prefill_cp.order(prefill_cp.plan(cfg, 3, 8)) is None
-    ref, cached, _ = run(None)
+        assert ma.order(p) is not None and ma.order(ma.plan(cfg, 3, 8, "gather")) is None
+    with sh.use_mesh(sh.make_mesh("tensor=2,sequence=4"), sh.load_rules("default")):
+        p = ma.plan(cfg, 3, 8, "paged")
+        assert p is not None and p.seq == () and p.heads == ("tensor",), p
+    ref, cached, _, _ = run(None)
     assert cached > 0, "the second prompt should hit the prefix cache"
     for mesh_spec in meshes:
         clear_implementation_report()
         seen.clear()
-        got, _, jaxpr = run(mesh_spec)
+        got, _, jaxpr, heads = run(mesh_spec)
+        assert len(heads) == 1, heads
         errs = [float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(ref, got)]
         print(json.dumps({"mesh": mesh_spec, "max_abs_err": max(errs), "compared": sum(int(np.size(a)) for a in ref),
-                          "cp": implementation_report().get("context_parallel/prefill"),
+                          "mesh_attention": implementation_report().get("mesh_attention/gather"),
+                          "decode": implementation_report().get("mesh_attention/paged"),
+                          "k_shard_heads": heads.pop(),
                           "calls": sorted(set(seen)), **_pallas_calls(jaxpr)}), flush=True)
 
 

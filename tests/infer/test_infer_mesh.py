@@ -25,8 +25,8 @@ def test_cli_on_a_two_device_mesh(tmp_path):
     assert "mesh fsdp=2" in r.stderr
 
 
-def _cli(tmp_path, *flags):
-    ckpt = H.chain_checkpoint(str(tmp_path / "ckpt"), H.GOOD_PIECES)
+def _cli(tmp_path, *flags, **cfg_kw):
+    ckpt = H.chain_checkpoint(str(tmp_path / "ckpt"), H.GOOD_PIECES, **cfg_kw)
     chat = tmp_path / "chat.json"
     chat.write_text(json.dumps(H.CHAT))
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
@@ -43,7 +43,7 @@ def test_cli_context_parallel_prefill(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "--- generation ---\n" + "".join(H.GOOD_PIECES[:-1]) + "\n" in r.stdout
     assert "prefill: context parallel over sequence=2, 16-token chunks (8 per device)" in r.stderr
-    assert "context_parallel/prefill=sequence=2,heads=-,order=zigzag" in r.stderr
+    assert "mesh_attention/gather=sequence=2,heads=-,order=zigzag" in r.stderr
 
 
 def test_cli_prefill_chunk_must_split_over_the_sequence_axis(tmp_path):
@@ -52,3 +52,13 @@ def test_cli_prefill_chunk_must_split_over_the_sequence_axis(tmp_path):
     err = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert err[-1].endswith("--prefill_chunk 15 does not split over the mesh's sequence axis (2 devices): "
                             "pass a multiple of 2 (4 for balanced causal work)"), r.stderr[-2000:]
+
+
+def test_cli_tensor_parallel_kv_cache(tmp_path):
+    """``--mesh tensor=2`` with two kv heads: the engine's cache is sharded by kv head and every prefill and
+    decode step attends per device with its heads (recorded), the same output."""
+    r = _cli(tmp_path, "--mesh=tensor=2", "--show_stats", num_heads=4, num_kv_heads=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "--- generation ---\n" + "".join(H.GOOD_PIECES[:-1]) + "\n" in r.stdout
+    assert "mesh_attention/gather=sequence=1,heads=tensor,order=-" in r.stderr
+    assert "mesh_attention/paged=sequence=1,heads=tensor,order=-" in r.stderr

@@ -115,6 +115,25 @@ def test_primal_only_path_and_public_function_agree():
     np.testing.assert_allclose(float(kl), want[0], rtol=2e-5)
 
 
+def test_public_chunk_argument_and_default_rule():
+    """``indexer_kl_gpu(chunk=...)`` (the tiling the probe times) gives the reference's loss and gradients;
+    without it a pass takes the attention backward's rule (``default_bwd_chunk``): 512 selections per
+    program at the 64K training passes, 128 at small ones."""
+    rng = np.random.default_rng(3)
+    c = make_case(rng, bsz=1, t=48, s=48, h=8, g=2, d=16)
+    ids = random_ids(rng, c["q_pos"], c["q_seg"], 2, 3, BLK)
+    qi, ki = _inputs(rng, c, 2)
+    pos = positions(c)
+    f = lambda qi, ki: gk.indexer_kl_gpu(jnp.asarray(c["q"]), jnp.asarray(c["k"]), qi, ki, jnp.asarray(ids),
+                                         block_size=BLK, interpret=True, chunk=16, **pos)
+    (kl, cnt), vjp = jax.vjp(f, jnp.asarray(qi), jnp.asarray(ki))
+    dqi, dki = vjp((jnp.float32(1.0), np.zeros((), jax.dtypes.float0)))
+    _check((float(kl), int(cnt), np.asarray(dqi), np.asarray(dki)), _reference(c, ids, qi, ki))
+    qc = gk._query_chunk(1, 16, 4, 128, 16, 128, 128)                 # the training model's 64K passes
+    assert gk.default_bwd_chunk(min(65536, qc) * 16 * 4) == 512
+    assert gk.default_bwd_chunk(48 * 3 * 2) == 128
+
+
 def _weighted_reference(c, ids, qi, ki, w):
     pos = positions(c)
     f = lambda qi, ki: msa_ops.indexer_kl(jnp.asarray(c["q"]), jnp.asarray(c["k"]), qi, ki, jnp.asarray(ids),
