@@ -39,7 +39,8 @@ from minimax_jax.decode.cache import CacheSpec, write_layer
 from minimax_jax.ops import context_parallel
 from minimax_jax.ops.registry import record_implementation
 
-__all__ = ["HEAD_SHARDED", "heads_axes", "cache_shardings", "plan", "order", "constrain", "write_and_attend"]
+__all__ = ["HEAD_SHARDED", "heads_axes", "cache_shardings", "sequence_devices", "plan", "order", "constrain",
+           "write_and_attend"]
 
 #: Cache arrays with a leading kv-head axis (sharded over ``heads_axes``); the others are replicated.
 HEAD_SHARDED = ("k", "v", "k_scale", "v_scale")
@@ -50,6 +51,13 @@ def heads_axes(cfg: ModelConfig, mesh, rules) -> tuple[str, ...]:
     product divides both ``num_heads`` and ``num_kv_heads`` (() = heads not split)."""
     return context_parallel.dividing_axes(mesh, rules["act_kv_heads"], math.gcd(cfg.num_heads, cfg.num_kv_heads),
                                           set())
+
+
+def sequence_devices(axis_sizes, rules) -> int:
+    """Devices a prefill chunk's tokens split over: the product of the ``length`` rule's axis sizes in
+    ``axis_sizes`` (a mapping axis -> size, e.g. ``mesh.shape``); 1 = none. A chunk must be a multiple of it
+    to be split (``plan``)."""
+    return math.prod(int(axis_sizes.get(a, 1)) for a in rules["length"])
 
 
 def cache_shardings(cfg: ModelConfig, cache: list[dict], mesh, rules) -> list[dict]:

@@ -17,7 +17,6 @@ records finished so far are written, one line says so; a second Ctrl-C aborts at
 
 from __future__ import annotations
 
-import math
 import sys
 
 import argparse
@@ -354,12 +353,15 @@ def _sequence_devices() -> int:
     the paged engine's prefill chunks are split over (``minimax_jax.decode.mesh_attention``)."""
     if not FLAGS.mesh or FLAGS.engine != "paged":
         return 1
+    import dataclasses
+
     import jax
 
+    from minimax_jax.decode.mesh_attention import sequence_devices
     from minimax_jax.sharding import MeshSpec, load_rules
 
     spec = MeshSpec.parse(FLAGS.mesh).resolve(jax.device_count())
-    return math.prod(getattr(spec, a) for a in load_rules(FLAGS.sharding_rules or "default")["length"])
+    return sequence_devices(dataclasses.asdict(spec), load_rules(FLAGS.sharding_rules or "default"))
 
 
 def _prefill_chunk(n: int, chunk: int) -> int:

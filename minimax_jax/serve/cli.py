@@ -49,10 +49,18 @@ def build_parser():
     p.add_argument("--mtp_window", type=cli_main.int_at_least(1), default=64,
                    help="Positions the MTP layers attend over while drafting.")
     cli_main.add_bool(p, "prefix_cache", True, "Share cached prompt pages across requests.")
+    p.add_argument("--mesh", default=None, help="Device mesh, e.g. 'tensor=4' (axes data, fsdp, expert, sequence, "
+                                                "tensor; one may be -1): parameters loaded sharded by "
+                                                "--sharding_rules, the KV cache sharded by kv head over tensor, "
+                                                "prefill chunks split over sequence.")
+    p.add_argument("--sharding_rules", default=None, help="Sharding rule preset (configs/sharding.yaml) or a YAML "
+                                                          "path (default: default); needs --mesh.")
     return cli_main.add_common(p, cache=True)
 
 
 def _main(argv) -> int:
+    import uvicorn
+
     from minimax_jax.infer.loading import load_model
     from minimax_jax.serve.server import build, uvicorn_config
 
@@ -60,9 +68,19 @@ def _main(argv) -> int:
     flags = cli_main.parse_args(parser, argv)
     if flags.num_draft is not None and flags.speculative == "none":
         parser.error("--num_draft needs --speculative mtp")
+    if flags.sharding_rules is not None and not flags.mesh:
+        parser.error("--sharding_rules applies only with --mesh")
+    n = _sequence_devices(flags)
+    if n > 1 and flags.prefill_chunk % n:
+        parser.error(f"--prefill_chunk {flags.prefill_chunk} does not split over the mesh's sequence axis ({n} "
+                     f"devices): pass a multiple of {n} ({2 * n} for balanced causal work)")
     cli_main.enable_compilation_cache(flags.compilation_cache, prog=PROG)
+    log = lambda m: print(m, file=sys.stderr, flush=True)            # noqa: E731
     model = load_model(flags.checkpoint, tokenizer_path=flags.tokenizer, dtype=flags.dtype,
-                       attention=flags.attention, log=lambda m: print(m, file=sys.stderr, flush=True))
+                       attention=flags.attention, log=log, mesh=flags.mesh, rules=flags.sharding_rules or "default")
+    if model.mesh is not None:
+        log("mesh " + ",".join(f"{k}={v}" for k, v in model.mesh.shape.items() if v > 1)
+            + (f"; prefill: context parallel over sequence={n}" if n > 1 else ""))
     server = build(model, max_batch=flags.max_batch, max_len=flags.max_len, max_queue=flags.max_queue,
                    prefill_chunk=flags.prefill_chunk, model_name=flags.served_model_name,
                    default_max_tokens=flags.default_max_tokens, prefix_cache=flags.prefix_cache,
@@ -75,6 +93,21 @@ def _main(argv) -> int:
     finally:
         server.close()
     return 0
+
+
+def _sequence_devices(flags) -> int:
+    """Devices ``--mesh`` splits a prefill chunk's tokens over (``mesh_attention.sequence_devices``; 1: none)."""
+    if not flags.mesh:
+        return 1
+    import dataclasses
+
+    import jax
+
+    from minimax_jax.decode.mesh_attention import sequence_devices
+    from minimax_jax.sharding import MeshSpec, load_rules
+
+    spec = MeshSpec.parse(flags.mesh).resolve(jax.device_count())
+    return sequence_devices(dataclasses.asdict(spec), load_rules(flags.sharding_rules or "default"))
 
 
 def main(argv=None) -> int:

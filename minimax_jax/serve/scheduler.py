@@ -26,6 +26,7 @@ Events go to ``Sequence.emit`` (called on the worker thread; the HTTP side bridg
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import math
 import threading
@@ -110,11 +111,13 @@ class Scheduler:
 
     def __init__(self, generator: Generator, *, max_batch: int, max_len: int, max_queue: int = 64,
                  token_budget: int | None = None, metrics=None, speculative: str | None = None,
-                 num_draft: int | None = None, mtp_window: int = 64):
+                 num_draft: int | None = None, mtp_window: int = 64, mesh=None):
         if generator.engine != "paged":
             raise ValueError(f"the server needs the paged engine, got {generator.engine!r}")
         self.gen = generator
-        generator.reserve(max_batch, max_len)
+        self.mesh = mesh
+        with self._on_mesh():
+            generator.reserve(max_batch, max_len)
         self.backend = generator.backend
         self.engine = self.backend.engine
         self.max_len = self.backend.max_len
@@ -136,6 +139,15 @@ class Scheduler:
             raise ValueError(f"speculative must be None or 'mtp', got {speculative!r}")
         self.mtp = None if speculative is None else MTPStep(self, num_draft, mtp_window)
         self._extra = 0 if self.mtp is None else self.mtp.k     # drafts written past the end before truncation
+
+    def _on_mesh(self):
+        """``sharding.use_mesh`` of ``mesh`` (thread-local: entered where the engine is built and in the worker
+        thread that runs its steps), or a null context."""
+        if self.mesh is None:
+            return contextlib.nullcontext()
+        from minimax_jax.sharding import use_mesh
+
+        return use_mesh(*self.mesh)
 
     # ------------------------------------------------------------------ control
     def start(self) -> None:
@@ -186,19 +198,8 @@ class Scheduler:
     # ------------------------------------------------------------------ loop
     def _loop(self) -> None:
         try:
-            while True:
-                with self._cv:
-                    while not self._stopping and not self._waiting and not self._active and not self._prefilling:
-                        self._cv.wait(0.5)
-                    if self._stopping:
-                        break
-                self._drop_cancelled()
-                self._admit()
-                if self._prefilling:
-                    self._advance()
-                if self._active:
-                    self._step()
-                self._gauges()
+            with self._on_mesh():
+                self._serve()
         except BaseException as e:   # the worker must not die silently: fail everything in flight
             self.error = e
             for s in list(self._active) + list(self._prefilling) + list(self._waiting):
@@ -207,6 +208,22 @@ class Scheduler:
         finally:
             for s in list(self._active) + list(self._prefilling):
                 self._release(s)
+
+    def _serve(self) -> None:
+        """The worker's loop: admit, advance prefills, decode, until ``stop``."""
+        while True:
+            with self._cv:
+                while not self._stopping and not self._waiting and not self._active and not self._prefilling:
+                    self._cv.wait(0.5)
+                if self._stopping:
+                    break
+            self._drop_cancelled()
+            self._admit()
+            if self._prefilling:
+                self._advance()
+            if self._active:
+                self._step()
+            self._gauges()
 
     def _gauges(self) -> None:
         if self.metrics is not None:

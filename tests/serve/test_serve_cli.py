@@ -17,7 +17,7 @@ def test_defaults_serve_the_demo_on_loopback():
 
 @pytest.mark.parametrize("argv", [["--port", "-1"], ["--max_batch", "0"], ["--bogus"],
                                   ["--attention", "sparse"], ["--speculative", "eagle"], ["--num_draft", "1"],
-                                  ["--speculative", "mtp", "--num_draft", "0"]])
+                                  ["--speculative", "mtp", "--num_draft", "0"], ["--sharding_rules", "default"]])
 def test_bad_flags_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
@@ -38,3 +38,82 @@ def test_infer_py_serve_is_the_server_cli():
     bad = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "infer.py"), "serve", "--bogus"],
                          capture_output=True, text=True, timeout=120, env=env)
     assert bad.returncode == 2 and "minimax_jax.serve: error: unrecognized arguments: --bogus" in bad.stderr
+
+
+def _serve(tmp_path, *flags, devices=1, **cfg_kw):
+    """``python -m minimax_jax.serve`` on a chain checkpoint in a subprocess; yields (port, process)."""
+    import os
+    import subprocess
+    import sys
+
+    from minimax_jax.serve.server import free_port
+    from tests import infer_helpers as H
+    from tests.paths import REPO_ROOT
+
+    ckpt = H.chain_checkpoint(str(tmp_path / "ckpt"), H.GOOD_PIECES, **cfg_kw)
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}")
+    proc = subprocess.Popen([sys.executable, "-m", "minimax_jax.serve", "--checkpoint", ckpt, "--port", str(port),
+                             "--max_batch", "2", "--max_len", "1024", "--compilation_cache", "none", *flags],
+                            env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return port, proc
+
+
+@pytest.mark.parametrize("mesh", [None, "tensor=2"])
+def test_the_cli_serves_a_chat_completion(tmp_path, mesh):
+    """The server CLI starts (uvicorn in the foreground), answers a greedy chat completion with the chain
+    model's reply, alone and on a 2-device mesh (KV cache sharded by kv head), and stops on SIGINT."""
+    import json
+    import signal
+    import time
+    import urllib.error
+    import urllib.request
+
+    from tests import infer_helpers as H
+
+    flags = ["--mesh", mesh] if mesh else []
+    port, proc = _serve(tmp_path, *flags, devices=2, num_heads=4, num_kv_heads=2)
+    try:
+        base = f"http://127.0.0.1:{port}/v1"
+        end = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            try:
+                with urllib.request.urlopen(base + "/models", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            assert time.monotonic() < end, "the server did not come up"
+            time.sleep(0.5)
+        body = json.dumps({"model": "ckpt", "messages": H.CHAT["messages"], "tools": H.CHAT["tools"],
+                           "temperature": 0, "max_tokens": 64}).encode()
+        req = urllib.request.Request(base + "/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                msg = json.loads(r.read())["choices"][0]["message"]
+        except urllib.error.HTTPError as e:
+            raise AssertionError(f"{e}: {e.read()[:2000]!r}") from None
+        call = msg["tool_calls"][0]["function"]                     # the chain model's scripted tool call
+        assert call["name"] == "get_weather" and json.loads(call["arguments"]) == {"city": "Paris"}, msg
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            out, err = proc.communicate(timeout=60)
+        except Exception:
+            proc.kill()
+            raise
+    assert proc.returncode in (0, 130), err[-3000:]
+    assert ("mesh tensor=2" in err) == (mesh is not None), err[-3000:]
+
+
+def test_prefill_chunk_must_split_over_the_sequence_axis(tmp_path):
+    """Checked before the model loads: one line, exit 2."""
+    port, proc = _serve(tmp_path, "--mesh", "sequence=2", "--prefill_chunk", "3", devices=2)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith(
+        "python -m minimax_jax.serve: error: --prefill_chunk 3 does not split over the mesh's sequence axis (2 "
+        "devices): pass a multiple of 2 (4 for balanced causal work)"), err[-2000:]
