@@ -20,3 +20,20 @@ def test_cp_memory_plan_shrinks_with_the_sequence_axis():
     assert [int(n) for n, _, _ in rows] == [1, 4], r.stdout
     (_, temp1, arg1), (_, temp4, arg4) = [(n, float(a), float(b)) for n, a, b in rows]
     assert abs(arg4 - arg1 / 4) <= 0.011 and temp4 < temp1, r.stdout
+
+
+def test_local_program_plan_matches_the_mesh_plan():
+    """``--local-program`` (what one of n devices runs, compiled on one device: the GPU fallback when no
+    n-device mesh can be compiled) plans about the mesh plan's temporaries (the collectives aside)."""
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
+    script = os.path.join(REPO_ROOT, "bench", "cp_memory.py")
+    pat = r"sequence=4(?: \(one device's program\))? impl=xla: temp ([\d.]+) GiB"
+    temps = []
+    for extra in ([], ["--local-program"]):
+        r = subprocess.run([sys.executable, script, "--tokens", "8192", "--sequence", "4", "--impl", "xla", *extra],
+                           capture_output=True, text=True, timeout=600, env=env, cwd=REPO_ROOT)
+        assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+        temps.append(float(re.search(pat, r.stdout).group(1)))
+    assert "one device's program" in r.stdout
+    assert abs(temps[1] - temps[0]) <= 0.05 * temps[0] + 0.02, temps
