@@ -120,6 +120,10 @@ def _unwritable(run_dir: str) -> str | None:
 
 def main(argv=None) -> int:
     """Exit status (minimax_jax.exit_codes): 0 done, 1 failure, 2 usage error, 130 interrupted."""
+    from minimax_jax.interrupt import exit_while_starting
+
+    with exit_while_starting("train.py"):
+        import jax  # noqa: F401  (the slow import a Ctrl-C must not be lost in)
     return cli_main.run(_main, argv, prog=PROG)
 
 

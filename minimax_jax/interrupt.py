@@ -12,11 +12,16 @@ thread reading that pipe acts on them at once. An ignored SIGINT (``nohup``) sta
 the first SIGINT only sets ``flag.set`` (nothing is raised inside a running jitted call), a second
 prints ``message`` and ends the process with ``os._exit(130)``.
 
-Both install handlers only from the main thread and restore the previous ones when closed.
+``exit_while_starting(prog)`` (every tool's start): while the heavy modules are imported, Ctrl-C ends the
+process at once (exit 130, one line). ``import jax`` runs Python callbacks (its gc hook) that swallow a
+KeyboardInterrupt, so an early Ctrl-C was lost (the run carried on) or broke the extension's start.
+
+All install handlers only from the main thread and restore the previous ones when closed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -24,7 +29,7 @@ import threading
 
 from minimax_jax.exit_codes import INTERRUPTED as EXIT_INTERRUPTED
 
-__all__ = ["EXIT_INTERRUPTED", "StopSignals", "InterruptFlag"]
+__all__ = ["EXIT_INTERRUPTED", "StopSignals", "InterruptFlag", "exit_while_starting"]
 
 _FIRST = {signal.SIGINT: "interrupt: stopping after the current step with a checkpoint "
                          "(press Ctrl-C again to abort at once without saving)",
@@ -129,3 +134,23 @@ class InterruptFlag:
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
             self._previous = None
+
+
+@contextlib.contextmanager
+def exit_while_starting(prog: str):
+    """Inside, a SIGINT prints ``PROG: interrupted (Ctrl-C)`` and ends the process with status 130 at once
+    (module docstring). Only over Python's default SIGINT handler, from the main thread."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+
+    def stop(signum, frame):
+        _say(f"{prog}: interrupted (Ctrl-C)")
+        os._exit(EXIT_INTERRUPTED)
+
+    prev = signal.signal(signal.SIGINT, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, prev)

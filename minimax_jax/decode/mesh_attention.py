@@ -39,8 +39,8 @@ from minimax_jax.decode.cache import CacheSpec, write_layer
 from minimax_jax.ops import context_parallel
 from minimax_jax.ops.registry import record_implementation
 
-__all__ = ["HEAD_SHARDED", "heads_axes", "cache_shardings", "sequence_devices", "plan", "order", "constrain",
-           "write_and_attend"]
+__all__ = ["HEAD_SHARDED", "heads_axes", "cache_shardings", "sequence_devices", "describe_cache", "plan", "order",
+           "constrain", "write_and_attend"]
 
 #: Cache arrays with a leading kv-head axis (sharded over ``heads_axes``); the others are replicated.
 HEAD_SHARDED = ("k", "v", "k_scale", "v_scale")
@@ -58,6 +58,19 @@ def sequence_devices(axis_sizes, rules) -> int:
     ``axis_sizes`` (a mapping axis -> size, e.g. ``mesh.shape``); 1 = none. A chunk must be a multiple of it
     to be split (``plan``)."""
     return math.prod(int(axis_sizes.get(a, 1)) for a in rules["length"])
+
+
+def describe_cache(cfg: ModelConfig, mesh, rules) -> str | None:
+    """One line on how the engine's KV cache is laid out over ``mesh`` (None: one device or no head axis)."""
+    axes = [a for a in rules["act_kv_heads"] if mesh.shape.get(a, 1) > 1]
+    if not axes:
+        return None
+    heads = heads_axes(cfg, mesh, rules)
+    if heads:
+        return (f"KV cache: sharded by kv head over {','.join(f'{a}={mesh.shape[a]}' for a in heads)} "
+                f"({cfg.num_kv_heads} kv heads)")
+    return (f"KV cache: replicated on every device: {','.join(f'{a}={mesh.shape[a]}' for a in axes)} does not "
+            f"divide the {cfg.num_kv_heads} kv heads and {cfg.num_heads} heads (attention repeats on each device)")
 
 
 def cache_shardings(cfg: ModelConfig, cache: list[dict], mesh, rules) -> list[dict]:

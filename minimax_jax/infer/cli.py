@@ -338,6 +338,11 @@ def run() -> int:
         if seq_devices > 1:
             _err(f"prefill: context parallel over sequence={seq_devices}, {chunk}-token chunks "
                  f"({chunk // seq_devices} per device)")
+        if model.mesh is not None and FLAGS.engine == "paged":
+            from minimax_jax.decode.mesh_attention import describe_cache
+
+            if line := describe_cache(model.cfg, model.mesh, model.rules):
+                _err(line)
         opts = {"prefill_chunk": chunk}
         if FLAGS.decode_rows is not None:
             opts["query_rows"] = FLAGS.decode_rows

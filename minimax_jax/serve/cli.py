@@ -79,8 +79,12 @@ def _main(argv) -> int:
     model = load_model(flags.checkpoint, tokenizer_path=flags.tokenizer, dtype=flags.dtype,
                        attention=flags.attention, log=log, mesh=flags.mesh, rules=flags.sharding_rules or "default")
     if model.mesh is not None:
+        from minimax_jax.decode.mesh_attention import describe_cache
+
         log("mesh " + ",".join(f"{k}={v}" for k, v in model.mesh.shape.items() if v > 1)
             + (f"; prefill: context parallel over sequence={n}" if n > 1 else ""))
+        if line := describe_cache(model.cfg, model.mesh, model.rules):
+            log(line)
     server = build(model, max_batch=flags.max_batch, max_len=flags.max_len, max_queue=flags.max_queue,
                    prefill_chunk=flags.prefill_chunk, model_name=flags.served_model_name,
                    default_max_tokens=flags.default_max_tokens, prefix_cache=flags.prefix_cache,

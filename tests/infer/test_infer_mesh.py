@@ -62,3 +62,14 @@ def test_cli_tensor_parallel_kv_cache(tmp_path):
     assert "--- generation ---\n" + "".join(H.GOOD_PIECES[:-1]) + "\n" in r.stdout
     assert "mesh_attention/gather=sequence=1,heads=tensor,order=-" in r.stderr
     assert "mesh_attention/paged=sequence=1,heads=tensor,order=-" in r.stderr
+    assert "KV cache: sharded by kv head over tensor=2 (2 kv heads)" in r.stderr
+
+
+def test_cli_says_when_the_kv_cache_cannot_shard(tmp_path):
+    """``--mesh tensor=2`` over one kv head: the cache stays replicated, and the run says so (same output)."""
+    r = _cli(tmp_path, "--mesh=tensor=2", "--show_stats")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "--- generation ---\n" + "".join(H.GOOD_PIECES[:-1]) + "\n" in r.stdout
+    assert ("KV cache: replicated on every device: tensor=2 does not divide the 1 kv heads and 2 heads "
+            "(attention repeats on each device)") in r.stderr
+    assert "mesh_attention/" not in r.stderr
