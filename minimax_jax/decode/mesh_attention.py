@@ -39,8 +39,8 @@ from minimax_jax.decode.cache import CacheSpec, write_layer
 from minimax_jax.ops import context_parallel
 from minimax_jax.ops.registry import record_implementation
 
-__all__ = ["HEAD_SHARDED", "heads_axes", "cache_shardings", "sequence_devices", "describe_cache", "plan", "order",
-           "constrain", "write_and_attend"]
+__all__ = ["HEAD_SHARDED", "heads_axes", "cache_shardings", "sequence_devices", "prefill_chunk", "describe_cache",
+           "plan", "order", "constrain", "write_and_attend"]
 
 #: Cache arrays with a leading kv-head axis (sharded over ``heads_axes``); the others are replicated.
 HEAD_SHARDED = ("k", "v", "k_scale", "v_scale")
@@ -53,11 +53,25 @@ def heads_axes(cfg: ModelConfig, mesh, rules) -> tuple[str, ...]:
                                           set())
 
 
-def sequence_devices(axis_sizes, rules) -> int:
-    """Devices a prefill chunk's tokens split over: the product of the ``length`` rule's axis sizes in
-    ``axis_sizes`` (a mapping axis -> size, e.g. ``mesh.shape``); 1 = none. A chunk must be a multiple of it
-    to be split (``plan``)."""
-    return math.prod(int(axis_sizes.get(a, 1)) for a in rules["length"])
+def sequence_devices(mesh_text: str | None, rules) -> int:
+    """Devices a prefill chunk's tokens split over on the mesh ``mesh_text`` (``MeshSpec`` text, e.g.
+    "sequence=4,tensor=2"; None = one device): the product of the ``length`` rule's axis sizes (1 = none)."""
+    if not mesh_text:
+        return 1
+    spec = sharding.MeshSpec.parse(mesh_text).resolve(jax.device_count())
+    return math.prod(getattr(spec, a) for a in rules["length"])
+
+
+def prefill_chunk(n: int, chunk: int, explicit: bool) -> int:
+    """The prefill chunk for ``n`` sequence devices: an automatic one rounds up to a multiple of 2n (zig-zag
+    balance). Raises ValueError (one line) for an ``explicit`` chunk that n does not divide (it would run
+    unsplit on every device)."""
+    if n <= 1:
+        return chunk
+    if explicit and chunk % n:
+        raise ValueError(f"--prefill_chunk {chunk} does not split over the mesh's sequence axis ({n} devices): "
+                         f"pass a multiple of {n} ({2 * n} for balanced causal work)")
+    return chunk if explicit else -(-chunk // (2 * n)) * 2 * n
 
 
 def describe_cache(cfg: ModelConfig, mesh, rules) -> str | None:

@@ -324,8 +324,16 @@ def run() -> int:
                  logprobs=FLAGS.logprobs)
     if FLAGS.n > 1 and config.sampling.greedy:
         _err(f"warning: --n {FLAGS.n} with --temperature 0 (greedy) gives {FLAGS.n} identical samples")
-    seq_devices = _sequence_devices()
-    chunk = _prefill_chunk(seq_devices, FLAGS.prefill_chunk or auto_prefill_chunk(max(map(len, prompts))))
+    from minimax_jax.decode import mesh_attention
+    from minimax_jax.sharding import load_rules
+
+    seq_devices = (mesh_attention.sequence_devices(FLAGS.mesh, load_rules(FLAGS.sharding_rules or "default"))
+                   if FLAGS.engine == "paged" else 1)
+    try:
+        chunk = mesh_attention.prefill_chunk(seq_devices, FLAGS.prefill_chunk or auto_prefill_chunk(
+            max(map(len, prompts))), explicit=bool(FLAGS.prefill_chunk))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     cli_main.enable_compilation_cache(FLAGS.compilation_cache, prog=PROG)
     try:
         model = load_model(ckpt, tokenizer_path=FLAGS.tokenizer, dtype=FLAGS.dtype, mesh=FLAGS.mesh,
@@ -339,9 +347,7 @@ def run() -> int:
             _err(f"prefill: context parallel over sequence={seq_devices}, {chunk}-token chunks "
                  f"({chunk // seq_devices} per device)")
         if model.mesh is not None and FLAGS.engine == "paged":
-            from minimax_jax.decode.mesh_attention import describe_cache
-
-            if line := describe_cache(model.cfg, model.mesh, model.rules):
+            if line := mesh_attention.describe_cache(model.cfg, model.mesh, model.rules):
                 _err(line)
         opts = {"prefill_chunk": chunk}
         if FLAGS.decode_rows is not None:
@@ -351,34 +357,6 @@ def run() -> int:
         return _generate_all(gen, model, items, prompts, config, chunk, out)
     finally:
         out.close()
-
-
-def _sequence_devices() -> int:
-    """Devices ``--mesh`` splits the token axis over (the sharding rules' "length" axes; 1: none), which
-    the paged engine's prefill chunks are split over (``minimax_jax.decode.mesh_attention``)."""
-    if not FLAGS.mesh or FLAGS.engine != "paged":
-        return 1
-    import dataclasses
-
-    import jax
-
-    from minimax_jax.decode.mesh_attention import sequence_devices
-    from minimax_jax.sharding import MeshSpec, load_rules
-
-    spec = MeshSpec.parse(FLAGS.mesh).resolve(jax.device_count())
-    return sequence_devices(dataclasses.asdict(spec), load_rules(FLAGS.sharding_rules or "default"))
-
-
-def _prefill_chunk(n: int, chunk: int) -> int:
-    """The prefill chunk for a sequence axis of ``n`` devices (context-parallel prefill): the automatic
-    chunk rounds up to a multiple of 2n (zig-zag balance); a ``--prefill_chunk`` that n does not divide is
-    a usage error (it would run unsplit on every device)."""
-    if n <= 1:
-        return chunk
-    if FLAGS.prefill_chunk and chunk % n:
-        raise UsageError(f"--prefill_chunk {chunk} does not split over the mesh's sequence axis ({n} devices): "
-                         f"pass a multiple of {n} ({2 * n} for balanced causal work)")
-    return chunk if FLAGS.prefill_chunk else -(-chunk // (2 * n)) * 2 * n
 
 
 def _generate_all(gen, model, items, prompts, config, chunk, out) -> int:

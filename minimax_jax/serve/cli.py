@@ -70,20 +70,22 @@ def _main(argv) -> int:
         parser.error("--num_draft needs --speculative mtp")
     if flags.sharding_rules is not None and not flags.mesh:
         parser.error("--sharding_rules applies only with --mesh")
-    n = _sequence_devices(flags)
-    if n > 1 and flags.prefill_chunk % n:
-        parser.error(f"--prefill_chunk {flags.prefill_chunk} does not split over the mesh's sequence axis ({n} "
-                     f"devices): pass a multiple of {n} ({2 * n} for balanced causal work)")
+    from minimax_jax.decode import mesh_attention
+    from minimax_jax.sharding import load_rules
+
+    n = mesh_attention.sequence_devices(flags.mesh, load_rules(flags.sharding_rules or "default"))
+    try:
+        mesh_attention.prefill_chunk(n, flags.prefill_chunk, explicit=True)
+    except ValueError as e:
+        parser.error(str(e))
     cli_main.enable_compilation_cache(flags.compilation_cache, prog=PROG)
     log = lambda m: print(m, file=sys.stderr, flush=True)            # noqa: E731
     model = load_model(flags.checkpoint, tokenizer_path=flags.tokenizer, dtype=flags.dtype,
                        attention=flags.attention, log=log, mesh=flags.mesh, rules=flags.sharding_rules or "default")
     if model.mesh is not None:
-        from minimax_jax.decode.mesh_attention import describe_cache
-
         log("mesh " + ",".join(f"{k}={v}" for k, v in model.mesh.shape.items() if v > 1)
             + (f"; prefill: context parallel over sequence={n}" if n > 1 else ""))
-        if line := describe_cache(model.cfg, model.mesh, model.rules):
+        if line := mesh_attention.describe_cache(model.cfg, model.mesh, model.rules):
             log(line)
     server = build(model, max_batch=flags.max_batch, max_len=flags.max_len, max_queue=flags.max_queue,
                    prefill_chunk=flags.prefill_chunk, model_name=flags.served_model_name,
@@ -97,21 +99,6 @@ def _main(argv) -> int:
     finally:
         server.close()
     return 0
-
-
-def _sequence_devices(flags) -> int:
-    """Devices ``--mesh`` splits a prefill chunk's tokens over (``mesh_attention.sequence_devices``; 1: none)."""
-    if not flags.mesh:
-        return 1
-    import dataclasses
-
-    import jax
-
-    from minimax_jax.decode.mesh_attention import sequence_devices
-    from minimax_jax.sharding import MeshSpec, load_rules
-
-    spec = MeshSpec.parse(flags.mesh).resolve(jax.device_count())
-    return sequence_devices(dataclasses.asdict(spec), load_rules(flags.sharding_rules or "default"))
 
 
 def main(argv=None) -> int:
