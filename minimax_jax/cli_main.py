@@ -24,8 +24,8 @@ from collections.abc import Callable, Sequence
 
 from minimax_jax.exit_codes import FAILURE, INTERRUPTED, USAGE, UsageError
 
-__all__ = ["Parser", "run", "add_bool", "add_common", "parse_args", "int_at_least", "float_in", "enable_compilation_cache",
-           "DEFAULT_CACHE", "CACHE_ENV"]
+__all__ = ["Parser", "run", "add_bool", "add_common", "add_mesh", "parse_args", "int_at_least", "float_in",
+           "enable_compilation_cache", "DEFAULT_CACHE", "CACHE_ENV"]
 
 #: Where the persistent compilation cache lives unless told otherwise.
 DEFAULT_CACHE = os.path.join("~", ".cache", "minimax_jax", "jax_cache")
@@ -113,6 +113,17 @@ def add_common(p: argparse.ArgumentParser, cache: bool = False) -> argparse.Argu
                        help=f"JAX persistent compilation cache folder, or 'none' (default: ${CACHE_ENV}, else "
                             f"$JAX_COMPILATION_CACHE_DIR, else {DEFAULT_CACHE})")
     return p
+
+
+def add_mesh(p: argparse.ArgumentParser) -> None:
+    """``--mesh`` and ``--sharding_rules`` of the inference tools (``infer.py``, the server)."""
+    p.add_argument("--mesh", default=None, help="Device mesh, e.g. 'tensor=4' or 'fsdp=2,tensor=2' (axes data, "
+                                                "fsdp, expert, sequence, tensor; one may be -1): parameters loaded "
+                                                "sharded by --sharding_rules, the paged engine's KV cache sharded by "
+                                                "kv head over tensor, each prefill chunk split over a sequence axis "
+                                                "(context parallelism).")
+    p.add_argument("--sharding_rules", default=None, help="Sharding rule preset (configs/sharding.yaml) or a YAML "
+                                                          "path (default: default); needs --mesh.")
 
 
 def parse_args(p: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:

@@ -55,7 +55,8 @@ def heads_axes(cfg: ModelConfig, mesh, rules) -> tuple[str, ...]:
 
 def sequence_devices(mesh_text: str | None, rules) -> int:
     """Devices a prefill chunk's tokens split over on the mesh ``mesh_text`` (``MeshSpec`` text, e.g.
-    "sequence=4,tensor=2"; None = one device): the product of the ``length`` rule's axis sizes (1 = none)."""
+    "sequence=4,tensor=2"; None = one device): the product of the ``length`` rule's axis sizes (1 = none).
+    Raises ShardingError (a ValueError) for a bad spec or one the visible devices cannot fill."""
     if not mesh_text:
         return 1
     spec = sharding.MeshSpec.parse(mesh_text).resolve(jax.device_count())
@@ -159,9 +160,9 @@ def write_and_attend(p: context_parallel.Plan, attend: Callable, cache: dict, sp
                         table, gather(qpos), spec)
         return (attend(c, q_l, qi_l, table, qpos), *(c[n] for n in names))
 
-    kind = "natural" if order(p) is None else "zigzag"
-    record_implementation(f"mesh_attention/{path}", f"sequence={p.size if p.seq else 1},heads={'x'.join(p.heads) or '-'},"
-                                            f"order={kind if p.seq else '-'}")
+    kind = ("natural" if order(p) is None else "zigzag") if p.seq else "-"
+    record_implementation(f"mesh_attention/{path}",
+                          f"sequence={p.size if p.seq else 1},heads={'x'.join(p.heads) or '-'},order={kind}")
     # check_vma=False: the kernels' pallas_calls return invariant-typed values (see pallas_kernels.common);
     # every input is sharded or replicated consistently, so the plain rules are exact.
     fn = jax.shard_map(body, mesh=p.mesh,

@@ -128,14 +128,14 @@ def model_step(params, cache, tokens, positions, page_table, logit_rows=None, *,
     x = mesh_attention.constrain(mp, embed(params, cfg, tokens))
     with context_parallel.token_order(order):
         x, cache = _layers(params, cfg, spec, cache, x, cos, sin, page_table, positions, mp, path, implementation)
-    if order is not None and logit_rows is not None and not return_hidden:
-        # the rows to unembed, read where the permuted layout holds them (no un-permute of every row)
-        rows = jnp.asarray(np.argsort(order).astype(np.int32))[logit_rows.astype(jnp.int32)]
-        xl = jnp.take_along_axis(x, rows[..., None], axis=1)
-    else:
-        if order is not None:                 # natural token order again for the logits and hidden states
-            x = x[:, np.argsort(order)]
-        xl = x if logit_rows is None else jnp.take_along_axis(x, logit_rows.astype(jnp.int32)[..., None], axis=1)
+    rows = None if logit_rows is None else logit_rows.astype(jnp.int32)
+    if order is not None:
+        inv = np.argsort(order).astype(np.int32)            # natural position i sits at slot inv[i]
+        if rows is not None and not return_hidden:
+            rows = jnp.asarray(inv)[rows]                   # read the rows where they sit (no full un-permute)
+        else:
+            x = x[:, inv]                                   # natural order for the logits and hidden states
+    xl = x if rows is None else jnp.take_along_axis(x, rows[..., None], axis=1)
     logits = unembed(params, cfg, _norm(xl, params["final_norm"], cfg))
     if return_hidden:
         return logits, x, cache

@@ -158,12 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
                    '(with their 128x128 block scales) of an FP8 checkpoint in FP8 in device memory, dequantised '
                    'inside each step (about half the weight memory of bf16); the checkpoint must hold them (ours: '
                    'converted with --weights_dtype fp8; or an FP8 Hugging Face directory). Default: dequantise.')
-    p.add_argument("--mesh", default=None, help="Device mesh, e.g. 'fsdp=2,tensor=2' (axes data, fsdp, expert, "
-                                                'sequence, tensor; one may be -1); parameters are loaded sharded '
-                                                'by --sharding_rules. A sequence axis splits each prefill chunk '
-                                                "of the paged engine over its devices (context parallelism).")
-    p.add_argument("--sharding_rules", default=None, help='Sharding rule preset (configs/sharding.yaml) or a YAML '
-                                                          'path (default: default).')
+    cli_main.add_mesh(p)
     p.add_argument("--convert_dir", default=None, help='Keep the on-the-fly conversion of a Hugging Face '
                                                        'checkpoint here (reused by later runs) instead of a '
                                                        'temporary directory.')

@@ -49,12 +49,7 @@ def build_parser():
     p.add_argument("--mtp_window", type=cli_main.int_at_least(1), default=64,
                    help="Positions the MTP layers attend over while drafting.")
     cli_main.add_bool(p, "prefix_cache", True, "Share cached prompt pages across requests.")
-    p.add_argument("--mesh", default=None, help="Device mesh, e.g. 'tensor=4' (axes data, fsdp, expert, sequence, "
-                                                "tensor; one may be -1): parameters loaded sharded by "
-                                                "--sharding_rules, the KV cache sharded by kv head over tensor, "
-                                                "prefill chunks split over sequence.")
-    p.add_argument("--sharding_rules", default=None, help="Sharding rule preset (configs/sharding.yaml) or a YAML "
-                                                          "path (default: default); needs --mesh.")
+    cli_main.add_mesh(p)
     return cli_main.add_common(p, cache=True)
 
 
