@@ -6,9 +6,10 @@ Usage (CPU; the device count must be set before JAX starts)::
     XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \\
         python bench/cp_memory.py --tokens 1048576 --sequence 1,8
 
-GPU's planner on one GPU (eight mocked, ``--mock-gpus``)::
+The GPU compiler's plan on any machine, no GPU needed (compile-only devices: eight H200s as
+``configs/gpu_targets/h200.txtpb`` describes them, ``minimax_jax.aot``; needs ``pip install "jax[cuda13]"``)::
 
-    python3 bench/cp_memory.py --impl pallas_gpu --mock-gpus 8 --tokens 1048576 --sequence 1,8
+    python3 bench/cp_memory.py --impl pallas_hopper_gpu --gpu-target h200 --gpus 8 --tokens 1048576 --sequence 1,8
 
 One layer's attention (``msa_block``: selection, sparse attention, sparse indexer KL; M3 shapes: 64 q heads,
 4 kv heads, D = Di = 128, block 128, top-16, bf16), the gradient of a scalar of its output and KL with
@@ -22,6 +23,7 @@ output bytes per device.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -33,11 +35,12 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+from minimax_jax import aot  # noqa: E402
 from minimax_jax import sharding as sh  # noqa: E402
 from minimax_jax.config import ModelConfig  # noqa: E402
 from minimax_jax.model.msa_block import msa_block  # noqa: E402
 from minimax_jax.model.transformer import _msa_context_parallel  # noqa: E402
-from minimax_jax.ops import context_parallel  # noqa: E402
+from minimax_jax.ops import assume_backend, context_parallel  # noqa: E402
 
 H, G, D, DI = 64, 4, 128, 128
 
@@ -47,19 +50,22 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=1048576)
     ap.add_argument("--sequence", default="1,8")
     ap.add_argument("--impl", default="pallas_gpu_interpret")
-    ap.add_argument("--mock-gpus", type=int, default=0,
-                    help="GPU machine: compile for this many mocked GPUs (jax_mock_gpu_topology 1xNx1: one "
-                         "process's GPU stands for N hosts of one GPU; the plan of the real compiler, nothing runs)")
+    ap.add_argument("--gpu-target", default="",
+                    help="compile for these GPUs without having them: a name in configs/gpu_targets (h200) or a "
+                         "GpuTargetConfig text proto (minimax_jax.aot; the GPU compiler's plan, nothing runs)")
+    ap.add_argument("--gpus", type=int, default=8, help="with --gpu-target: the number of GPUs (one host)")
     ap.add_argument("--local-program", action="store_true",
                     help="for each n > 1 compile, on one device, what one of n devices runs: its T/n queries against "
                          "the gathered keys (the inputs hold the gathered K/V; no collective buffers)")
+    ap.add_argument("--dump-hlo", default="", help="write each compiled program's HLO text into this folder")
     args = ap.parse_args(argv)
-    if args.mock_gpus:
-        jax.config.update("jax_mock_gpu_topology", f"1x{args.mock_gpus}x1")
-        if len(jax.devices()) != args.mock_gpus:
-            print(f"error: --mock-gpus {args.mock_gpus}: jax sees {len(jax.devices())} devices "
-                  f"({jax.devices()[0].platform}); the mock topology did not take", file=sys.stderr)
-            return 1
+    all_devices = jax.devices()
+    if args.gpu_target:
+        try:
+            all_devices = aot.compile_only_gpus(args.gpu_target, args.gpus)
+        except ValueError as e:
+            ap.error(str(e))
+    one = jax.sharding.SingleDeviceSharding(all_devices[0])
     t = args.tokens
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cfg = ModelConfig.from_yaml(os.path.join(root, "configs", "tiny-m3.yaml")).replace(
@@ -80,23 +86,29 @@ def main(argv=None) -> int:
         o, ks, kc, _, _ = msa_block(q, k, v, qi, ki, cfg, qpos, qseg, "sparse", kv_positions=kpos, kv_segment_ids=kseg)
         return jnp.sum(o.astype(jnp.float32) ** 2) + ks / jnp.maximum(kc, 1)
 
-    devices = len(jax.devices())
+    devices = len(all_devices)
+    with assume_backend("gpu") if args.gpu_target else contextlib.nullcontext():
+        return _plans(args, t, devices, all_devices, one, grad, local_layer)
+
+
+def _plans(args, t, devices, all_devices, one, grad, local_layer) -> int:
     for n in (int(x) for x in args.sequence.split(",")):
         if args.local_program and n > 1:
-            s_ = jax.ShapeDtypeStruct
+            def s_(shape, dt):
+                return jax.ShapeDtypeStruct(shape, dt, sharding=one)
             tl = t // n
             inputs = (s_((1, tl, H, D), jnp.bfloat16), s_((1, t, G, D), jnp.bfloat16), s_((1, t, G, D), jnp.bfloat16),
                       s_((1, tl, G, DI), jnp.bfloat16), s_((1, t, DI), jnp.bfloat16), s_((1, tl), jnp.int32),
                       s_((1, tl), jnp.int32), s_((1, t), jnp.int32), s_((1, t), jnp.int32))
             t0 = time.time()
             m = jax.jit(jax.grad(local_layer, argnums=(0, 1, 2, 3, 4))).lower(*inputs).compile().memory_analysis()
-            _print(t, f"{n} (one device's program)", args.impl, m, t0)
+            _print(t, f"{n} (one device's program)", args.impl, m, t0, all_devices[0].device_kind)
             continue
-        mesh = sh.make_mesh(f"sequence={n},data={devices // n}") if n > 1 else None
+        mesh = sh.make_mesh(f"sequence={n},data={devices // n}", all_devices) if n > 1 else None
 
         def sds(shape, dt, mesh=mesh):
             if mesh is None:
-                return jax.ShapeDtypeStruct(shape, dt)
+                return jax.ShapeDtypeStruct(shape, dt, sharding=one)
             return jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, P(None, "sequence")))
 
         inputs = (sds((1, t, H, D), jnp.bfloat16), sds((1, t, G, D), jnp.bfloat16), sds((1, t, G, D), jnp.bfloat16),
@@ -108,13 +120,17 @@ def main(argv=None) -> int:
         else:
             with sh.use_mesh(mesh, sh.load_rules("default")):
                 compiled = jax.jit(grad).lower(*inputs).compile()
-        _print(t, n, args.impl, compiled.memory_analysis(), t0)
+        _print(t, n, args.impl, compiled.memory_analysis(), t0, all_devices[0].device_kind)
+        if args.dump_hlo:
+            os.makedirs(args.dump_hlo, exist_ok=True)
+            with open(os.path.join(args.dump_hlo, f"tokens{t}_sequence{n}.hlo.txt"), "w") as f:
+                f.write(compiled.as_text())
     return 0
 
 
-def _print(t, n, impl, m, t0):
+def _print(t, n, impl, m, t0, kind):
     gib = 2.0 ** 30
-    print(f"tokens={t} sequence={n} impl={impl}: temp {m.temp_size_in_bytes / gib:.2f} GiB, "
+    print(f"[{kind}] tokens={t} sequence={n} impl={impl}: temp {m.temp_size_in_bytes / gib:.2f} GiB, "
           f"arguments {m.argument_size_in_bytes / gib:.2f} GiB, outputs {m.output_size_in_bytes / gib:.2f} GiB "
           f"per device (compiled in {time.time() - t0:.0f} s)", flush=True)
 

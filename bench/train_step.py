@@ -15,6 +15,12 @@ on a GPU, ``minimax_jax.ops.registry.assume_backend``), lowers it for CUDA and r
 
     python bench/train_step.py --modes msa --lower-for cuda --out /tmp/train_bench
 
+CPU, no GPU needed, the GPU compiler's memory plan: ``--gpu-target h200`` compiles the step for compile-only
+H200s (``minimax_jax.aot``; needs ``pip install "jax[cuda13]"``, no GPU) and reports XLA's buffer plan
+against the target's memory, e.g. to see which ``--remat`` fits before spending device time::
+
+    JAX_PLATFORMS=cpu python bench/train_step.py --modes msa --remat dots_kernels --gpu-target h200 --out /tmp/tb
+
 CPU smoke run (a tiny model, seconds)::
 
     python bench/train_step.py --tiny --out /tmp/train_bench
@@ -61,6 +67,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
+import math
 import os
 import re
 import signal
@@ -74,10 +81,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 
+from minimax_jax import aot  # noqa: E402
 from minimax_jax.ops.registry import assume_backend, clear_implementation_report, implementation_report  # noqa: E402
 from minimax_jax.train.config import from_dict  # noqa: E402
 from minimax_jax.train.data import SyntheticIterator, to_global  # noqa: E402
 from minimax_jax.train.loop import Trainer  # noqa: E402
+from minimax_jax.sharding import MeshSpec  # noqa: E402
 from minimax_jax.train.metrics import matmul_params_per_token, peak_flops_per_device, train_flops_parts  # noqa: E402
 
 M3_STYLE = dict(
@@ -236,6 +245,17 @@ def memory_plan(compiled) -> dict:
     return out
 
 
+def fits_report(mem: dict, device_bytes: int | None) -> dict:
+    """XLA's plan (``total_est_bytes``) against a device's memory: bytes and the fraction. A real device
+    also loses some to the CUDA context and JAX's allocator (JAX takes 75 % unless
+    ``XLA_PYTHON_CLIENT_MEM_FRACTION`` says otherwise), so read the fraction, not a yes/no."""
+    total = mem.get("total_est_bytes")
+    if total is None or not device_bytes:
+        return {"verdict": "no plan or no device memory size to compare"}
+    return {"plan_bytes": total, "device_bytes": device_bytes, "fraction": round(total / device_bytes, 4),
+            "verdict": f"plan {_gib(total)} GiB of {_gib(device_bytes)} GiB ({100 * total / device_bytes:.1f} %)"}
+
+
 def _device_memory() -> dict:
     try:
         stats = jax.devices()[0].memory_stats() or {}
@@ -246,7 +266,7 @@ def _device_memory() -> dict:
 
 # ----------------------------------------------------------------------------- one mode
 
-def make_trainer(mode: str, seq: int, args) -> Trainer:
+def make_trainer(mode: str, seq: int, args, devices=None) -> Trainer:
     fields = model_fields(mode, args.tiny)
     fields.update(attention_impl=args.attention_impl, moe_impl=args.moe_impl, msa_impl=args.msa_impl)
     if args.vocab:
@@ -264,7 +284,7 @@ def make_trainer(mode: str, seq: int, args) -> Trainer:
                 "param_dtype": "float32", "remat": args.remat, "logits_chunk": args.logits_chunk,
                 "progress": False, "tensorboard": False},
     })
-    return Trainer(tc)
+    return Trainer(tc, devices)
 
 
 def bench_one(mode: str, seq: int, args) -> dict:
@@ -272,7 +292,13 @@ def bench_one(mode: str, seq: int, args) -> dict:
     returns a result row. Progress lines on stdout (module docstring)."""
     tag = f"{mode}@{seq}"
     phase(f"{tag}: building (model config, optimizer, shardings)")
-    tr = make_trainer(mode, seq, args)
+    devices = None
+    if args.gpu_target:
+        sizes = MeshSpec.parse(args.mesh).sizes()
+        if -1 in sizes:
+            raise ValueError(f"--gpu-target needs every --mesh axis size given (no -1): {args.mesh!r}")
+        devices = aot.compile_only_gpus(args.gpu_target, math.prod(sizes))
+    tr = make_trainer(mode, seq, args, devices)
     cfg = tr.cfg
     counts = cfg.param_counts()
     clear_implementation_report()
@@ -283,7 +309,7 @@ def bench_one(mode: str, seq: int, args) -> dict:
            "params_active": counts["active"], "matmul_params_per_token": matmul_params_per_token(cfg),
            "remat": args.remat, "kl_coeff": args.kl_coeff, "vocab_size": cfg.vocab_size,
            "logits_chunk": args.logits_chunk, "mu_dtype": args.mu_dtype}
-    abstract = args.compile_only or args.lower_for
+    abstract = args.compile_only or args.lower_for or args.gpu_target
     if abstract:                                      # shapes only: nothing is allocated
         state = tr.abstract_state(step_phase)
         gbatch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=tr.batch_sh) for k, v in batch.items()}
@@ -298,6 +324,9 @@ def bench_one(mode: str, seq: int, args) -> dict:
         if args.lower_for:
             with assume_backend("gpu" if args.lower_for == "cuda" else args.lower_for):
                 lowered = tr.step_fn(step_phase).trace(state, gbatch).lower(lowering_platforms=(args.lower_for,))
+        elif args.gpu_target:                       # compile-only GPUs: the shardings carry the platform
+            with assume_backend("gpu"):
+                lowered = tr.step_fn(step_phase).lower(state, gbatch)
         else:
             lowered = tr.step_fn(step_phase).lower(state, gbatch)
     row["lower_s"] = round(time.perf_counter() - t, 2)
@@ -329,15 +358,21 @@ def bench_one(mode: str, seq: int, args) -> dict:
     mem = memory_plan(compiled)
     row["memory_plan"] = mem
     if "total_est_bytes" in mem:
-        limit = _device_memory().get("bytes_limit")
+        limit = _device_memory().get("bytes_limit") if not args.gpu_target else None
         log(f"{tag}: memory plan: temp {_gib(mem['temp_size_in_bytes'])} GiB, argument "
             f"{_gib(mem['argument_size_in_bytes'])} GiB, output {_gib(mem['output_size_in_bytes'])} GiB, alias "
             f"{_gib(mem.get('alias_size_in_bytes', 0))} GiB -> total ~{_gib(mem['total_est_bytes'])} GiB"
             + (f" of {_gib(limit)} GiB usable" if limit else ""))
     else:
         log(f"{tag}: memory plan: {mem or 'not reported by this backend'}")
-    dev = jax.devices()[0]
+    dev = tr.mesh.devices.flat[0]
     row.update(device=dev.device_kind, backend=jax.default_backend())
+    if args.gpu_target:
+        row.update(gpu_target=args.gpu_target, compile_only=True,
+                   fits=fits_report(mem, aot.gpu_target_memory(args.gpu_target)))
+        log(f"{tag}: on {dev.device_kind}: {row['fits']['verdict']}")
+        print(json.dumps(row), flush=True)
+        return row
     if args.compile_only:
         row["compile_only"] = True
         row.update(_device_memory())
@@ -445,6 +480,9 @@ def parser() -> argparse.ArgumentParser:
                    help="trace as that platform runs it and lower for it (works on a CPU machine); report the "
                         "Pallas kernels and the largest arrays; no compile")
     p.add_argument("--top-arrays", type=int, default=12, help="how many arrays --lower-for lists")
+    p.add_argument("--gpu-target", default=None,
+                   help="compile for compile-only GPUs of this target (configs/gpu_targets name, e.g. h200, or a "
+                        "GpuTargetConfig file; minimax_jax.aot) and report the memory plan; no GPU needed")
     p.add_argument("--profile", type=int, default=0,
                    help="after the timed steps, profile this many more (jax.profiler; bench/trace_summary.py)")
     p.add_argument("--tiny", action="store_true", help="tiny model and short sequences (CPU smoke test)")
@@ -471,6 +509,13 @@ def main(argv=None) -> int:
     for mode in modes:
         if mode not in ("dense", "msa"):
             p.error(f"unknown mode {mode!r}")
+    if args.gpu_target and args.lower_for:
+        p.error("--gpu-target compiles for the GPU itself; leave out --lower-for")
+    if args.gpu_target:
+        try:
+            aot.gpu_target_text(args.gpu_target)
+        except ValueError as e:
+            p.error(str(e))
     os.makedirs(args.out, exist_ok=True)
     _RESULTS["out"] = args.out
     if threading.current_thread() is threading.main_thread():

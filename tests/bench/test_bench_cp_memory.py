@@ -37,3 +37,26 @@ def test_local_program_plan_matches_the_mesh_plan():
         temps.append(float(re.search(pat, r.stdout).group(1)))
     assert "one device's program" in r.stdout
     assert abs(temps[1] - temps[0]) <= 0.05 * temps[0] + 0.02, temps
+
+
+def test_gpu_target_plan_for_compile_only_h200s():
+    """``--gpu-target h200``: the GPU compiler's plan for 8 compile-only H200s (needs jax's CUDA plugin, no GPU;
+    skipped without it); an unknown target is a one-line usage error either way."""
+    import pytest
+    from tests.test_aot import HAS_CUDA_PLUGIN
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT, JAX_PLATFORMS="cpu")
+    script = os.path.join(REPO_ROOT, "bench", "cp_memory.py")
+    r = subprocess.run([sys.executable, script, "--gpu-target", "b300"], capture_output=True, text=True, timeout=120,
+                       env=env, cwd=REPO_ROOT)
+    assert r.returncode == 2 and "neither a file nor one of ['h200']" in r.stderr.splitlines()[-1], r.stderr[-2000:]
+    if not HAS_CUDA_PLUGIN:
+        pytest.skip("needs jax's CUDA plugin (jax[cuda13]); no GPU needed")
+    r = subprocess.run([sys.executable, script, "--tokens", "8192", "--sequence", "1,8", "--impl", "pallas_gpu",
+                        "--gpu-target", "h200", "--gpus", "8"], capture_output=True, text=True, timeout=600, env=env,
+                       cwd=REPO_ROOT)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    rows = re.findall(r"\[NVIDIA H200\] tokens=8192 sequence=(\d) impl=pallas_gpu: temp ([\d.]+) GiB, arguments "
+                      r"([\d.]+) GiB", r.stdout)
+    assert [n for n, _, _ in rows] == ["1", "8"], r.stdout
+    (_, t1, a1), (_, t8, a8) = [(n, float(t), float(a)) for n, t, a in rows]
+    assert t8 < t1 and abs(a8 - a1 / 8) <= 0.011, r.stdout

@@ -121,3 +121,27 @@ def test_sigterm_reports_where_it_was(tmp_path):
         saved = json.load(f)
     assert saved["results"] == []
     assert saved["errors"][0]["interrupted"] == "SIGTERM" and saved["errors"][0]["where"] == "msa@256: compile start"
+
+
+def test_gpu_target_usage_errors(tmp_path):
+    """``--gpu-target``: an unknown target, or with ``--lower-for``, is a one-line usage error (exit 2)."""
+    for extra, msg in ((["--gpu-target", "b300"], "'b300' is neither a file nor one of ['h200']"),
+                       (["--gpu-target", "h200", "--lower-for", "cuda"], "leave out --lower-for")):
+        r = subprocess.run([sys.executable, SCRIPT, f"--out={tmp_path}", "--tiny", *extra], capture_output=True,
+                           text=True, timeout=120, env=_env(), cwd=ROOT)
+        assert r.returncode == 2 and msg in r.stderr.splitlines()[-1], (r.stdout[-2000:], r.stderr[-2000:])
+
+
+def test_gpu_target_compiles_the_step_for_an_h200(tmp_path):
+    """With jax's CUDA plugin (no GPU needed): the tiny MSA step compiles for a compile-only H200 with the
+    GPU kernels and its plan is compared with the H200's memory. Without the plugin: skipped."""
+    from tests.test_aot import HAS_CUDA_PLUGIN
+    import pytest
+    if not HAS_CUDA_PLUGIN:
+        pytest.skip("needs jax's CUDA plugin (jax[cuda13]); no GPU needed")
+    _, rows, _ = _run(tmp_path, "--tiny", "--modes", "msa", "--gpu-target", "h200", timeout=600)
+    (row,) = rows
+    assert row["device"] == "NVIDIA H200" and row["gpu_target"] == "h200" and row["compile_only"]
+    assert row["pallas_kernels"].get("msa_indexer_gpu", 0) > 0 and row["implementations"]["indexer_kl"] == "pallas_gpu"
+    assert row["fits"]["device_bytes"] == 143_771 * 2 ** 20
+    assert 0 < row["fits"]["plan_bytes"] == row["memory_plan"]["total_est_bytes"]
