@@ -33,6 +33,11 @@ Sparse continued pre-training of a dense checkpoint (MSA)::
     python train.py --config configs/train/sparse_cpt.yaml --set init.path=/ckpt/dense \\
         --set msa.indexer_warmup_steps=1000
 
+Will it fit? ``--plan_for h200 [--plan_gpus 8]`` compiles the run's train step for GPUs this machine lacks
+(jax's CUDA plugin, no GPU: ``minimax_jax.train.plan``) and prints XLA's memory plan per device, e.g.::
+
+    python train.py --config configs/train/YOUR.yaml --set mesh=fsdp=8 --plan_for h200
+
 Multi-host (TPU pods and multi-node GPU)
 ----------------------------------------
 Run the SAME command on every host with ``--distributed``; it calls
@@ -80,6 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "a few MB; default 64).")
     cli_main.add_bool(p, "check_only", False, "Validate the config against the model and devices, print it, and "
                       "exit without creating parameters or compiling.", absl_alias=True)
+    p.add_argument("--plan_for", default=None, metavar="GPU",
+                   help="Will the run fit? Compile its train step for GPUs of this kind without having them (a name "
+                        "in configs/gpu_targets, e.g. h200, or a GpuTargetConfig file; needs jax's CUDA plugin: pip "
+                        "install 'jax[cuda13]', no GPU) and print XLA's memory plan per device; trains nothing. "
+                        "Exit 0 if it fits, 1 if not.")
+    p.add_argument("--plan_gpus", type=cli_main.int_at_least(1), default=None,
+                   help="With --plan_for: how many GPUs (one host; default: the mesh's size).")
     p.add_argument("--verbosity", type=int, default=None,
                    help="absl / orbax log level (default: warnings only; 0 = info)")
     return cli_main.add_common(p, cache=True)
@@ -160,8 +172,13 @@ def _train(argv):
     from minimax_jax.train.prepare import missing_data, prepare_data
     from minimax_jax.train.run_lock import RunDirError
 
+    if args.plan_gpus is not None and not args.plan_for:
+        print("train.py: error: --plan_gpus needs --plan_for", file=sys.stderr)
+        return 2
     try:
         tc = load_train_config(config, args.set)
+        if args.plan_for:
+            return _plan(tc, args.plan_for, args.plan_gpus)
         if args.check_only:
             cfg, _ = model_configs(tc)
             spec = validate_against(tc, cfg, jax.device_count(), jax.process_count(), jax.default_backend())
@@ -201,6 +218,45 @@ def _train(argv):
         return EXIT_INTERRUPTED
     print(f"train.py: {out['status']} at step {out['step']} ({out['run_dir']})")
     return 0
+
+
+def _plan(tc, target: str, gpus: int | None) -> int:
+    """``--plan_for``: XLA's per-device memory plan of the run's step on compile-only GPUs (train/plan.py)."""
+    import math
+
+    from minimax_jax import aot
+    from minimax_jax.sharding import MeshSpec
+    from minimax_jax.train.plan import plan_train_step
+
+    try:
+        aot.gpu_target_text(target)
+    except ValueError as e:
+        print(f"train.py: error: --plan_for: {e}", file=sys.stderr)
+        return 2
+    if gpus is None:
+        sizes = MeshSpec.parse(tc.mesh).sizes()
+        if -1 in sizes:
+            print(f"train.py: error: mesh {tc.mesh!r} has a -1 axis: say how many GPUs with --plan_gpus",
+                  file=sys.stderr)
+            return 2
+        gpus = math.prod(sizes)
+    try:
+        plans, mesh, kind = plan_train_step(tc, target, gpus)
+    except ValueError as e:
+        print(f"train.py: error: --plan_for: {e}", file=sys.stderr)
+        return 2
+    gib = 2.0 ** 30
+    print(f"train.py: plan for {gpus} x {kind} ({target}), mesh {mesh}, {tc.data.batch_size} x {tc.data.seq_len} tokens "
+          f"per step, remat {tc.run.remat} (XLA's buffer plan per device; nothing ran):")
+    for p in plans:
+        cap = f" of {p.device_bytes / gib:.1f} GiB ({100 * p.total / p.device_bytes:.1f} %)" if p.device_bytes else ""
+        print(f"  {p.phase} phase: {p.total / gib:.2f} GiB{cap}: temp {p.temp / gib:.2f}, arguments "
+              f"{p.arguments / gib:.2f} (state + batch), outputs {p.outputs / gib:.2f}, donated {p.aliased / gib:.2f}"
+              f": {p.verdict()}")
+    worst = max(plans, key=lambda p: p.total)
+    print(f"train.py: {worst.verdict()}" + ("" if worst.verdict() != "does not fit" else
+          " (try run.remat=full, optim.grad_accum, a smaller data.batch_size or more GPUs on fsdp / expert / sequence)"))
+    return 1 if worst.verdict() == "does not fit" else 0
 
 
 if __name__ == "__main__":
