@@ -18,10 +18,10 @@ from minimax_jax.interrupt import exit_while_starting
 
 if __name__ == "__main__":
     serve = sys.argv[1:2] == ["serve"]
-    with exit_while_starting("python -m minimax_jax.serve" if serve else "infer.py"):
+    with exit_while_starting("infer.py serve" if serve else "infer.py"):
         import jax  # noqa: F401  (the slow import a Ctrl-C must not be lost in)
         if serve:
             from minimax_jax.serve import cli as serve_cli       # only when serving: fastapi / uvicorn
         else:
             from minimax_jax.infer import cli
-    sys.exit(serve_cli.main(sys.argv[2:]) if serve else cli.main())
+    sys.exit(serve_cli.main(sys.argv[2:], prog="infer.py serve") if serve else cli.main())

@@ -47,7 +47,15 @@ def build_app(scheduler: Scheduler, tokenizer, model_name: str, *, metrics, defa
     async def _invalid(_request, e: RequestValidationError):
         errs = e.errors()
         first = errs[0] if errs else {}
+        if first.get("type") == "json_invalid":        # loc = ("body", character offset)
+            at = first.get("loc", ("body", "?"))[-1]
+            why = (first.get("ctx") or {}).get("error", "not JSON")
+            return JSONResponse(ApiError(400, f"the request body is not valid JSON: {why} at character {at}", None,
+                                         "invalid_json").body(), status_code=400)
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        if not loc and first.get("type") == "model_attributes_type":
+            return JSONResponse(ApiError(400, "the request body must be a JSON object", None, "invalid_value").body(),
+                                status_code=400)
         msg = "; ".join(f"{'.'.join(str(x) for x in er.get('loc', ()) if x != 'body')}: {er.get('msg')}"
                         for er in errs) or "invalid request"
         return JSONResponse(ApiError(400, msg, loc[0] if loc else None, "invalid_value").body(), status_code=400)

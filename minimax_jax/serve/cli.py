@@ -14,8 +14,8 @@ from minimax_jax import cli_main
 PROG = "python -m minimax_jax.serve"
 
 
-def build_parser():
-    p = cli_main.Parser(prog=PROG, description="Serve a MiniMax-M2 / M3 checkpoint over the OpenAI API "
+def build_parser(prog: str = PROG):
+    p = cli_main.Parser(prog=prog, description="Serve a MiniMax-M2 / M3 checkpoint over the OpenAI API "
                                                "(continuous batching on the paged engine).")
     p.add_argument("--checkpoint", default=None, help="Checkpoint directory (ours or Hugging Face); default: the "
                                                       "shipped demo checkpoint checkpoints/demo/.")
@@ -53,13 +53,13 @@ def build_parser():
     return cli_main.add_common(p, cache=True)
 
 
-def _main(argv) -> int:
+def _main(argv, prog: str = PROG) -> int:
     import uvicorn
 
     from minimax_jax.infer.loading import load_model
     from minimax_jax.serve.server import build, uvicorn_config
 
-    parser = build_parser()
+    parser = build_parser(prog)
     flags = cli_main.parse_args(parser, argv)
     if flags.num_draft is not None and flags.speculative == "none":
         parser.error("--num_draft needs --speculative mtp")
@@ -73,7 +73,7 @@ def _main(argv) -> int:
         mesh_attention.prefill_chunk(n, flags.prefill_chunk, explicit=True)
     except ValueError as e:
         parser.error(str(e))
-    cli_main.enable_compilation_cache(flags.compilation_cache, prog=PROG)
+    cli_main.enable_compilation_cache(flags.compilation_cache, prog=prog)
     log = lambda m: print(m, file=sys.stderr, flush=True)            # noqa: E731
     model = load_model(flags.checkpoint, tokenizer_path=flags.tokenizer, dtype=flags.dtype,
                        attention=flags.attention, log=log, mesh=flags.mesh, rules=flags.sharding_rules or "default")
@@ -96,10 +96,13 @@ def _main(argv) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def main(argv=None, prog: str = PROG) -> int:
+    """Run the server CLI; ``prog`` names the tool in messages (``infer.py serve`` passes its own name)."""
+    import functools
+
     from minimax_jax.config import ConfigError
     from minimax_jax.convert.errors import CheckpointError
     from minimax_jax.infer.errors import CheckpointNotFound, InferenceError, TokenizerNotFound
 
-    return cli_main.run(_main, argv, prog=PROG, usage=(ValueError, CheckpointNotFound, TokenizerNotFound),
+    return cli_main.run(functools.partial(_main, prog=prog), argv, prog=prog, usage=(ValueError, CheckpointNotFound, TokenizerNotFound),
                         failure=(InferenceError, ConfigError, CheckpointError))

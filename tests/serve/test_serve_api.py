@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import urllib.error
 import urllib.request
 
 import openai
@@ -147,6 +148,22 @@ def test_over_long_prompt_and_bad_chat_are_400_unknown_model_404(srv):
     with pytest.raises(openai.NotFoundError) as e:
         srv.client.completions.create(model="nope", prompt="ROMEO:", max_tokens=4)
     assert e.value.code == "model_not_found" and "nope" in e.value.message
+
+
+@pytest.mark.parametrize("body, code, message", [
+    (b'{"model": "demo", "prompt": "x",', "invalid_json",
+     "the request body is not valid JSON: Expecting property name enclosed in double quotes at character 32"),
+    (b"not json", "invalid_json", "the request body is not valid JSON: Expecting value at character 0"),
+    (b"[1, 2]", "invalid_value", "the request body must be a JSON object"),
+    (b'{"model": "demo"}', "invalid_value", "prompt: Field required"),
+])
+def test_malformed_bodies_are_400_with_a_readable_message(srv, body, code, message):
+    req = urllib.request.Request(srv.base + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == 400
+    err = json.loads(e.value.read().decode())["error"]
+    assert err["code"] == code and err["message"] == message and err["type"] == "invalid_request_error", err
 
 
 def test_full_queue_is_429(srv):
