@@ -172,13 +172,16 @@ def _train(argv):
     from minimax_jax.train.prepare import missing_data, prepare_data
     from minimax_jax.train.run_lock import RunDirError
 
-    if args.plan_gpus is not None and not args.plan_for:
+    if args.plan_gpus is not None and args.plan_for is None:
         print("train.py: error: --plan_gpus needs --plan_for", file=sys.stderr)
+        return 2
+    if args.plan_for is not None and args.check_only:
+        print("train.py: error: --plan_for and --check_only are two different checks: give one", file=sys.stderr)
         return 2
     try:
         tc = load_train_config(config, args.set)
-        if args.plan_for:
-            return _plan(tc, args.plan_for, args.plan_gpus)
+        if args.plan_for is not None:
+            return _plan(tc, args.plan_for, args.plan_gpus, prepare)
         if args.check_only:
             cfg, _ = model_configs(tc)
             spec = validate_against(tc, cfg, jax.device_count(), jax.process_count(), jax.default_backend())
@@ -220,13 +223,17 @@ def _train(argv):
     return 0
 
 
-def _plan(tc, target: str, gpus: int | None) -> int:
-    """``--plan_for``: XLA's per-device memory plan of the run's step on compile-only GPUs (train/plan.py)."""
+def _plan(tc, target: str, gpus: int | None, prepare: bool) -> int:
+    """``--plan_for``: XLA's per-device memory plan of the run's step on compile-only GPUs (train/plan.py).
+    Exit 0 fits, 1 does not fit (or planning failed at run time), 2 usage / config errors."""
     import math
 
     from minimax_jax import aot
+    from minimax_jax.ops import ImplementationUnavailable
     from minimax_jax.sharding import MeshSpec
+    from minimax_jax.train import TrainConfigError
     from minimax_jax.train.plan import plan_train_step
+    from minimax_jax.train.prepare import missing_data
 
     try:
         aot.gpu_target_text(target)
@@ -241,21 +248,37 @@ def _plan(tc, target: str, gpus: int | None) -> int:
             return 2
         gpus = math.prod(sizes)
     try:
-        plans, mesh, kind = plan_train_step(tc, target, gpus)
+        plan = plan_train_step(tc, target, gpus)
+    except TrainConfigError:
+        raise                                      # "configuration error: ..." like a real run
+    except ImplementationUnavailable as e:
+        print(f"train.py: error: --plan_for cannot trace this run without a GPU: {e}", file=sys.stderr)
+        return 2
     except ValueError as e:
         print(f"train.py: error: --plan_for: {e}", file=sys.stderr)
         return 2
     gib = 2.0 ** 30
-    print(f"train.py: plan for {gpus} x {kind} ({target}), mesh {mesh}, {tc.data.batch_size} x {tc.data.seq_len} tokens "
-          f"per step, remat {tc.run.remat} (XLA's buffer plan per device; nothing ran):")
-    for p in plans:
-        cap = f" of {p.device_bytes / gib:.1f} GiB ({100 * p.total / p.device_bytes:.1f} %)" if p.device_bytes else ""
-        print(f"  {p.phase} phase: {p.total / gib:.2f} GiB{cap}: temp {p.temp / gib:.2f}, arguments "
-              f"{p.arguments / gib:.2f} (state + batch), outputs {p.outputs / gib:.2f}, donated {p.aliased / gib:.2f}"
-              f": {p.verdict()}")
-    worst = max(plans, key=lambda p: p.total)
-    print(f"train.py: {worst.verdict()}" + ("" if worst.verdict() != "does not fit" else
-          " (try run.remat=full, optim.grad_accum, a smaller data.batch_size or more GPUs on fsdp / expert / sequence)"))
+    used = f"{plan.gpus_used} of {gpus}" if plan.gpus_used != gpus else f"{gpus}"
+    print(f"train.py: plan for {used} x {plan.device_kind} ({target}), mesh {plan.mesh}, {tc.data.batch_size} x "
+          f"{tc.data.seq_len} tokens per step, remat {tc.run.remat} (XLA's buffer plan per device; nothing ran):")
+    for p in plan.phases:
+        print(f"  {p.phase} phase: {p.total / gib:.2f} GiB of {p.device_bytes / gib:.2f} GiB "
+              f"({100 * p.total / p.device_bytes:.1f} %): temp {p.temp / gib:.2f}, arguments {p.arguments / gib:.2f} "
+              f"(state + batch), outputs {p.outputs / gib:.2f}, donated {p.aliased / gib:.2f}: {p.verdict()}")
+    ops = {k: v for k, v in plan.implementations.items() if not k.endswith("_reason") and "/" not in k}
+    print("  ops planned: " + ", ".join(f"{k}={v}" for k, v in sorted(ops.items())))
+    if "cudnn" in plan.implementations.get("attention.auto_reason", ""):
+        print("  note: a real GPU runs the dense attention with cuDNN (cudnn_packed), which cannot be traced without "
+              "one: planned with the flash kernel instead, whose buffers differ (BENCHMARKS.md, Training step)")
+    if tc.data.kind != "trajectory":
+        what = [f"{m} (the real run needs it{'; --prepare_data builds it' if not prepare else ''})"
+                for m in missing_data(tc)]
+        print(f"  batch: random rows of the run's shape (data.kind {tc.data.kind}: no data was read)"
+              + (f"; missing: {'; '.join(what)}" if what else ""))
+    worst = max(plan.phases, key=lambda p: p.total)
+    tips = (["run.remat=full"] if tc.run.remat != "full" else []) + [
+        "optim.grad_accum", "a smaller data.batch_size or more GPUs on fsdp / expert / sequence"]
+    print(f"train.py: {worst.verdict()}" + (f" (try {', '.join(tips)})" if worst.verdict() == "does not fit" else ""))
     return 1 if worst.verdict() == "does not fit" else 0
 
 

@@ -49,22 +49,32 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=1048576)
     ap.add_argument("--sequence", default="1,8")
-    ap.add_argument("--impl", default="pallas_gpu_interpret")
-    ap.add_argument("--gpu-target", default="",
+    ap.add_argument("--impl", default=None, help="MSA implementation (default: pallas_gpu_interpret, or with "
+                                                 "--gpu-target pallas_hopper_gpu, what auto runs on an H200)")
+    ap.add_argument("--gpu-target", default=None,
                     help="compile for these GPUs without having them: a name in configs/gpu_targets (h200) or a "
                          "GpuTargetConfig text proto (minimax_jax.aot; the GPU compiler's plan, nothing runs)")
-    ap.add_argument("--gpus", type=int, default=8, help="with --gpu-target: the number of GPUs (one host)")
+    ap.add_argument("--gpus", type=int, default=None, help="with --gpu-target: the number of GPUs (one host; 8)")
     ap.add_argument("--local-program", action="store_true",
                     help="for each n > 1 compile, on one device, what one of n devices runs: its T/n queries against "
                          "the gathered keys (the inputs hold the gathered K/V; no collective buffers)")
     ap.add_argument("--dump-hlo", default="", help="write each compiled program's HLO text into this folder")
     args = ap.parse_args(argv)
+    if args.gpus is not None and args.gpu_target is None:
+        ap.error("--gpus applies only with --gpu-target")
+    ns = [int(x) for x in args.sequence.split(",")]
     all_devices = jax.devices()
-    if args.gpu_target:
+    if args.gpu_target is not None:
+        args.impl = args.impl or "pallas_hopper_gpu"
+        if args.impl.endswith("_interpret"):
+            ap.error(f"--impl {args.impl}: with --gpu-target the kernels compile for the GPU; name a GPU implementation")
         try:
-            all_devices = aot.compile_only_gpus(args.gpu_target, args.gpus)
+            all_devices = aot.compile_only_gpus(args.gpu_target, args.gpus or 8)
         except ValueError as e:
             ap.error(str(e))
+    args.impl = args.impl or "pallas_gpu_interpret"
+    if bad := [n for n in ns if n < 1 or len(all_devices) % n]:
+        ap.error(f"--sequence {bad[0]} does not divide the {len(all_devices)} devices")
     one = jax.sharding.SingleDeviceSharding(all_devices[0])
     t = args.tokens
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -87,12 +97,12 @@ def main(argv=None) -> int:
         return jnp.sum(o.astype(jnp.float32) ** 2) + ks / jnp.maximum(kc, 1)
 
     devices = len(all_devices)
-    with assume_backend("gpu") if args.gpu_target else contextlib.nullcontext():
+    with assume_backend("gpu") if args.gpu_target is not None else contextlib.nullcontext():
         return _plans(args, t, devices, all_devices, one, grad, local_layer)
 
 
 def _plans(args, t, devices, all_devices, one, grad, local_layer) -> int:
-    for n in (int(x) for x in args.sequence.split(",")):
+    for n in (int(x) for x in args.sequence.split(",")):   # checked in main
         if args.local_program and n > 1:
             def s_(shape, dt):
                 return jax.ShapeDtypeStruct(shape, dt, sharding=one)

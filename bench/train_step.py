@@ -368,7 +368,7 @@ def bench_one(mode: str, seq: int, args) -> dict:
     dev = tr.mesh.devices.flat[0]
     row.update(device=dev.device_kind, backend=jax.default_backend())
     if args.gpu_target:
-        row.update(gpu_target=args.gpu_target, compile_only=True,
+        row.update(gpu_target=args.gpu_target, compile_only=True, backend="cuda (compile-only devices)",
                    fits=fits_report(mem, aot.gpu_target_memory(args.gpu_target)))
         log(f"{tag}: on {dev.device_kind}: {row['fits']['verdict']}")
         print(json.dumps(row), flush=True)
@@ -509,11 +509,13 @@ def main(argv=None) -> int:
     for mode in modes:
         if mode not in ("dense", "msa"):
             p.error(f"unknown mode {mode!r}")
-    if args.gpu_target and args.lower_for:
+    if args.gpu_target is not None and args.lower_for:
         p.error("--gpu-target compiles for the GPU itself; leave out --lower-for")
-    if args.gpu_target:
+    if args.gpu_target is not None:
         try:
-            aot.gpu_target_text(args.gpu_target)
+            if -1 in MeshSpec.parse(args.mesh).sizes():
+                raise ValueError(f"--gpu-target needs every --mesh axis size given (no -1): {args.mesh!r}")
+            aot.compile_only_gpus(args.gpu_target, 1)          # the target and the CUDA plugin, checked up front
         except ValueError as e:
             p.error(str(e))
     os.makedirs(args.out, exist_ok=True)

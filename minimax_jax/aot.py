@@ -17,28 +17,50 @@ from __future__ import annotations
 import os
 import re
 
-__all__ = ["TARGETS_DIR", "gpu_target_text", "gpu_target_memory", "compile_only_gpus"]
+__all__ = ["TARGETS_DIR", "REQUIRED_FIELDS", "gpu_target_text", "gpu_target_memory", "compile_only_gpus"]
 
 TARGETS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "gpu_targets")
+
+
+#: Fields a target must state: XLA's deviceless compiler reads them (without them it crashes, not errs).
+REQUIRED_FIELDS = ("core_count", "threads_per_warp", "shared_memory_per_block_optin", "cuda_compute_capability",
+                   "device_memory_size", "device_description_str")
+
+
+def _field(text: str, name: str) -> str | None:
+    """The value of text-format field ``name`` (``name: value`` or ``name { ... }``), or None."""
+    m = re.search(rf"(?<![\w]){name}\s*(?::\s*(\"[^\"]*\"|0[xX][0-9a-fA-F]+|[-\w.]+)|(\{{))", text)
+    if m is None:
+        return None
+    return m.group(1) if m.group(1) is not None else "{"
 
 
 def gpu_target_text(target: str) -> str:
     """The GpuTargetConfig text of ``target``: a name in ``configs/gpu_targets/`` (``"h200"``) or a file path.
 
-    Raises: ValueError (one line) when it is neither.
+    Raises: ValueError (one line) when it is neither, is not text, or lacks a field of ``REQUIRED_FIELDS``.
     """
+    if not target:
+        raise ValueError("GPU target is empty: give a name in configs/gpu_targets (e.g. h200) or a file")
     path = target if os.path.isfile(target) else os.path.join(TARGETS_DIR, f"{target}.txtpb")
     if not os.path.isfile(path):
         names = sorted(f[:-6] for f in os.listdir(TARGETS_DIR) if f.endswith(".txtpb"))
         raise ValueError(f"GPU target {target!r} is neither a file nor one of {names}")
-    with open(path) as f:
-        return f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError:
+        raise ValueError(f"GPU target {path}: not a text-format GpuTargetConfig (not UTF-8 text)") from None
+    missing = [n for n in REQUIRED_FIELDS if _field(text, n) is None]
+    if missing:
+        raise ValueError(f"GPU target {path}: missing {', '.join(missing)} (see configs/gpu_targets/h200.txtpb)")
+    return text
 
 
-def gpu_target_memory(target: str) -> int | None:
-    """The device memory (bytes) ``target`` states (``gpu_device_info.device_memory_size``), or None."""
-    m = re.search(r"^\s*device_memory_size:\s*(\d+)", gpu_target_text(target), re.MULTILINE)
-    return int(m.group(1)) if m else None
+def gpu_target_memory(target: str) -> int:
+    """The device memory (bytes) ``target`` states (``gpu_device_info.device_memory_size``)."""
+    value = _field(gpu_target_text(target), "device_memory_size")
+    return int(value, 0)
 
 
 def compile_only_gpus(target: str, count: int = 1) -> list:

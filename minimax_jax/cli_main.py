@@ -156,17 +156,18 @@ def parse_args(p: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpar
     return p.parse_args(out)
 
 
-def int_at_least(lo: int):
-    """argparse type: an integer >= ``lo``."""
+def int_at_least(lo: int, hi: int | None = None):
+    """argparse type: an integer >= ``lo`` (and <= ``hi`` when given)."""
     def parse(s: str) -> int:
         try:
             v = int(s)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        if v < lo or (hi is not None and v > hi):
+            raise argparse.ArgumentTypeError(f"must be >= {lo}" + (f" and <= {hi}" if hi is not None else "")
+                                             + f", got {v}")
         return v
-    parse.__name__ = f"integer >= {lo}"
+    parse.__name__ = f"integer >= {lo}" + (f" <= {hi}" if hi is not None else "")
     return parse
 
 

@@ -31,9 +31,21 @@ def test_shipped_target_h200():
 
 
 def test_target_by_path_and_unknown_name(tmp_path):
-    f = tmp_path / "mine.txtpb"
-    f.write_text("gpu_device_info {\n  device_memory_size: 1234\n}\n")
+    f = tmp_path / "mine.txtpb"          # the shipped target on one line, memory in hex with a spaced colon
+    text = " ".join(ln for ln in aot.gpu_target_text("h200").splitlines() if not ln.startswith("#"))
+    f.write_text(text.replace("device_memory_size: 150754820096", "device_memory_size : 0x4D2"))
     assert aot.gpu_target_memory(str(f)) == 1234
+    partial = tmp_path / "partial.txtpb"   # parses, but XLA would crash on it: refused, fields named
+    partial.write_text("gpu_device_info { device_memory_size: 1048576 }")
+    with pytest.raises(ValueError, match="missing core_count, threads_per_warp, shared_memory_per_block_optin, "
+                                         "cuda_compute_capability, device_description_str"):
+        aot.gpu_target_text(str(partial))
+    binary = tmp_path / "binary.txtpb"
+    binary.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(ValueError, match="binary.txtpb: not a text-format GpuTargetConfig"):
+        aot.gpu_target_text(str(binary))
+    with pytest.raises(ValueError, match="GPU target is empty"):
+        aot.gpu_target_text("")
     with pytest.raises(ValueError, match=r"'b300' is neither a file nor one of \['h200'\]"):
         aot.gpu_target_text("b300")
     with pytest.raises(ValueError, match="GPU count must be >= 1"):

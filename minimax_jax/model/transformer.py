@@ -12,6 +12,8 @@ Pieces used by the decode engine (``project_qkv``, ``project_index``, ``mlp_bloc
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any, NamedTuple
 
 import jax
@@ -124,9 +126,13 @@ def attention_block(p, x, cfg: ModelConfig, layer_type: str, positions, segment_
     tree_kw = {} if subtree_end is None else {"kv_subtree_end": subtree_end}
     # Context parallelism (a sequence-sharded mesh): local queries against all-gathered keys in shard_map.
     cp = _context_plan(cfg, (b, t), subtree_end, input_weight, tree_keys)
+    tree_rows = subtree_end is not None or input_weight is not None or tree_keys is not None
     if layer_type == "msa":
         qi, ki = project_index(p, x, cfg, cos, sin)
-        if cp is not None:
+        if cp is not None and tree_rows:
+            o, kl_sum, kl_cnt, ids, lse = _msa_tree_rows_local(cp, q, k, v, qi, ki, cfg, positions, segment_ids,
+                                                               indexer_kl, subtree_end, input_weight, tree_keys)
+        elif cp is not None:
             o, kl_sum, kl_cnt, ids, lse = _msa_context_parallel(cp, q, k, v, qi, ki, cfg, positions, segment_ids,
                                                                 indexer_kl)
         else:
@@ -138,7 +144,14 @@ def attention_block(p, x, cfg: ModelConfig, layer_type: str, positions, segment_
     else:
         window = cfg.sliding_window if layer_type == "sliding" else None
         impl = cfg.sliding_attention_impl if window is not None else cfg.attention_impl
-        if cp is not None:
+        if cp is not None and tree_rows:
+            def local_tree(q, k, v, pos, seg, sub):
+                return (attention(q, k, v, sliding_window=window, implementation=impl, q_positions=pos,
+                                  kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg,
+                                  **({} if sub is None else {"kv_subtree_end": sub})),)
+            (o,) = _tree_rows_run(cp, local_tree, [q, k, v, positions, segment_ids, subtree_end], ["bth."],
+                                  name="attention")
+        elif cp is not None:
             def local(q, qp, qs, k, v, kp, ks):
                 return (attention(q, k, v, sliding_window=window, implementation=impl, q_positions=qp,
                                   kv_positions=kp, q_segment_ids=qs, kv_segment_ids=ks),)
@@ -164,6 +177,45 @@ def _msa_context_parallel(cp, q, k, v, qi, ki, cfg: ModelConfig, positions, segm
     res = context_parallel.run(cp, local, [(q, "bth."), (qi, "bth."), (positions, "bt"), (segment_ids, "bt")],
                                [(k, "bth."), (v, "bth."), (ki, "bt."), (positions, "bt"), (segment_ids, "bt")],
                                ["bth.", "bht.", "bth"] if sparse else ["bth."], num_sums=2, name="msa")
+    if sparse:
+        o, ids, lse, kl_sum, kl_cnt = res
+        return o, kl_sum, kl_cnt, ids, lse
+    o, kl_sum, kl_cnt = res
+    return o, kl_sum, kl_cnt, None, None
+
+
+def _tree_rows_run(cp, fn, arrays, out_layouts, num_sums=0, name="attention"):
+    """Prefix-tree rows on a mesh without a sequence split (``_context_plan``): ``fn(*arrays)`` in
+    ``shard_map`` on each device's rows. Every array is per row (``[B, ...]``; None entries pass through), so
+    only the batch axes split them (heads stay whole: the tree kernels see every head of a row)."""
+    plan = dataclasses.replace(cp, heads=())
+    live = [i for i, a in enumerate(arrays) if a is not None]
+
+    def local(*xs):
+        full = list(arrays)
+        for i, x in zip(live, xs):
+            full[i] = x
+        return fn(*full)
+    side = [(arrays[i], "b" + "." * (arrays[i].ndim - 1)) for i in live]
+    return context_parallel.run(plan, local, side, [], [lay.replace("h", ".") for lay in out_layouts],
+                                num_sums=num_sums, name=name)
+
+
+def _msa_tree_rows_local(cp, q, k, v, qi, ki, cfg: ModelConfig, positions, segment_ids, indexer_kl, subtree_end,
+                         input_weight, tree_keys):
+    """``msa_block`` on prefix-tree rows, each device on its rows (``_tree_rows_run``); same returns."""
+    sparse = indexer_kl != "dense"
+    names = sorted(tree_keys) if tree_keys is not None else []
+
+    def local(q, k, v, qi, ki, pos, seg, sub, wgt, *keys):
+        tk = dict(zip(names, keys)) if tree_keys is not None else None
+        o, kl_sum, kl_cnt, ids, lse = msa_block(q, k, v, qi, ki, cfg, pos, seg, indexer_kl, subtree_end=sub,
+                                                input_weight=wgt, tree_keys=tk)
+        return (o, ids, lse, kl_sum, kl_cnt) if sparse else (o, kl_sum, kl_cnt)
+
+    res = _tree_rows_run(cp, local, [q, k, v, qi, ki, positions, segment_ids, subtree_end, input_weight,
+                                     *(tree_keys[n] for n in names)],
+                         ["bth.", "bht.", "bth"] if sparse else ["bth."], num_sums=2, name="msa")
     if sparse:
         o, ids, lse, kl_sum, kl_cnt = res
         return o, kl_sum, kl_cnt, ids, lse
@@ -223,17 +275,21 @@ def _save_dots_and_kernels(prim, *args, **params) -> bool:
 
 
 def _context_plan(cfg: ModelConfig, shape, subtree_end, input_weight, tree_keys):
-    """The attention's context-parallel plan (``minimax_jax.ops.context_parallel``) for ``[B, T]`` rows, or
-    None: no sequence-sharded mesh, or prefix-tree / weighted rows (their visibility needs T == S: GSPMD)."""
-    if subtree_end is not None or input_weight is not None or tree_keys is not None:
-        return None
-    return context_parallel.plan(shape[0], shape[1], (cfg.num_heads, cfg.num_kv_heads))
+    """The attention's ``shard_map`` plan (``minimax_jax.ops.context_parallel``: local rows and heads, and local
+    queries against gathered keys on a sequence-sharded mesh) for ``[B, T]`` rows, or None: no mesh axis
+    to split them over, or prefix-tree / weighted rows on a sequence-sharded mesh (left to GSPMD; without a
+    sequence split they run on each device's rows)."""
+    p = context_parallel.plan(shape[0], shape[1], (cfg.num_heads, cfg.num_kv_heads))
+    if p is not None and (subtree_end is not None or input_weight is not None or tree_keys is not None):
+        # tree visibility needs a row's own keys (T == S): its rows split over the batch axes, never its tokens
+        return None if p.seq or not p.batch else p
+    return p
 
 
 def _balanced_order(cfg: ModelConfig, p) -> np.ndarray | None:
     """Zig-zag token order for context-parallel plan ``p`` when 2n divides the row, else None (also for the
     capacity MoE, whose dropped tokens depend on the row order)."""
-    if p is None or cfg.moe_impl == "xla_capacity" or p.tokens % (2 * p.size):
+    if p is None or p.size == 1 or cfg.moe_impl == "xla_capacity" or p.tokens % (2 * p.size):
         return None
     return context_parallel.zigzag(p.tokens, p.size)
 

@@ -114,20 +114,25 @@ def dividing_axes(mesh, axes: Sequence[str], n: int, used: set[str]) -> tuple[st
 
 
 def plan(batch: int, tokens: int, head_counts: Sequence[int]) -> Plan | None:
-    """The CP plan for a call with ``batch`` rows of ``tokens`` tokens, or None (no ``use_mesh`` context,
-    no sequence axis of size > 1, or the sequence axes do not divide ``tokens``: GSPMD as usual).
+    """The plan for a call with ``batch`` rows of ``tokens`` tokens on the active mesh, or None (no
+    ``use_mesh`` context, or no mesh axis of size > 1 that divides the rows, the tokens or the heads).
 
-    ``head_counts``: the call's head counts (q heads, kv heads, ...); heads are sharded over the
-    ``act_heads`` rule's axes only when these divide every count."""
+    Context parallelism when the ``length`` rule's axes (size > 1) divide ``tokens``; otherwise ``seq`` is
+    empty and the call still runs in ``shard_map`` on its local rows and heads (the kernels are opaque custom
+    calls: left to GSPMD on a data- or fsdp-sharded mesh, every device would gather the global batch and
+    run the whole kernel). ``head_counts``: the call's head counts (q heads, kv heads, ...); heads are
+    sharded over the ``act_heads`` rule's axes only when these divide every count."""
     ctx = sharding.current()
     if ctx is None:
         return None
     mesh, rules = ctx
     seq = tuple(a for a in rules["length"] if mesh.shape[a] > 1)
-    if not seq or tokens % sharding.mesh_axis_size(mesh, seq):
-        return None
+    if seq and tokens % sharding.mesh_axis_size(mesh, seq):
+        seq = ()
     b = dividing_axes(mesh, rules["batch"], batch, set(seq))
     heads = dividing_axes(mesh, rules["act_heads"], math.gcd(*head_counts), set(seq) | set(b))
+    if not (seq or b or heads):
+        return None
     return Plan(mesh, tokens, seq, b, heads)
 
 
@@ -146,19 +151,28 @@ def run(p: Plan, fn: Callable, q_side: Sequence[tuple[jax.Array, str]], kv_side:
     gather_axes = [layout.index("t") for _, layout in kv_side]
     order = current_order()
     inverse = None if order is None else jnp.asarray(np.argsort(order).astype(np.int32))
+    # Without a sequence split nothing is gathered: a kv-side array that is a q-side one (the positions and
+    # segment ids of self-attention) enters once, so the op inside sees one array (the flash kernels'
+    # "same positions" check is by identity under jit).
+    same = [next((i for i, (y, ly) in enumerate(q_side) if y is x and ly == lay), None) if not p.seq else None
+            for x, lay in kv_side]
+    kv_in = [(x, lay) for (x, lay), j in zip(kv_side, same) if j is None]
 
     def body(*args):
-        kv = [jax.lax.all_gather(x, p.seq, axis=ax, tiled=True) for x, ax in zip(args[nq:], gather_axes)]
+        q_loc, rest = args[:nq], iter(args[nq:])
+        kv = [q_loc[j] if j is not None else next(rest) for j in same]
+        if p.seq:
+            kv = [jax.lax.all_gather(x, p.seq, axis=ax, tiled=True) for x, ax in zip(kv, gather_axes)]
         if inverse is not None:                                  # keys back in natural order
             kv = [jnp.take(x, inverse, axis=ax) for x, ax in zip(kv, gather_axes)]
-        res = fn(*args[:nq], *kv)
+        res = fn(*q_loc, *kv)
         outs, sums = res[:len(res) - num_sums], res[len(res) - num_sums:]
         return (*outs, *(jax.lax.psum(s, p.query_axes) for s in sums))
 
-    record_implementation(f"context_parallel/{name}", f"sequence={p.size},heads={p.heads or '-'},"
+    record_implementation(f"context_parallel/{name}", f"sequence={p.size},batch={p.batch or '-'},heads={p.heads or '-'},"
                                                       f"order={'natural' if order is None else 'zigzag'}")
     # check_vma=False: the kernels' pallas_calls return invariant-typed values (see pallas_kernels.common);
     # every input here is sharded or replicated consistently, so the plain transpose rules are exact.
-    fn_sm = jax.shard_map(body, mesh=p.mesh, in_specs=tuple(p.spec(lay) for _, lay in (*q_side, *kv_side)),
+    fn_sm = jax.shard_map(body, mesh=p.mesh, in_specs=tuple(p.spec(lay) for _, lay in (*q_side, *kv_in)),
                           out_specs=(*(p.spec(lay) for lay in out_layouts), *([PS()] * num_sums)), check_vma=False)
-    return fn_sm(*(x for x, _ in q_side), *(x for x, _ in kv_side))
+    return fn_sm(*(x for x, _ in q_side), *(x for x, _ in kv_in))

@@ -44,9 +44,17 @@ def build_app(scheduler: Scheduler, tokenizer, model_name: str, *, metrics, defa
         return JSONResponse(e.body(), status_code=e.status)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_request, e: RequestValidationError):
+    async def _invalid(request, e: RequestValidationError):
         errs = e.errors()
         first = errs[0] if errs else {}
+        body_level = tuple(first.get("loc", ())) == ("body",)
+        ctype = request.headers.get("content-type", "")
+        if body_level and first.get("type") == "missing":
+            return JSONResponse(ApiError(400, "the request body is empty: expected a JSON object", None,
+                                         "invalid_json").body(), status_code=400)
+        if body_level and first.get("type") == "model_attributes_type" and "json" not in ctype.lower():
+            return JSONResponse(ApiError(400, f"Content-Type must be application/json (got {ctype or 'none'!r})",
+                                         None, "invalid_value").body(), status_code=400)
         if first.get("type") == "json_invalid":        # loc = ("body", character offset)
             at = first.get("loc", ("body", "?"))[-1]
             why = (first.get("ctx") or {}).get("error", "not JSON")
@@ -62,6 +70,9 @@ def build_app(scheduler: Scheduler, tokenizer, model_name: str, *, metrics, defa
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_request, e: StarletteHTTPException):
+        if e.status_code == 400 and str(e.detail) == "There was an error parsing the body":   # FastAPI's words
+            return JSONResponse(ApiError(400, "the request body is not valid JSON (it could not be parsed: not UTF-8 "
+                                              "or nested too deeply)", None, "invalid_json").body(), status_code=400)
         return JSONResponse(ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
 
     # ------------------------------------------------------------------ plain routes

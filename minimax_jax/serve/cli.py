@@ -21,7 +21,7 @@ def build_parser(prog: str = PROG):
                                                       "shipped demo checkpoint checkpoints/demo/.")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the one in --checkpoint).")
     p.add_argument("--host", default="127.0.0.1", help="Address to listen on.")
-    p.add_argument("--port", type=cli_main.int_at_least(0), default=8000, help="TCP port.")
+    p.add_argument("--port", type=cli_main.int_at_least(0, 65535), default=8000, help="TCP port.")
     p.add_argument("--max_batch", type=cli_main.int_at_least(1), default=8, help="Sequences decoded together "
                                                                                  "(engine slots).")
     p.add_argument("--max_len", type=cli_main.int_at_least(2), default=4096, help="Longest prompt + completion "

@@ -51,16 +51,17 @@ class StreamOptions(BaseModel):
 class _Common(BaseModel):
     """Fields shared by both endpoints (sampling, stops, counts)."""
 
-    model_config = ConfigDict(extra="allow")
+    # allow_inf_nan=False: NaN / inf numbers are refused as "not finite", not compared with the bounds
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str
     max_tokens: Optional[int] = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)
+    top_k: int = Field(0, ge=-1, le=2 ** 31 - 1)           # int32 in the sampler
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     ignore_eos: bool = False
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(None, ge=0, le=2 ** 63 - 1)
     n: int = Field(1, ge=1, le=MAX_N)
     stop: Optional[Union[str, list[str]]] = None
     stream: bool = False

@@ -18,12 +18,12 @@ import dataclasses
 import jax
 
 from minimax_jax import aot
-from minimax_jax.ops import assume_backend
+from minimax_jax.ops import assume_backend, clear_implementation_report, implementation_report
 from minimax_jax.train.config import TrainConfig
 from minimax_jax.train.data import SyntheticIterator, make_iterator
 from minimax_jax.train.loop import Trainer
 
-__all__ = ["PhasePlan", "plan_train_step", "JAX_DEFAULT_FRACTION"]
+__all__ = ["PhasePlan", "RunPlan", "plan_train_step", "JAX_DEFAULT_FRACTION"]
 
 #: The share of a GPU's memory JAX's allocator takes unless ``XLA_PYTHON_CLIENT_MEM_FRACTION`` says otherwise.
 JAX_DEFAULT_FRACTION = 0.75
@@ -38,7 +38,7 @@ class PhasePlan:
     arguments: int
     outputs: int
     aliased: int
-    device_bytes: int | None
+    device_bytes: int
 
     @property
     def total(self) -> int:
@@ -47,8 +47,6 @@ class PhasePlan:
 
     def verdict(self) -> str:
         """``fits``, ``fits with XLA_PYTHON_CLIENT_MEM_FRACTION=f`` (over JAX's default 75 %), or ``does not fit``."""
-        if not self.device_bytes:
-            return "unknown (the target states no memory size)"
         share = self.total / self.device_bytes
         if share <= JAX_DEFAULT_FRACTION:
             return "fits"
@@ -65,22 +63,36 @@ def _abstract_batch(tc: TrainConfig, vocab_size: int, sharding) -> dict:
     return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in batch.items()}
 
 
-def plan_train_step(tc: TrainConfig, target: str, count: int) -> tuple[list[PhasePlan], str, str]:
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """``plan_train_step``'s answer: one ``PhasePlan`` per phase the run reaches, the mesh (text), the GPUs it
+    uses (of those compiled for), their kind, and the op implementations the traced step chose."""
+
+    phases: list[PhasePlan]
+    mesh: str
+    gpus_used: int
+    device_kind: str
+    implementations: dict
+
+
+def plan_train_step(tc: TrainConfig, target: str, count: int) -> RunPlan:
     """Compile ``tc``'s train step for ``count`` compile-only GPUs of ``target`` and read XLA's plan.
 
     Args:
       tc: the run's configuration (its mesh must use at most ``count`` devices).
       target: a GPU target name in ``configs/gpu_targets`` or a GpuTargetConfig file (``aot.compile_only_gpus``).
       count: GPUs of one host to compile for.
-    Returns: (one ``PhasePlan`` per distinct phase, the mesh as text, the device kind).
-    Raises: ValueError (bad target, no CUDA plugin), TrainConfigError (the run does not match the devices).
+    Returns: a ``RunPlan``.
+    Raises: ValueError (bad target, no CUDA plugin), TrainConfigError (the run does not match the devices),
+      ImplementationUnavailable (an op implementation the run names cannot be traced without a GPU).
     """
     devices = aot.compile_only_gpus(target, count)
     device_bytes = aot.gpu_target_memory(target)
     tr = Trainer(tc, devices)
     batch = _abstract_batch(tc, tr.cfg.vocab_size, tr.batch_sh)
-    phases = list(dict.fromkeys([tr.phase_of(0), tr.phase_of(tc.run.steps + tr.warmup_steps)]))
+    phases = list(dict.fromkeys([tr.phase_of(0), tr.phase_of(max(tc.run.steps - 1, 0))]))   # the ones it reaches
     plans = []
+    clear_implementation_report()
     for phase in phases:
         state = tr.abstract_state(phase)
         with tr.mesh_context(), assume_backend("gpu"):
@@ -89,4 +101,4 @@ def plan_train_step(tc: TrainConfig, target: str, count: int) -> tuple[list[Phas
         plans.append(PhasePlan(phase, int(m.temp_size_in_bytes), int(m.argument_size_in_bytes),
                                int(m.output_size_in_bytes), int(m.alias_size_in_bytes), device_bytes))
     mesh = ",".join(f"{k}={v}" for k, v in tr.mesh.shape.items() if v > 1) or "one device"
-    return plans, mesh, devices[0].device_kind
+    return RunPlan(plans, mesh, int(tr.mesh.devices.size), devices[0].device_kind, implementation_report())

@@ -156,14 +156,26 @@ def test_over_long_prompt_and_bad_chat_are_400_unknown_model_404(srv):
     (b"not json", "invalid_json", "the request body is not valid JSON: Expecting value at character 0"),
     (b"[1, 2]", "invalid_value", "the request body must be a JSON object"),
     (b'{"model": "demo"}', "invalid_value", "prompt: Field required"),
+    (b"", "invalid_json", "the request body is empty: expected a JSON object"),
+    (b'{"model": "demo", "prompt": "\xff\xfe"}', "invalid_json",
+     "the request body is not valid JSON (it could not be parsed: not UTF-8 or nested too deeply)"),
+    (b'{"model": "demo", "prompt": "x", "top_k": 3000000000}', "invalid_value",
+     "top_k: Input should be less than or equal to 2147483647"),
+    (b'{"model": "demo", "prompt": "x", "seed": -5}', "invalid_value", "seed: Input should be greater than or equal to 0"),
+    (b'{"model": "demo", "prompt": "x", "temperature": NaN}', "invalid_value",
+     "temperature: Input should be a finite number"),
+    (b'{"model": "demo", "prompt": "x"}', "invalid_value", "Content-Type must be application/json (got 'text/plain')"),
 ])
 def test_malformed_bodies_are_400_with_a_readable_message(srv, body, code, message):
-    req = urllib.request.Request(srv.base + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    ctype = "text/plain" if "Content-Type" in message else "application/json"
+    req = urllib.request.Request(srv.base + "/v1/completions", data=body, headers={"Content-Type": ctype})
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=30)
     assert e.value.code == 400
     err = json.loads(e.value.read().decode())["error"]
     assert err["code"] == code and err["message"] == message and err["type"] == "invalid_request_error", err
+    ok = srv.client.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=2, temperature=0)   # still serving
+    assert ok.usage.completion_tokens >= 1
 
 
 def test_full_queue_is_429(srv):

@@ -15,7 +15,7 @@ def test_defaults_serve_the_demo_on_loopback():
     assert (g.speculative, g.num_draft, g.mtp_window) == ("mtp", 1, 32)
 
 
-@pytest.mark.parametrize("argv", [["--port", "-1"], ["--max_batch", "0"], ["--bogus"],
+@pytest.mark.parametrize("argv", [["--port", "-1"], ["--port", "70000"], ["--max_batch", "0"], ["--bogus"],
                                   ["--attention", "sparse"], ["--speculative", "eagle"], ["--num_draft", "1"],
                                   ["--speculative", "mtp", "--num_draft", "0"], ["--sharding_rules", "default"]])
 def test_bad_flags_exit_2(argv, capsys):

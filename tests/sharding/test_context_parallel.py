@@ -50,7 +50,7 @@ def _check(results: list[dict], meshes: list[str], msa: bool, kernels: bool = Fa
         # zig-zag order (load balance), the MTP layers' in natural order; no kernel ran on the whole row
         # outside shard_map
         local = r["tokens"] // seq
-        calls = {tuple(c) for c in r["calls"]}
+        calls = {tuple(c[:3]) for c in r["calls"]}
         assert {c[1] for c in calls} == {local}, r
         assert ("attention", local, True) in calls and (("msa", local, True) in calls or not msa), r
         assert any(not c[2] for c in calls) == (r["mtp"] > 0), r
@@ -66,6 +66,25 @@ def test_m3_msa_kernels_sequence_parallel_equal_one_device():
                           attention_impl="pallas_masked_gpu_interpret")
     _check(results, meshes, msa=True, kernels=True)
     assert all(r["attention_ran"] == "pallas_masked_gpu_interpret" for r in results), results
+
+
+def test_kernels_run_on_local_rows_without_a_sequence_axis():
+    """Data / fsdp / expert / tensor meshes without a ``sequence`` axis: the attention and MSA kernels still run
+    in shard_map on each device's rows (and heads), never on the global batch (a Pallas kernel or cuDNN call
+    left to GSPMD makes every device gather the whole batch and run the whole kernel), and the loss and every
+    gradient equal one device's. Tiny M3 with the interpreted GPU kernels."""
+    meshes = ["data=4,tensor=2", "data=2,tensor=4", "data=2,expert=2,tensor=2"]
+    results = _run_worker("configs/tiny-m3.yaml", meshes, msa_impl="pallas_gpu_interpret",
+                          attention_impl="pallas_masked_gpu_interpret")
+    assert [r["mesh"] for r in results] == meshes
+    for r, local_rows, heads in zip(results, (1, 2, 1), ("('tensor',)", "-", "('tensor',)")):
+        assert r["max_abs_err"] <= TOL and r["bad_leaves"] == [], r
+        for name in ("attention", "msa"):
+            assert r["cp"][f"context_parallel/{name}"].startswith("sequence=1,"), r
+            assert f"heads={heads}," in r["cp"][f"context_parallel/{name}"], r
+        assert {(c[1], c[3]) for c in r["calls"]} == {(r["tokens"], local_rows)}, r     # full rows, local batch
+        assert r["pallas_inside"] > 0 and r["pallas_outside"] == 0, r
+        assert r["kl"] > 0, r
 
 
 @pytest.mark.slow
@@ -127,11 +146,11 @@ def _worker(model: str, meshes: list[str], msa_impl: str, attention_impl: str) -
     orig_attention, orig_msa = transformer.attention, transformer.msa_block
 
     def attention_spy(q, *a, **kw):
-        seen.append(["attention", int(q.shape[1]), context_parallel.current_order() is not None])
+        seen.append(["attention", int(q.shape[1]), context_parallel.current_order() is not None, int(q.shape[0])])
         return orig_attention(q, *a, **kw)
 
     def msa_spy(q, *a, **kw):
-        seen.append(["msa", int(q.shape[1]), context_parallel.current_order() is not None])
+        seen.append(["msa", int(q.shape[1]), context_parallel.current_order() is not None, int(q.shape[0])])
         return orig_msa(q, *a, **kw)
 
     transformer.attention, transformer.msa_block = attention_spy, msa_spy
@@ -174,7 +193,8 @@ def _worker(model: str, meshes: list[str], msa_impl: str, attention_impl: str) -
         bad = [jax.tree_util.keystr(k) for k, v in flat if not v <= TOL]
         print(json.dumps({"mesh": mesh_spec, "max_abs_err": max(v for _, v in flat), "bad_leaves": bad,
                           "cp": {k: v for k, v in report.items() if k.startswith("context_parallel")},
-                          "kl": float(m.get("indexer_kl", 0.0)), "tokens": t, "attention_ran": report.get("attention"),
+                          "kl": float(m.get("indexer_kl", 0.0)), "tokens": t, "rows": b,
+                          "attention_ran": report.get("attention"),
                           "mtp": cfg.num_mtp_modules, **calls}), flush=True)
 
 

@@ -24,6 +24,8 @@ def _train(*args, timeout=600):
     (("--plan_gpus", "2"), "train.py: error: --plan_gpus needs --plan_for"),
     (("--plan_for", "b300"), "train.py: error: --plan_for: GPU target 'b300' is neither a file nor one of ['h200']"),
     (("--plan_for", "h200", "--set", "mesh=data=-1"), "has a -1 axis: say how many GPUs with --plan_gpus"),
+    (("--plan_for", ""), "train.py: error: --plan_for: GPU target is empty"),
+    (("--plan_for", "h200", "--check_only"), "--plan_for and --check_only are two different checks"),
 ])
 def test_usage_errors(tmp_path, args, message):
     r = _train(*TINY, "--set", f"run.run_dir={tmp_path}/run", *args, timeout=120)
@@ -45,13 +47,18 @@ def test_plans_both_phases_and_refuses_a_gpu_too_small(tmp_path):
     r = _train(*TINY, "--set", f"run.run_dir={tmp_path}/run", "--set", "mesh=data=2,fsdp=2", "--plan_for", "h200")
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     assert "plan for 4 x NVIDIA H200 (h200), mesh data=2,fsdp=2, 4 x 256 tokens per step" in r.stdout, r.stdout
-    phases = re.findall(r"^  (\w+) phase: ([\d.]+) GiB of 140.4 GiB .*: fits$", r.stdout, re.MULTILINE)
+    phases = re.findall(r"^  (\w+) phase: ([\d.]+) GiB of 140.40 GiB .*: fits$", r.stdout, re.MULTILINE)
     assert [p for p, _ in phases] == ["indexer_warmup", "main"], r.stdout
     assert r.stdout.strip().splitlines()[-1] == "train.py: fits"
+    assert "msa_attention=pallas_gpu" in r.stdout and "batch: random rows of the run's shape" in r.stdout
     assert not (tmp_path / "run").exists()                      # nothing trained, nothing written
+    r = _train(*TINY, "--set", f"run.run_dir={tmp_path}/run", "--set", "mesh=data=2", "--set", "run.steps=3",
+               "--plan_for", "h200", "--plan_gpus", "4")              # warm-up only: one phase; 2 of 4 GPUs used
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    assert "plan for 2 of 4 x NVIDIA H200" in r.stdout and "main phase" not in r.stdout, r.stdout
     small = tmp_path / "small.txtpb"                             # the H200 with 1 MiB of memory
     text = open(f"{REPO_ROOT}/configs/gpu_targets/h200.txtpb").read()
     small.write_text(re.sub(r"device_memory_size: \d+", "device_memory_size: 1048576", text))
     r = _train(*TINY, "--set", f"run.run_dir={tmp_path}/run", "--set", "mesh=data=2", "--plan_for", str(small))
     assert r.returncode == 1, (r.stdout[-3000:], r.stderr[-3000:])
-    assert r.stdout.strip().splitlines()[-1].startswith("train.py: does not fit (try run.remat=full"), r.stdout
+    assert r.stdout.strip().splitlines()[-1].startswith("train.py: does not fit (try "), r.stdout
