@@ -177,6 +177,12 @@ def _msa_context_parallel(cp, q, k, v, qi, ki, cfg: ModelConfig, positions, segm
     res = context_parallel.run(cp, local, [(q, "bth."), (qi, "bth."), (positions, "bt"), (segment_ids, "bt")],
                                [(k, "bth."), (v, "bth."), (ki, "bt."), (positions, "bt"), (segment_ids, "bt")],
                                ["bth.", "bht.", "bth"] if sparse else ["bth."], num_sums=2, name="msa")
+    return _msa_result(res, sparse)
+
+
+def _msa_result(res, sparse: bool):
+    """``msa_block``'s returns from a shard_map'ed local call's ``(o, ids, lse, kl_sum, kl_cnt)`` (sparse) or
+    ``(o, kl_sum, kl_cnt)``."""
     if sparse:
         o, ids, lse, kl_sum, kl_cnt = res
         return o, kl_sum, kl_cnt, ids, lse
@@ -216,11 +222,7 @@ def _msa_tree_rows_local(cp, q, k, v, qi, ki, cfg: ModelConfig, positions, segme
     res = _tree_rows_run(cp, local, [q, k, v, qi, ki, positions, segment_ids, subtree_end, input_weight,
                                      *(tree_keys[n] for n in names)],
                          ["bth.", "bht.", "bth"] if sparse else ["bth."], num_sums=2, name="msa")
-    if sparse:
-        o, ids, lse, kl_sum, kl_cnt = res
-        return o, kl_sum, kl_cnt, ids, lse
-    o, kl_sum, kl_cnt = res
-    return o, kl_sum, kl_cnt, None, None
+    return _msa_result(res, sparse)
 
 
 def mlp_block(p, x, cfg: ModelConfig, mlp_type: str):
