@@ -67,7 +67,8 @@ def main(argv=None) -> int:
     if args.gpu_target is not None:
         args.impl = args.impl or "pallas_hopper_gpu"
         if args.impl.endswith("_interpret"):
-            ap.error(f"--impl {args.impl}: with --gpu-target the kernels compile for the GPU; name a GPU implementation")
+            ap.error(f"--impl {args.impl}: with --gpu-target the kernels compile for the GPU; "
+                     "name a GPU implementation")
         try:
             all_devices = aot.compile_only_gpus(args.gpu_target, args.gpus or 8)
         except ValueError as e:

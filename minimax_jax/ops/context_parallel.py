@@ -1,4 +1,5 @@
-"""Context parallelism (CP): a layer's attention over a token axis sharded on the mesh's sequence axes.
+"""Context parallelism (CP): a layer's attention over a token axis sharded on the mesh's sequence axes; and,
+on a mesh without a sequence split, the same ``shard_map`` over each device's rows and heads.
 
 GSPMD cannot split a Pallas kernel or a cuDNN call (an opaque custom call): left to it, every device
 gathers the whole sequence and runs the whole kernel. Here the attention runs in ``jax.shard_map``
@@ -169,7 +170,8 @@ def run(p: Plan, fn: Callable, q_side: Sequence[tuple[jax.Array, str]], kv_side:
         outs, sums = res[:len(res) - num_sums], res[len(res) - num_sums:]
         return (*outs, *(jax.lax.psum(s, p.query_axes) for s in sums))
 
-    record_implementation(f"context_parallel/{name}", f"sequence={p.size},batch={p.batch or '-'},heads={p.heads or '-'},"
+    record_implementation(f"context_parallel/{name}", f"sequence={p.size},batch={p.batch or '-'},"
+                                                      f"heads={p.heads or '-'},"
                                                       f"order={'natural' if order is None else 'zigzag'}")
     # check_vma=False: the kernels' pallas_calls return invariant-typed values (see pallas_kernels.common);
     # every input here is sharded or replicated consistently, so the plain transpose rules are exact.
