@@ -99,11 +99,11 @@ def main(argv=None) -> int:
 
     devices = len(all_devices)
     with assume_backend("gpu") if args.gpu_target is not None else contextlib.nullcontext():
-        return _plans(args, t, devices, all_devices, one, grad, local_layer)
+        return _plans(args, ns, t, devices, all_devices, one, grad, local_layer)
 
 
-def _plans(args, t, devices, all_devices, one, grad, local_layer) -> int:
-    for n in (int(x) for x in args.sequence.split(",")):   # checked in main
+def _plans(args, ns, t, devices, all_devices, one, grad, local_layer) -> int:
+    for n in ns:
         if args.local_program and n > 1:
             def s_(shape, dt):
                 return jax.ShapeDtypeStruct(shape, dt, sharding=one)

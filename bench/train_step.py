@@ -88,6 +88,7 @@ from minimax_jax.train.data import SyntheticIterator, to_global  # noqa: E402
 from minimax_jax.train.loop import Trainer  # noqa: E402
 from minimax_jax.sharding import MeshSpec  # noqa: E402
 from minimax_jax.train.metrics import matmul_params_per_token, peak_flops_per_device, train_flops_parts  # noqa: E402
+from minimax_jax.train.plan import PhasePlan  # noqa: E402
 
 M3_STYLE = dict(
     vocab_size=32768, hidden_size=2048, num_layers=10, num_heads=16, num_kv_heads=4, head_dim=128, rotary_dim=64,
@@ -245,15 +246,14 @@ def memory_plan(compiled) -> dict:
     return out
 
 
-def fits_report(mem: dict, device_bytes: int | None) -> dict:
-    """XLA's plan (``total_est_bytes``) against a device's memory: bytes and the fraction. A real device
-    also loses some to the CUDA context and JAX's allocator (JAX takes 75 % unless
-    ``XLA_PYTHON_CLIENT_MEM_FRACTION`` says otherwise), so read the fraction, not a yes/no."""
-    total = mem.get("total_est_bytes")
-    if total is None or not device_bytes:
-        return {"verdict": "no plan or no device memory size to compare"}
-    return {"plan_bytes": total, "device_bytes": device_bytes, "fraction": round(total / device_bytes, 4),
-            "verdict": f"plan {_gib(total)} GiB of {_gib(device_bytes)} GiB ({100 * total / device_bytes:.1f} %)"}
+def fits_report(mem: dict, device_bytes: int) -> dict:
+    """XLA's plan against a compile-only device's memory, with ``train.py --plan_for``'s verdict
+    (``minimax_jax.train.plan.PhasePlan``): plan / device bytes, the fraction, the verdict."""
+    p = PhasePlan("step", mem["temp_size_in_bytes"], mem["argument_size_in_bytes"], mem["output_size_in_bytes"],
+                  mem.get("alias_size_in_bytes", 0), device_bytes)
+    return {"plan_bytes": p.total, "device_bytes": device_bytes, "fraction": round(p.total / device_bytes, 4),
+            "verdict": f"plan {_gib(p.total)} GiB of {_gib(device_bytes)} GiB ({100 * p.total / device_bytes:.1f} "
+                       f"%): {p.verdict()}"}
 
 
 def _device_memory() -> dict:
@@ -293,11 +293,8 @@ def bench_one(mode: str, seq: int, args) -> dict:
     tag = f"{mode}@{seq}"
     phase(f"{tag}: building (model config, optimizer, shardings)")
     devices = None
-    if args.gpu_target:
-        sizes = MeshSpec.parse(args.mesh).sizes()
-        if -1 in sizes:
-            raise ValueError(f"--gpu-target needs every --mesh axis size given (no -1): {args.mesh!r}")
-        devices = aot.compile_only_gpus(args.gpu_target, math.prod(sizes))
+    if args.gpu_target:                 # main checked the target and that the mesh has no -1 axis
+        devices = aot.compile_only_gpus(args.gpu_target, math.prod(MeshSpec.parse(args.mesh).sizes()))
     tr = make_trainer(mode, seq, args, devices)
     cfg = tr.cfg
     counts = cfg.param_counts()

@@ -8,7 +8,8 @@ them lowers and compiles exactly as on the real GPUs (Triton and Mosaic GPU kern
 plugin (``pip install "jax[cuda13]"``), not a GPU. Targets: the files in ``configs/gpu_targets/``, by
 name.
 
-Used by ``bench/cp_memory.py --gpu-target`` and ``bench/train_step.py --gpu-target``. Trace inside
+Used by ``train.py --plan_for`` (``minimax_jax.train.plan``), ``bench/cp_memory.py --gpu-target`` and
+``bench/train_step.py --gpu-target``. Trace inside
 ``minimax_jax.ops.assume_backend("gpu")`` so the ops' ``"auto"`` choices resolve as on the GPU.
 """
 

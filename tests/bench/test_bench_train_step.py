@@ -145,3 +145,4 @@ def test_gpu_target_compiles_the_step_for_an_h200(tmp_path):
     assert row["pallas_kernels"].get("msa_indexer_gpu", 0) > 0 and row["implementations"]["indexer_kl"] == "pallas_gpu"
     assert row["fits"]["device_bytes"] == 143_771 * 2 ** 20
     assert 0 < row["fits"]["plan_bytes"] == row["memory_plan"]["total_est_bytes"]
+    assert row["fits"]["verdict"].endswith(": fits"), row["fits"]
