@@ -30,6 +30,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.decode.common import (combine_splits, compute_dtype, dot_nn, dot_nt, pack_rows, pad_rows,
                                           union_pages, unpack_rows)
+from pallas_kernels.decode.gpu_attention_wgmma import paged_decode_wgmma, wgmma_decode_reason
 from pallas_kernels.decode.gpu_config import DEFAULT_TABLE, LaunchTable, pages_per_program
 
 __all__ = ["paged_attention_gpu"]
@@ -132,10 +133,11 @@ def _shared_splits(k: int, pps: int, programs: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "pages_per_split", "num_warps", "num_stages", "loop",
-                                             "sparse_pages_per_split", "tile_rows", "sparse_tile", "wide_warps"))
+                                             "sparse_pages_per_split", "tile_rows", "sparse_tile", "wide_warps",
+                                             "dense_kernel", "wgmma_stages"))
 def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_scale, block_ids, *, interpret,
                      pages_per_split, num_warps, num_stages, loop, sparse_pages_per_split=1, tile_rows=64,
-                     sparse_tile="per_row", wide_warps=None):
+                     sparse_tile="per_row", wide_warps=None, dense_kernel="triton", wgmma_stages=2):
     """Split-KV paged decode attention (dense, or sparse over ``block_ids``).
 
     Args: as ``minimax_jax.ops.paged.paged_attention`` (q ``[B,Q,H,D]``, pages ``[G,P,page,D]``,
@@ -153,7 +155,9 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_sc
       up to float rounding (another split / log-sum-exp grouping).
       tile_rows: most rows of a tile (a power of two >= 16; see the module docstring); sparse_tile:
       "shared" (the tile's rows walk the union of their pages) or "per_row"; num_warps: warps of a
-      tile of at most 64 rows, wide_warps (None = num_warps) of a wider one.
+      tile of at most 64 rows, wide_warps (None = num_warps) of a wider one. dense_kernel: "triton", or
+      "wgmma": dense tiles that ``gpu_attention_wgmma.wgmma_decode_reason`` accepts (64 or 128 rows, bf16 /
+      f16 caches) run the Mosaic GPU kernel with ``wgmma_stages`` K/V slots, the others the Triton one.
     Returns: ``(o [B,Q,H,D] q.dtype, lse [B,Q,H] f32)``.
     Raises ValueError for a sparse_pages_per_split that is not a power of two >= 1.
     """
@@ -194,6 +198,13 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_sc
     kernel = functools.partial(_attn_kernel, page=page, pps=pps, scale=1.0 / math.sqrt(d), g_count=g,
                                mode="dense" if dense else sparse_tile, nsplit=nsplit, hg=hg,
                                has_scale=k_scale is not None, cdt=cdt, loop=loop)
+    if dense and dense_kernel == "wgmma" and wgmma_decode_reason(m, d, k_pages.dtype, q.dtype, page,
+                                                                  k_scale is not None, wgmma_stages) is None:
+        o_part, l_part = paged_decode_wgmma(qr, pos, lim, page_table, args[6], args[7], page=page, pps=pps,
+                                            nsplit=nsplit, stages=wgmma_stages, interpret=interpret)
+        o, lse = combine_splits(o_part.astype(jnp.float32), l_part, axis=3)
+        o, lse = unpack_rows(o, lse, nq, hg, qpb)
+        return o.astype(q.dtype), lse
     if m > 64 and wide_warps is not None:
         num_warps = wide_warps
     o_part, l_part = pl.pallas_call(
@@ -213,7 +224,8 @@ def paged_attention_gpu(q, k_pages, v_pages, page_table, q_positions, k_scale=No
                         sparse_pages_per_split=None, table: LaunchTable | None = None):
     """See ``_paged_attention``; launch parameters left as None come from ``table`` (None =
     ``gpu_config.DEFAULT_TABLE``): ``attn_warps`` / ``attn_warps_wide`` (an explicit ``num_warps``
-    applies to every tile), ``attn_stages``, ``loop``, ``sparse_pps``, ``tile_rows``, ``sparse_tile``."""
+    applies to every tile), ``attn_stages``, ``loop``, ``sparse_pps``, ``tile_rows``, ``sparse_tile``,
+    ``dense_kernel``, ``wgmma_stages``."""
     table = DEFAULT_TABLE if table is None else table
     return _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_scale, block_ids,
                             interpret=interpret, pages_per_split=pages_per_split,
@@ -222,4 +234,5 @@ def paged_attention_gpu(q, k_pages, v_pages, page_table, q_positions, k_scale=No
                             num_stages=num_stages or table.attn_stages, loop=loop or table.loop,
                             sparse_pages_per_split=(table.sparse_pps if sparse_pages_per_split is None
                                                     else sparse_pages_per_split),
-                            tile_rows=table.tile_rows, sparse_tile=table.sparse_tile)
+                            tile_rows=table.tile_rows, sparse_tile=table.sparse_tile,
+                            dense_kernel=table.dense_kernel, wgmma_stages=table.wgmma_stages)

@@ -1,0 +1,120 @@
+"""The Hopper (Mosaic GPU) dense paged decode kernel (pallas_kernels/decode/gpu_attention_wgmma.py), reached
+through ``paged_attention_gpu`` with ``LaunchTable(dense_kernel="wgmma")``.
+
+In the Mosaic GPU interpreter (jax >= 0.11; skipped with the reason on older jax): o and lse against the
+fp32 XLA reference op (``implementation="xla"`` on the same bf16 inputs), every element, for 64- and
+128-row tiles (Q = 4 and 8 rows of 16 heads per group), ragged contexts, a padding row, a request of
+padding rows only, shuffled page tables, several splits; the rows of a shorter step equal (bitwise) the same
+rows inside a longer one (pages past a row's position are exact no-ops); unsupported tiles take the Triton
+kernel. On a Hopper GPU (``-k hopper``): the same checks at M3 shapes (64 q / 4 kv heads of 128, 128-token
+pages).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from minimax_jax.ops import paged as ops
+from pallas_kernels.common import gpu_compute_capability, mosaic_interpreter_available
+from pallas_kernels.decode.gpu_attention import paged_attention_gpu
+from pallas_kernels.decode.gpu_attention_wgmma import wgmma_decode_reason
+from pallas_kernels.decode.gpu_config import DEFAULT_TABLE, LaunchTable
+
+WGMMA = dataclasses.replace(DEFAULT_TABLE, dense_kernel="wgmma")
+needs_interpreter = pytest.mark.skipif(
+    not mosaic_interpreter_available(),
+    reason=f"the Mosaic GPU interpreter of jax >= 0.11 is needed (jax {jax.__version__})")
+hopper = pytest.mark.skipif((gpu_compute_capability() or "").split(".")[0] != "9", reason="needs a Hopper GPU")
+
+
+def _case(rng, nq, contexts, h=32, g=2, d=128, page=64, npg=6):
+    """Row i of request b at position ``contexts[b] - nq + i``; ``None`` = padding rows only."""
+    b = len(contexts)
+    p = b * npg + 1
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+    pos = [[-1] * nq if c is None else [c - nq + i for i in range(nq)] for c in contexts]
+    return dict(q=f(b, nq, h, d), k=f(g, p, page, d), v=f(g, p, page, d),
+                table=jnp.asarray(rng.permutation(np.arange(1, p)).reshape(b, npg), jnp.int32),
+                pos=jnp.asarray(pos, jnp.int32))
+
+
+def _run(c, interpret, pages_per_split, table=WGMMA):
+    return jax.jit(lambda q, k, v, t, p: paged_attention_gpu(
+        q, k, v, t, p, interpret=interpret, pages_per_split=pages_per_split, table=table))(
+        c["q"], c["k"], c["v"], c["table"], c["pos"])
+
+
+def _check(c, o, lse):
+    f32 = lambda x: x.astype(jnp.float32)
+    ro, rl = ops.paged_attention(f32(c["q"]), f32(c["k"]), f32(c["v"]), c["table"], c["pos"], implementation="xla")
+    o, lse, ro, rl = (np.asarray(x, np.float64) for x in (o, lse, ro, rl))
+    assert o.dtype == np.float64 and np.all(np.isfinite(o))
+    # bf16 P and bf16 split partials: a few bf16 ulps of |o| <= max |v|
+    np.testing.assert_allclose(o, ro, atol=3e-2, rtol=3e-2)
+    np.testing.assert_array_equal(np.isinf(lse), np.isinf(rl))
+    fin = np.isfinite(rl)
+    np.testing.assert_allclose(lse[fin], rl[fin], atol=1e-4, rtol=1e-5)
+    assert np.all(o[np.broadcast_to(~fin[..., None], o.shape)] == 0.0)
+
+
+def _row_independence(c, interpret, pps):
+    """The first 4 rows of every request, decoded as a 4-row step (64-row tiles), equal the same rows of
+    the 8-row step (128-row tiles, more pages walked) bitwise."""
+    o8, l8 = _run(c, interpret, pps)
+    short = dict(c, q=c["q"][:, :4], pos=jnp.where(c["pos"][:, :4] >= 0, c["pos"][:, :4], -1))
+    o4, l4 = _run(short, interpret, pps)
+    np.testing.assert_array_equal(np.asarray(o4), np.asarray(o8)[:, :4])
+    np.testing.assert_array_equal(np.asarray(l4), np.asarray(l8)[:, :4])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("nq", [4, 8])
+def test_matches_reference_in_the_interpreter(nq):
+    """16 heads per group: Q = 4 fills a 64-row tile, Q = 8 a 128-row tile (two compute warpgroups);
+    contexts 300 (5 pages), 384 (exactly 6), 70 with its last row a padding row, and padding only."""
+    rng = np.random.default_rng()
+    c = _case(rng, nq, [300, 384, 70, None])
+    c["pos"] = c["pos"].at[2, -1].set(-1)
+    o, lse = _run(c, True, 2)
+    _check(c, o, lse)
+
+
+@needs_interpreter
+def test_rows_independent_of_the_step_in_the_interpreter():
+    _row_independence(_case(np.random.default_rng(), 8, [300, 200, 129]), True, 2)
+
+
+def test_reason_and_table():
+    assert wgmma_decode_reason(128, 128, jnp.bfloat16, jnp.bfloat16, 128, False) is None
+    assert wgmma_decode_reason(64, 64, jnp.float16, jnp.float16, 64, False) is None
+    assert "rows per tile" in wgmma_decode_reason(16, 128, jnp.bfloat16, jnp.bfloat16, 128, False)
+    assert "fp8" in wgmma_decode_reason(128, 128, jnp.float8_e4m3fn, jnp.bfloat16, 128, True)
+    assert "equal bf16" in wgmma_decode_reason(128, 128, jnp.float32, jnp.float32, 128, False)
+    assert "shared memory" in wgmma_decode_reason(128, 128, jnp.bfloat16, jnp.bfloat16, 128, False, stages=3)
+    with pytest.raises(ValueError, match="dense_kernel"):
+        LaunchTable(dense_kernel="cuda")
+
+
+def test_unsupported_tiles_take_the_triton_kernel():
+    """Q = 1 (16-row tiles) with dense_kernel="wgmma": the Triton kernel runs (interpret mode here), the
+    same result as the default table."""
+    c = _case(np.random.default_rng(), 1, [300, 70], h=32, g=2, d=64, page=16, npg=20)
+    o, lse = _run(c, True, 4)
+    o_ref, l_ref = _run(c, True, 4, table=DEFAULT_TABLE)
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(o_ref))
+    np.testing.assert_array_equal(np.asarray(l_ref), np.asarray(lse))
+
+
+@hopper
+@pytest.mark.parametrize("nq", [4, 8])
+def test_hopper_m3_shapes(nq):
+    """On the GPU: M3 shapes (64 q / 4 kv heads of 128, 128-token pages), 8 requests of 1-4K tokens."""
+    rng = np.random.default_rng()
+    c = _case(rng, nq, [4096, 3000, 129, 1000, 2048, 4000, 700, None], h=64, g=4, d=128, page=128, npg=32)
+    _check(c, *_run(c, False, 8))
+    _row_independence(c, False, 8)
