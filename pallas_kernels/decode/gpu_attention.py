@@ -134,10 +134,10 @@ def _shared_splits(k: int, pps: int, programs: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("interpret", "pages_per_split", "num_warps", "num_stages", "loop",
                                              "sparse_pages_per_split", "tile_rows", "sparse_tile", "wide_warps",
-                                             "dense_kernel", "wgmma_stages"))
+                                             "tile_kernel", "wgmma_stages"))
 def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_scale, block_ids, *, interpret,
                      pages_per_split, num_warps, num_stages, loop, sparse_pages_per_split=1, tile_rows=64,
-                     sparse_tile="per_row", wide_warps=None, dense_kernel="triton", wgmma_stages=2):
+                     sparse_tile="per_row", wide_warps=None, tile_kernel="triton", wgmma_stages=2):
     """Split-KV paged decode attention (dense, or sparse over ``block_ids``).
 
     Args: as ``minimax_jax.ops.paged.paged_attention`` (q ``[B,Q,H,D]``, pages ``[G,P,page,D]``,
@@ -155,9 +155,10 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_sc
       up to float rounding (another split / log-sum-exp grouping).
       tile_rows: most rows of a tile (a power of two >= 16; see the module docstring); sparse_tile:
       "shared" (the tile's rows walk the union of their pages) or "per_row"; num_warps: warps of a
-      tile of at most 64 rows, wide_warps (None = num_warps) of a wider one. dense_kernel: "triton", or
-      "wgmma": dense tiles that ``gpu_attention_wgmma.wgmma_decode_reason`` accepts (64 or 128 rows, bf16 /
-      f16 caches) run the Mosaic GPU kernel with ``wgmma_stages`` K/V slots, the others the Triton one.
+      tile of at most 64 rows, wide_warps (None = num_warps) of a wider one. tile_kernel: "triton", or
+      "wgmma": dense and shared sparse tiles that ``gpu_attention_wgmma.wgmma_decode_reason`` accepts (64 or
+      128 rows, bf16 / f16 caches) run the Mosaic GPU kernel with ``wgmma_stages`` K/V slots, the others
+      (per-row sparse tiles, fp8 caches, narrower tiles) the Triton one.
     Returns: ``(o [B,Q,H,D] q.dtype, lse [B,Q,H] f32)``.
     Raises ValueError for a sparse_pages_per_split that is not a power of two >= 1.
     """
@@ -198,10 +199,11 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_sc
     kernel = functools.partial(_attn_kernel, page=page, pps=pps, scale=1.0 / math.sqrt(d), g_count=g,
                                mode="dense" if dense else sparse_tile, nsplit=nsplit, hg=hg,
                                has_scale=k_scale is not None, cdt=cdt, loop=loop)
-    if dense and dense_kernel == "wgmma" and wgmma_decode_reason(m, d, k_pages.dtype, q.dtype, page,
-                                                                  k_scale is not None, wgmma_stages) is None:
+    if (dense or shared) and tile_kernel == "wgmma" and wgmma_decode_reason(
+            m, d, k_pages.dtype, q.dtype, page, k_scale is not None, wgmma_stages) is None:
         o_part, l_part = paged_decode_wgmma(qr, pos, lim, page_table, args[6], args[7], page=page, pps=pps,
-                                            nsplit=nsplit, stages=wgmma_stages, interpret=interpret)
+                                            nsplit=nsplit, stages=wgmma_stages, interpret=interpret,
+                                            ids=ids if shared else None, bits=bits, hg=hg)
         o, lse = combine_splits(o_part.astype(jnp.float32), l_part, axis=3)
         o, lse = unpack_rows(o, lse, nq, hg, qpb)
         return o.astype(q.dtype), lse
@@ -225,7 +227,7 @@ def paged_attention_gpu(q, k_pages, v_pages, page_table, q_positions, k_scale=No
     """See ``_paged_attention``; launch parameters left as None come from ``table`` (None =
     ``gpu_config.DEFAULT_TABLE``): ``attn_warps`` / ``attn_warps_wide`` (an explicit ``num_warps``
     applies to every tile), ``attn_stages``, ``loop``, ``sparse_pps``, ``tile_rows``, ``sparse_tile``,
-    ``dense_kernel``, ``wgmma_stages``."""
+    ``tile_kernel``, ``wgmma_stages``."""
     table = DEFAULT_TABLE if table is None else table
     return _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_scale, block_ids,
                             interpret=interpret, pages_per_split=pages_per_split,
@@ -235,4 +237,4 @@ def paged_attention_gpu(q, k_pages, v_pages, page_table, q_positions, k_scale=No
                             sparse_pages_per_split=(table.sparse_pps if sparse_pages_per_split is None
                                                     else sparse_pages_per_split),
                             tile_rows=table.tile_rows, sparse_tile=table.sparse_tile,
-                            dense_kernel=table.dense_kernel, wgmma_stages=table.wgmma_stages)
+                            tile_kernel=table.tile_kernel, wgmma_stages=table.wgmma_stages)

@@ -1,15 +1,18 @@
-"""Split-KV paged decode attention on Hopper, dense mode: Pallas Mosaic GPU (TMA + ``wgmma``).
+"""Split-KV paged decode attention on Hopper: Pallas Mosaic GPU (TMA + ``wgmma``), dense and shared
+sparse (MSA) tiles.
 
-Math: MSA_SPEC.md section 5 (dense paged decode; the same contract and split-KV partials as the dense
-mode of ``gpu_attention._paged_attention``, merged by ``common.combine_splits``). One CTA per (request
-x kv group, row block, split) and three warpgroups:
+Math: MSA_SPEC.md section 5 (the same contract and split-KV partials as the dense and ``"shared"`` modes
+of ``gpu_attention._paged_attention``, merged by ``common.combine_splits``). One CTA per (request x kv
+group, row block, split) and up to three warpgroups:
 
-- a memory warpgroup walks the split's logical pages, reads each page's physical id from the page table
-  and TMAs its K and V rows ``[page, D]`` into a ring of ``stages`` SMEM slots;
+- a memory warpgroup walks the split's logical pages (dense: consecutive; shared: the split's slots of
+  the row block's union of selected pages, ``common.union_pages``), reads each page's physical id from
+  the page table and TMAs its K and V rows ``[page, D]`` into a ring of ``stages`` SMEM slots;
 - one or two compute warpgroups (the row block's 64 or 128 rows: query rows x heads of the group, as
   ``common.pack_rows`` stacks them) each hold 64 rows of q in SMEM and run an online softmax over the
   pages: S = Q K^T (``wgmma``, f32), the causal mask (row r sees logical keys <= its position; padding
-  rows at position -1 see none), P (q.dtype, registers) @ V (``wgmma``) added to an f32 accumulator in
+  rows at position -1 see none; shared tiles: and only the pages the row's query row selected), P
+  (q.dtype, registers) @ V (``wgmma``) added to an f32 accumulator in
   registers. The normalised partial o (q.dtype) and its log-sum-exp (f32, natural log; -inf where a row
   saw no key) go out by TMA.
 
@@ -66,13 +69,21 @@ def wgmma_decode_reason(m_rows, d, cache_dtype, q_dtype, page, has_scale, stages
     return None
 
 
-def _body(pt_ref, pos_ref, lim_ref, q_ref, k_ref, v_ref, o_ref, l_ref, *, page, pps, stages, scale, g_count,
-          nwg, p_in_smem):
+def _body(pt_ref, pos_ref, lim_ref, ids_ref, bits_ref, q_ref, k_ref, v_ref, o_ref, l_ref, *, page, pps, stages, scale,
+          g_count, nwg, hg, shared, p_in_smem):
     bg, r, sp = lax.axis_index("bg"), lax.axis_index("r"), lax.axis_index("sp")
     b = lax.div(bg, g_count)
     g = lax.rem(bg, g_count)
-    j0 = sp * pps
-    n = jnp.clip(lim_ref[b] - j0, 0, pps)             # this split's pages
+    if shared:      # this split's slots [lo, hi) of the row block's union of pages (common.union_pages)
+        j0 = lim_ref[b, g, r, sp]
+        n = jnp.maximum(lim_ref[b, g, r, sp + 1] - j0, 0)
+    else:           # logical pages [sp * pps, min((sp + 1) * pps, lim))
+        j0 = sp * pps
+        n = jnp.clip(lim_ref[b] - j0, 0, pps)
+
+    def logical(j):
+        """Logical page of the split's j-th step."""
+        return ids_ref[b, g, r, j0 + j] if shared else j0 + j
     dtype = q_ref.dtype
     d = q_ref.shape[-1]
 
@@ -85,7 +96,7 @@ def _body(pt_ref, pos_ref, lim_ref, q_ref, k_ref, v_ref, o_ref, l_ref, *, page, 
 
             def step(j, carry):
                 slot = lax.rem(j, stages)
-                start = pl.multiple_of(pt_ref[b, j0 + j] * page, 8)
+                start = pl.multiple_of(pt_ref[b, logical(j)] * page, 8)
 
                 @pl.when(j >= stages)
                 def _():
@@ -118,10 +129,16 @@ def _body(pt_ref, pos_ref, lim_ref, q_ref, k_ref, v_ref, o_ref, l_ref, *, page, 
             shape = (ROWS, page)
             row_pos = lax.broadcast_in_dim(qpos, shape, [0])
             col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+            if shared:      # tile row -> query row of the row block (bit of ``bits``)
+                row_q = lax.div(plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + wg * ROWS,
+                                jnp.int32(hg))
 
             def page_step(j, carry):
                 acc, m_i, l_i = carry
                 slot = lax.rem(j, stages)
+                page_id = logical(j)                # read before the wait: its latency hides there
+                if shared:
+                    sel = bits_ref[b, g, r, j0 + j]
                 plgpu.barrier_wait(k_ready.at[slot])
 
                 def qk(acc_ref):
@@ -129,7 +146,9 @@ def _body(pt_ref, pos_ref, lim_ref, q_ref, k_ref, v_ref, o_ref, l_ref, *, page, 
                     return acc_ref[...]
                 s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
-                vis = col + (j0 + j) * page <= row_pos
+                vis = col + page_id * page <= row_pos
+                if shared:                          # only the rows that selected the page
+                    vis = vis & ((jnp.right_shift(sel, row_q) & 1) == 1)
                 s = jnp.where(vis, s * qk_scale, _NEG)
                 m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
                 alpha = jnp.exp2(m_i - m_new)
@@ -183,14 +202,18 @@ def _body(pt_ref, pos_ref, lim_ref, q_ref, k_ref, v_ref, o_ref, l_ref, *, page, 
     )
 
 
-def paged_decode_wgmma(qr, pos, lim, page_table, k_flat, v_flat, *, page, pps, nsplit, stages=2, interpret=False):
-    """Dense split-KV partials of paged decode attention (Hopper, Mosaic GPU).
+def paged_decode_wgmma(qr, pos, lim, page_table, k_flat, v_flat, *, page, pps, nsplit, stages=2, interpret=False,
+                       ids=None, bits=None, hg=1):
+    """Split-KV partials of paged decode attention (Hopper, Mosaic GPU): dense, or shared sparse tiles.
 
     Args: qr ``[B, G, R, M, D]`` (``common.pack_rows``; M = 64 or 128 rows), pos ``[B, R, M]`` int32 (-1 =
       padding row), lim ``[B]`` int32 logical pages to walk per request, page_table ``[B, NP]`` int32,
       k_flat / v_flat ``[G, P * page, D]`` (physical page p = rows ``[p * page, (p + 1) * page)``);
       pps: pages per split; nsplit: splits (split s walks logical pages ``[s * pps, min((s + 1) * pps,
       lim))``); stages: K/V ring slots; interpret: the Mosaic GPU interpreter (jax >= 0.11).
+      Shared sparse (MSA) tiles: ids / bits ``[B, G, R, U]`` and lim = starts ``[B, G, R, nsplit + 1]``
+      from ``common.union_pages`` (split s walks slots ``[starts[s], starts[s + 1])``; a row sees a page
+      only if bit ``row // hg`` of its slot's bits is set); pps unused.
     Returns: ``(o_part [B, G, R, nsplit, M, D] q.dtype, lse_part [B, G, R, nsplit, M] f32)``, each split
       normalised over its own keys (``common.combine_splits`` merges them).
     Raises ValueError when ``wgmma_decode_reason`` refuses the shapes.
@@ -201,8 +224,11 @@ def paged_decode_wgmma(qr, pos, lim, page_table, k_flat, v_flat, *, page, pps, n
         raise ValueError(f"paged_decode_wgmma: {why}")
     nwg = m // ROWS
     p_in_smem = bool(interpret)
+    shared = ids is not None
     body = functools.partial(_body, page=page, pps=pps, stages=stages, scale=1.0 / math.sqrt(d), g_count=g, nwg=nwg,
-                             p_in_smem=p_in_smem)
+                             hg=hg, shared=shared, p_in_smem=p_in_smem)
+    if not shared:
+        ids = bits = jnp.zeros((1, 1, 1, 1), jnp.int32)
     kernel = plgpu.kernel(
         body,
         out_type=[typed_out_struct((bsz, g, nr, nsplit, m, d), qr.dtype, qr),
@@ -211,5 +237,6 @@ def paged_decode_wgmma(qr, pos, lim, page_table, k_flat, v_flat, *, page, pps, n
         num_threads=nwg + 1, thread_name="wg",
         interpret=mosaic_interpret_params("paged_decode_wgmma", nwg + 1) if interpret else None,
     )
-    o, lse = kernel(page_table.astype(jnp.int32), pos.astype(jnp.int32), lim.astype(jnp.int32), qr, k_flat, v_flat)
+    o, lse = kernel(page_table.astype(jnp.int32), pos.astype(jnp.int32), lim.astype(jnp.int32), ids.astype(jnp.int32),
+                    bits.astype(jnp.int32), qr, k_flat, v_flat)
     return o, lse

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import jax.numpy as jnp
 
-__all__ = ["LaunchTable", "DEFAULT_TABLE", "LEGACY_TILES", "SPARSE_TILES", "DENSE_KERNELS", "SCORE_CLASSES", "SCORE_LAUNCH_BASE",
+__all__ = ["LaunchTable", "DEFAULT_TABLE", "LEGACY_TILES", "SPARSE_TILES", "TILE_KERNELS", "SCORE_CLASSES", "SCORE_LAUNCH_BASE",
            "SCORE_STATIC", "EVICT", "score_size_class", "score_keys_label", "score_launch", "pages_per_program"]
 
 # Size classes of a scoring call, chosen at trace time from static shapes: the first entry whose bound
@@ -33,7 +33,7 @@ SCORE_LAUNCH_BASE = types.MappingProxyType({"ppp": None, "num_warps": 4, "num_st
                                             "f16": False, "programs": 0, "evict": "evict_normal"})
 EVICT = ("evict_normal", "evict_first", "evict_last")
 SPARSE_TILES = ("shared", "per_row")
-DENSE_KERNELS = ("triton", "wgmma")
+TILE_KERNELS = ("triton", "wgmma")
 SCORE_STATIC = ("ppp", "num_warps", "num_stages", "loop", "unroll", "f16", "programs", "evict")
 
 
@@ -82,9 +82,9 @@ class LaunchTable:
       S = 1 by construction; BENCHMARKS.md, msa_decode).
     sparse_pps: selected-page slots per program of sparse (MSA) attention (a power of two; 1 = one page
       per split). 4 from --sweep-sparse-pps at K = 16 (BENCHMARKS.md, msa_decode).
-    dense_kernel: "triton" (Pallas Triton kernel for every dense tile) or "wgmma" (dense tiles of 64 or
-      128 rows with bf16 / f16 caches on the Hopper Mosaic GPU kernel, ``gpu_attention_wgmma``; the
-      other tiles on the Triton kernel); wgmma_stages: its K/V ring slots.
+    tile_kernel: "triton" (the Pallas Triton kernel for every attention tile) or "wgmma" (dense and shared
+      sparse tiles of 64 or 128 rows with bf16 / f16 caches on the Hopper Mosaic GPU kernel,
+      ``gpu_attention_wgmma``; the other tiles on the Triton kernel); wgmma_stages: its K/V ring slots.
     """
 
     loop: str = "dynamic"
@@ -96,13 +96,13 @@ class LaunchTable:
     sparse_tile: str = "shared"
     select_splits: int | str = 4
     sparse_pps: int = 4
-    dense_kernel: str = "triton"
+    tile_kernel: str = "triton"
     wgmma_stages: int = 2
 
     def __post_init__(self):
         object.__setattr__(self, "score", _frozen(self.score))
-        if self.dense_kernel not in DENSE_KERNELS:
-            raise ValueError(f"dense_kernel must be one of {DENSE_KERNELS}, got {self.dense_kernel!r}")
+        if self.tile_kernel not in TILE_KERNELS:
+            raise ValueError(f"tile_kernel must be one of {TILE_KERNELS}, got {self.tile_kernel!r}")
         if self.sparse_tile not in SPARSE_TILES:
             raise ValueError(f"sparse_tile must be one of {SPARSE_TILES}, got {self.sparse_tile!r}")
         t = self.tile_rows

@@ -1,12 +1,12 @@
-"""The Hopper (Mosaic GPU) dense paged decode kernel (pallas_kernels/decode/gpu_attention_wgmma.py), reached
-through ``paged_attention_gpu`` with ``LaunchTable(dense_kernel="wgmma")``.
+"""The Hopper (Mosaic GPU) paged decode kernel (pallas_kernels/decode/gpu_attention_wgmma.py), reached
+through ``paged_attention_gpu`` with ``LaunchTable(tile_kernel="wgmma")``: dense and shared sparse tiles.
 
 In the Mosaic GPU interpreter (jax >= 0.11; skipped with the reason on older jax): o and lse against the
 fp32 XLA reference op (``implementation="xla"`` on the same bf16 inputs), every element, for 64- and
 128-row tiles (Q = 4 and 8 rows of 16 heads per group), ragged contexts, a padding row, a request of
 padding rows only, shuffled page tables, several splits; the rows of a shorter step equal (bitwise) the same
-rows inside a longer one (pages past a row's position are exact no-ops); unsupported tiles take the Triton
-kernel. On a Hopper GPU (``-k hopper``): the same checks at M3 shapes (64 q / 4 kv heads of 128, 128-token
+rows inside a longer one (pages past a row's position are exact no-ops); shared sparse (MSA) tiles
+with random block ids; unsupported tiles take the Triton kernel. On a Hopper GPU (``-k hopper``): the same checks at M3 shapes (64 q / 4 kv heads of 128, 128-token
 pages).
 """
 
@@ -25,7 +25,7 @@ from pallas_kernels.decode.gpu_attention import paged_attention_gpu
 from pallas_kernels.decode.gpu_attention_wgmma import wgmma_decode_reason
 from pallas_kernels.decode.gpu_config import DEFAULT_TABLE, LaunchTable
 
-WGMMA = dataclasses.replace(DEFAULT_TABLE, dense_kernel="wgmma")
+WGMMA = dataclasses.replace(DEFAULT_TABLE, tile_kernel="wgmma")
 needs_interpreter = pytest.mark.skipif(
     not mosaic_interpreter_available(),
     reason=f"the Mosaic GPU interpreter of jax >= 0.11 is needed (jax {jax.__version__})")
@@ -43,15 +43,33 @@ def _case(rng, nq, contexts, h=32, g=2, d=128, page=64, npg=6):
                 pos=jnp.asarray(pos, jnp.int32))
 
 
+def _selection(rng, pos, g, topk, page):
+    """Random MSA block ids [B, G, Q, topk]: each row's local page and topk - 1 earlier ones (all when
+    fewer), -1 padded; padding rows select nothing."""
+    b, nq = pos.shape
+    ids = np.full((b, g, nq, topk), -1, np.int32)
+    for bb in range(b):
+        for gg in range(g):
+            for i in range(nq):
+                p = int(pos[bb, i])
+                if p < 0:
+                    continue
+                local = p // page
+                pick = rng.permutation(local)[: topk - 1] if local else np.zeros(0, int)
+                ids[bb, gg, i, : len(pick) + 1] = np.concatenate([pick, [local]])
+    return jnp.asarray(ids)
+
+
 def _run(c, interpret, pages_per_split, table=WGMMA):
-    return jax.jit(lambda q, k, v, t, p: paged_attention_gpu(
-        q, k, v, t, p, interpret=interpret, pages_per_split=pages_per_split, table=table))(
-        c["q"], c["k"], c["v"], c["table"], c["pos"])
+    return jax.jit(lambda q, k, v, t, p, ids: paged_attention_gpu(
+        q, k, v, t, p, block_ids=ids, interpret=interpret, pages_per_split=pages_per_split, table=table))(
+        c["q"], c["k"], c["v"], c["table"], c["pos"], c.get("ids"))
 
 
 def _check(c, o, lse):
     f32 = lambda x: x.astype(jnp.float32)
-    ro, rl = ops.paged_attention(f32(c["q"]), f32(c["k"]), f32(c["v"]), c["table"], c["pos"], implementation="xla")
+    ro, rl = ops.paged_attention(f32(c["q"]), f32(c["k"]), f32(c["v"]), c["table"], c["pos"], implementation="xla",
+                                 block_ids=c.get("ids"))
     o, lse, ro, rl = (np.asarray(x, np.float64) for x in (o, lse, ro, rl))
     assert o.dtype == np.float64 and np.all(np.isfinite(o))
     # bf16 P and bf16 split partials: a few bf16 ulps of |o| <= max |v|
@@ -89,6 +107,18 @@ def test_rows_independent_of_the_step_in_the_interpreter():
     _row_independence(_case(np.random.default_rng(), 8, [300, 200, 129]), True, 2)
 
 
+@needs_interpreter
+@pytest.mark.parametrize("nq", [4, 8])
+def test_shared_sparse_tiles_match_reference_in_the_interpreter(nq):
+    """MSA block ids (top-3 of up to 6 pages per row, the local page always): the tile walks the union of
+    its rows' pages, each row only its own; a padding row and a request of padding rows."""
+    rng = np.random.default_rng()
+    c = _case(rng, nq, [300, 384, 70, None])
+    c["pos"] = c["pos"].at[2, -1].set(-1)
+    c["ids"] = _selection(rng, np.asarray(c["pos"]), 2, 3, 64)
+    _check(c, *_run(c, True, None))
+
+
 def test_reason_and_table():
     assert wgmma_decode_reason(128, 128, jnp.bfloat16, jnp.bfloat16, 128, False) is None
     assert wgmma_decode_reason(64, 64, jnp.float16, jnp.float16, 64, False) is None
@@ -96,12 +126,12 @@ def test_reason_and_table():
     assert "fp8" in wgmma_decode_reason(128, 128, jnp.float8_e4m3fn, jnp.bfloat16, 128, True)
     assert "equal bf16" in wgmma_decode_reason(128, 128, jnp.float32, jnp.float32, 128, False)
     assert "shared memory" in wgmma_decode_reason(128, 128, jnp.bfloat16, jnp.bfloat16, 128, False, stages=3)
-    with pytest.raises(ValueError, match="dense_kernel"):
-        LaunchTable(dense_kernel="cuda")
+    with pytest.raises(ValueError, match="tile_kernel"):
+        LaunchTable(tile_kernel="cuda")
 
 
 def test_unsupported_tiles_take_the_triton_kernel():
-    """Q = 1 (16-row tiles) with dense_kernel="wgmma": the Triton kernel runs (interpret mode here), the
+    """Q = 1 (16-row tiles) with tile_kernel="wgmma": the Triton kernel runs (interpret mode here), the
     same result as the default table."""
     c = _case(np.random.default_rng(), 1, [300, 70], h=32, g=2, d=64, page=16, npg=20)
     o, lse = _run(c, True, 4)
@@ -118,3 +148,5 @@ def test_hopper_m3_shapes(nq):
     c = _case(rng, nq, [4096, 3000, 129, 1000, 2048, 4000, 700, None], h=64, g=4, d=128, page=128, npg=32)
     _check(c, *_run(c, False, 8))
     _row_independence(c, False, 8)
+    c["ids"] = _selection(rng, np.asarray(c["pos"]), 4, 16, 128)
+    _check(c, *_run(c, False, None))
