@@ -132,8 +132,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="/tmp/msa_wgmma_probe")
     ap.add_argument("--t", type=int, default=131072)
-    ap.add_argument("--chunks", default="128,256,512", help="wgmma selections per program to time")
-    ap.add_argument("--quick", action="store_true", help="one check case, one chunk, no P-through-SMEM row")
+    ap.add_argument("--chunks", default=None,
+                    help="wgmma selections per program to time (default 128,256,512; 128 with --quick)")
+    ap.add_argument("--quick", action="store_true", help="one check case, no P-through-SMEM row, chunk 128 by default")
     ap.add_argument("--variants", default="base", help=f"schedule variants, comma-separated: {', '.join(VARIANTS)}")
     ap.add_argument("--interpret", action="store_true", help="CPU smoke run: tiny checks only")
     args = ap.parse_args()
@@ -155,7 +156,7 @@ def main():
             checks.append(check(f"{name} {v}", sub, args.interpret, wg_kw=VARIANTS[v], **shp))
     rows, big = [], []
     if not args.interpret:
-        chunks = [int(c) for c in args.chunks.split(",")][:1 if args.quick else None]
+        chunks = [int(c) for c in (args.chunks or ("128" if args.quick else "128,256,512")).split(",")]
         big, rows = bench(args.t, key, args.quick, chunks, variants)
     with open(os.path.join(args.out, "msa_wgmma_probe.json"), "w") as f:
         json.dump({"meta": meta, "checks": checks, "m3_checks": big, "rows": rows}, f, indent=1)
