@@ -5,8 +5,7 @@
    (o max abs error, lse max error, -inf pattern): M3 aligned, packed documents of unaligned lengths
    (the wide-window kernel), queries as a suffix of the keys, 64-key blocks.
 2. At M3 shapes (T = --t, default 128K; 64 heads, 4 groups, D 128, block 128, top-16): wgmma vs
-   Triton (o / lse errors), then timings of the wgmma forward (``--variants``: schedule variants,
-   ``VARIANTS``; chunk variants; P through SMEM), the
+   Triton (o / lse errors), then timings of the wgmma forward (chunk variants, P through SMEM), the
    Triton forward (defaults) and cuDNN dense causal attention.
 Every step reports its error and goes on (e.g. a wgmma kernel that fails to compile on the device).
 
@@ -34,15 +33,6 @@ from minimax_jax.ops import msa as msa_ops  # noqa: E402
 from pallas_kernels.msa.gpu_sparse_fwd_wgmma import sparse_fwd_wgmma  # noqa: E402
 
 
-# Schedule variants of the wgmma forward (``sparse_fwd_wgmma`` keyword arguments), by name.
-VARIANTS = {"base": {}, "tables": {"smem_tables": True}, "early_q": {"early_q": True},
-            "tables+early_q": {"smem_tables": True, "early_q": True},
-            "tables+early_q+3stages": {"smem_tables": True, "early_q": True, "q_stages": 3},
-            "tables+3stages": {"smem_tables": True, "q_stages": 3},
-            "tables+early_q+maskfree": {"smem_tables": True, "early_q": True, "mask_free": True},
-            "all": {"smem_tables": True, "early_q": True, "q_stages": 3, "mask_free": True}}
-
-
 def wg_fn(pos, blk, interpret, **kw):
     return jax.jit(lambda q, k, v, ids: sparse_fwd_wgmma(
         q, k, v, ids, pos["q_positions"], pos["kv_positions"], pos["q_segment_ids"],
@@ -62,12 +52,12 @@ def _errs(o, lse, ro, rl, prefix):
     return err
 
 
-def check(name, key, interpret, reference=True, wg_kw=None, **shp):
-    """wgmma (options ``wg_kw``) vs the fp32 XLA reference (when ``reference``) and vs the Triton forward."""
+def check(name, key, interpret, reference=True, **shp):
+    """wgmma vs the fp32 XLA reference (when ``reference``) and vs the Triton forward."""
     out = {"case": name}
     try:
         q, k, v, ids, pos = make(key, **shp)
-        o, lse = jax.block_until_ready(wg_fn(pos, shp["blk"], interpret, **(wg_kw or {}))(q, k, v, ids))
+        o, lse = jax.block_until_ready(wg_fn(pos, shp["blk"], interpret)(q, k, v, ids))
         to, tl = kv_fn(pos, shp["blk"], interpret)(q, k, v, ids)
         out.update(_errs(o, lse, to, tl, "vs_triton"))
         if reference:
@@ -96,29 +86,17 @@ def cases(interpret, quick):
         ("m3_blk64", dict(bsz=1, t=2048, s=2048, h=64, g=4, d=D, blk=64, topk=TOPK))]
 
 
-def bench(t, key, quick, chunks, variants):
-    """Timings at M3 shapes, T = t: each schedule variant (checked first against the Triton forward on the
-    same inputs) at each chunk, then the Triton forward and cuDNN dense causal attention."""
+def bench(t, key, quick, chunks):
     h, g = MODELS["m3"]
     q, k, v, ids, pos = make(key, 1, t, t, h, g, D, BLK, TOPK)
     p = np.arange(1, t + 1, dtype=np.float64)
     main_f = float(np.sum(4.0 * D * h * np.minimum(p, TOPK * BLK)))
     dense_f = float(np.sum(4.0 * D * h * p))
-    rows, big = [], []
+    rows = []
     add = row_adder(rows, "m3", t)
-    to, tl = jax.block_until_ready(kv_fn(pos, BLK, False)(q, k, v, ids))
-    for name in variants:
-        for c in chunks:
-            fn = wg_fn(pos, BLK, False, chunk=c, **VARIANTS[name])
-            out = {"case": f"m3_{t} {name} chunk={c}"}
-            try:
-                out.update(_errs(*fn(q, k, v, ids), to, tl, "vs_triton"))
-            except Exception as e:   # report and go on
-                out["error"] = f"{type(e).__name__}: {str(e)[:600]}"
-            print("CHECK", json.dumps(out), flush=True)
-            big.append(out)
-            if "error" not in out:
-                add(f"wgmma {name} chunk={c}", fn, (q, k, v, ids), main_f)
+    big = check(f"m3_{t}", key, False, reference=False, bsz=1, t=t, s=t, h=h, g=g, d=D, blk=BLK, topk=TOPK)
+    for c in chunks:
+        add(f"wgmma chunk={c}", wg_fn(pos, BLK, False, chunk=c), (q, k, v, ids), main_f)
     if not quick:
         add(f"wgmma chunk={chunks[0]} p_in_smem", wg_fn(pos, BLK, False, chunk=chunks[0], p_in_smem=True),
             (q, k, v, ids), main_f)
@@ -132,10 +110,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="/tmp/msa_wgmma_probe")
     ap.add_argument("--t", type=int, default=131072)
-    ap.add_argument("--chunks", default=None,
-                    help="wgmma selections per program to time (default 128,256,512; 128 with --quick)")
-    ap.add_argument("--quick", action="store_true", help="one check case, no P-through-SMEM row, chunk 128 by default")
-    ap.add_argument("--variants", default="base", help=f"schedule variants, comma-separated: {', '.join(VARIANTS)}")
+    ap.add_argument("--chunks", default="128,256,512", help="wgmma selections per program to time")
+    ap.add_argument("--quick", action="store_true", help="one check case, fewer variants")
     ap.add_argument("--interpret", action="store_true", help="CPU smoke run: tiny checks only")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -146,33 +122,28 @@ def main():
     print(meta, flush=True)
     key = jax.random.PRNGKey(0)
     checks = []
-    variants = args.variants.split(",")
-    unknown = sorted(set(variants) - set(VARIANTS))
-    if unknown:
-        ap.error(f"--variants: unknown {unknown}; known: {sorted(VARIANTS)}")
     for name, shp in cases(args.interpret, args.quick):
         key, sub = jax.random.split(key)
-        for v in variants:
-            checks.append(check(f"{name} {v}", sub, args.interpret, wg_kw=VARIANTS[v], **shp))
-    rows, big = [], []
+        checks.append(check(name, sub, args.interpret, **shp))
+    rows, big = [], None
     if not args.interpret:
-        chunks = [int(c) for c in (args.chunks or ("128" if args.quick else "128,256,512")).split(",")]
-        big, rows = bench(args.t, key, args.quick, chunks, variants)
+        chunks = [int(c) for c in args.chunks.split(",")][:1 if args.quick else None]
+        big, rows = bench(args.t, key, args.quick, chunks)
     with open(os.path.join(args.out, "msa_wgmma_probe.json"), "w") as f:
-        json.dump({"meta": meta, "checks": checks, "m3_checks": big, "rows": rows}, f, indent=1)
-    print("\ncheck                                       ok(vs fp32)  ok(vs triton)  o err vs triton  lse err vs triton")
-    for c in checks + big:
+        json.dump({"meta": meta, "checks": checks, "m3_check": big, "rows": rows}, f, indent=1)
+    print("\ncheck                     ok(vs fp32)  ok(vs triton)  o err vs triton  lse err vs triton")
+    for c in checks + ([big] if big else []):
         if "error" in c:
-            print(f"{c['case']:<44}ERROR {c['error'][:200]}")
+            print(f"{c['case']:<26}ERROR {c['error'][:200]}")
             continue
-        print(f"{c['case']:<44}{str(c.get('vs_fp32_ok', '-')):<13}{str(c['vs_triton_ok']):<15}"
+        print(f"{c['case']:<26}{str(c.get('vs_fp32_ok', '-')):<13}{str(c['vs_triton_ok']):<15}"
               f"{c['vs_triton_o_max_err']:<17.3g}{c['vs_triton_lse_max_err']:.3g}")
-    print(f"\n{'variant':<44}{'ms':>10}{'TFLOP/s':>10}")
+    print(f"\n{'variant':<34}{'ms':>10}{'TFLOP/s':>10}")
     for r in rows:
         if "error" in r:
-            print(f"{r['variant']:<44}ERROR {r['error'][:200]}")
+            print(f"{r['variant']:<34}ERROR {r['error'][:200]}")
         else:
-            print(f"{r['variant']:<44}{r['ms']:>10.2f}{r['tflops']:>10.1f}")
+            print(f"{r['variant']:<34}{r['ms']:>10.2f}{r['tflops']:>10.1f}")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ same outputs). Schedule: ``gpu_sparse_fwd.worklist`` (sorted work list, program 
 slice [i*C, (i+1)*C) of its group's list, runs = one K/V window) and ``gpu_sparse_fwd._combine``
 (LSE merge of the K partials). Per CTA (slice i, group g, batch row b), three warpgroups:
 
+- at the start, the memory warpgroup TMAs the slice's work-list entries (token-slot, window start, run end)
+  into SMEM, where all three warpgroups read them;
 - memory warpgroup: per run, TMA of the K and V window [B_blk, D] into one of two SMEM slots (one
   when they do not fit); per row tile of 64 rows (64 / sr selections x sr head rows, sr = ``head_slot(H/G)``), one TMA
   per selection of its token's sr contiguous q rows into a 2-stage q ring per compute warpgroup, plus the tile's 64
@@ -57,27 +59,25 @@ _SMEM_BYTES = 227 * 1024
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-def _smem_bytes(widths, d, dv, itemsize, kv_slots, p_in_smem, q_stages=2, early_q=False, tables=0):
-    """Shared memory of one CTA: K/V window slots, the q ring (2 * q_stages stages; they stage o unless
-    ``early_q``, which has an o buffer per compute warpgroup), lse, P, ``tables`` int32 table words."""
+def _smem_bytes(widths, d, dv, itemsize, kv_slots, p_in_smem, chunk):
+    """Shared memory of one CTA: K/V window slots, the q ring (4 stages, also staging o), lse, P and the
+    slice's work-list tables (3 x chunk int32)."""
     kv = kv_slots * max(widths) * (d + dv) * itemsize
-    q = 2 * q_stages * ROWS * (d * itemsize + 2 * 4) + 2 * ROWS * 4
-    o = early_q * 2 * ROWS * dv * itemsize
+    q = 4 * ROWS * (d * itemsize + 2 * 4) + 2 * ROWS * 4
     p = p_in_smem * 2 * ROWS * sum(widths) * itemsize
-    return kv + q + o + p + 4 * tables + 1024
+    return kv + q + p + 3 * 4 * chunk + 1024
 
 
-def _windows(blk, d, dv, itemsize, p_in_smem, wide_runs, interpret, q_stages=2, early_q=False, tables=0):
+def _windows(blk, d, dv, itemsize, p_in_smem, wide_runs, interpret, chunk):
     """(window widths the kernel handles, K/V slots): B only, or B for aligned runs and B + 64 for the
     others (with P through SMEM on a device and no room for both P buffers: B + 64 for every run);
     two K/V slots where they fit. Raises ValueError when even one slot does not fit."""
     widths = (blk, blk + _WIDE) if wide_runs else (blk,)
-    ring = (q_stages, early_q, tables)
     if (wide_runs and p_in_smem and not interpret
-            and _smem_bytes(widths, d, dv, itemsize, 1, True, *ring) > _SMEM_BYTES):
+            and _smem_bytes(widths, d, dv, itemsize, 1, True, chunk) > _SMEM_BYTES):
         widths = (blk + _WIDE,)
     for slots in (2, 1):
-        if interpret or _smem_bytes(widths, d, dv, itemsize, slots, p_in_smem, *ring) <= _SMEM_BYTES:
+        if interpret or _smem_bytes(widths, d, dv, itemsize, slots, p_in_smem, chunk) <= _SMEM_BYTES:
             return widths, slots
     raise ValueError(f"sparse_fwd_wgmma: windows {widths} x D={d}, Dv={dv} need more than "
                      f"{_SMEM_BYTES // 1024} KiB of shared memory")
@@ -111,8 +111,7 @@ def wgmma_supported(q_shape, kv_shape, v_dim, dtype, block_size) -> str | None:
 
 def _intervals(ids, flat, key, qpos, base, j0, j1, blk, hg, pad):
     """Visible columns [lo, hi] of every sorted entry's loaded window (rows from 8 * floor(start / 8)),
-    repeated per head: int32 [B,G,2,(N+pad)*hg]; and per entry 1 where its query sees the whole B-row
-    window (lo = 0, hi = B - 1), else 0: int32 [B,G,N]."""
+    repeated per head: int32 [B,G,2,(N+pad)*hg]."""
     bsz, g, t, topk = ids.shape
     tk = flat // topk
     n = jnp.take_along_axis(ids.reshape(bsz, g, t * topk), flat, axis=2)
@@ -124,21 +123,16 @@ def _intervals(ids, flat, key, qpos, base, j0, j1, blk, hg, pad):
     hi = jnp.minimum(bs + jnp.minimum(n * blk + blk - 1, p), z) - w0
     lo = jnp.where(ok, jnp.clip(lo, 0, blk + _WIDE), blk + _WIDE)
     hi = jnp.where(ok, jnp.clip(hi, -1, blk + _WIDE - 1), -1)
-    full = ((lo == 0) & (hi == blk - 1)).astype(jnp.int32)
     lims = jnp.stack([lo, hi], axis=2)                               # [B,G,2,N]
     lims = jnp.pad(lims, ((0, 0), (0, 0), (0, 0), (0, pad)), constant_values=-1)
-    return jnp.repeat(lims, hg, axis=3).astype(jnp.int32), full
+    return jnp.repeat(lims, hg, axis=3).astype(jnp.int32)
 
 
-def _body(flat_ref, key_ref, rend_ref, full_ref, nval_ref, lims_ref, q_ref, k_ref, v_ref, op_ref, lp_ref, *,
-          blk, topk, sr, per, chunk, kv_slots, scale, p_in_smem, widths, smem_tables, q_stages, early_q, mask_free):
-    """One CTA (sr: the head slot, ``head_slot(H/G)``; q, op and lp carry G * sr head rows).
-
-    smem_tables: the slice's work-list entries (flat, window start, run end, whole-window flag) are copied into SMEM once
-    per CTA (one TMA each) and read from there, not from global memory per tile.
-    q_stages: q ring stages per compute warpgroup. early_q: a tile's q stage is freed as soon as
-    S = Q K^T is done (o is staged in a buffer of its own), not after the tile's o stores.
-    mask_free: a tile whose live selections all see their whole window skips the column mask."""
+def _body(flat_ref, key_ref, rend_ref, nval_ref, lims_ref, q_ref, k_ref, v_ref, op_ref, lp_ref, *,
+          blk, topk, sr, per, chunk, kv_slots, scale, p_in_smem, widths):
+    """One CTA (sr: the head slot, ``head_slot(H/G)``; q, op and lp carry G * sr head rows). The slice's
+    work-list entries (flat, window start, run end) are copied into SMEM once (``tab_smem``) and read from
+    there, not as scalar global loads per tile (BENCHMARKS.md, MSA forward schedule probe)."""
     i, g, b = lax.axis_index("i"), lax.axis_index("g"), lax.axis_index("b")
     lo = i * chunk
     hi = jnp.minimum(lo + chunk, nval_ref[b, g])
@@ -156,13 +150,9 @@ def _body(flat_ref, key_ref, rend_ref, full_ref, nval_ref, lims_ref, q_ref, k_re
 
     tabs = {}
 
-    names = ("flat", "key", "rend", "full")
-
     def entry(name, idx):
-        """Work-list entry ``idx`` (absolute) of table flat / key / rend / full: SMEM or global memory."""
-        if smem_tables:
-            return tabs["smem"][names.index(name), idx - lo]
-        return {"flat": flat_ref, "key": key_ref, "rend": rend_ref, "full": full_ref}[name][b, g, idx]
+        """Work-list entry ``idx`` (absolute, in [lo, lo + chunk)) of table flat / key / rend, from SMEM."""
+        return tabs["smem"][("flat", "key", "rend").index(name), idx - lo]
 
     def walk(per_run):
         """The slice's runs in order: per_run(a, end, run index, tiles before it, its tiles, w0)."""
@@ -174,26 +164,23 @@ def _body(flat_ref, key_ref, rend_ref, full_ref, nval_ref, lims_ref, q_ref, k_re
             return end, ri + 1, ct + nt
         return lax.while_loop(lambda c: c[0] < hi, step, (lo, jnp.int32(0), jnp.int32(0)))
 
-    ring = 2 * q_stages
-
     def stage(cc):
         """q ring stage of the CTA's tile cc: tiles alternate between the compute warpgroups."""
-        return lax.rem(cc, 2) * q_stages + lax.rem(lax.div(cc, 2), q_stages)
+        return lax.rem(cc, 2) * 2 + lax.rem(lax.div(cc, 2), 2)
 
-    def scope(k_smem, v_smem, q_smem, lim_smem, l_smem, kv_ready, kv_free, q_ready, q_free, p_smem=None,
-              tab_smem=None, tab_ready=None, o_smem=None):
+    def scope(k_smem, v_smem, q_smem, lim_smem, l_smem, tab_smem, kv_ready, kv_free, q_ready, q_free, tab_ready,
+              p_smem=None):
         wg = lax.axis_index("wg")
-        if smem_tables:
-            tabs["smem"] = tab_smem
+        tabs["smem"] = tab_smem
 
-            @pl.when(wg == 2)
-            def _():
-                for n, ref in enumerate((flat_ref, key_ref, rend_ref, full_ref)):
-                    for c0 in range(0, chunk, _TAB_PIECE):      # a TMA copies <= 256 elements per dimension
-                        w = min(_TAB_PIECE, chunk - c0)
-                        plgpu.copy_gmem_to_smem(ref.at[b, g, pl.ds(pl.multiple_of(lo + c0, 8), w)],
-                                                tab_smem.at[n, pl.ds(c0, w)], tab_ready.at[0])
-            plgpu.barrier_wait(tab_ready.at[0])
+        @pl.when(wg == 2)
+        def _():
+            for n, ref in enumerate((flat_ref, key_ref, rend_ref)):
+                for c0 in range(0, chunk, _TAB_PIECE):          # a TMA copies <= 256 elements per dimension
+                    w = min(_TAB_PIECE, chunk - c0)
+                    plgpu.copy_gmem_to_smem(ref.at[b, g, pl.ds(pl.multiple_of(lo + c0, 8), w)],
+                                            tab_smem.at[n, pl.ds(c0, w)], tab_ready.at[0])
+        plgpu.barrier_wait(tab_ready.at[0])
 
         @pl.when(wg == 2)
         def _memory():
@@ -221,7 +208,7 @@ def _body(flat_ref, key_ref, rend_ref, full_ref, nval_ref, lims_ref, q_ref, k_re
                     cc = ct + si
                     qs = stage(cc)
 
-                    @pl.when(cc >= ring)
+                    @pl.when(cc >= 4)
                     def _():
                         plgpu.barrier_wait(q_free.at[qs])
                     e0 = a + si * per
@@ -244,7 +231,7 @@ def _body(flat_ref, key_ref, rend_ref, full_ref, nval_ref, lims_ref, q_ref, k_re
             def drain_q(cc, carry):
                 plgpu.barrier_wait(q_free.at[stage(cc)])
                 return carry
-            lax.fori_loop(jnp.maximum(ntiles - ring, 0), ntiles, drain_q, None)
+            lax.fori_loop(jnp.maximum(ntiles - 4, 0), ntiles, drain_q, None)
 
         @pl.when(wg < 2)
         def _compute():
@@ -265,39 +252,16 @@ def _body(flat_ref, key_ref, rend_ref, full_ref, nval_ref, lims_ref, q_ref, k_re
                 c_lo = mosaic_load_rows(lim_smem.at[qs, 0])
                 c_hi = mosaic_load_rows(lim_smem.at[qs, 1])
                 k_win = k_smem.at[slot, pl.ds(0, ncols)]
+                v_win = v_smem.at[slot, pl.ds(0, ncols)]
 
                 def qk(acc_ref):
                     plgpu.wgmma(acc_ref, q_smem.at[qs], k_win.transpose((1, 0)))
                     return acc_ref[...]
-                if mask_free:       # 1 iff every live selection of the tile sees its whole window
-                    whole = [jnp.where(e0 + j < end, entry("full", jnp.minimum(e0 + j, end - 1)), 1)
-                             for j in range(per)]
-                    whole = functools.reduce(jnp.minimum, whole)
                 s = pl.run_scoped(qk, plgpu.ACC((ROWS, ncols), jnp.float32))
-                if early_q:                     # q and the intervals are in registers: the stage is free
-                    plgpu.barrier_arrive(q_free.at[qs])
-                if not mask_free or ncols != blk:
-                    finish(s, c_lo, c_hi, qs, e0, end, cc, slot, ncols, flats, masked=True)
-                    return
-
-                @pl.when(whole == 1)
-                def _():
-                    finish(s, c_lo, c_hi, qs, e0, end, cc, slot, ncols, flats, masked=False)
-
-                @pl.when(whole == 0)
-                def _():
-                    finish(s, c_lo, c_hi, qs, e0, end, cc, slot, ncols, flats, masked=True)
-
-            def finish(s, c_lo, c_hi, qs, e0, end, cc, slot, ncols, flats, masked):
-                """Softmax of the tile's logits s, P V, normalisation and the stores of o / lse."""
-                v_win = v_smem.at[slot, pl.ds(0, ncols)]
-                if masked:
-                    col = plgpu.broadcasted_iota(jnp.int32, (ROWS, ncols), 1, layout=plgpu.Layout.WGMMA)
-                    vis = ((col >= lax.broadcast_in_dim(c_lo, (ROWS, ncols), [0]))
-                           & (col <= lax.broadcast_in_dim(c_hi, (ROWS, ncols), [0])))
-                    s = jnp.where(vis, s * qk_scale, -jnp.inf)
-                else:
-                    s = s * qk_scale
+                col = plgpu.broadcasted_iota(jnp.int32, (ROWS, ncols), 1, layout=plgpu.Layout.WGMMA)
+                vis = ((col >= lax.broadcast_in_dim(c_lo, (ROWS, ncols), [0]))
+                       & (col <= lax.broadcast_in_dim(c_hi, (ROWS, ncols), [0])))
+                s = jnp.where(vis, s * qk_scale, -jnp.inf)
                 m = jnp.max(s, axis=1)
                 m_safe = jnp.where(m == -jnp.inf, 0.0, m)
                 p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, (ROWS, ncols), [0]))
@@ -316,14 +280,10 @@ def _body(flat_ref, key_ref, rend_ref, full_ref, nval_ref, lims_ref, q_ref, k_re
                 o = o * lax.broadcast_in_dim(1.0 / l_safe, (ROWS, dv), [0])
                 lse = jnp.where(l == 0.0, -jnp.inf, m_safe * _LN2 + jnp.log(l_safe))
 
-                if early_q:
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the previous tile's stores read them
-                    o_ref = o_smem.at[wg]
-                else:
-                    @pl.when(cc >= 2)
-                    def _():
-                        release(cc - 2)         # this warpgroup's previous tile
-                    o_ref = q_smem.at[qs]       # the q tile is spent: it stages the o rows
+                @pl.when(cc >= 2)
+                def _():
+                    release(cc - 2)             # this warpgroup's previous tile
+                o_ref = q_smem.at[qs]           # the q tile is spent: it stages the o rows
                 o_ref[...] = o.astype(dtype)
                 l_smem.at[wg][...] = lse
                 plgpu.commit_smem()
@@ -352,19 +312,13 @@ def _body(flat_ref, key_ref, rend_ref, full_ref, nval_ref, lims_ref, q_ref, k_re
             _, _, ntiles = walk(per_run)
             last = ntiles - 1 - lax.rem(ntiles - 1 - wg + 2, 2)          # this warpgroup's last tile
 
-            if not early_q:
-                @pl.when(last >= 0)
-                def _():
-                    release(last)
+            @pl.when(last >= 0)
+            def _():
+                release(last)
             plgpu.wait_smem_to_gmem(0)
 
     itemsize = jnp.dtype(dtype).itemsize
     extra = {}
-    if early_q:
-        extra["o_smem"] = plgpu.SMEM((2, ROWS, dv), dtype, transforms=mosaic_smem_transforms(dv, itemsize))
-    if smem_tables:
-        extra["tab_smem"] = plgpu.SMEM((4, chunk), jnp.int32)
-        extra["tab_ready"] = plgpu.Barrier(num_arrivals=4 * -(-chunk // _TAB_PIECE), num_barriers=1)
     if p_in_smem:
         extra["p_smem"] = {n: plgpu.SMEM((2, ROWS, n), dtype, transforms=mosaic_smem_transforms(n, itemsize))
                            for n in widths}
@@ -372,20 +326,21 @@ def _body(flat_ref, key_ref, rend_ref, full_ref, nval_ref, lims_ref, q_ref, k_re
         scope,
         k_smem=plgpu.SMEM((kv_slots, nrows, d), dtype, transforms=mosaic_smem_transforms(d, itemsize)),
         v_smem=plgpu.SMEM((kv_slots, nrows, dv), dtype, transforms=mosaic_smem_transforms(dv, itemsize)),
-        q_smem=plgpu.SMEM((2 * q_stages, ROWS, d), dtype, transforms=mosaic_smem_transforms(d, itemsize)),
-        lim_smem=plgpu.SMEM((2 * q_stages, 2, ROWS), jnp.int32),
+        q_smem=plgpu.SMEM((4, ROWS, d), dtype, transforms=mosaic_smem_transforms(d, itemsize)),
+        lim_smem=plgpu.SMEM((4, 2, ROWS), jnp.int32),
         l_smem=plgpu.SMEM((2, ROWS), jnp.float32),
+        tab_smem=plgpu.SMEM((3, chunk), jnp.int32),
         kv_ready=plgpu.Barrier(num_arrivals=2, num_barriers=kv_slots),
         kv_free=plgpu.Barrier(num_arrivals=2, num_barriers=kv_slots),
-        q_ready=plgpu.Barrier(num_arrivals=per + 1, num_barriers=2 * q_stages),
-        q_free=plgpu.Barrier(num_arrivals=1, num_barriers=2 * q_stages),
+        q_ready=plgpu.Barrier(num_arrivals=per + 1, num_barriers=4),
+        q_free=plgpu.Barrier(num_arrivals=1, num_barriers=4),
+        tab_ready=plgpu.Barrier(num_arrivals=3 * -(-chunk // _TAB_PIECE), num_barriers=1),
         **extra,
         collective_axes="wg",
     )
 
 
-def _partials(q, k_pad, v_pad, ids, starts, qpos, base, j0, j1, *, blk, chunk, interpret, p_in_smem, smem_tables,
-              q_stages, early_q, mask_free):
+def _partials(q, k_pad, v_pad, ids, starts, qpos, base, j0, j1, *, blk, chunk, interpret, p_in_smem):
     """Per-(token, slot) partials (o [B,T,K,H,Dv] q.dtype, lse [B,T,K,H] f32); unused pairs undefined."""
     bsz, t, h, d = q.shape
     g = k_pad.shape[2]
@@ -396,27 +351,16 @@ def _partials(q, k_pad, v_pad, ids, starts, qpos, base, j0, j1, *, blk, chunk, i
     per = ROWS // sr
     n_items = -(-t * topk // chunk)
     flat, key, run_end, n_valid = worklist(ids, starts)
-    lims, full = _intervals(ids, flat, key, qpos, base, j0, j1, blk, sr, per)
-    if smem_tables:     # every slice's TMA copy in bounds (the padding entries are never read)
-        flat, key, run_end, full = (jnp.pad(x, ((0, 0), (0, 0), (0, n_items * chunk - t * topk)))
-                                    for x in (flat, key, run_end, full))
+    lims = _intervals(ids, flat, key, qpos, base, j0, j1, blk, sr, per)
+    # every slice's table copy in bounds (the padding entries are never read)
+    flat, key, run_end = (jnp.pad(x, ((0, 0), (0, 0), (0, n_items * chunk - t * topk))) for x in (flat, key, run_end))
     p_in_smem = bool(interpret or p_in_smem)
     params = mosaic_interpret_params("sparse_fwd_wgmma") if interpret else None
 
     def call(wide_runs):
-        stages = q_stages
-        while True:     # fewer q stages where the wide windows leave no room for more
-            try:
-                widths, kv_slots = _windows(blk, d, dv, q.dtype.itemsize, p_in_smem, wide_runs, interpret, stages,
-                                            early_q, 4 * chunk * smem_tables)
-                break
-            except ValueError:
-                if stages <= 2:
-                    raise
-                stages = 2
+        widths, kv_slots = _windows(blk, d, dv, q.dtype.itemsize, p_in_smem, wide_runs, interpret, chunk)
         body = functools.partial(_body, blk=blk, topk=topk, sr=sr, per=per, chunk=chunk, scale=1.0 / math.sqrt(d),
-                                 p_in_smem=p_in_smem, widths=widths, kv_slots=kv_slots, smem_tables=smem_tables,
-                                 q_stages=stages, early_q=early_q, mask_free=mask_free)
+                                 p_in_smem=p_in_smem, widths=widths, kv_slots=kv_slots)
         kernel = plgpu.kernel(
             body,
             out_type=[typed_out_struct((bsz, t, topk, g * sr, dv), q.dtype, q),
@@ -431,7 +375,7 @@ def _partials(q, k_pad, v_pad, ids, starts, qpos, base, j0, j1, *, blk, chunk, i
     aligned = jnp.all((key % 8 == 0) | (key == jnp.iinfo(jnp.int32).max))
     if sr != hg:        # head slots of sr rows per group: pad q, drop the spare rows of the partials
         q = jnp.pad(q.reshape(bsz, t, g, hg, d), ((0, 0),) * 3 + ((0, sr - hg), (0, 0))).reshape(bsz, t, g * sr, d)
-    args = (flat, key, run_end, full, n_valid, lims, q, k_pad, v_pad)
+    args = (flat, key, run_end, n_valid, lims, q, k_pad, v_pad)
     op, lp = lax.cond(aligned, call(False), call(True), *args)
     if sr != hg:
         op = op.reshape(bsz, t, topk, g, sr, dv)[:, :, :, :, :hg].reshape(bsz, t, topk, h, dv)
@@ -441,22 +385,18 @@ def _partials(q, k_pad, v_pad, ids, starts, qpos, base, j0, j1, *, blk, chunk, i
 
 def sparse_fwd_wgmma(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids, *,
                      block_size, interpret=False, num_warps=None, num_stages=None, chunk=128, rows=None,
-                     query_chunk=None, p_in_smem=False, smem_tables=False, q_stages=2, early_q=False,
-                     mask_free=False):
+                     query_chunk=None, p_in_smem=False):
     """KV-outer MSA forward on Hopper: (o [B,T,H,Dv] q.dtype, lse [B,T,H] f32 natural log, -inf: no key).
 
     Arguments and outputs as ``gpu_sparse_fwd.sparse_fwd_kv_outer`` (``num_warps`` / ``num_stages`` /
     ``rows`` are Triton knobs, accepted and ignored: tiles are 64 rows). ``interpret``: the Mosaic GPU
     interpreter (jax >= 0.11). ``p_in_smem``: feed P to the second ``wgmma`` from SMEM instead of
-    registers (always so in the interpreter, whose ``wgmma`` reads SMEM operands only). ``smem_tables``: each
-    program copies its slice of the work list into SMEM once instead of reading it per tile. ``q_stages``:
-    q ring stages per compute warpgroup (2 or 3); ``early_q``: free a tile's q stage after S = Q K^T (o
-    staged in its own buffer; fewer K/V slots may fit); ``mask_free``: tiles whose selections all see
-    their whole window skip the column mask. Shapes must
+    registers (always so in the interpreter, whose ``wgmma`` reads SMEM operands only). Shapes must
     pass ``wgmma_supported`` (asserted). Unlike the Triton kernel, windows are not re-checked key by
     key: the storage-layout contract (layout.py) is a precondition.
     """
     del num_warps, num_stages, rows
+    assert chunk % 8 == 0, f"chunk must be a multiple of 8 (8-aligned table copies), got {chunk}"
     layout.check_shapes(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
     why = wgmma_supported(q.shape, k.shape, v.shape[-1], q.dtype, block_size)
     assert why is None, why
@@ -478,8 +418,7 @@ def sparse_fwd_wgmma(q, k, v, block_ids, q_positions, kv_positions, q_segment_id
 
     def run(q, ids, starts, qpos, base, j0, j1):      # q_seg is folded into j0 / j1
         op, lp = _partials(q, k_pad, v_pad, ids, starts, qpos, base, j0, j1, blk=block_size, chunk=chunk,
-                           interpret=interpret, p_in_smem=p_in_smem, smem_tables=smem_tables, q_stages=q_stages,
-                           early_q=early_q, mask_free=mask_free)
+                           interpret=interpret, p_in_smem=p_in_smem)
         return _combine(op, lp, ids, hg)
 
     args = (q, ids, starts, qpos, prep.base, j0, j1)
