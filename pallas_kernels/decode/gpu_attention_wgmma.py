@@ -1,8 +1,9 @@
 """Split-KV paged decode attention on Hopper: Pallas Mosaic GPU (TMA + ``wgmma``), dense and shared
 sparse (MSA) tiles.
 
-Math: MSA_SPEC.md section 5 (the same contract and split-KV partials as the dense and ``"shared"`` modes
-of ``gpu_attention._paged_attention``, merged by ``common.combine_splits``). One CTA per (request x kv
+Math: MSA_SPEC.md section 5 (the same contract and split-KV schedule as the dense and ``"shared"`` modes
+of ``gpu_attention._paged_attention``; the partials are merged by ``common.combine_splits`` like the
+Triton kernel's, but stored in q.dtype, not f32: one more rounding per split). One CTA per (request x kv
 group, row block, split) and up to three warpgroups:
 
 - a memory warpgroup walks the split's logical pages (dense: consecutive; shared: the split's slots of
@@ -53,7 +54,8 @@ def _smem_bytes(nwg, page, d, itemsize, stages, p_in_smem):
 
 
 def wgmma_decode_reason(m_rows, d, cache_dtype, q_dtype, page, has_scale, stages=2) -> str | None:
-    """None when ``paged_decode_wgmma`` serves a dense tile of ``m_rows`` rows, else why (one sentence)."""
+    """None when ``paged_decode_wgmma`` serves a tile (dense or shared sparse) of ``m_rows`` rows, else why
+    (one sentence)."""
     if has_scale:
         return "scaled (fp8) caches are not supported"
     if jnp.dtype(cache_dtype) not in _DTYPES or jnp.dtype(q_dtype) != jnp.dtype(cache_dtype):
@@ -130,8 +132,8 @@ def _body(pt_ref, pos_ref, lim_ref, ids_ref, bits_ref, q_ref, k_ref, v_ref, o_re
             row_pos = lax.broadcast_in_dim(qpos, shape, [0])
             col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
             if shared:      # tile row -> query row of the row block (bit of ``bits``)
-                row_q = lax.div(plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + wg * ROWS,
-                                jnp.int32(hg))
+                row_q = jnp.minimum(lax.div(plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+                                            + wg * ROWS, jnp.int32(hg)), 31)       # padding rows: a bit < 32
 
             def page_step(j, carry):
                 acc, m_i, l_i = carry

@@ -103,6 +103,9 @@ class LaunchTable:
         object.__setattr__(self, "score", _frozen(self.score))
         if self.tile_kernel not in TILE_KERNELS:
             raise ValueError(f"tile_kernel must be one of {TILE_KERNELS}, got {self.tile_kernel!r}")
+        w = self.wgmma_stages
+        if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+            raise ValueError(f"wgmma_stages must be an int >= 1, got {w!r}")
         if self.sparse_tile not in SPARSE_TILES:
             raise ValueError(f"sparse_tile must be one of {SPARSE_TILES}, got {self.sparse_tile!r}")
         t = self.tile_rows

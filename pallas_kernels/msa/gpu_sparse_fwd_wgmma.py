@@ -396,7 +396,8 @@ def sparse_fwd_wgmma(q, k, v, block_ids, q_positions, kv_positions, q_segment_id
     key: the storage-layout contract (layout.py) is a precondition.
     """
     del num_warps, num_stages, rows
-    assert chunk % 8 == 0, f"chunk must be a multiple of 8 (8-aligned table copies), got {chunk}"
+    # each TMA copy of the SMEM work-list tables moves a multiple of 128 bytes (32 int32 entries)
+    assert chunk % 32 == 0, f"chunk must be a multiple of 32 (the tables' TMA copies), got {chunk}"
     layout.check_shapes(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
     why = wgmma_supported(q.shape, k.shape, v.shape[-1], q.dtype, block_size)
     assert why is None, why

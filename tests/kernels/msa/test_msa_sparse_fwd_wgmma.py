@@ -79,7 +79,7 @@ def test_queries_as_suffix_of_keys():
     rng = np.random.default_rng()
     c = make_case(rng, bsz=1, t=72, s=300, h=64, g=2, d=64)
     ids = random_ids(rng, c["q_pos"], c["q_seg"], 2, 3, 128)
-    _run_and_check(c, ids, 128, chunk=16)
+    _run_and_check(c, ids, 128, chunk=32)
 
 
 @needs_interpreter
@@ -93,15 +93,16 @@ def test_padded_head_slots_m2_like(h, g):
     _run_and_check(c, ids, 64, chunk=32)
 
 
-@pytest.mark.parametrize("blk", [64, 128])
-def test_lowers_for_cuda_at_m3_shapes(blk):
+@pytest.mark.parametrize("blk,chunk", [(64, 128), (128, 32), (128, 512)])
+def test_lowers_for_cuda_at_m3_shapes(blk, chunk):
     """M3 attention shapes at 128K tokens (64 heads, 4 kv groups, D 128, top-16 blocks, query chunks):
-    both kernel variants (aligned / wide windows) lower for CUDA on a CPU machine."""
+    both kernel variants (aligned / wide windows) lower for CUDA on a CPU machine, at the smallest slice
+    (32 entries: one 128-byte table copy) and at one of two copies per table (512)."""
     sd = jax.ShapeDtypeStruct
     b, t, h, g, d, topk = 1, 131072, 64, 4, 128, 16
 
     def f(q, k, v, ids, pos):
-        return sparse_fwd_wgmma(q, k, v, ids, pos, pos, None, None, block_size=blk)
+        return sparse_fwd_wgmma(q, k, v, ids, pos, pos, None, None, block_size=blk, chunk=chunk)
     txt = jax.jit(f).trace(sd((b, t, h, d), jnp.bfloat16), sd((b, t, g, d), jnp.bfloat16),
                            sd((b, t, g, d), jnp.bfloat16), sd((b, g, t, topk), jnp.int32),
                            sd((b, t), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
