@@ -389,7 +389,8 @@ def sparse_fwd_wgmma(q, k, v, block_ids, q_positions, kv_positions, q_segment_id
     """KV-outer MSA forward on Hopper: (o [B,T,H,Dv] q.dtype, lse [B,T,H] f32 natural log, -inf: no key).
 
     Arguments and outputs as ``gpu_sparse_fwd.sparse_fwd_kv_outer`` (``num_warps`` / ``num_stages`` /
-    ``rows`` are Triton knobs, accepted and ignored: tiles are 64 rows). ``interpret``: the Mosaic GPU
+    ``rows`` are Triton knobs, accepted and ignored: tiles are 64 rows; ``chunk`` must be a multiple of
+    32). ``interpret``: the Mosaic GPU
     interpreter (jax >= 0.11). ``p_in_smem``: feed P to the second ``wgmma`` from SMEM instead of
     registers (always so in the interpreter, whose ``wgmma`` reads SMEM operands only). Shapes must
     pass ``wgmma_supported`` (asserted). Unlike the Triton kernel, windows are not re-checked key by

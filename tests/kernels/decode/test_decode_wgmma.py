@@ -6,8 +6,8 @@ fp32 XLA reference op (``implementation="xla"`` on the same bf16 inputs), every 
 128-row tiles (Q = 4 and 8 rows of 16 heads per group), ragged contexts, a padding row, a request of
 padding rows only, shuffled page tables, several splits; the rows of a shorter step equal (bitwise) the same
 rows inside a longer one (pages past a row's position are exact no-ops); shared sparse (MSA) tiles
-with random block ids; unsupported tiles take the Triton kernel. On a Hopper GPU (``-k hopper``): the same checks at M3 shapes (64 q / 4 kv heads of 128, 128-token
-pages).
+with random block ids; unsupported tiles take the Triton kernel. On a Hopper GPU (``-k hopper``): the
+same checks at M3 shapes (64 q / 4 kv heads of 128, 128-token pages).
 """
 
 from __future__ import annotations
