@@ -30,7 +30,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.decode.common import (combine_splits, compute_dtype, dot_nn, dot_nt, pack_rows, pad_rows,
                                           union_pages, unpack_rows)
-from pallas_kernels.decode.gpu_attention_wgmma import paged_decode_wgmma, wgmma_decode_reason
+from pallas_kernels.decode.gpu_attention_wgmma import default_ctas, paged_decode_wgmma, wgmma_decode_reason
 from pallas_kernels.decode.gpu_config import DEFAULT_TABLE, LaunchTable, pages_per_program
 
 __all__ = ["paged_attention_gpu"]
@@ -134,10 +134,11 @@ def _shared_splits(k: int, pps: int, programs: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("interpret", "pages_per_split", "num_warps", "num_stages", "loop",
                                              "sparse_pages_per_split", "tile_rows", "sparse_tile", "wide_warps",
-                                             "tile_kernel", "wgmma_stages"))
+                                             "tile_kernel", "wgmma_stages", "wgmma_pingpong"))
 def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_scale, block_ids, *, interpret,
                      pages_per_split, num_warps, num_stages, loop, sparse_pages_per_split=1, tile_rows=64,
-                     sparse_tile="per_row", wide_warps=None, tile_kernel="triton", wgmma_stages=2):
+                     sparse_tile="per_row", wide_warps=None, tile_kernel="triton", wgmma_stages=2,
+                     wgmma_pingpong=True):
     """Split-KV paged decode attention (dense, or sparse over ``block_ids``).
 
     Args: as ``minimax_jax.ops.paged.paged_attention`` (q ``[B,Q,H,D]``, pages ``[G,P,page,D]``,
@@ -176,9 +177,11 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_sc
     pps = sparse_pages_per_split
     if not dense and (isinstance(pps, bool) or not isinstance(pps, int) or pps < 1 or pps & (pps - 1)):
         raise ValueError(f"sparse_pages_per_split must be a power of two >= 1, got {pps!r}")
+    wgmma = (dense or shared) and tile_kernel == "wgmma" and wgmma_decode_reason(
+        m, d, k_pages.dtype, q.dtype, page, k_scale is not None, wgmma_stages) is None
     if dense:
-        if pages_per_split is None:
-            pages_per_split = pages_per_program(b * g * npg, 528, 64)
+        if pages_per_split is None:     # the persistent wgmma kernel: ~8 splits per CTA, for balance
+            pages_per_split = pages_per_program(b * g * npg, default_ctas(interpret) * 8 if wgmma else 528, 64)
         pps = pages_per_split
         nsplit = -(-npg // pps)
         lim = jnp.clip(jnp.max(q_positions, axis=1) // page + 1, 0, npg).astype(jnp.int32)
@@ -199,11 +202,10 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_sc
     kernel = functools.partial(_attn_kernel, page=page, pps=pps, scale=1.0 / math.sqrt(d), g_count=g,
                                mode="dense" if dense else sparse_tile, nsplit=nsplit, hg=hg,
                                has_scale=k_scale is not None, cdt=cdt, loop=loop)
-    if (dense or shared) and tile_kernel == "wgmma" and wgmma_decode_reason(
-            m, d, k_pages.dtype, q.dtype, page, k_scale is not None, wgmma_stages) is None:
+    if wgmma:
         o_part, l_part = paged_decode_wgmma(qr, pos, lim, page_table, args[6], args[7], page=page, pps=pps,
                                             nsplit=nsplit, stages=wgmma_stages, interpret=interpret,
-                                            ids=ids if shared else None, bits=bits, hg=hg)
+                                            ids=ids if shared else None, bits=bits, hg=hg, pingpong=wgmma_pingpong)
         o, lse = combine_splits(o_part.astype(jnp.float32), l_part, axis=3)
         o, lse = unpack_rows(o, lse, nq, hg, qpb)
         return o.astype(q.dtype), lse
@@ -227,7 +229,7 @@ def paged_attention_gpu(q, k_pages, v_pages, page_table, q_positions, k_scale=No
     """See ``_paged_attention``; launch parameters left as None come from ``table`` (None =
     ``gpu_config.DEFAULT_TABLE``): ``attn_warps`` / ``attn_warps_wide`` (an explicit ``num_warps``
     applies to every tile), ``attn_stages``, ``loop``, ``sparse_pps``, ``tile_rows``, ``sparse_tile``,
-    ``tile_kernel``, ``wgmma_stages``."""
+    ``tile_kernel``, ``wgmma_stages``, ``wgmma_pingpong``."""
     table = DEFAULT_TABLE if table is None else table
     return _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_scale, block_ids,
                             interpret=interpret, pages_per_split=pages_per_split,
@@ -237,4 +239,5 @@ def paged_attention_gpu(q, k_pages, v_pages, page_table, q_positions, k_scale=No
                             sparse_pages_per_split=(table.sparse_pps if sparse_pages_per_split is None
                                                     else sparse_pages_per_split),
                             tile_rows=table.tile_rows, sparse_tile=table.sparse_tile,
-                            tile_kernel=table.tile_kernel, wgmma_stages=table.wgmma_stages)
+                            tile_kernel=table.tile_kernel, wgmma_stages=table.wgmma_stages,
+                            wgmma_pingpong=table.wgmma_pingpong)

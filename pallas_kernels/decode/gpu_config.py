@@ -84,7 +84,8 @@ class LaunchTable:
       per split). 4 from --sweep-sparse-pps at K = 16 (BENCHMARKS.md, msa_decode).
     tile_kernel: "triton" (the Pallas Triton kernel for every attention tile) or "wgmma" (dense and shared
       sparse tiles of 64 or 128 rows with bf16 / f16 caches on the Hopper Mosaic GPU kernel,
-      ``gpu_attention_wgmma``; the other tiles on the Triton kernel); wgmma_stages: its K/V ring slots.
+      ``gpu_attention_wgmma``; the other tiles on the Triton kernel); wgmma_stages: its K/V ring slots;
+      wgmma_pingpong: its two compute warpgroups of a 128-row tile take turns on the tensor cores.
     """
 
     loop: str = "dynamic"
@@ -98,6 +99,7 @@ class LaunchTable:
     sparse_pps: int = 4
     tile_kernel: str = "triton"
     wgmma_stages: int = 2
+    wgmma_pingpong: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "score", _frozen(self.score))
@@ -106,6 +108,8 @@ class LaunchTable:
         w = self.wgmma_stages
         if isinstance(w, bool) or not isinstance(w, int) or w < 1:
             raise ValueError(f"wgmma_stages must be an int >= 1, got {w!r}")
+        if not isinstance(self.wgmma_pingpong, bool):
+            raise ValueError(f"wgmma_pingpong must be a bool, got {self.wgmma_pingpong!r}")
         if self.sparse_tile not in SPARSE_TILES:
             raise ValueError(f"sparse_tile must be one of {SPARSE_TILES}, got {self.sparse_tile!r}")
         t = self.tile_rows

@@ -23,7 +23,8 @@ from minimax_jax.ops import paged as ops
 from pallas_kernels.common import gpu_compute_capability, mosaic_interpreter_available
 from pallas_kernels.decode import gpu_attention
 from pallas_kernels.decode.gpu_attention import paged_attention_gpu
-from pallas_kernels.decode.gpu_attention_wgmma import paged_decode_wgmma, wgmma_decode_reason
+from pallas_kernels.decode.common import union_pages
+from pallas_kernels.decode.gpu_attention_wgmma import paged_decode_wgmma, schedule_items, wgmma_decode_reason
 from pallas_kernels.decode.gpu_config import DEFAULT_TABLE, LaunchTable
 
 WGMMA = dataclasses.replace(DEFAULT_TABLE, tile_kernel="wgmma")
@@ -115,6 +116,18 @@ def test_rows_independent_of_the_step_in_the_interpreter():
 
 
 @needs_interpreter
+def test_pingpong_changes_no_bit_in_the_interpreter():
+    """128-row tiles with and without the warpgroups' turns on the tensor cores: the same bits (the turns
+    only reorder the two warpgroups' work); requests whose later splits are empty between non-empty ones."""
+    c = _case(np.random.default_rng(), 8, [300, 200, 129, None, 64])
+    o1, l1 = _run(c, True, 2)
+    o0, l0 = _run(c, True, 2, table=dataclasses.replace(WGMMA, wgmma_pingpong=False))
+    _check(c, o1, l1)
+    np.testing.assert_array_equal(np.asarray(o0), np.asarray(o1))
+    np.testing.assert_array_equal(np.asarray(l0), np.asarray(l1))
+
+
+@needs_interpreter
 @pytest.mark.parametrize("nq", [4, 8])
 def test_shared_sparse_tiles_match_reference_in_the_interpreter(nq):
     """MSA block ids (top-3 of up to 6 pages per row, the local page always): the tile walks the union of
@@ -137,6 +150,52 @@ def test_reason_and_table():
         LaunchTable(tile_kernel="cuda")
     with pytest.raises(ValueError, match="wgmma_stages"):
         LaunchTable(wgmma_stages=0)
+    with pytest.raises(ValueError, match="wgmma_pingpong"):
+        LaunchTable(wgmma_pingpong=1)
+
+
+@pytest.mark.parametrize("ctas", [1, 3, 7, 200])
+def test_schedule_items_dense(ctas):
+    """Every item once, in order, CTA ranges balanced within one item; n and n_free by brute force."""
+    rng = np.random.default_rng()
+    b, g, nr, nsplit, pps, page = 5, 3, 2, 4, 3, 16
+    lim = rng.integers(0, nsplit * pps + 1, b)
+    minpos = rng.integers(-1, lim[:, None] * page + 1, (b, nr))
+    meta, bounds = schedule_items(jnp.asarray(lim, jnp.int32), jnp.asarray(minpos, jnp.int32), g=g, pps=pps,
+                                  nsplit=nsplit, ctas=ctas, page=page)
+    meta, bounds = np.asarray(meta).reshape(b, g, nr, nsplit, 3), np.asarray(bounds)
+    for bb, gg, r, s in np.ndindex(b, g, nr, nsplit):
+        j0, n, n_free = meta[bb, gg, r, s]
+        pages = [p for p in range(s * pps, (s + 1) * pps) if p < lim[bb]]
+        assert (j0, n) == (s * pps, len(pages))
+        assert n_free == sum((p + 1) * page - 1 <= minpos[bb, r] for p in pages)
+    _check_bounds(bounds, meta.reshape(-1, 3), ctas)
+
+
+def _check_bounds(bounds, meta, ctas):
+    assert bounds[0] == 0 and bounds[-1] == len(meta) and len(bounds) == ctas + 1
+    assert np.all(np.diff(bounds) >= 0)
+    w = meta[:, 1] + 1
+    share = [w[lo:hi].sum() for lo, hi in zip(bounds[:-1], bounds[1:])]
+    assert max(share) <= w.sum() / ctas + w.max()
+
+
+def test_schedule_items_shared():
+    """Shared tiles: n per split from the union's starts; n_free = the split's slots whose page every row
+    of the block sees whole."""
+    rng = np.random.default_rng()
+    b, g, nq, k, page, nsplit, qpb = 3, 2, 8, 4, 16, 4, 8
+    ids = np.sort(rng.choice(12, (b, g, nq, k)), axis=-1).astype(np.int32)
+    uid, bits, starts = union_pages(jnp.asarray(ids), qpb, nsplit)
+    minpos = rng.integers(-1, 12 * page, (b, 1))
+    meta, bounds = schedule_items(starts, jnp.asarray(minpos, jnp.int32), g=g, pps=0, nsplit=nsplit, ctas=5,
+                                  page=page, ids=uid)
+    meta, uid, starts = np.asarray(meta).reshape(b, g, 1, nsplit, 3), np.asarray(uid), np.asarray(starts)
+    for bb, gg, s in np.ndindex(b, g, nsplit):
+        lo, hi = starts[bb, gg, 0, s], starts[bb, gg, 0, s + 1]
+        pages = uid[bb, gg, 0, lo:hi]
+        assert tuple(meta[bb, gg, 0, s]) == (lo, hi - lo, sum((p + 1) * page - 1 <= minpos[bb, 0] for p in pages))
+    _check_bounds(np.asarray(bounds), meta.reshape(-1, 3), 5)
 
 
 def test_unsupported_tiles_take_the_triton_kernel():

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One device call: the Hopper decode kernel's GPU tests, then the serving cells of bench/msa_decode.py with
+# the Triton tiling and the wgmma tilings side by side (Q = 8), then the Triton Q = 1 baseline.
+# Run from the repository root with OUT set (the device tool's output folder).
+set -u
+: "${OUT:?set OUT to the output folder}"
+cd "$(dirname "$0")/.."
+nvidia-smi --query-gpu=name --format=csv,noheader
+timeout "${TEST_S:-150}" python3 -m pytest -q -x tests/kernels/decode/test_decode_wgmma.py -k hopper > "$OUT/tests.log" 2>&1
+echo "tests rc $?"; tail -3 "$OUT/tests.log"
+timeout "${Q8_S:-280}" python3 bench/msa_decode.py --contexts "" --serving --serving-first "${CELLS:-64x4096,128x5120}" \
+    --serving-batches "" --serving-contexts "" --serving-q 8 --serving-tilings "${TILINGS:-wgmma,wgmma_nopp,default}" \
+    --out "$OUT/q8" > "$OUT/q8.log" 2>&1
+echo "q8 rc $?"
+timeout "${Q1_S:-100}" python3 bench/msa_decode.py --contexts "" --serving --serving-first "${CELLS:-64x4096,128x5120}" \
+    --serving-batches "" --serving-contexts "" --serving-q 1 --serving-tilings default --out "$OUT/q1" > "$OUT/q1.log" 2>&1
+echo "q1 rc $?"
+grep -h "^serving {" "$OUT/q8.log" "$OUT/q1.log" | python3 -c '
+import json, sys
+print("batch x ctx | Q | tiling | index | dense ms | msa ms | x")
+for line in sys.stdin:
+    d = json.loads(line.split(" ", 1)[1])
+    print(f"{d[\"batch\"]}x{d[\"context\"]} | {d[\"q_rows\"]} | {d[\"tiling\"]} | {d[\"index_dtype\"]} | {d[\"dense_ms\"]:.4f} | {d[\"msa_ms\"]:.4f} | {d[\"speedup\"]:.3f}")'
