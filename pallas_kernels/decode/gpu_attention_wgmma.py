@@ -187,6 +187,7 @@ def _body(items_ref, meta_ref, pt_ref, pos_ref, ids_ref, bits_ref, q_ref, k_ref,
                 @pl.when(n > 0)
                 def _():
                     plgpu.barrier_wait(q_ready.at[qs * nwg + wg])
+                # (read for an empty item too, unused there: its loops do not run)
                 row_pos = lax.broadcast_in_dim(mosaic_load_rows(pos_smem.at[qs, wg]), shape, [0])
 
                 def page_step(j, carry, masked):
@@ -325,7 +326,8 @@ def schedule_items(lim, q_min_pos, *, g, pps, nsplit, ctas, page, ids=None):
     meta = jnp.stack([j0, n, n_free], axis=-1).reshape(-1, 3).astype(jnp.int32)
     w = meta[:, 1] + 1
     before = jnp.cumsum(w) - w                                        # weight of the items before each
-    targets = (jnp.arange(ctas, dtype=jnp.int32) * jnp.sum(w)) // ctas
+    tot, c = jnp.sum(w), jnp.arange(ctas, dtype=jnp.int32)
+    targets = c * (tot // ctas) + (c * (tot % ctas)) // ctas          # c * tot // ctas without int32 overflow
     bounds = jnp.concatenate([jnp.searchsorted(before, targets, side="left").astype(jnp.int32),
                               jnp.full((1,), meta.shape[0], jnp.int32)])
     return meta, bounds

@@ -172,12 +172,21 @@ def test_schedule_items_dense(ctas):
     _check_bounds(bounds, meta.reshape(-1, 3), ctas)
 
 
+def test_schedule_items_balance_past_int32_products():
+    """ctas x total weight past 2^31 (16M pages over 132 CTAs): the bounds still split the weight evenly."""
+    nsplit = pps = 4096
+    meta, bounds = schedule_items(jnp.asarray([nsplit * pps], jnp.int32), jnp.asarray([[0]], jnp.int32), g=1,
+                                  pps=pps, nsplit=nsplit, ctas=132, page=64)
+    _check_bounds(np.asarray(bounds), np.asarray(meta), 132)
+
+
 def _check_bounds(bounds, meta, ctas):
     assert bounds[0] == 0 and bounds[-1] == len(meta) and len(bounds) == ctas + 1
     assert np.all(np.diff(bounds) >= 0)
     w = meta[:, 1] + 1
     share = [w[lo:hi].sum() for lo, hi in zip(bounds[:-1], bounds[1:])]
     assert max(share) <= w.sum() / ctas + w.max()
+    assert min(share) >= w.sum() / ctas - w.max()
 
 
 def test_schedule_items_shared():
