@@ -28,12 +28,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.decode.common import (combine_splits, compute_dtype, dot_nn, dot_nt, pack_rows, pad_rows,
+from pallas_kernels.decode.common import (combine_splits, compute_dtype, dot_nn, dot_nt, next_pow2, pack_rows, pad_rows,
                                           union_pages, unpack_rows)
 from pallas_kernels.decode.gpu_attention_wgmma import default_ctas, paged_decode_wgmma, wgmma_decode_reason
 from pallas_kernels.decode.gpu_config import DEFAULT_TABLE, LaunchTable, pages_per_program
 
-__all__ = ["paged_attention_gpu"]
+__all__ = ["paged_attention_gpu", "tile_kernel_choice"]
 
 _NEG = -1e30
 
@@ -132,6 +132,35 @@ def _shared_splits(k: int, pps: int, programs: int) -> int:
     return n
 
 
+def _tile_kernel(m, d, cache_dtype, q_dtype, page, has_scale, shared_rows, tile_kernel, stages):
+    """``(kernel, why)``: the kernel of an attention tile of ``m`` rows ("wgmma" or "triton") and, when
+    "wgmma" was asked for but the Triton kernel runs, why (else None)."""
+    if tile_kernel != "wgmma":
+        return "triton", None
+    if not shared_rows:
+        return "triton", "per-row sparse tiles"
+    why = wgmma_decode_reason(m, d, cache_dtype, q_dtype, page, has_scale, stages)
+    return ("triton", why) if why else ("wgmma", None)
+
+
+def tile_kernel_choice(nq, h, g, d, cache_dtype, q_dtype, page, *, has_scale, sparse,
+                       table: LaunchTable | None = None) -> str:
+    """Which kernel ``paged_attention_gpu`` runs a call's attention tiles on: ``"triton"``, ``"wgmma"``, or
+    ``"triton (wgmma refused: <why>)"`` when ``table`` asks for wgmma and the tiles do not fit it.
+
+    Args: nq query rows per request, h q heads, g kv heads, d head dim; cache_dtype / q_dtype; page: tokens
+      per page; has_scale: scaled (fp8) caches; sparse: block ids given (MSA); table: None = ``DEFAULT_TABLE``.
+    """
+    table = DEFAULT_TABLE if table is None else table
+    hg = h // g
+    shared_rows = not sparse or table.sparse_tile == "shared"
+    qpb = max(1, min(nq, table.tile_rows // hg)) if shared_rows else 1     # as pack_rows packs them
+    m = max(16, next_pow2(qpb * hg))
+    kernel, why = _tile_kernel(m, d, cache_dtype, q_dtype, page, has_scale, shared_rows, table.tile_kernel,
+                               table.wgmma_stages)
+    return kernel if why is None else f"{kernel} (wgmma refused: {why})"
+
+
 @functools.partial(jax.jit, static_argnames=("interpret", "pages_per_split", "num_warps", "num_stages", "loop",
                                              "sparse_pages_per_split", "tile_rows", "sparse_tile", "wide_warps",
                                              "tile_kernel", "wgmma_stages", "wgmma_pingpong"))
@@ -177,8 +206,8 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_sc
     pps = sparse_pages_per_split
     if not dense and (isinstance(pps, bool) or not isinstance(pps, int) or pps < 1 or pps & (pps - 1)):
         raise ValueError(f"sparse_pages_per_split must be a power of two >= 1, got {pps!r}")
-    wgmma = (dense or shared) and tile_kernel == "wgmma" and wgmma_decode_reason(
-        m, d, k_pages.dtype, q.dtype, page, k_scale is not None, wgmma_stages) is None
+    wgmma = _tile_kernel(m, d, k_pages.dtype, q.dtype, page, k_scale is not None, dense or shared, tile_kernel,
+                         wgmma_stages)[0] == "wgmma"
     if dense:
         if pages_per_split is None:     # the persistent wgmma kernel: ~8 splits per CTA, for balance
             pages_per_split = pages_per_program(b * g * npg, default_ctas(interpret) * 8 if wgmma else 528, 64)

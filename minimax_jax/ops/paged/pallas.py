@@ -21,7 +21,7 @@ import functools
 
 from minimax_jax.ops.paged.xla import select_from_page_scores
 from minimax_jax.ops.registry import Implementation, record_implementation
-from pallas_kernels.decode.gpu_attention import paged_attention_gpu
+from pallas_kernels.decode.gpu_attention import paged_attention_gpu, tile_kernel_choice
 from pallas_kernels.decode.gpu_select import select_pages_gpu
 from pallas_kernels.decode.tpu import page_scores_tpu, paged_attention_tpu
 
@@ -34,6 +34,10 @@ def _no_window(*args, sliding_window=None, **kw) -> str | None:
 
 def _attention_gpu(q, k_pages, v_pages, page_table, q_positions, *, k_scale, v_scale, block_ids, sliding_window,
                    pages_per_split, launch_table, interpret):
+    _, nq, h, d = q.shape
+    record_implementation("paged_attention.tile_kernel", tile_kernel_choice(
+        nq, h, k_pages.shape[0], d, k_pages.dtype, q.dtype, k_pages.shape[2], has_scale=k_scale is not None,
+        sparse=block_ids is not None, table=launch_table))
     return paged_attention_gpu(q, k_pages, v_pages, page_table, q_positions, k_scale, v_scale, block_ids,
                                interpret=interpret, pages_per_split=pages_per_split, table=launch_table)
 

@@ -20,9 +20,10 @@ import numpy as np
 import pytest
 
 from minimax_jax.ops import paged as ops
+from minimax_jax.ops import registry
 from pallas_kernels.common import gpu_compute_capability, mosaic_interpreter_available
 from pallas_kernels.decode import gpu_attention
-from pallas_kernels.decode.gpu_attention import paged_attention_gpu
+from pallas_kernels.decode.gpu_attention import paged_attention_gpu, tile_kernel_choice
 from pallas_kernels.decode.common import union_pages
 from pallas_kernels.decode.gpu_attention_wgmma import paged_decode_wgmma, schedule_items, wgmma_decode_reason
 from pallas_kernels.decode.gpu_config import DEFAULT_TABLE, LaunchTable
@@ -207,12 +208,32 @@ def test_schedule_items_shared():
     _check_bounds(np.asarray(bounds), meta.reshape(-1, 3), 5)
 
 
+def test_tile_kernel_choice():
+    """M3 shapes (64 q / 4 kv heads of 128, 128-token pages): which kernel a table sends the tiles to."""
+    bf = jnp.bfloat16
+    choice = lambda nq, table, sparse=False, dtype=bf, scale=False: tile_kernel_choice(
+        nq, 64, 4, 128, dtype, bf, 128, has_scale=scale, sparse=sparse, table=table)
+    assert choice(8, None) == "triton"
+    assert choice(8, WGMMA) == "wgmma" and choice(4, WGMMA) == "wgmma" and choice(8, WGMMA, sparse=True) == "wgmma"
+    assert choice(1, WGMMA) == "triton (wgmma refused: 16 rows per tile: need 64 or 128)"
+    assert "fp8" in choice(8, WGMMA, dtype=jnp.float8_e4m3fn, scale=True)
+    per_row = dataclasses.replace(WGMMA, sparse_tile="per_row")
+    assert choice(8, per_row, sparse=True) == "triton (wgmma refused: per-row sparse tiles)"
+    assert choice(8, per_row) == "wgmma"                     # dense tiles are shared whatever sparse_tile says
+
+
 def test_unsupported_tiles_take_the_triton_kernel():
     """Q = 1 (16-row tiles) with tile_kernel="wgmma": the Triton kernel runs (interpret mode here), the
-    same result as the default table."""
+    same result as the default table, and the ops registry records it and why."""
     c = _case(np.random.default_rng(), 1, [300, 70], h=32, g=2, d=64, page=16, npg=20)
     o, lse = _run(c, True, 4)
     o_ref, l_ref = _run(c, True, 4, table=DEFAULT_TABLE)
+    registry.clear_implementation_report()
+    jax.jit(lambda q: ops.paged_attention(q, c["k"], c["v"], c["table"], c["pos"], launch_table=WGMMA,
+                                          implementation="pallas_gpu_interpret"))(c["q"])
+    report = registry.implementation_report()
+    assert report["paged_attention"] == "pallas_gpu_interpret"
+    assert report["paged_attention.tile_kernel"] == "triton (wgmma refused: 16 rows per tile: need 64 or 128)"
     np.testing.assert_array_equal(np.asarray(o), np.asarray(o_ref))
     np.testing.assert_array_equal(np.asarray(l_ref), np.asarray(lse))
 
