@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["next_pow2", "pad_rows", "pack_rows", "unpack_rows", "union_pages", "combine_splits",
+__all__ = ["next_pow2", "pad_rows", "row_block", "pack_rows", "unpack_rows", "union_pages", "combine_splits",
            "compute_dtype", "dot_nt", "dot_nn"]
 
 
@@ -28,6 +28,13 @@ def compute_dtype(cache_dtype) -> jnp.dtype:
     return jnp.dtype(jnp.float32) if jnp.dtype(cache_dtype) == jnp.float32 else jnp.dtype(jnp.bfloat16)
 
 
+def row_block(nq: int, hg: int, dense: bool, m_min: int, max_m: int = 64) -> tuple[int, int]:
+    """``(qpb, m)`` of ``pack_rows``: query rows per row block and the block's padded row count, for ``nq``
+    query rows of ``hg`` heads per kv group (arguments as ``pack_rows``)."""
+    qpb = max(1, min(nq, max_m // hg)) if dense else 1
+    return qpb, max(m_min, next_pow2(qpb * hg))
+
+
 def pack_rows(q: jax.Array, q_positions: jax.Array, g: int, dense: bool, m_min: int, max_m: int = 64):
     """Arrange queries as kernel row blocks.
 
@@ -40,13 +47,12 @@ def pack_rows(q: jax.Array, q_positions: jax.Array, g: int, dense: bool, m_min: 
     """
     b, nq, h, d = q.shape
     hg = h // g
-    qpb = max(1, min(nq, max_m // hg)) if dense else 1          # query rows per row block
+    qpb, m = row_block(nq, hg, dense, m_min, max_m)
     nblk = -(-nq // qpb)
     qg = q.reshape(b, nq, g, hg, d).transpose(0, 2, 1, 3, 4)              # [B, G, Q, hg, D]
     pos = jnp.broadcast_to(q_positions[:, :, None], (b, nq, hg))           # [B, Q, hg]
     qg = pad_rows(qg, 2, nblk * qpb).reshape(b, g, nblk, qpb * hg, d)
     pos = pad_rows(pos, 1, nblk * qpb, -1).reshape(b, nblk, qpb * hg)
-    m = max(m_min, next_pow2(qpb * hg))
     return pad_rows(qg, 3, m), pad_rows(pos, 2, m, -1).astype(jnp.int32), hg, m, qpb
 
 

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.decode.common import (combine_splits, compute_dtype, dot_nn, dot_nt, next_pow2, pack_rows, pad_rows,
+from pallas_kernels.decode.common import (combine_splits, compute_dtype, dot_nn, dot_nt, pack_rows, pad_rows, row_block,
                                           union_pages, unpack_rows)
 from pallas_kernels.decode.gpu_attention_wgmma import default_ctas, paged_decode_wgmma, wgmma_decode_reason
 from pallas_kernels.decode.gpu_config import DEFAULT_TABLE, LaunchTable, pages_per_program
@@ -152,10 +152,8 @@ def tile_kernel_choice(nq, h, g, d, cache_dtype, q_dtype, page, *, has_scale, sp
       per page; has_scale: scaled (fp8) caches; sparse: block ids given (MSA); table: None = ``DEFAULT_TABLE``.
     """
     table = DEFAULT_TABLE if table is None else table
-    hg = h // g
     shared_rows = not sparse or table.sparse_tile == "shared"
-    qpb = max(1, min(nq, table.tile_rows // hg)) if shared_rows else 1     # as pack_rows packs them
-    m = max(16, next_pow2(qpb * hg))
+    _, m = row_block(nq, h // g, shared_rows, 16, table.tile_rows)          # as _paged_attention packs them
     kernel, why = _tile_kernel(m, d, cache_dtype, q_dtype, page, has_scale, shared_rows, table.tile_kernel,
                                table.wgmma_stages)
     return kernel if why is None else f"{kernel} (wgmma refused: {why})"

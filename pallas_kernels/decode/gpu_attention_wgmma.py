@@ -177,7 +177,6 @@ def _body(items_ref, meta_ref, pt_ref, pos_ref, ids_ref, bits_ref, q_ref, k_ref,
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 plgpu.barrier_arrive(q_free.at[lax.rem(i, 2)])
 
-
             def item(k, carry):
                 t, nq = carry
                 b, g, r, sp, j0, n, n_free = item_of(k)
