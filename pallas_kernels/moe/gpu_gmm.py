@@ -35,6 +35,12 @@ data-dependent ``pl.ds`` slices and masked ``pallas.triton`` loads / stores):
   pipelined on its own, so plain visits pay nothing for the option. The pseudo-group is never folded.
   Folding only removes visits (the same grid bound holds) and only moves rows from a group's
   remainder visit into the visit before it, so every row is still stored by exactly one visit.
+- FP8 weights (``gpu_gmm_fp8.gmm_fp8``): rhs float8_e4m3fn with float32 block scales (``[G, ceil(K/br), ceil(N/bc)]``;
+  MODEL_FACTS.md section 1). Tiles are cut so that each ``[bk, bn]`` weight tile lies in one scale block; the
+  kernel loads the FP8 tile and its one scale and dequantises it as ``Fp8Weight.astype`` does (float32 product
+  rounded to lhs.dtype) before the dot, so the result equals the kernel on pre-dequantised weights bit for bit
+  while reading half the weight bytes and never writing a dequantised copy. Inference only: lhs gets its
+  gradient, the FP8 weights are constants.
 - transpose_rhs: the same kernel loads ``rhs[g]`` tiles ``[bn, bk]`` and contracts their last
   dimension (``dot_general`` with a transposed operand; Triton transposes in shared memory), so
   dlhs needs no transposed copy of the weights.
@@ -65,7 +71,7 @@ from pallas_kernels.moe.gpu_tgmm_ws import WsTgmmConfig, tgmm_ws
 from pallas_kernels.moe.groups import group_bounds
 
 __all__ = ["TileConfig", "DEFAULT_CONFIG", "DEFAULT_DLHS_CONFIG", "DEFAULT_TGMM_CONFIG", "DEFAULT_CONFIGS",
-           "CANDIDATES", "TGMM_CANDIDATES", "num_visits", "make_visits", "gmm_forward", "tgmm", "gmm"]
+           "CANDIDATES", "TGMM_CANDIDATES", "num_visits", "make_visits", "gmm_forward", "tgmm", "gmm", "FP8_DTYPE"]
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -125,6 +131,8 @@ DEFAULT_DLHS_CONFIG = TileConfig(128, 64, 256, 8, 4, half_tail=True)
 DEFAULT_TGMM_CONFIG = TileConfig(32, 128, 128, 4, 4)
 #: The configs ``gmm`` uses when none are passed (read-only): kernel name -> config.
 DEFAULT_CONFIGS = MappingProxyType({"fwd": DEFAULT_CONFIG, "dlhs": DEFAULT_DLHS_CONFIG, "tgmm": DEFAULT_TGMM_CONFIG})
+
+FP8_DTYPE = jnp.float8_e4m3fn   # the FP8 weights gmm_forward takes with rhs_scale
 
 #: gmm / transposed-gmm candidates for a sweep (shared memory per stage <= 64 KiB in bf16), in priority
 #: order (bench/moe.py --tiny sweeps the first three), around the defaults: tail folding (``fold``), a
@@ -226,8 +234,9 @@ def _load(ref, rows=None, cols=None):
     return pltriton.load(ref, mask=mask, other=None if mask is None else jnp.zeros((), ref.dtype))
 
 
-def _gmm_kernel(tab_ref, lhs_ref, rhs_ref, out_ref, *, bm, bk, bn, n_groups, n_col_tiles, kdim, ndim,
-                transpose_rhs, half_tail, fold):
+def _gmm_kernel(tab_ref, lhs_ref, rhs_ref, *refs, bm, bk, bn, n_groups, n_col_tiles, kdim, ndim,
+                transpose_rhs, half_tail, fold, scale_block=None):
+    scale_ref, out_ref = refs if scale_block else (None, refs[0])
     pid = pl.program_id(0)
     v = jax.lax.div(pid, n_col_tiles)
     j = pid - v * n_col_tiles
@@ -253,6 +262,12 @@ def _gmm_kernel(tab_ref, lhs_ref, rhs_ref, out_ref, *, bm, bk, bn, n_groups, n_c
                 b = _load(rhs_ref.at[g, pl.ds(n0, bn), pl.ds(k0, bk)], cmask, kmask)
             else:                                                     # rhs [G, K, N]: tile [bk, bn]
                 b = _load(rhs_ref.at[g, pl.ds(k0, bk), pl.ds(n0, bn)], kmask, cmask)
+            if scale_ref is not None:
+                # FP8 rhs: the tile lies in one scale block (bk | br, bn | bc); dequantised as
+                # Fp8Weight.astype does (float32(w) * scale, rounded to lhs.dtype), so the dot sees the
+                # same operand as on pre-dequantised weights
+                s = scale_ref[g, jax.lax.div(k0, scale_block[0]), jax.lax.div(n0, scale_block[1])]
+                b = (b.astype(jnp.float32) * s).astype(lhs_ref.dtype)
             return tuple(acc + _dot(ai, b, trans_b=transpose_rhs) for acc, ai in zip(accs, a))
 
         accs = jax.lax.fori_loop(0, pl.cdiv(kdim, bk), body,
@@ -338,7 +353,7 @@ def _common_vma(*xs):
 
 
 # ----------------------------------------------------------------------------- checks
-def _check(lhs, rhs, group_sizes, transpose_rhs):
+def _check(lhs, rhs, group_sizes, transpose_rhs, fp8=False):
     """Assert the kernels' preconditions (``minimax_jax.ops.moe.grouped_matmul`` checks them for users)."""
     assert lhs.ndim == 2 and rhs.ndim == 3 and group_sizes.ndim == 1, (
         f"gmm expects lhs [M, K], rhs [G, K, N] and group_sizes [G]; got {lhs.shape}, {rhs.shape}, {group_sizes.shape}")
@@ -347,13 +362,17 @@ def _check(lhs, rhs, group_sizes, transpose_rhs):
     assert lhs.shape[1] == (rhs.shape[2] if transpose_rhs else rhs.shape[1]), (
         f"contraction mismatch: lhs {lhs.shape} vs rhs {rhs.shape} (transpose_rhs={transpose_rhs})")
     assert jnp.issubdtype(group_sizes.dtype, jnp.integer), f"group_sizes must be integer, got {group_sizes.dtype}"
-    assert lhs.dtype == rhs.dtype, f"lhs and rhs must have the same dtype, got {lhs.dtype} and {rhs.dtype}"
+    if fp8:
+        assert rhs.dtype == FP8_DTYPE, f"an FP8 rhs must be {jnp.dtype(FP8_DTYPE)}, got {rhs.dtype}"
+    else:
+        assert lhs.dtype == rhs.dtype, f"lhs and rhs must have the same dtype, got {lhs.dtype} and {rhs.dtype}"
     assert jnp.dtype(lhs.dtype) in _DTYPES, f"gmm supports {[str(d) for d in _DTYPES]}, got {lhs.dtype}"
 
 
 # ----------------------------------------------------------------------------- entry points
 def gmm_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool = False,
-                out_dtype=None, config: TileConfig | None = None, interpret: bool = False) -> jax.Array:
+                out_dtype=None, config: TileConfig | None = None, interpret: bool = False,
+                rhs_scale: jax.Array | None = None, scale_block: tuple[int, int] | None = None) -> jax.Array:
     """Grouped matmul kernel (no autodiff): ``out[rows of g] = lhs[rows of g] @ op(rhs[g])``.
 
     Args:
@@ -367,30 +386,41 @@ def gmm_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, trans
       config: tile config (default ``DEFAULT_CONFIG``); ``config.fold > 0`` turns on
         tail folding (module docstring), with the same result up to fp32 accumulation order.
       interpret: run in Pallas interpret mode (any backend; for CPU tests).
+      rhs_scale / scale_block: FP8 weights (``gpu_gmm_fp8.gmm_fp8``): rhs float8_e4m3fn ``[G, K, N]`` times float32
+        ``rhs_scale [G, ceil(K/br), ceil(N/bc)]`` per ``scale_block = (br, bc)`` block, dequantised per tile
+        in the kernel (``fp8_unsupported`` must pass; not with ``transpose_rhs``).
     Returns: ``[M, N]`` in out_dtype; rows past ``sum(group_sizes)`` are exactly 0 (shapes and dtypes
       asserted as above).
     Math: MegaBlocks (Gale et al. 2022) block-sparse grouped GEMM; see the module docstring.
     """
-    _check(lhs, rhs, group_sizes, transpose_rhs)
+    fp8 = rhs_scale is not None
+    _check(lhs, rhs, group_sizes, transpose_rhs, fp8)
     cfg = config or DEFAULT_CONFIG
+    if fp8:
+        assert not transpose_rhs, "FP8 rhs: no transposed kernel"
+        assert scale_block[0] % cfg.bk == 0 and scale_block[1] % cfg.bn == 0, (
+            f"FP8 rhs: {cfg.label()} tiles must lie in one {scale_block} scale block")
+        assert rhs_scale.shape == (rhs.shape[0],) + tuple(-(-d // b) for d, b in zip(rhs.shape[1:], scale_block)), (
+            f"rhs_scale {rhs_scale.shape} does not fit rhs {rhs.shape} in blocks {scale_block}")
     m, kdim = lhs.shape
     g = rhs.shape[0]
     ndim = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
-    lhs, rhs, group_sizes = _common_vma(lhs, rhs, group_sizes)
+    operands = _common_vma(lhs, rhs, group_sizes, *((rhs_scale.astype(jnp.float32),) if fp8 else ()))
+    lhs, rhs, group_sizes, scale = operands[0], operands[1], operands[2], operands[3:]
     tab = make_visits(group_sizes, m, cfg.bm, cfg.fold)
     n_col = pl.cdiv(ndim, cfg.bn)
     kernel = functools.partial(_gmm_kernel, bm=cfg.bm, bk=cfg.bk, bn=cfg.bn, n_groups=g, n_col_tiles=n_col,
                                kdim=kdim, ndim=ndim, transpose_rhs=transpose_rhs, half_tail=cfg.half_tail,
-                               fold=cfg.fold)
+                               fold=cfg.fold, scale_block=tuple(scale_block) if fp8 else None)
     return pl.pallas_call(
         kernel,
         grid=(tab.shape[1] * n_col,),
         out_shape=typed_out_struct((m, ndim), out_dtype, lhs),
         compiler_params=_params(cfg),
         interpret=interpret,
-        name="gmm_t_gpu" if transpose_rhs else "gmm_gpu",
-    )(tab, lhs, rhs)
+        name="gmm_t_gpu" if transpose_rhs else ("gmm_fp8_gpu" if fp8 else "gmm_gpu"),
+    )(tab, lhs, rhs, *scale)
 
 
 def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, out_dtype=None,

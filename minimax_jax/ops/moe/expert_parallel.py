@@ -82,13 +82,19 @@ def moe_expert_parallel(x: jax.Array, weights: jax.Array, experts: jax.Array, wi
       (``moe_experts`` refuses an unknown transport).
     """
     assert transport in TRANSPORTS, transport
-    # FP8 experts (``Fp8Weight``) enter the shard_map dequantised (GSPMD-partitioned, inside the jitted step)
-    wi, wo = (w.astype(x.dtype) if isinstance(w, Fp8Weight) else w for w in (wi, wo))
     n, h = x.shape
     k = experts.shape[1]
     e, inter = wo.shape[0], wo.shape[1]
     ep, tp, tok = _plan_axes(mesh, rules, e, inter)
     p = _size(mesh, ep)
+    # FP8 experts (``Fp8Weight``) enter the shard_map in FP8 when their scale blocks split with the expert
+    # width; otherwise dequantised (GSPMD-partitioned, inside the jitted step), recorded either way
+    why = _fp8_split_problem(wi, wo, _size(mesh, tp))
+    if why is not None:
+        record_implementation(GMM_OP + ".fp8_expert_parallel", f"dequantised before the shard_map ({why})")
+        wi, wo = (w.astype(x.dtype) if isinstance(w, Fp8Weight) else w for w in (wi, wo))
+    elif isinstance(wi, Fp8Weight):
+        record_implementation(GMM_OP + ".fp8_expert_parallel", "FP8 experts sharded as stored")
     if transport == "auto":
         # GPU: the padded all_to_all (far faster than XLA's ragged_all_to_all, BENCHMARKS.md (MoE));
         # TPU: ragged_all_to_all (not measured here)
@@ -100,31 +106,66 @@ def moe_expert_parallel(x: jax.Array, weights: jax.Array, experts: jax.Array, wi
 
     e_pad = -(-e // p) * p
     if e_pad != e:
-        wi = jnp.pad(wi, ((0, e_pad - e), (0, 0), (0, 0)))
-        wo = jnp.pad(wo, ((0, e_pad - e), (0, 0), (0, 0)))
+        wi, wo = (_pad_experts(w, e_pad - e) for w in (wi, wo))
     shards = _size(mesh, tok)
     n_pad = -(-n // shards) * shards
     if n_pad != n:
         x = jnp.pad(x, ((0, n_pad - n), (0, 0)))
         weights = jnp.pad(weights, ((0, n_pad - n), (0, 0)))
         experts = jnp.pad(experts, ((0, n_pad - n), (0, 0)))
-    wi4 = wi.reshape(e_pad, h, 2, inter)
+    wi4 = _split_gate_up(wi)
 
     tok_spec = PS(_axes_arg(tok) if tok else None, None)
     ep_arg = _axes_arg(ep) if ep else None
     tp_arg = _axes_arg(tp) if tp else None
+    wi_spec, wo_spec = PS(ep_arg, None, None, tp_arg), PS(ep_arg, tp_arg, None)
+    if isinstance(wi4, Fp8Weight):                 # the scales split like the weights (block-aligned, checked)
+        wi_spec, wo_spec = (Fp8Weight(sp, sp, w.block) for sp, w in ((wi_spec, wi4), (wo_spec, wo)))
     body = functools.partial(_local, act=act, gmm=gmm, transport=transport, ep=ep, tp=tp, p=p, e_pad=e_pad, k=k)
-    fn = jax.shard_map(body, mesh=mesh,
-                       in_specs=(tok_spec, tok_spec, tok_spec, PS(ep_arg, None, None, tp_arg), PS(ep_arg, tp_arg, None)),
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(tok_spec, tok_spec, tok_spec, wi_spec, wo_spec),
                        out_specs=tok_spec)
     y = fn(x, weights, experts, wi4, wo)
     return y[:n]
 
 
+def _fp8_split_problem(wi, wo, t: int) -> str | None:
+    """None when FP8 experts can be sharded as stored over ``t`` tensor ranks of the expert width (their
+    scale blocks split with the gate / up halves and the width shards), else why not; None for bf16."""
+    if not any(isinstance(w, Fp8Weight) for w in (wi, wo)):
+        return None
+    if not all(isinstance(w, Fp8Weight) for w in (wi, wo)):
+        return "only one of wi / wo is FP8"
+    inter = wo.shape[1]
+    if (inter // t) % wi.block[1] or (inter // t) % wo.block[0]:
+        return f"expert width {inter} over {t} rank(s) does not split into whole {wi.block} / {wo.block} blocks"
+    return None
+
+
+def _pad_experts(w, extra: int):
+    """``w [E, ., .]`` (array or ``Fp8Weight``) with ``extra`` zero experts appended."""
+    pad = ((0, extra), (0, 0), (0, 0))
+    if isinstance(w, Fp8Weight):
+        return Fp8Weight(jnp.pad(w.w, pad), jnp.pad(w.scale_inv, pad), w.block)
+    return jnp.pad(w, pad)
+
+
+def _split_gate_up(wi):
+    """``wi [E, H, 2I] -> [E, H, 2, I]`` (an ``Fp8Weight``'s scales ``[E, H/br, 2, I/bc]``, block-aligned)."""
+    if isinstance(wi, Fp8Weight):
+        return Fp8Weight(wi.w.reshape(wi.shape[:2] + (2, -1)),
+                         wi.scale_inv.reshape(wi.scale_inv.shape[:2] + (2, -1)), wi.block)
+    return wi.reshape(wi.shape[:2] + (2, -1))
+
+
 def _local(x, weights, experts, wi4, wo, *, act, gmm, transport, ep, tp, p, e_pad, k):
-    """Per-rank body: local tokens ``[n, H]``, local experts ``wi4 [E/P, H, 2, I/T]``, ``wo [E/P, I/T, H]``."""
+    """Per-rank body: local tokens ``[n, H]``, local experts ``wi4 [E/P, H, 2, I/T]``, ``wo [E/P, I/T, H]``
+    (arrays or ``Fp8Weight``)."""
     e_loc, h = wi4.shape[0], wi4.shape[1]
-    wi = wi4.reshape(e_loc, h, -1)
+    if isinstance(wi4, Fp8Weight):
+        wi = Fp8Weight(wi4.w.reshape(e_loc, h, -1), wi4.scale_inv.reshape(wi4.scale_inv.shape[:2] + (-1,)),
+                       wi4.block)
+    else:
+        wi = wi4.reshape(e_loc, h, -1)
     order, inv, counts = sort_by_expert(experts, e_pad)
     xs = permute_rows(x, order, inv)                              # [M, H], M = n * k
     if transport == "none":

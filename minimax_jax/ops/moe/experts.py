@@ -18,7 +18,9 @@ Implementations (``implementation=``):
   ``"auto"`` (``"pallas_gpu"`` on GPU, XLA elsewhere); otherwise ``"xla_dense"`` when
   ``N * E <= DENSE_MAX_TOKENS_X_EXPERTS`` (decode steps, prefill chunks, tiny models: one compiled
   program, no grouped-matmul autotuning per new shape, which made a long prefill of the demo model time
-  out), else ``"pallas_gpu"`` on a GPU backend and ``"xla_ragged"`` elsewhere. Never ``"tokamax"``.
+  out) unless the experts are FP8 on a GPU (the grouped kernel then reads their FP8 bytes, where
+  ``"xla_dense"`` would dequantise every expert each step), else ``"pallas_gpu"`` on a GPU backend and
+  ``"xla_ragged"`` elsewhere. Never ``"tokamax"``.
 Inside ``use_mesh`` the implementations ``"auto" | "xla_ragged" | "tokamax" | "pallas_gpu*"`` run
 expert-parallel in ``shard_map`` (``expert_parallel.py``); ``"xla_dense"`` / ``"xla_capacity"`` stay
 GSPMD-partitioned. What ran is recorded under ``"moe"`` (``minimax_jax.ops.registry.implementation_report``):
@@ -36,6 +38,7 @@ import jax.numpy as jnp
 from minimax_jax import sharding
 from minimax_jax.ops import registry
 from minimax_jax.ops.moe.expert_parallel import TRANSPORTS, moe_expert_parallel
+from minimax_jax.ops.moe.fp8_weight import Fp8Weight
 from minimax_jax.ops.moe.grouped_matmul import sorted_expert_mlp, tokamax_supports
 from minimax_jax.ops.moe.permute import gather_rows, group_starts, permute_rows, sort_by_expert, unpermute_combine
 from minimax_jax.ops.registry import Implementation, ImplementationUnavailable
@@ -85,7 +88,11 @@ def moe_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, wi: jax.Ar
 
 def _auto(backend, x, weights, experts, wi, wo, act, **_):
     grouped = ["pallas_gpu", "xla_ragged"] if backend == "gpu" else ["xla_ragged"]
-    if sharding.current() is None and x.shape[0] * wi.shape[0] <= DENSE_MAX_TOKENS_X_EXPERTS:
+    # FP8 experts on a GPU: the grouped kernel reads the chosen experts' FP8 bytes once, where "xla_dense"
+    # would dequantise every expert of the layer in every decode step (5x the weight traffic)
+    fp8_gpu = backend == "gpu" and any(isinstance(w, Fp8Weight) for w in (wi, wo))
+    if (sharding.current() is None and not fp8_gpu
+            and x.shape[0] * wi.shape[0] <= DENSE_MAX_TOKENS_X_EXPERTS):
         return ["xla_dense"]
     return grouped
 

@@ -18,9 +18,12 @@ Implementations (registry op ``"grouped_matmul"``, ``implementation=``):
   kernel exists and tokamax is opt-in).
 FP8 experts (``rhs`` an ``Fp8Weight``, ``fp8_weight.py``): ``"xla"`` dequantises ``FP8_EXPERTS_PER_STEP``
 experts at a time inside a scan (one ``ragged_dot`` per chunk; the bf16 copy of a layer's experts never exists
-whole); the kernels (``"pallas_gpu*"``, ``"tokamax"``) take the layer's experts dequantised to ``lhs.dtype``
-(in the same jitted step) and run as for bf16 weights.
-What ran is recorded under ``"grouped_matmul"`` (``minimax_jax.ops.registry.implementation_report``).
+whole); ``"pallas_gpu*"`` reads the FP8 bytes and dequantises each weight tile in the kernel
+(``gpu_gmm_fp8.gmm_fp8``: the dequantised copy never exists, half the weight traffic of bf16) when the scale blocks
+fit its tiles (``gpu_gmm_fp8.fp8_unsupported``; the published 128 x 128 blocks do), else, like ``"tokamax"``, takes
+the layer's experts dequantised to ``lhs.dtype`` (in the same jitted step).
+What ran is recorded under ``"grouped_matmul"`` (``minimax_jax.ops.registry.implementation_report``), and for
+FP8 experts how they were consumed under ``"grouped_matmul.fp8"``.
 """
 
 from __future__ import annotations
@@ -33,9 +36,10 @@ import jax.numpy as jnp
 
 from minimax_jax.ops import registry
 from minimax_jax.ops.moe.fp8_weight import Fp8Weight
-from minimax_jax.ops.registry import Implementation
+from minimax_jax.ops.registry import Implementation, record_implementation
 from pallas_kernels.common import match_vma
 from pallas_kernels.moe.gpu_gmm import gmm
+from pallas_kernels.moe.gpu_gmm_fp8 import fp8_config, fp8_unsupported, gmm_fp8
 
 __all__ = ["grouped_matmul", "sorted_expert_mlp", "tokamax_status", "tokamax_supports", "zeros_past_sum"]
 
@@ -104,13 +108,21 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, im
                              preferred_element_type=preferred_element_type)
 
 
-def _dense_rhs(lhs, rhs):
-    """A kernel's rhs: ``Fp8Weight`` experts dequantised to ``lhs.dtype`` (module docstring)."""
-    return rhs.astype(lhs.dtype) if isinstance(rhs, Fp8Weight) else rhs
+FP8_REPORT = OP + ".fp8"
+
+
+def _dense_rhs(lhs, rhs, why: str):
+    """A kernel's rhs: ``Fp8Weight`` experts dequantised to ``lhs.dtype`` (module docstring), recorded with
+    ``why`` under ``FP8_REPORT``."""
+    if not isinstance(rhs, Fp8Weight):
+        return rhs
+    record_implementation(FP8_REPORT, f"dequantised before the kernel ({why})")
+    return rhs.astype(lhs.dtype)
 
 
 def _xla(lhs, rhs, group_sizes, *, preferred_element_type):
     if isinstance(rhs, Fp8Weight):
+        record_implementation(FP8_REPORT, f"dequantised {FP8_EXPERTS_PER_STEP} experts per scan step (xla)")
         return _xla_fp8(lhs, rhs, group_sizes, preferred_element_type)
     return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
 
@@ -136,14 +148,22 @@ def _xla_fp8(lhs, rhs: Fp8Weight, group_sizes, preferred_element_type):
         out = jax.lax.ragged_dot(lhs, chunk, sizes, preferred_element_type=jnp.float32)
         return acc + jnp.where((rows >= lo) & (rows < hi), out, 0.0), None
 
-    acc = jnp.zeros((lhs.shape[0], n), jnp.float32)
+    # the carry varies like the operands inside shard_map (expert parallelism), as the step's output does
+    acc = match_vma(match_vma(match_vma(jnp.zeros((lhs.shape[0], n), jnp.float32), lhs), rhs.w), group_sizes)
     acc, _ = jax.lax.scan(step, acc, (w.w, w.scale_inv, jnp.arange(g // c)))
     return acc.astype(preferred_element_type)
 
 
 def _pallas(interpret: bool):
     def run(lhs, rhs, group_sizes, *, preferred_element_type):
-        rhs = _dense_rhs(lhs, rhs)
+        if isinstance(rhs, Fp8Weight):
+            why = fp8_unsupported(rhs.shape, rhs.block)
+            if why is None:
+                cfg = fp8_config(lhs.shape[0], rhs.shape[0], rhs.block)
+                record_implementation(FP8_REPORT, f"dequantised per tile in the kernel (gmm_fp8, {cfg.label()})")
+                return gmm_fp8(lhs, rhs.w, rhs.scale_inv, group_sizes, scale_block=rhs.block, config=cfg,
+                               interpret=interpret).astype(preferred_element_type)
+            rhs = _dense_rhs(lhs, rhs, why)
         # Output in lhs.dtype (fp32 accumulation inside), widened outside as for tokamax: the backward
         # kernels then get a cotangent of the operands' dtype, and a bf16 output halves the kernel's
         # store traffic (sorted_expert_mlp narrows h to bf16 right after anyway).
@@ -159,7 +179,7 @@ def _pallas_supports(lhs=None, *_, **__) -> str | None:
 
 
 def _tokamax_gmm(lhs, rhs, group_sizes, *, preferred_element_type):
-    rhs = _dense_rhs(lhs, rhs)
+    rhs = _dense_rhs(lhs, rhs, "tokamax takes bf16 / f16 weights")
     # tokamax's backward multiplies the output cotangent with the operands and requires equal dtypes (a
     # float32 cotangent against bf16 weights raises NotImplementedError in tokamax 0.0.17), so the kernel
     # returns lhs.dtype (accumulated in f32 inside) and the widening happens outside, where autodiff

@@ -2,7 +2,8 @@
 unsharded dense MoE (fp32, every element), including awkward shapes (experts not divisible by the
 expert axis -> padded experts; tokens not divisible by the token shards -> padded tokens; expert
 width not divisible by the tensor axis -> no tensor split), a rule table whose batch rule omits the
-expert axis, and the explicit errors. Runs this file as a subprocess with 8 devices."""
+expert axis, FP8 experts (sharded as stored, or dequantised first when their scale blocks do not split with
+the expert width) against the dense MoE on the dequantised weights, and the explicit errors. Runs this file as a subprocess with 8 devices."""
 
 from __future__ import annotations
 from tests.paths import REPO_ROOT
@@ -29,11 +30,22 @@ def test_expert_parallel_cases_match_dense():
                           timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-8000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == len(CASES) + 1
+    assert len(rows) == len(CASES) + len(FP8_CASES) + 1
     for case, row in zip(CASES, rows):
         assert row["moe"] == case[5], row
         assert row["max_abs_err"] <= 1e-5, row
+    for case, row in zip(FP8_CASES, rows[len(CASES):]):
+        assert row["fp8"] == case[3], row
+        assert row["max_abs_err"] <= 1e-5, row
     assert rows[-1] == {"ragged_on_cpu": "ImplementationUnavailable", "bad_transport": "ImplementationUnavailable"}
+
+
+FP8_CASES = [  # (mesh, expert width, scale block, expected record): FP8 experts vs the dequantised dense MoE
+    ("expert=2,tensor=2,data=2", 16, (8, 8), "FP8 experts sharded as stored"),
+    ("expert=4,data=2", 8, (8, 8), "FP8 experts sharded as stored"),
+    ("expert=2,tensor=2,data=2", 40, (8, 8), "dequantised before the shard_map (expert width 40 over 2 rank(s) "
+                                            "does not split into whole (8, 8) / (8, 8) blocks)"),
+]
 
 
 def _worker():
@@ -78,6 +90,34 @@ def _worker():
         err = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(jax.tree.leaves(ref),
                                                                                         jax.tree.leaves(got)))
         print(json.dumps({"mesh": mesh_spec, "moe": implementation_report().get("moe"), "max_abs_err": err}), flush=True)
+
+    from minimax_jax.ops.moe import Fp8Weight
+    from minimax_jax.ops.moe.fp8_weight import FP8_DTYPE
+
+    def fp8(w, block):
+        """Per-block quantised copy of w [E, R, C] (scale = amax / 448)."""
+        e_, r, c = w.shape
+        t = w.reshape(e_, r // block[0], block[0], c // block[1], block[1])
+        s = jnp.maximum(jnp.max(jnp.abs(t), axis=(2, 4)), 1e-6) / 448.0
+        q = (t / s[:, :, None, :, None]).astype(FP8_DTYPE).reshape(w.shape)
+        return Fp8Weight(q, s, block)
+
+    for mesh_spec, width, block, _ in FP8_CASES:
+        e, n = 6, 24
+        ks = jax.random.split(jax.random.key(width), 4)
+        x = jax.random.normal(ks[0], (n, h))
+        w, ex, _ = moe.route(x, jax.random.normal(ks[1], (h, e)), jnp.zeros((e,)), k)
+        wi = fp8(0.3 * jax.random.normal(ks[2], (e, h, 2 * width)), block)
+        wo = fp8(0.3 * jax.random.normal(ks[3], (e, width, h)), block)
+        run = jax.jit(lambda x, wi, wo, impl: moe.moe_experts(x, w, ex, wi, wo, act, implementation=impl),
+                      static_argnums=3)
+        ref = run(x, wi.astype(jnp.float32), wo.astype(jnp.float32), "xla_dense")
+        clear_implementation_report()
+        with sh.use_mesh(sh.make_mesh(mesh_spec), sh.load_rules()):
+            got = run(x, wi, wo, "auto")
+        rep = implementation_report()
+        print(json.dumps({"mesh": mesh_spec, "fp8": rep.get("grouped_matmul.fp8_expert_parallel"),
+                          "max_abs_err": float(jnp.max(jnp.abs(got - ref)))}), flush=True)
 
     out = {}
     mesh = sh.make_mesh("expert=8")

@@ -13,7 +13,8 @@ import pytest
 
 from minimax_jax.ops import moe
 from minimax_jax.ops.moe import Fp8Weight
-from minimax_jax.ops.moe.grouped_matmul import grouped_matmul
+from minimax_jax.ops.moe.grouped_matmul import FP8_REPORT, grouped_matmul
+from minimax_jax.ops.registry import clear_implementation_report, implementation_report
 
 N, H, E, I, K = 29, 200, 5, 136, 2     # H, 2I not multiples of 128: partial edge tiles
 
@@ -76,11 +77,18 @@ def _np_gmm(lhs, deq, sizes):
     return out, o
 
 
+FP8_WAYS = {"xla": "dequantised 8 experts per scan step (xla)",
+            ("pallas_gpu_interpret", (128, 8)): "dequantised before the kernel (scale block (128, 8) is not a multiple "
+                                                "of 16 x 16 (the smallest weight tile))",
+            ("pallas_gpu_interpret", (128, 128)): "dequantised per tile in the kernel (gmm_fp8, 16x128x128w4s4)"}
+
+
 @pytest.mark.parametrize("impl", ["xla", "pallas_gpu_interpret"])
 @pytest.mark.parametrize("groups", [5, 16])   # 16: two scan chunks of the xla path
-def test_grouped_matmul_fp8_matches_numpy(impl, groups):
+@pytest.mark.parametrize("block", [(128, 8), (128, 128)])     # the kernel dequantises (128, 128) blocks per tile
+def test_grouped_matmul_fp8_matches_numpy(impl, groups, block):
     rng = np.random.default_rng(groups)
-    fw, deq = _fp8((groups, H, 72), (128, 8), groups)
+    fw, deq = _fp8((groups, H, 72), block, groups)
     sizes = rng.integers(0, 7, groups)
     sizes[1] = 0
     m = int(sizes.sum()) + 5                                     # 5 rows past the group sum
@@ -89,8 +97,26 @@ def test_grouped_matmul_fp8_matches_numpy(impl, groups):
         jnp.asarray(lhs), fw, jnp.asarray(sizes, jnp.int32)))
     want, live = _np_gmm(lhs, deq, sizes)
     np.testing.assert_allclose(got[:live], want[:live], rtol=2e-5, atol=2e-5)
-    if impl == "xla":
-        np.testing.assert_array_equal(got[live:], 0.0)
+    np.testing.assert_array_equal(got[live:], 0.0)
+    assert implementation_report()[FP8_REPORT] == FP8_WAYS["xla" if impl == "xla" else (impl, block)]
+
+
+def test_moe_auto_on_gpu_keeps_fp8_experts_in_the_grouped_kernel():
+    """``auto`` on a GPU at decode sizes: FP8 experts go to the grouped kernel (FP8 bytes read once) instead of
+    ``xla_dense`` (which would dequantise every expert each step); bf16 experts keep ``xla_dense``. Lowered
+    for CUDA on this CPU machine (the GPU backend assumed), nothing run."""
+    from minimax_jax.ops.registry import assume_backend
+    wi, _ = _fp8((E, 256, 256), (128, 128), 3)
+    wo, _ = _fp8((E, 128, 256), (128, 128), 4)
+    x = jnp.ones((4, 256), jnp.bfloat16)
+    w, ex = jnp.full((4, K), 0.5), jnp.zeros((4, K), jnp.int32)
+    for experts, want in (((wi, wo), "pallas_gpu"), ((wi.astype(jnp.bfloat16), wo.astype(jnp.bfloat16)), "xla_dense")):
+        clear_implementation_report()
+        with assume_backend("gpu"):
+            txt = jax.jit(lambda x, a, b: moe.moe_experts(x, w, ex, a, b, _act)).trace(x, *experts).lower(
+                lowering_platforms=("cuda",)).as_text()
+        assert implementation_report()["moe"] == want
+        assert ("gmm_fp8_gpu" in txt) == (want == "pallas_gpu")
 
 
 def _np_moe(x, weights, experts, wi, wo):
