@@ -195,6 +195,12 @@ def mosaic_load_rows(ref, axis: int = 1):
         return plgpu.load(ref, (), layout=layout)
 
 
+def gpu_sm_count(default: int = 132) -> int:
+    """SM count of the first device (``core_count``), ``default`` where it reports none (no GPU visible, e.g.
+    lowering on a CPU machine for an H100 / H200, which both have 132)."""
+    return int(getattr(jax.devices()[0], "core_count", None) or default)
+
+
 def gpu_compute_capability() -> str | None:
     """Compute capability of the first visible GPU (``"9.0"`` on Hopper), None without a GPU."""
     try:

@@ -44,7 +44,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import mosaic_interpret_params, mosaic_load_rows, mosaic_smem_transforms, typed_out_struct
+from pallas_kernels.common import (gpu_sm_count, mosaic_interpret_params, mosaic_load_rows, mosaic_smem_transforms,
+                                   typed_out_struct)
 
 __all__ = ["paged_decode_wgmma", "wgmma_decode_reason", "schedule_items", "default_ctas", "ROWS"]
 
@@ -294,7 +295,7 @@ def _body(items_ref, meta_ref, pt_ref, pos_ref, ids_ref, bits_ref, q_ref, k_ref,
 def default_ctas(interpret: bool = False) -> int:
     """CTAs of a persistent launch: the first device's SM count (132 where it reports none); 4 when
     interpreted (several items per CTA, quickly)."""
-    return 4 if interpret else int(getattr(jax.devices()[0], "core_count", None) or 132)
+    return 4 if interpret else gpu_sm_count()
 
 
 def schedule_items(lim, q_min_pos, *, g, pps, nsplit, ctas, page, ids=None):

@@ -1,5 +1,5 @@
-"""Pallas grouped-matmul kernels for MoE experts (GPU: Triton lowering; Mosaic GPU for the opt-in
-warp-specialized weight gradient).
+"""Pallas grouped-matmul kernels for MoE experts (GPU: Triton lowering; Mosaic GPU for the
+warp-specialized weight gradient, which the ops layer picks on Hopper).
 
 Use through ``minimax_jax.ops.moe.grouped_matmul`` (implementation="pallas_gpu" |
 "pallas_gpu_interpret"), or directly: ``gpu_gmm.gmm`` (differentiable; tile configs passed explicitly,

@@ -445,7 +445,7 @@ def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, out_dtype=N
         f"tgmm needs lhs and dout of one dtype in {[str(d) for d in _DTYPES]}, got {lhs.dtype}, {dout.dtype}")
     cfg = config or DEFAULT_TGMM_CONFIG
     lhs, dout, group_sizes = _common_vma(lhs, dout, group_sizes)
-    if isinstance(cfg, WsTgmmConfig):    # the warp-specialized Mosaic GPU weight gradient (opt-in)
+    if isinstance(cfg, WsTgmmConfig):    # the warp-specialized Mosaic GPU weight gradient
         return tgmm_ws(lhs, dout, group_sizes, config=cfg, out_dtype=out_dtype, interpret=interpret)
     m, kdim = lhs.shape
     ndim = dout.shape[1]

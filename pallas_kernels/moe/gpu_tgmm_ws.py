@@ -26,10 +26,10 @@ streaming across tiles instead:
   so a non-finite value in another group's lhs rows or in rows past the sum leaks into this group's
   gradient as NaN (0 * inf), which the Triton tgmm does not do. An empty group stores exact zeros.
 
-Status: correct in the Mosaic GPU interpreter (tests/kernels/moe/test_tgmm_ws.py, jax >= 0.11) and lowers for CUDA
-on a CPU machine; not yet measured on a GPU (BENCHMARKS.md (MoE)), so it is opt-in: pass a
-``WsTgmmConfig`` as ``tgmm_config`` of ``gpu_gmm.gmm``; ``bench/tgmm_ws_probe.py`` checks and times it
-against the Triton tgmm in one call.
+Status: correct in the Mosaic GPU interpreter (tests/kernels/moe/test_tgmm_ws.py, jax >= 0.11), lowers for CUDA
+on a CPU machine, and on the H200 matched the Triton tgmm and ran faster than it (``bench/tgmm_ws_probe.py``; the
+numbers are in issue 29's text). ``gpu_gmm.gmm`` runs it when passed a ``WsTgmmConfig`` as ``tgmm_config``; the ops layer
+(``minimax_jax.ops.moe.grouped_matmul``, ``pallas_gpu``) passes ``ws_tgmm_config``'s on Hopper wherever it fits.
 
 Requirements (ValueError / TypeError otherwise, never a silent fallback): bf16 / f16 operands (the
 Hopper ``wgmma`` of fp32 is TF32, not the IEEE fp32 the fp32 path promises), K % block_k == 0 and
@@ -50,7 +50,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.common import match_vma, mosaic_interpret_params, mosaic_smem_transforms, typed_out_struct
 from pallas_kernels.moe.groups import group_bounds
 
-__all__ = ["WsTgmmConfig", "WS_TGMM_CANDIDATES", "tgmm_ws"]
+__all__ = ["WsTgmmConfig", "WS_TGMM_CANDIDATES", "tgmm_ws", "ws_tgmm_config"]
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _SMEM_BYTES = 227 * 1024          # Hopper: dynamic shared memory per CTA
@@ -118,6 +118,19 @@ WS_TGMM_CANDIDATES = (
     WsTgmmConfig(128, 64, 256, 2),
     WsTgmmConfig(64, 128, 128, 4),
 )
+
+
+def ws_tgmm_config(k: int, n: int, dtype, num_sms: int | None = None) -> WsTgmmConfig | str:
+    """The ``WsTgmmConfig`` for a weight gradient ``[K, N]`` per group in ``dtype``: output tiles of 128 x 256
+    (the default), cut to 64 rows / 128 columns where K / N need it; or why the kernel cannot take it (a
+    short sentence: fp32 operands, K or N not a multiple of 64 / 128). ``num_sms`` passes through."""
+    if jnp.dtype(dtype) not in _DTYPES:
+        return f"dtype {jnp.dtype(dtype)} is not bf16 / f16"
+    bk = next((b for b in (128, 64) if k % b == 0), None)
+    bn = next((b for b in (256, 128) if n % b == 0), None)
+    if bk is None or bn is None:
+        return f"K={k} / N={n} are not multiples of 64 / 128"
+    return dataclasses.replace(WsTgmmConfig(), block_k=bk, block_n=bn, num_sms=num_sms)
 
 
 def _transposed(ref):

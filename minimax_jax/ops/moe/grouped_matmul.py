@@ -12,7 +12,10 @@ Implementations (registry op ``"grouped_matmul"``, ``implementation=``):
 - ``"pallas_gpu"``: the project's Pallas kernels with the Triton lowering (``pallas_kernels.moe.gpu_gmm.gmm``:
   grouped matmul forward, transposed grouped matmul for the input gradient, per-group transposed matmul
   for the weight gradient; the block-sparse grouped GEMM of MegaBlocks, Gale et al. 2022), with the
-  tile configs ``gpu_gmm.DEFAULT_CONFIGS``. GPU backend only. Accuracy and rates: BENCHMARKS.md (MoE).
+  tile configs ``gpu_gmm.DEFAULT_CONFIGS``; on Hopper (compute capability 9.x, or no GPU visible: lowering
+  for one) the weight gradient runs the warp-specialized Mosaic GPU kernel (``gpu_tgmm_ws``) wherever its
+  tiles fit (bf16 / f16, K % 64, N % 128: ``ws_tgmm_config``), the Triton one elsewhere; which one, and why,
+  is recorded under ``"grouped_matmul.tgmm"``. GPU backend only. Accuracy and rates: BENCHMARKS.md (MoE).
 - ``"pallas_gpu_interpret"``: the same kernels in Pallas interpret mode (any backend; CPU tests).
 - ``"auto"``: ``"pallas_gpu"`` on a GPU backend, ``"xla"`` elsewhere (CPU, and TPU, where no project
   kernel exists and tokamax is opt-in).
@@ -37,9 +40,10 @@ import jax.numpy as jnp
 from minimax_jax.ops import registry
 from minimax_jax.ops.moe.fp8_weight import Fp8Weight
 from minimax_jax.ops.registry import Implementation, record_implementation
-from pallas_kernels.common import match_vma
+from pallas_kernels.common import gpu_compute_capability, gpu_sm_count, match_vma
 from pallas_kernels.moe.gpu_gmm import gmm
 from pallas_kernels.moe.gpu_gmm_fp8 import fp8_config, fp8_unsupported, gmm_fp8
+from pallas_kernels.moe.gpu_tgmm_ws import ws_tgmm_config
 
 __all__ = ["grouped_matmul", "sorted_expert_mlp", "tokamax_status", "tokamax_supports", "zeros_past_sum"]
 
@@ -154,6 +158,25 @@ def _xla_fp8(lhs, rhs: Fp8Weight, group_sizes, preferred_element_type):
     return acc.astype(preferred_element_type)
 
 
+TGMM_REPORT = OP + ".tgmm"
+
+
+def _tgmm_choice(lhs, rhs, interpret: bool):
+    """The weight-gradient config ``"pallas_gpu"`` passes to ``gmm`` (None: the Triton default), recorded under
+    ``TGMM_REPORT`` with the reason when it is not the warp-specialized kernel (module docstring)."""
+    if interpret:
+        why = "interpreted"
+    else:
+        cc = gpu_compute_capability()
+        why = f"compute capability {cc}, not Hopper" if cc is not None and not cc.startswith("9.") else None
+    cfg = ws_tgmm_config(lhs.shape[1], rhs.shape[2], lhs.dtype, gpu_sm_count()) if why is None else why
+    if isinstance(cfg, str):
+        record_implementation(TGMM_REPORT, f"triton ({cfg})")
+        return None
+    record_implementation(TGMM_REPORT, f"tgmm_ws ({cfg.label()})")
+    return cfg
+
+
 def _pallas(interpret: bool):
     def run(lhs, rhs, group_sizes, *, preferred_element_type):
         if isinstance(rhs, Fp8Weight):
@@ -167,7 +190,8 @@ def _pallas(interpret: bool):
         # Output in lhs.dtype (fp32 accumulation inside), widened outside as for tokamax: the backward
         # kernels then get a cotangent of the operands' dtype, and a bf16 output halves the kernel's
         # store traffic (sorted_expert_mlp narrows h to bf16 right after anyway).
-        return gmm(lhs, rhs, group_sizes, interpret=interpret).astype(preferred_element_type)
+        return gmm(lhs, rhs, group_sizes, tgmm_config=_tgmm_choice(lhs, rhs, interpret),
+                   interpret=interpret).astype(preferred_element_type)
     return run
 
 

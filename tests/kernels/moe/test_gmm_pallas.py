@@ -19,6 +19,7 @@ A lowering test checks that the three kernels lower for CUDA at M2 shapes on thi
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -396,7 +397,11 @@ def test_expert_parallel_path_lowers_for_cuda():
             y = moe.moe_experts(x, w, ex, wi, wo, _act, implementation="pallas_gpu", ep_transport="all_to_all")
             return jnp.sum(y.astype(jnp.float32) ** 2)
         txt = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, wi, wo).lower(lowering_platforms=("cuda",)).as_text()
-    assert txt.count("__gpu$xla.gpu.triton") == 6      # 2 forward, 2 dlhs, 2 tgmm
+    # 2 forward, 2 dlhs (Triton); the 2 weight gradients run the warp-specialized Mosaic GPU tgmm inside the
+    # shard_map (no GPU visible: lowering for Hopper), as recorded
+    assert txt.count("__gpu$xla.gpu.triton") == 4
+    assert len(re.findall(r"custom_call @mosaic_gpu", txt)) == 2, re.findall(r"custom_call @\w+", txt)
+    assert implementation_report()["grouped_matmul.tgmm"] == "tgmm_ws (ws64r64x128s3)"     # the last: wo, K = 64
 
 
 def test_sum_above_rows_is_clipped():
@@ -427,3 +432,28 @@ def test_operands_varying_over_different_mesh_axes_lower_for_cuda():
                       out_specs=(P("a", None), P("b", None, None)))
     txt = jax.jit(f).trace(lhs, rhs, gs).lower(lowering_platforms=("cuda",)).as_text()
     assert txt.count("__gpu$xla.gpu.triton") == 2 and "all_reduce" in txt
+
+
+def test_weight_gradient_kernel_choice(monkeypatch):
+    """``pallas_gpu`` picks the warp-specialized tgmm on Hopper (or with no GPU visible) where its tiles fit,
+    the Triton tgmm otherwise, and records which and why under ``grouped_matmul.tgmm``."""
+    from minimax_jax.ops.moe import grouped_matmul as gm
+    from pallas_kernels.moe.gpu_tgmm_ws import WsTgmmConfig, ws_tgmm_config
+
+    assert ws_tgmm_config(3072, 3072, jnp.bfloat16, 132) == WsTgmmConfig(64, 128, 256, 3, num_sms=132)
+    assert ws_tgmm_config(1536, 384, jnp.float16) == WsTgmmConfig(64, 128, 128, 3)
+    assert ws_tgmm_config(64, 128, jnp.float32) == "dtype float32 is not bf16 / f16"
+    assert ws_tgmm_config(96, 200, jnp.bfloat16) == "K=96 / N=200 are not multiples of 64 / 128"
+    lhs = jax.ShapeDtypeStruct((512, 3072), jnp.bfloat16)
+    rhs = jax.ShapeDtypeStruct((8, 3072, 1536), jnp.bfloat16)
+    cases = [(None, False, "tgmm_ws (ws64r128x256s3)"), ("9.0", False, "tgmm_ws (ws64r128x256s3)"),
+             ("8.0", False, "triton (compute capability 8.0, not Hopper)"), ("9.0", True, "triton (interpreted)")]
+    for cc, interpret, want in cases:
+        monkeypatch.setattr(gm, "gpu_compute_capability", lambda cc=cc: cc)
+        clear_implementation_report()
+        cfg = gm._tgmm_choice(lhs, rhs, interpret)
+        assert implementation_report()["grouped_matmul.tgmm"] == want
+        assert (cfg is None) == want.startswith("triton")
+    clear_implementation_report()
+    gm._tgmm_choice(jax.ShapeDtypeStruct((512, 3072), jnp.float32), rhs, False)
+    assert implementation_report()["grouped_matmul.tgmm"] == "triton (dtype float32 is not bf16 / f16)"
