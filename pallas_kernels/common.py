@@ -197,7 +197,7 @@ def mosaic_load_rows(ref, axis: int = 1):
 
 def gpu_sm_count(default: int = 132) -> int:
     """SM count of the first device (``core_count``), ``default`` where it reports none (no GPU visible, e.g.
-    lowering on a CPU machine for an H100 / H200, which both have 132)."""
+    lowering on a CPU machine for a Hopper target: 132 SMs)."""
     return int(getattr(jax.devices()[0], "core_count", None) or default)
 
 

@@ -26,9 +26,8 @@ streaming across tiles instead:
   so a non-finite value in another group's lhs rows or in rows past the sum leaks into this group's
   gradient as NaN (0 * inf), which the Triton tgmm does not do. An empty group stores exact zeros.
 
-Status: correct in the Mosaic GPU interpreter (tests/kernels/moe/test_tgmm_ws.py, jax >= 0.11), lowers for CUDA
-on a CPU machine, and on the H200 matched the Triton tgmm and ran faster than it (``bench/tgmm_ws_probe.py``; the
-numbers are in issue 29's text). ``gpu_gmm.gmm`` runs it when passed a ``WsTgmmConfig`` as ``tgmm_config``; the ops layer
+Checked against an fp32 oracle in the Mosaic GPU interpreter (tests/kernels/moe/test_tgmm_ws.py, jax >= 0.11) and
+against the Triton tgmm on a GPU by ``bench/tgmm_ws_probe.py``. ``gpu_gmm.gmm`` runs it when passed a ``WsTgmmConfig`` as ``tgmm_config``; the ops layer
 (``minimax_jax.ops.moe.grouped_matmul``, ``pallas_gpu``) passes ``ws_tgmm_config``'s on Hopper wherever it fits.
 
 Requirements (ValueError / TypeError otherwise, never a silent fallback): bf16 / f16 operands (the
