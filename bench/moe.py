@@ -11,7 +11,8 @@ CPU smoke run (tiny shapes; the Pallas kernels run in interpret mode):
    "pallas_gpu_interpret"), when a pallas variant is selected: a kernel-level check (bf16 inputs,
    groups with empty ones and sizes off the tiles, rows past the sum) of y, dlhs, drhs against an
    fp32 reference (masked dense einsum, Precision.HIGHEST): relative Frobenius error, pass < 1e-2;
-   then a sweep of the tile configs (``CANDIDATES`` / ``TGMM_CANDIDATES``, incl. tail folding) at one
+   then a sweep of the tile configs (``CANDIDATES`` / ``TGMM_CANDIDATES``, incl. tail folding; on a GPU also
+   the warp-specialized Mosaic GPU kernels' ``WS_GMM_CANDIDATES`` / ``WS_TGMM_CANDIDATES``) at one
    shape (``--sweep-model`` / ``--sweep-tokens``, default M2 first projection at 8K tokens:
    [65536, 3072] x [256, 3072, 3072]) timing the forward, dlhs (transposed) and tgmm kernels
    (``--sweep-kernels`` picks a subset) separately next to a dense matmul of the same FLOPs
@@ -76,6 +77,7 @@ Writes moe.json (and prints a table last).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -98,8 +100,10 @@ from minimax_jax.ops import registry  # noqa: E402
 from minimax_jax.ops.moe.grouped_matmul import grouped_matmul, tokamax_status  # noqa: E402
 from minimax_jax.ops.moe.permute import group_starts, permute_rows, sort_by_expert, unpermute_combine  # noqa: E402
 from minimax_jax.ops.registry import clear_implementation_report, implementation_report  # noqa: E402
-from pallas_kernels.common import match_vma  # noqa: E402
+from pallas_kernels.common import gpu_sm_count, match_vma  # noqa: E402
 from pallas_kernels.moe import gpu_gmm  # noqa: E402
+from pallas_kernels.moe.gpu_gmm_ws import WS_GMM_CANDIDATES  # noqa: E402
+from pallas_kernels.moe.gpu_tgmm_ws import WS_TGMM_CANDIDATES  # noqa: E402
 
 SHAPES = {"m2": dict(h=3072, i=1536, e=256, k=8), "m3": dict(h=6144, i=3072, e=128, k=4)}
 TINY = {"m2": dict(h=64, i=32, e=16, k=4), "m3": dict(h=96, i=48, e=8, k=2)}
@@ -348,12 +352,16 @@ def sweep(model, s, tokens, dtype, impl, args, tiny, kernel_names=SWEEP_KERNELS)
     dh = jax.random.normal(jax.random.key(7), (m, nd), dtype)
     flops = 2.0 * m * kd * nd
     interp = impl == "pallas_gpu_interpret"
+    # on a GPU the warp-specialized Mosaic GPU kernels join the Triton candidates (after them: the first
+    # config stays the reference of rel_err_vs_first)
+    ws_fwd = () if interp else tuple(dataclasses.replace(c, num_sms=gpu_sm_count()) for c in WS_GMM_CANDIDATES)
+    ws_tgmm = () if interp else tuple(dataclasses.replace(c, num_sms=gpu_sm_count()) for c in WS_TGMM_CANDIDATES)
     kernels = {
-        "fwd": (gpu_gmm.CANDIDATES, lambda c: jax.jit(lambda a, b, g: gpu_gmm.gmm_forward(
+        "fwd": (gpu_gmm.CANDIDATES + ws_fwd, lambda c: jax.jit(lambda a, b, g: gpu_gmm.gmm_forward(
             a, b, g, config=c, interpret=interp)), (xs, wi, gs)),
-        "dlhs": (gpu_gmm.CANDIDATES, lambda c: jax.jit(lambda a, b, g: gpu_gmm.gmm_forward(
+        "dlhs": (gpu_gmm.CANDIDATES + ws_fwd, lambda c: jax.jit(lambda a, b, g: gpu_gmm.gmm_forward(
             a, b, g, transpose_rhs=True, config=c, interpret=interp)), (dh, wi, gs)),
-        "tgmm": (gpu_gmm.TGMM_CANDIDATES, lambda c: jax.jit(lambda a, b, g: gpu_gmm.tgmm(
+        "tgmm": (gpu_gmm.TGMM_CANDIDATES + ws_tgmm, lambda c: jax.jit(lambda a, b, g: gpu_gmm.tgmm(
             a, b, g, config=c, interpret=interp)), (xs, dh, gs)),
     }
     rows, best = [], {}

@@ -1,6 +1,6 @@
 """bench/long_context_infer.py on CPU: a tiny MSA checkpoint at a tiny context writes its JSON rows with
 the expected fields (MSA and dense), and the budget logic skips / kills cases with clear rows.
-Also: bench/device_suite.sh is valid bash."""
+Also: every bench/*.sh (device_suite.sh, the one-call checks) is valid bash."""
 
 from tests.paths import REPO_ROOT
 import json
@@ -81,6 +81,9 @@ def test_bad_arguments_are_clear_errors(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
-def test_device_suite_is_valid_bash():
-    r = subprocess.run(["bash", "-n", os.path.join(ROOT, "bench", "device_suite.sh")], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
+def test_device_scripts_are_valid_bash():
+    scripts = sorted(f for f in os.listdir(os.path.join(ROOT, "bench")) if f.endswith(".sh"))
+    assert "device_suite.sh" in scripts and "moe_ws_check.sh" in scripts
+    for f in scripts:
+        r = subprocess.run(["bash", "-n", os.path.join(ROOT, "bench", f)], capture_output=True, text=True)
+        assert r.returncode == 0, (f, r.stderr)

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# One device call for issue 29's kernels: bench/moe.py's tile sweep with the warp-specialized Mosaic GPU forward /
+# dlhs / weight gradient beside the Triton configs (each checked against the first config), then the 8K
+# grouped matmuls with the adopted configs in interleaved rounds with the dense matmul; bench/moe_fp8.py (FP8
+# experts dequantised in the kernel vs bf16, decode and prefill sizes); the 8K dense training step (its MoE now
+# runs the warp-specialized weight gradient by default on Hopper).
+# Run from the repository root with OUT set (the device tool's output folder); per-part caps in seconds.
+set -u
+: "${OUT:?set OUT to the output folder}"
+cd "$(dirname "$0")/.."
+nvidia-smi --query-gpu=name --format=csv,noheader
+timeout "${MOE_S:-270}" python3 bench/moe.py --models m2,m3 --tokens 8192 --variants pallas_gpu_gmm,dense_matmul \
+    --rounds 3 --reps 5 --out "$OUT/moe" > "$OUT/moe.log" 2>&1
+echo "moe rc $?"; grep -E "sweep adopted|Pallas configs|ratio" "$OUT/moe.log" | tail -12
+timeout "${FP8_S:-130}" python3 bench/moe_fp8.py --tokens 1,32,128,8192 --reps 10 --out "$OUT/fp8" > "$OUT/fp8.log" 2>&1
+echo "fp8 rc $?"; tail -12 "$OUT/fp8.log"
+timeout "${TRAIN_S:-150}" python3 bench/train_step.py --modes dense --batch 8 --steps 3 --warmup 1 --remat dots_kernels \
+    --out "$OUT/train" > "$OUT/train.log" 2>&1
+echo "train rc $?"; grep -iE "mfu|grouped_matmul|step" "$OUT/train.log" | tail -6
