@@ -5,7 +5,8 @@
    (o max abs error, lse max error, -inf pattern): M3 aligned, packed documents of unaligned lengths
    (the wide-window kernel), queries as a suffix of the keys, 64-key blocks.
 2. At M3 shapes (T = --t, default 128K; 64 heads, 4 groups, D 128, block 128, top-16): wgmma vs
-   Triton (o / lse errors), then timings of the wgmma forward (chunk variants, P through SMEM), the
+   Triton (o / lse errors), then timings of the wgmma forward (chunk variants, ``--query-chunks``: query
+   tokens per pass, whose q rows per kv group may then stay in L2, P through SMEM), the
    Triton forward (defaults) and cuDNN dense causal attention.
 Every step reports its error and goes on (e.g. a wgmma kernel that fails to compile on the device).
 
@@ -86,7 +87,7 @@ def cases(interpret, quick):
         ("m3_blk64", dict(bsz=1, t=2048, s=2048, h=64, g=4, d=D, blk=64, topk=TOPK))]
 
 
-def bench(t, key, quick, chunks):
+def bench(t, key, quick, chunks, query_chunks=()):
     h, g = MODELS["m3"]
     q, k, v, ids, pos = make(key, 1, t, t, h, g, D, BLK, TOPK)
     p = np.arange(1, t + 1, dtype=np.float64)
@@ -97,6 +98,9 @@ def bench(t, key, quick, chunks):
     big = check(f"m3_{t}", key, False, reference=False, bsz=1, t=t, s=t, h=h, g=g, d=D, blk=BLK, topk=TOPK)
     for c in chunks:
         add(f"wgmma chunk={c}", wg_fn(pos, BLK, False, chunk=c), (q, k, v, ids), main_f)
+    for qc in query_chunks:   # smaller query chunks: each kv group's q rows of a chunk may stay in L2
+        add(f"wgmma chunk={chunks[0]} query_chunk={qc}", wg_fn(pos, BLK, False, chunk=chunks[0], query_chunk=qc),
+            (q, k, v, ids), main_f)
     if not quick:
         add(f"wgmma chunk={chunks[0]} p_in_smem", wg_fn(pos, BLK, False, chunk=chunks[0], p_in_smem=True),
             (q, k, v, ids), main_f)
@@ -111,6 +115,8 @@ def main():
     ap.add_argument("--out", default="/tmp/msa_wgmma_probe")
     ap.add_argument("--t", type=int, default=131072)
     ap.add_argument("--chunks", default="128,256,512", help="wgmma selections per program to time")
+    ap.add_argument("--query-chunks", default="",
+                    help="query tokens per pass to time besides the default (e.g. 8192,4096; chunk = the first --chunks)")
     ap.add_argument("--quick", action="store_true", help="one check case, fewer variants")
     ap.add_argument("--interpret", action="store_true", help="CPU smoke run: tiny checks only")
     args = ap.parse_args()
@@ -128,7 +134,7 @@ def main():
     rows, big = [], None
     if not args.interpret:
         chunks = [int(c) for c in args.chunks.split(",")][:1 if args.quick else None]
-        big, rows = bench(args.t, key, args.quick, chunks)
+        big, rows = bench(args.t, key, args.quick, chunks, [int(c) for c in args.query_chunks.split(",") if c])
     with open(os.path.join(args.out, "msa_wgmma_probe.json"), "w") as f:
         json.dump({"meta": meta, "checks": checks, "m3_check": big, "rows": rows}, f, indent=1)
     print("\ncheck                     ok(vs fp32)  ok(vs triton)  o err vs triton  lse err vs triton")
