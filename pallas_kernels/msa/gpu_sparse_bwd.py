@@ -8,7 +8,8 @@ Schedule (gpu_sparse_fwd.py): the valid (token, slot) selections of each kv grou
 the storage start of their block window; program (i, g, b) takes the fixed slice [i*C, (i+1)*C)
 and walks each run of one window in row tiles of tokens x heads (gathered q, do, lse, delta). One
 fused kernel computes all five matmuls of a tile:
-- dq: per-(token, slot) partials (f32, [B, Tc, K, H, D]) summed over the K slots in XLA;
+- dq: per-(token, slot) partials (f32, or q.dtype with ``dq_partial_bits=16``; [B, Tc, K, H, D]) summed over
+  the K slots in XLA in f32;
 - dk / dv: accumulated in registers over the run piece. A run that lies inside one program is
   added straight into the f32 dk / dv totals; a run split over programs leaves its pieces (at most
   the first and the last piece of each program) in a small buffer that a second kernel sums in
@@ -115,7 +116,7 @@ def _kernel(flat_ref, key_ref, rend_ref, nval_ref, mend_ref, q_ref, k_ref, v_ref
             # masked rows point at the spare token row T (see gpu_sparse_fwd.py)
             t_st = jnp.where(ok, t, dqp_ref.shape[1] - 1)[:, None]
             dcol = jax.lax.broadcasted_iota(jnp.int32, (1, d), 1)
-            pltriton.store(dqp_ref.at[b, t_st, slot[:, None], head[:, None], dcol], dq,
+            pltriton.store(dqp_ref.at[b, t_st, slot[:, None], head[:, None], dcol], dq.astype(dqp_ref.dtype),
                            mask=ok[:, None])
             return dk, dv
 
@@ -213,7 +214,7 @@ def follow_counts(key, run_end, n_valid, chunk, n_items):
 
 
 def _chunk_bwd(q, do, lse, delta, ids, starts, qpos, qseg, dk, dv, *, prep_k, prep_v, kvpos, kvseg,
-               blk, chunk, rows, interpret, num_warps, num_stages):
+               blk, chunk, rows, interpret, num_warps, num_stages, dq_partial_dtype):
     """One query chunk: (dq [B,Tc,H,D] q.dtype, dk, dv [B,Sp,G,D] f32 totals with this chunk added)."""
     bsz, t, h, d = q.shape
     sp, g = prep_k.shape[1], prep_k.shape[2]
@@ -229,7 +230,7 @@ def _chunk_bwd(q, do, lse, delta, ids, starts, qpos, qseg, dk, dv, *, prep_k, pr
     dqp, bdk, bdv, dk, dv = pl.pallas_call(
         kernel,
         grid=(n_items, g, bsz),
-        out_shape=[jax.ShapeDtypeStruct((bsz, t + 1, topk, h, d), jnp.float32),   # + spare row
+        out_shape=[jax.ShapeDtypeStruct((bsz, t + 1, topk, h, d), dq_partial_dtype),   # + spare row
                    jax.ShapeDtypeStruct((bsz, g, n_items, 2, blk, d), jnp.float32),
                    jax.ShapeDtypeStruct((bsz, g, n_items, 2, blk, dvd), jnp.float32)] + tot,
         input_output_aliases={16: 3, 17: 4},
@@ -241,13 +242,14 @@ def _chunk_bwd(q, do, lse, delta, ids, starts, qpos, qseg, dk, dv, *, prep_k, pr
     dk, dv = merge_pieces(key, run_end, n_valid, kvpos, kvseg, [bdk, bdv], [dk, dv], blk=blk,
                           chunk=chunk, interpret=interpret)
     valid = jnp.repeat(jnp.transpose(ids >= 0, (0, 2, 3, 1)), hg, axis=-1)[..., None]   # [B,T,K,H,1]
-    dq = jnp.sum(layout.keep(dqp[:, :t], valid), axis=2).astype(q.dtype)
+    dq = jnp.sum(layout.keep(dqp[:, :t].astype(jnp.float32), valid), axis=2).astype(q.dtype)
     return dq, dk, dv
 
 
-def default_bwd_query_chunk(bsz, h, g, d, dv, topk, blk, chunk, budget_bytes=PARTIALS_BUDGET):
-    """Query tokens per backward chunk so the dq partials and run-piece buffers fit the budget."""
-    per_token = bsz * topk * (h * d * 4 + 2 * g * blk * (d + dv) * 4 / chunk)
+def default_bwd_query_chunk(bsz, h, g, d, dv, topk, blk, chunk, budget_bytes=PARTIALS_BUDGET, dq_bytes=4):
+    """Query tokens per backward chunk so the dq partials (``dq_bytes`` per element) and run-piece buffers fit
+    the budget."""
+    per_token = bsz * topk * (h * d * dq_bytes + 2 * g * blk * (d + dv) * 4 / chunk)
     c = max(1, int(budget_bytes // per_token))
     return 1 << (c.bit_length() - 1)
 
@@ -265,16 +267,19 @@ def default_bwd_chunk(selections: int, programs: int = 2048) -> int:
 
 def sparse_bwd_kv_outer(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids,
                         kv_segment_ids, o, lse, do, *, block_size, interpret=False, num_warps=8,
-                        num_stages=2, chunk=None, rows=None, query_chunk=None):
+                        num_stages=2, chunk=None, rows=None, query_chunk=None, dq_partial_bits=32):
     """KV-outer MSA backward: (dq [B,T,H,D] q.dtype, dk [B,S,G,D] k.dtype, dv [B,S,G,Dv] v.dtype).
 
     Arguments as ``gpu_attention.msa_attention_gpu`` plus the forward's ``o`` [B,T,H,Dv], ``lse``
     [B,T,H] f32 (natural log) and the cotangent ``do`` [B,T,H,Dv]. ``chunk``: sorted selections
     per program (None: ``default_bwd_chunk`` of the pass); ``rows``: (token, head) rows per tile
     (None: max(32, next_pow2(H/G)));
-    ``query_chunk``: query tokens per pass (None: ``default_bwd_query_chunk``). Preconditions are
-    asserted.
+    ``query_chunk``: query tokens per pass (None: ``default_bwd_query_chunk``). ``dq_partial_bits``: 32 keeps
+    the per-(token, slot) dq partials in f32, 16 in q.dtype (half their write + read traffic; each partial
+    rounded once before the f32 sum over the K slots). Preconditions are asserted.
     """
+    assert dq_partial_bits in (16, 32), f"dq_partial_bits must be 16 or 32, got {dq_partial_bits}"
+    dq_partial_dtype = jnp.float32 if dq_partial_bits == 32 else q.dtype
     layout.check_shapes(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
     bsz, t, h, d = q.shape
     s, g = k.shape[1], k.shape[2]
@@ -290,12 +295,14 @@ def sparse_bwd_kv_outer(q, k, v, block_ids, q_positions, kv_positions, q_segment
     if rows is None:
         rows = max(32, layout.next_pow2(h // g))
     if query_chunk is None:   # sized for chunk 128 (the most run pieces), then the chunk for it
-        query_chunk = default_bwd_query_chunk(bsz, h, g, d, v.shape[-1], topk, block_size, chunk or 128)
+        query_chunk = default_bwd_query_chunk(bsz, h, g, d, v.shape[-1], topk, block_size, chunk or 128,
+                                              dq_bytes=jnp.dtype(dq_partial_dtype).itemsize)
     if chunk is None:
         chunk = default_bwd_chunk(bsz * min(t, query_chunk) * topk * g)
     run = functools.partial(_chunk_bwd, prep_k=prep.k, prep_v=prep.v, kvpos=prep.kv_pos,
                             kvseg=prep.kv_seg, blk=block_size, chunk=chunk, rows=rows,
-                            interpret=interpret, num_warps=num_warps, num_stages=num_stages)
+                            interpret=interpret, num_warps=num_warps, num_stages=num_stages,
+                            dq_partial_dtype=dq_partial_dtype)
     dk = jnp.zeros(prep.k.shape, jnp.float32)
     dv = jnp.zeros(prep.v.shape, jnp.float32)
     if t <= query_chunk:

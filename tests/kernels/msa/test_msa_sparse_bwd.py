@@ -157,3 +157,19 @@ def test_every_key_is_owned_by_exactly_its_own_window():
             base = x - kvp[b, x]                               # one base per segment (layout.py)
             want = int(np.clip(base + (kvp[b, x] // BLK) * BLK, 0, sp - BLK))
             assert owners.get(x) == [want], (b, x, owners.get(x), want)
+
+
+def test_dq_partials_in_q_dtype():
+    """``dq_partial_bits=16`` (bf16 inputs): dk / dv bit for bit those of f32 partials, dq within the rounding of
+    each partial (one bf16 rounding of each of the <= K terms before the f32 sum), over a chunked query loop."""
+    rng = np.random.default_rng(16)
+    c = _case(rng, bsz=1, t=96, s=96, h=8, g=2, d=16)
+    ids = random_ids(rng, c["q_pos"], c["q_seg"], 2, 4, BLK)
+    f32 = _bwd(c, ids, jnp.bfloat16, chunk=16, query_chunk=40)
+    b16 = _bwd(c, ids, jnp.bfloat16, chunk=16, query_chunk=40, dq_partial_bits=16)
+    np.testing.assert_array_equal(b16[1], f32[1])
+    np.testing.assert_array_equal(b16[2], f32[2])
+    np.testing.assert_allclose(b16[0], f32[0], rtol=2.0 ** -6, atol=2.0 ** -7 * np.abs(f32[0]).max())
+    assert not np.array_equal(b16[0], f32[0])          # the option changed something
+    with pytest.raises(AssertionError, match="dq_partial_bits must be 16 or 32"):
+        _bwd(c, ids, jnp.bfloat16, dq_partial_bits=8)
