@@ -5,7 +5,7 @@
 Reads eval_<v>.json (task x length accuracy, perplexity, per-batch timing), metrics_<v>.jsonl
 (training curve), train_<v>.log (the step it stopped at), recall_msa.json and infer_<v>.txt (the stats line of infer.py) for the variants
 msa / full / sliding (and msa_dense where eval_all.sh ran it), and prints: the accuracy table (a cell is blank where the length was not
-reached in the time budget), a training summary and a timing summary.
+reached in the time budget; with its 95 % interval where the eval file has one), a training summary and a timing summary.
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ def accuracy_table(d: str) -> str:
         for v in evals:
             r = evals[v]
             by = r["tasks"].get(t, {}) if r else {}
-            cells = [f"{by[str(L)]:.2f}" if str(L) in by else "" for L in lengths]
+            ci = (r.get("intervals") or {}).get(t, {}) if r else {}   # 95 % Wilson intervals (newer eval files)
+            cells = [(f"{by[str(L)]:.2f}" + (f" [{ci[str(L)][0]:.2f}, {ci[str(L)][1]:.2f}]" if str(L) in ci else ""))
+                     if str(L) in by else "" for L in lengths]
             rows.append(f"| {t} | {v} | " + " | ".join(cells) + " |")
     n = {v: (len(r["examples"]), len(r["skipped"])) for v, r in evals.items() if r}
     rows.append("")

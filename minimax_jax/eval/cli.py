@@ -4,8 +4,11 @@ Usage::
 
     python -m minimax_jax.eval --checkpoint DIR [--tasks niah_single,variable_tracking|all]
         [--lengths 2048,4096] [--num_samples 4] [--seed 0] [--max_new_tokens 48] [--chat]
-        [--haystack prose|noise] [--ppl_files PATH ...] [--ppl_seq_len 2048] [--out results.json]
-        [--attention as_trained|dense]
+        [--haystack prose|noise] [--ppl_files PATH ...] [--ppl_seq_len 2048] [--ppl_buckets 1024,4096]
+        [--out results.json] [--attention as_trained|dense]
+
+Every task x length cell reports its mean score with a 95 % Wilson interval over its prompts; the
+held-out perplexity is also reported per bucket of token position (context length) in its windows.
 
 Lengths are in tokens of the model's tokenizer (the task prompt; ``--chat`` adds the chat wrapper's
 few tokens); a length that, with ``--max_new_tokens``, cannot fit the checkpoint's context is
@@ -96,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ppl_max_tokens", type=cli_main.int_at_least(2), default=65536,
                    help="held-out tokens scored for perplexity at most (default: 65536)")
     p.add_argument("--ppl_batch_size", type=cli_main.int_at_least(1), default=1, help="windows per logprob_fn call")
+    p.add_argument("--ppl_buckets", type=_int_list, default=None,
+                   help="inner edges of the perplexity-by-position buckets in tokens of context, e.g. 1024,4096 "
+                        "(default: powers of two from 1024 below --ppl_seq_len)")
     cli_main.add_bool(p, "perplexity", True, "score the held-out perplexity")
     p.add_argument("--max_seq_len", type=cli_main.int_at_least(2), default=None,
                    help="longest sequence (prompt + new tokens) to run, at most the checkpoint's context; lengths "
@@ -202,6 +208,8 @@ def _results(args, examples, outputs, timing, perplexity=None) -> dict:
         "attention": getattr(args, "attention", "as_trained"),
         "metric": args.metric,
         "tasks": scores["by_task"],
+        "intervals": scores.get("intervals", {}),
+        "counts": scores.get("counts", {}),
         "mean": scores["mean"],
         "skipped": [{"task": e.task, "target_length": e.target_length} for e in examples[len(outputs):]],
         "timing": timing,
@@ -241,9 +249,10 @@ def run_eval(args: argparse.Namespace, fns: ModelFns) -> dict:
         bos = None if not args.bos else fns.tokenizer.token_to_id(BOS)
         t0 = time.perf_counter()
         _progress(f"perplexity: scoring up to {args.ppl_max_tokens} tokens in windows of {args.ppl_seq_len} ...")
+        buckets = None if not args.ppl_buckets else [0, *args.ppl_buckets, args.ppl_seq_len]
         ppl = heldout_perplexity(
             fns.logprob_fn, texts, fns.tokenizer, seq_len=args.ppl_seq_len,
-            batch_size=args.ppl_batch_size, max_tokens=args.ppl_max_tokens, bos_id=bos,
+            batch_size=args.ppl_batch_size, max_tokens=args.ppl_max_tokens, bos_id=bos, buckets=buckets,
         )
         _progress(f"perplexity: {ppl['tokens']} tokens in {time.perf_counter() - t0:.1f} s")
     outputs: list[str] = []
@@ -283,8 +292,21 @@ def main(argv: Sequence[str] | None = None, fns: ModelFns | None = None) -> int:
                         usage=(MissingDataError, LengthError, InferenceError, RuntimeUnavailable))
 
 
+def bucket_error(args: argparse.Namespace) -> str | None:
+    """A one-line error when ``--ppl_buckets`` is not increasing inside (0, --ppl_seq_len), else None."""
+    b = args.ppl_buckets or []
+    if any(x <= 0 or x >= args.ppl_seq_len for x in b) or any(y <= x for x, y in zip(b, b[1:])):
+        return (f"--ppl_buckets {','.join(map(str, b))} must increase strictly inside (0, --ppl_seq_len "
+                f"{args.ppl_seq_len})")
+    return None
+
+
 def _main(argv: Sequence[str], fns: ModelFns | None) -> int:
     args = cli_main.parse_args(build_parser(), argv)
+    err = bucket_error(args)
+    if err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
     if fns is None:
         err = file_error(args) or context_error(args)  # before loading params or building prompts
         if err:
@@ -301,12 +323,16 @@ def _main(argv: Sequence[str], fns: ModelFns | None) -> int:
         _progress(f"loaded {args.checkpoint} in {time.perf_counter() - t0:.1f} s")
     results = run_eval(args, fns)
     for task, by_len in sorted(results["tasks"].items()):
-        cells = "  ".join(f"{L}: {v:.3f}" for L, v in sorted(by_len.items(), key=lambda kv: int(kv[0])))
+        ci, n = results["intervals"].get(task, {}), results["counts"].get(task, {})
+        cells = "  ".join(f"{L}: {v:.3f} [{ci[L][0]:.2f}, {ci[L][1]:.2f}] n={n[L]}"
+                          for L, v in sorted(by_len.items(), key=lambda kv: int(kv[0])))
         print(f"{task:20s} {cells}")
     if "perplexity" in results:
         p = results["perplexity"]
         print(f"held-out perplexity {p['perplexity']:.3f} ({p['tokens']} tokens, "
               f"{p.get('bits_per_byte', float('nan')):.4f} bits/byte)")
+        print("perplexity by position: " + "  ".join(f"[{b['lo']}, {b['hi']}): {b['perplexity']:.3f}"
+                                                     for b in p.get("by_position", [])))
     if results["skipped"]:
         print(f"skipped {len(results['skipped'])} prompts (time budget); longest reached: "
               f"{max((e['target_length'] for e in results['examples']), default=0)} tokens")

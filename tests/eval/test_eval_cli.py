@@ -256,3 +256,33 @@ def test_context_too_long_from_the_runtime_is_one_line(tmp_path, tok_dir, capsys
                      "--haystack", "noise", "--no_perplexity"], fns=fns)
     assert code == 2
     assert capsys.readouterr().err.splitlines()[-1] == "python -m minimax_jax.eval: error: the prompt has 9 tokens; ... shorten the prompt by 1 tokens"
+
+
+def test_intervals_and_perplexity_by_position(monkeypatch, tmp_path, tok_dir, capsys):
+    """Each task x length cell carries its prompt count and a 95 % Wilson interval around its mean; the
+    perplexity comes per bucket of window position (the --ppl_buckets edges), the buckets' tokens adding up;
+    bad bucket edges are a one-line usage error before anything loads."""
+    from minimax_jax.eval.scoring import wilson_interval
+
+    calls = []
+    install_fake_infer(monkeypatch, tok_dir, reader, calls)
+    assert cli.main(args(tmp_path, "--ppl_buckets", "16,64")) == 0
+    r = json.load(open(tmp_path / "r.json"))
+    assert r["counts"]["niah_single"] == {"700": 2, "1200": 2}
+    lo, hi = r["intervals"]["niah_single"]["700"]
+    assert (lo, hi) == pytest.approx(wilson_interval(1.0, 2)) and 0.0 < lo < 1.0 == hi
+    byp = r["perplexity"]["by_position"]
+    assert [(b["lo"], b["hi"]) for b in byp] == [(0, 16), (16, 64), (64, 128)]
+    assert sum(b["tokens"] for b in byp) == r["perplexity"]["tokens"]
+    assert all(b["perplexity"] == pytest.approx(600.0) for b in byp)
+    out = capsys.readouterr().out
+    assert "n=2" in out and "perplexity by position: [0, 16)" in out
+    n_calls = len(calls)
+    for bad in ("64,16", "16,128", "16,16"):
+        assert cli.main(args(tmp_path, "--ppl_buckets", bad)) == 2
+        err = capsys.readouterr().err
+        assert "--ppl_buckets" in err and err.count("\n") == 1, err
+    with pytest.raises(SystemExit) as e:                 # not a positive integer: argparse's usage error
+        cli.main(args(tmp_path, "--ppl_buckets", "0,64"))
+    assert e.value.code == 2 and "--ppl_buckets" in capsys.readouterr().err
+    assert len(calls) == n_calls                       # refused before loading the checkpoint

@@ -37,6 +37,10 @@ def test_summarize_lists_msa_dense_only_when_evaluated(tmp_path):
     _eval_json(tmp_path / "eval_msa_dense.json", {"niah_single": {"2048": 0.5, "4096": 0.25}})
     table = summarize.accuracy_table(str(tmp_path))
     assert "| niah_single | msa_dense | 0.50 | 0.25 |" in table and "msa_dense 3 / 0" in table
+    # newer eval files carry 95 % intervals per cell: shown beside the mean
+    json.dump({"tasks": {"niah_single": {"2048": 1.0}}, "intervals": {"niah_single": {"2048": [0.806, 1.0]}},
+               "examples": [{}] * 16, "skipped": []}, open(tmp_path / "eval_full.json", "w"))
+    assert "| niah_single | full | 1.00 [0.81, 1.00] |  |" in summarize.accuracy_table(str(tmp_path))
 
 
 @pytest.mark.parametrize("script", ["train_all.sh", "eval_all.sh", "device.sh", "long_stage.sh", "indexer_stage.sh"])
