@@ -1,5 +1,6 @@
 """Tuning probe of the KV-outer MSA backward (pallas_kernels/msa/gpu_sparse_bwd.py) on GPU: gradients vs
-the fp32 XLA reference, then timings of launch variants (rows, num_warps, chunk, query_chunk), the
+the fp32 XLA reference (default, chunked queries, bf16 dq partials), then timings of launch variants (rows,
+num_warps, chunk, query_chunk, dq_partial_bits), the
 op's forward+backward and cuDNN dense causal forward+backward, in one run.
 
 Usage (GPU machine):  PYTHONUNBUFFERED=1 python3 bench/msa_bwd_probe.py --out $OUT
@@ -57,7 +58,8 @@ def check(name, key, interpret, bsz, t, s, h, g, d, blk, topk, segments=None):
     ref = [np.asarray(x) for x in vjp(do.astype(jnp.float32))]
     o, lse = fwd_fn(pos, blk, interpret)(q, k, v, ids)
     out = {"case": name}
-    for label, kw in (("bwd", {}), ("bwd_chunked", dict(query_chunk=max(16, t // 3)))):
+    for label, kw in (("bwd", {}), ("bwd_chunked", dict(query_chunk=max(16, t // 3))),
+                      ("bwd_dq16", dict(dq_partial_bits=16))):
         got = [np.asarray(x, np.float32) for x in bwd_fn(pos, blk, interpret, **kw)(q, k, v, ids, o, lse, do)]
         cos = [_cos(a, b) for a, b in zip(got, ref)]
         rel = [float(np.max(np.abs(a - b)) / max(np.abs(b).max(), 1e-30)) for a, b in zip(got, ref)]
@@ -106,7 +108,7 @@ def main():
     run_probe(__doc__.splitlines()[0], check, bench,
               "rows=32,num_warps=8;rows=64,num_warps=8;rows=32,num_warps=4;"
               "rows=64,num_warps=8,chunk=256;rows=32,num_warps=8,query_chunk=8192",
-              "msa_bwd_probe.json", ("bwd_ok", "bwd_chunked_ok", "bwd_bitwise_repeat"))
+              "msa_bwd_probe.json", ("bwd_ok", "bwd_chunked_ok", "bwd_dq16_ok", "bwd_bitwise_repeat"))
 
 
 if __name__ == "__main__":

@@ -301,6 +301,13 @@ def match_vma(x: jax.Array, like) -> jax.Array:
     return _cast_varying(x, missing) if missing else x
 
 
+def common_vma(*xs):
+    """Every array cast to vary over the union of the arrays' varying axes (``match_vma``): the operands of a
+    kernel with a custom VJP, so its cotangents are typed like its primals inside ``shard_map``."""
+    like = VmaType(frozenset().union(*(varying_axes(x) for x in xs)))
+    return tuple(match_vma(x, like) for x in xs)
+
+
 def match_cotangent(ct, primal):
     """Cast a custom-VJP cotangent to its primal input's varying type (``primal``: array or ``VmaType``).
 

@@ -66,7 +66,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.common import VmaType, match_vma, searchsorted, typed_out_struct, varying_axes
+from pallas_kernels.common import common_vma, searchsorted, typed_out_struct
 from pallas_kernels.moe.gpu_gmm_ws import WsGmmConfig, gmm_ws
 from pallas_kernels.moe.gpu_tgmm_ws import WsTgmmConfig, tgmm_ws
 from pallas_kernels.moe.groups import group_bounds
@@ -346,13 +346,6 @@ def _params(cfg: TileConfig):
     return pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-# ----------------------------------------------------------------------------- shard_map typing
-def _common_vma(*xs):
-    """Cast every array to vary over the union of the arrays' varying axes (``match_vma``)."""
-    like = VmaType(frozenset().union(*(varying_axes(x) for x in xs)))
-    return tuple(match_vma(x, like) for x in xs)
-
-
 # ----------------------------------------------------------------------------- checks
 def _check(lhs, rhs, group_sizes, transpose_rhs, fp8=False):
     """Assert the kernels' preconditions (``minimax_jax.ops.moe.grouped_matmul`` checks them for users)."""
@@ -414,7 +407,7 @@ def gmm_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, trans
     g = rhs.shape[0]
     ndim = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
-    operands = _common_vma(lhs, rhs, group_sizes, *((rhs_scale.astype(jnp.float32),) if fp8 else ()))
+    operands = common_vma(lhs, rhs, group_sizes, *((rhs_scale.astype(jnp.float32),) if fp8 else ()))
     lhs, rhs, group_sizes, scale = operands[0], operands[1], operands[2], operands[3:]
     tab = make_visits(group_sizes, m, cfg.bm, cfg.fold)
     n_col = pl.cdiv(ndim, cfg.bn)
@@ -452,7 +445,7 @@ def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, out_dtype=N
     assert lhs.dtype == dout.dtype and jnp.dtype(lhs.dtype) in _DTYPES, (
         f"tgmm needs lhs and dout of one dtype in {[str(d) for d in _DTYPES]}, got {lhs.dtype}, {dout.dtype}")
     cfg = config or DEFAULT_TGMM_CONFIG
-    lhs, dout, group_sizes = _common_vma(lhs, dout, group_sizes)
+    lhs, dout, group_sizes = common_vma(lhs, dout, group_sizes)
     if isinstance(cfg, WsTgmmConfig):    # the warp-specialized Mosaic GPU weight gradient
         return tgmm_ws(lhs, dout, group_sizes, config=cfg, out_dtype=out_dtype, interpret=interpret)
     m, kdim = lhs.shape
@@ -530,6 +523,6 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, config: TileC
     # Inside shard_map: give the operands one varying type first (as jnp binary ops do), so the
     # kernels' outputs and the custom VJP's cotangents are typed like their primals; JAX transposes
     # these casts (psum) outside the custom VJP. No-op elsewhere.
-    lhs, rhs, group_sizes = _common_vma(lhs, rhs, group_sizes.astype(jnp.int32))
+    lhs, rhs, group_sizes = common_vma(lhs, rhs, group_sizes.astype(jnp.int32))
     return _gmm(lhs, rhs, group_sizes, out_dtype, config or DEFAULT_CONFIG,
                 dlhs_config or DEFAULT_DLHS_CONFIG, tgmm_config or DEFAULT_TGMM_CONFIG, bool(interpret))

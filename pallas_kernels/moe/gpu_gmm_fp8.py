@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.common import common_vma, match_vma
 from pallas_kernels.moe.gpu_gmm import DEFAULT_DLHS_CONFIG, TileConfig, gmm_forward
 
 __all__ = ["DEFAULT_FP8_CONFIG", "DECODE_FP8_CONFIG", "fp8_config", "fp8_unsupported", "gmm_fp8"]
@@ -58,19 +59,21 @@ def _gmm_fp8(lhs, rhs, scale, group_sizes, block, out_dtype, cfg, interpret):
 
 
 def _gmm_fp8_fwd(lhs, rhs, scale, group_sizes, block, out_dtype, cfg, interpret):
-    return _gmm_fp8(lhs, rhs, scale, group_sizes, block, out_dtype, cfg, interpret), (rhs, scale, group_sizes)
+    # lhs itself is not needed, only its dtype and varying type: a 0-row slice carries both
+    return (_gmm_fp8(lhs, rhs, scale, group_sizes, block, out_dtype, cfg, interpret),
+            (lhs[:0], rhs, scale, group_sizes))
 
 
 def _gmm_fp8_bwd(block, out_dtype, cfg, interpret, res, dout):
-    rhs, scale, group_sizes = res
-    dtype = dout.dtype if dout.dtype != jnp.float32 else jnp.bfloat16
+    like, rhs, scale, group_sizes = res
     s = jnp.repeat(jnp.repeat(scale, block[0], axis=1)[:, :rhs.shape[1]], block[1], axis=2)[:, :, :rhs.shape[2]]
-    w = (rhs.astype(jnp.float32) * s).astype(dtype)
-    dlhs = gmm_forward(dout.astype(dtype), w, group_sizes, transpose_rhs=True, config=DEFAULT_DLHS_CONFIG,
+    w = (rhs.astype(jnp.float32) * s).astype(like.dtype)      # the forward's dequantised weights
+    dlhs = gmm_forward(dout.astype(like.dtype), w, group_sizes, transpose_rhs=True, config=DEFAULT_DLHS_CONFIG,
                        interpret=interpret)
-    # FP8-kept weights are inference weights: constants here (zero cotangents), gradients reach lhs only
-    return (dlhs, jnp.zeros(rhs.shape, rhs.dtype), jnp.zeros(scale.shape, scale.dtype),
-            np.zeros(group_sizes.shape, jax.dtypes.float0))
+    # FP8-kept weights are inference weights: constants here (zero cotangents, typed like their primals inside
+    # shard_map), gradients reach lhs only
+    return (match_vma(dlhs, like), match_vma(jnp.zeros(rhs.shape, rhs.dtype), rhs),
+            match_vma(jnp.zeros(scale.shape, scale.dtype), scale), np.zeros(group_sizes.shape, jax.dtypes.float0))
 
 
 _gmm_fp8.defvjp(_gmm_fp8_fwd, _gmm_fp8_bwd)
@@ -84,20 +87,24 @@ def gmm_fp8(lhs: jax.Array, rhs: jax.Array, rhs_scale: jax.Array, group_sizes: j
     (DeepSeek-V3 / MiniMax FP8 block format, MODEL_FACTS.md section 1).
 
     Args:
-      lhs: ``[M, K]`` bf16 / f16, rows sorted by group; rhs: ``[G, K, N]`` float8_e4m3fn; rhs_scale:
+      lhs: ``[M, K]`` bf16 / f16 / f32, rows sorted by group; rhs: ``[G, K, N]`` float8_e4m3fn; rhs_scale:
         ``[G, ceil(K/br), ceil(N/bc)]`` float32; group_sizes: int ``[G]`` (as ``gmm``).
       scale_block: ``(br, bc)``; config: tiles (default ``fp8_config(M, G, scale_block)``), each inside one scale block
         (``fp8_unsupported``); out_dtype: default ``lhs.dtype`` (fp32 accumulation).
     Returns: ``[M, N]``; rows past ``sum(group_sizes)`` are 0. Only the FP8 bytes of the weights are read: the
       dequantised copy never exists. Equal, bit for bit, to ``gmm_forward`` on the weights dequantised first
       with the same tiles.
-    Gradients: lhs gets the transposed grouped matmul over the dequantised weights; the FP8 weights are
-      constants (zero cotangents: FP8-kept checkpoints serve inference).
+    Gradients: lhs gets the transposed grouped matmul over the weights dequantised to lhs.dtype (in lhs.dtype);
+      the FP8 weights are constants (zero cotangents: FP8-kept checkpoints serve inference).
     Raises ValueError when the blocks and tiles do not fit (``fp8_unsupported``).
     """
     cfg = config or fp8_config(lhs.shape[0], rhs.shape[0], scale_block)
     why = fp8_unsupported(rhs.shape, scale_block, cfg)
     if why is not None:
         raise ValueError(f"gmm_fp8: {why}")
-    return _gmm_fp8(lhs, rhs, rhs_scale.astype(jnp.float32), group_sizes.astype(jnp.int32), tuple(scale_block),
-                    jnp.dtype(out_dtype or lhs.dtype), cfg, bool(interpret))
+    # inside shard_map: one varying type for the operands first (as gpu_gmm.gmm), so the custom VJP's cotangents
+    # are typed like their primals; no-op elsewhere
+    lhs, rhs, rhs_scale, group_sizes = common_vma(lhs, rhs, rhs_scale.astype(jnp.float32),
+                                                   group_sizes.astype(jnp.int32))
+    return _gmm_fp8(lhs, rhs, rhs_scale, group_sizes, tuple(scale_block), jnp.dtype(out_dtype or lhs.dtype), cfg,
+                    bool(interpret))

@@ -92,7 +92,7 @@ class WsGmmConfig:
         return f"ws{self.block_m}x{self.block_k}x{self.block_n}s{self.stages}"
 
 
-#: Candidates for a sweep (bench/tgmm_ws_probe.py --kernels fwd,dlhs), none measured yet.
+#: Candidates for a sweep (bench/moe.py's tile sweep on a GPU, fwd and dlhs), none measured yet.
 WS_GMM_CANDIDATES = (
     WsGmmConfig(64, 256, 3),
     WsGmmConfig(64, 256, 2),

@@ -128,7 +128,8 @@ def ws_tgmm_config(k: int, n: int, dtype, num_sms: int | None = None) -> WsTgmmC
     bk = next((b for b in (128, 64) if k % b == 0), None)
     bn = next((b for b in (256, 128) if n % b == 0), None)
     if bk is None or bn is None:
-        return f"K={k} / N={n} are not multiples of 64 / 128"
+        return " and ".join(f"{name}={v} is not a multiple of {m}" for name, v, m, b in
+                            (("K", k, 64, bk), ("N", n, 128, bn)) if b is None)
     return dataclasses.replace(WsTgmmConfig(), block_k=bk, block_n=bn, num_sms=num_sms)
 
 

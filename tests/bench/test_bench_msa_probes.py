@@ -29,7 +29,7 @@ def test_chunked_prefill_serving_case(tmp_path):
     assert len(res["rows"]) == 4 and all(r["ms"] > 0 for r in res["rows"])
 
 
-@pytest.mark.parametrize("script,out,keys", [("msa_bwd_probe.py", "msa_bwd_probe.json", ("bwd_ok", "bwd_chunked_ok")),
+@pytest.mark.parametrize("script,out,keys", [("msa_bwd_probe.py", "msa_bwd_probe.json", ("bwd_ok", "bwd_chunked_ok", "bwd_dq16_ok")),
                                              ("msa_kl_probe.py", "msa_kl_probe.json", ("kl_ok",))])
 def test_probe_checks_pass(tmp_path, script, out, keys):
     _run(script, tmp_path, "--interpret", "--tiny")

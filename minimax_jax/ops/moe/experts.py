@@ -68,8 +68,10 @@ def moe_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, wi: jax.Ar
       x: ``[N, H]`` compute dtype.
       weights: ``[N, k]`` float32 routing weights; experts: ``[N, k]`` int32 expert ids.
       wi: ``[E, H, 2I]`` fused gate/up; wo: ``[E, I, H]``; either may be an ``Fp8Weight`` (FP8 experts kept in
-        FP8: the grouped matmul dequantises per expert chunk, ``grouped_matmul.py``; ``"xla_dense"`` /
-        ``"xla_capacity"`` and expert parallelism dequantise the layer's experts inside the step).
+        FP8: the grouped matmul dequantises per tile in the GPU kernel or per expert chunk in XLA,
+        ``grouped_matmul.py``; ``"xla_dense"`` / ``"xla_capacity"`` dequantise the layer's experts inside the
+        step; expert parallelism shards them as stored when their blocks split with the expert width,
+        ``expert_parallel.py``).
       act: ``f(gate_up [..., 2I]) -> [..., I]``.
       implementation: one of ``MOE_IMPLEMENTATIONS`` (module docstring).
       capacity_factor: rows per expert for ``"xla_capacity"`` (required there; ignored elsewhere).

@@ -15,7 +15,8 @@ Implementations (registry op ``"grouped_matmul"``, ``implementation=``):
   tile configs ``gpu_gmm.DEFAULT_CONFIGS``; on Hopper (compute capability 9.x, or no GPU visible: lowering
   for one) the weight gradient runs the warp-specialized Mosaic GPU kernel (``gpu_tgmm_ws``) wherever its
   tiles fit (bf16 / f16, K % 64, N % 128: ``ws_tgmm_config``), the Triton one elsewhere; which one, and why,
-  is recorded under ``"grouped_matmul.tgmm"``. GPU backend only. Accuracy and rates: BENCHMARKS.md (MoE).
+  is recorded under ``"grouped_matmul.tgmm"`` (the kernel the weight gradient runs if the call is
+  differentiated; distinct choices of one trace are joined by "; "). GPU backend only. Accuracy and rates: BENCHMARKS.md (MoE).
 - ``"pallas_gpu_interpret"``: the same kernels in Pallas interpret mode (any backend; CPU tests).
 - ``"auto"``: ``"pallas_gpu"`` on a GPU backend, ``"xla"`` elsewhere (CPU, and TPU, where no project
   kernel exists and tokamax is opt-in).
@@ -39,7 +40,7 @@ import jax.numpy as jnp
 
 from minimax_jax.ops import registry
 from minimax_jax.ops.moe.fp8_weight import Fp8Weight
-from minimax_jax.ops.registry import Implementation, record_implementation
+from minimax_jax.ops.registry import Implementation, implementation_report, record_implementation
 from pallas_kernels.common import gpu_compute_capability, gpu_sm_count, match_vma
 from pallas_kernels.moe.gpu_gmm import gmm
 from pallas_kernels.moe.gpu_gmm_fp8 import fp8_config, fp8_unsupported, gmm_fp8
@@ -120,7 +121,7 @@ def _dense_rhs(lhs, rhs, why: str):
     ``why`` under ``FP8_REPORT``."""
     if not isinstance(rhs, Fp8Weight):
         return rhs
-    record_implementation(FP8_REPORT, f"dequantised before the kernel ({why})")
+    _record_distinct(FP8_REPORT, f"dequantised before the kernel ({why})")
     return rhs.astype(lhs.dtype)
 
 
@@ -161,9 +162,19 @@ def _xla_fp8(lhs, rhs: Fp8Weight, group_sizes, preferred_element_type):
 TGMM_REPORT = OP + ".tgmm"
 
 
+def _record_distinct(key: str, value: str) -> None:
+    """Record ``value`` under ``key``, keeping the distinct values recorded before ("; "-joined): one MoE layer
+    traces two grouped matmuls of different shapes."""
+    prev = implementation_report().get(key)
+    if prev and value not in prev.split("; "):
+        value = f"{prev}; {value}"
+    record_implementation(key, value)
+
+
 def _tgmm_choice(lhs, rhs, interpret: bool):
     """The weight-gradient config ``"pallas_gpu"`` passes to ``gmm`` (None: the Triton default), recorded under
-    ``TGMM_REPORT`` with the reason when it is not the warp-specialized kernel (module docstring)."""
+    ``TGMM_REPORT`` as the kernel the weight gradient runs if the call is differentiated, with the reason when
+    it is not the warp-specialized kernel (module docstring)."""
     if interpret:
         why = "interpreted"
     else:
@@ -171,19 +182,29 @@ def _tgmm_choice(lhs, rhs, interpret: bool):
         why = f"compute capability {cc}, not Hopper" if cc is not None and not cc.startswith("9.") else None
     cfg = ws_tgmm_config(lhs.shape[1], rhs.shape[2], lhs.dtype, gpu_sm_count()) if why is None else why
     if isinstance(cfg, str):
-        record_implementation(TGMM_REPORT, f"triton ({cfg})")
+        _record_distinct(TGMM_REPORT, f"triton ({cfg})")
         return None
-    record_implementation(TGMM_REPORT, f"tgmm_ws ({cfg.label()})")
+    _record_distinct(TGMM_REPORT, f"tgmm_ws ({cfg.label()})")
     return cfg
+
+
+def _fp8_in_kernel_problem(rhs: Fp8Weight, interpret: bool) -> str | None:
+    """Why ``"pallas_gpu"`` cannot dequantise these FP8 experts in the kernel (None when it can): blocks that
+    split a weight tile, or a GPU whose Triton has no e4m3 conversion (compute capability below 8.9)."""
+    why = fp8_unsupported(rhs.shape, rhs.block)
+    cc = None if interpret else gpu_compute_capability()
+    if why is None and cc is not None and tuple(int(x) for x in str(cc).split(".")[:2]) < (8, 9):
+        why = f"compute capability {cc}: Triton converts float8_e4m3fn from 8.9 on"
+    return why
 
 
 def _pallas(interpret: bool):
     def run(lhs, rhs, group_sizes, *, preferred_element_type):
         if isinstance(rhs, Fp8Weight):
-            why = fp8_unsupported(rhs.shape, rhs.block)
+            why = _fp8_in_kernel_problem(rhs, interpret)
             if why is None:
                 cfg = fp8_config(lhs.shape[0], rhs.shape[0], rhs.block)
-                record_implementation(FP8_REPORT, f"dequantised per tile in the kernel (gmm_fp8, {cfg.label()})")
+                _record_distinct(FP8_REPORT, f"dequantised per tile in the kernel (gmm_fp8, {cfg.label()})")
                 return gmm_fp8(lhs, rhs.w, rhs.scale_inv, group_sizes, scale_block=rhs.block, config=cfg,
                                interpret=interpret).astype(preferred_element_type)
             rhs = _dense_rhs(lhs, rhs, why)

@@ -392,6 +392,7 @@ def test_expert_parallel_path_lowers_for_cuda():
     wi = jax.random.normal(ks[1], (e, h, 2 * i), jnp.bfloat16)
     wo = jax.random.normal(ks[2], (e, i, h), jnp.bfloat16)
     w, ex, _ = moe.route(x, jax.random.normal(ks[3], (h, e)), jnp.zeros(e), k)
+    clear_implementation_report()
     with sh.use_mesh(sh.make_mesh(f"expert={len(jax.devices())}"), sh.load_rules("default")), assume_backend("gpu"):
         def loss(x, wi, wo):
             y = moe.moe_experts(x, w, ex, wi, wo, _act, implementation="pallas_gpu", ep_transport="all_to_all")
@@ -401,7 +402,8 @@ def test_expert_parallel_path_lowers_for_cuda():
     # shard_map (no GPU visible: lowering for Hopper), as recorded
     assert txt.count("__gpu$xla.gpu.triton") == 4
     assert len(re.findall(r"custom_call @mosaic_gpu", txt)) == 2, re.findall(r"custom_call @\w+", txt)
-    assert implementation_report()["grouped_matmul.tgmm"] == "tgmm_ws (ws64r64x128s3)"     # the last: wo, K = 64
+    # one record per distinct choice: wi (K = h = 128) and wo (K = i = 64)
+    assert implementation_report()["grouped_matmul.tgmm"] == "tgmm_ws (ws64r128x128s3); tgmm_ws (ws64r64x128s3)"
 
 
 def test_sum_above_rows_is_clipped():
@@ -443,7 +445,8 @@ def test_weight_gradient_kernel_choice(monkeypatch):
     assert ws_tgmm_config(3072, 3072, jnp.bfloat16, 132) == WsTgmmConfig(64, 128, 256, 3, num_sms=132)
     assert ws_tgmm_config(1536, 384, jnp.float16) == WsTgmmConfig(64, 128, 128, 3)
     assert ws_tgmm_config(64, 128, jnp.float32) == "dtype float32 is not bf16 / f16"
-    assert ws_tgmm_config(96, 200, jnp.bfloat16) == "K=96 / N=200 are not multiples of 64 / 128"
+    assert ws_tgmm_config(96, 200, jnp.bfloat16) == "K=96 is not a multiple of 64 and N=200 is not a multiple of 128"
+    assert ws_tgmm_config(64, 192, jnp.bfloat16) == "N=192 is not a multiple of 128"
     lhs = jax.ShapeDtypeStruct((512, 3072), jnp.bfloat16)
     rhs = jax.ShapeDtypeStruct((8, 3072, 1536), jnp.bfloat16)
     cases = [(None, False, "tgmm_ws (ws64r128x256s3)"), ("9.0", False, "tgmm_ws (ws64r128x256s3)"),

@@ -37,7 +37,8 @@ def test_expert_parallel_cases_match_dense():
     for case, row in zip(FP8_CASES, rows[len(CASES):]):
         assert row["fp8"] == case[3], row
         assert row["max_abs_err"] <= 1e-5, row
-    assert rows[-1] == {"ragged_on_cpu": "ImplementationUnavailable", "bad_transport": "ImplementationUnavailable"}
+    assert rows[-1] == {"ragged_on_cpu": "ImplementationUnavailable", "bad_transport": "ImplementationUnavailable",
+                        "fp8_grad_gpu_lowering": "ok"}
 
 
 FP8_CASES = [  # (mesh, expert width, scale block, expected record): FP8 experts vs the dequantised dense MoE
@@ -120,6 +121,21 @@ def _worker():
                           "max_abs_err": float(jnp.max(jnp.abs(got - ref)))}), flush=True)
 
     out = {}
+    # Gradients through FP8 experts with the GPU kernels inside the shard_map (GPU backend assumed, lowered for
+    # CUDA, nothing run): the in-kernel FP8 grouped matmul's custom VJP must type its cotangents like its primals
+    from minimax_jax.ops.registry import assume_backend
+    wi, wo = fp8(0.3 * jax.random.normal(jax.random.key(1), (4, 32, 64)), (16, 16)), \
+        fp8(0.3 * jax.random.normal(jax.random.key(2), (4, 32, 32)), (16, 16))
+    x = jax.random.normal(jax.random.key(3), (16, 32), jnp.bfloat16)
+    w, ex, _ = moe.route(x.astype(jnp.float32), jax.random.normal(jax.random.key(4), (32, 4)), jnp.zeros((4,)), k)
+    try:
+        with assume_backend("gpu"), sh.use_mesh(sh.make_mesh("expert=4,data=2"), sh.load_rules()):
+            g = jax.jit(jax.grad(lambda x: jnp.sum(moe.moe_experts(x, w, ex, wi, wo, act, implementation="pallas_gpu")
+                                                   .astype(jnp.float32))))
+            txt = g.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+        out["fp8_grad_gpu_lowering"] = "ok" if "gmm_fp8_gpu" in txt else "no gmm_fp8_gpu kernel"
+    except Exception as e:  # noqa: BLE001 - reported to the asserting test
+        out["fp8_grad_gpu_lowering"] = f"{type(e).__name__}: {str(e)[:300]}"
     mesh = sh.make_mesh("expert=8")
     x = jnp.ones((8, h))
     w, ex = jnp.full((8, k), 0.5), jnp.zeros((8, k), jnp.int32)

@@ -87,6 +87,7 @@ FP8_WAYS = {"xla": "dequantised 8 experts per scan step (xla)",
 @pytest.mark.parametrize("groups", [5, 16])   # 16: two scan chunks of the xla path
 @pytest.mark.parametrize("block", [(128, 8), (128, 128)])     # the kernel dequantises (128, 128) blocks per tile
 def test_grouped_matmul_fp8_matches_numpy(impl, groups, block):
+    clear_implementation_report()
     rng = np.random.default_rng(groups)
     fw, deq = _fp8((groups, H, 72), block, groups)
     sizes = rng.integers(0, 7, groups)
@@ -148,3 +149,26 @@ def test_moe_experts_on_fp8_weights_match_numpy(impl):
         jnp.asarray(x), jnp.asarray(weights), jnp.asarray(experts), wi, wo)
     want = _np_moe(x, weights, experts, wi_d, wo_d)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_fp8_lhs_gradient_keeps_lhs_dtype():
+    """The in-kernel FP8 path's lhs gradient is in lhs.dtype over the weights dequantised to it: float32 rows get
+    a float32 gradient at float32 accuracy (against float64 NumPy), as the xla path does."""
+    rng = np.random.default_rng(3)
+    fw, deq = _fp8((4, 128, 64), (64, 64), 5)
+    sizes = np.asarray([10, 0, 17, 9], np.int32)
+    lhs = jnp.asarray(rng.standard_normal((40, 128)), jnp.float32)
+    cot = rng.standard_normal((40, 64))
+    want = np.zeros((40, 128))
+    o = 0
+    for g, n in enumerate(sizes):
+        want[o:o + n] = cot[o:o + n] @ deq[g].T
+        o += n
+    for impl in ("xla", "pallas_gpu_interpret"):
+        clear_implementation_report()
+        got = jax.grad(lambda a: jnp.sum(grouped_matmul(a, fw, jnp.asarray(sizes), implementation=impl)
+                                         * jnp.asarray(cot, jnp.float32)))(lhs)
+        assert got.dtype == jnp.float32, impl
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg=impl)
+    assert implementation_report()[FP8_REPORT].startswith("dequantised per tile in the kernel")
+
