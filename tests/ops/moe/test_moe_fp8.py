@@ -172,3 +172,15 @@ def test_fp8_lhs_gradient_keeps_lhs_dtype():
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg=impl)
     assert implementation_report()[FP8_REPORT].startswith("dequantised per tile in the kernel")
 
+
+
+def test_fp8_in_kernel_refused_below_compute_capability_8_9(monkeypatch):
+    """Triton converts e4m3 only from compute capability 8.9: an older GPU dequantises first (with the reason),
+    Hopper and a CPU lowering (no GPU visible) keep the in-kernel path; blocks finer than a tile are refused."""
+    from minimax_jax.ops.moe import grouped_matmul as gm
+    fw, _ = _fp8((2, 128, 128), (128, 128), 1)
+    for cc, want in (("8.0", "compute capability 8.0: Triton converts float8_e4m3fn from 8.9 on"), ("8.9", None),
+                     ("9.0", None), (None, None)):
+        monkeypatch.setattr(gm, "gpu_compute_capability", lambda cc=cc: cc)
+        assert gm._fp8_in_kernel_problem(fw, interpret=False) == want
+    assert "16 x 16" in gm._fp8_in_kernel_problem(_fp8((2, 128, 128), (128, 8), 1)[0], interpret=True)
