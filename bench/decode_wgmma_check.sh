@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: the Hopper decode kernel's GPU tests, then the serving cells of bench/msa_decode.py with
-# the Triton tiling and the wgmma tilings side by side (Q = 8), then the Triton Q = 1 baseline.
+# the Triton tiling and the wgmma tilings side by side (Q = 8), then the Triton Q = 1 baseline; with CORR_S > 0
+# also the wgmma Q = 8 cells with correlated draft rows (--serving-row-corr 0.97) for that many seconds.
 # Run from the repository root with OUT set (the device tool's output folder).
 set -u
 : "${OUT:?set OUT to the output folder}"
@@ -15,9 +16,19 @@ echo "q8 rc $?"
 timeout "${Q1_S:-100}" python3 bench/msa_decode.py --contexts "" --serving --serving-first "${CELLS:-64x4096,128x5120}" \
     --serving-batches "" --serving-contexts "" --serving-q 1 --serving-tilings default --out "$OUT/q1" > "$OUT/q1.log" 2>&1
 echo "q1 rc $?"
-grep -h "^serving {" "$OUT/q8.log" "$OUT/q1.log" | python3 -c '
+if [ "${CORR_S:-0}" -gt 0 ]; then   # optional: MTP-like correlated draft rows (the demo's rows behave like c ~ 0.97)
+    timeout "$CORR_S" python3 bench/msa_decode.py --contexts "" --serving --serving-first "${CELLS:-64x4096,128x5120}" \
+        --serving-batches "" --serving-contexts "" --serving-q 8 --serving-tilings wgmma --serving-row-corr 0.97 \
+        --out "$OUT/corr" > "$OUT/corr.log" 2>&1
+    echo "corr rc $?"
+fi
+for f in "$OUT/q8.log" "$OUT/q1.log" "$OUT/corr.log"; do
+    [ -f "$f" ] && grep -h "^serving {" "$f" | sed "s|^serving |$(basename "$f" .log) |"
+done | python3 -c '
 import json, sys
-print("batch x ctx | Q | tiling | index | dense ms | msa ms | x")
+print("run | batch x ctx | Q | tiling | index | dense ms | msa ms | x")
 for line in sys.stdin:
-    d = json.loads(line.split(" ", 1)[1])
-    print(f"{d[\"batch\"]}x{d[\"context\"]} | {d[\"q_rows\"]} | {d[\"tiling\"]} | {d[\"index_dtype\"]} | {d[\"dense_ms\"]:.4f} | {d[\"msa_ms\"]:.4f} | {d[\"speedup\"]:.3f}")'
+    run, rest = line.split(" ", 1)
+    d = json.loads(rest)
+    print("%s | %sx%s | %s | %s | %s | %.4f | %.4f | %.3f" % (run, d["batch"], d["context"], d["q_rows"], d["tiling"],
+                                                          d["index_dtype"], d["dense_ms"], d["msa_ms"], d["speedup"]))'
