@@ -9,11 +9,11 @@ set -u
 : "${OUT:?set OUT to the output folder}"
 cd "$(dirname "$0")/.."
 nvidia-smi --query-gpu=name --format=csv,noheader
-timeout "${MOE_S:-270}" python3 bench/moe.py --models m2,m3 --tokens 8192 --variants pallas_gpu_gmm,dense_matmul \
+timeout "${MOE_S:-300}" python3 bench/moe.py --models m2,m3 --tokens 8192 --variants pallas_gpu_gmm,dense_matmul \
     --rounds 3 --reps 5 --out "$OUT/moe" > "$OUT/moe.log" 2>&1
 echo "moe rc $?"; grep -E "sweep adopted|Pallas configs|ratio" "$OUT/moe.log" | tail -12
-timeout "${FP8_S:-130}" python3 bench/moe_fp8.py --tokens 1,32,128,8192 --reps 10 --out "$OUT/fp8" > "$OUT/fp8.log" 2>&1
+timeout "${FP8_S:-110}" python3 bench/moe_fp8.py --tokens 1,32,128,8192 --reps 10 --out "$OUT/fp8" > "$OUT/fp8.log" 2>&1
 echo "fp8 rc $?"; tail -12 "$OUT/fp8.log"
-timeout "${TRAIN_S:-150}" python3 bench/train_step.py --modes dense --batch 8 --steps 3 --warmup 1 --remat dots_kernels \
+timeout "${TRAIN_S:-140}" python3 bench/train_step.py --modes dense --batch 8 --steps 3 --warmup 1 --remat dots_kernels \
     --out "$OUT/train" > "$OUT/train.log" 2>&1
 echo "train rc $?"; grep -iE "mfu|grouped_matmul|step" "$OUT/train.log" | tail -6
