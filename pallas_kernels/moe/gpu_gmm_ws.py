@@ -42,13 +42,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.common import (match_vma, mosaic_interpret_params, mosaic_smem_transforms, searchsorted,
                                    typed_out_struct)
 from pallas_kernels.moe.groups import group_bounds
+from pallas_kernels.moe.ws_ring import (COMPUTE_REGISTERS, MEMORY_REGISTERS, check_config, drain_steps, fill_steps,
+                                        mma_steps)
 
 __all__ = ["WsGmmConfig", "WS_GMM_CANDIDATES", "ws_visits", "gmm_ws"]
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-_SMEM_BYTES = 227 * 1024          # Hopper: dynamic shared memory per CTA
-_MEMORY_REGISTERS = 40
-_COMPUTE_REGISTERS = 232
 _WG_ROWS = 64                     # rows per compute warpgroup (one wgmma M)
 
 
@@ -66,21 +65,7 @@ class WsGmmConfig:
     block_m = 2 * _WG_ROWS
 
     def __post_init__(self):
-        for name in ("block_k", "block_n", "stages"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool):
-                raise ValueError(f"WsGmmConfig.{name} must be an int, got {v!r}")
-        if self.num_sms is not None and (not isinstance(self.num_sms, int) or self.num_sms < 1):
-            raise ValueError(f"WsGmmConfig.num_sms must be None or an int >= 1, got {self.num_sms!r}")
-        if self.block_k not in (64, 128):
-            raise ValueError(f"WsGmmConfig.block_k must be 64 or 128, got {self.block_k!r}")
-        if self.block_n not in (128, 256):
-            raise ValueError(f"WsGmmConfig.block_n must be 128 or 256, got {self.block_n!r}")
-        if self.stages < 2:
-            raise ValueError(f"WsGmmConfig.stages must be an int >= 2, got {self.stages!r}")
-        if self.smem_bytes(2) > _SMEM_BYTES:
-            raise ValueError(f"WsGmmConfig {self.label()} needs {self.smem_bytes(2) // 1024} KiB of shared memory "
-                             f"(> {_SMEM_BYTES // 1024} KiB)")
+        check_config(self, {"block_k": (64, 128), "block_n": (128, 256)}, self.smem_bytes(2))
 
     def smem_bytes(self, itemsize: int) -> int:
         """Shared memory of the ring (lhs + weight blocks per stage) plus the two epilogue tiles."""
@@ -201,55 +186,32 @@ def gmm_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_
 
             @pl.when(wg == 2)
             def _memory():
-                plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+                plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
                 @over_tiles
                 def used(gi, row0, lo, hi, ni, steps, carry):
-                    def step(s, c):
-                        slot = lax.rem(c, stages)
-
-                        @pl.when(c >= stages)
-                        def _():
-                            plgpu.barrier_wait(consumed.at[slot])    # both compute warpgroups released it
+                    def load(s, slot, barrier):
                         ks = pl.ds(pl.multiple_of(s * bk, bk), bk)
                         plgpu.copy_gmem_to_smem(lhs_ref.at[pl.ds(pl.multiple_of(row0, 8), bm), ks], lhs_smem.at[slot],
-                                                produced.at[slot])
+                                                barrier)
                         cols = pl.ds(pl.multiple_of(ni * bn, bn), bn)
                         src = rhs_ref.at[gi, cols, ks] if transpose_rhs else rhs_ref.at[gi, ks, cols]
-                        plgpu.copy_gmem_to_smem(src, rhs_smem.at[slot], produced.at[slot])
-                        return c + 1
-                    return lax.fori_loop(0, steps, step, carry)
-
-                def drain(j, carry):     # observe the last release of each slot before the barriers go away
-                    plgpu.barrier_wait(consumed.at[lax.rem(j, stages)])
-                    return carry
-                lax.fori_loop(jnp.maximum(used - stages, 0), used, drain, None)
+                        plgpu.copy_gmem_to_smem(src, rhs_smem.at[slot], barrier)
+                    return fill_steps(produced, consumed, stages, steps, carry, load)
+                drain_steps(consumed, stages, used)
 
             @pl.when(wg < 2)
             def _compute():
-                plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+                plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
 
                 @over_tiles
                 def _tiles(gi, row0, lo, hi, ni, steps, carry):
                     def acc_scope(acc_ref):
-                        def step(s, c):
-                            slot = lax.rem(c, stages)
-                            plgpu.barrier_wait(produced.at[slot])
+                        def mma(s, slot):
                             w_ref = rhs_smem.at[slot]
                             plgpu.wgmma(acc_ref, lhs_smem.at[slot, pl.ds(wg * _WG_ROWS, _WG_ROWS)],
                                         w_ref.transpose((1, 0)) if transpose_rhs else w_ref)
-                            plgpu.wgmma_wait(1)                    # the previous step's wgmma is done
-
-                            @pl.when(s > 0)
-                            def _():
-                                plgpu.barrier_arrive(consumed.at[lax.rem(c + (stages - 1), stages)])
-                            return c + 1
-                        c_end = lax.fori_loop(0, steps, step, carry)
-                        plgpu.wgmma_wait(0)
-
-                        @pl.when(steps > 0)
-                        def _():
-                            plgpu.barrier_arrive(consumed.at[lax.rem(c_end + (stages - 1), stages)])
+                        c_end = mma_steps(produced, consumed, stages, steps, carry, mma)
                         return acc_ref[...], c_end
 
                     acc, c_end = pl.run_scoped(acc_scope, plgpu.ACC((_WG_ROWS, bn), jnp.float32))

@@ -41,20 +41,18 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import match_vma, mosaic_interpret_params, mosaic_smem_transforms, typed_out_struct
 from pallas_kernels.moe.groups import group_bounds
+from pallas_kernels.moe.ws_ring import (COMPUTE_REGISTERS, MEMORY_REGISTERS, check_config, drain_steps, fill_steps,
+                                        mma_steps)
 
 __all__ = ["WsTgmmConfig", "WS_TGMM_CANDIDATES", "tgmm_ws", "ws_tgmm_config"]
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-_SMEM_BYTES = 227 * 1024          # Hopper: dynamic shared memory per CTA
-_MEMORY_REGISTERS = 40            # per thread of the memory warpgroup (JAX's Hopper matmul uses 40)
-_COMPUTE_REGISTERS = 232          # (512 - 40) / 2 rounded down to a multiple of 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,26 +74,7 @@ class WsTgmmConfig:
     num_sms: int | None = None
 
     def __post_init__(self):
-        for name in ("block_rows", "block_k", "block_n", "stages"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-                raise ValueError(f"WsTgmmConfig.{name} must be an int, got {v!r}")
-            object.__setattr__(self, name, int(v))
-        if self.num_sms is not None:
-            if isinstance(self.num_sms, bool) or not isinstance(self.num_sms, (int, np.integer)) or self.num_sms < 1:
-                raise ValueError(f"WsTgmmConfig.num_sms must be None or an int >= 1, got {self.num_sms!r}")
-            object.__setattr__(self, "num_sms", int(self.num_sms))
-        if self.block_rows not in (64, 128):
-            raise ValueError(f"WsTgmmConfig.block_rows must be 64 or 128, got {self.block_rows!r}")
-        if self.block_k not in (64, 128):
-            raise ValueError(f"WsTgmmConfig.block_k must be 64 or 128, got {self.block_k!r}")
-        if self.block_n not in (128, 256):
-            raise ValueError(f"WsTgmmConfig.block_n must be 128 or 256, got {self.block_n!r}")
-        if self.stages < 2:
-            raise ValueError(f"WsTgmmConfig.stages must be an int >= 2, got {self.stages!r}")
-        if self.smem_bytes(2) > _SMEM_BYTES:
-            raise ValueError(f"WsTgmmConfig {self.label()} needs {self.smem_bytes(2) // 1024} KiB of shared memory "
-                             f"(> {_SMEM_BYTES // 1024} KiB on Hopper): fewer stages or smaller blocks")
+        check_config(self, {"block_rows": (64, 128), "block_k": (64, 128), "block_n": (128, 256)}, self.smem_bytes(2))
 
     def smem_bytes(self, itemsize: int) -> int:
         """Shared memory of the ring (lhs + dout blocks per stage) plus the two epilogue tiles."""
@@ -224,43 +203,29 @@ def tgmm_ws(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, config: 
 
             @pl.when(wg == 2)
             def _memory():
-                plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+                plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
                 @over_tiles
                 def used(gi, ki, ni, carry):
                     a0, nsteps, _, _ = rows_of(gi)
 
-                    def step(s, c):
-                        slot = lax.rem(c, stages)
-
-                        @pl.when(c >= stages)
-                        def _():
-                            plgpu.barrier_wait(consumed.at[slot])    # both compute warpgroups released it
+                    def load(s, slot, barrier):
                         rows = pl.ds(pl.multiple_of(a0 + s * br, 8), br)
-                        plgpu.copy_gmem_to_smem(lhs_ref.at[rows, pl.ds(ki * bk, bk)], lhs_smem.at[slot],
-                                                produced.at[slot])
-                        plgpu.copy_gmem_to_smem(dout_ref.at[rows, pl.ds(ni * bn, bn)], dout_smem.at[slot],
-                                                produced.at[slot])
-                        return c + 1
-                    return lax.fori_loop(0, nsteps, step, carry)
-
-                def drain(j, carry):     # observe the last release of each slot before the barriers go away
-                    plgpu.barrier_wait(consumed.at[lax.rem(j, stages)])
-                    return carry
-                lax.fori_loop(jnp.maximum(used - stages, 0), used, drain, None)
+                        plgpu.copy_gmem_to_smem(lhs_ref.at[rows, pl.ds(ki * bk, bk)], lhs_smem.at[slot], barrier)
+                        plgpu.copy_gmem_to_smem(dout_ref.at[rows, pl.ds(ni * bn, bn)], dout_smem.at[slot], barrier)
+                    return fill_steps(produced, consumed, stages, nsteps, carry, load)
+                drain_steps(consumed, stages, used)
 
             @pl.when(wg < 2)
             def _compute():
-                plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+                plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
 
                 @over_tiles
                 def _tiles(gi, ki, ni, carry):
                     _, nsteps, lo, hi = rows_of(gi)
 
                     def acc_scope(acc_ref):
-                        def step(s, c):
-                            slot = lax.rem(c, stages)
-                            plgpu.barrier_wait(produced.at[slot])
+                        def mma(s, slot):
                             d_ref = dout_smem.at[slot, :, pl.ds(wg * bh, bh)]
                             r_lo, r_hi = lo - s * br, hi - s * br          # live rows of this block
 
@@ -271,18 +236,7 @@ def tgmm_ws(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, config: 
                                 d_ref[...] = jnp.where((idx >= r_lo) & (idx < r_hi), x, jnp.zeros_like(x))
                                 plgpu.commit_smem()
                             plgpu.wgmma(acc_ref, _transposed(lhs_smem.at[slot]), d_ref)
-                            plgpu.wgmma_wait(1)                    # the previous step's wgmma is done
-
-                            @pl.when(s > 0)
-                            def _():
-                                plgpu.barrier_arrive(consumed.at[lax.rem(c + (stages - 1), stages)])
-                            return c + 1
-                        c_end = lax.fori_loop(0, nsteps, step, carry)
-                        plgpu.wgmma_wait(0)
-
-                        @pl.when(nsteps > 0)
-                        def _():
-                            plgpu.barrier_arrive(consumed.at[lax.rem(c_end + (stages - 1), stages)])
+                        c_end = mma_steps(produced, consumed, stages, nsteps, carry, mma)
                         return acc_ref[...], c_end
 
                     acc, c_end = pl.run_scoped(acc_scope, plgpu.ACC((bk, bh), jnp.float32))
