@@ -12,7 +12,7 @@ CPU smoke run (tiny shapes; the Pallas kernels run in interpret mode):
    groups with empty ones and sizes off the tiles, rows past the sum) of y, dlhs, drhs against an
    fp32 reference (masked dense einsum, Precision.HIGHEST): relative Frobenius error, pass < 1e-2;
    then a sweep of the tile configs (``CANDIDATES`` / ``TGMM_CANDIDATES``, incl. tail folding; on a GPU also
-   the warp-specialized Mosaic GPU kernels' ``WS_GMM_CANDIDATES`` / ``WS_TGMM_CANDIDATES``) at one
+   the warp-specialized Mosaic GPU kernels' ``WS_GMM_CANDIDATES`` / ``WS_TGMM_CANDIDATES`` unless ``--no-ws``) at one
    shape (``--sweep-model`` / ``--sweep-tokens``, default M2 first projection at 8K tokens:
    [65536, 3072] x [256, 3072, 3072]) timing the forward, dlhs (transposed) and tgmm kernels
    (``--sweep-kernels`` picks a subset) separately next to a dense matmul of the same FLOPs
@@ -354,8 +354,9 @@ def sweep(model, s, tokens, dtype, impl, args, tiny, kernel_names=SWEEP_KERNELS)
     interp = impl == "pallas_gpu_interpret"
     # on a GPU the warp-specialized Mosaic GPU kernels join the Triton candidates (after them: the first
     # config stays the reference of rel_err_vs_first)
-    ws_fwd = () if interp else tuple(dataclasses.replace(c, num_sms=gpu_sm_count()) for c in WS_GMM_CANDIDATES)
-    ws_tgmm = () if interp else tuple(dataclasses.replace(c, num_sms=gpu_sm_count()) for c in WS_TGMM_CANDIDATES)
+    ws = not interp and not getattr(args, "no_ws", False)
+    ws_fwd = tuple(dataclasses.replace(c, num_sms=gpu_sm_count()) for c in WS_GMM_CANDIDATES) if ws else ()
+    ws_tgmm = tuple(dataclasses.replace(c, num_sms=gpu_sm_count()) for c in WS_TGMM_CANDIDATES) if ws else ()
     kernels = {
         "fwd": (gpu_gmm.CANDIDATES + ws_fwd, lambda c: jax.jit(lambda a, b, g: gpu_gmm.gmm_forward(
             a, b, g, config=c, interpret=interp)), (xs, wi, gs)),
@@ -419,6 +420,8 @@ def main():
                     help="time expert parallelism over all visible devices (>= 2): EP MoE layer, the token exchange "
                          "alone per transport, and the same layer on one device (module docstring, 3.)")
     ap.add_argument("--no-sweep", action="store_true", help="skip the Pallas tile-config sweep (defaults)")
+    ap.add_argument("--no-ws", action="store_true",
+                    help="sweep the Triton configs only (not the warp-specialized Mosaic GPU candidates)")
     ap.add_argument("--sweep-model", default="m2", choices=sorted(SHAPES), help="model shape of the tile sweep")
     ap.add_argument("--sweep-tokens", type=int, default=8192, help="tokens of the tile sweep's problem")
     ap.add_argument("--sweep-kernels", default=",".join(SWEEP_KERNELS),
