@@ -88,8 +88,8 @@ def test_tgmm_ws_probe_flags_and_cpu_run(tmp_path):
 
 def test_moe_fp8_tiny(tmp_path):
     """bench/moe_fp8.py --tiny: the check compares the in-kernel FP8 path with the bf16 kernels on the
-    dequantised weights and names the path that ran; every variant has a row per cell; the table prints."""
-    r = _run("moe_fp8.py", f"--out={tmp_path}", "--tiny", "--models=m2", "--tokens=4,64")
+    dequantised weights and names the path that ran; every chosen variant has a row per cell; the table prints."""
+    r = _run("moe_fp8.py", f"--out={tmp_path}", "--tiny", "--models=m2", "--tokens=4,64", "--variants=bf16_auto,fp8_kernel")
     assert r.returncode == 0, r.stderr[-3000:]
     with open(os.path.join(tmp_path, "moe_fp8.json")) as f:
         res = json.load(f)
@@ -98,7 +98,7 @@ def test_moe_fp8_tiny(tmp_path):
         assert c["ok"] and c["rel_err"] < 1e-2, c
         assert c["fp8_ran"]["grouped_matmul.fp8"].startswith("dequantised per tile in the kernel"), c
     assert sorted((x["tokens"], x["variant"]) for x in res["rows"]) == sorted(
-        (t, v) for t in (4, 64) for v in ("bf16_auto", "bf16_pallas", "fp8_dequant", "fp8_kernel"))
+        (t, v) for t in (4, 64) for v in ("bf16_auto", "fp8_kernel"))
     assert all(x["ms"] > 0 for x in res["rows"])
     fp8 = {x["tokens"]: x["weight_bytes"] for x in res["rows"] if x["variant"] == "fp8_kernel"}
     bf16 = {x["tokens"]: x["weight_bytes"] for x in res["rows"] if x["variant"] == "bf16_auto"}
