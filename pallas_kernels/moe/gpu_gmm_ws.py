@@ -43,7 +43,7 @@ from pallas_kernels.common import (match_vma, mosaic_interpret_params, mosaic_sm
                                    typed_out_struct)
 from pallas_kernels.moe.groups import group_bounds
 from pallas_kernels.moe.ws_ring import (COMPUTE_REGISTERS, MEMORY_REGISTERS, check_config, drain_steps, fill_steps,
-                                        mma_steps)
+                                        mma_steps, over_tiles)
 
 __all__ = ["WsGmmConfig", "WS_GMM_CANDIDATES", "ws_visits", "gmm_ws"]
 
@@ -174,13 +174,6 @@ def gmm_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_
             steps = jnp.where((gi < g) & (hi > lo), nk, 0)
             return gi, row0, lo, hi, t - v * nn, steps
 
-        def over_tiles(per_tile):
-            """This CTA's tiles in order, a running slot count as the carry; returns the final count."""
-            @plgpu.nd_loop((num_tiles,), collective_axes="sm", init_carry=jnp.int32(0))
-            def run(info, carry):
-                return per_tile(*visit(info.index[0]), carry)
-            return run
-
         def scope(lhs_smem, rhs_smem, out_smem, produced, consumed):
             wg = lax.axis_index("wg")
 
@@ -188,7 +181,7 @@ def gmm_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_
             def _memory():
                 plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
-                @over_tiles
+                @over_tiles(num_tiles, visit)
                 def used(gi, row0, lo, hi, ni, steps, carry):
                     def load(s, slot, barrier):
                         ks = pl.ds(pl.multiple_of(s * bk, bk), bk)
@@ -204,7 +197,7 @@ def gmm_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_
             def _compute():
                 plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
 
-                @over_tiles
+                @over_tiles(num_tiles, visit)
                 def _tiles(gi, row0, lo, hi, ni, steps, carry):
                     def acc_scope(acc_ref):
                         def mma(s, slot):

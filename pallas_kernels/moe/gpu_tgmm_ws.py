@@ -48,7 +48,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.common import match_vma, mosaic_interpret_params, mosaic_smem_transforms, typed_out_struct
 from pallas_kernels.moe.groups import group_bounds
 from pallas_kernels.moe.ws_ring import (COMPUTE_REGISTERS, MEMORY_REGISTERS, check_config, drain_steps, fill_steps,
-                                        mma_steps)
+                                        mma_steps, over_tiles)
 
 __all__ = ["WsTgmmConfig", "WS_TGMM_CANDIDATES", "tgmm_ws", "ws_tgmm_config"]
 
@@ -190,14 +190,6 @@ def tgmm_ws(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, config: 
             nsteps = jnp.where(size > 0, lax.div(lo + size + (br - 1), br), 0)
             return a0, nsteps, lo, lo + size
 
-        def over_tiles(per_tile):
-            """This CTA's output tiles in order (``nd_loop`` over the SMs), a running slot count as the carry:
-            ``per_tile(group, K tile, N tile, count) -> count``; returns the final count."""
-            @plgpu.nd_loop((num_tiles,), collective_axes="sm", init_carry=jnp.int32(0))
-            def run(info, carry):
-                return per_tile(*decode(info.index[0]), carry)
-            return run
-
         def scope(lhs_smem, dout_smem, out_smem, produced, consumed):
             wg = lax.axis_index("wg")
 
@@ -205,7 +197,7 @@ def tgmm_ws(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, config: 
             def _memory():
                 plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
-                @over_tiles
+                @over_tiles(num_tiles, decode)
                 def used(gi, ki, ni, carry):
                     a0, nsteps, _, _ = rows_of(gi)
 
@@ -220,7 +212,7 @@ def tgmm_ws(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, config: 
             def _compute():
                 plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
 
-                @over_tiles
+                @over_tiles(num_tiles, decode)
                 def _tiles(gi, ki, ni, carry):
                     _, nsteps, lo, hi = rows_of(gi)
 

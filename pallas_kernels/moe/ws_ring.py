@@ -16,8 +16,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-__all__ = ["SMEM_BYTES", "MEMORY_REGISTERS", "COMPUTE_REGISTERS", "check_config", "fill_steps", "drain_steps",
-           "mma_steps"]
+__all__ = ["SMEM_BYTES", "MEMORY_REGISTERS", "COMPUTE_REGISTERS", "check_config", "over_tiles", "fill_steps",
+           "drain_steps", "mma_steps"]
 
 SMEM_BYTES = 227 * 1024          # Hopper: dynamic shared memory per CTA
 MEMORY_REGISTERS = 40            # per thread of the memory warpgroup (JAX's Hopper matmul uses 40)
@@ -47,6 +47,18 @@ def check_config(cfg, choices: dict[str, tuple[int, ...]], smem_bytes: int) -> N
     if smem_bytes > SMEM_BYTES:
         raise ValueError(f"{name} {cfg.label()} needs {smem_bytes // 1024} KiB of shared memory "
                          f"(> {SMEM_BYTES // 1024} KiB on Hopper): fewer stages or smaller blocks")
+
+
+def over_tiles(num_tiles: int, decode):
+    """Decorator: run ``per_tile(*decode(t), count) -> count`` over this CTA's share of the ``num_tiles`` output
+    tiles in order (``plgpu.nd_loop`` over the SMs), the ring's slot counter as the carry (from 0); the
+    decorated name becomes the final count."""
+    def deco(per_tile):
+        @plgpu.nd_loop((num_tiles,), collective_axes="sm", init_carry=jnp.int32(0))
+        def run(info, carry):
+            return per_tile(*decode(info.index[0]), carry)
+        return run
+    return deco
 
 
 def fill_steps(produced, consumed, stages: int, nsteps, carry, load):
