@@ -14,7 +14,8 @@ tokens per step (``--tokens``: decode batches and a prefill chunk), the forward 
 Check first (per model, at the smallest and largest token count): ``fp8_kernel`` against ``bf16_pallas`` on the
 dequantised weights (relative Frobenius error, pass < 1e-2; the path each ran is printed from the ops report).
 Rows: median ms of ``--reps`` calls after a warm-up, the layer's weight bytes, the compiled step's temporary bytes
-(``memory_analysis``: the dequantised copy shows there) and ``vs_bf16_auto``. A wall-clock budget
+(``memory_analysis``: the dequantised copy shows there) and ``vs_bf16_auto``; ``device_memory``: the allocator's
+bytes in use added by the FP8 experts (with the step's inputs) and by their bf16 copy (GPU only). A wall-clock budget
 (``--budget-s``) stops starting new cases; skipped cases are listed. Writes ``moe_fp8.json`` and prints a table.
 """
 
@@ -95,6 +96,12 @@ def _nbytes(*ws):
     return int(sum(w.nbytes if isinstance(w, Fp8Weight) else w.size * w.dtype.itemsize for w in ws))
 
 
+def _in_use() -> int | None:
+    """Bytes the first device's allocator holds (None where the backend reports none, e.g. the CPU)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("bytes_in_use")
+
+
 def _rel(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
@@ -125,7 +132,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     t_start = time.perf_counter()
     res = {"info": {"jax": jax.__version__, "device": str(jax.devices()[0].device_kind), "tiny": args.tiny,
-                    "argv": sys.argv[1:]}, "checks": [], "rows": [], "skipped": []}
+                    "argv": sys.argv[1:]}, "checks": [], "rows": [], "device_memory": [], "skipped": []}
     print(f"jax {jax.__version__} on {res['info']['device']}; models {models}, tokens {tokens}", flush=True)
     for model in models:
         s = (TINY if args.tiny else SHAPES)[model]
@@ -133,8 +140,16 @@ def main(argv=None):
             if time.perf_counter() - t_start > args.budget_s:
                 res["skipped"].append(f"{model} x {t}")
                 continue
+            used0 = _in_use()
             x, w, ex, wi8, wo8 = _problem(s, t, 0)
-            wi16, wo16 = (jax.jit(lambda q: q.astype(jnp.bfloat16))(q) for q in (wi8, wo8))
+            used8 = _in_use()
+            wi16, wo16 = jax.block_until_ready(tuple(jax.jit(lambda q: q.astype(jnp.bfloat16))(q) for q in (wi8, wo8)))
+            used16 = _in_use()
+            if None not in (used0, used8, used16):   # device memory the layer's experts take (GPU allocator)
+                res["device_memory"].append({"model": model, "tokens": t, "fp8_bytes": used8 - used0,
+                                             "bf16_bytes": used16 - used8})
+                print(f"{model} x {t}: device memory of the experts: FP8 {(used8 - used0) / 2**30:.2f} GiB (with "
+                      f"the step's inputs), bf16 {(used16 - used8) / 2**30:.2f} GiB", flush=True)
             if t in (tokens[0], tokens[-1]):
                 got = {}
                 for v, ws in (("fp8_kernel", (wi8, wo8)), ("bf16_pallas", (wi16, wo16))):
@@ -161,6 +176,7 @@ def main(argv=None):
                       f"{(temp or 0) / 2**30:6.2f} GiB  {ran}", flush=True)
             with open(os.path.join(args.out, "moe_fp8.json"), "w") as fh:
                 json.dump(res, fh, indent=1)
+            del x, w, ex, wi8, wo8, wi16, wo16      # freed before the next cell's memory reading
     base = {(r["model"], r["tokens"]): r["ms"] for r in res["rows"] if r["variant"] == "bf16_auto"}
     print("\n| model | tokens | " + " | ".join(f"{v} ms" for v in variants) + " | fp8_kernel vs bf16_auto |")
     print("|---|---|" + "---|" * (len(variants) + 1))
