@@ -16,7 +16,7 @@ Implementations (registry op ``"grouped_matmul"``, ``implementation=``):
   for one) the weight gradient runs the warp-specialized Mosaic GPU kernel (``gpu_tgmm_ws``) wherever its
   tiles fit (bf16 / f16, K % 64, N % 128: ``ws_tgmm_config``), the Triton one elsewhere; which one, and why,
   is recorded under ``"grouped_matmul.tgmm"`` (the kernel the weight gradient runs if the call is
-  differentiated; distinct choices of one trace are joined by "; "). GPU backend only. Accuracy and rates: BENCHMARKS.md (MoE).
+  differentiated; the distinct choices since the report was last cleared are joined by "; "). GPU backend only. Accuracy and rates: BENCHMARKS.md (MoE).
 - ``"pallas_gpu_interpret"``: the same kernels in Pallas interpret mode (any backend; CPU tests).
 - ``"auto"``: ``"pallas_gpu"`` on a GPU backend, ``"xla"`` elsewhere (CPU, and TPU, where no project
   kernel exists and tokamax is opt-in).
@@ -127,7 +127,7 @@ def _dense_rhs(lhs, rhs, why: str):
 
 def _xla(lhs, rhs, group_sizes, *, preferred_element_type):
     if isinstance(rhs, Fp8Weight):
-        record_implementation(FP8_REPORT, f"dequantised {FP8_EXPERTS_PER_STEP} experts per scan step (xla)")
+        _record_distinct(FP8_REPORT, f"dequantised {FP8_EXPERTS_PER_STEP} experts per scan step (xla)")
         return _xla_fp8(lhs, rhs, group_sizes, preferred_element_type)
     return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
 
@@ -163,8 +163,8 @@ TGMM_REPORT = OP + ".tgmm"
 
 
 def _record_distinct(key: str, value: str) -> None:
-    """Record ``value`` under ``key``, keeping the distinct values recorded before ("; "-joined): one MoE layer
-    traces two grouped matmuls of different shapes."""
+    """Record ``value`` under ``key``, keeping the distinct values recorded since the report was last cleared
+    ("; "-joined): one MoE layer traces two grouped matmuls of different shapes."""
     prev = implementation_report().get(key)
     if prev and value not in prev.split("; "):
         value = f"{prev}; {value}"
