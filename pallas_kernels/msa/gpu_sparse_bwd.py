@@ -36,7 +36,7 @@ from pallas_kernels.msa.gpu_sparse_fwd import (PARTIALS_BUDGET, Window, mask_log
                                               tile_loops, tile_rows)
 
 __all__ = ["sparse_bwd_kv_outer", "default_bwd_chunk", "default_bwd_query_chunk", "slice_bounds", "owned", "add_owned",
-           "follow_counts", "merge_pieces"]
+           "follow_counts", "merge_pieces", "sum_dq_partials", "over_query_chunks"]
 
 _LOG2E = math.log2(math.e)
 
@@ -241,9 +241,38 @@ def _chunk_bwd(q, do, lse, delta, ids, starts, qpos, qseg, dk, dv, *, prep_k, pr
       dk, dv)
     dk, dv = merge_pieces(key, run_end, n_valid, kvpos, kvseg, [bdk, bdv], [dk, dv], blk=blk,
                           chunk=chunk, interpret=interpret)
+    return sum_dq_partials(dqp[:, :t], ids, hg, q.dtype), dk, dv
+
+
+def sum_dq_partials(dqp, ids, hg, dtype):
+    """dq [B,T,H,D] ``dtype``: the per-(token, slot) partials dqp [B,T,K,H,D] summed over the valid slots of
+    ids [B,G,T,K] in f32 (unused slots are bit-masked: their partials may be undefined)."""
     valid = jnp.repeat(jnp.transpose(ids >= 0, (0, 2, 3, 1)), hg, axis=-1)[..., None]   # [B,T,K,H,1]
-    dq = jnp.sum(layout.keep(dqp[:, :t].astype(jnp.float32), valid), axis=2).astype(q.dtype)
-    return dq, dk, dv
+    return jnp.sum(layout.keep(dqp.astype(jnp.float32), valid), axis=2).astype(dtype)
+
+
+def over_query_chunks(run, tok, ids, starts, dk, dv, query_chunk, dq_dtype):
+    """(dq [B,T,H,D] ``dq_dtype``, dk, dv): ``run(tok, ids, starts, dk, dv) -> (dq_c, dk, dv)`` over the query
+    tokens in chunks of ``query_chunk``, one compiled loop; ``tok``: per-token arrays [B,T,...] (q first),
+    ids / starts [B,G,T,K]; dk / dv f32 totals carried across chunks. The last chunk is clamped to end at T:
+    its tokens already done get no slot (they add nothing to dk / dv) and keep their dq."""
+    t = tok[0].shape[1]
+    if t <= query_chunk:
+        return run(tok, ids, starts, dk, dv)
+    n_c = -(-t // query_chunk)
+    dsl = jax.lax.dynamic_slice_in_dim
+
+    def body(c, carry):
+        dq, dk, dv = carry
+        a = jnp.minimum(c * query_chunk, t - query_chunk)
+        fresh = (a + jnp.arange(query_chunk)) >= c * query_chunk            # [Tc]
+        ids_c = jnp.where(fresh[None, None, :, None], dsl(ids, a, query_chunk, 2), -1)
+        sl = lambda x, ax=1: dsl(x, a, query_chunk, ax)
+        dq_c, dk, dv = run(tuple(sl(x) for x in tok), ids_c, sl(starts, 2), dk, dv)
+        dq_c = jnp.where(fresh[None, :, None, None], dq_c, sl(dq))
+        return jax.lax.dynamic_update_slice_in_dim(dq, dq_c, a, 1), dk, dv
+
+    return jax.lax.fori_loop(0, n_c, body, (jnp.zeros(tok[0].shape, dq_dtype), dk, dv))
 
 
 def default_bwd_query_chunk(bsz, h, g, d, dv, topk, blk, chunk, budget_bytes=PARTIALS_BUDGET, dq_bytes=4):
@@ -305,24 +334,6 @@ def sparse_bwd_kv_outer(q, k, v, block_ids, q_positions, kv_positions, q_segment
                             dq_partial_dtype=dq_partial_dtype)
     dk = jnp.zeros(prep.k.shape, jnp.float32)
     dv = jnp.zeros(prep.v.shape, jnp.float32)
-    if t <= query_chunk:
-        dq, dk, dv = run(q, do, lse, delta, ids, starts, qpos, qseg, dk, dv)
-    else:
-        # One compiled loop over query chunks. The last chunk is clamped to end at T: its tokens
-        # already done get no slot (they add nothing to dk / dv) and keep their dq.
-        n_c = -(-t // query_chunk)
-        dsl = jax.lax.dynamic_slice_in_dim
-
-        def body(c, carry):
-            dq, dk, dv = carry
-            a = jnp.minimum(c * query_chunk, t - query_chunk)
-            fresh = (a + jnp.arange(query_chunk)) >= c * query_chunk            # [Tc]
-            ids_c = jnp.where(fresh[None, None, :, None], dsl(ids, a, query_chunk, 2), -1)
-            sl = lambda x, ax=1: dsl(x, a, query_chunk, ax)
-            dq_c, dk, dv = run(sl(q), sl(do), sl(lse), sl(delta), ids_c, sl(starts, 2), sl(qpos),
-                               sl(qseg), dk, dv)
-            dq_c = jnp.where(fresh[None, :, None, None], dq_c, sl(dq))
-            return jax.lax.dynamic_update_slice_in_dim(dq, dq_c, a, 1), dk, dv
-
-        dq, dk, dv = jax.lax.fori_loop(0, n_c, body, (jnp.zeros(q.shape, q.dtype), dk, dv))
+    dq, dk, dv = over_query_chunks(lambda tok, ids, starts, dk, dv: run(*tok[:4], ids, starts, *tok[4:], dk, dv),
+                                   (q, do, lse, delta, qpos, qseg), ids, starts, dk, dv, query_chunk, q.dtype)
     return dq, dk[:, :s].astype(k.dtype), dv[:, :s].astype(v.dtype)

@@ -1,0 +1,128 @@
+"""The Hopper (Mosaic GPU) KV-outer MSA backward (pallas_kernels/msa/gpu_sparse_bwd_wgmma.py).
+
+In the Mosaic GPU interpreter (jax >= 0.11; skipped with the reason on older jax), dq / dk / dv against the
+gradient of the fp32 XLA reference (``minimax_jax.ops.msa``, implementation "xla", on the same bf16-rounded
+inputs), every element (max |error| <= 5 % of max |reference|, cosine > 0.99: the bf16 tolerance of the
+Triton backward's tests): causal self-attention, packed documents of 8-row aligned lengths, queries as a
+suffix of the keys, runs split over programs (small ``chunk``), 8 and 16 heads per group, 6 heads in 8-row
+head slots, bf16 dq partials; a pass with an unaligned window runs the Triton kernel. On any jax: the CUDA
+lowering at M3 shapes (128K tokens) and the ``wgmma_bwd_supported`` predicate.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from minimax_jax.ops import msa as msa_ops
+from pallas_kernels.common import mosaic_interpreter_available as interpreter_available
+from pallas_kernels.msa.gpu_sparse_bwd_wgmma import sparse_bwd_wgmma, wgmma_bwd_supported
+from pallas_kernels.msa.gpu_sparse_fwd import sparse_fwd_kv_outer
+from tests.kernels.msa.test_msa_kernels_oracle import cosine, make_case, positions, random_ids
+
+needs_interpreter = pytest.mark.skipif(
+    not interpreter_available(),
+    reason=f"the Mosaic GPU interpreter of jax >= 0.11 is needed (jax {jax.__version__})")
+
+BLK = 128
+
+
+def _run_and_check(c, ids, chunk, **kw):
+    q, k, v = (jnp.asarray(c[n], jnp.bfloat16) for n in ("q", "k", "v"))
+    pos = positions(c)
+    do = jnp.asarray(np.random.default_rng(1).standard_normal(q.shape), jnp.bfloat16)
+    ids = jnp.asarray(ids)
+    args = (pos["q_positions"], pos["kv_positions"], pos["q_segment_ids"], pos["kv_segment_ids"])
+
+    @jax.jit
+    def grads(q, k, v, ids, do):
+        o, lse = sparse_fwd_kv_outer(q, k, v, ids, *args, block_size=BLK, interpret=True)
+        return sparse_bwd_wgmma(q, k, v, ids, *args, o, lse, do, block_size=BLK, chunk=chunk, interpret=True, **kw)
+    got = grads(q, k, v, ids, do)
+    f32 = lambda x: x.astype(jnp.float32)
+    _, vjp = jax.vjp(lambda q, k, v: msa_ops.msa_attention(q, k, v, ids, block_size=BLK, implementation="xla",
+                                                           **pos)[0], f32(q), f32(k), f32(v))
+    for name, a, b in zip("qkv", got, vjp(f32(do))):
+        assert a.shape == b.shape and a.dtype == jnp.bfloat16, (name, a.shape, a.dtype)
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.all(np.isfinite(a)), name
+        scale = np.abs(b).max()
+        assert np.max(np.abs(a - b)) <= 5e-2 * scale, (name, np.max(np.abs(a - b)), scale)
+        assert cosine(a, b) > 0.99, (name, cosine(a, b))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("h,g", [(16, 2), (32, 2)])
+def test_causal_self_attention_gqa(h, g):
+    """8 and 16 heads per group; 384 causal tokens, top-3 of 128-key blocks; one program per group's slice
+    of 512 sorted selections (whole runs only)."""
+    rng = np.random.default_rng()
+    c = make_case(rng, bsz=1, t=384, s=384, h=h, g=g, d=128)
+    ids = random_ids(rng, c["q_pos"], c["q_seg"], g, 3, BLK)
+    _run_and_check(c, ids, chunk=512)
+
+
+@needs_interpreter
+def test_split_runs_and_bf16_dq_partials():
+    """chunk 32: every popular window's run is split over programs (pieces + merge); dq partials in bf16."""
+    rng = np.random.default_rng()
+    c = make_case(rng, bsz=1, t=256, s=256, h=16, g=2, d=128)
+    ids = random_ids(rng, c["q_pos"], c["q_seg"], 2, 2, BLK)
+    _run_and_check(c, ids, chunk=32, dq_partial_bits=16)
+
+
+@needs_interpreter
+def test_packed_documents_and_empty_tokens():
+    """Documents of 200, 136 and 48 keys (8-row aligned starts, windows overlapping the next document:
+    only owned rows are written), tokens with no selection, duplicate ids; 6 heads per group in 8-row slots."""
+    rng = np.random.default_rng()
+    c = make_case(rng, bsz=1, t=384, s=384, h=12, g=2, d=128, segments=[[200, 136, 48]])
+    ids = random_ids(rng, c["q_pos"], c["q_seg"], 2, 2, BLK)
+    ids[0, :, 30:34] = -1
+    ids[0, 1, 250, :] = ids[0, 1, 250, 0]
+    _run_and_check(c, ids, chunk=64)
+
+
+@needs_interpreter
+def test_queries_as_suffix_of_keys():
+    """96 queries after 288 earlier keys (chunked prefill), 16 heads per group."""
+    rng = np.random.default_rng()
+    c = make_case(rng, bsz=1, t=96, s=384, h=32, g=2, d=128)
+    ids = random_ids(rng, c["q_pos"], c["q_seg"], 2, 3, BLK)
+    _run_and_check(c, ids, chunk=32)
+
+
+@needs_interpreter
+def test_unaligned_windows_take_the_triton_kernel():
+    """A document starting at storage 37: its windows are off an 8-row boundary, the pass runs the Triton
+    backward (same gradients)."""
+    rng = np.random.default_rng()
+    c = make_case(rng, bsz=1, t=192, s=192, h=16, g=2, d=128, segments=[[37, 155]])
+    ids = random_ids(rng, c["q_pos"], c["q_seg"], 2, 2, BLK)
+    _run_and_check(c, ids, chunk=32)
+
+
+def test_lowers_for_cuda_at_m3_shapes():
+    """M3 attention shapes at 128K tokens (64 heads, 4 kv groups, D 128, top-16 blocks of 128): the kernel
+    (and the Triton one it falls back to on unaligned windows) lower for CUDA on a CPU machine."""
+    sd = jax.ShapeDtypeStruct
+    b, t, h, g, d, topk = 1, 131072, 64, 4, 128, 16
+
+    def f(q, k, v, ids, pos, o, lse, do):
+        return sparse_bwd_wgmma(q, k, v, ids, pos, pos, None, None, o, lse, do, block_size=BLK)
+    x = sd((b, t, h, d), jnp.bfloat16)
+    kv = sd((b, t, g, d), jnp.bfloat16)
+    txt = jax.jit(f).trace(x, kv, kv, sd((b, g, t, topk), jnp.int32), sd((b, t), jnp.int32), x,
+                           sd((b, t, h), jnp.float32), x).lower(lowering_platforms=("cuda",)).as_text()
+    assert txt.count("mosaic_gpu") >= 1
+
+
+def test_supported_shapes():
+    assert wgmma_bwd_supported((1, 8, 64, 128), (1, 8, 4, 128), 128, jnp.bfloat16, 128) is None      # M3
+    assert wgmma_bwd_supported((1, 8, 48, 128), (1, 8, 8, 128), 128, jnp.float16, 128) is None       # M2
+    assert "dtype" in wgmma_bwd_supported((1, 8, 64, 128), (1, 8, 4, 128), 128, jnp.float32, 128)
+    assert "heads per group" in wgmma_bwd_supported((1, 8, 130, 128), (1, 8, 2, 128), 128, jnp.bfloat16, 128)
+    assert "head dims" in wgmma_bwd_supported((1, 8, 64, 64), (1, 8, 4, 64), 64, jnp.bfloat16, 128)
+    assert "block size" in wgmma_bwd_supported((1, 8, 64, 128), (1, 8, 4, 128), 128, jnp.bfloat16, 64)
