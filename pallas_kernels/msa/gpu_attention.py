@@ -7,8 +7,8 @@ lse [B,T,H] f32 (natural log; -inf for a query that sees no key, whose o is 0).
 
 Forward and backward are KV-outer (each selected K/V block loaded once for all the queries that
 chose it): gpu_sparse_fwd.py (Triton) or gpu_sparse_fwd_wgmma.py (Hopper, Mosaic GPU; partial outputs
-merged by LSE) and gpu_sparse_bwd.py (dq partials summed over slots, dk / dv per window). This module
-holds the ``custom_vjp``.
+merged by LSE) and gpu_sparse_bwd.py (Triton) or gpu_sparse_bwd_wgmma.py (Hopper; dq partials summed over
+slots, dk / dv per window). This module holds the ``custom_vjp``.
 """
 
 from __future__ import annotations
@@ -20,41 +20,43 @@ import numpy as np
 
 from pallas_kernels.msa import layout
 from pallas_kernels.msa.gpu_sparse_bwd import sparse_bwd_kv_outer
+from pallas_kernels.msa.gpu_sparse_bwd_wgmma import sparse_bwd_wgmma
 from pallas_kernels.msa.gpu_sparse_fwd import sparse_fwd_kv_outer
 from pallas_kernels.msa.gpu_sparse_fwd_wgmma import sparse_fwd_wgmma
 
-__all__ = ["msa_attention_gpu", "FORWARDS"]
+__all__ = ["msa_attention_gpu", "FORWARDS", "BACKWARDS"]
 
 
 FORWARDS = {"triton": sparse_fwd_kv_outer, "wgmma": sparse_fwd_wgmma}
+BACKWARDS = {"triton": sparse_bwd_kv_outer, "wgmma": sparse_bwd_wgmma}
 
 
 def _fwd(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids, *,
-         block_size, interpret, num_warps, num_stages, forward):
-    del num_warps, num_stages          # the backward kernel's launch parameters
+         block_size, interpret, num_warps, num_stages, forward, backward):
+    del num_warps, num_stages, backward          # the backward kernel's choice and launch parameters
     return FORWARDS[forward](q, k, v, block_ids, q_positions, kv_positions, q_segment_ids,
                              kv_segment_ids, block_size=block_size, interpret=interpret)
 
 
 def _bwd(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids, o, lse,
-         do, *, block_size, interpret, num_warps, num_stages):
-    return sparse_bwd_kv_outer(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids,
+         do, *, block_size, interpret, num_warps, num_stages, backward):
+    return BACKWARDS[backward](q, k, v, block_ids, q_positions, kv_positions, q_segment_ids,
                                kv_segment_ids, o, lse, do, block_size=block_size, interpret=interpret,
                                num_warps=num_warps, num_stages=num_stages)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12, 13))
 def _attn(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-          block_size, interpret, num_warps, num_stages, forward):
+          block_size, interpret, num_warps, num_stages, forward, backward):
     return _fwd(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
                 block_size=block_size, interpret=interpret, num_warps=num_warps,
-                num_stages=num_stages, forward=forward)
+                num_stages=num_stages, forward=forward, backward=backward)
 
 
 def _attn_fwd(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-              block_size, interpret, num_warps, num_stages, forward):
+              block_size, interpret, num_warps, num_stages, forward, backward):
     o, lse = _attn(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids,
-                   kv_segment_ids, block_size, interpret, num_warps, num_stages, forward)
+                   kv_segment_ids, block_size, interpret, num_warps, num_stages, forward, backward)
     return (o, lse), (q, k, v, block_ids, q_positions, kv_positions, q_segment_ids,
                       kv_segment_ids, o, lse)
 
@@ -65,13 +67,13 @@ def _zero_cot(x):
     return np.zeros(x.shape, jax.dtypes.float0)
 
 
-def _attn_bwd(block_size, interpret, num_warps, num_stages, forward, res, cot):
+def _attn_bwd(block_size, interpret, num_warps, num_stages, forward, backward, res, cot):
     del forward
     q, k, v, block_ids, q_positions, kv_positions, q_seg, kv_seg, o, lse = res
     do, _dlse = cot   # lse is an auxiliary output; its cotangent is not propagated (documented)
     dq, dk, dv = _bwd(q, k, v, block_ids, q_positions, kv_positions, q_seg, kv_seg, o, lse, do,
                       block_size=block_size, interpret=interpret, num_warps=num_warps,
-                      num_stages=num_stages)
+                      num_stages=num_stages, backward=backward)
     return (dq, dk, dv, _zero_cot(block_ids), _zero_cot(q_positions), _zero_cot(kv_positions),
             _zero_cot(q_seg), _zero_cot(kv_seg))
 
@@ -86,7 +88,7 @@ def _pow2_tile(x: int) -> bool:
 
 def msa_attention_gpu(q, k, v, block_ids, *, q_positions, kv_positions, q_segment_ids=None,
                       kv_segment_ids=None, block_size, interpret=False, num_warps=8,
-                      num_stages=2, forward="triton"):
+                      num_stages=2, forward="triton", backward="triton"):
     """Block-sparse MSA attention, Pallas/Triton GPU kernels, differentiable in q, k, v.
 
     Args:
@@ -101,7 +103,9 @@ def msa_attention_gpu(q, k, v, block_ids, *, q_positions, kv_positions, q_segmen
         its own tuned launch).
       forward: "triton" (``gpu_sparse_fwd``, any CUDA GPU with Triton) or "wgmma" (the Hopper kernel of
         ``gpu_sparse_fwd_wgmma``: bf16 / f16, shapes of its ``wgmma_supported``; ``interpret`` then runs the
-        Mosaic GPU interpreter). The backward is the Triton KV-outer kernel either way.
+        Mosaic GPU interpreter).
+      backward: "triton" (``gpu_sparse_bwd``) or "wgmma" (``gpu_sparse_bwd_wgmma``: bf16 / f16, shapes of its
+        ``wgmma_bwd_supported``; a query pass with a window off an 8-row boundary runs the Triton kernel).
     Returns:
       (o [B,T,H,Dv] q.dtype, lse [B,T,H] f32 natural log, -inf where a query sees no key).
     Preconditions are asserted (AssertionError); the ops layer checks them for its callers.
@@ -114,5 +118,6 @@ def msa_attention_gpu(q, k, v, block_ids, *, q_positions, kv_positions, q_segmen
     assert _pow2_tile(q.shape[-1]) and _pow2_tile(v.shape[-1]), \
         f"head dims {q.shape[-1]}, {v.shape[-1]} must be powers of two >= 16 (Triton tiles)"
     assert forward in FORWARDS, f"forward must be one of {sorted(FORWARDS)}, got {forward!r}"
+    assert backward in BACKWARDS, f"backward must be one of {sorted(BACKWARDS)}, got {backward!r}"
     return _attn(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-                 block_size, interpret, num_warps, num_stages, forward)
+                 block_size, interpret, num_warps, num_stages, forward, backward)

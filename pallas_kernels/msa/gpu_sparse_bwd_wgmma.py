@@ -224,8 +224,8 @@ def _body(flat_ref, key_ref, rend_ref, nval_ref, lims_ref, stats_ref, own_ref, q
                 # rows past the run's end hold the next entries' tables: they see nothing here
                 vis = ((key >= col_of(lim_smem.at[st, 0])) & (key <= col_of(lim_smem.at[st, 1]))
                        & (row < (end - e0) * sr))
-                p = jnp.where(vis, jnp.exp2(s * qk_scale - col_of(st_smem.at[st, 0])), 0.0)
-                p16 = p.astype(dtype)
+                # only P^T in q.dtype stays live across the next wgmma (registers: dK / dV hold 128 of them)
+                p16 = jnp.where(vis, jnp.exp2(s * qk_scale - col_of(st_smem.at[st, 0])), 0.0).astype(dtype)
                 if p_smem is not None:          # P^T through SMEM (the interpreter's wgmma reads SMEM only)
                     p_ref = p_smem.at[wg]
                     p_ref[...] = p16
@@ -238,7 +238,7 @@ def _body(flat_ref, key_ref, rend_ref, nval_ref, lims_ref, stats_ref, own_ref, q
                     plgpu.wgmma(acc_ref, v_half, do_smem.at[st].transpose((1, 0)))
                     return acc_ref[...]
                 dp = pl.run_scoped(dp_t, plgpu.ACC(shape, jnp.float32))
-                ds = p * (dp - col_of(st_smem.at[st, 1]))
+                ds = p16.astype(jnp.float32) * (dp - col_of(st_smem.at[st, 1]))
                 ds_mine = ds_smem.at[st, half]
                 ds_mine[...] = ds.astype(dtype)
                 plgpu.commit_smem()

@@ -17,7 +17,8 @@ one is built, the ``pallas_gpu`` (Triton) kernels for the rest: the indexer (``g
 qi and ki of one dtype, bf16 / f16, Hi dividing 64, Di a multiple of 64 up to 256, blocks of 64 / 128 /
 256), the attention forward (``gpu_sparse_fwd_wgmma``, bf16 / f16, up to 64 heads per group filling at
 least 3/4 of its padded head slots: 6-8, 12-16, 24-32, 48-64; D = Dv in {64, 128}, blocks of 64 / 128)
-with the Triton backward, and the Triton indexer KL; a
+with the Triton backward (the wgmma backward of ``gpu_sparse_bwd_wgmma`` is opt-in: ``hopper_backward("wgmma")``;
+the backward that was traced is recorded under ``"msa_attention.backward"``), and the Triton indexer KL; a
 call outside those shapes is refused with the reason (``"auto"`` then takes ``pallas_gpu``).
 ``pallas_hopper_gpu_interpret`` runs the same set in the Mosaic GPU interpreter (jax >= 0.11) and Pallas'
 interpret mode. Without a visible GPU (lowering for CUDA under ``assume_backend("gpu")``) the Hopper
@@ -26,25 +27,47 @@ target is assumed.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
 import jax.numpy as jnp
 
-from minimax_jax.ops.registry import Implementation
+from minimax_jax.ops.registry import Implementation, record_implementation
 from pallas_kernels.common import (gpu_compute_capability, mosaic_interpreter_available,
                                    mosaic_interpreter_pool_reason)
 from pallas_kernels.msa import layout
 from pallas_kernels.msa.gpu_attention import msa_attention_gpu
 from pallas_kernels.msa.gpu_indexer import msa_select_blocks_gpu
 from pallas_kernels.msa.gpu_indexer_wgmma import msa_select_blocks_wgmma, wgmma_indexer_supported
+from pallas_kernels.msa.gpu_sparse_bwd_wgmma import wgmma_bwd_supported
 from pallas_kernels.msa.gpu_sparse_fwd_wgmma import head_slot, wgmma_supported
 from pallas_kernels.msa.gpu_kl import indexer_kl_gpu
 from pallas_kernels.msa.tpu_attention import msa_attention_tpu
 from pallas_kernels.msa.tpu_indexer import msa_select_blocks_tpu
 from pallas_kernels.msa.tpu_kl import indexer_kl_tpu
 
-__all__ = ["SELECT_BLOCKS", "ATTENTION", "INDEXER_KL"]
+__all__ = ["SELECT_BLOCKS", "ATTENTION", "INDEXER_KL", "hopper_backward", "BACKWARD_REPORT"]
+
+BACKWARD_REPORT = "msa_attention.backward"
+_HOPPER_BACKWARD = {"kernel": "triton"}
+
+
+@contextlib.contextmanager
+def hopper_backward(kernel: str):
+    """Within the block, ``pallas_hopper_gpu`` (and its interpreted twin) trace ``msa_attention`` with the
+    backward ``kernel``: ``"triton"`` (the default, ``gpu_sparse_bwd``) or ``"wgmma"`` (``gpu_sparse_bwd_wgmma``,
+    opt-in until timed on an H200; where its ``wgmma_bwd_supported`` refuses the shapes the Triton one runs).
+    Read when a call is traced: a function jitted before the block keeps the backward it was traced with.
+    What was traced is recorded under ``BACKWARD_REPORT``. Raises ValueError for another name."""
+    if kernel not in ("triton", "wgmma"):
+        raise ValueError(f"hopper_backward: kernel must be 'triton' or 'wgmma', got {kernel!r}")
+    prev = _HOPPER_BACKWARD["kernel"]
+    _HOPPER_BACKWARD["kernel"] = kernel
+    try:
+        yield
+    finally:
+        _HOPPER_BACKWARD["kernel"] = prev
 
 
 # ----------------------------------------------------------------------------- supports
@@ -167,6 +190,22 @@ def _attention_gpu(q, k, v, block_ids, *, chunk_size, interpret, forward="triton
     return msa_attention_gpu(q, k, v, block_ids, interpret=interpret, forward=forward, **kw)
 
 
+def _attention_hopper(q, k, v, block_ids, *, chunk_size, interpret, **kw):
+    """The Hopper forward with the backward chosen by ``hopper_backward`` (recorded: module docstring)."""
+    backward = "triton"
+    if _HOPPER_BACKWARD["kernel"] == "triton":
+        record_implementation(BACKWARD_REPORT, "triton (default; the wgmma backward is opt-in: hopper_backward)")
+    else:
+        why = wgmma_bwd_supported(q.shape, k.shape, v.shape[-1], q.dtype, kw["block_size"])
+        if why is None:
+            backward = "wgmma"
+            record_implementation(BACKWARD_REPORT, "wgmma (triton on a query pass with a window off an 8-row "
+                                                   "boundary)")
+        else:
+            record_implementation(BACKWARD_REPORT, f"triton (the wgmma backward refused: {why})")
+    return msa_attention_gpu(q, k, v, block_ids, interpret=interpret, forward="wgmma", backward=backward, **kw)
+
+
 def _attention_tpu(q, k, v, block_ids, *, chunk_size, interpret, **kw):
     return msa_attention_tpu(q, k, v, block_ids, interpret=interpret, **kw)
 
@@ -219,7 +258,7 @@ SELECT_BLOCKS = [*_four(_select_gpu, _select_tpu, _gpu_select, functools.partial
                  *_hopper(_select_hopper, _indexer_shapes, lambda *args, **kw: _layout_reason(kw))]
 ATTENTION = [*_four(_attention_gpu, _attention_tpu, _gpu, functools.partial(_tpu_supports, 128),
                     functools.partial(_tpu_supports, 8)),
-             *_hopper(functools.partial(_attention_gpu, forward="wgmma"), _attention_shapes, _gpu)]
+             *_hopper(_attention_hopper, _attention_shapes, _gpu)]
 INDEXER_KL = [*_four(_kl_gpu, _kl_tpu, _sparse_only(_gpu), _sparse_only(functools.partial(_tpu_supports, 128)),
                      _sparse_only(functools.partial(_tpu_supports, 8)), gpu_weights=True),
               *_hopper(_kl_gpu, None, _sparse_only(_gpu), weights=True)]

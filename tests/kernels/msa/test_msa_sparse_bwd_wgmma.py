@@ -5,7 +5,8 @@ gradient of the fp32 XLA reference (``minimax_jax.ops.msa``, implementation "xla
 inputs), every element (max |error| <= 5 % of max |reference|, cosine > 0.99: the bf16 tolerance of the
 Triton backward's tests): causal self-attention, packed documents of 8-row aligned lengths, queries as a
 suffix of the keys, runs split over programs (small ``chunk``), 8 and 16 heads per group, 6 heads in 8-row
-head slots, bf16 dq partials; a pass with an unaligned window runs the Triton kernel. On any jax: the CUDA
+head slots, bf16 dq partials; a pass with an unaligned window runs the Triton kernel; the ops layer's opt-in
+(``hopper_backward``) and its report. On any jax: the CUDA
 lowering at M3 shapes (128K tokens) and the ``wgmma_bwd_supported`` predicate.
 """
 
@@ -16,7 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from minimax_jax import ops
 from minimax_jax.ops import msa as msa_ops
+from minimax_jax.ops.msa.pallas import BACKWARD_REPORT, hopper_backward
 from pallas_kernels.common import mosaic_interpreter_available as interpreter_available
 from pallas_kernels.msa.gpu_sparse_bwd_wgmma import sparse_bwd_wgmma, wgmma_bwd_supported
 from pallas_kernels.msa.gpu_sparse_fwd import sparse_fwd_kv_outer
@@ -126,3 +129,45 @@ def test_supported_shapes():
     assert "heads per group" in wgmma_bwd_supported((1, 8, 130, 128), (1, 8, 2, 128), 128, jnp.bfloat16, 128)
     assert "head dims" in wgmma_bwd_supported((1, 8, 64, 64), (1, 8, 4, 64), 64, jnp.bfloat16, 128)
     assert "block size" in wgmma_bwd_supported((1, 8, 64, 128), (1, 8, 4, 128), 128, jnp.bfloat16, 64)
+
+
+def _grad_fn(c, ids, blk=BLK):
+    pos = positions(c)
+
+    def loss(q, k, v):
+        o, _ = msa_ops.msa_attention(q, k, v, ids, block_size=blk, implementation="pallas_hopper_gpu_interpret",
+                                     **pos)
+        return jnp.sum(o.astype(jnp.float32))
+    return jax.grad(loss, argnums=(0, 1, 2))
+
+
+@needs_interpreter
+def test_ops_layer_opt_in_and_report():
+    """``hopper_backward("wgmma")`` makes ``pallas_hopper_gpu_interpret`` differentiate through the wgmma
+    backward (recorded); without it the Triton backward is traced (recorded as the default); a shape the wgmma
+    backward refuses (D = 64) records the Triton one with the reason."""
+    rng = np.random.default_rng()
+    c = make_case(rng, bsz=1, t=128, s=128, h=16, g=2, d=128)
+    ids = jnp.asarray(random_ids(rng, c["q_pos"], c["q_seg"], 2, 1, BLK))
+    q, k, v = (jnp.asarray(c[n], jnp.bfloat16) for n in ("q", "k", "v"))
+    ops.clear_implementation_report()
+    jax.eval_shape(_grad_fn(c, ids), q, k, v)
+    assert ops.implementation_report()[BACKWARD_REPORT].startswith("triton (default")
+    with hopper_backward("wgmma"):
+        got = jax.jit(_grad_fn(c, ids))(q, k, v)
+    assert ops.implementation_report()[BACKWARD_REPORT].startswith("wgmma")
+    f32 = lambda x: x.astype(jnp.float32)
+    ref = jax.grad(lambda q, k, v: jnp.sum(msa_ops.msa_attention(q, k, v, ids, block_size=BLK, implementation="xla",
+                                                                 **positions(c))[0]), argnums=(0, 1, 2))(
+        f32(q), f32(k), f32(v))
+    for a, b in zip(got, ref):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.max(np.abs(a - b)) <= 5e-2 * np.abs(b).max() and cosine(a, b) > 0.99
+    c64 = make_case(rng, bsz=1, t=128, s=128, h=16, g=2, d=64)
+    x64 = [jnp.asarray(c64[n], jnp.bfloat16) for n in ("q", "k", "v")]
+    with hopper_backward("wgmma"):
+        jax.eval_shape(_grad_fn(c64, ids), *x64)
+    assert ops.implementation_report()[BACKWARD_REPORT].startswith("triton (the wgmma backward refused: head dims")
+    with pytest.raises(ValueError, match="triton' or 'wgmma"):
+        with hopper_backward("cudnn"):
+            pass
