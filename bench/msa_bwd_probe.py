@@ -1,7 +1,9 @@
-"""Tuning probe of the KV-outer MSA backward (pallas_kernels/msa/gpu_sparse_bwd.py) on GPU: gradients vs
-the fp32 XLA reference (default, chunked queries, bf16 dq partials), then timings of launch variants (rows,
-num_warps, chunk, query_chunk, dq_partial_bits), the
-op's forward+backward and cuDNN dense causal forward+backward, in one run.
+"""Tuning probe of the KV-outer MSA backward (pallas_kernels/msa/gpu_sparse_bwd.py, and the Hopper one of
+gpu_sparse_bwd_wgmma.py) on GPU: gradients vs the fp32 XLA reference (default, chunked queries, bf16 dq
+partials; the wgmma backward where its shapes are served), then timings of launch variants (rows,
+num_warps, chunk, query_chunk, dq_partial_bits; ``wgmma=1``: the Hopper kernel with the variant's chunk /
+query_chunk / dq_partial_bits), the op's forward+backward (Triton, and the Hopper forward with either
+backward) and cuDNN dense causal forward+backward, in one run.
 
 Usage (GPU machine):  PYTHONUNBUFFERED=1 python3 bench/msa_bwd_probe.py --out $OUT
 CPU smoke run:        python bench/msa_bwd_probe.py --interpret --tiny --out /tmp/probe
@@ -26,7 +28,9 @@ import numpy as np  # noqa: E402
 from bench.msa_fwd_probe import D, BLK, MODELS, TOPK, make, row_adder, run_probe  # noqa: E402
 from minimax_jax.ops import msa as msa_ops  # noqa: E402
 from pallas_kernels.msa import gpu_sparse_bwd as kb  # noqa: E402
+from pallas_kernels.msa import gpu_sparse_bwd_wgmma as kbw  # noqa: E402
 from pallas_kernels.msa import gpu_sparse_fwd as kf  # noqa: E402
+from pallas_kernels.msa import layout  # noqa: E402
 from pallas_kernels.msa.gpu_attention import msa_attention_gpu  # noqa: E402
 
 
@@ -34,9 +38,22 @@ def _pos_args(pos):
     return (pos["q_positions"], pos["kv_positions"], pos["q_segment_ids"], pos["kv_segment_ids"])
 
 
-def bwd_fn(pos, blk, interpret, **kw):
-    return jax.jit(lambda q, k, v, ids, o, lse, do: kb.sparse_bwd_kv_outer(
+def bwd_fn(pos, blk, interpret, wgmma=0, **kw):
+    """The backward, jitted: the Triton kernel, or with ``wgmma=1`` the Hopper one (Triton-only knobs dropped)."""
+    fn = kb.sparse_bwd_kv_outer
+    if wgmma:
+        fn = kbw.sparse_bwd_wgmma
+        kw = {a: b for a, b in kw.items() if a in ("chunk", "query_chunk", "dq_partial_bits", "p_in_smem")}
+    return jax.jit(lambda q, k, v, ids, o, lse, do: fn(
         q, k, v, ids, *_pos_args(pos), o, lse, do, block_size=blk, interpret=interpret, **kw))
+
+
+def wgmma_served(q, k, blk, pos):
+    """(None or why the wgmma backward does not serve the case, every window 8-row aligned: its kernel runs
+    rather than the Triton fallback)."""
+    why = kbw.wgmma_bwd_supported(q.shape, k.shape, k.shape[-1], q.dtype, blk)
+    prep = layout.prepare(k, k, *_pos_args(pos), blk)
+    return why, bool(np.all(np.asarray(prep.base) % 8 == 0))
 
 
 def fwd_fn(pos, blk, interpret):
@@ -58,8 +75,13 @@ def check(name, key, interpret, bsz, t, s, h, g, d, blk, topk, segments=None):
     ref = [np.asarray(x) for x in vjp(do.astype(jnp.float32))]
     o, lse = fwd_fn(pos, blk, interpret)(q, k, v, ids)
     out = {"case": name}
-    for label, kw in (("bwd", {}), ("bwd_chunked", dict(query_chunk=max(16, t // 3))),
-                      ("bwd_dq16", dict(dq_partial_bits=16))):
+    labels = [("bwd", {}), ("bwd_chunked", dict(query_chunk=max(16, t // 3))), ("bwd_dq16", dict(dq_partial_bits=16))]
+    why, aligned = wgmma_served(q, k, blk, pos)
+    out["wgmma"] = why or ("kernel" if aligned else "triton fallback (a window off an 8-row boundary)")
+    if why is None:
+        labels += [("wgmma", dict(wgmma=1)), ("wgmma_chunked", dict(wgmma=1, query_chunk=max(16, t // 3))),
+                   ("wgmma_dq16", dict(wgmma=1, dq_partial_bits=16)), ("wgmma_split", dict(wgmma=1, chunk=32))]
+    for label, kw in labels:
         got = [np.asarray(x, np.float32) for x in bwd_fn(pos, blk, interpret, **kw)(q, k, v, ids, o, lse, do)]
         cos = [_cos(a, b) for a, b in zip(got, ref)]
         rel = [float(np.max(np.abs(a - b)) / max(np.abs(b).max(), 1e-30)) for a, b in zip(got, ref)]
@@ -71,6 +93,10 @@ def check(name, key, interpret, bsz, t, s, h, g, d, blk, topk, segments=None):
     r2 = bwd_fn(pos, blk, interpret)(q, k, v, ids, o, lse, do)
     out["bwd_bitwise_repeat"] = bool(all(np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
                                          for a, b in zip(r1, r2)))
+    if why is None:
+        r1, r2 = (bwd_fn(pos, blk, interpret, wgmma=1)(q, k, v, ids, o, lse, do) for _ in range(2))
+        out["wgmma_bitwise_repeat"] = bool(all(np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+                                               for a, b in zip(r1, r2)))
     print("CHECK", json.dumps(out), flush=True)
     return out
 
@@ -95,6 +121,14 @@ def bench(model, t, key, interpret, variants, dense):
             q, k, v, ids, block_size=BLK, interpret=interpret, **pos), q, k, v)
         return vjp((do, jnp.zeros_like(lse)))
     add("msa_attention_gpu fwd+bwd (defaults)", jax.jit(msa_fb), (q, k, v, ids, do), 3.5 * fwd_f)
+    if kbw.wgmma_bwd_supported(q.shape, k.shape, v.shape[-1], q.dtype, BLK) is None:
+        for bwd in ("triton", "wgmma"):
+            def hopper_fb(q, k, v, ids, do, bwd=bwd):
+                (_, lse), vjp = jax.vjp(lambda q, k, v: msa_attention_gpu(
+                    q, k, v, ids, block_size=BLK, interpret=interpret, forward="wgmma", backward=bwd, **pos), q, k, v)
+                return vjp((do, jnp.zeros_like(lse)))
+            add(f"msa_attention_gpu fwd+bwd (forward wgmma, backward {bwd})", jax.jit(hopper_fb), (q, k, v, ids, do),
+                3.5 * fwd_f)
     if dense and not interpret:
         def dense_fb(q, k, v, do):
             _, vjp = jax.vjp(lambda q, k, v: jax.nn.dot_product_attention(
@@ -107,8 +141,11 @@ def bench(model, t, key, interpret, variants, dense):
 def main():
     run_probe(__doc__.splitlines()[0], check, bench,
               "rows=32,num_warps=8;rows=64,num_warps=8;rows=32,num_warps=4;"
-              "rows=64,num_warps=8,chunk=256;rows=32,num_warps=8,query_chunk=8192",
-              "msa_bwd_probe.json", ("bwd_ok", "bwd_chunked_ok", "bwd_dq16_ok", "bwd_bitwise_repeat"))
+              "rows=64,num_warps=8,chunk=256;rows=32,num_warps=8,query_chunk=8192;"
+              "wgmma=1;wgmma=1,dq_partial_bits=16;wgmma=1,chunk=256",
+              "msa_bwd_probe.json", ("bwd_ok", "bwd_chunked_ok", "bwd_dq16_ok", "bwd_bitwise_repeat", "wgmma",
+                                     "wgmma_ok", "wgmma_chunked_ok", "wgmma_dq16_ok", "wgmma_split_ok",
+                                     "wgmma_bitwise_repeat"))
 
 
 if __name__ == "__main__":
