@@ -161,7 +161,7 @@ def _body(flat_ref, key_ref, rend_ref, nval_ref, lims_ref, stats_ref, own_ref, q
                 rows = pl.ds(pl.multiple_of(w0, 8), blk)        # aligned windows only (the caller's lax.cond)
                 plgpu.copy_gmem_to_smem(k_ref.at[b, rows, g], k_smem, kv_ready.at[0])
                 plgpu.copy_gmem_to_smem(v_ref.at[b, rows, g], v_smem, kv_ready.at[0])
-                plgpu.copy_gmem_to_smem(own_ref.at[b, rows], own_smem, kv_ready.at[0])
+                plgpu.copy_gmem_to_smem(own_ref.at[b, rows], own_smem.at[lax.rem(ri, 2)], kv_ready.at[0])
 
                 def tile(si, carry):
                     cc = ct + si
@@ -219,11 +219,14 @@ def _body(flat_ref, key_ref, rend_ref, nval_ref, lims_ref, stats_ref, own_ref, q
                     plgpu.wgmma(acc_ref, k_half, q_smem.at[st].transpose((1, 0)))
                     return acc_ref[...]
                 s = pl.run_scoped(s_t, plgpu.ACC(shape, jnp.float32))
-                key = wg * _HALF + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-                row = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+                # 1-D iotas and bounds, broadcast once (fewer live registers than 2-D masks)
+                key = wg * _HALF + plgpu.broadcasted_iota(jnp.int32, (_HALF,), 0,
+                                                          layout=plgpu.Layout.WGMMA.reduce(1))
+                key = lax.broadcast_in_dim(key, shape, [0])
+                row = plgpu.broadcasted_iota(jnp.int32, (ROWS,), 0, layout=plgpu.Layout.WGMMA.reduce(0))
                 # rows past the run's end hold the next entries' tables: they see nothing here
-                vis = ((key >= col_of(lim_smem.at[st, 0])) & (key <= col_of(lim_smem.at[st, 1]))
-                       & (row < (end - e0) * sr))
+                c_hi = jnp.where(row < (end - e0) * sr, mosaic_load_rows(lim_smem.at[st, 1], axis=0), -1)
+                vis = (key >= col_of(lim_smem.at[st, 0])) & (key <= lax.broadcast_in_dim(c_hi, shape, [1]))
                 # only P^T in q.dtype stays live across the next wgmma (registers: dK / dV hold 128 of them)
                 p16 = jnp.where(vis, jnp.exp2(s * qk_scale - col_of(st_smem.at[st, 0])), 0.0).astype(dtype)
                 if p_smem is not None:          # P^T through SMEM (the interpreter's wgmma reads SMEM only)
@@ -262,7 +265,7 @@ def _body(flat_ref, key_ref, rend_ref, nval_ref, lims_ref, stats_ref, own_ref, q
                         plgpu.copy_smem_to_gmem(dq_stg.at[pl.ds(j * sr, sr)],
                                                 dqp_ref.at[b, t, f - t * topk, heads, half])
 
-            def store(val, piece_ref, whole_ref, c, w0, mode, full):
+            def store(val, piece_ref, whole_ref, c, w0, mode, full, own):
                 """Stage one [64 keys, 64 columns] f32 block and write it: a run piece (mode 0 / 1) or the
                 owned rows of a whole run (mode 2; one copy when all 64 rows are owned)."""
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -281,7 +284,7 @@ def _body(flat_ref, key_ref, rend_ref, nval_ref, lims_ref, stats_ref, own_ref, q
                 @pl.when((mode == 2) & (full == 0))
                 def _():
                     def one(r, carry):
-                        @pl.when(own_smem[wg * _HALF + r] == w0)
+                        @pl.when(own[wg * _HALF + r] == w0)
                         def _():
                             plgpu.copy_smem_to_gmem(stg.at[pl.ds(r, 1)], whole_ref.at[b, pl.ds(x0 + r, 1), g, cols[c]])
                         return carry
@@ -298,16 +301,18 @@ def _body(flat_ref, key_ref, rend_ref, nval_ref, lims_ref, stats_ref, own_ref, q
                     return dk0[...], dk1[...], dv0[...], dv1[...]
                 acc = plgpu.ACC((_HALF, _HALF), jnp.float32)
                 dk0, dk1, dv0, dv1 = pl.run_scoped(run_accs, acc, acc, acc, acc)
+                # K / V no longer read: the next window loads during the stores (own_smem has two slots)
+                plgpu.barrier_arrive(kv_free.at[0])
+                own = own_smem.at[lax.rem(ri, 2)]
                 head = (a == lo) & cont_in
                 tail = (end == hi) & cont_out
                 mode = jnp.where(head, 0, jnp.where(tail, 1, 2))
                 base = wg * _HALF
-                full = jnp.where((own_smem[base] == w0) & (own_smem[base + _HALF - 1] == w0), 1, 0)
+                full = jnp.where((own[base] == w0) & (own[base + _HALF - 1] == w0), 1, 0)
                 for c, (val, piece_ref, whole_ref) in enumerate(((dk0 * scale, bdk_ref, wdk_ref),
                                                                  (dk1 * scale, bdk_ref, wdk_ref),
                                                                  (dv0, bdv_ref, wdv_ref), (dv1, bdv_ref, wdv_ref))):
-                    store(val, piece_ref, whole_ref, c % 2, w0, mode, full)
-                plgpu.barrier_arrive(kv_free.at[0])             # own_smem read: the window slot is free
+                    store(val, piece_ref, whole_ref, c % 2, w0, mode, full, own)
 
             walk(per_run)
             plgpu.wait_smem_to_gmem(0)
@@ -325,7 +330,7 @@ def _body(flat_ref, key_ref, rend_ref, nval_ref, lims_ref, stats_ref, own_ref, q
         scope,
         k_smem=plgpu.SMEM((blk, d), dtype, transforms=tr),
         v_smem=plgpu.SMEM((blk, d), dtype, transforms=tr),
-        own_smem=plgpu.SMEM((blk,), jnp.int32),
+        own_smem=plgpu.SMEM((2, blk), jnp.int32),
         q_smem=plgpu.SMEM((2, ROWS, d), dtype, transforms=tr),
         do_smem=plgpu.SMEM((2, ROWS, d), dtype, transforms=tr),
         lim_smem=plgpu.SMEM((2, 2, ROWS), jnp.int32),
