@@ -57,7 +57,7 @@ _HOPPER_BACKWARD = {"kernel": "triton"}
 def hopper_backward(kernel: str):
     """Within the block, ``pallas_hopper_gpu`` (and its interpreted twin) trace ``msa_attention`` with the
     backward ``kernel``: ``"triton"`` (the default, ``gpu_sparse_bwd``) or ``"wgmma"`` (``gpu_sparse_bwd_wgmma``,
-    opt-in until timed on an H200; where its ``wgmma_bwd_supported`` refuses the shapes the Triton one runs).
+    opt-in until timed on a GPU; where its ``wgmma_bwd_supported`` refuses the shapes the Triton one runs).
     Read when a call is traced: a function jitted before the block keeps the backward it was traced with.
     What was traced is recorded under ``BACKWARD_REPORT``. Raises ValueError for another name."""
     if kernel not in ("triton", "wgmma"):
