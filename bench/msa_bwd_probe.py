@@ -80,8 +80,9 @@ def check(name, key, interpret, bsz, t, s, h, g, d, blk, topk, segments=None):
     why, aligned = wgmma_served(q, k, blk, pos)
     out["wgmma"] = why or ("kernel" if aligned else "triton fallback (a window off an 8-row boundary)")
     if why is None:
-        labels += [("wgmma", dict(wgmma=1)), ("wgmma_chunked", dict(wgmma=1, query_chunk=max(16, t // 3))),
-                   ("wgmma_dq16", dict(wgmma=1, dq_partial_bits=16)), ("wgmma_split", dict(wgmma=1, chunk=32))]
+        labels += [("wgmma", dict(wgmma=1, dq_partial_bits=32)),
+                   ("wgmma_chunked", dict(wgmma=1, query_chunk=max(16, t // 3))),
+                   ("wgmma_dq16", dict(wgmma=1)), ("wgmma_split", dict(wgmma=1, chunk=32))]
     for label, kw in labels:
         got = [np.asarray(x, np.float32) for x in bwd_fn(pos, blk, interpret, **kw)(q, k, v, ids, o, lse, do)]
         cos = [_cos(a, b) for a, b in zip(got, ref)]
@@ -155,7 +156,7 @@ def main():
     run_probe(__doc__.splitlines()[0], check_fn, bench_fn,
               "rows=32,num_warps=8;rows=64,num_warps=8;rows=32,num_warps=4;"
               "rows=64,num_warps=8,chunk=256;rows=32,num_warps=8,query_chunk=8192;"
-              "wgmma=1;wgmma=1,dq_partial_bits=16;wgmma=1,chunk=256",
+              "wgmma=1,dq_partial_bits=32;wgmma=1;wgmma=1,chunk=256",
               "msa_bwd_probe.json", ("bwd_ok", "bwd_chunked_ok", "bwd_dq16_ok", "bwd_bitwise_repeat", "wgmma",
                                      "wgmma_ok", "wgmma_chunked_ok", "wgmma_dq16_ok", "wgmma_split_ok",
                                      "wgmma_bitwise_repeat"))

@@ -394,16 +394,19 @@ def _chunk_bwd_wgmma(tok, ids, starts, dk, dv, *, prep_k, prep_v, own, kvpos, kv
 
 def sparse_bwd_wgmma(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids, o, lse, do,
                      *, block_size, interpret=False, num_warps=8, num_stages=2, chunk=None, rows=None,
-                     query_chunk=None, dq_partial_bits=32, p_in_smem=False):
+                     query_chunk=None, dq_partial_bits=None, p_in_smem=False):
     """KV-outer MSA backward on Hopper: (dq [B,T,H,D] q.dtype, dk [B,S,G,D] k.dtype, dv [B,S,G,Dv] v.dtype).
 
     Arguments and outputs as ``gpu_sparse_bwd.sparse_bwd_kv_outer`` (``chunk``: sorted selections per program,
     a multiple of 32, None: ``default_bwd_chunk``; ``num_warps`` / ``num_stages`` / ``rows`` are the Triton
-    fallback's knobs). ``interpret``: the Mosaic GPU interpreter (jax >= 0.11). ``p_in_smem``: feed P^T to
-    the dV ``wgmma`` from SMEM (always so in the interpreter). Shapes must pass ``wgmma_bwd_supported``
+    fallback's knobs; ``dq_partial_bits``: None = 16 for bf16 inputs (bf16 keeps f32's exponent range; the
+    partials are summed in f32), 32 for f16). ``interpret``: the Mosaic GPU interpreter (jax >= 0.11).
+    ``p_in_smem``: feed P^T to the dV ``wgmma`` from SMEM (always so in the interpreter). Shapes must pass ``wgmma_bwd_supported``
     (asserted). A query pass with any window off an 8-row boundary runs the Triton kernel of
     ``gpu_sparse_bwd`` (same results up to rounding), decided on the data inside the compiled loop.
     """
+    if dq_partial_bits is None:
+        dq_partial_bits = 16 if q.dtype == jnp.bfloat16 else 32
     assert dq_partial_bits in (16, 32), f"dq_partial_bits must be 16 or 32, got {dq_partial_bits}"
     layout.check_shapes(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
     why = wgmma_bwd_supported(q.shape, k.shape, v.shape[-1], q.dtype, block_size)

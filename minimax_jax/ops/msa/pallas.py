@@ -17,8 +17,9 @@ one is built, the ``pallas_gpu`` (Triton) kernels for the rest: the indexer (``g
 qi and ki of one dtype, bf16 / f16, Hi dividing 64, Di a multiple of 64 up to 256, blocks of 64 / 128 /
 256), the attention forward (``gpu_sparse_fwd_wgmma``, bf16 / f16, up to 64 heads per group filling at
 least 3/4 of its padded head slots: 6-8, 12-16, 24-32, 48-64; D = Dv in {64, 128}, blocks of 64 / 128)
-with the Triton backward (the wgmma backward of ``gpu_sparse_bwd_wgmma`` is opt-in: ``hopper_backward("wgmma")``;
-the backward that was traced is recorded under ``"msa_attention.backward"``), and the Triton indexer KL; a
+with the backward of ``gpu_sparse_bwd_wgmma`` (bf16 / f16, D = Dv = 128, block 128; ``hopper_backward("triton")``
+selects the Triton one; the backward that was traced is recorded under ``"msa_attention.backward"``), and the
+Triton indexer KL; a
 call outside those shapes is refused with the reason (``"auto"`` then takes ``pallas_gpu``).
 ``pallas_hopper_gpu_interpret`` runs the same set in the Mosaic GPU interpreter (jax >= 0.11) and Pallas'
 interpret mode. Without a visible GPU (lowering for CUDA under ``assume_backend("gpu")``) the Hopper
@@ -50,14 +51,14 @@ from pallas_kernels.msa.tpu_kl import indexer_kl_tpu
 __all__ = ["SELECT_BLOCKS", "ATTENTION", "INDEXER_KL", "hopper_backward", "BACKWARD_REPORT"]
 
 BACKWARD_REPORT = "msa_attention.backward"
-_HOPPER_BACKWARD = {"kernel": "triton"}
+_HOPPER_BACKWARD = {"kernel": "wgmma"}
 
 
 @contextlib.contextmanager
 def hopper_backward(kernel: str):
     """Within the block, ``pallas_hopper_gpu`` (and its interpreted twin) trace ``msa_attention`` with the
-    backward ``kernel``: ``"triton"`` (the default, ``gpu_sparse_bwd``) or ``"wgmma"`` (``gpu_sparse_bwd_wgmma``,
-    opt-in until timed on a GPU; where its ``wgmma_bwd_supported`` refuses the shapes the Triton one runs).
+    backward ``kernel``: ``"wgmma"`` (the default, ``gpu_sparse_bwd_wgmma``; where its ``wgmma_bwd_supported``
+    refuses the shapes the Triton one runs) or ``"triton"`` (``gpu_sparse_bwd``).
     Read when a call is traced: a function jitted before the block keeps the backward it was traced with.
     What was traced is recorded under ``BACKWARD_REPORT``. Raises ValueError for another name."""
     if kernel not in ("triton", "wgmma"):
@@ -194,13 +195,13 @@ def _attention_hopper(q, k, v, block_ids, *, chunk_size, interpret, **kw):
     """The Hopper forward with the backward chosen by ``hopper_backward`` (recorded: module docstring)."""
     backward = "triton"
     if _HOPPER_BACKWARD["kernel"] == "triton":
-        record_implementation(BACKWARD_REPORT, "triton (default; the wgmma backward is opt-in: hopper_backward)")
+        record_implementation(BACKWARD_REPORT, "triton (chosen with hopper_backward('triton'))")
     else:
         why = wgmma_bwd_supported(q.shape, k.shape, v.shape[-1], q.dtype, kw["block_size"])
         if why is None:
             backward = "wgmma"
-            record_implementation(BACKWARD_REPORT, "wgmma (triton on a query pass with a window off an 8-row "
-                                                   "boundary)")
+            record_implementation(BACKWARD_REPORT, "wgmma (default; dq partials in bf16 for bf16 inputs; triton on "
+                                                   "a query pass with a window off an 8-row boundary)")
         else:
             record_implementation(BACKWARD_REPORT, f"triton (the wgmma backward refused: {why})")
     return msa_attention_gpu(q, k, v, block_ids, interpret=interpret, forward="wgmma", backward=backward, **kw)

@@ -5,8 +5,8 @@ gradient of the fp32 XLA reference (``minimax_jax.ops.msa``, implementation "xla
 inputs), every element (max |error| <= 5 % of max |reference|, cosine > 0.99: the bf16 tolerance of the
 Triton backward's tests): causal self-attention, packed documents of 8-row aligned lengths, queries as a
 suffix of the keys, runs split over programs (small ``chunk``), 8 and 16 heads per group, 6 heads in 8-row
-head slots, bf16 dq partials; a pass with an unaligned window runs the Triton kernel; the ops layer's opt-in
-(``hopper_backward``) and its report. On any jax: the CUDA
+head slots, f32 and bf16 dq partials; a pass with an unaligned window runs the Triton kernel; the ops
+layer's default, ``hopper_backward`` and its report. On any jax: the CUDA
 lowering at M3 shapes (128K tokens) and the ``wgmma_bwd_supported`` predicate.
 """
 
@@ -60,20 +60,21 @@ def _run_and_check(c, ids, chunk, **kw):
 @pytest.mark.parametrize("h,g", [(16, 2), (32, 2)])
 def test_causal_self_attention_gqa(h, g):
     """8 and 16 heads per group; 384 causal tokens, top-3 of 128-key blocks; one program per group's slice
-    of 512 sorted selections (whole runs only)."""
+    of 512 sorted selections (whole runs only); f32 dq partials."""
     rng = np.random.default_rng()
     c = make_case(rng, bsz=1, t=384, s=384, h=h, g=g, d=128)
     ids = random_ids(rng, c["q_pos"], c["q_seg"], g, 3, BLK)
-    _run_and_check(c, ids, chunk=512)
+    _run_and_check(c, ids, chunk=512, dq_partial_bits=32)
 
 
 @needs_interpreter
 def test_split_runs_and_bf16_dq_partials():
-    """chunk 32: every popular window's run is split over programs (pieces + merge); dq partials in bf16."""
+    """chunk 32: every popular window's run is split over programs (pieces + merge); dq partials in bf16 (the
+    default for bf16 inputs)."""
     rng = np.random.default_rng()
     c = make_case(rng, bsz=1, t=256, s=256, h=16, g=2, d=128)
     ids = random_ids(rng, c["q_pos"], c["q_seg"], 2, 2, BLK)
-    _run_and_check(c, ids, chunk=32, dq_partial_bits=16)
+    _run_and_check(c, ids, chunk=32)
 
 
 @needs_interpreter
@@ -142,20 +143,20 @@ def _grad_fn(c, ids, blk=BLK):
 
 
 @needs_interpreter
-def test_ops_layer_opt_in_and_report():
-    """``hopper_backward("wgmma")`` makes ``pallas_hopper_gpu_interpret`` differentiate through the wgmma
-    backward (recorded); without it the Triton backward is traced (recorded as the default); a shape the wgmma
-    backward refuses (D = 64) records the Triton one with the reason."""
+def test_ops_layer_default_and_report():
+    """``pallas_hopper_gpu_interpret`` differentiates through the wgmma backward by default (recorded);
+    ``hopper_backward("triton")`` traces the Triton backward (recorded); a shape the wgmma backward refuses
+    (D = 64) records the Triton one with the reason."""
     rng = np.random.default_rng()
     c = make_case(rng, bsz=1, t=128, s=128, h=16, g=2, d=128)
     ids = jnp.asarray(random_ids(rng, c["q_pos"], c["q_seg"], 2, 1, BLK))
     q, k, v = (jnp.asarray(c[n], jnp.bfloat16) for n in ("q", "k", "v"))
     ops.clear_implementation_report()
-    jax.eval_shape(_grad_fn(c, ids), q, k, v)
-    assert ops.implementation_report()[BACKWARD_REPORT].startswith("triton (default")
-    with hopper_backward("wgmma"):
-        got = jax.jit(_grad_fn(c, ids))(q, k, v)
-    assert ops.implementation_report()[BACKWARD_REPORT].startswith("wgmma")
+    with hopper_backward("triton"):
+        jax.eval_shape(_grad_fn(c, ids), q, k, v)
+    assert ops.implementation_report()[BACKWARD_REPORT].startswith("triton (chosen with hopper_backward")
+    got = jax.jit(_grad_fn(c, ids))(q, k, v)
+    assert ops.implementation_report()[BACKWARD_REPORT].startswith("wgmma (default")
     f32 = lambda x: x.astype(jnp.float32)
     ref = jax.grad(lambda q, k, v: jnp.sum(msa_ops.msa_attention(q, k, v, ids, block_size=BLK, implementation="xla",
                                                                  **positions(c))[0]), argnums=(0, 1, 2))(
@@ -165,8 +166,7 @@ def test_ops_layer_opt_in_and_report():
         assert np.max(np.abs(a - b)) <= 5e-2 * np.abs(b).max() and cosine(a, b) > 0.99
     c64 = make_case(rng, bsz=1, t=128, s=128, h=16, g=2, d=64)
     x64 = [jnp.asarray(c64[n], jnp.bfloat16) for n in ("q", "k", "v")]
-    with hopper_backward("wgmma"):
-        jax.eval_shape(_grad_fn(c64, ids), *x64)
+    jax.eval_shape(_grad_fn(c64, ids), *x64)
     assert ops.implementation_report()[BACKWARD_REPORT].startswith("triton (the wgmma backward refused: head dims")
     with pytest.raises(ValueError, match="triton' or 'wgmma"):
         with hopper_backward("cudnn"):
