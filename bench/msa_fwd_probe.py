@@ -29,6 +29,8 @@ from minimax_jax.ops import msa as msa_ops  # noqa: E402
 from pallas_kernels.msa import gpu_sparse_fwd as kv  # noqa: E402
 from pallas_kernels.msa import layout  # noqa: E402
 
+# The command line as given (before a probe takes its own flags off sys.argv), for the JSON's meta.
+COMMAND = " ".join(sys.argv)
 MODELS = {"m3": (64, 4), "m2": (48, 8), "train": (16, 4)}   # train: bench/train_step.py's model
 D, BLK, TOPK = 128, 128, 16
 
@@ -182,7 +184,7 @@ def run_probe(description, check_fn, bench_fn, default_variants, out_name, ok_ke
     dev = jax.devices()[0]
     meta = {"date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
             "device": getattr(dev, "device_kind", str(dev)), "jax": jax.__version__,
-            "command": " ".join(sys.argv)}
+            "command": COMMAND}
     print(meta, flush=True)
     key = jax.random.PRNGKey(0)
     checks = []
