@@ -36,7 +36,7 @@ from pallas_kernels.msa.gpu_sparse_fwd import (PARTIALS_BUDGET, Window, mask_log
                                               tile_loops, tile_rows)
 
 __all__ = ["sparse_bwd_kv_outer", "default_bwd_chunk", "default_bwd_query_chunk", "slice_bounds", "owned", "add_owned",
-           "follow_counts", "merge_pieces", "sum_dq_partials", "over_query_chunks"]
+           "follow_counts", "merge_pieces", "sum_dq_partials", "over_query_chunks", "bwd_inputs"]
 
 _LOG2E = math.log2(math.e)
 
@@ -294,6 +294,17 @@ def default_bwd_chunk(selections: int, programs: int = 2048) -> int:
     return 128
 
 
+def bwd_inputs(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids, o, lse, do,
+               block_size):
+    """What every KV-outer backward starts from: (prep (``layout.prepare``), ids (deduplicated), window
+    starts, delta = rowsum(o * do) f32 [B,T,H], do in q.dtype, lse f32 [B,T,H], q positions int32 [B,T])."""
+    prep = layout.prepare(k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, block_size)
+    ids = layout.dedupe_ids(block_ids)
+    starts = layout.window_starts(ids, prep.base, block_size, prep.s_pad)
+    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
+    return prep, ids, starts, delta, do.astype(q.dtype), lse.astype(jnp.float32), q_positions.astype(jnp.int32)
+
+
 def sparse_bwd_kv_outer(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids,
                         kv_segment_ids, o, lse, do, *, block_size, interpret=False, num_warps=8,
                         num_stages=2, chunk=None, rows=None, query_chunk=None, dq_partial_bits=32):
@@ -313,13 +324,8 @@ def sparse_bwd_kv_outer(q, k, v, block_ids, q_positions, kv_positions, q_segment
     bsz, t, h, d = q.shape
     s, g = k.shape[1], k.shape[2]
     topk = block_ids.shape[-1]
-    prep = layout.prepare(k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, block_size)
-    ids = layout.dedupe_ids(block_ids)
-    starts = layout.window_starts(ids, prep.base, block_size, prep.s_pad)
-    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)   # [B,T,H]
-    do = do.astype(q.dtype)
-    lse = lse.astype(jnp.float32)
-    qpos = q_positions.astype(jnp.int32)
+    prep, ids, starts, delta, do, lse, qpos = bwd_inputs(q, k, v, block_ids, q_positions, kv_positions,
+                                                         q_segment_ids, kv_segment_ids, o, lse, do, block_size)
     qseg = prep.q_seg
     if rows is None:
         rows = max(32, layout.next_pow2(h // g))

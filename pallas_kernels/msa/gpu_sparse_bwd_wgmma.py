@@ -42,16 +42,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import mosaic_interpret_params, mosaic_load_rows, mosaic_smem_transforms, typed_out_struct
 from pallas_kernels.msa import layout
-from pallas_kernels.msa.gpu_sparse_bwd import (_chunk_bwd, default_bwd_chunk, default_bwd_query_chunk, merge_pieces,
-                                               over_query_chunks, slice_bounds, sum_dq_partials)
+from pallas_kernels.msa.gpu_sparse_bwd import (_chunk_bwd, bwd_inputs, default_bwd_chunk, default_bwd_query_chunk,
+                                               merge_pieces, over_query_chunks, slice_bounds, sum_dq_partials)
 from pallas_kernels.msa.gpu_sparse_fwd import worklist
-from pallas_kernels.msa.gpu_sparse_fwd_wgmma import _intervals, head_slot
+from pallas_kernels.msa.gpu_sparse_fwd_wgmma import WorkTables, _intervals, head_slot
 
 __all__ = ["sparse_bwd_wgmma", "wgmma_bwd_supported"]
 
 ROWS = 64                      # rows per tile: one wgmma M
 _HALF = 64                     # keys per compute warpgroup; dK / dV / dQ column blocks
-_TAB_PIECE = 256               # work-list entries per TMA copy of the SMEM tables (a TMA's limit)
 _LOG2E = math.log2(math.e)
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -120,35 +119,13 @@ def _body(flat_ref, key_ref, rend_ref, nval_ref, lims_ref, stats_ref, own_ref, q
     lo, hi, cont_in, cont_out = slice_bounds(key_ref, nval_ref, b, g, i, chunk)
     dtype = q_ref.dtype
     heads = pl.ds(g * sr, sr)
-    tabs = {}
-
-    def entry(name, idx):
-        """Work-list entry ``idx`` (absolute, in [lo, lo + chunk)) of table flat / key / rend, from SMEM."""
-        return tabs["smem"][("flat", "key", "rend").index(name), idx - lo]
-
-    def walk(per_run):
-        """The slice's runs in order: per_run(a, end, run index, tiles before it, its tiles, w0)."""
-        def step(c):
-            a, ri, ct = c
-            end = jnp.minimum(entry("rend", a), hi)
-            nt = lax.div(end - a + per - 1, per)
-            per_run(a, end, ri, ct, nt, entry("key", a))
-            return end, ri + 1, ct + nt
-        return lax.while_loop(lambda c: c[0] < hi, step, (lo, jnp.int32(0), jnp.int32(0)))
+    tables = WorkTables(lo, hi, chunk, per)
+    entry, walk = tables.entry, tables.walk
 
     def scope(k_smem, v_smem, own_smem, q_smem, do_smem, lim_smem, st_smem, ds_smem, stg_smem, tab_smem,
               kv_ready, kv_free, q_ready, q_free, ds_ready, tab_ready, p_smem=None, dq_smem=None):
         wg = lax.axis_index("wg")
-        tabs["smem"] = tab_smem
-
-        @pl.when(wg == 2)
-        def _():
-            for n, ref in enumerate((flat_ref, key_ref, rend_ref)):
-                for c0 in range(0, chunk, _TAB_PIECE):          # a TMA copies <= 256 elements per dimension
-                    w = min(_TAB_PIECE, chunk - c0)
-                    plgpu.copy_gmem_to_smem(ref.at[b, g, pl.ds(pl.multiple_of(lo + c0, 8), w)],
-                                            tab_smem.at[n, pl.ds(c0, w)], tab_ready.at[0])
-        plgpu.barrier_wait(tab_ready.at[0])
+        tables.load(tab_smem, (flat_ref, key_ref, rend_ref), b, g, tab_ready, wg == 2)
 
         @pl.when(wg == 2)
         def _memory():
@@ -343,7 +320,7 @@ def _body(flat_ref, key_ref, rend_ref, nval_ref, lims_ref, stats_ref, own_ref, q
         q_ready=plgpu.Barrier(num_arrivals=2 * per + 2, num_barriers=2),
         q_free=plgpu.Barrier(num_arrivals=2, num_barriers=2),
         ds_ready=plgpu.Barrier(num_arrivals=2, num_barriers=2),
-        tab_ready=plgpu.Barrier(num_arrivals=3 * -(-chunk // _TAB_PIECE), num_barriers=1),
+        tab_ready=WorkTables.barrier(chunk),
         **extra,
         collective_axes="wg",
     )
@@ -418,13 +395,8 @@ def sparse_bwd_wgmma(q, k, v, block_ids, q_positions, kv_positions, q_segment_id
     hg = h // g
     sr = head_slot(hg)
     topk = block_ids.shape[-1]
-    prep = layout.prepare(k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, block_size)
-    ids = layout.dedupe_ids(block_ids)
-    starts = layout.window_starts(ids, prep.base, block_size, prep.s_pad)
-    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)   # [B,T,H]
-    do = do.astype(q.dtype)
-    lse = lse.astype(jnp.float32)
-    qpos = q_positions.astype(jnp.int32)
+    prep, ids, starts, delta, do, lse, qpos = bwd_inputs(q, k, v, block_ids, q_positions, kv_positions,
+                                                         q_segment_ids, kv_segment_ids, o, lse, do, block_size)
     j0, j1 = jax.vmap(layout.segment_runs)(prep.kv_seg, prep.q_seg)
     own = owner_starts(prep.kv_pos, prep.kv_seg, block_size, prep.s_pad)
     if query_chunk is None:

@@ -48,7 +48,7 @@ from pallas_kernels.common import mosaic_interpret_params, mosaic_load_rows, mos
 from pallas_kernels.msa import layout
 from pallas_kernels.msa.gpu_sparse_fwd import _combine, default_query_chunk, worklist
 
-__all__ = ["sparse_fwd_wgmma", "wgmma_supported", "head_slot", "ROWS"]
+__all__ = ["sparse_fwd_wgmma", "wgmma_supported", "head_slot", "WorkTables", "ROWS"]
 
 ROWS = 64                      # rows per tile: one wgmma M per compute warpgroup
 _TAB_PIECE = 256               # work-list entries per TMA copy of the SMEM tables (a TMA's limit)
@@ -109,6 +109,49 @@ def wgmma_supported(q_shape, kv_shape, v_dim, dtype, block_size) -> str | None:
     return None
 
 
+class WorkTables:
+    """A program's slice [lo, hi) of its group's sorted work list (``worklist``: flat token-slot, window start,
+    run end), copied into SMEM once by the memory warpgroup and read there by every warpgroup instead of as
+    scalar global loads per tile (BENCHMARKS.md, MSA forward schedule probe). ``per``: selections per tile."""
+
+    def __init__(self, lo, hi, chunk, per):
+        self.lo, self.hi, self.chunk, self.per, self.smem = lo, hi, chunk, per, None
+
+    @staticmethod
+    def barrier(chunk):
+        """The barrier ``load``'s copies arrive on (one arrival per TMA copy of <= 256 entries)."""
+        return plgpu.Barrier(num_arrivals=3 * -(-chunk // _TAB_PIECE), num_barriers=1)
+
+    def load(self, tab_smem, refs, b, g, ready, issue):
+        """Bind ``tab_smem`` (int32 [3, chunk]); where ``issue`` (the memory warpgroup), TMA the slice of
+        ``refs`` (flat, key, rend: int32 [B, G, N]) into it; every warpgroup then waits on ``ready``."""
+        self.smem = tab_smem
+
+        @pl.when(issue)
+        def _():
+            for n, ref in enumerate(refs):
+                for c0 in range(0, self.chunk, _TAB_PIECE):     # a TMA copies <= 256 elements per dimension
+                    w = min(_TAB_PIECE, self.chunk - c0)
+                    plgpu.copy_gmem_to_smem(ref.at[b, g, pl.ds(pl.multiple_of(self.lo + c0, 8), w)],
+                                            tab_smem.at[n, pl.ds(c0, w)], ready.at[0])
+        plgpu.barrier_wait(ready.at[0])
+
+    def entry(self, name, idx):
+        """Work-list entry ``idx`` (absolute, in [lo, lo + chunk)) of table flat / key / rend, from SMEM."""
+        return self.smem[("flat", "key", "rend").index(name), idx - self.lo]
+
+    def walk(self, per_run):
+        """The slice's runs in order: per_run(a, end, run index, tiles before it, its tiles, w0);
+        returns (end, runs, tiles)."""
+        def step(c):
+            a, ri, ct = c
+            end = jnp.minimum(self.entry("rend", a), self.hi)
+            nt = lax.div(end - a + self.per - 1, self.per)
+            per_run(a, end, ri, ct, nt, self.entry("key", a))
+            return end, ri + 1, ct + nt
+        return lax.while_loop(lambda c: c[0] < self.hi, step, (self.lo, jnp.int32(0), jnp.int32(0)))
+
+
 def _intervals(ids, flat, key, qpos, base, j0, j1, blk, hg, pad):
     """Visible columns [lo, hi] of every sorted entry's loaded window (rows from 8 * floor(start / 8)),
     repeated per head: int32 [B,G,2,(N+pad)*hg]."""
@@ -148,21 +191,8 @@ def _body(flat_ref, key_ref, rend_ref, nval_ref, lims_ref, q_ref, k_ref, v_ref, 
         aligned = lax.rem(w0, 8) == 0
         return ((widths[0], aligned), (widths[1], ~aligned))
 
-    tabs = {}
-
-    def entry(name, idx):
-        """Work-list entry ``idx`` (absolute, in [lo, lo + chunk)) of table flat / key / rend, from SMEM."""
-        return tabs["smem"][("flat", "key", "rend").index(name), idx - lo]
-
-    def walk(per_run):
-        """The slice's runs in order: per_run(a, end, run index, tiles before it, its tiles, w0)."""
-        def step(c):
-            a, ri, ct = c
-            end = jnp.minimum(entry("rend", a), hi)
-            nt = lax.div(end - a + per - 1, per)
-            per_run(a, end, ri, ct, nt, entry("key", a))
-            return end, ri + 1, ct + nt
-        return lax.while_loop(lambda c: c[0] < hi, step, (lo, jnp.int32(0), jnp.int32(0)))
+    tables = WorkTables(lo, hi, chunk, per)
+    entry, walk = tables.entry, tables.walk
 
     def stage(cc):
         """q ring stage of the CTA's tile cc: tiles alternate between the compute warpgroups."""
@@ -171,16 +201,7 @@ def _body(flat_ref, key_ref, rend_ref, nval_ref, lims_ref, q_ref, k_ref, v_ref, 
     def scope(k_smem, v_smem, q_smem, lim_smem, l_smem, tab_smem, kv_ready, kv_free, q_ready, q_free, tab_ready,
               p_smem=None):
         wg = lax.axis_index("wg")
-        tabs["smem"] = tab_smem
-
-        @pl.when(wg == 2)
-        def _():
-            for n, ref in enumerate((flat_ref, key_ref, rend_ref)):
-                for c0 in range(0, chunk, _TAB_PIECE):          # a TMA copies <= 256 elements per dimension
-                    w = min(_TAB_PIECE, chunk - c0)
-                    plgpu.copy_gmem_to_smem(ref.at[b, g, pl.ds(pl.multiple_of(lo + c0, 8), w)],
-                                            tab_smem.at[n, pl.ds(c0, w)], tab_ready.at[0])
-        plgpu.barrier_wait(tab_ready.at[0])
+        tables.load(tab_smem, (flat_ref, key_ref, rend_ref), b, g, tab_ready, wg == 2)
 
         @pl.when(wg == 2)
         def _memory():
@@ -334,7 +355,7 @@ def _body(flat_ref, key_ref, rend_ref, nval_ref, lims_ref, q_ref, k_ref, v_ref, 
         kv_free=plgpu.Barrier(num_arrivals=2, num_barriers=kv_slots),
         q_ready=plgpu.Barrier(num_arrivals=per + 1, num_barriers=4),
         q_free=plgpu.Barrier(num_arrivals=1, num_barriers=4),
-        tab_ready=plgpu.Barrier(num_arrivals=3 * -(-chunk // _TAB_PIECE), num_barriers=1),
+        tab_ready=WorkTables.barrier(chunk),
         **extra,
         collective_axes="wg",
     )
