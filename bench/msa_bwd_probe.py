@@ -140,20 +140,9 @@ def bench(model, t, key, interpret, variants, dense):
     return rows
 
 
-def _flag(name):
-    """Whether ``name`` is on the command line (taken off it: run_probe parses the rest)."""
-    on = name in sys.argv
-    if on:
-        sys.argv.remove(name)
-    return on
-
-
 def main():
-    # --no-checks / --no-bench: one half of the probe per call (at M3 128K both together can pass 10 minutes)
-    skip_checks, skip_bench = _flag("--no-checks"), _flag("--no-bench")
-    check_fn = (lambda name, *a, **kw: {"case": name, "skipped": True}) if skip_checks else check
-    bench_fn = (lambda *a, **kw: []) if skip_bench else bench
-    run_probe(__doc__.splitlines()[0], check_fn, bench_fn,
+    # --no-checks / --no-bench (run_probe): one half of the probe per call (at M3 128K both can pass 10 minutes)
+    run_probe(__doc__, check, bench,
               "rows=32,num_warps=8;rows=64,num_warps=8;rows=32,num_warps=4;"
               "rows=64,num_warps=8,chunk=256;rows=32,num_warps=8,query_chunk=8192;"
               "wgmma=1,dq_partial_bits=32;wgmma=1;wgmma=1,chunk=256",

@@ -29,8 +29,6 @@ from minimax_jax.ops import msa as msa_ops  # noqa: E402
 from pallas_kernels.msa import gpu_sparse_fwd as kv  # noqa: E402
 from pallas_kernels.msa import layout  # noqa: E402
 
-# The command line as given (before a probe takes its own flags off sys.argv), for the JSON's meta.
-COMMAND = " ".join(sys.argv)
 MODELS = {"m3": (64, 4), "m2": (48, 8), "train": (16, 4)}   # train: bench/train_step.py's model
 D, BLK, TOPK = 128, 128, 16
 
@@ -170,39 +168,75 @@ def probe_shapes(tiny):
             ("m3_blk64", dict(bsz=1, t=2048, s=2048, h=64, g=4, d=128, blk=64, topk=16))]
 
 
+def _parse_variants(text):
+    """``"a=1,b=2;c=3"`` -> [{"a": 1, "b": 2}, {"c": 3}]; raises ValueError naming the bad item."""
+    variants = []
+    for v in text.split(";"):
+        kw = {}
+        for item in filter(None, v.split(",")):
+            name, eq, val = item.partition("=")
+            if not eq or not name or not val.lstrip("-").isdigit():
+                raise ValueError(f"variant item {item!r} is not name=integer")
+            kw[name] = int(val)
+        variants.append(kw)
+    return variants
+
+
+def _parse_cases(text):
+    """``"m3:131072,m2:8192"`` -> [("m3", 131072), ("m2", 8192)]; raises ValueError naming the bad case."""
+    cases = []
+    for c in filter(None, text.split(",")):
+        model, _, t = c.partition(":")
+        if model not in MODELS or not t.isdigit() or int(t) <= 0:
+            raise ValueError(f"case {c!r} is not model:T with model in {sorted(MODELS)} and T > 0")
+        cases.append((model, int(t)))
+    return cases
+
+
 def run_probe(description, check_fn, bench_fn, default_variants, out_name, ok_keys):
     """The probes' command line: checks first (each case's error reported, not raised), then the
-    timed variants per case, a JSON file under --out and a table printed last."""
-    ap = argparse.ArgumentParser(description=description)
-    ap.add_argument("--out", default="/tmp/msa_probe")
-    ap.add_argument("--cases", default="m3:131072,m2:131072")
-    ap.add_argument("--variants", default=default_variants)
-    ap.add_argument("--interpret", action="store_true")
-    ap.add_argument("--tiny", action="store_true")
+    timed variants per case, a JSON file under --out and a table printed last. ``description``: the
+    probe's module docstring (its first paragraph is the --help text)."""
+    ap = argparse.ArgumentParser(description=description.split("\n\n")[0])
+    ap.add_argument("--out", default="/tmp/msa_probe", help="folder of the JSON result")
+    ap.add_argument("--cases", default="m3:131072,m2:131072",
+                    help=f"timed cases, model:T[,model:T] (models: {', '.join(MODELS)}); not with --tiny")
+    ap.add_argument("--variants", default=default_variants,
+                    help="timed launch variants: name=int[,name=int][;...] (default: %(default)s)")
+    ap.add_argument("--interpret", action="store_true", help="the kernels in interpret mode (CPU)")
+    ap.add_argument("--tiny", action="store_true", help="tiny check shapes and no timed cases (CPU smoke run)")
+    ap.add_argument("--no-checks", action="store_true", help="the timings alone")
+    ap.add_argument("--no-bench", action="store_true", help="the checks alone")
     args = ap.parse_args()
+    try:        # bad flags end the run here, before minutes of checks
+        variants, cases = _parse_variants(args.variants), _parse_cases(args.cases)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.tiny and args.cases != ap.get_default("cases"):
+        ap.error("--cases is not timed with --tiny (tiny runs the checks only)")
     os.makedirs(args.out, exist_ok=True)
     dev = jax.devices()[0]
     meta = {"date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
             "device": getattr(dev, "device_kind", str(dev)), "jax": jax.__version__,
-            "command": COMMAND}
+            "command": " ".join(sys.argv)}
     print(meta, flush=True)
     key = jax.random.PRNGKey(0)
     checks = []
     for name, shp in probe_shapes(args.tiny):
         key, sub = jax.random.split(key)
+        if args.no_checks:
+            checks.append({"case": name, "skipped": True})
+            continue
         try:
             checks.append(check_fn(name, sub, args.interpret, **shp))
         except Exception as e:
             checks.append({"case": name, "error": f"{type(e).__name__}: {str(e)[:400]}"})
             print("CHECK", json.dumps(checks[-1]), flush=True)
-    variants = [{a: int(b) for a, b in (item.split("=") for item in filter(None, v.split(",")))}
-                for v in args.variants.split(";")]
     rows = []
-    if not args.tiny:
-        for c in args.cases.split(","):
-            model, t = c.split(":")
+    if not args.tiny and not args.no_bench:
+        for model, t in cases:
             key, sub = jax.random.split(key)
-            rows += bench_fn(model, int(t), sub, args.interpret, variants, dense=True)
+            rows += bench_fn(model, t, sub, args.interpret, variants, dense=True)
     with open(os.path.join(args.out, out_name), "w") as f:
         json.dump({"meta": meta, "checks": checks, "rows": rows}, f, indent=1)
     print("\nchecks:", [(c["case"],) + tuple(c.get(k) for k in ok_keys) + (c.get("error"),) for c in checks])
@@ -213,7 +247,7 @@ def run_probe(description, check_fn, bench_fn, default_variants, out_name, ok_ke
 
 
 def main():
-    run_probe(__doc__.splitlines()[0], check, bench,
+    run_probe(__doc__, check, bench,
               "rows=64,num_warps=4;rows=128,num_warps=8;rows=64,num_warps=4,chunk=256",
               "msa_fwd_probe.json", ("kv_outer_ok", "kv_outer_chunked_ok", "kv_outer_bitwise_repeat"))
 

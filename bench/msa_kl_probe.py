@@ -89,7 +89,7 @@ def bench(model, t, key, interpret, variants, dense):
 
 
 def main():
-    run_probe(__doc__.splitlines()[0], check, bench, "", "msa_kl_probe.json", ("kl_ok", "kl_bitwise_repeat"))
+    run_probe(__doc__, check, bench, "", "msa_kl_probe.json", ("kl_ok", "kl_bitwise_repeat"))
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.msa import layout
-from pallas_kernels.msa.gpu_sparse_fwd import (PARTIALS_BUDGET, Window, mask_logits, schedule,
+from pallas_kernels.msa.gpu_sparse_fwd import (PARTIALS_BUDGET, Window, check_launch, mask_logits, schedule,
                                               tile_loops, tile_rows)
 
 __all__ = ["sparse_bwd_kv_outer", "default_bwd_chunk", "default_bwd_query_chunk", "slice_bounds", "owned", "add_owned",
@@ -316,9 +316,12 @@ def sparse_bwd_kv_outer(q, k, v, block_ids, q_positions, kv_positions, q_segment
     (None: max(32, next_pow2(H/G)));
     ``query_chunk``: query tokens per pass (None: ``default_bwd_query_chunk``). ``dq_partial_bits``: 32 keeps
     the per-(token, slot) dq partials in f32, 16 in q.dtype (half their write + read traffic; each partial
-    rounded once before the f32 sum over the K slots). Preconditions are asserted.
+    rounded once before the f32 sum over the K slots; None: 32). Bad launch arguments raise ValueError
+    (``gpu_sparse_fwd.check_launch``); shape preconditions are asserted.
     """
-    assert dq_partial_bits in (16, 32), f"dq_partial_bits must be 16 or 32, got {dq_partial_bits}"
+    check_launch(chunk=chunk, query_chunk=query_chunk, dq_partial_bits=dq_partial_bits)
+    if dq_partial_bits is None:
+        dq_partial_bits = 32
     dq_partial_dtype = jnp.float32 if dq_partial_bits == 32 else q.dtype
     layout.check_shapes(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
     bsz, t, h, d = q.shape

@@ -44,7 +44,7 @@ from pallas_kernels.common import mosaic_interpret_params, mosaic_load_rows, mos
 from pallas_kernels.msa import layout
 from pallas_kernels.msa.gpu_sparse_bwd import (_chunk_bwd, bwd_inputs, default_bwd_chunk, default_bwd_query_chunk,
                                                merge_pieces, over_query_chunks, slice_bounds, sum_dq_partials)
-from pallas_kernels.msa.gpu_sparse_fwd import worklist
+from pallas_kernels.msa.gpu_sparse_fwd import check_launch, worklist
 from pallas_kernels.msa.gpu_sparse_fwd_wgmma import WorkTables, _intervals, head_slot
 
 __all__ = ["sparse_bwd_wgmma", "wgmma_bwd_supported"]
@@ -61,7 +61,7 @@ def wgmma_bwd_supported(q_shape, kv_shape, v_dim, dtype, block_size) -> str | No
     if jnp.dtype(dtype) not in _DTYPES:
         return f"dtype {jnp.dtype(dtype)} is not bf16 / f16"
     h, d, g = q_shape[2], q_shape[3], kv_shape[2]
-    if h % g or h // g > 64:
+    if g <= 0 or h % g or h // g > 64:
         return f"heads per group {h}/{g}: need an integer <= 64"
     if d != 128 or v_dim != 128:
         return f"head dims D={d}, Dv={v_dim}: the wgmma backward needs D = Dv = 128"
@@ -378,17 +378,21 @@ def sparse_bwd_wgmma(q, k, v, block_ids, q_positions, kv_positions, q_segment_id
     a multiple of 32, None: ``default_bwd_chunk``; ``num_warps`` / ``num_stages`` / ``rows`` are the Triton
     fallback's knobs; ``dq_partial_bits``: None = 16 for bf16 inputs (bf16 keeps f32's exponent range; the
     partials are summed in f32), 32 for f16). ``interpret``: the Mosaic GPU interpreter (jax >= 0.11).
-    ``p_in_smem``: feed P^T to the dV ``wgmma`` from SMEM (always so in the interpreter). Shapes must pass ``wgmma_bwd_supported``
-    (asserted). A query pass with any window off an 8-row boundary runs the Triton kernel of
+    ``p_in_smem``: feed P^T to the dV ``wgmma`` from SMEM (always so in the interpreter). Raises ValueError
+    for shapes ``wgmma_bwd_supported`` refuses and for launch arguments ``gpu_sparse_fwd.check_launch``
+    refuses. A query pass with any window off an 8-row boundary runs the Triton kernel of
     ``gpu_sparse_bwd`` (same results up to rounding), decided on the data inside the compiled loop.
     """
+    # each TMA copy of the SMEM work-list tables moves a multiple of 128 bytes (32 int32 entries)
+    check_launch(chunk=chunk, query_chunk=query_chunk, dq_partial_bits=dq_partial_bits, chunk_multiple=32)
     if dq_partial_bits is None:
         dq_partial_bits = 16 if q.dtype == jnp.bfloat16 else 32
-    assert dq_partial_bits in (16, 32), f"dq_partial_bits must be 16 or 32, got {dq_partial_bits}"
     layout.check_shapes(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
     why = wgmma_bwd_supported(q.shape, k.shape, v.shape[-1], q.dtype, block_size)
-    assert why is None, why
-    assert k.dtype == q.dtype and v.dtype == q.dtype, (q.dtype, k.dtype, v.dtype)
+    if why is not None:
+        raise ValueError(f"sparse_bwd_wgmma: {why}")
+    if not k.dtype == v.dtype == q.dtype:
+        raise ValueError(f"sparse_bwd_wgmma: q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     dq_partial_dtype = jnp.float32 if dq_partial_bits == 32 else q.dtype
     bsz, t, h, d = q.shape
     s, g = k.shape[1], k.shape[2]
@@ -404,7 +408,6 @@ def sparse_bwd_wgmma(q, k, v, block_ids, q_positions, kv_positions, q_segment_id
                                               dq_bytes=jnp.dtype(dq_partial_dtype).itemsize)
     if chunk is None:
         chunk = default_bwd_chunk(bsz * min(t, query_chunk) * topk * g)
-    assert chunk % 32 == 0, f"chunk must be a multiple of 32 (the tables' TMA copies), got {chunk}"
     slots = lambda x: (x if sr == hg else jnp.pad(x.reshape(bsz, -1, g, hg, d),
                                                   ((0, 0),) * 3 + ((0, sr - hg), (0, 0))).reshape(bsz, -1, g * sr, d))
     wg_run = functools.partial(_chunk_bwd_wgmma, prep_k=prep.k, prep_v=prep.v, own=own, kvpos=prep.kv_pos,

@@ -33,7 +33,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.msa import layout
 
-__all__ = ["sparse_fwd_kv_outer", "worklist", "default_query_chunk", "PARTIALS_BUDGET",
+__all__ = ["sparse_fwd_kv_outer", "worklist", "check_launch", "default_query_chunk", "PARTIALS_BUDGET",
            "Window", "tile_rows", "mask_logits", "needs_mask", "mask_ends", "masked_tiles",
            "tile_loops", "schedule"]
 
@@ -46,6 +46,19 @@ PARTIALS_BUDGET = 4 << 30     # bytes of partial outputs per query chunk (defaul
 def _dot(a, b, trans_b=False):
     dims = (((1,), (1 if trans_b else 0,)), ((), ()))
     return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+def check_launch(*, chunk=None, query_chunk=None, dq_partial_bits=None, chunk_multiple=1):
+    """Raise ValueError (one line) unless ``chunk`` (sorted selections per program) is None or a positive
+    multiple of ``chunk_multiple``, ``query_chunk`` None or a positive int, ``dq_partial_bits`` None, 16 or 32."""
+    def is_int(x):
+        return isinstance(x, int) and not isinstance(x, bool)
+    if chunk is not None and not (is_int(chunk) and chunk > 0 and chunk % chunk_multiple == 0):
+        raise ValueError(f"chunk must be a positive multiple of {chunk_multiple}, got {chunk!r}")
+    if query_chunk is not None and not (is_int(query_chunk) and query_chunk > 0):
+        raise ValueError(f"query_chunk must be a positive int, got {query_chunk!r}")
+    if dq_partial_bits is not None and not (is_int(dq_partial_bits) and dq_partial_bits in (16, 32)):
+        raise ValueError(f"dq_partial_bits must be 16 or 32, got {dq_partial_bits!r}")
 
 
 def worklist(ids, starts):

@@ -46,7 +46,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import mosaic_interpret_params, mosaic_load_rows, mosaic_smem_transforms, typed_out_struct
 from pallas_kernels.msa import layout
-from pallas_kernels.msa.gpu_sparse_fwd import _combine, default_query_chunk, worklist
+from pallas_kernels.msa.gpu_sparse_fwd import _combine, check_launch, default_query_chunk, worklist
 
 __all__ = ["sparse_fwd_wgmma", "wgmma_supported", "head_slot", "WorkTables", "ROWS"]
 
@@ -100,7 +100,7 @@ def wgmma_supported(q_shape, kv_shape, v_dim, dtype, block_size) -> str | None:
         return f"dtype {jnp.dtype(dtype)} is not bf16 / f16"
     h, d = q_shape[2], q_shape[3]
     g = kv_shape[2]
-    if h % g or h // g > 64:
+    if g <= 0 or h % g or h // g > 64:
         return f"heads per group {h}/{g}: need an integer <= 64"
     if d != v_dim or d not in (64, 128):
         return f"head dims D={d}, Dv={v_dim}: need D = Dv in (64, 128)"
@@ -411,19 +411,21 @@ def sparse_fwd_wgmma(q, k, v, block_ids, q_positions, kv_positions, q_segment_id
 
     Arguments and outputs as ``gpu_sparse_fwd.sparse_fwd_kv_outer`` (``num_warps`` / ``num_stages`` /
     ``rows`` are Triton knobs, accepted and ignored: tiles are 64 rows; ``chunk`` must be a multiple of
-    32). ``interpret``: the Mosaic GPU
-    interpreter (jax >= 0.11). ``p_in_smem``: feed P to the second ``wgmma`` from SMEM instead of
-    registers (always so in the interpreter, whose ``wgmma`` reads SMEM operands only). Shapes must
-    pass ``wgmma_supported`` (asserted). Unlike the Triton kernel, windows are not re-checked key by
+    32). ``interpret``: the Mosaic GPU interpreter (jax >= 0.11). ``p_in_smem``: feed P to the second
+    ``wgmma`` from SMEM instead of registers (always so in the interpreter, whose ``wgmma`` reads SMEM
+    operands only). Raises ValueError for shapes ``wgmma_supported`` refuses and for launch arguments
+    ``gpu_sparse_fwd.check_launch`` refuses. Unlike the Triton kernel, windows are not re-checked key by
     key: the storage-layout contract (layout.py) is a precondition.
     """
     del num_warps, num_stages, rows
     # each TMA copy of the SMEM work-list tables moves a multiple of 128 bytes (32 int32 entries)
-    assert chunk % 32 == 0, f"chunk must be a multiple of 32 (the tables' TMA copies), got {chunk}"
+    check_launch(chunk=chunk, query_chunk=query_chunk, chunk_multiple=32)
     layout.check_shapes(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
     why = wgmma_supported(q.shape, k.shape, v.shape[-1], q.dtype, block_size)
-    assert why is None, why
-    assert k.dtype == q.dtype and v.dtype == q.dtype, (q.dtype, k.dtype, v.dtype)
+    if why is not None:
+        raise ValueError(f"sparse_fwd_wgmma: {why}")
+    if not k.dtype == v.dtype == q.dtype:
+        raise ValueError(f"sparse_fwd_wgmma: q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     bsz, t, h, _ = q.shape
     topk = block_ids.shape[-1]
     prep = layout.prepare(k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, block_size)

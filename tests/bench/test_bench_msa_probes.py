@@ -36,3 +36,20 @@ def test_probe_checks_pass(tmp_path, script, out, keys):
     with open(tmp_path / out) as f:
         checks = json.load(f)["checks"]
     assert checks and all(c.get(k) for c in checks for k in keys), checks
+
+
+@pytest.mark.parametrize("args,message", [
+    (("--variants", "wgmma=1,oops"), "variant item 'oops' is not name=integer"),
+    (("--variants", "chunk=abc"), "variant item 'chunk=abc' is not name=integer"),
+    (("--cases", "m9:4096"), "case 'm9:4096' is not model:T"),
+    (("--tiny", "--cases", "m3:4096"), "--cases is not timed with --tiny")])
+def test_probe_flags_refused_before_any_work(tmp_path, args, message):
+    """A bad --variants / --cases ends the probe with argparse's exit 2 before the checks run (and write
+    nothing); --help lists --no-checks / --no-bench."""
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT, JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, os.path.join(REPO_ROOT, "bench", "msa_bwd_probe.py"), f"--out={tmp_path}"]
+    r = subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=300, env=env, cwd=REPO_ROOT)
+    assert r.returncode == 2 and message in r.stderr and "CHECK" not in r.stdout, (r.stdout[-2000:], r.stderr[-2000:])
+    assert not os.listdir(tmp_path)
+    h = subprocess.run(cmd + ["--help"], capture_output=True, text=True, timeout=300, env=env, cwd=REPO_ROOT)
+    assert h.returncode == 0 and "--no-checks" in h.stdout and "--no-bench" in h.stdout

@@ -59,7 +59,8 @@ def hopper_backward(kernel: str):
     """Within the block, ``pallas_hopper_gpu`` (and its interpreted twin) trace ``msa_attention`` with the
     backward ``kernel``: ``"wgmma"`` (the default, ``gpu_sparse_bwd_wgmma``; where its ``wgmma_bwd_supported``
     refuses the shapes the Triton one runs) or ``"triton"`` (``gpu_sparse_bwd``).
-    Read when a call is traced: a function jitted before the block keeps the backward it was traced with.
+    Read when a call is traced: a function jitted before the block keeps the backward it was traced with. The
+    choice is process-wide (not per thread) while the block is open.
     What was traced is recorded under ``BACKWARD_REPORT``. Raises ValueError for another name."""
     if kernel not in ("triton", "wgmma"):
         raise ValueError(f"hopper_backward: kernel must be 'triton' or 'wgmma', got {kernel!r}")

@@ -153,6 +153,8 @@ def test_kl_with_the_attention_lse_skips_the_teacher_pass_and_agrees():
     np.testing.assert_allclose(float(a), float(r), rtol=1e-5)
     for x, y in zip(ga, gb):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-5 * np.abs(np.asarray(y)).max())
+    for x, y in zip(ga, gr):        # and the kernel's gradients against the XLA reference's
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-5 * np.abs(np.asarray(y)).max())
     f = lambda qi, ki, lse: indexer_kl_gpu(q, k, qi, ki, ids, block_size=BLK, teacher_lse=lse, **pos)[0]
     txt = jax.jit(f).trace(qi, ki, lse).lower(lowering_platforms=("cuda",)).as_text()
     assert "msa_kl_student_lse_gpu" in txt and "msa_kl_lse_gpu" not in txt.replace("msa_kl_student_lse_gpu", "")

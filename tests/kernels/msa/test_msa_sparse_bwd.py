@@ -171,5 +171,9 @@ def test_dq_partials_in_q_dtype():
     np.testing.assert_array_equal(b16[2], f32[2])
     np.testing.assert_allclose(b16[0], f32[0], rtol=2.0 ** -6, atol=2.0 ** -7 * np.abs(f32[0]).max())
     assert not np.array_equal(b16[0], f32[0])          # the option changed something
-    with pytest.raises(AssertionError, match="dq_partial_bits must be 16 or 32"):
+    with pytest.raises(ValueError, match="dq_partial_bits must be 16 or 32, got 8"):
         _bwd(c, ids, jnp.bfloat16, dq_partial_bits=8)
+    with pytest.raises(ValueError, match="chunk must be a positive multiple of 1, got 0"):
+        _bwd(c, ids, jnp.bfloat16, chunk=0)
+    with pytest.raises(ValueError, match="query_chunk must be a positive int, got -1"):
+        _bwd(c, ids, jnp.bfloat16, query_chunk=-1)

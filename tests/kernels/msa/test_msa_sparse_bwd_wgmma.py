@@ -130,6 +130,38 @@ def test_supported_shapes():
     assert "heads per group" in wgmma_bwd_supported((1, 8, 130, 128), (1, 8, 2, 128), 128, jnp.bfloat16, 128)
     assert "head dims" in wgmma_bwd_supported((1, 8, 64, 64), (1, 8, 4, 64), 64, jnp.bfloat16, 128)
     assert "block size" in wgmma_bwd_supported((1, 8, 64, 128), (1, 8, 4, 128), 128, jnp.bfloat16, 64)
+    assert "heads per group" in wgmma_bwd_supported((1, 8, 64, 128), (1, 8, 0, 128), 128, jnp.bfloat16, 128)
+
+
+@pytest.mark.parametrize("kernel", ["forward", "backward"])
+@pytest.mark.parametrize("kw,message", [
+    (dict(chunk=0), "chunk must be a positive multiple of 32, got 0"),
+    (dict(chunk=48), "chunk must be a positive multiple of 32, got 48"),
+    (dict(chunk=-32), "chunk must be a positive multiple of 32, got -32"),
+    (dict(query_chunk=0), "query_chunk must be a positive int, got 0"),
+    (dict(dq_partial_bits=8), "dq_partial_bits must be 16 or 32, got 8"),
+    (dict(dq_partial_bits="16"), "dq_partial_bits must be 16 or 32, got '16'"),
+    (dict(dtype=jnp.float32), "sparse_.*_wgmma: dtype float32 is not bf16 / f16"),
+    (dict(d=64), "sparse_bwd_wgmma: head dims D=64")])
+def test_bad_arguments_raise_value_error(kernel, kw, message):
+    """Launch arguments and unsupported shapes: a one-line ValueError before anything is traced (any jax, no
+    interpreter; also under ``python -O``, which drops asserts)."""
+    from pallas_kernels.msa.gpu_sparse_fwd_wgmma import sparse_fwd_wgmma
+    kw = dict(kw)
+    dtype, d = kw.pop("dtype", jnp.bfloat16), kw.pop("d", 128)
+    if kernel == "forward" and ("dq_partial_bits" in kw or d != 128):
+        pytest.skip("a backward-only argument")
+    sd = jax.ShapeDtypeStruct
+    q, kv = sd((1, 256, 16, d), dtype), sd((1, 256, 2, d), dtype)
+    ids, pos, lse = sd((1, 2, 256, 2), jnp.int32), sd((1, 256), jnp.int32), sd((1, 256, 16), jnp.float32)
+    if kernel == "forward":
+        f = lambda q, k, v, ids, pos, o, lse, do: sparse_fwd_wgmma(q, k, v, ids, pos, pos, None, None, block_size=BLK,
+                                                                   **kw)
+    else:
+        f = lambda q, k, v, ids, pos, o, lse, do: sparse_bwd_wgmma(q, k, v, ids, pos, pos, None, None, o, lse, do,
+                                                                   block_size=BLK, **kw)
+    with pytest.raises(ValueError, match=message):
+        jax.eval_shape(f, q, kv, kv, ids, pos, q, lse, q)
 
 
 def _grad_fn(c, ids, blk=BLK):

@@ -19,7 +19,7 @@ from pallas_kernels.msa import layout, tpu_common
 from pallas_kernels.msa.tpu_attention import msa_attention_tpu
 from pallas_kernels.msa.tpu_indexer import msa_select_blocks_tpu
 from pallas_kernels.msa.tpu_kl import indexer_kl_tpu
-from tests.kernels.msa.test_msa_kernels_oracle import cosine, id_sets, make_case, positions, random_ids
+from tests.kernels.msa.test_msa_kernels_oracle import cosine, make_case, positions, random_ids
 
 BLK = 8
 _F0 = np.zeros((), jax.dtypes.float0)
