@@ -35,7 +35,7 @@ from pallas_kernels.msa import layout
 from pallas_kernels.msa.gpu_sparse_fwd import (PARTIALS_BUDGET, Window, check_launch, mask_logits, schedule,
                                               tile_loops, tile_rows)
 
-__all__ = ["sparse_bwd_kv_outer", "default_bwd_chunk", "default_bwd_query_chunk", "slice_bounds", "owned", "add_owned",
+__all__ = ["sparse_bwd_kv_outer", "default_bwd_chunk", "default_bwd_query_chunk", "slice_bounds", "owner_start", "owned", "add_owned",
            "follow_counts", "merge_pieces", "sum_dq_partials", "over_query_chunks", "bwd_inputs"]
 
 _LOG2E = math.log2(math.e)
@@ -59,11 +59,16 @@ def slice_bounds(key_ref, nval_ref, b, g, i, chunk):
     return lo, hi, cont_in, cont_out
 
 
+def owner_start(x, kvp, blk, s_pad):
+    """Storage start of the window that owns key x (module docstring): clamp(x - kv_pos mod B, 0, Sp - B); x and
+    kvp int32 of one shape (in a kernel or in XLA)."""
+    return jnp.clip(x - jax.lax.rem(jnp.maximum(kvp, 0), blk), 0, s_pad - blk)
+
+
 def owned(kvp, kvs, w0, blk, s_pad):
     """Keys of the window at storage w0 that belong to it (module docstring): bool [B]."""
     x = w0 + jax.lax.broadcasted_iota(jnp.int32, kvp.shape, 0)
-    own = jnp.clip(x - jax.lax.rem(jnp.maximum(kvp, 0), blk), 0, s_pad - blk)
-    return (own == w0) & (kvs >= 0)
+    return (owner_start(x, kvp, blk, s_pad) == w0) & (kvs >= 0)
 
 
 def add_owned(ref, b, w0, g, val, own):

@@ -43,22 +43,22 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.common import mosaic_interpret_params, mosaic_load_rows, mosaic_smem_transforms, typed_out_struct
 from pallas_kernels.msa import layout
 from pallas_kernels.msa.gpu_sparse_bwd import (_chunk_bwd, bwd_inputs, default_bwd_chunk, default_bwd_query_chunk,
-                                               merge_pieces, over_query_chunks, slice_bounds, sum_dq_partials)
+                                               merge_pieces, over_query_chunks, owner_start, slice_bounds,
+                                               sum_dq_partials)
 from pallas_kernels.msa.gpu_sparse_fwd import check_launch, worklist
-from pallas_kernels.msa.gpu_sparse_fwd_wgmma import WorkTables, _intervals, head_slot
+from pallas_kernels.msa.gpu_sparse_fwd_wgmma import (DTYPES, ROWS, WorkTables, _intervals, from_head_slots, head_slot,
+                                                     to_head_slots)
 
 __all__ = ["sparse_bwd_wgmma", "wgmma_bwd_supported"]
 
-ROWS = 64                      # rows per tile: one wgmma M
 _HALF = 64                     # keys per compute warpgroup; dK / dV / dQ column blocks
 _LOG2E = math.log2(math.e)
-_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def wgmma_bwd_supported(q_shape, kv_shape, v_dim, dtype, block_size) -> str | None:
     """None when ``sparse_bwd_wgmma`` serves these shapes, else the reason (a short sentence).
     q_shape [B,T,H,D], kv_shape [B,S,G,D]: bf16 / f16, H/G <= 64, D = Dv = 128, block 128."""
-    if jnp.dtype(dtype) not in _DTYPES:
+    if jnp.dtype(dtype) not in DTYPES:
         return f"dtype {jnp.dtype(dtype)} is not bf16 / f16"
     h, d, g = q_shape[2], q_shape[3], kv_shape[2]
     if g <= 0 or h % g or h // g > 64:
@@ -71,11 +71,10 @@ def wgmma_bwd_supported(q_shape, kv_shape, v_dim, dtype, block_size) -> str | No
 
 
 def owner_starts(kvpos, kvseg, blk, s_pad):
-    """Per key: the storage start of the window that owns it (gpu_sparse_bwd.owned), -1 for empty slots.
-    int32 [B, Sp]."""
-    x = jnp.arange(kvpos.shape[1], dtype=jnp.int32)[None]
-    own = jnp.clip(x - jnp.maximum(kvpos, 0) % blk, 0, s_pad - blk)
-    return jnp.where(kvseg >= 0, own, -1).astype(jnp.int32)
+    """Per key: the storage start of the window that owns it (``gpu_sparse_bwd.owner_start``), -1 for empty
+    slots. kvpos / kvseg [B, Sp] (``layout.prepare``); int32 [B, Sp]."""
+    x = jnp.broadcast_to(jnp.arange(kvpos.shape[1], dtype=jnp.int32), kvpos.shape)
+    return jnp.where(kvseg >= 0, owner_start(x, kvpos.astype(jnp.int32), blk, s_pad), -1).astype(jnp.int32)
 
 
 def _whole_keys(key, run_end, n_valid, own, chunk):
@@ -364,9 +363,7 @@ def _chunk_bwd_wgmma(tok, ids, starts, dk, dv, *, prep_k, prep_v, own, kvpos, kv
     dv = dv + layout.keep(wdv, whole)
     dk, dv = merge_pieces(key, run_end, n_valid, kvpos, kvseg, [bdk, bdv], [dk, dv], blk=blk, chunk=chunk,
                           interpret=interpret)
-    if sr != hg:
-        dqp = dqp.reshape(bsz, t, topk, g, sr, d)[:, :, :, :, :hg].reshape(bsz, t, topk, h, d)
-    return sum_dq_partials(dqp, ids, hg, q.dtype), dk, dv
+    return sum_dq_partials(from_head_slots(dqp, g, hg, 3), ids, hg, q.dtype), dk, dv
 
 
 def sparse_bwd_wgmma(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids, o, lse, do,
@@ -408,8 +405,6 @@ def sparse_bwd_wgmma(q, k, v, block_ids, q_positions, kv_positions, q_segment_id
                                               dq_bytes=jnp.dtype(dq_partial_dtype).itemsize)
     if chunk is None:
         chunk = default_bwd_chunk(bsz * min(t, query_chunk) * topk * g)
-    slots = lambda x: (x if sr == hg else jnp.pad(x.reshape(bsz, -1, g, hg, d),
-                                                  ((0, 0),) * 3 + ((0, sr - hg), (0, 0))).reshape(bsz, -1, g * sr, d))
     wg_run = functools.partial(_chunk_bwd_wgmma, prep_k=prep.k, prep_v=prep.v, own=own, kvpos=prep.kv_pos,
                                kvseg=prep.kv_seg, blk=block_size,
                                chunk=chunk, interpret=interpret, p_in_smem=p_in_smem,
@@ -423,7 +418,8 @@ def sparse_bwd_wgmma(q, k, v, block_ids, q_positions, kv_positions, q_segment_id
         q, do, lse, delta, qpos, qseg, base, j0, j1 = tok
         aligned = jnp.all((starts % 8 == 0) | (ids < 0))
         return lax.cond(aligned,
-                        lambda: wg_run((slots(q), slots(do), lse, delta, qpos, base, j0, j1), ids, starts, dk, dv),
+                        lambda: wg_run((to_head_slots(q, g, sr, 2), to_head_slots(do, g, sr, 2), lse, delta, qpos, base, j0,
+                                         j1), ids, starts, dk, dv),
                         lambda: tr_run(q, do, lse, delta, ids, starts, qpos, qseg, dk, dv))
 
     dk = jnp.zeros(prep.k.shape, jnp.float32)

@@ -280,8 +280,10 @@ def sparse_fwd_kv_outer(q, k, v, block_ids, q_positions, kv_positions, q_segment
     Arguments as ``gpu_attention.msa_attention_gpu`` (block_ids [B,G,T,K], any order, duplicates
     count once, -1 unused). ``chunk``: sorted selections per program; ``rows``: (token, head) rows
     per tile (a power of two >= H/G; None: max(64, next_pow2(H/G))); ``query_chunk``: query tokens per pass (None:
-    ``default_query_chunk``). Preconditions are asserted.
+    ``default_query_chunk``). A bad chunk / query_chunk raises ValueError (``check_launch``); shape
+    preconditions are asserted.
     """
+    check_launch(chunk=chunk, query_chunk=query_chunk)
     layout.check_shapes(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
     bsz, t, h, _ = q.shape
     topk = block_ids.shape[-1]

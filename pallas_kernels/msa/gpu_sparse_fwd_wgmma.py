@@ -48,7 +48,8 @@ from pallas_kernels.common import mosaic_interpret_params, mosaic_load_rows, mos
 from pallas_kernels.msa import layout
 from pallas_kernels.msa.gpu_sparse_fwd import _combine, check_launch, default_query_chunk, worklist
 
-__all__ = ["sparse_fwd_wgmma", "wgmma_supported", "head_slot", "WorkTables", "ROWS"]
+__all__ = ["sparse_fwd_wgmma", "wgmma_supported", "head_slot", "to_head_slots", "from_head_slots", "WorkTables",
+           "ROWS", "DTYPES"]
 
 ROWS = 64                      # rows per tile: one wgmma M per compute warpgroup
 _TAB_PIECE = 256               # work-list entries per TMA copy of the SMEM tables (a TMA's limit)
@@ -56,7 +57,7 @@ _WIDE = 64                     # extra window rows when a window starts off an 8
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _SMEM_BYTES = 227 * 1024
-_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))   # what the wgmma kernels take
 
 
 def _smem_bytes(widths, d, dv, itemsize, kv_slots, p_in_smem, chunk):
@@ -89,6 +90,27 @@ def head_slot(hg: int) -> int:
     return next(r for r in (8, 16, 32, 64) if r >= hg)
 
 
+def to_head_slots(x, g, sr, axis):
+    """x [..., G*hg, ...] (heads on ``axis``) -> [..., G*sr, ...]: each kv group's hg head rows followed by
+    sr - hg zero rows (its ``head_slot``); x itself when sr == hg."""
+    hg = x.shape[axis] // g
+    if sr == hg:
+        return x
+    y = x.reshape(x.shape[:axis] + (g, hg) + x.shape[axis + 1:])
+    pad = [(0, 0)] * y.ndim
+    pad[axis + 1] = (0, sr - hg)
+    return jnp.pad(y, pad).reshape(x.shape[:axis] + (g * sr,) + x.shape[axis + 1:])
+
+
+def from_head_slots(x, g, hg, axis):
+    """The inverse of ``to_head_slots``: [..., G*sr, ...] -> [..., G*hg, ...], each group's spare rows dropped."""
+    sr = x.shape[axis] // g
+    if sr == hg:
+        return x
+    y = lax.slice_in_dim(x.reshape(x.shape[:axis] + (g, sr) + x.shape[axis + 1:]), 0, hg, axis=axis + 1)
+    return y.reshape(x.shape[:axis] + (g * hg,) + x.shape[axis + 1:])
+
+
 def wgmma_supported(q_shape, kv_shape, v_dim, dtype, block_size) -> str | None:
     """None when ``sparse_fwd_wgmma`` serves these shapes, else the reason (a short sentence).
 
@@ -96,7 +118,7 @@ def wgmma_supported(q_shape, kv_shape, v_dim, dtype, block_size) -> str | None:
     rows fill ``head_slot(H/G)`` rows of a 64-row tile: H/G = 6 computes 8 rows, 25 % spare), D = Dv
     in {64, 128} (the spent q tile stages the o rows; fp32 accumulators in registers), block 64 or 128.
     """
-    if jnp.dtype(dtype) not in _DTYPES:
+    if jnp.dtype(dtype) not in DTYPES:
         return f"dtype {jnp.dtype(dtype)} is not bf16 / f16"
     h, d = q_shape[2], q_shape[3]
     g = kv_shape[2]
@@ -394,14 +416,10 @@ def _partials(q, k_pad, v_pad, ids, starts, qpos, base, j0, j1, *, blk, chunk, i
     # Every window 8-row aligned (positions from 0 in every stored run, blocks of 64 / 128: the common
     # case): windows of exactly B rows, two K/V slots. Otherwise the kernel that also loads wide windows.
     aligned = jnp.all((key % 8 == 0) | (key == jnp.iinfo(jnp.int32).max))
-    if sr != hg:        # head slots of sr rows per group: pad q, drop the spare rows of the partials
-        q = jnp.pad(q.reshape(bsz, t, g, hg, d), ((0, 0),) * 3 + ((0, sr - hg), (0, 0))).reshape(bsz, t, g * sr, d)
-    args = (flat, key, run_end, n_valid, lims, q, k_pad, v_pad)
+    # head slots of sr rows per group: q padded, the spare rows of the partials dropped
+    args = (flat, key, run_end, n_valid, lims, to_head_slots(q, g, sr, 2), k_pad, v_pad)
     op, lp = lax.cond(aligned, call(False), call(True), *args)
-    if sr != hg:
-        op = op.reshape(bsz, t, topk, g, sr, dv)[:, :, :, :, :hg].reshape(bsz, t, topk, h, dv)
-        lp = lp.reshape(bsz, t, topk, g, sr)[..., :hg].reshape(bsz, t, topk, h)
-    return op, lp
+    return from_head_slots(op, g, hg, 3), from_head_slots(lp, g, hg, 3)
 
 
 def sparse_fwd_wgmma(q, k, v, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids, *,

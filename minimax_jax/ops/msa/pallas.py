@@ -201,8 +201,9 @@ def _attention_hopper(q, k, v, block_ids, *, chunk_size, interpret, **kw):
         why = wgmma_bwd_supported(q.shape, k.shape, v.shape[-1], q.dtype, kw["block_size"])
         if why is None:
             backward = "wgmma"
-            record_implementation(BACKWARD_REPORT, "wgmma (default; dq partials in bf16 for bf16 inputs; triton on "
-                                                   "a query pass with a window off an 8-row boundary)")
+            partials = "bf16" if q.dtype == jnp.bfloat16 else "f32"     # sparse_bwd_wgmma's default
+            record_implementation(BACKWARD_REPORT, f"wgmma (default; dq partials in {partials}; triton on a query "
+                                                   "pass with a window off an 8-row boundary)")
         else:
             record_implementation(BACKWARD_REPORT, f"triton (the wgmma backward refused: {why})")
     return msa_attention_gpu(q, k, v, block_ids, interpret=interpret, forward="wgmma", backward=backward, **kw)
