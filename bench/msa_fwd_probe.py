@@ -243,7 +243,8 @@ def run_probe(description, check_fn, bench_fn, default_variants, out_name, ok_ke
     print("model | T | variant | ms | TFLOP/s")
     for r in rows:
         print(f"{r['model']} | {r['T']} | {r['variant']} | {r.get('ms', float('nan')):.2f} | "
-              f"{r.get('tflops', float('nan')):.1f} {r.get('error', '')[:80]}")
+              f"{r.get('tflops', float('nan')):.1f} {r.get('error', '')[:80]}"
+              + (f" variant_ok={r['variant_ok']}" if "variant_ok" in r else ""))
 
 
 def main():

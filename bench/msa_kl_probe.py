@@ -5,7 +5,9 @@ the fp32 XLA reference, then the KL forward+backward timed next to the sparse at
 Usage (GPU machine):  PYTHONUNBUFFERED=1 python3 bench/msa_kl_probe.py --out $OUT --cases m3:131072
 CPU smoke run:        python bench/msa_kl_probe.py --interpret --tiny --out /tmp/probe
 
-Block ids as bench/msa_fwd_probe.py; the index branch has one index head per kv group (Di = D). Writes
+Block ids as bench/msa_fwd_probe.py; the index branch has one index head per kv group (Di = D). Timed as in
+training: the teacher's LSE is given (the attention forward's). Each ``--variants`` tiling is also compared with
+the default tiling on the timed inputs (``variant_ok``). Writes
 msa_kl_probe.json under --out; prints a table last. TFLOP/s: none (the KL's work is not a matmul count).
 """
 
@@ -35,8 +37,8 @@ def _index_inputs(key, q, k):
 
 
 def kl_fb(pos, blk, interpret, **tiling):
-    def f(q, k, qi, ki, ids):
-        (kl, cnt), vjp = jax.vjp(lambda qi, ki: indexer_kl_gpu(q, k, qi, ki, ids, block_size=blk,
+    def f(q, k, qi, ki, ids, lse=None):
+        (kl, cnt), vjp = jax.vjp(lambda qi, ki: indexer_kl_gpu(q, k, qi, ki, ids, block_size=blk, teacher_lse=lse,
                                                                interpret=interpret, **tiling, **pos), qi, ki)
         return kl, cnt, vjp((jnp.float32(1.0), np.zeros((), jax.dtypes.float0)))
     return jax.jit(f)
@@ -64,6 +66,17 @@ def check(name, key, interpret, bsz, t, s, h, g, d, blk, topk, segments=None):
     return out
 
 
+def vs_default(got, want):
+    """A variant's (kl, count, grads) against the default tiling's on the same inputs: the KL's relative
+    difference, equal counts, each gradient's max |difference| over its max |value| (``variant_ok``: within
+    1e-3 relative, bf16 gradients)."""
+    kl_rel = abs(float(got[0]) - float(want[0])) / max(abs(float(want[0])), 1e-30)
+    grad_rel = [float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
+                / max(float(np.max(np.abs(np.asarray(b, np.float32)))), 1e-30) for a, b in zip(got[2], want[2])]
+    ok = int(got[1]) == int(want[1]) and kl_rel <= 1e-4 and max(grad_rel) <= 1e-2
+    return {"kl_rel_vs_default": kl_rel, "grad_rel_vs_default": grad_rel, "variant_ok": bool(ok)}
+
+
 def bench(model, t, key, interpret, variants, dense):
     del dense
     h, g = MODELS[model]
@@ -74,11 +87,22 @@ def bench(model, t, key, interpret, variants, dense):
     fwd_f = float(np.sum(4.0 * D * h * np.minimum(p, TOPK * BLK)))
     rows = []
     add = row_adder(rows, model, t)
-    add("indexer KL fwd+bwd", kl_fb(pos, BLK, interpret), (q, k, qi, ki, ids), float("nan"))
-    for kw in variants:      # tilings of the KL kernels (--variants "chunk=128;chunk=512")
+    # as in training: the teacher's LSE is the attention forward's (the KL then runs its student pass only)
+    lse = jax.jit(lambda q, k, v, ids: msa_attention_gpu(q, k, v, ids, block_size=BLK, interpret=interpret,
+                                                         **pos)[1])(q, k, v, ids)
+    args = (q, k, qi, ki, ids, lse)
+    base = kl_fb(pos, BLK, interpret)
+    add("indexer KL fwd+bwd", base, args, float("nan"))
+    want = base(*args)
+    for kw in variants:      # tilings of the KL kernels (--variants "rows=64,num_warps=4;mean_dot=1")
         if kw:
-            add("indexer KL fwd+bwd " + ",".join(f"{a}={b}" for a, b in kw.items()),
-                kl_fb(pos, BLK, interpret, **kw), (q, k, qi, ki, ids), float("nan"))
+            fn = kl_fb(pos, BLK, interpret, **kw)
+            add("indexer KL fwd+bwd " + ",".join(f"{a}={b}" for a, b in kw.items()), fn, args, float("nan"))
+            try:
+                rows[-1].update(vs_default(fn(*args), want))
+            except Exception as e:
+                rows[-1]["vs_default_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            print("VS_DEFAULT", json.dumps(rows[-1]), flush=True)
 
     def attn_fb(q, k, v, ids, do):
         (_, lse), vjp = jax.vjp(lambda q, k, v: msa_attention_gpu(

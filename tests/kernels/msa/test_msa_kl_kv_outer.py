@@ -60,6 +60,28 @@ def test_gqa_groups_and_runs_split_over_programs(h, g):
     _check(_kernel(c, ids, qi, ki, chunk=8, rows=32), _reference(c, ids, qi, ki))
 
 
+@pytest.mark.parametrize("h,g,rows,mean_dot", [(12, 2, 32, True), (12, 2, 64, True), (32, 2, 64, False),
+                                                (32, 2, 128, True), (4, 4, 64, True)])   # H/G = 6, 16, 1
+def test_tilings_and_head_mean_by_matmul(h, g, rows, mean_dot):
+    """The tilings bench/msa_kl_probe.py times: larger row tiles and the teacher's head mean as a matmul."""
+    rng = np.random.default_rng()
+    c = make_case(rng, bsz=1, t=64, s=64, h=h, g=g, d=16)
+    ids = random_ids(rng, c["q_pos"], c["q_seg"], g, 4, BLK)
+    qi, ki = _inputs(rng, c, g)
+    _check(_kernel(c, ids, qi, ki, chunk=8, rows=rows, mean_dot=mean_dot), _reference(c, ids, qi, ki))
+
+
+def test_bad_tiling_raises_value_error():
+    q = jnp.zeros((1, 32, 4, 16), jnp.bfloat16)
+    k = jnp.zeros((1, 32, 2, 16), jnp.bfloat16)
+    qi, ki = jnp.zeros((1, 32, 2, 16), jnp.bfloat16), jnp.zeros((1, 32, 16), jnp.bfloat16)
+    ids = jnp.zeros((1, 2, 32, 2), jnp.int32)
+    pos = dict(q_positions=jnp.arange(32)[None], kv_positions=jnp.arange(32)[None], block_size=16)
+    for kw in (dict(rows=48), dict(rows=16), dict(num_warps=3)):
+        with pytest.raises(ValueError, match="indexer_kl_gpu"):
+            gk.indexer_kl_gpu(q, k, qi, ki, ids, **pos, **kw)
+
+
 def test_packed_clamped_windows_empty_tokens_and_duplicates():
     rng = np.random.default_rng()
     c = make_case(rng, bsz=2, t=72, s=72, h=6, g=2, d=16, segments=[[21, 30, 13, 8], [72]])
