@@ -4,6 +4,7 @@
 # also the wgmma Q = 8 cells with correlated draft rows (--serving-row-corr 0.97) for that many seconds.
 # Run from the repository root with OUT set (the device tool's output folder).
 set -u
+export PYTHONUNBUFFERED=1   # a timeout must not swallow the rows already printed
 : "${OUT:?set OUT to the output folder}"
 cd "$(dirname "$0")/.."
 nvidia-smi --query-gpu=name --format=csv,noheader

@@ -6,6 +6,7 @@
 # runs the warp-specialized weight gradient by default on Hopper).
 # Run from the repository root with OUT set (the device tool's output folder); per-part caps in seconds.
 set -u
+export PYTHONUNBUFFERED=1   # a timeout must not swallow the rows already printed
 : "${OUT:?set OUT to the output folder}"
 cd "$(dirname "$0")/.."
 nvidia-smi --query-gpu=name --format=csv,noheader
