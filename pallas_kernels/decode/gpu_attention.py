@@ -31,9 +31,10 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.decode.common import (combine_splits, compute_dtype, dot_nn, dot_nt, pack_rows, pad_rows, row_block,
                                           union_pages, unpack_rows)
 from pallas_kernels.decode.gpu_attention_wgmma import default_ctas, paged_decode_wgmma, wgmma_decode_reason
+from pallas_kernels.common import gpu_compute_capability
 from pallas_kernels.decode.gpu_config import DEFAULT_TABLE, LaunchTable, pages_per_program
 
-__all__ = ["paged_attention_gpu", "tile_kernel_choice"]
+__all__ = ["paged_attention_gpu", "tile_kernel_choice", "resolve_tile_kernel"]
 
 _NEG = -1e30
 
@@ -132,10 +133,19 @@ def _shared_splits(k: int, pps: int, programs: int) -> int:
     return n
 
 
-def _tile_kernel(m, d, cache_dtype, q_dtype, page, has_scale, shared_rows, tile_kernel, stages):
+def resolve_tile_kernel(tile_kernel: str, interpret: bool) -> str:
+    """``LaunchTable.tile_kernel`` as it runs here: "auto" is "wgmma" when compiled for a visible GPU of
+    compute capability 9.x (Hopper), else "triton"; "triton" / "wgmma" as given."""
+    if tile_kernel != "auto":
+        return tile_kernel
+    cc = None if interpret else gpu_compute_capability()
+    return "wgmma" if cc is not None and str(cc).startswith("9.") else "triton"
+
+
+def _tile_kernel(m, d, cache_dtype, q_dtype, page, has_scale, shared_rows, tile_kernel, stages, interpret):
     """``(kernel, why)``: the kernel of an attention tile of ``m`` rows ("wgmma" or "triton") and, when
-    "wgmma" was asked for but the Triton kernel runs, why (else None)."""
-    if tile_kernel != "wgmma":
+    "wgmma" was asked for (or chosen by "auto") but the Triton kernel runs, why (else None)."""
+    if resolve_tile_kernel(tile_kernel, interpret) != "wgmma":
         return "triton", None
     if not shared_rows:
         return "triton", "per-row sparse tiles"
@@ -144,18 +154,20 @@ def _tile_kernel(m, d, cache_dtype, q_dtype, page, has_scale, shared_rows, tile_
 
 
 def tile_kernel_choice(nq, h, g, d, cache_dtype, q_dtype, page, *, has_scale, sparse,
-                       table: LaunchTable | None = None) -> str:
+                       table: LaunchTable | None = None, interpret: bool = False) -> str:
     """Which kernel ``paged_attention_gpu`` runs a call's attention tiles on: ``"triton"``, ``"wgmma"``, or
-    ``"triton (wgmma refused: <why>)"`` when ``table`` asks for wgmma and the tiles do not fit it.
+    ``"triton (wgmma refused: <why>)"`` when ``table`` asks for wgmma (or "auto" picks it on a Hopper GPU)
+    and the tiles do not fit it (e.g. Q = 1: 16 rows per tile).
 
     Args: nq query rows per request, h q heads, g kv heads, d head dim; cache_dtype / q_dtype; page: tokens
-      per page; has_scale: scaled (fp8) caches; sparse: block ids given (MSA); table: None = ``DEFAULT_TABLE``.
+      per page; has_scale: scaled (fp8) caches; sparse: block ids given (MSA); table: None = ``DEFAULT_TABLE``;
+      interpret: the kernels run interpreted ("auto" is then "triton").
     """
     table = DEFAULT_TABLE if table is None else table
     shared_rows = not sparse or table.sparse_tile == "shared"
     _, m = row_block(nq, h // g, shared_rows, 16, table.tile_rows)          # as _paged_attention packs them
     kernel, why = _tile_kernel(m, d, cache_dtype, q_dtype, page, has_scale, shared_rows, table.tile_kernel,
-                               table.wgmma_stages)
+                               table.wgmma_stages, interpret)
     return kernel if why is None else f"{kernel} (wgmma refused: {why})"
 
 
@@ -164,7 +176,7 @@ def tile_kernel_choice(nq, h, g, d, cache_dtype, q_dtype, page, *, has_scale, sp
                                              "tile_kernel", "wgmma_stages", "wgmma_pingpong"))
 def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_scale, block_ids, *, interpret,
                      pages_per_split, num_warps, num_stages, loop, sparse_pages_per_split=1, tile_rows=64,
-                     sparse_tile="per_row", wide_warps=None, tile_kernel="triton", wgmma_stages=2,
+                     sparse_tile="per_row", wide_warps=None, tile_kernel="auto", wgmma_stages=2,
                      wgmma_pingpong=True):
     """Split-KV paged decode attention (dense, or sparse over ``block_ids``).
 
@@ -183,8 +195,8 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_sc
       up to float rounding (another split / log-sum-exp grouping).
       tile_rows: most rows of a tile (a power of two >= 16; see the module docstring); sparse_tile:
       "shared" (the tile's rows walk the union of their pages) or "per_row"; num_warps: warps of a
-      tile of at most 64 rows, wide_warps (None = num_warps) of a wider one. tile_kernel: "triton", or
-      "wgmma": dense and shared sparse tiles that ``gpu_attention_wgmma.wgmma_decode_reason`` accepts (64 or
+      tile of at most 64 rows, wide_warps (None = num_warps) of a wider one. tile_kernel: "triton",
+      "auto" (``resolve_tile_kernel``: "wgmma" on a Hopper GPU) or "wgmma": dense and shared sparse tiles that ``gpu_attention_wgmma.wgmma_decode_reason`` accepts (64 or
       128 rows, bf16 / f16 caches) run the Mosaic GPU kernel with ``wgmma_stages`` K/V slots, the others
       (per-row sparse tiles, fp8 caches, narrower tiles) the Triton one.
     Returns: ``(o [B,Q,H,D] q.dtype, lse [B,Q,H] f32)``.
@@ -205,7 +217,7 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_sc
     if not dense and (isinstance(pps, bool) or not isinstance(pps, int) or pps < 1 or pps & (pps - 1)):
         raise ValueError(f"sparse_pages_per_split must be a power of two >= 1, got {pps!r}")
     wgmma = _tile_kernel(m, d, k_pages.dtype, q.dtype, page, k_scale is not None, dense or shared, tile_kernel,
-                         wgmma_stages)[0] == "wgmma"
+                         wgmma_stages, interpret)[0] == "wgmma"
     if dense:
         if pages_per_split is None:     # the persistent wgmma kernel: ~8 splits per CTA, for balance
             pages_per_split = pages_per_program(b * g * npg, default_ctas(interpret) * 8 if wgmma else 528, 64)

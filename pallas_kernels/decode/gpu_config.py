@@ -34,7 +34,7 @@ SCORE_LAUNCH_BASE = types.MappingProxyType({"ppp": None, "num_warps": 4, "num_st
                                             "f16": False, "programs": 0, "evict": "evict_normal"})
 EVICT = ("evict_normal", "evict_first", "evict_last")
 SPARSE_TILES = ("shared", "per_row")
-TILE_KERNELS = ("triton", "wgmma")
+TILE_KERNELS = ("auto", "triton", "wgmma")
 SCORE_STATIC = ("ppp", "num_warps", "num_stages", "loop", "unroll", "f16", "programs", "evict")
 
 
@@ -83,9 +83,11 @@ class LaunchTable:
       S = 1 by construction; BENCHMARKS.md, msa_decode).
     sparse_pps: selected-page slots per program of sparse (MSA) attention (a power of two; 1 = one page
       per split). 4 from --sweep-sparse-pps at K = 16 (BENCHMARKS.md, msa_decode).
-    tile_kernel: "triton" (the Pallas Triton kernel for every attention tile) or "wgmma" (dense and shared
+    tile_kernel: "triton" (the Pallas Triton kernel for every attention tile), "wgmma" (dense and shared
       sparse tiles of 64 or 128 rows with bf16 / f16 caches on the Hopper Mosaic GPU kernel,
-      ``gpu_attention_wgmma``; the other tiles on the Triton kernel); wgmma_stages: its K/V ring slots;
+      ``gpu_attention_wgmma``; the other tiles on the Triton kernel) or "auto" (the default: "wgmma" on a
+      visible GPU of compute capability 9.x, compiled; "triton" otherwise, interpreted and without a GPU
+      too; BENCHMARKS.md, MSA decode: the wgmma tiles won at Q = 8); wgmma_stages: its K/V ring slots;
       wgmma_pingpong: its two compute warpgroups of a 128-row tile take turns on the tensor cores.
     """
 
@@ -98,7 +100,7 @@ class LaunchTable:
     sparse_tile: str = "shared"
     select_splits: int | str = 4
     sparse_pps: int = 4
-    tile_kernel: str = "triton"
+    tile_kernel: str = "auto"
     wgmma_stages: int = 2
     wgmma_pingpong: bool = True
 
@@ -132,7 +134,7 @@ DEFAULT_TABLE = LaunchTable(
            "fp8": {"small": {"num_warps": 1, "num_stages": 3, "ppp": 8, "f16": True},
                    "large": {"num_warps": 1, "num_stages": 3, "ppp": 4, "f16": True}}},
     attn_warps=4, attn_stages=2, attn_warps_wide=8, tile_rows=128, sparse_tile="shared", select_splits=4,
-    sparse_pps=4)
+    sparse_pps=4, tile_kernel="auto")
 
 #: The attention tiling before shared tiles (for comparison in bench/msa_decode.py --serving): at most 64
 #: rows per tile (Q = 8 rows of 16 heads in two row blocks), one tile per query row in sparse mode.

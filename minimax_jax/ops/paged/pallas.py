@@ -37,7 +37,7 @@ def _attention_gpu(q, k_pages, v_pages, page_table, q_positions, *, k_scale, v_s
     _, nq, h, d = q.shape
     record_implementation("paged_attention.tile_kernel", tile_kernel_choice(
         nq, h, k_pages.shape[0], d, k_pages.dtype, q.dtype, k_pages.shape[2], has_scale=k_scale is not None,
-        sparse=block_ids is not None, table=launch_table))
+        sparse=block_ids is not None, table=launch_table, interpret=interpret))
     return paged_attention_gpu(q, k_pages, v_pages, page_table, q_positions, k_scale, v_scale, block_ids,
                                interpret=interpret, pages_per_split=pages_per_split, table=launch_table)
 

@@ -213,13 +213,29 @@ def test_tile_kernel_choice():
     bf = jnp.bfloat16
     choice = lambda nq, table, sparse=False, dtype=bf, scale=False: tile_kernel_choice(
         nq, 64, 4, 128, dtype, bf, 128, has_scale=scale, sparse=sparse, table=table)
-    assert choice(8, None) == "triton"
+    assert choice(8, dataclasses.replace(DEFAULT_TABLE, tile_kernel="triton")) == "triton"
     assert choice(8, WGMMA) == "wgmma" and choice(4, WGMMA) == "wgmma" and choice(8, WGMMA, sparse=True) == "wgmma"
     assert choice(1, WGMMA) == "triton (wgmma refused: 16 rows per tile: need 64 or 128)"
     assert "fp8" in choice(8, WGMMA, dtype=jnp.float8_e4m3fn, scale=True)
     per_row = dataclasses.replace(WGMMA, sparse_tile="per_row")
     assert choice(8, per_row, sparse=True) == "triton (wgmma refused: per-row sparse tiles)"
     assert choice(8, per_row) == "wgmma"                     # dense tiles are shared whatever sparse_tile says
+
+
+def test_auto_tile_kernel_is_wgmma_on_hopper_only(monkeypatch):
+    """The default table's tile_kernel "auto": wgmma tiles on a Hopper GPU (compiled), Triton elsewhere."""
+    from pallas_kernels.decode import gpu_attention as ga
+    bf = jnp.bfloat16
+    assert DEFAULT_TABLE.tile_kernel == "auto"
+    choice = lambda nq, interpret=False: tile_kernel_choice(nq, 64, 4, 128, bf, bf, 128, has_scale=False,
+                                                            sparse=True, interpret=interpret)
+    for cc, want in ((None, "triton"), ("8.0", "triton"), ("10.0", "triton"), ("9.0", "wgmma")):
+        monkeypatch.setattr(ga, "gpu_compute_capability", lambda cc=cc: cc)
+        assert choice(8) == want, cc
+        assert ga.resolve_tile_kernel("auto", False) == want
+        assert choice(8, interpret=True) == "triton"
+        assert ga.resolve_tile_kernel("triton", False) == "triton"
+    assert choice(1) == "triton (wgmma refused: 16 rows per tile: need 64 or 128)"     # on "9.0"
 
 
 def test_unsupported_tiles_take_the_triton_kernel():
