@@ -12,7 +12,7 @@ CPU smoke run (tiny shapes; the Pallas kernels run in interpret mode):
    groups with empty ones and sizes off the tiles, rows past the sum) of y, dlhs, drhs against an
    fp32 reference (masked dense einsum, Precision.HIGHEST): relative Frobenius error, pass < 1e-2;
    then a sweep of the tile configs (``CANDIDATES`` / ``TGMM_CANDIDATES``, incl. tail folding; on a GPU also
-   the warp-specialized Mosaic GPU kernels' ``WS_GMM_CANDIDATES`` / ``WS_TGMM_CANDIDATES`` unless ``--no-ws``) at one
+   the warp-specialized Mosaic GPU weight gradient's ``WS_TGMM_CANDIDATES`` unless ``--no-ws``) at one
    shape (``--sweep-model`` / ``--sweep-tokens``, default M2 first projection at 8K tokens:
    [65536, 3072] x [256, 3072, 3072]) timing the forward, dlhs (transposed) and tgmm kernels
    (``--sweep-kernels`` picks a subset) separately next to a dense matmul of the same FLOPs
@@ -102,7 +102,6 @@ from minimax_jax.ops.moe.permute import group_starts, permute_rows, sort_by_expe
 from minimax_jax.ops.registry import clear_implementation_report, implementation_report  # noqa: E402
 from pallas_kernels.common import gpu_sm_count, match_vma  # noqa: E402
 from pallas_kernels.moe import gpu_gmm  # noqa: E402
-from pallas_kernels.moe.gpu_gmm_ws import WS_GMM_CANDIDATES  # noqa: E402
 from pallas_kernels.moe.gpu_tgmm_ws import WS_TGMM_CANDIDATES  # noqa: E402
 
 SHAPES = {"m2": dict(h=3072, i=1536, e=256, k=8), "m3": dict(h=6144, i=3072, e=128, k=4)}
@@ -352,15 +351,14 @@ def sweep(model, s, tokens, dtype, impl, args, tiny, kernel_names=SWEEP_KERNELS)
     dh = jax.random.normal(jax.random.key(7), (m, nd), dtype)
     flops = 2.0 * m * kd * nd
     interp = impl == "pallas_gpu_interpret"
-    # on a GPU the warp-specialized Mosaic GPU kernels join the Triton candidates (after them: the first
-    # config stays the reference of rel_err_vs_first)
+    # on a GPU the warp-specialized Mosaic GPU weight gradient joins the Triton tgmm candidates (after them: the
+    # first config stays the reference of rel_err_vs_first)
     ws = not interp and not getattr(args, "no_ws", False)
-    ws_fwd = tuple(dataclasses.replace(c, num_sms=gpu_sm_count()) for c in WS_GMM_CANDIDATES) if ws else ()
     ws_tgmm = tuple(dataclasses.replace(c, num_sms=gpu_sm_count()) for c in WS_TGMM_CANDIDATES) if ws else ()
     kernels = {
-        "fwd": (gpu_gmm.CANDIDATES + ws_fwd, lambda c: jax.jit(lambda a, b, g: gpu_gmm.gmm_forward(
+        "fwd": (gpu_gmm.CANDIDATES, lambda c: jax.jit(lambda a, b, g: gpu_gmm.gmm_forward(
             a, b, g, config=c, interpret=interp)), (xs, wi, gs)),
-        "dlhs": (gpu_gmm.CANDIDATES + ws_fwd, lambda c: jax.jit(lambda a, b, g: gpu_gmm.gmm_forward(
+        "dlhs": (gpu_gmm.CANDIDATES, lambda c: jax.jit(lambda a, b, g: gpu_gmm.gmm_forward(
             a, b, g, transpose_rhs=True, config=c, interpret=interp)), (dh, wi, gs)),
         "tgmm": (gpu_gmm.TGMM_CANDIDATES + ws_tgmm, lambda c: jax.jit(lambda a, b, g: gpu_gmm.tgmm(
             a, b, g, config=c, interpret=interp)), (xs, dh, gs)),
@@ -421,7 +419,8 @@ def main():
                          "alone per transport, and the same layer on one device (module docstring, 3.)")
     ap.add_argument("--no-sweep", action="store_true", help="skip the Pallas tile-config sweep (defaults)")
     ap.add_argument("--no-ws", action="store_true",
-                    help="sweep the Triton configs only (not the warp-specialized Mosaic GPU candidates)")
+                    help="sweep the Triton configs only (not the warp-specialized Mosaic GPU weight gradient's "
+                         "candidates)")
     ap.add_argument("--sweep-model", default="m2", choices=sorted(SHAPES), help="model shape of the tile sweep")
     ap.add_argument("--sweep-tokens", type=int, default=8192, help="tokens of the tile sweep's problem")
     ap.add_argument("--sweep-kernels", default=",".join(SWEEP_KERNELS),

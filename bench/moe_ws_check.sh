@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One device call for issue 29's kernels: bench/moe.py's tile sweep with the warp-specialized Mosaic GPU forward /
-# dlhs / weight gradient beside the Triton configs (each checked against the first config), then the 8K
+# One device call for issue 29's kernels: bench/moe.py's tile sweep with the warp-specialized Mosaic GPU weight
+# gradient beside the Triton configs (each checked against the first config), then the 8K
 # grouped matmuls with the adopted configs in interleaved rounds with the dense matmul; bench/moe_fp8.py (FP8
 # experts dequantised in the kernel vs bf16, decode and prefill sizes); the 8K dense training step (its MoE now
 # runs the warp-specialized weight gradient by default on Hopper).

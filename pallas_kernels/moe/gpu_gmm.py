@@ -67,7 +67,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.common import common_vma, searchsorted, typed_out_struct
-from pallas_kernels.moe.gpu_gmm_ws import WsGmmConfig, gmm_ws
 from pallas_kernels.moe.gpu_tgmm_ws import WsTgmmConfig, tgmm_ws
 from pallas_kernels.moe.groups import group_bounds
 
@@ -365,7 +364,7 @@ def _check(lhs, rhs, group_sizes, transpose_rhs, fp8=False):
 
 # ----------------------------------------------------------------------------- entry points
 def gmm_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool = False,
-                out_dtype=None, config: TileConfig | WsGmmConfig | None = None, interpret: bool = False,
+                out_dtype=None, config: TileConfig | None = None, interpret: bool = False,
                 rhs_scale: jax.Array | None = None, scale_block: tuple[int, int] | None = None) -> jax.Array:
     """Grouped matmul kernel (no autodiff): ``out[rows of g] = lhs[rows of g] @ op(rhs[g])``.
 
@@ -378,11 +377,8 @@ def gmm_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, trans
       transpose_rhs: see rhs.
       out_dtype: output dtype (default ``lhs.dtype``); accumulation is fp32.
       config: tile config (default ``DEFAULT_CONFIG``); ``config.fold > 0`` turns on
-        tail folding (module docstring), with the same result up to fp32 accumulation order. A
-        ``gpu_gmm_ws.WsGmmConfig`` runs the warp-specialized Mosaic GPU kernel ``gpu_gmm_ws.gmm_ws`` instead
-        (bf16 / f16, its shape constraints raise ValueError; not with ``rhs_scale``).
-      interpret: run in Pallas interpret mode (any backend; for CPU tests; the Mosaic GPU interpreter
-        for a ``WsGmmConfig``).
+        tail folding (module docstring), with the same result up to fp32 accumulation order.
+      interpret: run in Pallas interpret mode (any backend; for CPU tests).
       rhs_scale / scale_block: FP8 weights (``gpu_gmm_fp8.gmm_fp8``): rhs float8_e4m3fn ``[G, K, N]`` times float32
         ``rhs_scale [G, ceil(K/br), ceil(N/bc)]`` per ``scale_block = (br, bc)`` block, dequantised per tile
         in the kernel (``fp8_unsupported`` must pass; not with ``transpose_rhs``).
@@ -393,10 +389,6 @@ def gmm_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, trans
     fp8 = rhs_scale is not None
     _check(lhs, rhs, group_sizes, transpose_rhs, fp8)
     cfg = config or DEFAULT_CONFIG
-    if isinstance(cfg, WsGmmConfig):
-        assert not fp8, "FP8 rhs: the warp-specialized kernel takes bf16 / f16 weights"
-        return gmm_ws(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, config=cfg, out_dtype=out_dtype,
-                      interpret=interpret)
     if fp8:
         assert not transpose_rhs, "FP8 rhs: no transposed kernel"
         assert scale_block[0] % cfg.bk == 0 and scale_block[1] % cfg.bn == 0, (
@@ -488,8 +480,8 @@ def _gmm_bwd(out_dtype, cfg, dlhs_cfg, tgmm_cfg, interpret, res, dout):
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
-def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, config: TileConfig | WsGmmConfig | None = None,
-        dlhs_config: TileConfig | WsGmmConfig | None = None, tgmm_config: TileConfig | WsTgmmConfig | None = None, out_dtype=None,
+def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, config: TileConfig | None = None,
+        dlhs_config: TileConfig | None = None, tgmm_config: TileConfig | WsTgmmConfig | None = None, out_dtype=None,
         interpret: bool = False) -> jax.Array:
     """Differentiable grouped matmul: ``out[rows of g] = lhs[rows of g] @ rhs[g]`` (Pallas GPU kernels).
 
@@ -500,8 +492,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, config: TileC
       config / dlhs_config / tgmm_config: TileConfigs of the forward, the dlhs kernel (transposed
         gmm) and the weight-gradient kernel (tgmm); None = ``DEFAULT_CONFIGS``.
         A ``gpu_tgmm_ws.WsTgmmConfig`` as tgmm_config runs the warp-specialized Mosaic GPU weight
-        gradient instead, a ``gpu_gmm_ws.WsGmmConfig`` as config / dlhs_config the warp-specialized forward
-        / dlhs (bf16 / f16; their shape constraints raise ValueError).
+        gradient instead (bf16 / f16, its shape constraints raise ValueError).
       out_dtype: output dtype (default ``lhs.dtype``), fp32 accumulation.
       interpret: Pallas interpret mode (any backend; CPU tests).
     Returns: ``[M, N]`` in out_dtype; rows past ``sum(group_sizes)`` are exactly 0.
@@ -515,8 +506,8 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, config: TileC
     """
     _check(lhs, rhs, group_sizes, False)
     for c in (config, dlhs_config):
-        if c is not None and not isinstance(c, (TileConfig, WsGmmConfig)):
-            raise TypeError(f"configs must be TileConfig, WsGmmConfig or None, got {type(c).__name__}")
+        if c is not None and not isinstance(c, TileConfig):
+            raise TypeError(f"configs must be TileConfig or None, got {type(c).__name__}")
     if tgmm_config is not None and not isinstance(tgmm_config, (TileConfig, WsTgmmConfig)):
         raise TypeError(f"tgmm_config must be a TileConfig, a WsTgmmConfig or None, got {type(tgmm_config).__name__}")
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)

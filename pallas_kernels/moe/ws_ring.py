@@ -1,5 +1,5 @@
-"""The pieces the warp-specialized Mosaic GPU grouped matmuls share (``gpu_gmm_ws``, ``gpu_tgmm_ws``): config checks
-and the SMEM ring one memory warpgroup fills and two compute warpgroups drain with ``wgmma``.
+"""The pieces of the warp-specialized Mosaic GPU weight gradient (``gpu_tgmm_ws``): config checks and the SMEM
+ring one memory warpgroup fills and two compute warpgroups drain with ``wgmma``.
 
 Ring protocol (one running slot counter per CTA across all its output tiles): step ``c`` uses slot ``c % stages``;
 the memory warpgroup waits until both compute warpgroups released the slot's previous use (``consumed``, 2
