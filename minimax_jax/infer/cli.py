@@ -29,6 +29,19 @@ PROG = "infer.py"
 FLAGS = argparse.Namespace()
 
 
+AUTO_DECODE_LOOP = 16
+
+
+def _decode_loop_arg(s: str):
+    """argparse type of --decode_loop: "auto" or an integer >= 1."""
+    if s == "auto":
+        return s
+    try:
+        return cli_main.int_at_least(1)(s)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f'expected "auto" or an integer >= 1, got {s!r}') from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = cli_main.Parser(prog=PROG, description="Generate text with a MiniMax-M2 / M3 checkpoint.")
     p.add_argument("--checkpoint", default=None, help='Checkpoint directory: a converted minimax-jax checkpoint '
@@ -118,10 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                                                   'distribution; greedy output '
                                                                                   'identical); the acceptance '
                                                                                   'rate is reported.')
-    p.add_argument("--decode_loop", type=cli_main.int_at_least(1), default=1, help='Greedy plain decoding: run '
-                   'this many decode steps in one compiled device loop per host round trip (paged engine; greedy, '
-                   'no penalties, no --logprobs, no --speculative). The same tokens as one step at a time; text '
-                   'streams and stop conditions are checked once per loop. Default 1.')
+    p.add_argument("--decode_loop", type=_decode_loop_arg, default="auto", help='Greedy plain decoding: run this '
+                   'many decode steps in one compiled device loop per host round trip (paged engine; greedy, no '
+                   'penalties, no --logprobs, no --speculative). The same tokens as one step at a time; text streams '
+                   f'and stop conditions are checked once per loop. "auto" (default): {AUTO_DECODE_LOOP} where all of '
+                   'that holds and --decode_rows is not given, else 1 (the run summary names the loop).')
     p.add_argument("--num_draft", type=int, default=None, help='Drafts per step with --speculative mtp (default: '
                                                                'all MTP modules).')
     p.add_argument("--mtp_window", type=cli_main.int_at_least(1), default=64, help='Positions the MTP layers '
@@ -254,8 +268,8 @@ def check_flags() -> None:
         raise UsageError("--overwrite applies only with --output")
     if FLAGS.num_draft is not None and FLAGS.speculative == "none":
         raise UsageError("--num_draft needs --speculative mtp")
-    if FLAGS.decode_loop > 1 and FLAGS.engine != "paged":   # sampling / logprobs / drafts: GenerationConfig
-        raise UsageError("--decode_loop > 1 needs --engine paged")
+    if FLAGS.decode_loop != "auto" and FLAGS.decode_loop > 1 and FLAGS.engine != "paged":   # sampling / logprobs /
+        raise UsageError("--decode_loop > 1 needs --engine paged")                            # drafts: GenerationConfig
     if FLAGS.decode_rows is not None and (FLAGS.engine != "paged" or FLAGS.decode_rows > 16):
         raise UsageError("--decode_rows needs --engine paged and a value in [1, 16]")
     if FLAGS.decode_rows is not None and FLAGS.speculative != "none" and FLAGS.num_draft is not None \
@@ -275,7 +289,19 @@ def _config():
         repeat_max_count=FLAGS.repeat_max_count,
         speculative=None if FLAGS.speculative == "none" else FLAGS.speculative,
         num_draft=FLAGS.num_draft, mtp_window=FLAGS.mtp_window, logprobs=FLAGS.logprobs,
-        decode_loop=FLAGS.decode_loop)
+        decode_loop=resolve_decode_loop(FLAGS.decode_loop, sampling, engine=FLAGS.engine, logprobs=FLAGS.logprobs,
+                                        speculative=FLAGS.speculative != "none", decode_rows=FLAGS.decode_rows))
+
+
+def resolve_decode_loop(value, sampling, *, engine, logprobs, speculative, decode_rows) -> int:
+    """``--decode_loop`` as run: an int as given; "auto" = ``AUTO_DECODE_LOOP`` steps per device loop for greedy
+    plain decoding without penalties or logprobs on the paged engine with no --decode_rows (one host round trip
+    per 16 tokens: BENCHMARKS.md, speculative decoding, ``--decode-loops``), else 1."""
+    if value != "auto":
+        return value
+    eligible = (engine == "paged" and sampling.greedy and not sampling.has_penalties and not logprobs
+                and not speculative and decode_rows is None)
+    return AUTO_DECODE_LOOP if eligible else 1
 
 
 def _encode(items, tokenizer, cfg, config) -> list:

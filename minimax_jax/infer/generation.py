@@ -279,6 +279,7 @@ class Generator:
         run.stats.engine = backend.describe()
         if config.decode_loop > 1:
             run.stats.engine += f", decode loop={config.decode_loop}"
+            run.stats.decode_loop = config.decode_loop
 
         def on_tokens(n):
             if on_prefill_tokens is not None:

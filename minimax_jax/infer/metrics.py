@@ -92,6 +92,7 @@ class GenerationStats:
     engine: str = ""
     speculative: str | None = None
     batch: int = 1
+    decode_loop: int = 1
     prompt_tokens: int = 0
     generated_tokens: int = 0
     prefill_s: float = 0.0
@@ -149,7 +150,9 @@ class GenerationStats:
         parts = [f"prompt {self.prompt_tokens} tok, prefill {self.prefill_s:.2f}s "
                  f"(compiled in {self.prefill_compile_s:.2f}s)",
                  f"TTFT {self.ttft_s:.2f}s",
-                 f"generated {self.generated_tokens} tok in {self.decode_s:.2f}s: decode {steady} "
+                 f"generated {self.generated_tokens} tok in {self.decode_s:.2f}s"
+                 + (f" (device loops of {self.decode_loop} steps)" if self.decode_loop > 1 else "")
+                 + f": decode {steady} "
                  f"(excl. {self.decode_compile_s:.2f}s compile in {self.compile_steps} of {self.decode_steps} steps)"]
         if self.speculative:
             acc = self.acceptance_rate
@@ -170,8 +173,8 @@ def combine_stats(stats) -> GenerationStats:
     for s in stats[1:]:
         for f in dataclasses.fields(GenerationStats):
             v = getattr(s, f.name)
-            if f.name == "batch":
-                out.batch = max(out.batch, v)
+            if f.name in ("batch", "decode_loop"):
+                setattr(out, f.name, max(getattr(out, f.name), v))
             elif isinstance(v, (int, float)) and not isinstance(v, bool) and f.name != "ttft_s":
                 setattr(out, f.name, getattr(out, f.name) + v)
     return out

@@ -44,9 +44,20 @@ def chat_file(tmp_path_factory):
     return str(p)
 
 
+def test_greedy_default_runs_device_loops(good_ckpt, chat_file):
+    """Greedy decoding by default: 16 steps per device loop (--decode_loop auto), the same text as one step at a
+    time, and the run summary says so."""
+    r = _run(f"--checkpoint={good_ckpt}", f"--chat_file={chat_file}", "--temperature=0")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split("--- generation ---\n", 1)[1].startswith("".join(H.GOOD_PIECES[:-1]))
+    assert "(device loops of 16 steps)" in r.stderr and "stopped: eos" in r.stderr
+
+
 def test_chat_tool_call_streamed_and_parsed(good_ckpt, chat_file):
+    # --decode_loop 1: one step per round trip, so that steps after the first compile nothing (greedy decoding
+    # would otherwise run in one 16-step device loop here: test_greedy_default_runs_device_loops)
     r = _run(f"--checkpoint={good_ckpt}", f"--chat_file={chat_file}", "--temperature=0", "--stream",
-             "--prefill_chunk=128")
+             "--prefill_chunk=128", "--decode_loop=1")
     assert r.returncode == 0, r.stderr[-3000:]
     expected_text = "".join(H.GOOD_PIECES[:-1])  # the end-of-turn token is a stop token, not text
     prompt = render_chat(H.CHAT["messages"], H.CHAT["tools"])

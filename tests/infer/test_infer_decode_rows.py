@@ -79,3 +79,32 @@ def test_gpu_speculative_greedy_equals_plain_greedy_with_equal_decode_rows(demo)
         assert len(plain) == 1024
         first = next((i for i, (a, b) in enumerate(zip(plain, spec)) if a != b), None)
         assert spec == plain, f"prompt {n}: first difference at new token {first}"
+
+
+@pytest.mark.parametrize("argv,want", [
+    (["--temperature", "0"], 16),
+    ([], 1),                                                          # sampling (temperature 1)
+    (["--temperature", "0", "--repetition_penalty", "1.2"], 1),
+    (["--temperature", "0", "--logprobs", "--json"], 1),
+    (["--temperature", "0", "--speculative", "mtp"], 1),
+    (["--temperature", "0", "--engine", "recompute"], 1),
+    (["--temperature", "0", "--decode_rows", "2"], 1),
+    (["--temperature", "0", "--decode_loop", "4"], 4),
+    (["--temperature", "0", "--decode_loop", "1"], 1)])
+def test_cli_decode_loop_auto(argv, want):
+    """--decode_loop auto (the default): 16 steps per device loop for greedy plain decoding, else 1."""
+    from minimax_jax.infer import cli as infer_cli
+
+    infer_cli.parse(["--prompt", "hi", *argv])
+    infer_cli.check_flags()
+    assert infer_cli._config().decode_loop == want
+
+
+def test_cli_decode_loop_bad_value_is_one_line(capsys):
+    from minimax_jax.infer import cli as infer_cli
+
+    with pytest.raises(SystemExit) as e:
+        infer_cli.main(["--prompt", "hi", "--decode_loop", "fast"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert 'expected "auto" or an integer >= 1' in err[-1], err
