@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One device call: the Hopper decode kernel's GPU tests, then the serving cells of bench/msa_decode.py with
-# the Triton tiling and the wgmma tilings side by side (Q = 8), then the Triton Q = 1 baseline; with CORR_S > 0
-# also the wgmma Q = 8 cells with correlated draft rows (--serving-row-corr 0.97) for that many seconds.
+# One device call: the Hopper decode kernel's GPU tests, then the serving cells of bench/msa_decode.py with the
+# default tiling (wgmma tiles on Hopper), wgmma without ping-pong and the Triton tiling side by side (Q = 8), then the
+# Q = 1 baseline (Triton tiles); with CORR_S > 0 also the wgmma Q = 8 cells with correlated draft rows
+# (--serving-row-corr 0.97) for that many seconds. The serving check takes a few minutes before the first cell.
 # Run from the repository root with OUT set (the device tool's output folder).
 set -u
 export PYTHONUNBUFFERED=1   # a timeout must not swallow the rows already printed
@@ -11,7 +12,7 @@ nvidia-smi --query-gpu=name --format=csv,noheader
 timeout "${TEST_S:-150}" python3 -m pytest -q -x tests/kernels/decode/test_decode_wgmma.py -k hopper > "$OUT/tests.log" 2>&1
 echo "tests rc $?"; tail -3 "$OUT/tests.log"
 timeout "${Q8_S:-280}" python3 bench/msa_decode.py --contexts "" --serving --serving-first "${CELLS:-64x4096,128x5120}" \
-    --serving-batches "" --serving-contexts "" --serving-q 8 --serving-tilings "${TILINGS:-wgmma,wgmma_nopp,default}" \
+    --serving-batches "" --serving-contexts "" --serving-q 8 --serving-tilings "${TILINGS:-default,wgmma_nopp,triton}" \
     --out "$OUT/q8" > "$OUT/q8.log" 2>&1
 echo "q8 rc $?"
 timeout "${Q1_S:-100}" python3 bench/msa_decode.py --contexts "" --serving --serving-first "${CELLS:-64x4096,128x5120}" \
