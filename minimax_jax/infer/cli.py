@@ -30,16 +30,17 @@ FLAGS = argparse.Namespace()
 
 
 AUTO_DECODE_LOOP = 16
+MAX_DECODE_LOOP = 256       # the engine reserves cache room for one loop past a row's limit
 
 
 def _decode_loop_arg(s: str):
-    """argparse type of --decode_loop: "auto" or an integer >= 1."""
+    """argparse type of --decode_loop: "auto" or an integer in [1, MAX_DECODE_LOOP]."""
     if s == "auto":
         return s
     try:
-        return cli_main.int_at_least(1)(s)
+        return cli_main.int_at_least(1, MAX_DECODE_LOOP)(s)
     except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f'expected "auto" or an integer >= 1, got {s!r}') from None
+        raise argparse.ArgumentTypeError(f'expected "auto" or an integer in [1, {MAX_DECODE_LOOP}], got {s!r}') from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,8 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode_loop", type=_decode_loop_arg, default="auto", help='Greedy plain decoding: run this '
                    'many decode steps in one compiled device loop per host round trip (paged engine; greedy, no '
                    'penalties, no --logprobs, no --speculative). The same tokens as one step at a time; text streams '
-                   f'and stop conditions are checked once per loop. "auto" (default): {AUTO_DECODE_LOOP} where all of '
-                   'that holds and --decode_rows is not given, else 1 (the run summary names the loop).')
+                   f'and stop conditions are checked once per loop, and up to N - 1 steps past a stop are computed '
+                   f'and dropped. "auto" (default): {AUTO_DECODE_LOOP} (at most --max_new_tokens) where all of that '
+                   f'holds and --decode_rows is not given, else 1 (the run summary names the loop). At most '
+                   f'{MAX_DECODE_LOOP}.')
     p.add_argument("--num_draft", type=int, default=None, help='Drafts per step with --speculative mtp (default: '
                                                                'all MTP modules).')
     p.add_argument("--mtp_window", type=cli_main.int_at_least(1), default=64, help='Positions the MTP layers '
@@ -290,18 +293,19 @@ def _config():
         speculative=None if FLAGS.speculative == "none" else FLAGS.speculative,
         num_draft=FLAGS.num_draft, mtp_window=FLAGS.mtp_window, logprobs=FLAGS.logprobs,
         decode_loop=resolve_decode_loop(FLAGS.decode_loop, sampling, engine=FLAGS.engine, logprobs=FLAGS.logprobs,
-                                        speculative=FLAGS.speculative != "none", decode_rows=FLAGS.decode_rows))
+                                        speculative=FLAGS.speculative != "none", decode_rows=FLAGS.decode_rows,
+                                        max_new_tokens=FLAGS.max_new_tokens))
 
 
-def resolve_decode_loop(value, sampling, *, engine, logprobs, speculative, decode_rows) -> int:
-    """``--decode_loop`` as run: an int as given; "auto" = ``AUTO_DECODE_LOOP`` steps per device loop for greedy
-    plain decoding without penalties or logprobs on the paged engine with no --decode_rows (one host round trip
-    per 16 tokens: BENCHMARKS.md, speculative decoding, ``--decode-loops``), else 1."""
+def resolve_decode_loop(value, sampling, *, engine, logprobs, speculative, decode_rows, max_new_tokens) -> int:
+    """``--decode_loop`` as run: an int as given; "auto" = ``min(AUTO_DECODE_LOOP, max_new_tokens)`` steps per
+    device loop for greedy plain decoding without penalties or logprobs on the paged engine with no --decode_rows
+    (one host round trip per 16 tokens; 8 and 32 measured in BENCHMARKS.md, speculative decoding), else 1."""
     if value != "auto":
         return value
     eligible = (engine == "paged" and sampling.greedy and not sampling.has_penalties and not logprobs
                 and not speculative and decode_rows is None)
-    return AUTO_DECODE_LOOP if eligible else 1
+    return max(1, min(AUTO_DECODE_LOOP, max_new_tokens)) if eligible else 1
 
 
 def _encode(items, tokenizer, cfg, config) -> list:

@@ -279,7 +279,6 @@ class Generator:
         run.stats.engine = backend.describe()
         if config.decode_loop > 1:
             run.stats.engine += f", decode loop={config.decode_loop}"
-            run.stats.decode_loop = config.decode_loop
 
         def on_tokens(n):
             if on_prefill_tokens is not None:
@@ -425,6 +424,7 @@ class _Run:
         chosen = self.backend.greedy([self.handles[r] for r in rows],
                                      np.array([self.pending[r] for r in rows], np.int32), n)
         self.stats.decode_steps += chosen.shape[1]
+        self.stats.decode_loop = n          # the summary names the loop only where one ran
         for r, toks in zip(rows, chosen):
             for t in toks:
                 self.drawn[r] += 1

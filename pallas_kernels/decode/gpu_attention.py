@@ -32,7 +32,7 @@ from pallas_kernels.decode.common import (combine_splits, compute_dtype, dot_nn,
                                           union_pages, unpack_rows)
 from pallas_kernels.decode.gpu_attention_wgmma import default_ctas, paged_decode_wgmma, wgmma_decode_reason
 from pallas_kernels.common import gpu_compute_capability
-from pallas_kernels.decode.gpu_config import DEFAULT_TABLE, LaunchTable, pages_per_program
+from pallas_kernels.decode.gpu_config import DEFAULT_TABLE, TILE_KERNELS, LaunchTable, pages_per_program
 
 __all__ = ["paged_attention_gpu", "tile_kernel_choice", "resolve_tile_kernel"]
 
@@ -135,7 +135,10 @@ def _shared_splits(k: int, pps: int, programs: int) -> int:
 
 def resolve_tile_kernel(tile_kernel: str, interpret: bool) -> str:
     """``LaunchTable.tile_kernel`` as it runs here: "auto" is "wgmma" when compiled for a visible GPU of
-    compute capability 9.x (Hopper), else "triton"; "triton" / "wgmma" as given."""
+    compute capability 9.x (Hopper), else "triton"; "triton" / "wgmma" as given. Raises ValueError for
+    other values (``gpu_config.TILE_KERNELS``)."""
+    if tile_kernel not in TILE_KERNELS:
+        raise ValueError(f"tile_kernel must be one of {TILE_KERNELS}, got {tile_kernel!r}")
     if tile_kernel != "auto":
         return tile_kernel
     cc = None if interpret else gpu_compute_capability()
@@ -196,8 +199,9 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_sc
       tile_rows: most rows of a tile (a power of two >= 16; see the module docstring); sparse_tile:
       "shared" (the tile's rows walk the union of their pages) or "per_row"; num_warps: warps of a
       tile of at most 64 rows, wide_warps (None = num_warps) of a wider one. tile_kernel: "triton",
-      "auto" (``resolve_tile_kernel``: "wgmma" on a Hopper GPU) or "wgmma": dense and shared sparse tiles that ``gpu_attention_wgmma.wgmma_decode_reason`` accepts (64 or
-      128 rows, bf16 / f16 caches) run the Mosaic GPU kernel with ``wgmma_stages`` K/V slots, the others
+      "auto" (``resolve_tile_kernel``: "wgmma" on a Hopper GPU) or "wgmma": dense and shared sparse tiles
+      that ``gpu_attention_wgmma.wgmma_decode_reason`` accepts (64 or 128 rows, bf16 / f16 caches) run the
+      Mosaic GPU kernel with ``wgmma_stages`` K/V slots, the others
       (per-row sparse tiles, fp8 caches, narrower tiles) the Triton one.
     Returns: ``(o [B,Q,H,D] q.dtype, lse [B,Q,H] f32)``.
     Raises ValueError for a sparse_pages_per_split that is not a power of two >= 1.

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -424,9 +425,11 @@ def indexer_kl_gpu(q, k, qi, ki, block_ids, *, q_positions, kv_positions, q_segm
     if q_weights is not None:
         assert q_weights.shape == q.shape[:2], f"q_weights must be [B,T] = {q.shape[:2]}, got {q_weights.shape}"
         q_weights = jax.lax.stop_gradient(q_weights.astype(jnp.float32))
-    if rows < 32 or rows & (rows - 1) or num_warps not in (1, 2, 4, 8, 16):
-        raise ValueError(f"indexer_kl_gpu: rows={rows} (a power of two >= 32), num_warps={num_warps} (1-16, a power "
-                         "of two)")
+    is_int = lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool)
+    if not (is_int(rows) and is_int(num_warps)) \
+            or rows < 32 or rows & (rows - 1) or num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"indexer_kl_gpu: rows={rows!r} (a power of two >= 32), num_warps={num_warps!r} (1-16, a "
+                         "power of two)")
     tiling = (("chunk", chunk), ("rows", rows), ("num_warps", num_warps), ("mean_dot", bool(mean_dot)))
     return _kl(q, k, qi, ki, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids, teacher_lse,
                q_weights, block_size, interpret, tiling)

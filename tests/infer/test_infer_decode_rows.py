@@ -90,7 +90,10 @@ def test_gpu_speculative_greedy_equals_plain_greedy_with_equal_decode_rows(demo)
     (["--temperature", "0", "--engine", "recompute"], 1),
     (["--temperature", "0", "--decode_rows", "2"], 1),
     (["--temperature", "0", "--decode_loop", "4"], 4),
-    (["--temperature", "0", "--decode_loop", "1"], 1)])
+    (["--temperature", "0", "--decode_loop", "1"], 1),
+    (["--temperature", "0", "--max_new_tokens", "3"], 3),                # auto: at most --max_new_tokens
+    (["--temperature", "0", "--max_new_tokens", "1"], 1),
+    (["--temperature", "0", "--decode_loop", "256"], 256)])
 def test_cli_decode_loop_auto(argv, want):
     """--decode_loop auto (the default): 16 steps per device loop for greedy plain decoding, else 1."""
     from minimax_jax.infer import cli as infer_cli
@@ -107,4 +110,7 @@ def test_cli_decode_loop_bad_value_is_one_line(capsys):
         infer_cli.main(["--prompt", "hi", "--decode_loop", "fast"])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert 'expected "auto" or an integer >= 1' in err[-1], err
+    assert 'expected "auto" or an integer in [1, 256]' in err[-1], err
+    with pytest.raises(SystemExit) as e:
+        infer_cli.main(["--prompt", "hi", "--decode_loop", "1000000"])      # the cache would be sized for it
+    assert e.value.code == 2 and "[1, 256]" in capsys.readouterr().err

@@ -79,7 +79,7 @@ def test_bad_tiling_raises_value_error():
     qi, ki = jnp.zeros((1, 32, 2, 16), jnp.bfloat16), jnp.zeros((1, 32, 16), jnp.bfloat16)
     ids = jnp.zeros((1, 2, 32, 2), jnp.int32)
     pos = dict(q_positions=jnp.arange(32)[None], kv_positions=jnp.arange(32)[None], block_size=16)
-    for kw in (dict(rows=48), dict(rows=16), dict(num_warps=3)):
+    for kw in (dict(rows=48), dict(rows=16), dict(num_warps=3), dict(rows=64.0), dict(rows=None), dict(num_warps=True)):
         with pytest.raises(ValueError, match="indexer_kl_gpu"):
             gk.indexer_kl_gpu(q, k, qi, ki, ids, **pos, **kw)
 
