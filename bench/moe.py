@@ -404,7 +404,8 @@ def _rel(a, b):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="bench/results", help="folder for moe.json (and profiles)")
+    ap.add_argument("--out", default="/tmp/moe_bench", help="folder for moe.json (and profiles); the curated "
+                    "bench/results/moe.json is edited by hand, never overwritten by a run")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run with tiny shapes (Pallas kernels interpreted)")
     ap.add_argument("--tokens", default=None, help="order = priority under the budget (default 8192,65536,32768; "
                     "--tiny: 64,256); with --ep-timing also the tokens PER DEVICE of the EP cases")

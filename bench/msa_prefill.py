@@ -400,7 +400,8 @@ def bench_attn_fwd_variants(model, t, key, interpret=False):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--out", default="/tmp/msa_prefill",
+                    help="folder of the results (the curated bench/results/msa_prefill.json is edited by hand)")
     ap.add_argument("--models", default="m3,m2")
     ap.add_argument("--contexts", default="8192,32768,131072,524288,1048576")
     ap.add_argument("--dense-max", type=int, default=131072)
