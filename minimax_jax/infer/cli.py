@@ -40,7 +40,8 @@ def _decode_loop_arg(s: str):
     try:
         return cli_main.int_at_least(1, MAX_DECODE_LOOP)(s)
     except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f'expected "auto" or an integer in [1, {MAX_DECODE_LOOP}], got {s!r}') from None
+        raise argparse.ArgumentTypeError(
+            f'expected "auto" or an integer in [1, {MAX_DECODE_LOOP}], got {s!r}') from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -271,8 +272,9 @@ def check_flags() -> None:
         raise UsageError("--overwrite applies only with --output")
     if FLAGS.num_draft is not None and FLAGS.speculative == "none":
         raise UsageError("--num_draft needs --speculative mtp")
-    if FLAGS.decode_loop != "auto" and FLAGS.decode_loop > 1 and FLAGS.engine != "paged":   # sampling / logprobs /
-        raise UsageError("--decode_loop > 1 needs --engine paged")                            # drafts: GenerationConfig
+    # (sampling, logprobs and drafts with an explicit loop: GenerationConfig refuses them)
+    if FLAGS.decode_loop != "auto" and FLAGS.decode_loop > 1 and FLAGS.engine != "paged":
+        raise UsageError("--decode_loop > 1 needs --engine paged")
     if FLAGS.decode_rows is not None and (FLAGS.engine != "paged" or FLAGS.decode_rows > 16):
         raise UsageError("--decode_rows needs --engine paged and a value in [1, 16]")
     if FLAGS.decode_rows is not None and FLAGS.speculative != "none" and FLAGS.num_draft is not None \
