@@ -94,7 +94,7 @@ def bench(model, t, key, interpret, variants, dense):
     base = kl_fb(pos, BLK, interpret)
     add("indexer KL fwd+bwd", base, args, float("nan"))
     want = base(*args)
-    for kw in variants:      # tilings of the KL kernels (--variants "mean_dot=1;rows=64,num_warps=4")
+    for kw in variants:      # tilings of the KL kernels (--variants "rows=64,num_warps=4;rows=128")
         if kw:
             fn = kl_fb(pos, BLK, interpret, **kw)
             add("indexer KL fwd+bwd " + ",".join(f"{a}={b}" for a, b in kw.items()), fn, args, float("nan"))

@@ -5,6 +5,8 @@
 - shard_map typing: ``typed_out_struct``, ``varying_axes``, ``VmaType`` / ``vma_type``, ``match_vma``,
   ``match_cotangent`` (kernel outputs and custom-VJP cotangents typed like their operands).
 - ``triton_cuda_target``: lower Pallas Triton kernels for CUDA on a machine without a GPU.
+- 1-byte arrays in Pallas Triton kernels: ``needs_byte_pairs`` / ``to_byte_pairs`` (XLA side) and
+  ``from_byte_pairs`` (kernel side): Triton element offsets stay below 2**31 for 2**31 - 2**32 elements.
 - Mosaic GPU (Hopper) helpers: ``mosaic_interpreter_available`` / ``mosaic_interpreter_pool_reason`` /
   ``mosaic_interpret_params`` (the Mosaic GPU interpreter of jax >= 0.11), ``mosaic_smem_transforms`` (tiling + swizzle of a ``wgmma`` /
   TMA operand), ``mosaic_load_rows`` (an SMEM vector in a ``wgmma`` accumulator's row layout),
@@ -22,7 +24,8 @@ import jax.numpy as jnp
 __all__ = ["gqa_triton_reason", "searchsorted", "typed_out_struct", "triton_cuda_target", "varying_axes", "VmaType",
            "vma_type", "match_vma", "match_cotangent", "mosaic_interpreter_available", "mosaic_interpreter_pool_reason",
            "mosaic_interpret_params",
-           "mosaic_smem_transforms", "mosaic_load_rows", "gpu_compute_capability"]
+           "mosaic_smem_transforms", "mosaic_load_rows", "gpu_compute_capability", "needs_byte_pairs", "to_byte_pairs",
+           "from_byte_pairs"]
 
 
 def gqa_triton_reason(q, k, v) -> str | None:
@@ -41,6 +44,31 @@ def gqa_triton_reason(q, k, v) -> str | None:
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
         return f"q/k/v must share one dtype of float32/bfloat16/float16, got {q.dtype}/{k.dtype}/{v.dtype}"
     return None
+
+
+def needs_byte_pairs(x) -> bool:
+    """True when a Pallas Triton kernel must read ``x`` as uint16 byte pairs (``to_byte_pairs``): jax's Triton
+    lowering computes element offsets in int32 for arrays of at most 2**32 bytes, so a 1-byte array (FP8 weights,
+    FP8 caches) of 2**31 to 2**32 elements overflows them (wrong values or an illegal address on the GPU; seen
+    with M2's FP8 gate / up weights, 256 x 3072 x 3072). Above 2**32 bytes jax switches to 64-bit offsets."""
+    return jnp.dtype(x.dtype).itemsize == 1 and 2 ** 31 <= x.size <= 2 ** 32
+
+
+def to_byte_pairs(x: jax.Array) -> jax.Array:
+    """A 1-byte array ``[..., N]`` (N even) as uint16 ``[..., N/2]`` (a bitcast: element offsets halve)."""
+    if jnp.dtype(x.dtype).itemsize != 1 or x.shape[-1] % 2:
+        raise ValueError(f"to_byte_pairs: need a 1-byte dtype and an even last dim, got {x.dtype} {x.shape}")
+    return jax.lax.bitcast_convert_type(x.reshape(x.shape[:-1] + (x.shape[-1] // 2, 2)), jnp.uint16)
+
+
+def from_byte_pairs(tile: jax.Array, dtype) -> jax.Array:
+    """Inside a kernel: a loaded uint16 tile ``[R, n/2]`` of ``to_byte_pairs`` -> the ``[R, n]`` tile of 1-byte
+    ``dtype`` (little endian: the low byte is the even column; the byte planes are interleaved by a join)."""
+    lo = (tile & 0xFF).astype(jnp.uint8)
+    hi = jax.lax.shift_right_logical(tile, jnp.uint16(8)).astype(jnp.uint8)
+    r, half = tile.shape
+    both = jax.lax.concatenate([lo.reshape(r, half, 1), hi.reshape(r, half, 1)], 2)
+    return jax.lax.bitcast_convert_type(both.reshape(r, 2 * half), dtype)
 
 
 def searchsorted(sorted_values: jax.Array, queries: jax.Array, side: str = "left") -> jax.Array:

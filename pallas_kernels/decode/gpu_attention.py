@@ -31,7 +31,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.decode.common import (combine_splits, compute_dtype, dot_nn, dot_nt, pack_rows, pad_rows, row_block,
                                           union_pages, unpack_rows)
 from pallas_kernels.decode.gpu_attention_wgmma import default_ctas, paged_decode_wgmma, wgmma_decode_reason
-from pallas_kernels.common import gpu_compute_capability
+from pallas_kernels.common import from_byte_pairs, gpu_compute_capability, needs_byte_pairs, to_byte_pairs
 from pallas_kernels.decode.gpu_config import DEFAULT_TABLE, TILE_KERNELS, LaunchTable, pages_per_program
 
 __all__ = ["paged_attention_gpu", "tile_kernel_choice", "resolve_tile_kernel"]
@@ -40,7 +40,7 @@ _NEG = -1e30
 
 
 def _attn_kernel(pt_ref, pos_ref, lim_ref, ids_ref, bits_ref, q_ref, k_ref, v_ref, *rest, page, pps, scale, g_count,
-                 mode, nsplit, hg, has_scale, cdt, loop):
+                 mode, nsplit, hg, has_scale, cdt, loop, byte_dtype=None):
     if has_scale:
         ks_ref, vs_ref, o_ref, l_ref = rest
     else:
@@ -80,8 +80,10 @@ def _attn_kernel(pt_ref, pos_ref, lim_ref, ids_ref, bits_ref, q_ref, k_ref, v_re
         acc, m_prev, l_prev = carry
         logical, ok, rows = slot(j)
         start = pt_ref[b, logical] * page
-        kb = k_ref[g, pl.ds(start, page), :].astype(cdt)      # [page, D]
-        vb = v_ref[g, pl.ds(start, page), :].astype(cdt)
+        kb, vb = k_ref[g, pl.ds(start, page), :], v_ref[g, pl.ds(start, page), :]     # [page, D]
+        if byte_dtype is not None:      # 1-byte pages read as uint16 byte pairs (common.to_byte_pairs)
+            kb, vb = from_byte_pairs(kb, byte_dtype), from_byte_pairs(vb, byte_dtype)
+        kb, vb = kb.astype(cdt), vb.astype(cdt)
         s = dot_nt(q, kb) * scale                              # [M, page]
         if has_scale:
             s = s * ks_ref[g, pl.ds(start, page)][None, :]
@@ -242,9 +244,11 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_sc
     if k_scale is not None:
         args += [k_scale.reshape(g, n_phys * page).astype(jnp.float32),
                  v_scale.reshape(g, n_phys * page).astype(jnp.float32)]
+    pairs = not wgmma and needs_byte_pairs(k_pages)    # int32 Triton offsets would overflow (common.needs_byte_pairs)
     kernel = functools.partial(_attn_kernel, page=page, pps=pps, scale=1.0 / math.sqrt(d), g_count=g,
                                mode="dense" if dense else sparse_tile, nsplit=nsplit, hg=hg,
-                               has_scale=k_scale is not None, cdt=cdt, loop=loop)
+                               has_scale=k_scale is not None, cdt=cdt, loop=loop,
+                               byte_dtype=k_pages.dtype if pairs else None)
     if wgmma:
         o_part, l_part = paged_decode_wgmma(qr, pos, lim, page_table, args[6], args[7], page=page, pps=pps,
                                             nsplit=nsplit, stages=wgmma_stages, interpret=interpret,
@@ -252,6 +256,8 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_sc
         o, lse = combine_splits(o_part.astype(jnp.float32), l_part, axis=3)
         o, lse = unpack_rows(o, lse, nq, hg, qpb)
         return o.astype(q.dtype), lse
+    if pairs:
+        args[6], args[7] = to_byte_pairs(args[6]), to_byte_pairs(args[7])
     if m > 64 and wide_warps is not None:
         num_warps = wide_warps
     o_part, l_part = pl.pallas_call(

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.common import from_byte_pairs, needs_byte_pairs, to_byte_pairs
 from pallas_kernels.decode.common import compute_dtype, dot_nt, next_pow2, pad_rows
 from pallas_kernels.decode.gpu_config import (DEFAULT_TABLE, EVICT, SCORE_STATIC, LaunchTable, pages_per_program,
                                               score_launch)
@@ -43,16 +44,19 @@ __all__ = ["page_scores_gpu", "select_pages_gpu"]
 
 # ----------------------------------------------------------------------------- page scores
 
-def _score_page(qi, pt_ref, ki_ref, ks_ref, b, p, *, page, scale, cdt, evict):
+def _score_page(qi, pt_ref, ki_ref, ks_ref, b, p, *, page, scale, cdt, evict, byte_dtype=None):
     """Scores of logical page ``p`` of request ``b`` for every row: ``[R]`` f32, the max over the page's
     tokens of ``<qi, ki>`` (times the token's key scale when ``ks_ref`` is not None), times ``scale``.
-    Both scoring kernels call this, so they compute the same products."""
+    Both scoring kernels call this, so they compute the same products. ``byte_dtype``: ki_ref holds the
+    1-byte keys as uint16 byte pairs (``common.to_byte_pairs``) of that dtype."""
     start = pt_ref[b, p] * page
     rows = pl.ds(start, page)
     if evict == "evict_normal":
         kb = ki_ref[rows, :]
     else:
         kb = pltriton.load(ki_ref.at[rows, :], eviction_policy=evict)
+    if byte_dtype is not None:
+        kb = from_byte_pairs(kb, byte_dtype)
     s = dot_nt(qi, kb.astype(cdt))                           # [R, page]
     if ks_ref is not None:
         s = s * ks_ref[rows][None, :]
@@ -174,9 +178,12 @@ def _page_scores_raw(qi, ki_pages, page_table, q_positions, ki_scale, *, interpr
         n_score = jnp.where(n_score < topk, 0, n_score)      # every page selected: nothing to rank
     width = _score_width(b, npg, ppp, unroll, programs)
     keys = [q2, ki_pages.reshape(n_phys * page, di)]
+    byte_dtype = None
+    if needs_byte_pairs(ki_pages):      # int32 Triton offsets would overflow (common.needs_byte_pairs)
+        keys[1], byte_dtype = to_byte_pairs(keys[1]), ki_pages.dtype
     if ki_scale is not None:
         keys.append(ki_scale.reshape(n_phys * page).astype(jnp.float32))
-    page_kw = dict(page=page, scale=1.0 / math.sqrt(di), cdt=cdt, evict=evict)
+    page_kw = dict(page=page, scale=1.0 / math.sqrt(di), cdt=cdt, evict=evict, byte_dtype=byte_dtype)
     if programs:
         bp = next_pow2(b)
         starts = jnp.cumsum(n_score) - n_score               # first work-list item of each request

@@ -40,7 +40,8 @@ data-dependent ``pl.ds`` slices and masked ``pallas.triton`` loads / stores):
   kernel loads the FP8 tile and its one scale and dequantises it as ``Fp8Weight.astype`` does (float32 product
   rounded to lhs.dtype) before the dot, so the result equals the kernel on pre-dequantised weights bit for bit
   while reading half the weight bytes and never writing a dequantised copy. Inference only: lhs gets its
-  gradient, the FP8 weights are constants.
+  gradient, the FP8 weights are constants. Weights of 2**31-2**32 one-byte elements (M2's gate / up projection)
+  are read as uint16 byte pairs (``common.needs_byte_pairs``): Triton's int32 element offsets would overflow.
 - transpose_rhs: the same kernel loads ``rhs[g]`` tiles ``[bn, bk]`` and contracts their last
   dimension (``dot_general`` with a transposed operand; Triton transposes in shared memory), so
   dlhs needs no transposed copy of the weights.
@@ -66,7 +67,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.common import common_vma, searchsorted, typed_out_struct
+from pallas_kernels.common import common_vma, from_byte_pairs, needs_byte_pairs, searchsorted, to_byte_pairs, typed_out_struct
 from pallas_kernels.moe.gpu_tgmm_ws import WsTgmmConfig, tgmm_ws
 from pallas_kernels.moe.groups import group_bounds
 
@@ -235,7 +236,7 @@ def _load(ref, rows=None, cols=None):
 
 
 def _gmm_kernel(tab_ref, lhs_ref, rhs_ref, *refs, bm, bk, bn, n_groups, n_col_tiles, kdim, ndim,
-                transpose_rhs, half_tail, fold, scale_block=None):
+                transpose_rhs, half_tail, fold, scale_block=None, pairs=False):
     scale_ref, out_ref = refs if scale_block else (None, refs[0])
     pid = pl.program_id(0)
     v = jax.lax.div(pid, n_col_tiles)
@@ -258,7 +259,11 @@ def _gmm_kernel(tab_ref, lhs_ref, rhs_ref, *refs, bm, bk, bn, n_groups, n_col_ti
             kmask = (k0 + _iota(bk)) < kdim if kdim % bk else None
             a = [_load(lhs_ref.at[pl.ds(r0, r), pl.ds(k0, bk)], rmask, kmask)
                  for (r0, r, _), rmask in zip(parts, rmasks)]
-            if transpose_rhs:                                         # rhs [G, N, K]: tile [bn, bk]
+            if pairs:                                                 # rhs [G, K, N/2] uint16: tile [bk, bn/2]
+                pm = (jax.lax.div(n0, 2) + _iota(bn // 2)) < ndim // 2 if ndim % bn else None
+                b = from_byte_pairs(_load(rhs_ref.at[g, pl.ds(k0, bk), pl.ds(jax.lax.div(n0, 2), bn // 2)],
+                                          kmask, pm), FP8_DTYPE)
+            elif transpose_rhs:                                       # rhs [G, N, K]: tile [bn, bk]
                 b = _load(rhs_ref.at[g, pl.ds(n0, bn), pl.ds(k0, bk)], cmask, kmask)
             else:                                                     # rhs [G, K, N]: tile [bk, bn]
                 b = _load(rhs_ref.at[g, pl.ds(k0, bk), pl.ds(n0, bn)], kmask, cmask)
@@ -365,7 +370,8 @@ def _check(lhs, rhs, group_sizes, transpose_rhs, fp8=False):
 # ----------------------------------------------------------------------------- entry points
 def gmm_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool = False,
                 out_dtype=None, config: TileConfig | None = None, interpret: bool = False,
-                rhs_scale: jax.Array | None = None, scale_block: tuple[int, int] | None = None) -> jax.Array:
+                rhs_scale: jax.Array | None = None, scale_block: tuple[int, int] | None = None,
+                fp8_pairs: bool | None = None) -> jax.Array:
     """Grouped matmul kernel (no autodiff): ``out[rows of g] = lhs[rows of g] @ op(rhs[g])``.
 
     Args:
@@ -382,6 +388,8 @@ def gmm_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, trans
       rhs_scale / scale_block: FP8 weights (``gpu_gmm_fp8.gmm_fp8``): rhs float8_e4m3fn ``[G, K, N]`` times float32
         ``rhs_scale [G, ceil(K/br), ceil(N/bc)]`` per ``scale_block = (br, bc)`` block, dequantised per tile
         in the kernel (``fp8_unsupported`` must pass; not with ``transpose_rhs``).
+      fp8_pairs: read the FP8 rhs as uint16 byte pairs (``common.needs_byte_pairs``; None: where needed). Same
+        values; needs an even N.
     Returns: ``[M, N]`` in out_dtype; rows past ``sum(group_sizes)`` are exactly 0 (shapes and dtypes
       asserted as above).
     Math: MegaBlocks (Gale et al. 2022) block-sparse grouped GEMM; see the module docstring.
@@ -399,13 +407,16 @@ def gmm_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, trans
     g = rhs.shape[0]
     ndim = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+    pairs = fp8 and (needs_byte_pairs(rhs) if fp8_pairs is None else bool(fp8_pairs))
+    if pairs:   # [G, K, N] 1-byte -> [G, K, N/2] uint16 (a bitcast): element offsets stay below 2**31
+        rhs = to_byte_pairs(rhs)
     operands = common_vma(lhs, rhs, group_sizes, *((rhs_scale.astype(jnp.float32),) if fp8 else ()))
     lhs, rhs, group_sizes, scale = operands[0], operands[1], operands[2], operands[3:]
     tab = make_visits(group_sizes, m, cfg.bm, cfg.fold)
     n_col = pl.cdiv(ndim, cfg.bn)
     kernel = functools.partial(_gmm_kernel, bm=cfg.bm, bk=cfg.bk, bn=cfg.bn, n_groups=g, n_col_tiles=n_col,
                                kdim=kdim, ndim=ndim, transpose_rhs=transpose_rhs, half_tail=cfg.half_tail,
-                               fold=cfg.fold, scale_block=tuple(scale_block) if fp8 else None)
+                               fold=cfg.fold, scale_block=tuple(scale_block) if fp8 else None, pairs=pairs)
     return pl.pallas_call(
         kernel,
         grid=(tab.shape[1] * n_col,),

@@ -96,19 +96,12 @@ def _logits(q_ref, qi_ref, win, kib, tl, b, g, scale, iscale, masked):
     return s, x, qi
 
 
-def _head_mean(pt, tl, hg, per, shape, mean_dot, interpret):
-    """The teacher of each token row p of a tile [P, B]: the f32 mean of its hg heads' rows of pt [R, B].
-    ``mean_dot``: as one matmul of the 0/1 row-membership matrix [P, R] with pt (TF32x3 on the GPU: the 0/1
-    factor is exact and pt's tf32 high and low parts carry ~22 of its 24 mantissa bits; exact f32 in
-    interpret mode), instead of ``per`` masked column sums: 23 % faster at rows 64, not yet timed at the default
-    rows 32 (BENCHMARKS.md, MSA indexer KL probe); opt-in until it is."""
+def _head_mean(pt, tl, hg, per, shape):
+    """The teacher of each token row p of a tile [P, B]: the f32 mean of its hg heads' rows of pt [R, B], as
+    ``per`` masked column sums (a TF32x3 matmul with the 0/1 row-membership matrix measured slower at the default
+    rows 32: BENCHMARKS.md, MSA indexer KL probe)."""
     if hg == 1:
         return pt                                         # rows are tokens (per_pad == rows)
-    if mean_dot:
-        member = (tl.it[:, None] == tl.j[None, :]).astype(jnp.float32)
-        prec = jax.lax.Precision.HIGHEST if interpret else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
-        return jax.lax.dot_general(member, pt, (((1,), (0,)), ((), ())), precision=prec,
-                                   preferred_element_type=jnp.float32) * (1.0 / hg)
     tch = jnp.zeros(shape, jnp.float32)
     for p in range(per):
         tp = jnp.sum(jnp.where((tl.j == p)[:, None], pt, 0.0), axis=0) * (1.0 / hg)
@@ -157,7 +150,7 @@ def _lse_kernel(flat_ref, key_ref, rend_ref, nval_ref, mend_ref, q_ref, k_ref, q
 
 def _kl_kernel(flat_ref, key_ref, rend_ref, nval_ref, mend_ref, q_ref, k_ref, qi_ref, ki_ref,
                ids_ref, qpos_ref, qseg_ref, kvpos_ref, kvseg_ref, lse_ref, lsex_ref, *refs, blk, topk,
-               scale, iscale, hg, per, per_pad, chunk, rows, s_pad, grads, weighted, mean_dot, interpret):
+               scale, iscale, hg, per, per_pad, chunk, rows, s_pad, grads, weighted, interpret):
     if weighted:                                         # per-token weights [B, T+1] (spare row 0)
         qw_ref, refs = refs[0], refs[1:]
     if grads:
@@ -182,7 +175,7 @@ def _kl_kernel(flat_ref, key_ref, rend_ref, nval_ref, mend_ref, q_ref, k_ref, qi
             s, x, qi = _logits(q_ref, qi_ref, win, kib, tl, b, g, scale, iscale, masked)
             lse2 = lse_ref[b, tl.t, tl.head] * _LOG2E
             pt = jnp.exp2(s - jnp.where(lse2 == -jnp.inf, 0.0, lse2)[:, None])   # [R, B]
-            tch = _head_mean(pt, tl, hg, per, x.shape, mean_dot, interpret)
+            tch = _head_mean(pt, tl, hg, per, x.shape)
             lx2 = lsex_ref[b, tl.t_tok, g] * _LOG2E
             lx2 = jnp.where(lx2 == -jnp.inf, 0.0, lx2)
             log_p = x - lx2[:, None]                                    # log2 student prob
@@ -235,7 +228,7 @@ def _logsumexp_slots(parts, valid):
 
 
 def _chunk(q, qi, ids, starts, qpos, qseg, fresh, dki, teacher_lse, qw, *, kp, kip, kvpos, kvseg, blk, chunk, rows,
-           grads, interpret, num_warps, mean_dot):
+           grads, interpret, num_warps):
     """One query chunk: (kl_sum, count, dqi [B,Tc,G,Di] f32 or None, dki totals [B,Sp,G,Di] f32);
     ``teacher_lse`` ``[B,Tc,H]`` (natural log) or None (computed here, pass 1); ``qw`` ``[B,Tc]`` f32 query
     weights or None (then ``count`` is int32, else the weighted float32 count)."""
@@ -273,7 +266,7 @@ def _chunk(q, qi, ids, starts, qpos, qseg, fresh, dki, teacher_lse, qw, *, kp, k
         outs += [f32(bsz, t + 1, topk, g, di), f32(bsz, g, n_items, 2, blk, di), f32(*dki.shape)]
         args.append(dki)
     res = pl.pallas_call(
-        functools.partial(_kl_kernel, s_pad=sp, grads=grads, weighted=qw is not None, mean_dot=mean_dot,
+        functools.partial(_kl_kernel, s_pad=sp, grads=grads, weighted=qw is not None,
                           interpret=interpret, **consts), grid=grid,
         out_shape=outs,
         input_output_aliases={len(args) - 1: 3} if grads else {},
@@ -305,10 +298,10 @@ def _query_chunk(bsz, h, g, di, topk, blk, chunk, budget_bytes=PARTIALS_BUDGET):
 
 
 def _run(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, blk, interpret, grads,
-         teacher_lse=None, q_weights=None, rows=32, chunk=None, query_chunk=None, num_warps=8, mean_dot=False):
+         teacher_lse=None, q_weights=None, rows=32, chunk=None, query_chunk=None, num_warps=8):
     """(kl_sum, count, dqi, dki) for a unit cotangent (dqi / dki None without ``grads``). ``chunk``: sorted
     selections per program (None: ``default_bwd_chunk`` of a pass, as the attention backward); ``rows``,
-    ``num_warps``, ``mean_dot``: the tiling (``indexer_kl_gpu``)."""
+    ``num_warps``: the tiling (``indexer_kl_gpu``)."""
     bsz, t, h, _ = q.shape
     g, di = k.shape[2], qi.shape[-1]
     prep = layout.prepare(k, ki[:, :, None, :], q_positions, kv_positions, q_seg, kv_seg, blk)
@@ -320,8 +313,7 @@ def _run(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, blk,
     if chunk is None:
         chunk = default_bwd_chunk(bsz * min(t, qc) * ids.shape[-1] * g)
     run = functools.partial(_chunk, kp=prep.k, kip=prep.v, kvpos=prep.kv_pos, kvseg=prep.kv_seg,
-                            blk=blk, chunk=chunk, rows=rows, grads=grads, interpret=interpret, num_warps=num_warps,
-                            mean_dot=mean_dot)
+                            blk=blk, chunk=chunk, rows=rows, grads=grads, interpret=interpret, num_warps=num_warps)
     dki = jnp.zeros((bsz, prep.s_pad, g, di), jnp.float32)
     if t <= qc:
         kl, count, dqi, dki = run(q, qi, ids, starts, qpos, prep.q_seg, jnp.ones((t,), bool), dki, teacher_lse,
@@ -392,7 +384,7 @@ _kl.defvjp(_kl_fwd, _kl_bwd)
 
 def indexer_kl_gpu(q, k, qi, ki, block_ids, *, q_positions, kv_positions, q_segment_ids=None,
                    kv_segment_ids=None, block_size=None, teacher_lse=None, q_weights=None, interpret=False,
-                   chunk=None, rows=32, num_warps=8, mean_dot=False):
+                   chunk=None, rows=32, num_warps=8):
     """Indexer KL(teacher || student) on the selected support, Pallas/Triton GPU kernels.
 
     Args:
@@ -408,7 +400,6 @@ def indexer_kl_gpu(q, k, qi, ki, block_ids, *, q_positions, kv_positions, q_segm
       chunk: sorted selections per program (a power of two >= 16; None: ``default_bwd_chunk`` per pass).
       rows: (token, head) rows per tile (a power of two >= 32, raised to H/G's); num_warps: Triton warps
         (the defaults measured fastest at M3 128K: BENCHMARKS.md, MSA indexer KL probe);
-      mean_dot: the teacher's head mean as a TF32x3 matmul (``_head_mean``) instead of per-token sums (opt-in).
     Returns: (kl_sum f32 [], count int32 [], or float32 with q_weights) as minimax_jax.ops.msa.indexer_kl.
     Raises: ValueError for block_ids=None (the dense warm-up has no kernel). Other preconditions
       (tile sizes, head counts) are asserted; the ops layer checks them for its callers.
@@ -430,6 +421,6 @@ def indexer_kl_gpu(q, k, qi, ki, block_ids, *, q_positions, kv_positions, q_segm
             or rows < 32 or rows & (rows - 1) or num_warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"indexer_kl_gpu: rows={rows!r} (a power of two >= 32), num_warps={num_warps!r} (1-16, a "
                          "power of two)")
-    tiling = (("chunk", chunk), ("rows", rows), ("num_warps", num_warps), ("mean_dot", bool(mean_dot)))
+    tiling = (("chunk", chunk), ("rows", rows), ("num_warps", num_warps))
     return _kl(q, k, qi, ki, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids, teacher_lse,
                q_weights, block_size, interpret, tiling)

@@ -193,9 +193,10 @@ def _intervals(ids, flat, key, qpos, base, j0, j1, blk, hg, pad):
     return jnp.repeat(lims, hg, axis=3).astype(jnp.int32)
 
 
-def _body(flat_ref, key_ref, rend_ref, nval_ref, lims_ref, q_ref, k_ref, v_ref, op_ref, lp_ref, *,
+def _body(flat_ref, key_ref, rend_ref, nval_ref, qoff_ref, lims_ref, q_ref, k_ref, v_ref, op_ref, lp_ref, *,
           blk, topk, sr, per, chunk, kv_slots, scale, p_in_smem, widths):
-    """One CTA (sr: the head slot, ``head_slot(H/G)``; q, op and lp carry G * sr head rows). The slice's
+    """One CTA (sr: the head slot, ``head_slot(H/G)``; q, op and lp carry G * sr head rows; q holds every
+    query token, the pass's tokens from ``qoff_ref[0]`` on, so no pass copies its q rows). The slice's
     work-list entries (flat, window start, run end) are copied into SMEM once (``tab_smem``) and read from
     there, not as scalar global loads per tile (BENCHMARKS.md, MSA forward schedule probe)."""
     i, g, b = lax.axis_index("i"), lax.axis_index("g"), lax.axis_index("b")
@@ -228,6 +229,7 @@ def _body(flat_ref, key_ref, rend_ref, nval_ref, lims_ref, q_ref, k_ref, v_ref, 
         @pl.when(wg == 2)
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
+            qoff = qoff_ref[0]
 
             def per_run(a, end, ri, ct, nt, w0):
                 slot = lax.rem(ri, kv_slots)
@@ -257,7 +259,7 @@ def _body(flat_ref, key_ref, rend_ref, nval_ref, lims_ref, q_ref, k_ref, v_ref, 
                     e0 = a + si * per
                     for j in range(per):
                         t = lax.div(entry("flat", jnp.minimum(e0 + j, end - 1)), topk)
-                        plgpu.copy_gmem_to_smem(q_ref.at[b, t, heads], q_smem.at[qs, pl.ds(j * sr, sr)],
+                        plgpu.copy_gmem_to_smem(q_ref.at[b, qoff + t, heads], q_smem.at[qs, pl.ds(j * sr, sr)],
                                                 q_ready.at[qs])
                     plgpu.copy_gmem_to_smem(lims_ref.at[b, g, :, pl.ds(pl.multiple_of(e0 * sr, 8), ROWS)],
                                             lim_smem.at[qs], q_ready.at[qs])
@@ -383,13 +385,15 @@ def _body(flat_ref, key_ref, rend_ref, nval_ref, lims_ref, q_ref, k_ref, v_ref, 
     )
 
 
-def _partials(q, k_pad, v_pad, ids, starts, qpos, base, j0, j1, *, blk, chunk, interpret, p_in_smem):
-    """Per-(token, slot) partials (o [B,T,K,H,Dv] q.dtype, lse [B,T,K,H] f32); unused pairs undefined."""
-    bsz, t, h, d = q.shape
+def _partials(q, q_off, k_pad, v_pad, ids, starts, qpos, base, j0, j1, *, hg, blk, chunk, interpret, p_in_smem):
+    """Per-(token, slot) partials (o [B,T,K,H,Dv] q.dtype, lse [B,T,K,H] f32) of the T = ids.shape[2] query
+    tokens from ``q_off`` (int32 [1]) on; q [B,Tq,G*sr,D] already in head slots (``to_head_slots``).
+    Unused pairs undefined."""
+    bsz, _, _, d = q.shape
+    t = ids.shape[2]
     g = k_pad.shape[2]
     dv = v_pad.shape[-1]
     topk = ids.shape[-1]
-    hg = h // g
     sr = head_slot(hg)
     per = ROWS // sr
     n_items = -(-t * topk // chunk)
@@ -409,7 +413,7 @@ def _partials(q, k_pad, v_pad, ids, starts, qpos, base, j0, j1, *, blk, chunk, i
             out_type=[typed_out_struct((bsz, t, topk, g * sr, dv), q.dtype, q),
                       typed_out_struct((bsz, t, topk, g * sr), jnp.float32, q)],
             grid=(n_items, g, bsz), grid_names=("i", "g", "b"),
-            num_threads=3, thread_name="wg",
+            num_threads=3, thread_name="wg", kernel_name="msa_sparse_fwd_wgmma",
             interpret=params,
         )
         return lambda *a: tuple(kernel(*a))
@@ -417,7 +421,7 @@ def _partials(q, k_pad, v_pad, ids, starts, qpos, base, j0, j1, *, blk, chunk, i
     # case): windows of exactly B rows, two K/V slots. Otherwise the kernel that also loads wide windows.
     aligned = jnp.all((key % 8 == 0) | (key == jnp.iinfo(jnp.int32).max))
     # head slots of sr rows per group: q padded, the spare rows of the partials dropped
-    args = (flat, key, run_end, n_valid, lims, to_head_slots(q, g, sr, 2), k_pad, v_pad)
+    args = (flat, key, run_end, n_valid, q_off, lims, q, k_pad, v_pad)
     op, lp = lax.cond(aligned, call(False), call(True), *args)
     return from_head_slots(op, g, hg, 3), from_head_slots(lp, g, hg, 3)
 
@@ -459,22 +463,26 @@ def sparse_fwd_wgmma(q, k, v, block_ids, q_positions, kv_positions, q_segment_id
                                           q.dtype.itemsize)
     hg = h // k.shape[2]
 
-    def run(q, ids, starts, qpos, base, j0, j1):      # q_seg is folded into j0 / j1
-        op, lp = _partials(q, k_pad, v_pad, ids, starts, qpos, base, j0, j1, blk=block_size, chunk=chunk,
-                           interpret=interpret, p_in_smem=p_in_smem)
+    # q in head slots once; every pass reads its tokens' rows from it at an offset (no per-pass q copy)
+    q_slots = to_head_slots(q, k.shape[2], head_slot(hg), 2)
+
+    def run(q_off, ids, starts, qpos, base, j0, j1):      # q_seg is folded into j0 / j1
+        op, lp = _partials(q_slots, q_off, k_pad, v_pad, ids, starts, qpos, base, j0, j1, hg=hg, blk=block_size,
+                           chunk=chunk, interpret=interpret, p_in_smem=p_in_smem)
         return _combine(op, lp, ids, hg)
 
-    args = (q, ids, starts, qpos, prep.base, j0, j1)
-    axes = (1, 2, 2, 1, 1, 1, 1)
+    args = (ids, starts, qpos, prep.base, j0, j1)
+    axes = (2, 2, 1, 1, 1, 1)
     if t <= query_chunk:
-        return run(*args)
+        return run(jnp.zeros((1,), jnp.int32), *args)
     # One compiled loop over query chunks (as gpu_sparse_fwd.sparse_fwd_kv_outer): the last chunk is
     # clamped to end at T and recomputes a few tokens identically.
     n_c = -(-t // query_chunk)
 
     def body(c, carry):
         a = jnp.minimum(c * query_chunk, t - query_chunk)
-        oc, lc = run(*(lax.dynamic_slice_in_dim(x, a, query_chunk, ax) for x, ax in zip(args, axes)))
+        oc, lc = run(a.reshape(1).astype(jnp.int32),
+                     *(lax.dynamic_slice_in_dim(x, a, query_chunk, ax) for x, ax in zip(args, axes)))
         return (lax.dynamic_update_slice_in_dim(carry[0], oc, a, 1),
                 lax.dynamic_update_slice_in_dim(carry[1], lc, a, 1))
 

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from minimax_jax.ops import registry
 from minimax_jax.ops.moe.fp8_weight import Fp8Weight
 from minimax_jax.ops.registry import Implementation, implementation_report, record_implementation
-from pallas_kernels.common import gpu_compute_capability, gpu_sm_count, match_vma
+from pallas_kernels.common import gpu_compute_capability, gpu_sm_count, match_vma, needs_byte_pairs
 from pallas_kernels.moe.gpu_gmm import gmm
 from pallas_kernels.moe.gpu_gmm_fp8 import fp8_config, fp8_unsupported, gmm_fp8
 from pallas_kernels.moe.gpu_tgmm_ws import ws_tgmm_config
@@ -204,7 +204,8 @@ def _pallas(interpret: bool):
             why = _fp8_in_kernel_problem(rhs, interpret)
             if why is None:
                 cfg = fp8_config(lhs.shape[0], rhs.shape[0], rhs.block)
-                _record_distinct(FP8_REPORT, f"dequantised per tile in the kernel (gmm_fp8, {cfg.label()})")
+                pairs = ", weights read as uint16 byte pairs (>= 2**31 elements)" if needs_byte_pairs(rhs.w) else ""
+                _record_distinct(FP8_REPORT, f"dequantised per tile in the kernel (gmm_fp8, {cfg.label()}{pairs})")
                 return gmm_fp8(lhs, rhs.w, rhs.scale_inv, group_sizes, scale_block=rhs.block, config=cfg,
                                interpret=interpret).astype(preferred_element_type)
             rhs = _dense_rhs(lhs, rhs, why)

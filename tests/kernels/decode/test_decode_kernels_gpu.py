@@ -59,6 +59,25 @@ def test_kernels_match_oracle(nq, kv_dtype):
     check_against_oracle("pallas_gpu_interpret", nq, kv_dtype, ordered=True)
 
 
+@pytest.mark.parametrize("nq", [1, 8])
+def test_fp8_caches_as_byte_pairs_match_oracle(nq, monkeypatch):
+    """1-byte caches of 2**31 - 2**32 elements reach the Triton kernels as uint16 byte pairs
+    (``common.needs_byte_pairs``: int32 element offsets would overflow); forced here on small fp8 index-key,
+    K and V caches, selection and dense / sparse attention still match the oracle."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.decode import gpu_attention, gpu_select
+    one_byte = lambda x: jnp.dtype(x.dtype).itemsize == 1
+    monkeypatch.setattr(gpu_attention, "needs_byte_pairs", one_byte)
+    monkeypatch.setattr(gpu_select, "needs_byte_pairs", one_byte)
+    jax.clear_caches()          # jitted wrappers traced before the patch must not be reused
+    try:
+        check_against_oracle("pallas_gpu_interpret", nq, "float8_e4m3fn", ordered=True)
+    finally:
+        jax.clear_caches()
+
+
 def test_all_equal_scores():
     check_all_equal_scores("pallas_gpu_interpret")
 

@@ -84,6 +84,22 @@ def test_gpu_attention_tilings_lower_to_triton(dt):
                 assert f"num_warps = {8 if wide else 4} : i32" in txt, (nq, table.sparse_tile, sparse)
 
 
+def test_fp8_caches_in_the_int32_offset_gap_lower_as_byte_pairs():
+    """fp8 index keys of 2**31 elements (131,072 pages of 128 x 128) and fp8 K / V of 4 x 32,768 pages: the
+    Triton kernels read them as uint16 byte pairs (common.needs_byte_pairs) and lower for CUDA."""
+    p_ki, p_kv = 1 << 17, 1 << 15
+    fp8 = jnp.float8_e4m3fn
+    args = (S((B, Q, G, DI), jnp.bfloat16), S((p_ki, PAGE, DI), fp8), S((B, NP), jnp.int32), S((B, Q), jnp.int32),
+            S((p_ki, PAGE), jnp.float32))
+    txt = _cuda_text(lambda *a: select_pages_gpu(*a, topk=K), args)
+    assert txt.count("__gpu$xla.gpu.triton") == 3 and "ui16" in txt
+    sc = [S((G, p_kv, PAGE), jnp.float32)] * 2
+    args = (S((B, 1, G * HG, D), jnp.bfloat16), S((G, p_kv, PAGE, D), fp8), S((G, p_kv, PAGE, D), fp8),
+            S((B, NP), jnp.int32), S((B, 1), jnp.int32), *sc, None)
+    txt = _cuda_text(lambda *a: paged_attention_gpu(*a), args)
+    assert txt.count("__gpu$xla.gpu.triton") == 1 and "ui16" in txt
+
+
 @pytest.mark.parametrize("dt", DTYPES)
 def test_tpu_kernels_export(dt):
     exp = jax.export.export(jax.jit(lambda *a: page_scores_tpu(*a)), platforms=["tpu"])(*_index_args(dt))

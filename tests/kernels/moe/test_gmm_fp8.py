@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.moe import gpu_gmm, gpu_gmm_fp8
+from pallas_kernels.common import needs_byte_pairs
 from pallas_kernels.moe.gpu_gmm import TileConfig
 from tests.kernels.moe.test_gmm_pallas import HI, _close, _sizes
 
@@ -63,6 +64,32 @@ def test_gmm_fp8_equals_dequantised_first(cfg, m, k, n, g, n_empty, block):
     dref = gpu_gmm.gmm_forward(cot, deq, gs, transpose_rhs=True, config=gpu_gmm.DEFAULT_DLHS_CONFIG, interpret=True)
     np.testing.assert_array_equal(np.asarray(dlhs, np.float32), np.asarray(dref, np.float32))
     assert not np.any(np.asarray(dq, np.float32)) and not np.any(np.asarray(dscale))
+
+
+@pytest.mark.parametrize("cfg", [gpu_gmm_fp8.DEFAULT_FP8_CONFIG, gpu_gmm_fp8.DECODE_FP8_CONFIG,
+                                 TileConfig(128, 64, 128, 4, 2, fold=64)])
+@pytest.mark.parametrize("m,k,n,g,n_empty", [(300, 256, 384, 5, 1), (190, 200, 136, 4, 1)])
+def test_gmm_fp8_byte_pairs_equal_bytes(cfg, m, k, n, g, n_empty):
+    """The FP8 rhs read as uint16 byte pairs (what 1-byte weights of >= 2**31 elements take: Pallas' Triton
+    offsets are int32 below 2**32 bytes) gives the values of the byte-wise kernel: even / odd columns as two dots
+    stored with stride 2, N tails masked per half, folded tails, rows past the group sum 0."""
+    block = (128, 128)
+    lhs, q, scale, _, gs, sizes = _fp8_case(m * n, m, k, n, g, n_empty, block)
+    run = lambda pairs: gpu_gmm.gmm_forward(lhs, q, gs, config=cfg, interpret=True, rhs_scale=scale,
+                                            scale_block=block, fp8_pairs=pairs)
+    y1, y2 = (np.asarray(run(p), np.float32) for p in (False, True))
+    np.testing.assert_array_equal(y2, y1)
+    assert np.all(y2[int(sizes.sum()):] == 0) and np.any(y2)
+
+
+def test_byte_pairs_only_in_the_int32_offset_gap():
+    """Byte pairs exactly for 1-byte arrays of [2**31, 2**32] elements: M2's FP8 gate / up weights (256 x 3072 x
+    3072) yes, its down weights (256 x 1536 x 3072), M3's (128 x 6144 x 6144: 64-bit offsets) and bf16 no."""
+    sd = jax.ShapeDtypeStruct
+    assert needs_byte_pairs(sd((256, 3072, 3072), jnp.float8_e4m3fn))
+    assert not needs_byte_pairs(sd((256, 1536, 3072), jnp.float8_e4m3fn))
+    assert not needs_byte_pairs(sd((128, 6144, 6144), jnp.float8_e4m3fn))
+    assert not needs_byte_pairs(sd((256, 3072, 3072), jnp.bfloat16))
 
 
 def test_gmm_fp8_refuses_blocks_that_split_tiles():

@@ -26,12 +26,12 @@ needs_interpreter = pytest.mark.skipif(
     reason=f"the Mosaic GPU interpreter of jax >= 0.11 is needed (jax {jax.__version__})")
 
 
-def _run_and_check(c, ids, blk, chunk):
+def _run_and_check(c, ids, blk, chunk, **kw):
     q, k, v = (jnp.asarray(c[n], jnp.bfloat16) for n in ("q", "k", "v"))
     pos = positions(c)
     o, lse = jax.jit(lambda q, k, v, ids: sparse_fwd_wgmma(
         q, k, v, ids, pos["q_positions"], pos["kv_positions"], pos["q_segment_ids"], pos["kv_segment_ids"],
-        block_size=blk, chunk=chunk, interpret=True))(q, k, v, jnp.asarray(ids))
+        block_size=blk, chunk=chunk, interpret=True, **kw))(q, k, v, jnp.asarray(ids))
     assert o.shape == q.shape[:3] + (v.shape[-1],) and o.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
     f32 = lambda x: x.astype(jnp.float32)
     ro, rlse = msa_ops.msa_attention(f32(q), f32(k), f32(v), jnp.asarray(ids), block_size=blk,
@@ -43,7 +43,7 @@ def _run_and_check(c, ids, blk, chunk):
     fin = np.isfinite(rlse)
     np.testing.assert_allclose(lse[fin], rlse[fin], atol=1e-4, rtol=1e-5)
     assert np.all(o[~np.broadcast_to(fin[..., None], o.shape)] == 0.0)
-    return fin
+    return fin, o, lse
 
 
 @needs_interpreter
@@ -57,7 +57,7 @@ def test_m3_like_groups_empty_and_duplicate_ids(blk, chunk):
     ids[0, :, 150:153] = -1                     # no selection: lse -inf, o = 0
     ids[0, 1, 180, :] = ids[0, 1, 180, 0]       # duplicates count once
     ids[0, 0, 130, 1:] = ids[0, 0, 130, 0]
-    fin = _run_and_check(c, ids, blk, chunk=chunk)
+    fin, _, _ = _run_and_check(c, ids, blk, chunk=chunk)
     assert not fin[0, 151].any() and fin[0, 180].all()
 
 
@@ -69,8 +69,22 @@ def test_packed_unaligned_documents():
     rng = np.random.default_rng()
     c = make_case(rng, bsz=1, t=160, s=160, h=16, g=2, d=128, segments=[[37, 70, 43]])
     ids = random_ids(rng, c["q_pos"], c["q_seg"], 2, 3, 64)
-    fin = _run_and_check(c, ids, 64, chunk=32)
+    fin, _, _ = _run_and_check(c, ids, 64, chunk=32)
     assert not fin[0, 150:].any()               # empty slots see nothing
+
+
+@needs_interpreter
+def test_query_passes_read_q_at_an_offset():
+    """200 queries in passes of 64 and of 96 (the last pass clamped to end at T; each pass reads its q rows from
+    the whole q at its offset): bitwise the outputs of one pass."""
+    rng = np.random.default_rng()
+    c = make_case(rng, bsz=1, t=200, s=200, h=32, g=2, d=128)
+    ids = random_ids(rng, c["q_pos"], c["q_seg"], 2, 4, 64)
+    _, o, lse = _run_and_check(c, ids, 64, chunk=64)
+    for kw in (dict(query_chunk=64), dict(query_chunk=96)):
+        _, o2, lse2 = _run_and_check(c, ids, 64, chunk=64, **kw)
+        np.testing.assert_array_equal(o2, o)
+        np.testing.assert_array_equal(lse2, lse)
 
 
 @needs_interpreter
