@@ -41,7 +41,8 @@ data-dependent ``pl.ds`` slices and masked ``pallas.triton`` loads / stores):
   rounded to lhs.dtype) before the dot, so the result equals the kernel on pre-dequantised weights bit for bit
   while reading half the weight bytes and never writing a dequantised copy. Inference only: lhs gets its
   gradient, the FP8 weights are constants. Weights of 2**31-2**32 one-byte elements (M2's gate / up projection)
-  are read as uint16 byte pairs (``common.needs_byte_pairs``): Triton's int32 element offsets would overflow.
+  are read as uint16 byte pairs (``common.needs_byte_pairs``; a uint16 copy of the weights per call): Triton's
+  int32 element offsets would overflow.
 - transpose_rhs: the same kernel loads ``rhs[g]`` tiles ``[bn, bk]`` and contracts their last
   dimension (``dot_general`` with a transposed operand; Triton transposes in shared memory), so
   dlhs needs no transposed copy of the weights.
@@ -408,7 +409,7 @@ def gmm_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, trans
     ndim = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     pairs = fp8 and (needs_byte_pairs(rhs) if fp8_pairs is None else bool(fp8_pairs))
-    if pairs:   # [G, K, N] 1-byte -> [G, K, N/2] uint16 (a bitcast): element offsets stay below 2**31
+    if pairs:   # [G, K, N] 1-byte -> [G, K, N/2] uint16 (a copy per call): element offsets stay below 2**31
         rhs = to_byte_pairs(rhs)
     operands = common_vma(lhs, rhs, group_sizes, *((rhs_scale.astype(jnp.float32),) if fp8 else ()))
     lhs, rhs, group_sizes, scale = operands[0], operands[1], operands[2], operands[3:]

@@ -190,8 +190,11 @@ def _tgmm_choice(lhs, rhs, interpret: bool):
 
 def _fp8_in_kernel_problem(rhs: Fp8Weight, interpret: bool) -> str | None:
     """Why ``"pallas_gpu"`` cannot dequantise these FP8 experts in the kernel (None when it can): blocks that
-    split a weight tile, or a GPU whose Triton has no e4m3 conversion (compute capability below 8.9)."""
+    split a weight tile, a GPU whose Triton has no e4m3 conversion (compute capability below 8.9), or weights that
+    need byte pairs (``needs_byte_pairs``) with an odd N."""
     why = fp8_unsupported(rhs.shape, rhs.block)
+    if why is None and needs_byte_pairs(rhs.w) and rhs.shape[-1] % 2:
+        why = f"weights {tuple(rhs.shape)}: >= 2**31 one-byte elements with an odd N (no uint16 byte pairs)"
     cc = None if interpret else gpu_compute_capability()
     if why is None and cc is not None and tuple(int(x) for x in str(cc).split(".")[:2]) < (8, 9):
         why = f"compute capability {cc}: Triton converts float8_e4m3fn from 8.9 on"
@@ -204,7 +207,8 @@ def _pallas(interpret: bool):
             why = _fp8_in_kernel_problem(rhs, interpret)
             if why is None:
                 cfg = fp8_config(lhs.shape[0], rhs.shape[0], rhs.block)
-                pairs = ", weights read as uint16 byte pairs (>= 2**31 elements)" if needs_byte_pairs(rhs.w) else ""
+                pairs = (", weights of >= 2**31 bytes read as uint16 byte pairs: a copy per call"
+                         if needs_byte_pairs(rhs.w) else "")
                 _record_distinct(FP8_REPORT, f"dequantised per tile in the kernel (gmm_fp8, {cfg.label()}{pairs})")
                 return gmm_fp8(lhs, rhs.w, rhs.scale_inv, group_sizes, scale_block=rhs.block, config=cfg,
                                interpret=interpret).astype(preferred_element_type)

@@ -21,11 +21,15 @@ import functools
 
 from minimax_jax.ops.paged.xla import select_from_page_scores
 from minimax_jax.ops.registry import Implementation, record_implementation
+from pallas_kernels.common import needs_byte_pairs
 from pallas_kernels.decode.gpu_attention import paged_attention_gpu, tile_kernel_choice
 from pallas_kernels.decode.gpu_select import select_pages_gpu
 from pallas_kernels.decode.tpu import page_scores_tpu, paged_attention_tpu
 
 __all__ = ["PAGED_ATTENTION", "DECODE_SELECT"]
+
+# what runs for 1-byte caches of 2**31 - 2**32 elements (pallas_kernels.common.needs_byte_pairs)
+_PAIRS = "fp8 cache read as uint16 byte pairs (int32 Triton offsets): a uint16 copy of the cache per call"
 
 
 def _no_window(*args, sliding_window=None, **kw) -> str | None:
@@ -35,9 +39,12 @@ def _no_window(*args, sliding_window=None, **kw) -> str | None:
 def _attention_gpu(q, k_pages, v_pages, page_table, q_positions, *, k_scale, v_scale, block_ids, sliding_window,
                    pages_per_split, launch_table, interpret):
     _, nq, h, d = q.shape
-    record_implementation("paged_attention.tile_kernel", tile_kernel_choice(
-        nq, h, k_pages.shape[0], d, k_pages.dtype, q.dtype, k_pages.shape[2], has_scale=k_scale is not None,
-        sparse=block_ids is not None, table=launch_table, interpret=interpret))
+    choice = tile_kernel_choice(nq, h, k_pages.shape[0], d, k_pages.dtype, q.dtype, k_pages.shape[2],
+                                has_scale=k_scale is not None, sparse=block_ids is not None, table=launch_table,
+                                interpret=interpret)
+    record_implementation("paged_attention.tile_kernel", choice)
+    if choice.startswith("triton") and needs_byte_pairs(k_pages):
+        record_implementation("paged_attention.byte_pairs", _PAIRS)
     return paged_attention_gpu(q, k_pages, v_pages, page_table, q_positions, k_scale, v_scale, block_ids,
                                interpret=interpret, pages_per_split=pages_per_split, table=launch_table)
 
@@ -52,6 +59,8 @@ def _select_gpu(qi, ki_pages, page_table, q_positions, *, ki_scale, topk, init_b
                 interpret):
     record_implementation("msa_decode_select.topk", "pallas_gpu")
     record_implementation("msa_decode_select.short_rows", "unscored")
+    if needs_byte_pairs(ki_pages):
+        record_implementation("msa_decode_select.byte_pairs", _PAIRS)
     return select_pages_gpu(qi, ki_pages, page_table, q_positions, ki_scale, topk=topk, init_blocks=init_blocks,
                             local_blocks=local_blocks, interpret=interpret, table=launch_table)
 

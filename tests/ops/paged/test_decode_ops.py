@@ -57,3 +57,26 @@ def test_sliding_window_reference():
     s = kk @ n["q"][0, 0, 0] / math.sqrt(D)
     e = np.exp(s - s.max())
     np.testing.assert_allclose(np.asarray(o)[0, 0, 0], e @ vv / e.sum(), atol=2e-5)
+
+
+def test_byte_pair_caches_are_recorded():
+    """fp8 caches of 2**31 - 2**32 elements (K / V: 4 x 32,768 pages of 128 x 128; index keys: 131,072 pages) reach
+    the Triton decode kernels as uint16 byte pairs, a per-call copy: the ops report says so (traced only, nothing
+    allocated); a smaller fp8 cache records nothing of the kind."""
+    import jax
+    import jax.numpy as jnp
+    S, fp8 = jax.ShapeDtypeStruct, jnp.float8_e4m3fn
+    b, g, hg, d, page, np_ = 2, 4, 16, 128, 128, 64
+    for p_kv, p_ki, paired in ((1 << 15, 1 << 17, True), (1 << 10, 1 << 10, False)):
+        clear_implementation_report()
+        jax.eval_shape(lambda q, k, v, t, pos, ks: ops.paged_attention(
+            q, k, v, t, pos, k_scale=ks, v_scale=ks, implementation="pallas_gpu_interpret"),
+            S((b, 1, g * hg, d), jnp.bfloat16), S((g, p_kv, page, d), fp8), S((g, p_kv, page, d), fp8),
+            S((b, np_), jnp.int32), S((b, 1), jnp.int32), S((g, p_kv, page), jnp.float32))
+        jax.eval_shape(lambda qi, ki, t, pos, ks: ops.msa_decode_select(
+            qi, ki, t, pos, ki_scale=ks, topk=K, implementation="pallas_gpu_interpret"),
+            S((b, 1, g, d), jnp.bfloat16), S((p_ki, page, d), fp8), S((b, np_), jnp.int32), S((b, 1), jnp.int32),
+            S((p_ki, page), jnp.float32))
+        rep = implementation_report()
+        for key in ("paged_attention.byte_pairs", "msa_decode_select.byte_pairs"):
+            assert (key in rep and "uint16 copy" in rep[key]) == paired, (key, rep)
