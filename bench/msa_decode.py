@@ -512,18 +512,29 @@ def step_fns(impl, table, runtime_dense_check=False):
     return dict(dense=dense, msa=msa, select=select, scores=scores)
 
 
-def unrolled(fn, steps, reps):
-    """``jit(run)(q, qi, *args, tables)``: ``steps`` decode steps unrolled in one call, step ``r`` =
+#: decode steps per loop iteration of ``unrolled`` (``--step-unroll``; 0 = every step of a call unrolled, as
+#: before session 32: one traced copy per step made each (batch, context, Q) unit compile for ~15 s per function)
+STEP_UNROLL = 8
+
+
+def unrolled(fn, steps, reps, unroll=None):
+    """``jit(run)(q, qi, *args, tables)``: ``steps`` decode steps in one call, step ``r`` =
     ``fn(q[r], qi[r], *args, tables[r % reps])`` (a distinct query per step: identical steps would be
     merged by XLA's CSE, seen in the first H200 run, where single-replica rows then reported a quarter of
-    the true step time), the results summed."""
+    the true step time), the results summed. ``unroll`` (default ``STEP_UNROLL``): steps per iteration of a
+    ``fori_loop`` (the loop's predicate costs once per ``unroll`` steps); 0 or >= steps: all steps unrolled."""
+    unroll = STEP_UNROLL if unroll is None else unroll
+
     @jax.jit
     def run(q, qi, *args):
         *rest, tables = args
         acc = jnp.zeros((), jnp.float32)
-        for r in range(steps):
-            acc = acc + fn(q[r], qi[r], *rest, tables[r % reps])
-        return acc
+        if not unroll or unroll >= steps:
+            for r in range(steps):
+                acc = acc + fn(q[r], qi[r], *rest, tables[r % reps])
+            return acc
+        body = lambda r, a: a + fn(q[r], qi[r], *rest, tables[r % reps])
+        return jax.lax.fori_loop(0, steps, body, acc, unroll=unroll)
     return run
 
 
@@ -576,6 +587,7 @@ def bench_one(b, ctx, min_steps, impl, l2_bytes=200 * 1024 * 1024, dry=False, pr
 
 
 def main():
+    global STEP_UNROLL       # --step-unroll sets the module default that unrolled() reads
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="/tmp/msa_decode")
     ap.add_argument("--smoke", action="store_true", help="small HBM copy (CPU plumbing run)")
@@ -583,6 +595,8 @@ def main():
     ap.add_argument("--steps", type=int, default=64,
                     help="minimum decode steps per timed call (each call's host dispatch, ~0.3-0.5 ms on the H200, "
                          "is spread over them: at 4 steps it added ~0.1 ms to a 2 ms MSA step)")
+    ap.add_argument("--step-unroll", type=int, default=STEP_UNROLL,
+                    help="decode steps per loop iteration inside a timed call (0 = all unrolled: slow to compile)")
     ap.add_argument("--contexts", default="32768,131072,1048576")
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--sweep-scores", default="",
@@ -641,6 +655,9 @@ def main():
     ap.add_argument("--serving-dense-check", action="store_true",
                     help="msa_decode(runtime_dense_check=True) in the serving timings (path \"cond\")")
     a = ap.parse_args()
+    if a.step_unroll < 0:
+        ap.error("--step-unroll must be >= 0")
+    STEP_UNROLL = a.step_unroll
     serving_q = [int(x) for x in a.serving_q.split(",") if x]
     if not 0.0 <= a.serving_row_corr < 1.0:
         ap.error(f"--serving-row-corr takes a value in [0, 1), got {a.serving_row_corr}")
@@ -817,7 +834,7 @@ def serving(a, out, impl, table, serving_q):
                                         **({} if impl == "pallas_gpu" else {"l2_bytes": 1}), on_unit=save,
                                         tilings=tilings,
                                         profile_dir=(os.path.join(a.out, "serving_profile") if a.serving_profile
-                                                     else None), row_corr=a.serving_row_corr)
+                                                     else None), row_corr=a.serving_row_corr, unroll=a.step_unroll)
     out["serving_config"]["wall_s"] = wall
     out.update(serving=cells, serving_skipped=skipped)
     save(cells, skipped)

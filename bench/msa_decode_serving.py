@@ -167,11 +167,12 @@ def _errors(label, o, lse, o_ref, lse_ref, rows):
 # ----------------------------------------------------------------------------- timing
 
 def time_unit(lay, cache, tables, nq, impl, table, seed, runtime_dense_check=False, tilings=None, profile_dir=None,
-              row_corr=0.0):
+              row_corr=0.0, unroll=None):
     """Dense and MSA (bf16, fp8 index keys) at one (B, C, Q) under each tiling of ``tilings`` (``{name:
     LaunchTable}``; None = ``{"default": table}``): one cell per (tiling, index dtype). ``profile_dir``:
     then one more call of dense and MSA bf16 (first tiling) under ``jax.profiler``, the device ms per step
-    of their busiest ops under the cells' ``"profile"``."""
+    of their busiest ops under the cells' ``"profile"``. ``unroll``: steps per loop iteration of a timed call
+    (``md.unrolled``; None = ``md.STEP_UNROLL``)."""
     b, steps, reps = lay["batch"], lay["steps_per_call"], lay["replicas"]
     kp, vp, kib, ki8, ks8 = cache
     q, qi = queries(jax.random.PRNGKey(seed * 1000003 + b * 131 + lay["context"] + nq), (steps,), b, nq, row_corr)
@@ -180,17 +181,17 @@ def time_unit(lay, cache, tables, nq, impl, table, seed, runtime_dense_check=Fal
     cells = []
     for name, tt in (tilings or {"default": table}).items():
         fns = md.step_fns(impl, tt, runtime_dense_check)
-        t_d, n_d = md.timeit(md.unrolled(fns["dense"], steps, reps), q, qi, kp, vp, kib, None, pos, tables)
+        t_d, n_d = md.timeit(md.unrolled(fns["dense"], steps, reps, unroll), q, qi, kp, vp, kib, None, pos, tables)
         common = dict(batch=b, context=lay["context"], q_rows=nq, tiling=name, len_min=int(lens.min()),
                       len_mean=float(lens.mean()), len_max=int(lens.max()), table_pages=lay["width"], replicas=reps,
                       steps_per_call=steps, cache_gib=lay["cache_gib"], dense_ms=t_d / steps * 1e3, dense_calls=n_d,
                       row_corr=row_corr)
         for label, ki, ks in (("bf16", kib, None), ("fp8", ki8, ks8)):
-            t, n = md.timeit(md.unrolled(fns["msa"], steps, reps), q, qi, kp, vp, ki, ks, pos, tables)
+            t, n = md.timeit(md.unrolled(fns["msa"], steps, reps, unroll), q, qi, kp, vp, ki, ks, pos, tables)
             cells.append(dict(common, index_dtype=label, msa_ms=t / steps * 1e3, msa_calls=n,
                               speedup=t_d / t, msa_path=_path()))
         if profile_dir and name == next(iter(tilings or {"default": None})):
-            runs = {n: (md.unrolled(fns[n], steps, reps), (q, qi, kp, vp, kib, None, pos, tables))
+            runs = {n: (md.unrolled(fns[n], steps, reps, unroll), (q, qi, kp, vp, kib, None, pos, tables))
                     for n in ("dense", "msa")}
             rows = md.profile_cases(runs, steps, os.path.join(profile_dir, f"b{b}_c{lay['context']}_q{nq}"))
             for c in cells:
@@ -208,7 +209,7 @@ def cell_order(batches, contexts, first):
 
 
 def run_sweep(order, qs, min_steps, impl, table, mem_gib, budget_s=None, seed=0, runtime_dense_check=False,
-              l2_bytes=200 * 1024 * 1024, on_unit=None, tilings=None, profile_dir=None, row_corr=0.0):
+              l2_bytes=200 * 1024 * 1024, on_unit=None, tilings=None, profile_dir=None, row_corr=0.0, unroll=None):
     """Time ``order``'s (batch, context) cells at each Q of ``qs`` under each of ``tilings`` (see ``time_unit``).
     Returns ``(cells, skipped, wall_s)``;
     skipped: dicts (batch, context, q_rows or None = every Q, reason): cache over ``mem_gib``, budget
@@ -245,7 +246,7 @@ def run_sweep(order, qs, min_steps, impl, table, mem_gib, budget_s=None, seed=0,
             t_unit = time.perf_counter()
             try:
                 new = time_unit(lay, cache, tables, nq, impl, table, seed, runtime_dense_check, tilings,
-                                profile_dir, row_corr)
+                                profile_dir, row_corr, unroll)
             except Exception as e:
                 skip(b, ctx, nq, _reason(e))
                 continue

@@ -16,6 +16,20 @@ import msa_decode  # noqa: E402
 import msa_decode_serving  # noqa: E402
 
 
+@pytest.mark.parametrize("steps,reps,unroll", [(8, 3, 4), (10, 3, 4), (6, 2, 0), (4, 1, 8)])
+def test_timed_steps_loop_equals_unrolled(steps, reps, unroll):
+    """``unrolled``'s fori_loop (``unroll`` steps per iteration, a remainder included) sums the same steps, each
+    with its own query and table replica, as the fully unrolled call."""
+    import jax.numpy as jnp
+    rng = np.random.default_rng(steps * 10 + reps)
+    q, qi = jnp.asarray(rng.normal(size=(steps, 3))), jnp.asarray(rng.normal(size=(steps, 2)))
+    x, tables = jnp.asarray(rng.normal(size=(4,))), jnp.asarray(rng.normal(size=(reps, 4)))
+    fn = lambda q, qi, x, t: jnp.sum(q) * jnp.sum(qi) + jnp.dot(x, t)
+    want = sum(float(fn(q[r], qi[r], x, tables[r % reps])) for r in range(steps))
+    got = float(msa_decode.unrolled(fn, steps, reps, unroll=unroll)(q, qi, x, tables))
+    assert abs(got - want) <= 1e-4 * max(1.0, abs(want))
+
+
 def test_score_candidate_families():
     from pallas_kernels.decode import gpu_config
     wide, narrow = msa_decode.score_candidates("bf16"), msa_decode.score_candidates("bf16", "narrow")
@@ -168,14 +182,14 @@ def test_serving_sweep_skips_past_budget_and_memory():
 
 
 def test_serving_cli_smoke(tmp_path):
-    """--serving on the CPU: the check (GPU kernels in interpret mode, the first tiling) first, then every (batch,
-    context, Q, tiling, index dtype) cell with finite times and the path the op took, a cell over --mem-gib
+    """--serving on the CPU (timed calls as a loop of 2 steps, one per iteration): the check (GPU kernels in interpret
+    mode, the first tiling) first, then every (batch, context, Q, tiling, index dtype) cell with finite times and the path the op took, a cell over --mem-gib
     listed, the table last (with the tiling comparison)."""
     import json
     import math
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    cmd = [sys.executable, os.path.join(ROOT, "bench", "msa_decode.py"), "--smoke", "--contexts", "", "--steps", "1",
-           "--serving", "--serving-batches", "2", "--serving-contexts", "512,2560", "--serving-q", "8,1",
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "msa_decode.py"), "--smoke", "--contexts", "", "--steps", "2",
+           "--step-unroll", "1", "--serving", "--serving-batches", "2", "--serving-contexts", "512,2560", "--serving-q", "8,1",
            "--serving-first", "64x204800", "--mem-gib", "1", "--out", str(tmp_path)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
