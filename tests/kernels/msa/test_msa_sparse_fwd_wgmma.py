@@ -74,11 +74,13 @@ def test_packed_unaligned_documents():
 
 
 @needs_interpreter
-def test_query_passes_read_q_at_an_offset():
+@pytest.mark.parametrize("h,g", [(32, 2), (12, 2)])
+def test_query_passes_read_q_at_an_offset(h, g):
     """200 queries in passes of 64 and of 96 (the last pass clamped to end at T; each pass reads its q rows from
-    the whole q at its offset): bitwise the outputs of one pass."""
+    the whole q at its offset), 16 heads per group and 6 (M2-like: q padded to 8-row head slots once): bitwise the
+    outputs of one pass."""
     rng = np.random.default_rng()
-    c = make_case(rng, bsz=1, t=200, s=200, h=32, g=2, d=128)
+    c = make_case(rng, bsz=1, t=200, s=200, h=h, g=g, d=128)
     ids = random_ids(rng, c["q_pos"], c["q_seg"], 2, 4, 64)
     _, o, lse = _run_and_check(c, ids, 64, chunk=64)
     for kw in (dict(query_chunk=64), dict(query_chunk=96)):
