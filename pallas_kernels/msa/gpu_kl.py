@@ -150,7 +150,7 @@ def _lse_kernel(flat_ref, key_ref, rend_ref, nval_ref, mend_ref, q_ref, k_ref, q
 
 def _kl_kernel(flat_ref, key_ref, rend_ref, nval_ref, mend_ref, q_ref, k_ref, qi_ref, ki_ref,
                ids_ref, qpos_ref, qseg_ref, kvpos_ref, kvseg_ref, lse_ref, lsex_ref, *refs, blk, topk,
-               scale, iscale, hg, per, per_pad, chunk, rows, s_pad, grads, weighted, interpret):
+               scale, iscale, hg, per, per_pad, chunk, rows, s_pad, grads, weighted):
     if weighted:                                         # per-token weights [B, T+1] (spare row 0)
         qw_ref, refs = refs[0], refs[1:]
     if grads:
@@ -266,8 +266,7 @@ def _chunk(q, qi, ids, starts, qpos, qseg, fresh, dki, teacher_lse, qw, *, kp, k
         outs += [f32(bsz, t + 1, topk, g, di), f32(bsz, g, n_items, 2, blk, di), f32(*dki.shape)]
         args.append(dki)
     res = pl.pallas_call(
-        functools.partial(_kl_kernel, s_pad=sp, grads=grads, weighted=qw is not None,
-                          interpret=interpret, **consts), grid=grid,
+        functools.partial(_kl_kernel, s_pad=sp, grads=grads, weighted=qw is not None, **consts), grid=grid,
         out_shape=outs,
         input_output_aliases={len(args) - 1: 3} if grads else {},
         name="msa_kl_gpu", **params,
@@ -401,7 +400,8 @@ def indexer_kl_gpu(q, k, qi, ki, block_ids, *, q_positions, kv_positions, q_segm
       rows: (token, head) rows per tile (a power of two >= 32, raised to H/G's); num_warps: Triton warps
         (the defaults measured fastest at M3 128K: BENCHMARKS.md, MSA indexer KL probe);
     Returns: (kl_sum f32 [], count int32 [], or float32 with q_weights) as minimax_jax.ops.msa.indexer_kl.
-    Raises: ValueError for block_ids=None (the dense warm-up has no kernel). Other preconditions
+    Raises: ValueError for block_ids=None (the dense warm-up has no kernel) and for rows / num_warps outside
+      the ranges above. Other preconditions
       (tile sizes, head counts) are asserted; the ops layer checks them for its callers.
     """
     if block_ids is None:

@@ -420,7 +420,7 @@ def _partials(q, q_off, k_pad, v_pad, ids, starts, qpos, base, j0, j1, *, hg, bl
     # Every window 8-row aligned (positions from 0 in every stored run, blocks of 64 / 128: the common
     # case): windows of exactly B rows, two K/V slots. Otherwise the kernel that also loads wide windows.
     aligned = jnp.all((key % 8 == 0) | (key == jnp.iinfo(jnp.int32).max))
-    # head slots of sr rows per group: q padded, the spare rows of the partials dropped
+    # the spare rows of the head slots (q was padded by the caller) dropped from the partials
     args = (flat, key, run_end, n_valid, q_off, lims, q, k_pad, v_pad)
     op, lp = lax.cond(aligned, call(False), call(True), *args)
     return from_head_slots(op, g, hg, 3), from_head_slots(lp, g, hg, 3)

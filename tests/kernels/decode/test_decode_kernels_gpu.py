@@ -68,7 +68,11 @@ def test_fp8_caches_as_byte_pairs_match_oracle(nq, monkeypatch):
     import jax.numpy as jnp
 
     from pallas_kernels.decode import gpu_attention, gpu_select
-    one_byte = lambda x: jnp.dtype(x.dtype).itemsize == 1
+    paired = []                 # the 1-byte arrays the kernels were told to read as pairs
+
+    def one_byte(x):
+        paired.append(jnp.dtype(x.dtype).itemsize == 1)
+        return paired[-1]
     monkeypatch.setattr(gpu_attention, "needs_byte_pairs", one_byte)
     monkeypatch.setattr(gpu_select, "needs_byte_pairs", one_byte)
     jax.clear_caches()          # jitted wrappers traced before the patch must not be reused
@@ -76,6 +80,7 @@ def test_fp8_caches_as_byte_pairs_match_oracle(nq, monkeypatch):
         check_against_oracle("pallas_gpu_interpret", nq, "float8_e4m3fn", ordered=True)
     finally:
         jax.clear_caches()
+    assert sum(paired) >= 3     # the scorer's index keys and both attention calls' K / V took the pairs path
 
 
 def test_all_equal_scores():
