@@ -5,7 +5,8 @@
 # tiles, no tile sweep (sessions 31 / 32 swept; the sweep alone filled the budget), grouped matmuls and the MoE layer
 # against the dense matmul at 8K / 32K / 64K tokens; (3) bench/moe_fp8.py (FP8 experts dequantised in the kernel vs
 # bf16, decode and prefill sizes); (4) the 8K x 8 dense training step (remat dots_kernels where its ~84 GiB plan
-# fits, i.e. on 141 GB H200s; remat full on 80 GB H100s).
+# fits, i.e. on 141 GB H200s; remat full on 80 GB H100s, whose ~63 GiB plan needs a memory fraction above
+# jax's default 0.75).
 # Run from the repository root with OUT set (the device tool's output folder); per-part caps in seconds.
 set -u
 export PYTHONUNBUFFERED=1   # a timeout must not swallow the rows already printed
@@ -24,6 +25,6 @@ timeout "${FP8_S:-120}" python3 bench/moe_fp8.py --tokens 1,32,128,8192 --reps 1
 echo "fp8 rc $?"; grep -vE "^W0000|^I0000" "$OUT/fp8.log" | tail -14
 mem_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 remat=full; [ "${mem_mib:-0}" -gt 100000 ] && remat=dots_kernels
-timeout "${TRAIN_S:-150}" python3 bench/train_step.py --modes dense --batch 8 --steps 3 --warmup 1 --remat "$remat" \
-    --out "$OUT/train" > "$OUT/train.log" 2>&1
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout "${TRAIN_S:-150}" python3 bench/train_step.py --modes dense --batch 8 \
+    --steps 3 --warmup 1 --remat "$remat" --profile 1 --out "$OUT/train" > "$OUT/train.log" 2>&1
 echo "train (remat $remat) rc $?"; grep -iE "mfu|grouped_matmul|step" "$OUT/train.log" | tail -6

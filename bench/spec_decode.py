@@ -10,9 +10,13 @@ warm-up call then one timed call of plain greedy and of ``--speculative mtp`` gr
 (no stop token): tokens/s of the timed calls, the first new-token index where the two outputs differ (None:
 identical), drafts accepted per step. ``--decode-loops 8,32``: then plain greedy decoding with
 ``GenerationConfig.decode_loop`` = each value (steps per device loop, one host round trip each), timed the same
-way and compared with the one-step plain output (rows ``loop N``; speed-up = vs one step at a time). Writes
-``spec_decode.json`` under ``--out``; the table is printed last.
-CPU smoke run: ``python bench/spec_decode.py --lengths 64 --new 16 --out /tmp/spec``.
+way and compared with the one-step plain output (rows ``loop N``; speed-up = vs one step at a time).
+``--spec-loops 8,32``: for each decode-row setting and prompt, greedy speculative decoding in device loops
+(``speculative="mtp", decode_loop`` = each value: N speculative steps, drafting, verification and acceptance on
+the device, per host round trip) and the plain decode loop of the same N (rows ``<rows> spec loop N``; speed-up =
+vs one plain step at a time, ``vs loop`` = vs the plain loop of N steps; first difference vs one-step plain
+greedy). Writes ``spec_decode.json`` under ``--out``; the table is printed last.
+CPU smoke run: ``python bench/spec_decode.py --lengths 64 --new 16 --spec-loops 4 --out /tmp/spec``.
 """
 
 from __future__ import annotations
@@ -40,6 +44,20 @@ def _timed(gen, prompt, config):
     return out, time.perf_counter() - t0
 
 
+def _first_difference(a, b):
+    """First new-token index where two outputs differ (None: identical)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+
+def _row(label, n, plain, tp, out, t):
+    """A table row: ``out`` (timed ``t`` s) against one-step plain greedy ``plain`` (timed ``tp`` s)."""
+    a, b, st = plain.sequences[0].tokens, out.sequences[0].tokens, out.stats
+    return {"rows": label, "prompt": n, "new": len(a), "plain_tok_s": len(a) / tp, "spec_tok_s": len(b) / t,
+            "speedup": tp / t, "first_difference": _first_difference(a, b), "acceptance_rate": st.acceptance_rate,
+            "accepted_per_step": st.accepted / max(st.decode_steps, 1) if st.drafted else None,
+            "drafted": st.drafted}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
@@ -48,6 +66,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="per-step,padded")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--decode-loops", default="", help="comma list of decode_loop values to time after the rows")
+    ap.add_argument("--spec-loops", default="", help="comma list of decode_loop values of speculative device loops "
+                                                     "(and plain loops of the same N), timed with each --rows setting")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     model = load_model(None)
@@ -56,23 +76,23 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(args.seed)
     lengths = [int(x) for x in args.lengths.split(",")]
     prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in lengths]
+    spec_loops = [int(x) for x in args.spec_loops.split(",") if x]
     rows = []
     for setting in args.rows.split(","):
         gen = Generator(cfg, params, engine_options={"query_rows": 1 + k} if setting == "padded" else None)
         for n, prompt in zip(lengths, prompts):
-            plain, tp = _timed(gen, prompt, GenerationConfig(max_new_tokens=args.new, stop_token_ids=()))
-            spec, ts = _timed(gen, prompt, GenerationConfig(max_new_tokens=args.new, stop_token_ids=(),
-                                                            speculative="mtp"))
-            a, b = plain.sequences[0].tokens, spec.sequences[0].tokens
-            first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y),
-                         None if len(a) == len(b) else min(len(a), len(b)))
-            st = spec.stats
-            row = {"rows": setting, "prompt": n, "new": len(a), "plain_tok_s": len(a) / tp,
-                   "spec_tok_s": len(b) / ts, "speedup": tp / ts, "first_difference": first,
-                   "acceptance_rate": st.acceptance_rate, "accepted_per_step": st.accepted / max(st.decode_steps, 1),
-                   "drafted": st.drafted}
-            print(json.dumps(row), flush=True)
-            rows.append(row)
+            base = GenerationConfig(max_new_tokens=args.new, stop_token_ids=())
+            plain, tp = _timed(gen, prompt, base)
+            spec, ts = _timed(gen, prompt, dataclasses.replace(base, speculative="mtp"))
+            found = [_row(setting, n, plain, tp, spec, ts)]
+            for loop in spec_loops:
+                _, tl = _timed(gen, prompt, dataclasses.replace(base, decode_loop=loop))
+                out, tsl = _timed(gen, prompt, dataclasses.replace(base, speculative="mtp", decode_loop=loop))
+                found.append(dict(_row(f"{setting} spec loop {loop}", n, plain, tp, out, tsl),
+                                  loop_tok_s=len(plain.sequences[0].tokens) / tl, speedup_vs_loop=tl / tsl))
+            for row in found:
+                print(json.dumps(row), flush=True)
+            rows += found
     loops = [int(x) for x in args.decode_loops.split(",") if x]
     if loops:
         gen = Generator(cfg, params)
@@ -81,21 +101,17 @@ def main(argv=None) -> int:
             plain, tp = _timed(gen, prompt, base)
             for loop in loops:
                 out, tl = _timed(gen, prompt, dataclasses.replace(base, decode_loop=loop))
-                a, b = plain.sequences[0].tokens, out.sequences[0].tokens
-                first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y),
-                             None if len(a) == len(b) else min(len(a), len(b)))
-                row = {"rows": f"loop {loop}", "prompt": n, "new": len(a), "plain_tok_s": len(a) / tp,
-                       "spec_tok_s": len(b) / tl, "speedup": tp / tl, "first_difference": first,
-                       "acceptance_rate": None, "accepted_per_step": None, "drafted": 0}
+                row = _row(f"loop {loop}", n, plain, tp, out, tl)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     with open(os.path.join(args.out, "spec_decode.json"), "w") as f:
         json.dump({"device": str(jax.devices()[0].device_kind), "mtp_modules": k, "rows": rows}, f, indent=1)
-    print(f"\n{'rows':9} {'prompt':>6} {'plain tok/s':>11} {'spec/loop tok/s':>15} {'speedup':>7} {'accept':>6} "
-          f"{'first diff':>10}")
+    print(f"\n{'rows':22} {'prompt':>6} {'plain tok/s':>11} {'spec/loop tok/s':>15} {'speedup':>7} {'vs loop':>7} "
+          f"{'accept':>6} {'first diff':>10}")
     for r in rows:
-        print(f"{r['rows']:9} {r['prompt']:6d} {r['plain_tok_s']:11.1f} {r['spec_tok_s']:15.1f} {r['speedup']:7.2f} "
-              f"{r['acceptance_rate'] or 0:6.2f} {str(r['first_difference']):>10}")
+        vs = f"{r['speedup_vs_loop']:7.2f}" if "speedup_vs_loop" in r else f"{'-':>7}"
+        print(f"{r['rows']:22} {r['prompt']:6d} {r['plain_tok_s']:11.1f} {r['spec_tok_s']:15.1f} {r['speedup']:7.2f} "
+              f"{vs} {r['acceptance_rate'] or 0:6.2f} {str(r['first_difference']):>10}")
     return 0
 
 

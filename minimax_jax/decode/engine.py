@@ -26,6 +26,7 @@ Usage::
     slots, logits = eng.prefill([prompt_a, prompt_b])     # logits[i]: [1, V], the last prompt position
     out = eng.decode_step(np.array([[tok_a], [tok_b]]), slots)   # [2, Q, V]
     eng.truncate(slots[0], new_len)                         # drop rejected speculative tokens
+    chosen = eng.decode_greedy(next_tokens, slots, 16)      # 16 greedy steps in one device loop (``loops``)
     eng.free(slots[1])
     c = eng.prefill_start(prompt_c)                         # admitted, computed a chunk per call:
     done = eng.prefill_advance([c])                         # {c: [1, V]} once its prompt is complete
@@ -47,7 +48,8 @@ from minimax_jax.config import ModelConfig
 from minimax_jax.decode import mesh_attention
 from minimax_jax.decode.cache import CacheSpec, init_cache
 from minimax_jax.decode.pages import NULL_PAGE, PagePool, chain_hashes
-from minimax_jax.decode.step import PREFILL_IMPLEMENTATIONS, greedy_steps, model_step
+from minimax_jax.decode.loops import DeviceLoops
+from minimax_jax.decode.step import PREFILL_IMPLEMENTATIONS, model_step
 
 __all__ = ["DecodeEngine", "SequenceState", "DEFAULT_PAGE_SIZE", "MAX_QUERY_ROWS", "PREFILL_WIDTHS"]
 
@@ -110,7 +112,7 @@ def _copy_page(cache, src, dst):
     return [{name: one(name, a) for name, a in c.items()} for c in cache]
 
 
-class DecodeEngine:
+class DecodeEngine(DeviceLoops):
     """Paged-cache inference engine over a params tree.
 
     Args:
@@ -139,6 +141,8 @@ class DecodeEngine:
         step serves every Q <= query_rows (padding rows are never written); None = exact Q.
     Mesh: built and run inside ``sharding.use_mesh``, the caches are sharded by kv head over the tensor
     axes and each prefill chunk's tokens split over the sequence axes (``minimax_jax.decode.mesh_attention``).
+    Device loops, many steps per host round trip: ``decode_greedy``, ``decode_speculative_greedy``
+    (``minimax_jax.decode.loops``).
     Raises: ValueError for inconsistent sizes.
     """
 
@@ -501,42 +505,6 @@ class DecodeEngine:
                     res[slot] = (res[slot], np.concatenate(s.hidden, 0))
                     s.hidden = []
         return res
-
-    def decode_greedy(self, tokens, slots: Sequence[int], steps: int) -> np.ndarray:
-        """``steps`` greedy decode steps in one compiled loop (``step.greedy_steps``): the host is
-        reached once per call, not once per token.
-
-        Args: tokens ``[n]`` int: each listed slot's next input token (its last chosen one); slots: live
-          slot ids (distinct); steps >= 1. Pages for ``length + steps`` tokens are reserved first (all
-          or nothing). With ``query_rows`` every step is padded to that many rows, as ``decode_step``.
-        Returns: int32 ``[n, steps]``, the token chosen after each step (the same tokens as ``steps``
-          one-row ``decode_step`` calls with argmax in between, up to the rounding of the loop's
-          compiled step). The slot then holds its input token and the first ``steps - 1`` chosen ones;
-          the last chosen token is the next input.
-        Raises: ValueError (bad shapes / slots / steps, length past ``max_len``), PagePoolExhausted.
-        """
-        tokens = np.asarray(tokens)
-        if tokens.ndim != 1 or tokens.shape[0] != len(slots):
-            raise ValueError(f"tokens must be [len(slots)={len(slots)}], got {tokens.shape}")
-        if len(set(slots)) != len(slots):
-            raise ValueError(f"slots must be distinct, got {list(slots)}")
-        if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
-            raise ValueError(f"steps must be an int >= 1, got {steps!r}")
-        self._reserve({s: self.length(s) + int(steps) for s in slots})
-        q = self.query_rows or 1
-        tok = np.zeros((self.max_seqs, q), np.int32)
-        pos = np.full((self.max_seqs, q), -1, np.int32)
-        for i, s in enumerate(slots):
-            tok[s, 0] = tokens[i]
-            pos[s, 0] = self.length(s)
-        chosen, self.cache = greedy_steps(self.params, self.cache, jnp.asarray(tok), jnp.asarray(pos),
-                                          jnp.asarray(self.tables), steps=int(steps), cfg=self.cfg, spec=self.spec,
-                                          implementation=self.implementation)
-        chosen = np.asarray(chosen)[list(slots)]
-        for i, s in enumerate(slots):
-            self.seqs[s].tokens.extend([int(tokens[i])] + [int(t) for t in chosen[i, :steps - 1]])
-            self._publish(s)
-        return chosen
 
     def decode_step(self, tokens, slots: Sequence[int], num_tokens: Sequence[int] | None = None,
                     return_hidden: bool = False):

@@ -11,6 +11,8 @@ Interface (host numpy in and out)::
     handles, last_logits[n,V], hidden = backend.prefill(prompts, want_hidden=..., on_tokens=cb)
     logits[n,Q,V], hidden = backend.step(handles, tokens[n,Q], want_hidden=...)
     backend.truncate(handle, length); backend.free(handle); backend.length(handle)
+    chosen[n,steps] = backend.greedy(handles, tokens[n], steps)             # device loops (paged only)
+    emitted, accepted, window = backend.speculative_greedy(handles, tokens[n], iters, mtp, window, k)
 
 ``hidden`` is the main model's pre-final-norm hidden state (input of the MTP drafter): after
 prefill a list of ``[m_i, H]`` arrays for the LAST ``m_i`` prompt tokens (``1 <= m_i <= len(prompt_i)``;
@@ -59,6 +61,13 @@ class Backend:
         ``decode_greedy``). Raises EngineUnavailable where the backend has no such loop."""
         raise EngineUnavailable(f"a greedy decode loop (decode_loop > 1) needs the paged engine; the {self.name} "
                                 "engine decodes one step per host round trip")
+
+    def speculative_greedy(self, handles, tokens, iters: int, mtp, window, num_draft: int):
+        """``iters`` greedy MTP speculative steps in one device loop (the paged engine's
+        ``decode_speculative_greedy``: ``(emitted [n, iters, k+1], accepted [n, iters], window)``). Raises
+        EngineUnavailable where the backend has no such loop."""
+        raise EngineUnavailable(f"a speculative decode loop (decode_loop > 1) needs the paged engine; the "
+                                f"{self.name} engine verifies one speculative step per host round trip")
 
     def free(self, handle: int) -> None:
         raise NotImplementedError
@@ -196,6 +205,9 @@ class PagedBackend(Backend):
 
     def greedy(self, handles, tokens, steps):
         return self.engine.decode_greedy(tokens, handles, steps)
+
+    def speculative_greedy(self, handles, tokens, iters, mtp, window, num_draft):
+        return self.engine.decode_speculative_greedy(tokens, handles, iters, mtp, window, num_draft)
 
     def truncate(self, handle, length):
         self.engine.truncate(handle, length)

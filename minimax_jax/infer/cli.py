@@ -127,19 +127,18 @@ def build_parser() -> argparse.ArgumentParser:
                                                                                    'generated together by the '
                                                                                    'engine.')
     p.add_argument("--speculative", choices=("none", "mtp"), default="none", help="Speculative decoding: 'mtp' "
-                                                                                  "drafts tokens with the model's "
-                                                                                  'MTP modules and verifies them '
-                                                                                  'in one step (same output '
-                                                                                  'distribution; greedy output '
-                                                                                  'identical); the acceptance '
-                                                                                  'rate is reported.')
-    p.add_argument("--decode_loop", type=_decode_loop_arg, default="auto", help='Greedy plain decoding: run this '
+                   "drafts tokens with the model's MTP modules and verifies them in one step (same output "
+                   'distribution; greedy output identical); the acceptance rate is reported. Greedy (--temperature '
+                   '0) with --decode_loop N > 1: N speculative steps (drafting, verification, acceptance) run in one '
+                   'compiled device loop per host round trip.')
+    p.add_argument("--decode_loop", type=_decode_loop_arg, default="auto", help='Greedy decoding: run this '
                    'many decode steps in one compiled device loop per host round trip (paged engine; greedy, no '
-                   'penalties, no --logprobs, no --speculative). The same tokens as one step at a time; text streams '
-                   f'and stop conditions are checked once per loop, and up to N - 1 steps past a stop are computed '
-                   f'and dropped. "auto" (default): {AUTO_DECODE_LOOP} (at most --max_new_tokens) where all of that '
-                   f'holds and --decode_rows is not given, else 1 (the run summary names the loop). At most '
-                   f'{MAX_DECODE_LOOP}.')
+                   'penalties, no --logprobs). With --speculative mtp each step is a speculative one (draft, verify, '
+                   'accept on the device; 1 + drafts tokens of cache room per step). The same tokens as one step at '
+                   'a time; text streams and stop conditions are checked once per loop, and up to N - 1 steps past a '
+                   f'stop are computed and dropped. "auto" (default): {AUTO_DECODE_LOOP} (at most --max_new_tokens) '
+                   'where all of that holds, without --speculative and --decode_rows, else 1 (the run summary names '
+                   f'the loop). At most {MAX_DECODE_LOOP}.')
     p.add_argument("--num_draft", type=int, default=None, help='Drafts per step with --speculative mtp (default: '
                                                                'all MTP modules).')
     p.add_argument("--mtp_window", type=cli_main.int_at_least(1), default=64, help='Positions the MTP layers '
@@ -272,7 +271,7 @@ def check_flags() -> None:
         raise UsageError("--overwrite applies only with --output")
     if FLAGS.num_draft is not None and FLAGS.speculative == "none":
         raise UsageError("--num_draft needs --speculative mtp")
-    # (sampling, logprobs and drafts with an explicit loop: GenerationConfig refuses them)
+    # (sampling and logprobs with an explicit loop: GenerationConfig refuses them)
     if FLAGS.decode_loop != "auto" and FLAGS.decode_loop > 1 and FLAGS.engine != "paged":
         raise UsageError("--decode_loop > 1 needs --engine paged")
     if FLAGS.decode_rows is not None and (FLAGS.engine != "paged" or FLAGS.decode_rows > 16):
@@ -300,9 +299,11 @@ def _config():
 
 
 def resolve_decode_loop(value, sampling, *, engine, logprobs, speculative, decode_rows, max_new_tokens) -> int:
-    """``--decode_loop`` as run: an int as given; "auto" = ``min(AUTO_DECODE_LOOP, max_new_tokens)`` steps per
-    device loop for greedy plain decoding without penalties or logprobs on the paged engine with no --decode_rows
-    (one host round trip per 16 tokens; 8 and 32 measured in BENCHMARKS.md, speculative decoding), else 1."""
+    """``--decode_loop`` as run: an int as given (with --speculative: speculative steps per loop); "auto" =
+    ``min(AUTO_DECODE_LOOP, max_new_tokens)`` steps per device loop for greedy plain decoding without penalties
+    or logprobs on the paged engine with no --decode_rows (one host round trip per 16 tokens; 8 and 32 measured
+    in BENCHMARKS.md, speculative decoding), else 1 (also with --speculative: the speculative loop only when
+    asked for)."""
     if value != "auto":
         return value
     eligible = (engine == "paged" and sampling.greedy and not sampling.has_penalties and not logprobs
@@ -397,7 +398,8 @@ def _generate_all(gen, model, items, prompts, config, chunk, out) -> int:
     rows = [(i, j) for i in range(len(items)) for j in range(FLAGS.n)]
     limit = [items[i].max_new_tokens or config.max_new_tokens for i, _ in rows]
     batch = 1 if FLAGS.stream else FLAGS.batch_size
-    extra = config.decode_loop + ((config.num_draft or min(model.cfg.num_mtp_modules, 15)) if config.speculative else 0)
+    extra = config.tokens_past_limit((config.num_draft or min(model.cfg.num_mtp_modules, 15)) if config.speculative
+                                     else 0)
     ctx = contextlib.nullcontext()
     if model.mesh is not None:      # the engine is built inside it: its KV cache is sharded by kv head
         from minimax_jax.sharding import use_mesh

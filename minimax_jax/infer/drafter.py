@@ -21,40 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from minimax_jax.config import ModelConfig
+from minimax_jax.decode.spec_loop import mtp_depth, stack_mtp, window_layout
 from minimax_jax.infer.errors import InferenceError
-from minimax_jax.model.layers import rms_norm, rope_frequencies
-from minimax_jax.model.params import mtp_layer_kinds
-from minimax_jax.model.transformer import decoder_layer, embed, unembed
 
-__all__ = ["MTPDrafter", "mtp_depth", "stack_mtp"]
-
-
-def mtp_depth(params, cfg: ModelConfig, depth, h_prev, next_tokens, positions, segment_ids, *, mtp=None):
-    """One MTP depth over a window.
-
-    Args:
-      depth: 1-based module index (a Python int, or a traced int32 with ``mtp`` given).
-      mtp: optional MTP module params stacked on a leading axis (``stack_mtp``), indexed by
-        ``depth - 1`` so one compilation serves every depth; default ``params["mtp"][depth - 1]``.
-      h_prev: ``[B,W,H]`` previous depth's hidden state.
-      next_tokens: ``[B,W]`` the token at ``position + depth`` for every window position.
-      positions, segment_ids: ``[B,W]`` int32.
-    Returns: ``(h [B,W,H], logits [B,W,V] float32)``; logits at ``t`` predict ``t + depth + 1``.
-    """
-    mod = params["mtp"][depth - 1] if mtp is None else jax.tree.map(lambda a: a[depth - 1], mtp)
-    norm = functools.partial(rms_norm, eps=cfg.rms_norm_eps, kind=cfg.norm_kind)
-    e = norm(embed(params, cfg, next_tokens), mod["enorm"]["scale"])
-    hn = norm(h_prev.astype(e.dtype), mod["hnorm"]["scale"])
-    x = jnp.concatenate([e, hn], axis=-1) @ mod["eh_proj"].astype(e.dtype)
-    cos, sin = rope_frequencies(positions, cfg.rotary_dim, cfg.rope_theta)
-    lt, mt = mtp_layer_kinds(cfg)
-    h, _ = decoder_layer(mod["layer"], x, cfg, lt, mt, positions, segment_ids, cos, sin, None)
-    return h, unembed(params, cfg, norm(h, mod["final_norm"]["scale"]))
-
-
-def stack_mtp(params) -> dict:
-    """The MTP modules' params stacked leaf by leaf on a new leading axis."""
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *params["mtp"])
+__all__ = ["MTPDrafter", "mtp_depth", "stack_mtp"]     # the MTP math lives in minimax_jax.decode.spec_loop
 
 
 class MTPDrafter:
@@ -84,8 +54,8 @@ class MTPDrafter:
         self.tokens: dict[int, list[int]] = {}
         self.hidden: dict[int, np.ndarray] = {}
         self._len: dict[int, int] = {}          # tokens of the row in the main cache
-        self._mtp = stack_mtp(params)
-        self._depth = jax.jit(functools.partial(mtp_depth, cfg=cfg))
+        self.mtp = stack_mtp(params)            # the modules stacked (one compiled depth; the device loop's input)
+        self._depth = jax.jit(functools.partial(mtp_depth, cfg=cfg, last_only=True))
 
     def start(self, row: int, tokens, hidden) -> None:
         """Begin a row with its prompt tokens and the main hidden states ``[T', H]`` of the LAST
@@ -110,6 +80,31 @@ class MTPDrafter:
         self.hidden.pop(row, None)
         self._len.pop(row, None)
 
+    def window_arrays(self, rows) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The rows' drafting windows as arrays (``spec_loop.window_layout``: right-aligned, zero padding).
+
+        Returns: ``(hidden [n, W, H] float32, tokens [n, W] int32, count [n] int32, length [n] int32)``: the last
+        ``count <= W`` main hidden states and tokens of each row, and its tokens in the main cache.
+        """
+        w, n = self.window, len(rows)
+        h = np.zeros((n, w, self.cfg.hidden_size), np.float32)
+        toks = np.zeros((n, w), np.int32)
+        count = np.array([len(self.tokens[r]) for r in rows], np.int32)
+        for i, r in enumerate(rows):
+            h[i, w - count[i]:] = self.hidden[r]
+            toks[i, w - count[i]:] = self.tokens[r]
+        return h, toks, count, np.array([self._len[r] for r in rows], np.int32)
+
+    def set_window(self, row: int, hidden, tokens, count: int, length: int) -> None:
+        """Replace a started row's state by a window ``(hidden [W, H], tokens [W])`` whose last ``count`` entries
+        are valid (``window_arrays``' layout; e.g. after a device loop) and its main-cache length."""
+        if not 0 <= count <= min(len(tokens), self.window) or len(hidden) != len(tokens):
+            raise ValueError(f"bad window: {len(hidden)} hidden states, {len(tokens)} tokens, count {count}")
+        w = len(tokens)
+        self.tokens[row] = [int(t) for t in tokens[w - count:]]
+        self.hidden[row] = np.asarray(hidden)[w - count:]
+        self._len[row] = int(length)
+
     def draft(self, rows, pending, choose) -> tuple[np.ndarray, np.ndarray]:
         """Propose ``num_draft`` tokens after each row's pending (sampled, not yet cached) token.
 
@@ -118,37 +113,22 @@ class MTPDrafter:
           choose: ``choose(logits [n, V] float32, depth) -> tokens [n]`` (greedy or a sampler that
             records its draft distribution).
         Returns: ``(drafts [n, k] int32, logits [n, k, V] float32)``: the drafts and the MTP logits
-          they were chosen from.
+          they were chosen from. (Greedy drafting on the device: ``spec_loop.draft_greedy``, the same math.)
         """
-        w, n = self.window, len(rows)
-        hd = self.cfg.hidden_size
-        h = np.zeros((n, w, hd), np.float32)
-        pos = np.zeros((n, w), np.int32)
-        seg = np.ones((n, w), np.int32)
-        streams, lens = [], []
-        for i, r in enumerate(rows):
-            L = len(self.tokens[r])
-            start = self._len[r] - L
-            h[i, w - L:] = self.hidden[r]
-            pos[i, w - L:] = np.arange(start, start + L)
-            seg[i, w - L:] = 0
-            streams.append(self.tokens[r] + [int(pending[i])])
-            lens.append(L)
+        w, n, k = self.window, len(rows), self.num_draft
+        h, toks, count, length = self.window_arrays(rows)
+        valid, pos, seg = window_layout(count, length, w)
+        # streams[:, w + d] = the token at position length + d (pending, then the drafts)
+        streams = np.concatenate([toks, np.asarray(pending, np.int32).reshape(n, 1), np.zeros((n, k), np.int32)], 1)
         h_prev = jnp.asarray(h, jnp.dtype(self.cfg.dtype))
         pos_j, seg_j = jnp.asarray(pos), jnp.asarray(seg)
-        drafts = np.zeros((n, self.num_draft), np.int32)
         all_logits = []
-        for d in range(1, self.num_draft + 1):
-            nxt = np.zeros((n, w), np.int32)
-            for i, (s, L) in enumerate(zip(streams, lens)):
-                nxt[i, w - L:] = s[d:d + L]
+        for d in range(1, k + 1):
+            nxt = np.where(valid, streams[:, d:d + w], 0)
             h_prev, logits = self._depth(self.params, depth=jnp.int32(d), h_prev=h_prev,
                                          next_tokens=jnp.asarray(nxt), positions=pos_j, segment_ids=seg_j,
-                                         mtp=self._mtp)
+                                         mtp=self.mtp)
             last = np.asarray(logits[:, -1], np.float32)
-            tok = np.asarray(choose(last, d), np.int32)
-            drafts[:, d - 1] = tok
+            streams[:, w + d] = np.asarray(choose(last, d), np.int32)
             all_logits.append(last)
-            for i in range(n):
-                streams[i].append(int(tok[i]))
-        return drafts, np.stack(all_logits, 1)
+        return streams[:, w + 1:].copy(), np.stack(all_logits, 1)

@@ -6,7 +6,8 @@ one sampled token ``x_n`` is *pending* (already emitted, not yet fed). A plain s
 token (``Q = 1``) and samples the next. A speculative step drafts ``k`` tokens after ``x_n`` with the
 MTP modules, feeds ``[x_n, d_1..d_k]`` in ONE step (``Q = 1 + k`` rows), keeps the accepted drafts
 (``minimax_jax.infer.speculative``), truncates the cache after them, and the correction / bonus
-token becomes the new pending token.
+token becomes the new pending token. With ``decode_loop > 1`` (greedy) both kinds of step run that many
+times in one compiled device loop per host round trip (``loop_step``, ``spec_loop_step``).
 
 Usage::
 
@@ -48,11 +49,13 @@ class GenerationConfig:
     "mtp"; ``num_draft`` drafts per step (default: all MTP modules); ``mtp_window``: positions the
     MTP layers attend over while drafting. ``logprobs``: record each generated token's log-probability
     under the model (``SequenceResult.logprobs``). Penalties (``sampling``) need plain decoding.
-    ``decode_loop``: plain greedy decoding runs this many steps in one compiled device loop per host
-    round trip (the paged engine's ``decode_greedy``; 1 = one step per round trip). The same tokens as
-    one step at a time (tested on the CPU; up to the loop's compiled rounding), delivered (and stop
-    conditions checked) per loop; a row that stops inside a loop discards the loop's later tokens. Needs
-    greedy sampling without penalties or logprobs, no speculative decoding.
+    ``decode_loop``: greedy decoding runs this many steps in one compiled device loop per host round trip
+    (1 = one step per round trip): plain steps (the paged engine's ``decode_greedy``) or, with
+    ``speculative``, speculative steps that draft, verify and accept on the device
+    (``decode_speculative_greedy``). The same tokens (and drafts accepted) as one step at a time (tested on
+    the CPU; up to the loop's compiled rounding), delivered (and stop conditions checked) per loop; a row
+    that stops inside a loop discards the loop's later tokens. Needs greedy sampling without penalties or
+    logprobs.
     """
 
     max_new_tokens: int = 128
@@ -74,11 +77,10 @@ class GenerationConfig:
             raise ValueError(f"decode_loop must be an int >= 1, got {self.decode_loop!r}")
         if self.decode_loop > 1:
             why = [w for w, bad in (("sampling (temperature > 0)", not self.sampling.greedy),
-                                    ("penalties", self.sampling.has_penalties), ("logprobs", self.logprobs),
-                                    ("speculative decoding", self.speculative)) if bad]
+                                    ("penalties", self.sampling.has_penalties), ("logprobs", self.logprobs)) if bad]
             if why:
-                raise ValueError(f"decode_loop > 1 runs greedy plain decoding (temperature 0) on the device; it "
-                                 f"cannot serve {', '.join(why)}")
+                raise ValueError(f"decode_loop > 1 runs greedy decoding (temperature 0, plain or speculative) on "
+                                 f"the device; it cannot serve {', '.join(why)}")
         if self.speculative not in (None,) + SPECULATIVE_METHODS:
             raise ValueError(f"speculative must be None or one of {SPECULATIVE_METHODS}, got {self.speculative!r}")
         if self.speculative is not None and self.sampling.has_penalties:
@@ -87,6 +89,12 @@ class GenerationConfig:
         # the stop rules' own checks (empty stop strings, half-set repetition limits), here so that a
         # bad flag fails before the model loads rather than at the first generate()
         StopConfig((), self.stop_strings, self.max_new_tokens, self.repeat_max_period, self.repeat_max_count)
+
+    def tokens_past_limit(self, num_draft: int = 0) -> int:
+        """Cache room a row may need past its prompt + max_new_tokens: the tokens of one loop (a plain loop's
+        ``decode_loop`` steps, or ``decode_loop`` speculative steps of ``1 + num_draft`` tokens each; pass
+        ``num_draft`` = the drafter's drafts when ``speculative``, else 0)."""
+        return self.decode_loop * (1 + num_draft)
 
 
 @dataclasses.dataclass
@@ -273,7 +281,7 @@ class Generator:
         if spec and rows is not None and rows < 1 + k:
             raise ValueError(f"decode rows {rows} cannot hold a speculative step's 1 + {k} drafts; pad to >= {1 + k}")
         timer, clock = Timer(), CompileClock()
-        slack = k + config.decode_loop     # the drafts of a step, or a loop's tokens past a row's limit
+        slack = config.tokens_past_limit(k)     # the drafts of a step, or a loop's tokens past a row's limit
         backend = self._get_backend(len(prompts), max(len(p) + m for p, m in zip(prompts, limits)) + slack, spec)
         run = _Run(self, backend, prompts, config, drafter, on_text, limits, row_ids)
         run.stats.engine = backend.describe()
@@ -294,7 +302,9 @@ class Generator:
             except _Interrupted:
                 self.backend, interrupted = None, True   # its slots are mid-prefill: never reuse it
                 run.handles = {}
-            step = run.speculative_step if spec else run.loop_step if config.decode_loop > 1 else run.plain_step
+            loop = config.decode_loop > 1
+            step = ((run.spec_loop_step if loop else run.speculative_step) if spec
+                    else run.loop_step if loop else run.plain_step)
             while run.active and not interrupted:
                 if should_stop is not None and should_stop():
                     interrupted = True
@@ -476,6 +486,38 @@ class _Run:
                    else [None] * len(emitted))
             for t, lp in zip(emitted, lps):
                 if self._emit(r, t, lp):
+                    self._finish(r)
+                    break
+
+    def spec_loop_step(self) -> None:
+        """``config.decode_loop`` greedy speculative steps in one device loop (``Backend.speculative_greedy``):
+        drafting, verification and acceptance on the device, with per step the drafts, accepted counts, tokens
+        and statistics of ``speculative_step``; the drafter's windows go in and come back. Tokens past a row's
+        stop are dropped (its slot is freed). Near the engine's ``max_len``, where a whole loop no longer fits,
+        one host speculative step (which shortens its drafts there)."""
+        rows = list(self.active)
+        n, k = self.config.decode_loop, self.drafter.num_draft
+        handles = [self.handles[r] for r in rows]
+        if any(self.backend.length(h) + n * (1 + k) > self.backend.max_len for h in handles):
+            return self.speculative_step()
+        hidden, toks, count, _ = self.drafter.window_arrays(rows)
+        emitted, accepted, (hidden, toks, count) = self.backend.speculative_greedy(
+            handles, np.array([self.pending[r] for r in rows], np.int32), n, self.drafter.mtp, (hidden, toks, count),
+            k)
+        self.stats.decode_steps += n
+        self.stats.decode_loop = n          # the summary names the loop only where one ran
+        for i, r in enumerate(rows):
+            self.drafter.set_window(r, hidden[i], toks[i], int(count[i]), self.backend.length(handles[i]))
+            self.pending[r] = int(emitted[i, -1, accepted[i, -1]])
+            finished = False
+            for em, a in zip(emitted[i], accepted[i]):
+                self.stats.drafted += k
+                self.stats.accepted += int(a)
+                for t in em[:a + 1]:
+                    if self._emit(r, int(t)):
+                        finished = True
+                        break
+                if finished:
                     self._finish(r)
                     break
 

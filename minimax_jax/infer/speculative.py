@@ -11,11 +11,14 @@ at the position of ``d_i``; ``p_{k+1}`` follows the last draft):
 Every emitted token is then distributed exactly as if drawn from the target model one at a time.
 Greedy decoding is the deterministic special case: accept ``d_i`` iff it equals the target's
 argmax (lowest id on ties), replace it by that argmax otherwise; the output equals plain greedy.
+The rule itself is ``minimax_jax.decode.spec_loop.accept_greedy_counts`` (shared with the device loop).
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from minimax_jax.decode.spec_loop import accept_greedy_counts
 
 __all__ = ["accept_greedy", "accept_sampled"]
 
@@ -27,11 +30,8 @@ def accept_greedy(target_logits: np.ndarray, drafts: np.ndarray) -> tuple[int, i
     Returns: ``(accepted, next_token)``: the number of drafts kept and the token after them.
     """
     best = np.argmax(np.asarray(target_logits, np.float32), axis=-1)
-    k = len(drafts)
-    for i in range(k):
-        if int(drafts[i]) != int(best[i]):
-            return i, int(best[i])
-    return k, int(best[k])
+    accepted, nxt = accept_greedy_counts(best, np.asarray(drafts, np.int64).reshape(-1))
+    return int(accepted), int(nxt)
 
 
 def accept_sampled(target_probs: np.ndarray, draft_probs: np.ndarray, drafts: np.ndarray,

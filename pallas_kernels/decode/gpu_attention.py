@@ -232,7 +232,7 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_sc
         lim = jnp.clip(jnp.max(q_positions, axis=1) // page + 1, 0, npg).astype(jnp.int32)
     elif shared:
         nsplit = _shared_splits(block_ids.shape[-1], pps, b * g * rows)
-        ids, bits, lim = union_pages(block_ids, qpb, nsplit)  # [B, G, rows, qpb * K], starts [.., nsplit + 1]
+        ids, bits, lim = union_pages(block_ids, qpb, nsplit, npg)  # [B, G, rows, qpb * K], starts [.., nsplit + 1]
     else:
         nsplit = -(-block_ids.shape[-1] // pps)
         lim = jnp.zeros((b,), jnp.int32)

@@ -373,7 +373,7 @@ def paged_decode_wgmma(qr, pos, lim, page_table, k_flat, v_flat, *, page, pps, n
         out_type=[typed_out_struct((bsz, g, nr, nsplit, m, d), qr.dtype, qr),
                   typed_out_struct((bsz, g, nr, nsplit, m), jnp.float32, qr)],
         grid=(ctas,), grid_names=("c",),
-        num_threads=nwg + 1, thread_name="wg",
+        num_threads=nwg + 1, thread_name="wg", kernel_name="paged_decode_wgmma",
         interpret=mosaic_interpret_params("paged_decode_wgmma", nwg + 1) if interpret else None,
     )
     o, lse = kernel(bounds, meta, page_table.astype(jnp.int32), pos.astype(jnp.int32), ids.astype(jnp.int32),

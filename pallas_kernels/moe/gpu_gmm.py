@@ -409,7 +409,7 @@ def gmm_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, trans
     ndim = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     pairs = fp8 and (needs_byte_pairs(rhs) if fp8_pairs is None else bool(fp8_pairs))
-    if pairs:   # [G, K, N] 1-byte -> [G, K, N/2] uint16 (a copy per call): element offsets stay below 2**31
+    if pairs:   # [G, K, N] 1-byte -> [G, K, N/2] uint16 (an XLA bitcast, no copy): element offsets stay below 2**31
         rhs = to_byte_pairs(rhs)
     operands = common_vma(lhs, rhs, group_sizes, *((rhs_scale.astype(jnp.float32),) if fp8 else ()))
     lhs, rhs, group_sizes, scale = operands[0], operands[1], operands[2], operands[3:]

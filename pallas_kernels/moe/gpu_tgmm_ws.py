@@ -257,7 +257,7 @@ def tgmm_ws(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, config: 
         body,
         out_type=typed_out_struct((g, kdim, ndim), out_dtype, lhs),
         grid=(num_sms,), grid_names=("sm",),
-        num_threads=3, thread_name="wg",
+        num_threads=3, thread_name="wg", kernel_name="tgmm_ws",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=interpret_params,
     )

@@ -304,7 +304,7 @@ def block_topk_wgmma(qi, ki, *, q_positions, kv_positions, q_segment_ids=None, k
             out_type=[typed_out_struct((bsz, width, tp * hi), jnp.float32, qi),
                       typed_out_struct((bsz, width, tp * hi), jnp.int32, qi)],
             grid=(n_rt, bsz), grid_names=("r", "b"),
-            num_threads=3, thread_name="wg",
+            num_threads=3, thread_name="wg", kernel_name="msa_indexer_wgmma",
             interpret=mosaic_interpret_params("block_topk_wgmma") if interpret else None,
         )
         rep = lambda x: jnp.repeat(x, hi, axis=-1)             # per token -> per (token, head) row

@@ -353,7 +353,7 @@ def _chunk_bwd_wgmma(tok, ids, starts, dk, dv, *, prep_k, prep_v, own, kvpos, kv
                   typed_out_struct((bsz, g, n_items, 2, blk, d), f32, q),
                   typed_out_struct((bsz, g, n_items, 2, blk, d), f32, q)],
         grid=(n_items, g, bsz), grid_names=("i", "g", "b"),
-        num_threads=3, thread_name="wg",
+        num_threads=3, thread_name="wg", kernel_name="msa_sparse_bwd_wgmma",
         interpret=params,
     )
     dqp, wdk, wdv, bdk, bdv = kernel(pad(flat), pad(key), pad(run_end), n_valid, lims, stats, own, q, do,

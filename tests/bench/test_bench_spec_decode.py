@@ -20,3 +20,17 @@ def test_spec_decode_smoke(tmp_path):
     assert [(x["rows"], x["prompt"], x["new"]) for x in rows] == [("per-step", 24, 8), ("padded", 24, 8)]
     assert rows[1]["first_difference"] is None and rows[1]["drafted"] > 0
     assert r.stdout.rstrip().splitlines()[-1].startswith("padded")
+
+
+def test_spec_decode_device_loop_smoke(tmp_path):
+    """``--spec-loops``: the speculative device loop's row, its output equal to plain greedy, compared with the plain
+    loop of the same length."""
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "bench", "spec_decode.py"), "--lengths", "24",
+                        "--new", "8", "--rows", "padded", "--spec-loops", "4", f"--out={tmp_path}"],
+                       capture_output=True, text=True, timeout=600, env=env, cwd=REPO_ROOT)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    with open(tmp_path / "spec_decode.json") as f:
+        rows = {x["rows"]: x for x in json.load(f)["rows"]}
+    loop = rows["padded spec loop 4"]
+    assert loop["first_difference"] is None and loop["drafted"] > 0 and loop["loop_tok_s"] > 0

@@ -1,7 +1,8 @@
 """``GenerationConfig.decode_loop`` / ``infer.py --decode_loop``: greedy plain decoding in device loops gives
 the tokens and stop reasons of one step at a time (the shipped bf16 demo model, a sparse MSA
 context, a stop token inside a loop, a length limit that is not a multiple of the loop); what it cannot serve
-is refused in one line (the CLI's refusals: tests/infer/test_infer_decode_rows.py)."""
+is refused in one line (the CLI's refusals: tests/infer/test_infer_decode_rows.py). The speculative loop:
+tests/infer/test_spec_loop.py."""
 
 from __future__ import annotations
 
@@ -37,7 +38,6 @@ def test_loop_gives_the_tokens_of_one_step_at_a_time(demo):
 @pytest.mark.parametrize("kw,needle", [
     (dict(sampling=SamplingParams(temperature=0.7)), "sampling"),
     (dict(logprobs=True), "logprobs"),
-    (dict(speculative="mtp"), "speculative decoding"),
     (dict(sampling=SamplingParams(repetition_penalty=1.2)), "penalties")])
 def test_config_refuses_what_the_loop_cannot_serve(kw, needle):
     with pytest.raises(ValueError, match=needle):

@@ -49,8 +49,8 @@ def test_too_few_decode_rows_for_the_drafts_is_refused(demo):
     (["--engine", "recompute", "--decode_rows", "2"], "--decode_rows needs --engine paged and a value in [1, 16]"),
     (["--decode_rows", "17"], "--decode_rows needs --engine paged and a value in [1, 16]"),
     (["--speculative", "mtp", "--num_draft", "2", "--decode_rows", "2"], "--decode_rows 2 cannot hold 1 + 2 drafts"),
-    (["--decode_loop", "4"], "decode_loop > 1 runs greedy plain decoding (temperature 0) on the device; it cannot "
-                             "serve sampling (temperature > 0)"),
+    (["--decode_loop", "4"], "decode_loop > 1 runs greedy decoding (temperature 0, plain or speculative) on the "
+                             "device; it cannot serve sampling (temperature > 0)"),
     (["--decode_loop", "4", "--temperature", "0", "--logprobs", "--json"], "cannot serve logprobs"),
     (["--decode_loop", "4", "--temperature", "0", "--engine", "recompute"], "--decode_loop > 1 needs --engine paged"),
     (["--decode_loop", "0"], "--decode_loop")])

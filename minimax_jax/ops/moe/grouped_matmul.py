@@ -207,7 +207,7 @@ def _pallas(interpret: bool):
             why = _fp8_in_kernel_problem(rhs, interpret)
             if why is None:
                 cfg = fp8_config(lhs.shape[0], rhs.shape[0], rhs.block)
-                pairs = (", weights of >= 2**31 bytes read as uint16 byte pairs: a copy per call"
+                pairs = (", weights of >= 2**31 bytes read as uint16 byte pairs"
                          if needs_byte_pairs(rhs.w) else "")
                 _record_distinct(FP8_REPORT, f"dequantised per tile in the kernel (gmm_fp8, {cfg.label()}{pairs})")
                 return gmm_fp8(lhs, rhs.w, rhs.scale_inv, group_sizes, scale_block=rhs.block, config=cfg,

@@ -29,7 +29,7 @@ from pallas_kernels.decode.tpu import page_scores_tpu, paged_attention_tpu
 __all__ = ["PAGED_ATTENTION", "DECODE_SELECT"]
 
 # what runs for 1-byte caches of 2**31 - 2**32 elements (pallas_kernels.common.needs_byte_pairs)
-_PAIRS = "fp8 cache read as uint16 byte pairs (int32 Triton offsets): a uint16 copy of the cache per call"
+_PAIRS = "fp8 cache read as uint16 byte pairs (an XLA bitcast; int32 Triton offsets)"
 
 
 def _no_window(*args, sliding_window=None, **kw) -> str | None:

@@ -48,12 +48,15 @@ def _python_union(ids, qpb, nsplit):
     return out
 
 
+@pytest.mark.parametrize("n_pages", [None, 19])
 @pytest.mark.parametrize("nq,qpb,nsplit", [(1, 1, 1), (5, 2, 3), (8, 8, 4), (16, 4, 1), (8, 8, 16)])
-def test_union_pages(nq, qpb, nsplit):
+def test_union_pages(nq, qpb, nsplit, n_pages):
+    """Both constructions (pairwise, and the per-page bitmap that ``n_pages`` = 19 selects for U = qpb K >= 19)
+    against a Python union."""
     rng = np.random.default_rng()
     b, g, k = 2, 3, 6
     ids = rng.integers(-1, 19, (b, g, nq, k)).astype(np.int32)         # repeats and -1 slots
-    got = jax.jit(union_pages, static_argnums=(1, 2))(jnp.asarray(ids), qpb, nsplit)
+    got = jax.jit(union_pages, static_argnums=(1, 2, 3))(jnp.asarray(ids), qpb, nsplit, n_pages)
     got_ids, got_bits, got_starts = (np.asarray(x) for x in got)
     nblk = -(-nq // qpb)
     assert got_ids.shape == got_bits.shape == (b, g, nblk, qpb * k) and got_starts.shape == (b, g, nblk, nsplit + 1)
@@ -63,6 +66,18 @@ def test_union_pages(nq, qpb, nsplit):
         assert gs.tolist() == starts
         assert gi[:n].tolist() == seen and (gi[n:] == -1).all()
         assert gb[:n].tolist() == bits and (gb[n:] == 0).all()
+
+
+def test_union_pages_picks_the_bitmap_where_cheaper():
+    """The bitmap construction runs (no [U, U] comparison in the program) for 8 rows x top-16 over 80 pages,
+    the pairwise one for one row over 8,192 pages and for 8 rows over 200 pages (> U = 128)."""
+    def hlo(qpb, k, n_pages):
+        ids = jnp.zeros((1, 1, qpb, k), jnp.int32)
+        return jax.jit(union_pages, static_argnums=(1, 2, 3)).lower(ids, qpb, 4, n_pages).as_text()
+    bitmap, pairwise = hlo(8, 16, 80), hlo(8, 16, None)
+    assert "x80xi32>" in bitmap and "128x128x" not in bitmap           # [.., 80] words, no [.., U, U]
+    assert "128x128x" in pairwise
+    assert "x8192x" not in hlo(1, 16, 8192) and "128x128x" in hlo(8, 16, 200)
 
 
 def test_requests_that_keep_every_page_are_not_scored():

@@ -61,7 +61,7 @@ def test_sliding_window_reference():
 
 def test_byte_pair_caches_are_recorded():
     """fp8 caches of 2**31 - 2**32 elements (K / V: 4 x 32,768 pages of 128 x 128; index keys: 131,072 pages) reach
-    the Triton decode kernels as uint16 byte pairs, a per-call copy: the ops report says so (traced only, nothing
+    the Triton decode kernels as uint16 byte pairs (an XLA bitcast): the ops report says so (traced only, nothing
     allocated); a smaller fp8 cache records nothing of the kind."""
     import jax
     import jax.numpy as jnp
@@ -79,4 +79,4 @@ def test_byte_pair_caches_are_recorded():
             S((p_ki, page), jnp.float32))
         rep = implementation_report()
         for key in ("paged_attention.byte_pairs", "msa_decode_select.byte_pairs"):
-            assert (key in rep and "uint16 copy" in rep[key]) == paired, (key, rep)
+            assert (key in rep and "uint16 byte pairs" in rep[key]) == paired, (key, rep)

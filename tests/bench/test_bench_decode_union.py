@@ -1,0 +1,17 @@
+"""bench/decode_union.py on CPU: both page-union constructions agree on every cell and are timed."""
+
+import os
+import subprocess
+import sys
+
+from tests.paths import REPO_ROOT
+
+
+def test_decode_union_smoke():
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "bench", "decode_union.py"), "--cells",
+                        "2x4096,1x40960"], capture_output=True, text=True, timeout=600, env=env, cwd=REPO_ROOT)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    rows = [line.split() for line in r.stdout.splitlines() if line.strip().startswith(("2x4096", "1x40960"))]
+    assert [x[0] for x in rows] == ["2x4096", "1x40960"] and [x[1] for x in rows] == ["40", "400"]
+    assert all(x[-1] == "True" and float(x[2]) > 0 and float(x[3]) > 0 for x in rows), r.stdout
