@@ -68,6 +68,8 @@ def build_parser():
     p.add_argument("--max_len", type=int, default=None, help="In-process server: default max prompt + output.")
     p.add_argument("--max_queue", type=int, default=256, help="In-process server: waiting sequences before 429.")
     p.add_argument("--prefill_chunk", type=int, default=2048, help="In-process server: prompt tokens per chunk.")
+    p.add_argument("--decode_loop", type=int, default=1, help="In-process server: greedy decode steps per device loop "
+                   "(multi-step scheduling, serve --decode_loop).")
     p.add_argument("--vocab", type=int, default=None, help="Token ids drawn from [0, vocab) (default: the "
                                                           "in-process model's; 32000 with --url).")
     p.add_argument("--timeout", type=float, default=1800.0, help="Per-request timeout, seconds.")
@@ -224,7 +226,7 @@ def server(f):
 
     model = load_model(f.checkpoint, dtype=f.dtype, attention=f.attention, log=lambda m: print(m, file=sys.stderr))
     srv = build(model, max_batch=f.max_batch, max_len=f.max_len, max_queue=f.max_queue,
-                prefill_chunk=f.prefill_chunk)
+                prefill_chunk=f.prefill_chunk, decode_loop=f.decode_loop)
     try:
         with in_thread(srv.app) as port:
             yield f"http://127.0.0.1:{port}", srv.model_name, f.vocab or model.cfg.vocab_size

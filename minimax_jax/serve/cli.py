@@ -48,6 +48,11 @@ def build_parser(prog: str = PROG):
                    help="Drafts per step with --speculative mtp (default: all MTP modules).")
     p.add_argument("--mtp_window", type=cli_main.int_at_least(1), default=64,
                    help="Positions the MTP layers attend over while drafting.")
+    p.add_argument("--decode_loop", type=cli_main.int_at_least(1), default=1,
+                   help="Multi-step scheduling: while nobody waits or is prefilled and every decoding request is "
+                        "greedy (no penalties, logit bias or logprobs), run this many decode steps in one compiled "
+                        "device loop (one host round trip per N tokens; the same tokens); 1 = one step per "
+                        "iteration. Not with --speculative mtp.")
     cli_main.add_bool(p, "prefix_cache", True, "Share cached prompt pages across requests.")
     cli_main.add_mesh(p)
     return cli_main.add_common(p, cache=True)
@@ -63,6 +68,8 @@ def _main(argv, prog: str = PROG) -> int:
     flags = cli_main.parse_args(parser, argv)
     if flags.num_draft is not None and flags.speculative == "none":
         parser.error("--num_draft needs --speculative mtp")
+    if flags.decode_loop > 1 and flags.speculative != "none":
+        parser.error("--decode_loop > 1 runs plain greedy steps; it does not combine with --speculative mtp")
     if flags.sharding_rules is not None and not flags.mesh:
         parser.error("--sharding_rules applies only with --mesh")
     from minimax_jax.decode import mesh_attention
@@ -86,7 +93,8 @@ def _main(argv, prog: str = PROG) -> int:
                    prefill_chunk=flags.prefill_chunk, model_name=flags.served_model_name,
                    default_max_tokens=flags.default_max_tokens, prefix_cache=flags.prefix_cache,
                    token_budget=flags.token_budget, num_draft=flags.num_draft, mtp_window=flags.mtp_window,
-                   speculative=None if flags.speculative == "none" else flags.speculative)
+                   speculative=None if flags.speculative == "none" else flags.speculative,
+                   decode_loop=flags.decode_loop)
     print(f"serving {server.model_name} on http://{flags.host}:{flags.port}/v1 ({server.scheduler.max_batch} "
           f"slots, max_len {server.scheduler.max_len})", file=sys.stderr, flush=True)
     try:

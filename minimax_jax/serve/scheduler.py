@@ -15,7 +15,12 @@ Penalties and logit bias (``minimax_jax.infer.penalties``) are per sequence: eac
 step is adjusted with its own settings and its own generated tokens before its token is chosen.
 Prefix reuse is the engine's prefix cache (full pages shared by content hash across requests).
 With ``speculative="mtp"`` the decode step is ``minimax_jax.serve.speculative.MTPStep`` (MTP drafts
-verified in the same batched step; greedy output unchanged).
+verified in the same batched step; greedy output unchanged). With ``decode_loop = n > 1`` (multi-step
+scheduling) an iteration with nobody waiting or prefilling, whose decoding sequences are all greedy without
+penalties, logit bias or log-probabilities, runs ``n`` decode steps in one compiled device loop
+(``DecodeEngine.decode_greedy``: one host round trip for ``n`` tokens per sequence; the tokens of ``n``
+single steps), and streams them after the loop; any other iteration runs one step as before, so admission
+and prefill never wait for a loop.
 
 Events go to ``Sequence.emit`` (called on the worker thread; the HTTP side bridges it to asyncio):
 ``{"type": "token", "text": delta, "logprobs": [entry...]}``, then one ``{"type": "done", ...}`` or
@@ -35,6 +40,7 @@ from typing import Callable
 
 import numpy as np
 
+from minimax_jax.decode.pages import PagePoolExhausted
 from minimax_jax.infer.generation import GenerationConfig, Generator
 from minimax_jax.infer.penalties import PenaltyTracker, apply_logit_bias
 from minimax_jax.infer.sampler import RowSampler, SamplingParams, token_logprobs
@@ -106,12 +112,14 @@ class Scheduler:
       metrics: ``minimax_jax.serve.metrics.Metrics`` or None.
       speculative: None or "mtp" (``MTPStep``: ``num_draft`` drafts per step, default all MTP modules;
         ``mtp_window`` positions the MTP layers attend over).
+      decode_loop: greedy decode steps per device loop (module docstring; 1 = one step per iteration); not
+        with ``speculative``.
     Raises: ValueError (bad sizes / engine / method), InferenceError (no MTP modules, no hidden states).
     """
 
     def __init__(self, generator: Generator, *, max_batch: int, max_len: int, max_queue: int = 64,
                  token_budget: int | None = None, metrics=None, speculative: str | None = None,
-                 num_draft: int | None = None, mtp_window: int = 64, mesh=None):
+                 num_draft: int | None = None, mtp_window: int = 64, mesh=None, decode_loop: int = 1):
         if generator.engine != "paged":
             raise ValueError(f"the server needs the paged engine, got {generator.engine!r}")
         self.gen = generator
@@ -137,8 +145,16 @@ class Scheduler:
         self.error: BaseException | None = None
         if speculative not in (None, "mtp"):
             raise ValueError(f"speculative must be None or 'mtp', got {speculative!r}")
+        if isinstance(decode_loop, bool) or not isinstance(decode_loop, int) or decode_loop < 1:
+            raise ValueError(f"decode_loop must be an int >= 1, got {decode_loop!r}")
+        if decode_loop > 1 and speculative is not None:
+            raise ValueError("decode_loop > 1 runs plain greedy steps; the server's speculative step is one host "
+                             "round trip per step (use one of the two)")
+        self.decode_loop = decode_loop
         self.mtp = None if speculative is None else MTPStep(self, num_draft, mtp_window)
-        self._extra = 0 if self.mtp is None else self.mtp.k     # drafts written past the end before truncation
+        # tokens written past a sequence's end: the drafts of a step before truncation, or a loop's steps past
+        # the sequence's last token
+        self._extra = self.mtp.k if self.mtp is not None else decode_loop - 1
 
     def _on_mesh(self):
         """``sharding.use_mesh`` of ``mesh`` (thread-local: entered where the engine is built and in the worker
@@ -328,6 +344,8 @@ class Scheduler:
             except Exception as e:
                 self._fail([s for s in rows if s.handle is not None], "speculative decode step", e)
             return
+        if self._decode_loop(rows):
+            return
         toks = np.array([[s.pending] for s in rows], np.int32)
         try:
             logits, _ = self.backend.step([s.handle for s in rows], toks)
@@ -335,6 +353,27 @@ class Scheduler:
             self._fail(rows, "decode step", e)
             return
         self._choose_and_emit(rows, logits[:, 0])
+
+    def _decode_loop(self, rows: list[Sequence]) -> bool:
+        """``decode_loop`` greedy steps in one device loop when this iteration may take them (module
+        docstring) and every row has room; False (nothing done) otherwise or when the page pool cannot hold a
+        loop's pages right now (the caller then runs one step)."""
+        n = self.decode_loop
+        if n < 2 or self._waiting or self._prefilling or not all(_loopable(s) for s in rows):
+            return False
+        if any(self.engine.length(s.handle) + n > self.max_len for s in rows):
+            return False
+        try:
+            chosen = self.backend.greedy([s.handle for s in rows], np.array([s.pending for s in rows], np.int32), n)
+        except PagePoolExhausted:       # reserved all-or-nothing: nothing was written
+            return False
+        except Exception as e:
+            self._fail(rows, "decode loop", e)
+            return True
+        for s, toks in zip(rows, chosen):
+            s.pending = int(toks[-1])
+            self._emit_tokens(s, [int(t) for t in toks], None)
+        return True
 
     # ------------------------------------------------------------------ tokens
     def _choose_and_emit(self, rows: list[Sequence], logits: np.ndarray) -> None:
@@ -345,10 +384,11 @@ class Scheduler:
             s.pending = tok
             self._emit_tokens(s, [tok], x)
 
-    def _emit_tokens(self, s: Sequence, toks: list[int], logits: np.ndarray) -> None:
-        """Emit ``toks`` (chosen from ``logits [len(toks), V]``, row by row) until the sequence ends."""
+    def _emit_tokens(self, s: Sequence, toks: list[int], logits: np.ndarray | None) -> None:
+        """Emit ``toks`` (chosen from ``logits [len(toks), V]``, row by row; None where no log-probabilities
+        are asked) until the sequence ends."""
         now = time.perf_counter()
-        for tok, row in zip(toks, logits):
+        for tok, row in zip(toks, [None] * len(toks) if logits is None else logits):
             s.drawn += 1
             entry = None if s.logprobs is None else self._logprob_entry(row, tok, s.logprobs)
             if self.metrics is not None:
@@ -389,3 +429,9 @@ class Scheduler:
                     "tokens": list(s.ids[:res.num_tokens]), "prompt_tokens": len(s.prompt),
                     "cached_tokens": s.cached_tokens})
         return res is not None
+
+
+def _loopable(s: Sequence) -> bool:
+    """Whether a sequence's next tokens are plain greedy choices (a device loop can pick them)."""
+    return (s.sampler.params.greedy and s.penalties is None and s.logit_bias is None and s.logprobs is None
+            and not s.cancelled)

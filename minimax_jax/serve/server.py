@@ -33,11 +33,12 @@ class Server:
 def build(model, *, max_batch: int = 8, max_len: int = 4096, max_queue: int = 64, prefill_chunk: int = 256,
           model_name: str | None = None, default_max_tokens: int = 256, prefix_cache: bool = True,
           token_budget: int | None = None, speculative: str | None = None, num_draft: int | None = None,
-          mtp_window: int = 64) -> Server:
+          mtp_window: int = 64, decode_loop: int = 1) -> Server:
     """A started server over ``model`` (``minimax_jax.infer.LoadedModel``): ``max_batch`` engine slots of
     ``max_len`` tokens (prompt + completion), at most ``max_queue`` waiting sequences, ``token_budget``
     tokens per scheduler iteration (``Scheduler``; None = a prefill chunk per prefilling sequence on top of
-    the decode tokens), ``speculative`` None or "mtp" (``Scheduler``); a model loaded on a mesh runs the
+    the decode tokens), ``speculative`` None or "mtp", ``decode_loop`` greedy steps per device loop
+    (``Scheduler``); a model loaded on a mesh runs the
     engine on it (``Scheduler(mesh=...)``). The page pool is the engine's
     default (every slot at ``max_len``); ``model_name`` defaults to the checkpoint folder's name."""
     gen = Generator(model.cfg, model.params, model.tokenizer, engine="paged",
@@ -46,7 +47,7 @@ def build(model, *, max_batch: int = 8, max_len: int = 4096, max_queue: int = 64
     mesh = None if getattr(model, "mesh", None) is None else (model.mesh, model.rules)
     sched = Scheduler(gen, max_batch=max_batch, max_len=max_len, max_queue=max_queue,
                       token_budget=token_budget, metrics=metrics, speculative=speculative, num_draft=num_draft,
-                      mtp_window=mtp_window, mesh=mesh)
+                      mtp_window=mtp_window, mesh=mesh, decode_loop=decode_loop)
     name = model_name or os.path.basename(os.path.normpath(model.checkpoint_dir))
     app = build_app(sched, model.tokenizer, name, metrics=metrics, default_max_tokens=default_max_tokens)
     sched.start()

@@ -41,7 +41,7 @@ data-dependent ``pl.ds`` slices and masked ``pallas.triton`` loads / stores):
   rounded to lhs.dtype) before the dot, so the result equals the kernel on pre-dequantised weights bit for bit
   while reading half the weight bytes and never writing a dequantised copy. Inference only: lhs gets its
   gradient, the FP8 weights are constants. Weights of 2**31-2**32 one-byte elements (M2's gate / up projection)
-  are read as uint16 byte pairs (``common.needs_byte_pairs``; a uint16 copy of the weights per call): Triton's
+  are read as uint16 byte pairs (``common.needs_byte_pairs``; an XLA bitcast, no copy): Triton's
   int32 element offsets would overflow.
 - transpose_rhs: the same kernel loads ``rhs[g]`` tiles ``[bn, bk]`` and contracts their last
   dimension (``dot_general`` with a transposed operand; Triton transposes in shared memory), so
