@@ -1,5 +1,9 @@
-"""Device time (200 calls in one jitted loop, best of 5) of the two constructions of the shared decode tiles' page union (``pallas_kernels.decode.common.union_pages``:
-pairwise [U, U] comparisons vs the per-page bitmap it picks where cheaper) at serving shapes; outputs compared first.
+"""Device time of the two constructions of the shared decode tiles' page union (pairwise comparisons vs a
+per-page bitmap; ``pallas_kernels.decode.common.union_pages`` picks the bitmap where the page table has at most
+U = Q x top-k pages), outputs compared first; 200 calls in one jitted loop, best of 5.
+
+Cells are batch x context; the page table is sized as the serving sweep's (context x 1.25 / 128-token pages,
+bench/msa_decode_serving.py: lengths vary +-25 % inside a batch), with random selections of top-k pages per row.
 
     python3 bench/decode_union.py            # M3 decode shapes: 4 kv groups, top-16, 128-token pages
 """
@@ -41,7 +45,7 @@ def _time(fn, *args, reps=5):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cells", default="64x4096,128x5120,32x10240,8x102400,32x204800", help="batch x context")
     ap.add_argument("--q", type=int, default=8, help="query rows per request (one row block)")
     ap.add_argument("--topk", type=int, default=16)
@@ -50,8 +54,16 @@ def main():
     rng = np.random.default_rng(0)
     print(f"device {jax.devices()[0].device_kind}; Q {a.q}, top-{a.topk}, {a.nsplit} splits, 4 kv groups")
     print(f"{'cell':>12} {'pages':>6} {'pairwise ms':>12} {'bitmap ms':>10} equal")
+    cells = []
     for cell in a.cells.split(","):
-        b, ctx = (int(x) for x in cell.split("x"))
+        try:
+            b, ctx = (int(x) for x in cell.split("x"))
+        except ValueError:
+            ap.error(f"--cells: {cell!r} is not BATCHxCONTEXT (e.g. 64x4096)")
+        if b < 1 or ctx < 128:
+            ap.error(f"--cells: {cell!r} needs batch >= 1 and context >= 128")
+        cells.append((cell, b, ctx))
+    for cell, b, ctx in cells:
         n_pages = -(-int(ctx * 1.25) // 128)
         ids = jnp.asarray(rng.integers(-1, n_pages, (b, 4, a.q, a.topk)), jnp.int32)
         pair = jax.jit(lambda x: union_pages(x, a.q, a.nsplit))

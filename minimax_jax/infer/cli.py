@@ -128,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                                                    'engine.')
     p.add_argument("--speculative", choices=("none", "mtp"), default="none", help="Speculative decoding: 'mtp' "
                    "drafts tokens with the model's MTP modules and verifies them in one step (same output "
-                   'distribution; greedy output identical); the acceptance rate is reported. Greedy (--temperature '
+                   'distribution; greedy output identical with --decode_rows 1 + drafts, README: without it bf16 '
+                   'near-ties may round differently); the acceptance rate is reported. Greedy (--temperature '
                    '0) with --decode_loop N > 1: N speculative steps (drafting, verification, acceptance) run in one '
                    'compiled device loop per host round trip.')
     p.add_argument("--decode_loop", type=_decode_loop_arg, default="auto", help='Greedy decoding: run this '
@@ -319,7 +320,7 @@ def _encode(items, tokenizer, cfg, config) -> list:
     for it in items:
         p = tokenizer.encode(it.text, add_special_tokens=False).ids
         if not p:
-            raise ValueError(f"{it.where}: the prompt is empty (it encodes to no tokens)")
+            raise ValueError(f"{it.where} is empty (it encodes to no tokens)")
         try:
             # a per-line max_new_tokens goes as a list: the advice then names the line's value too
             check_context(cfg, [len(p)], [it.max_new_tokens] if it.max_new_tokens else config.max_new_tokens)
@@ -371,6 +372,10 @@ def run() -> int:
             f"{k}={v}" for k, v in model.mesh.shape.items() if v > 1)
         _err(f"model: {model.checkpoint_dir} [{model.source}], {model.cfg.num_layers} layers, "
              f"vocab {model.cfg.vocab_size}, context {model.cfg.max_position_embeddings}, {where}")
+        have = model.cfg.num_mtp_modules if "mtp" in model.params else 0
+        if FLAGS.speculative != "none" and FLAGS.num_draft is not None and not 1 <= FLAGS.num_draft <= min(have, 15):
+            raise UsageError(f"--num_draft {FLAGS.num_draft}: this model has {have} MTP modules, so 1..{min(have, 15)} "
+                             "drafts per step")
         if seq_devices > 1:
             _err(f"prefill: context parallel over sequence={seq_devices}, {chunk}-token chunks "
                  f"({chunk // seq_devices} per device)")

@@ -309,9 +309,10 @@ class Generator:
                 if should_stop is not None and should_stop():
                     interrupted = True
                     break
-                t0, w0, g0 = time.perf_counter(), clock.now(), run.stats.generated_tokens
+                t0, w0, g0, s0 = time.perf_counter(), clock.now(), run.stats.generated_tokens, run.stats.decode_steps
                 step()
-                run.stats.add_step(time.perf_counter() - t0, run.stats.generated_tokens - g0, clock.since(w0) > 0)
+                run.stats.add_step(time.perf_counter() - t0, run.stats.generated_tokens - g0, clock.since(w0) > 0,
+                                   steps=run.stats.decode_steps - s0)
             run.stats.decode_s = max(0.0, timer.elapsed() - run.stats.ttft_s) if run.stats.ttft_s else 0.0
         finally:
             run.release()
@@ -433,15 +434,17 @@ class _Run:
             return self.plain_step()
         chosen = self.backend.greedy([self.handles[r] for r in rows],
                                      np.array([self.pending[r] for r in rows], np.int32), n)
-        self.stats.decode_steps += chosen.shape[1]
         self.stats.decode_loop = n          # the summary names the loop only where one ran
+        used = 0                            # steps whose tokens some row used (the rest ran past every stop)
         for r, toks in zip(rows, chosen):
-            for t in toks:
+            for i, t in enumerate(toks):
                 self.drawn[r] += 1
                 self.pending[r] = int(t)
                 if self._emit(r, int(t)):
                     self._finish(r)
                     break
+            used = max(used, i + 1)
+        self.stats.decode_steps += used
 
     def _draft_chooser(self, rows, qprobs: list):
         sampler, rngs = self.sampler, self.rngs
@@ -504,13 +507,13 @@ class _Run:
         emitted, accepted, (hidden, toks, count) = self.backend.speculative_greedy(
             handles, np.array([self.pending[r] for r in rows], np.int32), n, self.drafter.mtp, (hidden, toks, count),
             k)
-        self.stats.decode_steps += n
         self.stats.decode_loop = n          # the summary names the loop only where one ran
+        used = 0                            # steps whose tokens some row used (the rest ran past every stop)
         for i, r in enumerate(rows):
             self.drafter.set_window(r, hidden[i], toks[i], int(count[i]), self.backend.length(handles[i]))
             self.pending[r] = int(emitted[i, -1, accepted[i, -1]])
             finished = False
-            for em, a in zip(emitted[i], accepted[i]):
+            for j, (em, a) in enumerate(zip(emitted[i], accepted[i])):
                 self.stats.drafted += k
                 self.stats.accepted += int(a)
                 for t in em[:a + 1]:
@@ -520,6 +523,8 @@ class _Run:
                 if finished:
                     self._finish(r)
                     break
+            used = max(used, j + 1)
+        self.stats.decode_steps += used
 
     def results(self) -> list[SequenceResult]:
         out = []

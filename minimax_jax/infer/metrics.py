@@ -85,7 +85,8 @@ class GenerationStats:
     ``engine``: what ran (``Backend.describe()``); ``batch``: rows; ``prompt_tokens`` / ``generated_tokens``: totals
     over the batch; ``prefill_s``: prefill wall time, of which ``prefill_compile_s`` compiling; ``ttft_s``: start of
     ``generate`` to the first sampled token; ``decode_s``: first token to the end; ``decode_steps``: model steps
-    after prefill, ``compile_steps`` of them compiled something, taking ``decode_compile_s``; the others took
+    after prefill (in a device loop, those up to the last one whose tokens a row used), ``compile_steps`` of them
+    in calls that compiled something, taking ``decode_compile_s``; the others took
     ``steady_s`` for ``steady_tokens``; ``drafted`` / ``accepted``: speculative drafts proposed / kept.
     """
 
@@ -107,10 +108,11 @@ class GenerationStats:
     drafted: int = 0
     accepted: int = 0
 
-    def add_step(self, seconds: float, tokens: int, compiled: bool) -> None:
-        """Account one decode step of ``seconds`` wall time that produced ``tokens`` (whole batch)."""
+    def add_step(self, seconds: float, tokens: int, compiled: bool, steps: int = 1) -> None:
+        """Account one decode call of ``seconds`` wall time that produced ``tokens`` (whole batch) in ``steps``
+        model steps (a device loop: the steps whose tokens were used)."""
         if compiled:
-            self.compile_steps += 1
+            self.compile_steps += steps
             self.decode_compile_s += seconds
         else:
             self.steady_tokens += tokens

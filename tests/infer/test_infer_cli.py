@@ -137,6 +137,14 @@ def test_bad_input_exits_2_with_one_line(tmp_path, good_ckpt):
     assert "give exactly one of --prompt, --prompt_file, --chat_file, --prompts_file" in r.stderr
 
 
+def test_num_draft_beyond_the_models_mtp_modules_is_a_usage_error():
+    """The shipped demo has one MTP module: --num_draft 2 is bad input (exit 2, one line), found once the
+    checkpoint's config is known."""
+    r = _run("--prompt=hi", "--speculative=mtp", "--num_draft=2", "--temperature=0", "--max_new_tokens=2")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "error: --num_draft 2: this model has 1 MTP modules, so 1..1 drafts per step" in r.stderr
+
+
 def test_context_too_long_fails_before_loading(tmp_path, good_ckpt):
     ckpt = good_ckpt
     ctx = tmp_path / "book.txt"

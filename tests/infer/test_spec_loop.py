@@ -208,6 +208,11 @@ def _compare(gen, prompts, config, loop):
     assert [(s.tokens, s.stop_reason) for s in dev.sequences] == want
     assert (dev.stats.drafted, dev.stats.accepted) == (host.stats.drafted, host.stats.accepted)
     assert f"decode loop={loop}" in dev.stats.engine and dev.stats.decode_loop == loop
+    # steps counted up to the last one whose tokens a row used: as many as one step at a time
+    assert dev.stats.decode_steps == host.stats.decode_steps
+    assert dev.stats.tokens_per_step == host.stats.tokens_per_step
+    plain_loop = gen.generate(prompts, dataclasses.replace(config, speculative=None, decode_loop=loop))
+    assert plain_loop.stats.decode_steps == plain.stats.decode_steps
     return plain, host, dev
 
 
