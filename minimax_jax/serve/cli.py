@@ -51,8 +51,9 @@ def build_parser(prog: str = PROG):
     p.add_argument("--decode_loop", type=cli_main.int_at_least(1), default=1,
                    help="Multi-step scheduling: while nobody waits or is prefilled and every decoding request is "
                         "greedy (no penalties, logit bias or logprobs), run this many decode steps in one compiled "
-                        "device loop (one host round trip per N tokens; the same tokens); 1 = one step per "
-                        "iteration. Not with --speculative mtp.")
+                        "device loop (one host round trip per N steps; the same tokens; with --speculative mtp, N "
+                        "speculative steps drafted, verified and accepted on the device); 1 = one step per "
+                        "iteration.")
     cli_main.add_bool(p, "prefix_cache", True, "Share cached prompt pages across requests.")
     cli_main.add_mesh(p)
     return cli_main.add_common(p, cache=True)
@@ -68,8 +69,6 @@ def _main(argv, prog: str = PROG) -> int:
     flags = cli_main.parse_args(parser, argv)
     if flags.num_draft is not None and flags.speculative == "none":
         parser.error("--num_draft needs --speculative mtp")
-    if flags.decode_loop > 1 and flags.speculative != "none":
-        parser.error("--decode_loop > 1 runs plain greedy steps; it does not combine with --speculative mtp")
     if flags.sharding_rules is not None and not flags.mesh:
         parser.error("--sharding_rules applies only with --mesh")
     from minimax_jax.decode import mesh_attention

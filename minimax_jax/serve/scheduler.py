@@ -18,8 +18,8 @@ With ``speculative="mtp"`` the decode step is ``minimax_jax.serve.speculative.MT
 verified in the same batched step; greedy output unchanged). With ``decode_loop = n > 1`` (multi-step
 scheduling) an iteration with nobody waiting or prefilling, whose decoding sequences are all greedy without
 penalties, logit bias or log-probabilities, runs ``n`` decode steps in one compiled device loop
-(``DecodeEngine.decode_greedy``: one host round trip for ``n`` tokens per sequence; the tokens of ``n``
-single steps), and streams them after the loop; any other iteration runs one step as before, so admission
+(``DecodeEngine.decode_greedy``, or ``decode_speculative_greedy`` with ``speculative``: one host round trip
+for ``n`` steps; the tokens of ``n`` single steps), and streams them after the loop; any other iteration runs one step as before, so admission
 and prefill never wait for a loop.
 
 Events go to ``Sequence.emit`` (called on the worker thread; the HTTP side bridges it to asyncio):
@@ -112,8 +112,8 @@ class Scheduler:
       metrics: ``minimax_jax.serve.metrics.Metrics`` or None.
       speculative: None or "mtp" (``MTPStep``: ``num_draft`` drafts per step, default all MTP modules;
         ``mtp_window`` positions the MTP layers attend over).
-      decode_loop: greedy decode steps per device loop (module docstring; 1 = one step per iteration); not
-        with ``speculative``.
+      decode_loop: greedy decode steps per device loop (module docstring; 1 = one step per iteration); with
+        ``speculative`` greedy speculative steps (``MTPStep.loop``).
     Raises: ValueError (bad sizes / engine / method), InferenceError (no MTP modules, no hidden states).
     """
 
@@ -147,14 +147,12 @@ class Scheduler:
             raise ValueError(f"speculative must be None or 'mtp', got {speculative!r}")
         if isinstance(decode_loop, bool) or not isinstance(decode_loop, int) or decode_loop < 1:
             raise ValueError(f"decode_loop must be an int >= 1, got {decode_loop!r}")
-        if decode_loop > 1 and speculative is not None:
-            raise ValueError("decode_loop > 1 runs plain greedy steps; the server's speculative step is one host "
-                             "round trip per step (use one of the two)")
         self.decode_loop = decode_loop
         self.mtp = None if speculative is None else MTPStep(self, num_draft, mtp_window)
-        # tokens written past a sequence's end: the drafts of a step before truncation, or a loop's steps past
+        # tokens written past a sequence's end: the drafts of a step before truncation, or a loop's tokens past
         # the sequence's last token
-        self._extra = self.mtp.k if self.mtp is not None else decode_loop - 1
+        k = 0 if self.mtp is None else self.mtp.k
+        self._extra = max(k, decode_loop * (1 + k) - 1)
 
     def _on_mesh(self):
         """``sharding.use_mesh`` of ``mesh`` (thread-local: entered where the engine is built and in the worker
@@ -340,7 +338,9 @@ class Scheduler:
         rows = list(self._active)
         if self.mtp is not None:
             try:
-                self.mtp.step(rows)
+                if not (self.decode_loop > 1 and not self._waiting and not self._prefilling
+                        and self.mtp.loop(rows, self.decode_loop)):
+                    self.mtp.step(rows)
             except Exception as e:
                 self._fail([s for s in rows if s.handle is not None], "speculative decode step", e)
             return

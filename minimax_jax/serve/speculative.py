@@ -13,13 +13,15 @@ decoding. Each row of the step is one of:
   generation loop requires), chosen with the scheduler's adjusted sampling.
 
 Drafts are chosen per sequence (argmax when greedy, else drawn from its own filtered distribution with
-its ``Sequence.rng``). ``drafted`` / ``accepted`` count draft tokens over the server's life.
+its ``Sequence.rng``). ``drafted`` / ``accepted`` count draft tokens over the server's life. ``loop`` runs
+several greedy speculative steps in one device loop (``Scheduler(decode_loop=n)``).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from minimax_jax.decode.pages import PagePoolExhausted
 from minimax_jax.infer.drafter import MTPDrafter
 from minimax_jax.infer.errors import EngineUnavailable
 from minimax_jax.infer.speculative import accept_greedy, accept_sampled
@@ -83,6 +85,36 @@ class MTPStep:
                 self.sched._choose_and_emit([s], logits[i, :1])
             else:
                 self._verify(s, where[id(s)], ks[i], lengths[i], drafts, qprobs, logits[i], hidden[i])
+
+    def loop(self, rows, n: int) -> bool:
+        """``n`` greedy speculative steps over ``rows`` in one device loop (``Backend.speculative_greedy``:
+        drafting, verification and acceptance on the device; the tokens and accepted drafts of ``n`` calls of
+        ``step``) when every row drafts greedily without log-probabilities and has room for the loop's
+        ``n (1 + k)`` tokens; False (nothing done) otherwise or when the page pool cannot hold them now."""
+        backend, k = self.sched.backend, self.k
+        if not all(self.drafts(s) and s.sampling.greedy and s.logprobs is None and not s.cancelled for s in rows):
+            return False
+        handles = [s.handle for s in rows]
+        if any(backend.length(h) + n * (1 + k) > backend.max_len for h in handles):
+            return False
+        hidden, toks, count, _ = self.drafter.window_arrays(handles)
+        try:
+            emitted, accepted, (hidden, toks, count) = backend.speculative_greedy(
+                handles, np.array([s.pending for s in rows], np.int32), n, self.drafter.mtp, (hidden, toks, count), k)
+        except PagePoolExhausted:       # reserved all-or-nothing: nothing was written
+            return False
+        for i, s in enumerate(rows):
+            self.drafter.set_window(s.handle, hidden[i], toks[i], int(count[i]), backend.length(s.handle))
+            s.pending = int(emitted[i, -1, accepted[i, -1]])
+            for em, a in zip(emitted[i], accepted[i]):
+                self.drafted += k
+                self.accepted += int(a)
+                if self.sched.metrics is not None:
+                    self.sched.metrics.verified(k, int(a))
+                self.sched._emit_tokens(s, [int(t) for t in em[:a + 1]], None)
+                if s.handle is None:    # finished (released) inside the loop: its later tokens are dropped
+                    break
+        return True
 
     def _verify(self, s, j: int, kr: int, length: int, drafts, qprobs, logits, hidden) -> None:
         d = drafts[j, :kr]

@@ -1,7 +1,8 @@
 """Multi-step scheduling in the server (``build(decode_loop=4)``, the shipped demo model) through the real
 ``openai`` client: greedy completions alone and concurrent (completion lengths that are not multiples of the
 loop, a chunked prefill, a stop string) equal the plain greedy generation loop, and device loops really ran;
-a request with logprobs or a sampled one rides along (one step at a time while it decodes) and finishes."""
+a request with logprobs or a sampled one rides along (one step at a time while it decodes) and finishes; with
+``speculative="mtp"`` the loops are speculative ones, with the same output."""
 
 from __future__ import annotations
 
@@ -74,9 +75,23 @@ def test_requests_a_loop_cannot_serve_ride_along(srv, gen):
     assert srv.wait_idle()
 
 
+def test_speculative_loops_give_plain_greedy_output(demo, gen, monkeypatch):
+    """``speculative="mtp"`` with ``decode_loop=3``: greedy completions alone and concurrent equal plain greedy
+    decoding, drafts are verified and some kept, and speculative device loops really ran."""
+    with running(demo, max_batch=4, max_len=512, prefill_chunk=64, speculative="mtp", decode_loop=3) as sp:
+        sched, m = sp.scheduler, sp.server.metrics
+        loops = []
+        spec = sched.backend.speculative_greedy
+        monkeypatch.setattr(sched.backend, "speculative_greedy", lambda *a: loops.append(a[2]) or spec(*a))
+        want = [_plain(gen, *_case(i)) for i in range(8)]
+        assert [_ask(sp, i) for i in range(4)] == want[:4]
+        assert loops and set(loops) == {3} and m.drafted > 0 and m.accepted > 0
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(lambda i: _ask(sp, i), range(8))) == want
+        assert sp.wait_idle()
+
+
 def test_bad_decode_loop_is_refused(demo):
     from minimax_jax.serve.server import build
     with pytest.raises(ValueError, match="decode_loop"):
         build(demo, max_batch=2, max_len=128, decode_loop=0)
-    with pytest.raises(ValueError, match="speculative"):
-        build(demo, max_batch=2, max_len=128, decode_loop=4, speculative="mtp")
