@@ -19,8 +19,8 @@ verified in the same batched step; greedy output unchanged). With ``decode_loop 
 scheduling) an iteration with nobody waiting or prefilling, whose decoding sequences are all greedy without
 penalties, logit bias or log-probabilities, runs ``n`` decode steps in one compiled device loop
 (``DecodeEngine.decode_greedy``, or ``decode_speculative_greedy`` with ``speculative``: one host round trip
-for ``n`` steps; the tokens of ``n`` single steps), and streams them after the loop; any other iteration runs one step as before, so admission
-and prefill never wait for a loop.
+for ``n`` steps; the tokens of ``n`` single steps), and streams them after the loop; any other iteration runs
+one step as before, so admission and prefill never wait for a loop.
 
 Events go to ``Sequence.emit`` (called on the worker thread; the HTTP side bridges it to asyncio):
 ``{"type": "token", "text": delta, "logprobs": [entry...]}``, then one ``{"type": "done", ...}`` or
@@ -93,6 +93,13 @@ class Sequence:
         if self.logit_bias is not None:
             x = apply_logit_bias(x, *self.logit_bias)
         return x
+
+    @property
+    def loopable(self) -> bool:
+        """Whether the next tokens are plain greedy choices (no penalties, logit bias or log-probabilities), so
+        a device loop can pick them."""
+        return (self.sampling.greedy and self.penalties is None and self.logit_bias is None and self.logprobs is None
+                and not self.cancelled)
 
     def cancel(self) -> None:
         """Ask the worker to drop this sequence (thread-safe: a flag read between steps)."""
@@ -336,15 +343,17 @@ class Scheduler:
 
     def _step(self) -> None:
         rows = list(self._active)
+        # a device loop only where nobody waits or is prefilled (they would wait for it) and every row is greedy
+        loop = (self.decode_loop > 1 and not self._waiting and not self._prefilling
+                and all(s.loopable for s in rows))
         if self.mtp is not None:
             try:
-                if not (self.decode_loop > 1 and not self._waiting and not self._prefilling
-                        and self.mtp.loop(rows, self.decode_loop)):
+                if not (loop and self.mtp.loop(rows, self.decode_loop)):
                     self.mtp.step(rows)
             except Exception as e:
                 self._fail([s for s in rows if s.handle is not None], "speculative decode step", e)
             return
-        if self._decode_loop(rows):
+        if loop and self._decode_loop(rows):
             return
         toks = np.array([[s.pending] for s in rows], np.int32)
         try:
@@ -355,12 +364,10 @@ class Scheduler:
         self._choose_and_emit(rows, logits[:, 0])
 
     def _decode_loop(self, rows: list[Sequence]) -> bool:
-        """``decode_loop`` greedy steps in one device loop when this iteration may take them (module
-        docstring) and every row has room; False (nothing done) otherwise or when the page pool cannot hold a
-        loop's pages right now (the caller then runs one step)."""
+        """``decode_loop`` greedy steps over ``rows`` (all ``loopable``) in one device loop when every row has
+        room; False (nothing done) otherwise or when the page pool cannot hold a loop's pages right now (the
+        caller then runs one step)."""
         n = self.decode_loop
-        if n < 2 or self._waiting or self._prefilling or not all(_loopable(s) for s in rows):
-            return False
         if any(self.engine.length(s.handle) + n > self.max_len for s in rows):
             return False
         try:
@@ -429,9 +436,3 @@ class Scheduler:
                     "tokens": list(s.ids[:res.num_tokens]), "prompt_tokens": len(s.prompt),
                     "cached_tokens": s.cached_tokens})
         return res is not None
-
-
-def _loopable(s: Sequence) -> bool:
-    """Whether a sequence's next tokens are plain greedy choices (a device loop can pick them)."""
-    return (s.sampler.params.greedy and s.penalties is None and s.logit_bias is None and s.logprobs is None
-            and not s.cancelled)

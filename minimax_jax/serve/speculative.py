@@ -87,13 +87,11 @@ class MTPStep:
                 self._verify(s, where[id(s)], ks[i], lengths[i], drafts, qprobs, logits[i], hidden[i])
 
     def loop(self, rows, n: int) -> bool:
-        """``n`` greedy speculative steps over ``rows`` in one device loop (``Backend.speculative_greedy``:
-        drafting, verification and acceptance on the device; the tokens and accepted drafts of ``n`` calls of
-        ``step``) when every row drafts greedily without log-probabilities and has room for the loop's
-        ``n (1 + k)`` tokens; False (nothing done) otherwise or when the page pool cannot hold them now."""
+        """``n`` greedy speculative steps over ``rows`` (all ``Sequence.loopable``) in one device loop
+        (``Backend.speculative_greedy``: drafting, verification and acceptance on the device; the tokens and
+        accepted drafts of ``n`` calls of ``step``) when every row has room for the loop's ``n (1 + k)`` tokens;
+        False (nothing done) otherwise or when the page pool cannot hold them now."""
         backend, k = self.sched.backend, self.k
-        if not all(self.drafts(s) and s.sampling.greedy and s.logprobs is None and not s.cancelled for s in rows):
-            return False
         handles = [s.handle for s in rows]
         if any(backend.length(h) + n * (1 + k) > backend.max_len for h in handles):
             return False
