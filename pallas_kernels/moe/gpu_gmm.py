@@ -69,6 +69,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.common import common_vma, from_byte_pairs, needs_byte_pairs, searchsorted, to_byte_pairs, typed_out_struct
+from pallas_kernels.moe.gpu_gmm_ws import WsGmmConfig, gmm_ws
 from pallas_kernels.moe.gpu_tgmm_ws import WsTgmmConfig, tgmm_ws
 from pallas_kernels.moe.groups import group_bounds
 
@@ -370,7 +371,7 @@ def _check(lhs, rhs, group_sizes, transpose_rhs, fp8=False):
 
 # ----------------------------------------------------------------------------- entry points
 def gmm_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool = False,
-                out_dtype=None, config: TileConfig | None = None, interpret: bool = False,
+                out_dtype=None, config: TileConfig | WsGmmConfig | None = None, interpret: bool = False,
                 rhs_scale: jax.Array | None = None, scale_block: tuple[int, int] | None = None,
                 fp8_pairs: bool | None = None) -> jax.Array:
     """Grouped matmul kernel (no autodiff): ``out[rows of g] = lhs[rows of g] @ op(rhs[g])``.
@@ -384,7 +385,9 @@ def gmm_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, trans
       transpose_rhs: see rhs.
       out_dtype: output dtype (default ``lhs.dtype``); accumulation is fp32.
       config: tile config (default ``DEFAULT_CONFIG``); ``config.fold > 0`` turns on
-        tail folding (module docstring), with the same result up to fp32 accumulation order.
+        tail folding (module docstring), with the same result up to fp32 accumulation order. A
+        ``gpu_gmm_ws.WsGmmConfig`` runs the warp-specialized Mosaic GPU kernel ``gpu_gmm_ws.gmm_ws``
+        instead (bf16 / f16, no FP8, its shape constraints raise ValueError).
       interpret: run in Pallas interpret mode (any backend; for CPU tests).
       rhs_scale / scale_block: FP8 weights (``gpu_gmm_fp8.gmm_fp8``): rhs float8_e4m3fn ``[G, K, N]`` times float32
         ``rhs_scale [G, ceil(K/br), ceil(N/bc)]`` per ``scale_block = (br, bc)`` block, dequantised per tile
@@ -398,6 +401,11 @@ def gmm_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, trans
     fp8 = rhs_scale is not None
     _check(lhs, rhs, group_sizes, transpose_rhs, fp8)
     cfg = config or DEFAULT_CONFIG
+    if isinstance(cfg, WsGmmConfig):     # the warp-specialized Mosaic GPU kernel
+        assert not fp8, "FP8 rhs: gmm_ws takes bf16 / f16 weights"
+        lhs, rhs, group_sizes = common_vma(lhs, rhs, group_sizes)
+        return gmm_ws(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, config=cfg, out_dtype=out_dtype,
+                      interpret=interpret)
     if fp8:
         assert not transpose_rhs, "FP8 rhs: no transposed kernel"
         assert scale_block[0] % cfg.bk == 0 and scale_block[1] % cfg.bn == 0, (
@@ -492,8 +500,8 @@ def _gmm_bwd(out_dtype, cfg, dlhs_cfg, tgmm_cfg, interpret, res, dout):
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
-def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, config: TileConfig | None = None,
-        dlhs_config: TileConfig | None = None, tgmm_config: TileConfig | WsTgmmConfig | None = None, out_dtype=None,
+def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, config: TileConfig | WsGmmConfig | None = None,
+        dlhs_config: TileConfig | WsGmmConfig | None = None, tgmm_config: TileConfig | WsTgmmConfig | None = None, out_dtype=None,
         interpret: bool = False) -> jax.Array:
     """Differentiable grouped matmul: ``out[rows of g] = lhs[rows of g] @ rhs[g]`` (Pallas GPU kernels).
 
@@ -502,7 +510,9 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, config: TileC
       rhs: ``[G, K, N]``, same dtype as lhs.
       group_sizes: int ``[G]`` rows per group, ``sum <= M`` (larger sums are clipped to M).
       config / dlhs_config / tgmm_config: TileConfigs of the forward, the dlhs kernel (transposed
-        gmm) and the weight-gradient kernel (tgmm); None = ``DEFAULT_CONFIGS``.
+        gmm) and the weight-gradient kernel (tgmm); None = ``DEFAULT_CONFIGS``. A
+        ``gpu_gmm_ws.WsGmmConfig`` as config / dlhs_config runs the warp-specialized Mosaic GPU grouped
+        matmul for that kernel (bf16 / f16, its shape constraints raise ValueError).
         A ``gpu_tgmm_ws.WsTgmmConfig`` as tgmm_config runs the warp-specialized Mosaic GPU weight
         gradient instead (bf16 / f16, its shape constraints raise ValueError).
       out_dtype: output dtype (default ``lhs.dtype``), fp32 accumulation.
@@ -518,8 +528,8 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, config: TileC
     """
     _check(lhs, rhs, group_sizes, False)
     for c in (config, dlhs_config):
-        if c is not None and not isinstance(c, TileConfig):
-            raise TypeError(f"configs must be TileConfig or None, got {type(c).__name__}")
+        if c is not None and not isinstance(c, (TileConfig, WsGmmConfig)):
+            raise TypeError(f"configs must be TileConfig, WsGmmConfig or None, got {type(c).__name__}")
     if tgmm_config is not None and not isinstance(tgmm_config, (TileConfig, WsTgmmConfig)):
         raise TypeError(f"tgmm_config must be a TileConfig, a WsTgmmConfig or None, got {type(tgmm_config).__name__}")
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
