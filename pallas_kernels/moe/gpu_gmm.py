@@ -24,6 +24,10 @@ data-dependent ``pl.ds`` slices and masked ``pallas.triton`` loads / stores):
   tiles; ``sum_g ceil(s_g / bm) <= cdiv(sum s_g, bm) + (parts - 1)``); programs past the last
   visit do nothing. Program id -> (visit, column tile) with the column tile fastest, so the
   programs running at the same time share an lhs row block and walk one group's weights (L2 reuse).
+  With ``TileConfig.visit_group = n > 1`` the ids walk n consecutive visits per column tile first
+  (the grouped ordering of Triton's matmul tutorial): the visits of one expert then start together
+  and read each weight tile at about the same time, where visits of one expert n_col ids apart may run
+  far enough apart in time that the second read of a weight tile misses L2.
   fp32 accumulation over a static loop of ``cdiv(K, bk)`` steps, output in the requested dtype.
 - tail folding (``TileConfig.fold = f > 0``): a group of ``s = q * bm + r`` rows with ``q >= 1`` full
   blocks and a remainder ``0 < r <= f`` gets ``q`` visits instead of ``q + 1``: its last visit is
@@ -69,7 +73,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.common import common_vma, from_byte_pairs, needs_byte_pairs, searchsorted, to_byte_pairs, typed_out_struct
-from pallas_kernels.moe.gpu_gmm_ws import WsGmmConfig, gmm_ws
 from pallas_kernels.moe.gpu_tgmm_ws import WsTgmmConfig, tgmm_ws
 from pallas_kernels.moe.groups import group_bounds
 
@@ -90,8 +93,9 @@ class TileConfig:
     ``bm / 2`` rows run a ``[bm/2, bn]`` tile instead; fold (gmm only): 0 = off, else a power of two
     in ``[64, bm / 2]`` (so bm >= 128): a group remainder of at most ``fold`` rows after at least one full ``bm``
     block is computed by the group's previous visit, with an extra ``[fold, bn]`` tile that shares
-    its weight loads (module docstring, "tail folding"). tgmm ignores half_tail and fold.
-    Raises ValueError for values outside these ranges.
+    its weight loads (module docstring, "tail folding"); visit_group (gmm only): 1, or a power of two
+    up to 16: program ids walk that many consecutive visits per column tile (module docstring). tgmm
+    ignores half_tail, fold and visit_group. Raises ValueError for values outside these ranges.
     """
     bm: int = 128
     bk: int = 64
@@ -100,6 +104,7 @@ class TileConfig:
     num_stages: int = 4
     half_tail: bool = False
     fold: int = 0
+    visit_group: int = 1
 
     def __post_init__(self):
         for name in ("bm", "bk", "bn"):
@@ -119,12 +124,15 @@ class TileConfig:
                 or (f != 0 and (f < 64 or f & (f - 1) or 2 * f > self.bm))):
             raise ValueError(f"TileConfig.fold must be 0 (off) or a power of two in [64, bm/2 = {self.bm // 2}], "
                              f"got {f!r}")
+        vg = self.visit_group
+        if not isinstance(vg, int) or isinstance(vg, bool) or vg < 1 or vg > 16 or vg & (vg - 1):
+            raise ValueError(f"TileConfig.visit_group must be a power of two in [1, 16], got {vg!r}")
 
     def label(self) -> str:
         """Short name, e.g. ``128x64x128w4s4`` (suffix ``h``: half-height tiles for short visits;
-        ``fold64``: group remainders of <= 64 rows folded into the previous visit)."""
+        ``fold64``: group remainders of <= 64 rows folded into the previous visit; ``g4``: visit_group 4)."""
         return (f"{self.bm}x{self.bk}x{self.bn}w{self.num_warps}s{self.num_stages}" + ("h" if self.half_tail else "")
-                + (f"fold{self.fold}" if self.fold else ""))
+                + (f"fold{self.fold}" if self.fold else "") + (f"g{self.visit_group}" if self.visit_group > 1 else ""))
 
 
 #: Hopper defaults: the fastest configs of bench/moe.py's sweep of CANDIDATES / TGMM_CANDIDATES at the M2
@@ -149,6 +157,9 @@ CANDIDATES = (
     TileConfig(128, 64, 256, 8, 4, half_tail=True),
     TileConfig(128, 32, 256, 8, 5, fold=64),
     TileConfig(128, 32, 256, 8, 4, fold=64),
+    TileConfig(128, 64, 256, 8, 4, half_tail=True, visit_group=2),
+    TileConfig(128, 64, 256, 8, 4, half_tail=True, visit_group=4),
+    TileConfig(128, 64, 256, 8, 4, half_tail=True, visit_group=8),
 )
 #: tgmm candidates (output tile bk x bn, bm rows per step); results and the designs tried and dropped:
 #: BENCHMARKS.md (MoE).
@@ -238,11 +249,18 @@ def _load(ref, rows=None, cols=None):
 
 
 def _gmm_kernel(tab_ref, lhs_ref, rhs_ref, *refs, bm, bk, bn, n_groups, n_col_tiles, kdim, ndim,
-                transpose_rhs, half_tail, fold, scale_block=None, pairs=False):
+                transpose_rhs, half_tail, fold, visit_group=1, scale_block=None, pairs=False):
     scale_ref, out_ref = refs if scale_block else (None, refs[0])
     pid = pl.program_id(0)
-    v = jax.lax.div(pid, n_col_tiles)
-    j = pid - v * n_col_tiles
+    if visit_group == 1:
+        v = jax.lax.div(pid, n_col_tiles)
+        j = pid - v * n_col_tiles
+    else:       # visit_group consecutive visits per column tile (the work list is padded to a multiple of it)
+        per = visit_group * n_col_tiles
+        blk = jax.lax.div(pid, per)
+        r = pid - blk * per
+        j = jax.lax.div(r, visit_group)
+        v = blk * visit_group + (r - j * visit_group)
     g = tab_ref[0, v]
     lo = tab_ref[1, v]
     hi = tab_ref[2, v]
@@ -371,7 +389,7 @@ def _check(lhs, rhs, group_sizes, transpose_rhs, fp8=False):
 
 # ----------------------------------------------------------------------------- entry points
 def gmm_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool = False,
-                out_dtype=None, config: TileConfig | WsGmmConfig | None = None, interpret: bool = False,
+                out_dtype=None, config: TileConfig | None = None, interpret: bool = False,
                 rhs_scale: jax.Array | None = None, scale_block: tuple[int, int] | None = None,
                 fp8_pairs: bool | None = None) -> jax.Array:
     """Grouped matmul kernel (no autodiff): ``out[rows of g] = lhs[rows of g] @ op(rhs[g])``.
@@ -385,9 +403,7 @@ def gmm_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, trans
       transpose_rhs: see rhs.
       out_dtype: output dtype (default ``lhs.dtype``); accumulation is fp32.
       config: tile config (default ``DEFAULT_CONFIG``); ``config.fold > 0`` turns on
-        tail folding (module docstring), with the same result up to fp32 accumulation order. A
-        ``gpu_gmm_ws.WsGmmConfig`` runs the warp-specialized Mosaic GPU kernel ``gpu_gmm_ws.gmm_ws``
-        instead (bf16 / f16, no FP8, its shape constraints raise ValueError).
+        tail folding (module docstring), with the same result up to fp32 accumulation order.
       interpret: run in Pallas interpret mode (any backend; for CPU tests).
       rhs_scale / scale_block: FP8 weights (``gpu_gmm_fp8.gmm_fp8``): rhs float8_e4m3fn ``[G, K, N]`` times float32
         ``rhs_scale [G, ceil(K/br), ceil(N/bc)]`` per ``scale_block = (br, bc)`` block, dequantised per tile
@@ -401,11 +417,6 @@ def gmm_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, trans
     fp8 = rhs_scale is not None
     _check(lhs, rhs, group_sizes, transpose_rhs, fp8)
     cfg = config or DEFAULT_CONFIG
-    if isinstance(cfg, WsGmmConfig):     # the warp-specialized Mosaic GPU kernel
-        assert not fp8, "FP8 rhs: gmm_ws takes bf16 / f16 weights"
-        lhs, rhs, group_sizes = common_vma(lhs, rhs, group_sizes)
-        return gmm_ws(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, config=cfg, out_dtype=out_dtype,
-                      interpret=interpret)
     if fp8:
         assert not transpose_rhs, "FP8 rhs: no transposed kernel"
         assert scale_block[0] % cfg.bk == 0 and scale_block[1] % cfg.bn == 0, (
@@ -422,10 +433,13 @@ def gmm_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, trans
     operands = common_vma(lhs, rhs, group_sizes, *((rhs_scale.astype(jnp.float32),) if fp8 else ()))
     lhs, rhs, group_sizes, scale = operands[0], operands[1], operands[2], operands[3:]
     tab = make_visits(group_sizes, m, cfg.bm, cfg.fold)
+    if tab.shape[1] % cfg.visit_group:    # unused visits (the pseudo-group, no rows) up to a multiple of visit_group
+        pad = cfg.visit_group - tab.shape[1] % cfg.visit_group
+        tab = jnp.concatenate([tab, jnp.broadcast_to(jnp.array([[g], [0], [0]], tab.dtype), (3, pad))], axis=1)
     n_col = pl.cdiv(ndim, cfg.bn)
     kernel = functools.partial(_gmm_kernel, bm=cfg.bm, bk=cfg.bk, bn=cfg.bn, n_groups=g, n_col_tiles=n_col,
                                kdim=kdim, ndim=ndim, transpose_rhs=transpose_rhs, half_tail=cfg.half_tail,
-                               fold=cfg.fold, scale_block=tuple(scale_block) if fp8 else None, pairs=pairs)
+                               fold=cfg.fold, visit_group=cfg.visit_group, scale_block=tuple(scale_block) if fp8 else None, pairs=pairs)
     return pl.pallas_call(
         kernel,
         grid=(tab.shape[1] * n_col,),
@@ -500,8 +514,8 @@ def _gmm_bwd(out_dtype, cfg, dlhs_cfg, tgmm_cfg, interpret, res, dout):
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
-def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, config: TileConfig | WsGmmConfig | None = None,
-        dlhs_config: TileConfig | WsGmmConfig | None = None, tgmm_config: TileConfig | WsTgmmConfig | None = None, out_dtype=None,
+def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, config: TileConfig | None = None,
+        dlhs_config: TileConfig | None = None, tgmm_config: TileConfig | WsTgmmConfig | None = None, out_dtype=None,
         interpret: bool = False) -> jax.Array:
     """Differentiable grouped matmul: ``out[rows of g] = lhs[rows of g] @ rhs[g]`` (Pallas GPU kernels).
 
@@ -510,9 +524,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, config: TileC
       rhs: ``[G, K, N]``, same dtype as lhs.
       group_sizes: int ``[G]`` rows per group, ``sum <= M`` (larger sums are clipped to M).
       config / dlhs_config / tgmm_config: TileConfigs of the forward, the dlhs kernel (transposed
-        gmm) and the weight-gradient kernel (tgmm); None = ``DEFAULT_CONFIGS``. A
-        ``gpu_gmm_ws.WsGmmConfig`` as config / dlhs_config runs the warp-specialized Mosaic GPU grouped
-        matmul for that kernel (bf16 / f16, its shape constraints raise ValueError).
+        gmm) and the weight-gradient kernel (tgmm); None = ``DEFAULT_CONFIGS``.
         A ``gpu_tgmm_ws.WsTgmmConfig`` as tgmm_config runs the warp-specialized Mosaic GPU weight
         gradient instead (bf16 / f16, its shape constraints raise ValueError).
       out_dtype: output dtype (default ``lhs.dtype``), fp32 accumulation.
@@ -528,8 +540,8 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, config: TileC
     """
     _check(lhs, rhs, group_sizes, False)
     for c in (config, dlhs_config):
-        if c is not None and not isinstance(c, (TileConfig, WsGmmConfig)):
-            raise TypeError(f"configs must be TileConfig, WsGmmConfig or None, got {type(c).__name__}")
+        if c is not None and not isinstance(c, TileConfig):
+            raise TypeError(f"configs must be TileConfig or None, got {type(c).__name__}")
     if tgmm_config is not None and not isinstance(tgmm_config, (TileConfig, WsTgmmConfig)):
         raise TypeError(f"tgmm_config must be a TileConfig, a WsTgmmConfig or None, got {type(tgmm_config).__name__}")
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)

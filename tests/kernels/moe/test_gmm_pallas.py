@@ -145,6 +145,24 @@ def test_half_tail_tiles():
         TileConfig(16, 32, 64, 4, 2, half_tail=True)
 
 
+def test_visit_group_orders_programs_without_changing_results():
+    """visit_group (program ids walk n visits per column tile) gives the same y and dlhs bit for bit as the
+    plain order (each program computes the same tile), with a visit count that is not a multiple of n (the
+    work list is padded with empty visits) and with half tails and folding; bad values are refused."""
+    lhs, rhs, gs, cot, sizes = _case(None, 300, 64, 192, 7, 2, jnp.float32)
+    for base in (SMALL, TileConfig(32, 32, 64, 4, 2, half_tail=True), TileConfig(128, 32, 64, 4, 2, fold=64)):
+        ref = _kernel(lhs, rhs, gs, cot, base, SMALL_T)
+        for n in (2, 4, 16):
+            cfg = dataclasses.replace(base, visit_group=n)
+            assert cfg.label() == base.label() + f"g{n}"
+            got = _kernel(lhs, rhs, gs, cot, cfg, SMALL_T)
+            for a, b, what in zip(got[:2], ref[:2], ("y", "dlhs")):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{what} {cfg.label()}")
+    for bad in (0, 3, 32, True, 2.0):
+        with pytest.raises(ValueError, match="visit_group"):
+            TileConfig(visit_group=bad)
+
+
 def test_all_groups_empty_gives_zeros():
     rng = np.random.default_rng()
     lhs = jnp.asarray(rng.normal(size=(70, 32)), jnp.float32)
@@ -371,7 +389,8 @@ def test_kernels_lower_for_cuda_at_m2_shapes():
     sd = jax.ShapeDtypeStruct
     m, kd, nd, g = 65536, 3072, 3072, 256
 
-    for cfg in (None, TileConfig(128, 64, 256, 8, 3, half_tail=True), TileConfig(128, 64, 256, 8, 3, fold=64)):
+    for cfg in (None, TileConfig(128, 64, 256, 8, 3, half_tail=True), TileConfig(128, 64, 256, 8, 3, fold=64),
+                TileConfig(128, 64, 256, 8, 4, half_tail=True, visit_group=4)):
         def f(a, b, gs, c, cfg=cfg):
             y, vjp = jax.vjp(lambda a, b: gpu_gmm.gmm(a, b, gs, config=cfg, dlhs_config=cfg), a, b)
             return y, vjp(c)
