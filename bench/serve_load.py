@@ -123,7 +123,8 @@ async def one(client, model: str, r: dict, t_start: float, rate: float, timeout:
     stamps = []
     try:
         stream = await client.completions.create(
-            model=model, prompt=r["prompt"], max_tokens=r["max_tokens"], temperature=0, stream=True,
+            model=model, prompt=r["prompt"], max_tokens=r["max_tokens"], temperature=r.get("temperature", 0),
+            stream=True,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True}, timeout=timeout)
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].text:
@@ -193,6 +194,13 @@ async def run_rates(f, base: str, model: str, vocab: int) -> list[dict]:
     w = await one(client, model, warm, time.perf_counter(), 1.0, f.timeout)
     if w["status"] != "ok":
         raise RuntimeError(f"warm-up request failed: {w.get('error')}")
+    # and one sampled request (temperature 1: never in a device loop), so that a server with --decode_loop > 1
+    # has compiled its one-step decode too (the greedy warm-up decodes in a loop; the one-step path then compiled
+    # on its first use inside the first timed rate, seen with JAX_LOG_COMPILES=1)
+    warm = dict(prompt=rng.integers(0, vocab, 16).tolist(), max_tokens=3, at=0.0, shared=False, temperature=1.0)
+    w = await one(client, model, warm, time.perf_counter(), 1.0, f.timeout)
+    if w["status"] != "ok":
+        raise RuntimeError(f"sampled warm-up request failed: {w.get('error')}")
     rows = []
     try:
         for rate in f.rates:
