@@ -55,6 +55,9 @@ def build_parser(prog: str = PROG):
                         "speculative steps drafted, verified and accepted on the device); 1 = one step per "
                         "iteration.")
     cli_main.add_bool(p, "prefix_cache", True, "Share cached prompt pages across requests.")
+    cli_main.add_bool(p, "warmup", False, "Before listening, compile the engine's steps with a few internal requests "
+                      "(every power-of-two prompt length up to --prefill_chunk, the decode loop, the one-step "
+                      "decode), so that the first requests pay no compile time (startup takes longer).")
     cli_main.add_mesh(p)
     return cli_main.add_common(p, cache=True)
 
@@ -88,12 +91,14 @@ def _main(argv, prog: str = PROG) -> int:
             + (f"; prefill: context parallel over sequence={n}" if n > 1 else ""))
         if line := mesh_attention.describe_cache(model.cfg, model.mesh, model.rules):
             log(line)
+    if flags.warmup:
+        log("warming up: compiling the engine's steps before listening")
     server = build(model, max_batch=flags.max_batch, max_len=flags.max_len, max_queue=flags.max_queue,
                    prefill_chunk=flags.prefill_chunk, model_name=flags.served_model_name,
                    default_max_tokens=flags.default_max_tokens, prefix_cache=flags.prefix_cache,
                    token_budget=flags.token_budget, num_draft=flags.num_draft, mtp_window=flags.mtp_window,
                    speculative=None if flags.speculative == "none" else flags.speculative,
-                   decode_loop=flags.decode_loop)
+                   decode_loop=flags.decode_loop, warmup=flags.warmup)
     print(f"serving {server.model_name} on http://{flags.host}:{flags.port}/v1 ({server.scheduler.max_batch} "
           f"slots, max_len {server.scheduler.max_len})", file=sys.stderr, flush=True)
     try:

@@ -186,6 +186,44 @@ class Scheduler:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def warm_up(self, vocab: int, timeout_s: float = 1800.0) -> int:
+        """Compile the engine's steps before serving, so that the first requests pay no compile time: one greedy
+        request per power-of-two prompt length up to the prefill chunk (each prefill step shape; its second token
+        from a device loop when ``decode_loop > 1``), then one sampled request (temperature 1, never looped: the
+        one-step decode), two new tokens each, one at a time. Prompts are random ids in ``[0, vocab)``; the
+        metrics do not count these requests. Call after ``start`` and before serving. Where prefill steps take
+        power-of-two page-table widths (``prefill_widths="pow2"``, e.g. on a CPU) a longer context still compiles
+        its wider table on first use; with the GPU kernels' full table every prefill shape is covered.
+
+        Returns the number of requests run. Raises RuntimeError naming the request that failed or did not finish
+        within ``timeout_s`` seconds."""
+        chunk = int(self.engine.prefill_chunk)
+        room = self.max_len - 2 - self._extra
+        lengths = [n for n in (2 ** b for b in range(chunk.bit_length())) if n <= min(chunk, room)]
+        if not lengths:
+            raise RuntimeError(f"warm-up: max_len {self.max_len} leaves no room for a prompt")
+        runs = [(n, SamplingParams()) for n in lengths] + [(min(16, lengths[-1]), SamplingParams(temperature=1.0))]
+        rng = np.random.default_rng(0)
+        metrics, self.metrics = self.metrics, None
+        try:
+            for n, params in runs:
+                done, errors = threading.Event(), []
+
+                def emit(ev, done=done, errors=errors):
+                    if ev["type"] == "error":
+                        errors.append(ev.get("message"))
+                    if ev["type"] in ("error", "done"):
+                        done.set()
+                what = f"warm-up request ({n} prompt tokens, temperature {params.temperature:g})"
+                self.submit([Sequence(rng.integers(0, vocab, n).tolist(), 2, params, emit, ignore_eos=True)])
+                if not done.wait(timeout_s):
+                    raise RuntimeError(f"{what} did not finish within {timeout_s:g} s")
+                if errors:
+                    raise RuntimeError(f"{what} failed: {errors[0]}")
+        finally:
+            self.metrics = metrics
+        return len(runs)
+
     def submit(self, seqs: list[Sequence]) -> None:
         """Queue sequences (all or none). Raises QueueFull."""
         with self._cv:

@@ -33,14 +33,16 @@ class Server:
 def build(model, *, max_batch: int = 8, max_len: int = 4096, max_queue: int = 64, prefill_chunk: int = 256,
           model_name: str | None = None, default_max_tokens: int = 256, prefix_cache: bool = True,
           token_budget: int | None = None, speculative: str | None = None, num_draft: int | None = None,
-          mtp_window: int = 64, decode_loop: int = 1) -> Server:
+          mtp_window: int = 64, decode_loop: int = 1, warmup: bool = False) -> Server:
     """A started server over ``model`` (``minimax_jax.infer.LoadedModel``): ``max_batch`` engine slots of
     ``max_len`` tokens (prompt + completion), at most ``max_queue`` waiting sequences, ``token_budget``
     tokens per scheduler iteration (``Scheduler``; None = a prefill chunk per prefilling sequence on top of
     the decode tokens), ``speculative`` None or "mtp", ``decode_loop`` greedy steps per device loop
     (``Scheduler``); a model loaded on a mesh runs the
     engine on it (``Scheduler(mesh=...)``). The page pool is the engine's
-    default (every slot at ``max_len``); ``model_name`` defaults to the checkpoint folder's name."""
+    default (every slot at ``max_len``); ``model_name`` defaults to the checkpoint folder's name. ``warmup``:
+    compile the engine's steps before returning (``Scheduler.warm_up``; RuntimeError if a warm-up request
+    fails)."""
     gen = Generator(model.cfg, model.params, model.tokenizer, engine="paged",
                     engine_options={"prefill_chunk": prefill_chunk, "prefix_cache": prefix_cache})
     metrics = Metrics()
@@ -51,6 +53,12 @@ def build(model, *, max_batch: int = 8, max_len: int = 4096, max_queue: int = 64
     name = model_name or os.path.basename(os.path.normpath(model.checkpoint_dir))
     app = build_app(sched, model.tokenizer, name, metrics=metrics, default_max_tokens=default_max_tokens)
     sched.start()
+    if warmup:
+        try:
+            sched.warm_up(model.cfg.vocab_size)
+        except BaseException:
+            sched.stop()
+            raise
     return Server(app, sched, metrics, name)
 
 
