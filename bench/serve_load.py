@@ -197,7 +197,8 @@ async def run_rates(f, base: str, model: str, vocab: int) -> list[dict]:
     # and one sampled request (temperature 1: never in a device loop), so that a server with --decode_loop > 1
     # has compiled its one-step decode too (the greedy warm-up decodes in a loop; the one-step path then compiled
     # on its first use inside the first timed rate, seen with JAX_LOG_COMPILES=1)
-    warm = dict(prompt=rng.integers(0, vocab, 16).tolist(), max_tokens=3, at=0.0, shared=False, temperature=1.0)
+    warm = dict(prompt=np.random.default_rng(f.seed + 1).integers(0, vocab, 16).tolist(), max_tokens=3, at=0.0,
+                shared=False, temperature=1.0)        # its own generator: the timed workloads stay as before
     w = await one(client, model, warm, time.perf_counter(), 1.0, f.timeout)
     if w["status"] != "ok":
         raise RuntimeError(f"sampled warm-up request failed: {w.get('error')}")

@@ -56,8 +56,8 @@ def build_parser(prog: str = PROG):
                         "iteration.")
     cli_main.add_bool(p, "prefix_cache", True, "Share cached prompt pages across requests.")
     cli_main.add_bool(p, "warmup", False, "Before listening, compile the engine's steps with a few internal requests "
-                      "(every power-of-two prompt length up to --prefill_chunk, the decode loop, the one-step "
-                      "decode), so that the first requests pay no compile time (startup takes longer).")
+                      "(the prefill step at every page-table width, the decode loop, the one-step decode), so that "
+                      "the first requests pay no compile time (startup takes longer).")
     cli_main.add_mesh(p)
     return cli_main.add_common(p, cache=True)
 

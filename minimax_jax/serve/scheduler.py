@@ -186,27 +186,30 @@ class Scheduler:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def warm_up(self, vocab: int, timeout_s: float = 1800.0) -> int:
-        """Compile the engine's steps before serving, so that the first requests pay no compile time: one greedy
-        request per power-of-two prompt length up to the prefill chunk (each prefill step shape; its second token
-        from a device loop when ``decode_loop > 1``), then one sampled request (temperature 1, never looped: the
-        one-step decode), two new tokens each, one at a time. Prompts are random ids in ``[0, vocab)``; the
-        metrics do not count these requests. Call after ``start`` and before serving. Where prefill steps take
-        power-of-two page-table widths (``prefill_widths="pow2"``, e.g. on a CPU) a longer context still compiles
-        its wider table on first use; with the GPU kernels' full table every prefill shape is covered.
+    def warm_up(self, vocab: int, timeout_s: float = 600.0) -> int:
+        """Compile the engine's steps before serving, so that the first requests pay no compile time: the prefill
+        step at every page-table width a prompt up to ``max_len`` uses (``DecodeEngine.compile_prefill``, all
+        padding, no slot touched; with MTP drafting also its variant returning hidden states), then, one at a
+        time, a greedy request (its second token from a device loop when ``decode_loop > 1``), a sampled one
+        (temperature 1, never looped: the one-step decode) and, with MTP drafting, one with a repetition penalty
+        (decoded without drafts); two new tokens each, prompts of random ids in ``[0, vocab)``, not counted by the
+        metrics. Call after ``start`` and before serving.
 
-        Returns the number of requests run. Raises RuntimeError naming the request that failed or did not finish
-        within ``timeout_s`` seconds."""
-        chunk = int(self.engine.prefill_chunk)
-        room = self.max_len - 2 - self._extra
-        lengths = [n for n in (2 ** b for b in range(chunk.bit_length())) if n <= min(chunk, room)]
-        if not lengths:
-            raise RuntimeError(f"warm-up: max_len {self.max_len} leaves no room for a prompt")
-        runs = [(n, SamplingParams()) for n in lengths] + [(min(16, lengths[-1]), SamplingParams(temperature=1.0))]
+        Returns the number of requests run. Raises RuntimeError when the worker is not running, or naming the
+        request that failed or did not finish within ``timeout_s`` seconds."""
+        if not self.alive:
+            raise RuntimeError("warm_up needs a started scheduler (start() first; the worker is not running)")
+        self.engine.compile_prefill()
+        if self.mtp is not None:
+            self.engine.compile_prefill(return_hidden=True)
+        n = max(1, min(8, self.max_len - 2 - self._extra))
+        runs = [("greedy", SamplingParams()), ("sampled", SamplingParams(temperature=1.0))]
+        if self.mtp is not None:
+            runs.append(("penalised", SamplingParams(repetition_penalty=1.1)))
         rng = np.random.default_rng(0)
         metrics, self.metrics = self.metrics, None
         try:
-            for n, params in runs:
+            for label, params in runs:
                 done, errors = threading.Event(), []
 
                 def emit(ev, done=done, errors=errors):
@@ -214,7 +217,7 @@ class Scheduler:
                         errors.append(ev.get("message"))
                     if ev["type"] in ("error", "done"):
                         done.set()
-                what = f"warm-up request ({n} prompt tokens, temperature {params.temperature:g})"
+                what = f"{label} warm-up request"
                 self.submit([Sequence(rng.integers(0, vocab, n).tolist(), 2, params, emit, ignore_eos=True)])
                 if not done.wait(timeout_s):
                     raise RuntimeError(f"{what} did not finish within {timeout_s:g} s")

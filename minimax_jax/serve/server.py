@@ -42,7 +42,7 @@ def build(model, *, max_batch: int = 8, max_len: int = 4096, max_queue: int = 64
     engine on it (``Scheduler(mesh=...)``). The page pool is the engine's
     default (every slot at ``max_len``); ``model_name`` defaults to the checkpoint folder's name. ``warmup``:
     compile the engine's steps before returning (``Scheduler.warm_up``; RuntimeError if a warm-up request
-    fails)."""
+    fails, the worker then stopped)."""
     gen = Generator(model.cfg, model.params, model.tokenizer, engine="paged",
                     engine_options={"prefill_chunk": prefill_chunk, "prefix_cache": prefix_cache})
     metrics = Metrics()

@@ -25,9 +25,11 @@ data-dependent ``pl.ds`` slices and masked ``pallas.triton`` loads / stores):
   visit do nothing. Program id -> (visit, column tile) with the column tile fastest, so the
   programs running at the same time share an lhs row block and walk one group's weights (L2 reuse).
   With ``TileConfig.visit_group = n > 1`` the ids walk n consecutive visits per column tile first
-  (the grouped ordering of Triton's matmul tutorial): the visits of one expert then start together
-  and read each weight tile at about the same time, where visits of one expert n_col ids apart may run
-  far enough apart in time that the second read of a weight tile misses L2.
+  (the grouped ordering of Triton's matmul tutorial; the visit count, and so the grid, is rounded up
+  to a multiple of n with empty visits): the visits of one expert then start together. The hypothesis,
+  not yet measured: visits of one expert n_col ids apart, resident at the same time but started at
+  different times, read a weight tile far enough apart that the second read misses L2 (M3's first
+  projection runs at about one HBM read of each expert's weight per visit; BENCHMARKS.md (MoE)).
   fp32 accumulation over a static loop of ``cdiv(K, bk)`` steps, output in the requested dtype.
 - tail folding (``TileConfig.fold = f > 0``): a group of ``s = q * bm + r`` rows with ``q >= 1`` full
   blocks and a remainder ``0 < r <= f`` gets ``q`` visits instead of ``q + 1``: its last visit is
