@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call for issue 29: (1) the tile sweep at M3's expert shapes (h 6144, i 3072, 128 experts, top-4;
+# One device call for issue 29: (1) the tile sweep at M3's expert shapes (and at M2's with SWEEP_M2_S > 0) (h 6144, i 3072, 128 experts, top-4;
 # the defaults were swept at M2's only, and M3's grouped matmuls ran at 53 % / 50 % of the dense rate at 8K tokens
 # against M2's 67 % / 57 % in session 33; the candidates include visit_group 2 / 4 / 8, not yet measured: M3's first
 # projection reads each 75 MB expert weight about once per visit from HBM, see BENCHMARKS.md (MoE), session 34); (2) bench/moe.py's timed rows and interleaved rounds with the default
@@ -13,12 +13,16 @@ export PYTHONUNBUFFERED=1   # a timeout must not swallow the rows already printe
 : "${OUT:?set OUT to the output folder}"
 cd "$(dirname "$0")/.."
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-if [ "${SWEEP_S:-150}" -gt 0 ]; then
-    timeout "${SWEEP_S:-150}" python3 bench/moe.py --models m3 --tokens 8192 --sweep-model m3 \
-        --variants pallas_gpu_gmm,dense_matmul --budget-s "$(( ${SWEEP_S:-150} - 20 ))" --out "$OUT/sweep" \
-        > "$OUT/sweep.log" 2>&1
-    echo "m3 sweep rc $?"; grep -vE "^W0000|^I0000|^\{" "$OUT/sweep.log" | tail -25
-fi
+# (1) the sweeps: M3 first, then M2 (SWEEP_M2_S > 0); the kernels SWEEP_KERNELS (default the forward and the
+# input gradient, whose candidates include visit_group; "fwd,dlhs,tgmm" adds the weight gradient's 11)
+for M in m3 m2; do
+    S=${SWEEP_S:-150}; [ "$M" = m2 ] && S=${SWEEP_M2_S:-0}
+    [ "$S" -gt 0 ] || continue
+    timeout "$S" python3 bench/moe.py --models "$M" --tokens 8192 --sweep-model "$M" \
+        --sweep-kernels "${SWEEP_KERNELS:-fwd,dlhs}" --variants pallas_gpu_gmm,dense_matmul \
+        --budget-s "$(( S - 20 ))" --out "$OUT/sweep_$M" > "$OUT/sweep_$M.log" 2>&1
+    echo "$M sweep rc $?"; grep -vE "^W0000|^I0000|^\{" "$OUT/sweep_$M.log" | tail -25
+done
 timeout "${MOE_S:-200}" python3 bench/moe.py --models m2,m3 --tokens "${TOKENS:-8192}" --no-sweep \
     --variants pallas_gpu_gmm,dense_matmul,pallas_gpu --rounds 3 --reps 5 --budget-s "$(( ${MOE_S:-200} - 30 ))" \
     --out "$OUT/moe" > "$OUT/moe.log" 2>&1
