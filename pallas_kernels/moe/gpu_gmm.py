@@ -151,8 +151,9 @@ FP8_DTYPE = jnp.float8_e4m3fn   # the FP8 weights gmm_forward takes with rhs_sca
 #: order (bench/moe.py --tiny sweeps the first three), around the defaults: tail folding (``fold``), a
 #: smaller K step with a deeper pipeline, and half-height tails. ``fold`` 64 with four stages of a 128 +
 #: 64-row tile would need ~224 KiB of shared memory, so it runs with three (or with bk = 32). Results
-#: and the configs tried and dropped: BENCHMARKS.md (MoE). The visit_group candidates (last three) are not measured
-#: yet (bench/moe_ws_check.sh sweeps them at M3's shapes).
+#: and the configs tried and dropped: BENCHMARKS.md (MoE). The last four are not measured yet (bench/moe_ws_check.sh
+#: sweeps them at M3's shapes): visit_group 2 / 4 / 8, and 256-row tiles (one weight tile load per 256 rows of an
+#: expert, about one visit per expert at M2 / M3's ~256 rows per expert at 8K tokens).
 CANDIDATES = (
     TileConfig(128, 64, 256, 8, 3),
     TileConfig(128, 64, 256, 8, 3, fold=64),
@@ -163,6 +164,7 @@ CANDIDATES = (
     TileConfig(128, 64, 256, 8, 4, half_tail=True, visit_group=2),
     TileConfig(128, 64, 256, 8, 4, half_tail=True, visit_group=4),
     TileConfig(128, 64, 256, 8, 4, half_tail=True, visit_group=8),
+    TileConfig(256, 64, 128, 8, 3, half_tail=True),
 )
 #: tgmm candidates (output tile bk x bn, bm rows per step); results and the designs tried and dropped:
 #: BENCHMARKS.md (MoE).

@@ -114,11 +114,13 @@ def test_gmm_forward_and_gradients_match_ragged_dot(m, k, n, g, n_empty, dtype):
 
 
 def test_default_tiles_and_other_tile_shapes():
-    """The Hopper default config (tiles larger than the groups) and a 16-row tile give the same result."""
+    """The Hopper default config (tiles larger than the groups), a 16-row tile and 256-row tiles with half-height
+    tails give the same result."""
     lhs, rhs, gs, cot, _ = _case(None, 260, 128, 128, 6, 1, jnp.float32)
     ry, rdlhs, rdrhs = _reference(lhs, rhs, gs, cot)
     for cfg, tcfg in ((gpu_gmm.DEFAULT_CONFIG, gpu_gmm.DEFAULT_TGMM_CONFIG),
-                      (TileConfig(16, 64, 32, 2, 1), TileConfig(16, 16, 128, 2, 1))):
+                      (TileConfig(16, 64, 32, 2, 1), TileConfig(16, 16, 128, 2, 1)),
+                      (TileConfig(256, 32, 64, 4, 1, half_tail=True), SMALL_T)):     # 256-row tiles, 128-row tails
         y, dlhs, drhs = _kernel(lhs, rhs, gs, cot, cfg, tcfg)
         for a, b, what in ((y, ry, "y"), (dlhs, rdlhs, "dlhs"), (drhs, rdrhs, "drhs")):
             _close(a, b, jnp.float32, f"{what} {cfg.label()}")
@@ -390,7 +392,8 @@ def test_kernels_lower_for_cuda_at_m2_shapes():
     m, kd, nd, g = 65536, 3072, 3072, 256
 
     for cfg in (None, TileConfig(128, 64, 256, 8, 3, half_tail=True), TileConfig(128, 64, 256, 8, 3, fold=64),
-                TileConfig(128, 64, 256, 8, 4, half_tail=True, visit_group=4)):
+                TileConfig(128, 64, 256, 8, 4, half_tail=True, visit_group=4),
+                TileConfig(256, 64, 128, 8, 3, half_tail=True)):
         def f(a, b, gs, c, cfg=cfg):
             y, vjp = jax.vjp(lambda a, b: gpu_gmm.gmm(a, b, gs, config=cfg, dlhs_config=cfg), a, b)
             return y, vjp(c)
