@@ -444,7 +444,8 @@ def gmm_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, trans
     n_col = pl.cdiv(ndim, cfg.bn)
     kernel = functools.partial(_gmm_kernel, bm=cfg.bm, bk=cfg.bk, bn=cfg.bn, n_groups=g, n_col_tiles=n_col,
                                kdim=kdim, ndim=ndim, transpose_rhs=transpose_rhs, half_tail=cfg.half_tail,
-                               fold=cfg.fold, visit_group=cfg.visit_group, scale_block=tuple(scale_block) if fp8 else None, pairs=pairs)
+                               fold=cfg.fold, visit_group=cfg.visit_group,
+                               scale_block=tuple(scale_block) if fp8 else None, pairs=pairs)
     return pl.pallas_call(
         kernel,
         grid=(tab.shape[1] * n_col,),
