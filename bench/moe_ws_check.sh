@@ -8,7 +8,8 @@
 # bench/moe_fp8.py (FP8_S > 0; its first full GPU run was session 33); (4) the 8K x 8 dense training step with its
 # per-kernel profile (remat dots_kernels where its ~84 GiB plan fits, i.e. on 141 GB H200s; remat full on 80 GB
 # H100s, whose ~63 GiB plan needs a memory fraction above jax's default 0.75).
-# Run from the repository root with OUT set (the device tool's output folder); per-part caps in seconds.
+# Run from the repository root with OUT set (the device tool's output folder); per-part caps in seconds (SWEEP_S,
+# SWEEP_M2_S, MOE_S, FP8_S, TRAIN_S; 0 skips that part).
 set -u
 export PYTHONUNBUFFERED=1   # a timeout must not swallow the rows already printed
 : "${OUT:?set OUT to the output folder}"
@@ -24,16 +25,20 @@ for M in m3 m2; do
         --budget-s "$(( S - 20 ))" --out "$OUT/sweep_$M" > "$OUT/sweep_$M.log" 2>&1
     echo "$M sweep rc $?"; grep -vE "^W0000|^I0000|^\{" "$OUT/sweep_$M.log" | tail -25
 done
-timeout "${MOE_S:-200}" python3 bench/moe.py --models m2,m3 --tokens "${TOKENS:-8192}" --no-sweep \
-    --variants pallas_gpu_gmm,dense_matmul,pallas_gpu --rounds 3 --reps 5 --budget-s "$(( ${MOE_S:-200} - 30 ))" \
-    --out "$OUT/moe" > "$OUT/moe.log" 2>&1
-echo "moe rc $?"; grep -vE "^W0000|^I0000|^\{" "$OUT/moe.log" | tail -25
+if [ "${MOE_S:-200}" -gt 0 ]; then      # 0 skips a part (timeout 0 would mean no limit)
+    timeout "${MOE_S:-200}" python3 bench/moe.py --models m2,m3 --tokens "${TOKENS:-8192}" --no-sweep \
+        --variants pallas_gpu_gmm,dense_matmul,pallas_gpu --rounds 3 --reps 5 --budget-s "$(( ${MOE_S:-200} - 30 ))" \
+        --out "$OUT/moe" > "$OUT/moe.log" 2>&1
+    echo "moe rc $?"; grep -vE "^W0000|^I0000|^\{" "$OUT/moe.log" | tail -25
+fi
 if [ "${FP8_S:-0}" -gt 0 ]; then
     timeout "$FP8_S" python3 bench/moe_fp8.py --tokens 1,32,128,8192 --reps 10 --out "$OUT/fp8" > "$OUT/fp8.log" 2>&1
     echo "fp8 rc $?"; grep -vE "^W0000|^I0000" "$OUT/fp8.log" | tail -14
 fi
-mem_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
-remat=full; [ "${mem_mib:-0}" -gt 100000 ] && remat=dots_kernels
-XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout "${TRAIN_S:-150}" python3 bench/train_step.py --modes dense --batch 8 \
-    --steps 3 --warmup 1 --remat "$remat" --profile 1 --out "$OUT/train" > "$OUT/train.log" 2>&1
-echo "train (remat $remat) rc $?"; grep -iE "mfu|grouped_matmul|step" "$OUT/train.log" | tail -6
+if [ "${TRAIN_S:-150}" -gt 0 ]; then
+    mem_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+    remat=full; [ "${mem_mib:-0}" -gt 100000 ] && remat=dots_kernels
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout "${TRAIN_S:-150}" python3 bench/train_step.py --modes dense --batch 8 \
+        --steps 3 --warmup 1 --remat "$remat" --profile 1 --out "$OUT/train" > "$OUT/train.log" 2>&1
+    echo "train (remat $remat) rc $?"; grep -iE "mfu|grouped_matmul|step" "$OUT/train.log" | tail -6
+fi
