@@ -134,7 +134,8 @@ class TileConfig:
         """Short name, e.g. ``128x64x128w4s4`` (suffix ``h``: half-height tiles for short visits;
         ``fold64``: group remainders of <= 64 rows folded into the previous visit; ``g4``: visit_group 4)."""
         return (f"{self.bm}x{self.bk}x{self.bn}w{self.num_warps}s{self.num_stages}" + ("h" if self.half_tail else "")
-                + (f"fold{self.fold}" if self.fold else "") + (f"g{self.visit_group}" if self.visit_group > 1 else ""))
+                + (f"fold{self.fold}" if self.fold else "")
+                + (f"g{self.visit_group}" if self.visit_group > 1 else ""))
 
 
 #: Hopper defaults: the fastest configs of bench/moe.py's sweep of CANDIDATES / TGMM_CANDIDATES at the M2
