@@ -31,13 +31,14 @@ CPU smoke run (tiny shapes; the Pallas kernels run in interpret mode):
    transports against the same reference.
 2. Timing (median of repeats, ``block_until_ready``, after compile + warm-up) per model shape and
    tokens per step: the whole dropless MoE expert computation (sort, permute, two grouped matmuls,
-   activation, un-permute + combine) with the Pallas kernels ("pallas_gpu"), with tokamax
-   ("tokamax") and with XLA ragged_dot
-   ("xla_ragged", run on 1/16 of the tokens because XLA materialises [rows, experts, dim]), the
-   two grouped matmuls alone on pre-sorted rows with the gated activation between ("pallas_gpu_gmm",
-   "tokamax_gmm"; bf16 outputs and, for forward+backward, the VJP of a given cotangent, as the dense
-   variant), the fixed-shape capacity path with
-   capacity factor 1.25 ("xla_capacity"), and "dense_matmul": plain matmuls [T*k, H] x [H, 2I] and
+   activation, un-permute + combine) with the Pallas kernels, the activation fused into the first
+   grouped matmul's epilogue in the forward as the model runs it ("pallas_gpu") or after it
+   ("pallas_gpu_separate"), with tokamax ("tokamax") and with XLA ragged_dot ("xla_ragged", run on
+   1/16 of the tokens because XLA materialises [rows, experts, dim]), the two grouped matmuls alone on
+   pre-sorted rows with the gated activation between ("pallas_gpu_gmm", "tokamax_gmm";
+   "pallas_gpu_gmm_gated": the activation in the first one's epilogue; bf16 outputs and, for
+   forward+backward, the VJP of a given cotangent, as the dense variant), the fixed-shape capacity path
+   with capacity factor 1.25 ("xla_capacity"), and "dense_matmul": plain matmuls [T*k, H] x [H, 2I] and
    [T*k, I] x [I, H] with the same FLOPs. FLOPs = 6 * T * k * H * I forward, 3x that for
    forward+backward (gradients of x and both weights); each row's ``vs_dense`` = its rate / the
    dense matmul's rate at the same model, tokens and mode in the same run (also a table column). A
@@ -97,11 +98,12 @@ from jax.sharding import PartitionSpec as PS  # noqa: E402
 from minimax_jax import sharding as sh  # noqa: E402
 from minimax_jax.ops import moe  # noqa: E402
 from minimax_jax.ops import registry  # noqa: E402
+from minimax_jax.ops.moe.activation import GatedActivation  # noqa: E402
 from minimax_jax.ops.moe.grouped_matmul import grouped_matmul, tokamax_status  # noqa: E402
 from minimax_jax.ops.moe.permute import group_starts, permute_rows, sort_by_expert, unpermute_combine  # noqa: E402
 from minimax_jax.ops.registry import clear_implementation_report, implementation_report  # noqa: E402
 from pallas_kernels.common import gpu_sm_count, match_vma  # noqa: E402
-from pallas_kernels.moe import gpu_gmm  # noqa: E402
+from pallas_kernels.moe import gpu_gmm, gpu_gmm_gated  # noqa: E402
 from pallas_kernels.moe.gpu_tgmm_ws import WS_TGMM_CANDIDATES  # noqa: E402
 
 SHAPES = {"m2": dict(h=3072, i=1536, e=256, k=8), "m3": dict(h=6144, i=3072, e=128, k=4)}
@@ -110,7 +112,8 @@ CHECK = dict(h=1024, i=512, e=32, k=8)   # correctness shapes on the GPU (tile-f
 # Pallas kernel-level check (rows, K, N, groups, empty groups): sizes off the tiles, sum < rows
 GMM_CHECK = dict(m=4096, kd=1024, nd=1536, g=32, empty=3)
 GMM_CHECK_TINY = dict(m=200, kd=64, nd=96, g=6, empty=2)
-ALL_VARIANTS = ("pallas_gpu", "pallas_gpu_gmm", "tokamax", "tokamax_gmm", "xla_capacity", "dense_matmul",
+ALL_VARIANTS = ("pallas_gpu", "pallas_gpu_separate", "pallas_gpu_gmm", "pallas_gpu_gmm_gated", "tokamax", "tokamax_gmm",
+                "xla_capacity", "dense_matmul",
                 "xla_ragged")
 HI = jax.lax.Precision.HIGHEST
 SWEEP_KERNELS = ("fwd", "dlhs", "tgmm")
@@ -148,10 +151,15 @@ def _timeit(f, args, reps, budget_s):
     return statistics.median(times), compile_s, len(times)
 
 
-def _moe_fns(impl, **kw):
-    """(forward, forward+backward) of the whole MoE expert computation, args (x, w, ex, wi, wo, cot)."""
+#: the model's form of ``_act``: the Pallas grouped matmul fuses it into its epilogue (forward only)
+GATED = GatedActivation("silu")
+
+
+def _moe_fns(impl, act=_act, **kw):
+    """(forward, forward+backward) of the whole MoE expert computation, args (x, w, ex, wi, wo, cot); ``act``
+    ``GATED`` fuses the activation into the first grouped matmul of the Pallas path (``_act``: separate)."""
     def fwd(x, w, ex, wi, wo, cot):
-        return moe.moe_experts(x, w, ex, wi, wo, _act, implementation=impl, **kw)
+        return moe.moe_experts(x, w, ex, wi, wo, act, implementation=impl, **kw)
 
     def fwdbwd(x, w, ex, wi, wo, cot):
         # value_and_grad: the loss is an output, so XLA cannot drop the last forward matmul
@@ -176,7 +184,7 @@ def _pallas_layer_fns(impl, configs):
     default tiles run ``moe_experts`` itself; others the same dropless path (sort, permute, both grouped
     matmuls with the activation between, un-permute + combine) with the kernels called with ``configs``."""
     if dict(configs) == dict(gpu_gmm.DEFAULT_CONFIGS):
-        return _moe_fns(impl)
+        return _moe_fns(impl, GATED)
     gmm = _pallas_gmm(impl, configs)
 
     def fwd(x, w, ex, wi, wo, cot):
@@ -195,7 +203,7 @@ def _variants(avail_tokamax, pallas_impl, configs=gpu_gmm.DEFAULT_CONFIGS):
     """name -> (kind, (forward, forward+backward)); the Pallas variants run with the tile ``configs``."""
     full = _moe_fns
 
-    def gmm_only(impl):
+    def gmm_only(impl, gated=False):
         # The same harness as dense() below: bf16 outputs, and for fwd+bwd the VJP of a given cotangent
         # with the primal output returned. What remains in this path beyond the dense matmuls is the
         # gated activation between the two grouped matmuls and its VJP.
@@ -206,6 +214,9 @@ def _variants(avail_tokamax, pallas_impl, configs=gpu_gmm.DEFAULT_CONFIGS):
                 return grouped_matmul(lhs, rhs, gs, implementation=impl, preferred_element_type=out_dtype)
 
         def fwd(xs, gs, wi, wo, cot):
+            if gated:   # the activation in the first kernel's epilogue (forward only; the backward: separate)
+                return gmm(gpu_gmm_gated.gmm_gated(xs, wi.astype(xs.dtype), gs.astype(jnp.int32), GATED.gate_fn,
+                                             interpret=impl.endswith("interpret")), wo, gs, xs.dtype)
             return gmm(_act(gmm(xs, wi, gs, xs.dtype)), wo, gs, xs.dtype)
 
         def fwdbwd(xs, gs, wi, wo, cot):
@@ -228,7 +239,9 @@ def _variants(avail_tokamax, pallas_impl, configs=gpu_gmm.DEFAULT_CONFIGS):
     out = {}
     if pallas_impl is not None:
         out["pallas_gpu"] = ("full", _pallas_layer_fns(pallas_impl, configs))
+        out["pallas_gpu_separate"] = ("full", _moe_fns(pallas_impl))
         out["pallas_gpu_gmm"] = ("gmm", gmm_only(pallas_impl))
+        out["pallas_gpu_gmm_gated"] = ("gmm", gmm_only(pallas_impl, gated=True))
     if avail_tokamax:
         out["tokamax"] = ("full", full("tokamax"))
         out["tokamax_gmm"] = ("gmm", gmm_only("tokamax"))
@@ -247,15 +260,15 @@ def check(shapes, dtype, results, impls, ep_impls):
     x, w, ex, wi, wo, cot = _problem(s, 1024 if s["h"] > 200 else 64, dtype, seed=11)
 
     def loss(impl, x, wi, wo, **kw):
-        return jnp.sum(moe.moe_experts(x, w, ex, wi, wo, _act, implementation=impl, **kw).astype(jnp.float32)
+        return jnp.sum(moe.moe_experts(x, w, ex, wi, wo, GATED, implementation=impl, **kw).astype(jnp.float32)
                        * cot.astype(jnp.float32))
 
     f32 = [a.astype(jnp.float32) for a in (x, wi, wo)]
-    ref_y = moe.moe_experts(f32[0], w, ex, f32[1], f32[2], _act, implementation="xla_dense")
+    ref_y = moe.moe_experts(f32[0], w, ex, f32[1], f32[2], GATED, implementation="xla_dense")
     ref_g = jax.grad(lambda *a: loss("xla_dense", *a), argnums=(0, 1, 2))(*f32)
     cases = [(impl, {"capacity_factor": float(s["e"]) / s["k"]} if impl == "xla_capacity" else {}) for impl in impls]
     for impl, kw in cases:
-        y = jax.jit(lambda x, wi, wo: moe.moe_experts(x, w, ex, wi, wo, _act, implementation=impl, **kw))(x, wi, wo)
+        y = jax.jit(lambda x, wi, wo: moe.moe_experts(x, w, ex, wi, wo, GATED, implementation=impl, **kw))(x, wi, wo)
         g = jax.jit(jax.grad(lambda *a: loss(impl, *a, **kw), argnums=(0, 1, 2)))(x, wi, wo)
         errs = [_rel(y, ref_y)] + [_rel(a, b) for a, b in zip(g, ref_g)]
         results.append({"check": impl, "rel_err_y_dx_dwi_dwo": errs, "ok": bool(max(errs) < 2e-2)})
@@ -271,11 +284,12 @@ def check(shapes, dtype, results, impls, ep_impls):
         for impl in ep_impls:
             for transport in ep_transports:
                 with sh.use_mesh(mesh, sh.load_rules("default")):
-                    fn = jax.jit(lambda x, wi, wo, t=transport: moe.moe_experts(x, w, ex, wi, wo, _act, ep_transport=t,
+                    fn = jax.jit(lambda x, wi, wo, t=transport: moe.moe_experts(x, w, ex, wi, wo, GATED, ep_transport=t,
                                                                               implementation=impl))
                     y = fn(x, wi, wo)
                     g = jax.jit(jax.grad(lambda x, wi, wo, t=transport: jnp.sum(
-                        moe.moe_experts(x, w, ex, wi, wo, _act, ep_transport=t, implementation=impl).astype(jnp.float32)
+                        moe.moe_experts(x, w, ex, wi, wo, GATED, ep_transport=t,
+                                        implementation=impl).astype(jnp.float32)
                         * cot.astype(jnp.float32)), argnums=(0, 1, 2)))(x, wi, wo)
                 errs = [_rel(y, ref_y)] + [_rel(a, b) for a, b in zip(g, ref_g)]
                 name = f"expert_parallel[{transport},ep={len(jax.devices())}]" + ("" if impl == "auto" else f"[{impl}]")

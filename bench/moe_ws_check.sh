@@ -27,7 +27,8 @@ for M in m3 m2; do
 done
 if [ "${MOE_S:-200}" -gt 0 ]; then      # 0 skips a part (timeout 0 would mean no limit)
     timeout "${MOE_S:-200}" python3 bench/moe.py --models m2,m3 --tokens "${TOKENS:-8192}" --no-sweep \
-        --variants pallas_gpu_gmm,dense_matmul,pallas_gpu --rounds 3 --reps 5 --budget-s "$(( ${MOE_S:-200} - 30 ))" \
+        --variants pallas_gpu_gmm,pallas_gpu_gmm_gated,dense_matmul,pallas_gpu,pallas_gpu_separate --rounds 3 --reps 5 \
+        --budget-s "$(( ${MOE_S:-200} - 30 ))" \
         --out "$OUT/moe" > "$OUT/moe.log" 2>&1
     echo "moe rc $?"; grep -vE "^W0000|^I0000|^\{" "$OUT/moe.log" | tail -25
 fi

@@ -11,8 +11,9 @@ import jax
 import jax.numpy as jnp
 
 from minimax_jax.config import ModelConfig
+from minimax_jax.ops.moe.activation import GatedActivation
 
-__all__ = ["rms_norm", "rope_frequencies", "apply_rope", "swiglu", "dense_mlp"]
+__all__ = ["rms_norm", "rope_frequencies", "apply_rope", "gated_activation", "swiglu", "dense_mlp"]
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, *, eps: float, kind: str) -> jax.Array:
@@ -70,21 +71,19 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
+def gated_activation(cfg: ModelConfig) -> GatedActivation:
+    """The config's gated MLP activation (``cfg.mlp_activation``: ``"silu"`` for M2, ``"swigluoai"`` for M3)."""
+    return GatedActivation(cfg.mlp_activation, cfg.swiglu_alpha, cfg.swiglu_limit)
+
+
 def swiglu(gate_up: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Gated activation over a fused ``[..., 2I]`` gate/up projection (gate first).
+    """Gated activation over a fused ``[..., 2I]`` gate/up projection (gate first): ``gated_activation(cfg)``.
 
     ``"silu"``: ``silu(gate) * up`` (M2). ``"swigluoai"`` (M3): ``gate = min(gate, limit)``,
     ``up = clip(up, -limit, limit)``, ``out = gate * sigmoid(alpha * gate) * (up + 1)``.
     Returns ``[..., I]`` in the input dtype (computed in float32).
     """
-    g, u = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
-    if cfg.mlp_activation == "silu":
-        out = jax.nn.silu(g) * u
-    else:
-        g = jnp.minimum(g, cfg.swiglu_limit)
-        u = jnp.clip(u, -cfg.swiglu_limit, cfg.swiglu_limit)
-        out = g * jax.nn.sigmoid(cfg.swiglu_alpha * g) * (u + 1.0)
-    return out.astype(gate_up.dtype)
+    return gated_activation(cfg)(gate_up)
 
 
 def dense_mlp(x: jax.Array, wi: jax.Array, wo: jax.Array, cfg: ModelConfig) -> jax.Array:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from minimax_jax.config import ModelConfig, dtype_of
-from minimax_jax.model.layers import apply_rope, dense_mlp, rms_norm, rope_frequencies, swiglu
+from minimax_jax.model.layers import apply_rope, dense_mlp, gated_activation, rms_norm, rope_frequencies
 from minimax_jax.model.msa_block import msa_block
 from minimax_jax.model.params import layer_segments, mtp_layer_kinds
 from minimax_jax.ops import context_parallel
@@ -233,8 +233,7 @@ def mlp_block(p, x, cfg: ModelConfig, mlp_type: str):
     b, t, h = x.shape
     xf = x.reshape(b * t, h)
     weights, experts, load = route(xf, m["router"], m["router_bias"], cfg.num_experts_per_tok)
-    y = moe_experts(xf, weights, experts, m["wi"], m["wo"], lambda g: swiglu(g, cfg),
-                    implementation=cfg.moe_impl)
+    y = moe_experts(xf, weights, experts, m["wi"], m["wo"], gated_activation(cfg), implementation=cfg.moe_impl)
     y = y * jnp.asarray(cfg.routed_scaling_factor, y.dtype)
     if "shared_wi" in m:
         y = y + dense_mlp(xf, m["shared_wi"], m["shared_wo"], cfg)

@@ -49,6 +49,11 @@ data-dependent ``pl.ds`` slices and masked ``pallas.triton`` loads / stores):
   gradient, the FP8 weights are constants. Weights of 2**31-2**32 one-byte elements (M2's gate / up projection)
   are read as uint16 byte pairs (``common.needs_byte_pairs``; an XLA bitcast, no copy): Triton's
   int32 element offsets would overflow.
+- gated epilogue (``gpu_gmm_gated.gmm_gated``, ``gmm_forward(gate_fn=)``): for the first MoE matmul, whose
+  weight holds the gate columns then the up columns (``[G, K, 2I]``), a program loads per K step one weight
+  tile of each half (columns ``[n0, n0 + bn)`` and ``[I + n0, I + n0 + bn)``) into two fp32 accumulators,
+  rounds both to lhs.dtype and stores ``gate_fn(gate, up)``: ``[M, I]`` out, and the ``[M, 2I]`` intermediate
+  is neither written nor read back by a separate activation. Forward only: differentiated, the separate path runs (the backward needs h).
 - transpose_rhs: the same kernel loads ``rhs[g]`` tiles ``[bn, bk]`` and contracts their last
   dimension (``dot_general`` with a transposed operand; Triton transposes in shared memory), so
   dlhs needs no transposed copy of the weights.
@@ -255,7 +260,7 @@ def _load(ref, rows=None, cols=None):
 
 
 def _gmm_kernel(tab_ref, lhs_ref, rhs_ref, *refs, bm, bk, bn, n_groups, n_col_tiles, kdim, ndim,
-                transpose_rhs, half_tail, fold, visit_group=1, scale_block=None, pairs=False):
+                transpose_rhs, half_tail, fold, visit_group=1, scale_block=None, pairs=False, gate_fn=None):
     scale_ref, out_ref = refs if scale_block else (None, refs[0])
     pid = pl.program_id(0)
     if visit_group == 1:
@@ -272,6 +277,9 @@ def _gmm_kernel(tab_ref, lhs_ref, rhs_ref, *refs, bm, bk, bn, n_groups, n_col_ti
     hi = tab_ref[2, v]
     n0 = pl.multiple_of(j * bn, bn)
     cmask = (n0 + _iota(bn)) < ndim if ndim % bn else None
+    # gated epilogue: output column c = gate_fn(gate column c, up column ndim + c) of rhs [G, K, 2 * ndim]
+    # (ndim % bn == 0, asserted by gmm_forward): one weight tile per half and K step, two accumulators
+    col0s = (n0,) if gate_fn is None else (n0, pl.multiple_of(ndim + n0, bn))
 
     def tile(rm, extra=0):
         """Rows [lo, lo + rm) of the visit (masked at hi) x columns [n0, n0 + bn). With extra > 0 (an
@@ -280,31 +288,42 @@ def _gmm_kernel(tab_ref, lhs_ref, rhs_ref, *refs, bm, bk, bn, n_groups, n_col_ti
         parts = ((lo, rm, True),) if not extra else ((lo, rm, False), (lo + rm, extra, True))   # (row0, rows, masked)
         rmasks = [(r0 + _iota(r)) < hi if masked else None for r0, r, masked in parts]
 
-        def body(kk, accs):
-            k0 = pl.multiple_of(kk * bk, bk)
-            kmask = (k0 + _iota(bk)) < kdim if kdim % bk else None
-            a = [_load(lhs_ref.at[pl.ds(r0, r), pl.ds(k0, bk)], rmask, kmask)
-                 for (r0, r, _), rmask in zip(parts, rmasks)]
+        def weight_tile(k0, kmask, c0):
+            """The ``[bk, bn]`` (transposed: ``[bn, bk]``) weight tile of columns ``[c0, c0 + bn)``."""
             if pairs:                                                 # rhs [G, K, N/2] uint16: tile [bk, bn/2]
                 pm = (jax.lax.div(n0, 2) + _iota(bn // 2)) < ndim // 2 if ndim % bn else None
-                b = from_byte_pairs(_load(rhs_ref.at[g, pl.ds(k0, bk), pl.ds(jax.lax.div(n0, 2), bn // 2)],
+                b = from_byte_pairs(_load(rhs_ref.at[g, pl.ds(k0, bk), pl.ds(jax.lax.div(c0, 2), bn // 2)],
                                           kmask, pm), FP8_DTYPE)
             elif transpose_rhs:                                       # rhs [G, N, K]: tile [bn, bk]
-                b = _load(rhs_ref.at[g, pl.ds(n0, bn), pl.ds(k0, bk)], cmask, kmask)
+                b = _load(rhs_ref.at[g, pl.ds(c0, bn), pl.ds(k0, bk)], cmask, kmask)
             else:                                                     # rhs [G, K, N]: tile [bk, bn]
-                b = _load(rhs_ref.at[g, pl.ds(k0, bk), pl.ds(n0, bn)], kmask, cmask)
+                b = _load(rhs_ref.at[g, pl.ds(k0, bk), pl.ds(c0, bn)], kmask, cmask)
             if scale_ref is not None:
                 # FP8 rhs: the tile lies in one scale block (bk | br, bn | bc); dequantised as
                 # Fp8Weight.astype does (float32(w) * scale, rounded to lhs.dtype), so the dot sees the
                 # same operand as on pre-dequantised weights
-                s = scale_ref[g, jax.lax.div(k0, scale_block[0]), jax.lax.div(n0, scale_block[1])]
+                s = scale_ref[g, jax.lax.div(k0, scale_block[0]), jax.lax.div(c0, scale_block[1])]
                 b = (b.astype(jnp.float32) * s).astype(lhs_ref.dtype)
-            return tuple(acc + _dot(ai, b, trans_b=transpose_rhs) for acc, ai in zip(accs, a))
+            return b
+
+        def body(kk, accs):     # accs[part][half]
+            k0 = pl.multiple_of(kk * bk, bk)
+            kmask = (k0 + _iota(bk)) < kdim if kdim % bk else None
+            a = [_load(lhs_ref.at[pl.ds(r0, r), pl.ds(k0, bk)], rmask, kmask)
+                 for (r0, r, _), rmask in zip(parts, rmasks)]
+            bs = [weight_tile(k0, kmask, c0) for c0 in col0s]
+            return tuple(tuple(acc + _dot(ai, b, trans_b=transpose_rhs) for acc, b in zip(pacc, bs))
+                         for pacc, ai in zip(accs, a))
 
         accs = jax.lax.fori_loop(0, pl.cdiv(kdim, bk), body,
-                                 tuple(jnp.zeros((r, bn), jnp.float32) for _, r, _ in parts))
-        for acc, (r0, r, _), rmask in zip(accs, parts, rmasks):
-            pltriton.store(out_ref.at[pl.ds(r0, r), pl.ds(n0, bn)], acc.astype(out_ref.dtype),
+                                 tuple(tuple(jnp.zeros((r, bn), jnp.float32) for _ in col0s) for _, r, _ in parts))
+        for pacc, (r0, r, _), rmask in zip(accs, parts, rmasks):
+            if gate_fn is None:
+                out = pacc[0]
+            else:   # gate and up rounded to lhs.dtype first, as the separate path stores them
+                gate, up = (acc.astype(lhs_ref.dtype).astype(jnp.float32) for acc in pacc)
+                out = gate_fn(gate, up)
+            pltriton.store(out_ref.at[pl.ds(r0, r), pl.ds(n0, bn)], out.astype(out_ref.dtype),
                            mask=_mask((r, bn), rmask, cmask))
 
     active = (hi > lo) & (g < n_groups)
@@ -397,8 +416,9 @@ def _check(lhs, rhs, group_sizes, transpose_rhs, fp8=False):
 def gmm_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool = False,
                 out_dtype=None, config: TileConfig | None = None, interpret: bool = False,
                 rhs_scale: jax.Array | None = None, scale_block: tuple[int, int] | None = None,
-                fp8_pairs: bool | None = None) -> jax.Array:
-    """Grouped matmul kernel (no autodiff): ``out[rows of g] = lhs[rows of g] @ op(rhs[g])``.
+                fp8_pairs: bool | None = None, gate_fn=None) -> jax.Array:
+    """Grouped matmul kernel (no autodiff): ``out[rows of g] = lhs[rows of g] @ op(rhs[g])``, or with
+    ``gate_fn`` the gated activation of it.
 
     Args:
       lhs: ``[M, K]`` bf16 / f16 / f32, rows sorted by group.
@@ -416,8 +436,14 @@ def gmm_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, trans
         in the kernel (``fp8_unsupported`` must pass; not with ``transpose_rhs``).
       fp8_pairs: read the FP8 rhs as uint16 byte pairs (``common.needs_byte_pairs``; None: where needed). Same
         values; needs an even N.
-    Returns: ``[M, N]`` in out_dtype; rows past ``sum(group_sizes)`` are exactly 0 (shapes and dtypes
-      asserted as above).
+      gate_fn: None, or a hashable elementwise ``f(gate, up) -> out`` on float32 ``[r, bn]`` tiles (a gated
+        activation, e.g. ``silu(gate) * up``): rhs ``[G, K, 2I]`` holds the gate columns first, and the output is
+        ``[M, I]``, ``out[:, c] = gate_fn(h[:, c], h[:, I + c])`` with ``h = lhs @ rhs[g]`` rounded to lhs.dtype
+        (what the separate path stores) -- the epilogue of the first MoE matmul, so ``h [M, 2I]`` is never
+        written. Needs ``I % config.bn == 0`` and no ``transpose_rhs``; a program computes both halves of its
+        ``bn`` output columns (so ``bn`` here does the work of ``2 bn`` without it).
+    Returns: ``[M, N]`` (``[M, N / 2]`` with ``gate_fn``) in out_dtype; rows past ``sum(group_sizes)`` are exactly
+      0 (shapes and dtypes asserted as above).
     Math: MegaBlocks (Gale et al. 2022) block-sparse grouped GEMM; see the module docstring.
     """
     fp8 = rhs_scale is not None
@@ -432,6 +458,10 @@ def gmm_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, trans
     m, kdim = lhs.shape
     g = rhs.shape[0]
     ndim = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    if gate_fn is not None:
+        assert not transpose_rhs and ndim % 2 == 0 and (ndim // 2) % cfg.bn == 0, (
+            f"gated gmm: rhs {rhs.shape} needs [G, K, 2I] with I a multiple of bn = {cfg.bn} (no transpose)")
+        ndim //= 2
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     pairs = fp8 and (needs_byte_pairs(rhs) if fp8_pairs is None else bool(fp8_pairs))
     if pairs:   # [G, K, N] 1-byte -> [G, K, N/2] uint16 (an XLA bitcast, no copy): element offsets stay below 2**31
@@ -446,14 +476,14 @@ def gmm_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, trans
     kernel = functools.partial(_gmm_kernel, bm=cfg.bm, bk=cfg.bk, bn=cfg.bn, n_groups=g, n_col_tiles=n_col,
                                kdim=kdim, ndim=ndim, transpose_rhs=transpose_rhs, half_tail=cfg.half_tail,
                                fold=cfg.fold, visit_group=cfg.visit_group,
-                               scale_block=tuple(scale_block) if fp8 else None, pairs=pairs)
+                               scale_block=tuple(scale_block) if fp8 else None, pairs=pairs, gate_fn=gate_fn)
     return pl.pallas_call(
         kernel,
         grid=(tab.shape[1] * n_col,),
         out_shape=typed_out_struct((m, ndim), out_dtype, lhs),
         compiler_params=_params(cfg),
         interpret=interpret,
-        name="gmm_t_gpu" if transpose_rhs else ("gmm_fp8_gpu" if fp8 else "gmm_gpu"),
+        name=("gmm_t_gpu" if transpose_rhs else ("gmm_fp8_gpu" if fp8 else "gmm_gpu")) + ("_gated" if gate_fn else ""),
     )(tab, lhs, rhs, *scale)
 
 
@@ -558,3 +588,4 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, config: TileC
     lhs, rhs, group_sizes = common_vma(lhs, rhs, group_sizes.astype(jnp.int32))
     return _gmm(lhs, rhs, group_sizes, out_dtype, config or DEFAULT_CONFIG,
                 dlhs_config or DEFAULT_DLHS_CONFIG, tgmm_config or DEFAULT_TGMM_CONFIG, bool(interpret))
+

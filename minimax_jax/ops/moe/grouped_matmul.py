@@ -39,11 +39,13 @@ import jax
 import jax.numpy as jnp
 
 from minimax_jax.ops import registry
+from minimax_jax.ops.moe.activation import GatedActivation
 from minimax_jax.ops.moe.fp8_weight import Fp8Weight
 from minimax_jax.ops.registry import Implementation, implementation_report, record_implementation
 from pallas_kernels.common import gpu_compute_capability, gpu_sm_count, match_vma, needs_byte_pairs
 from pallas_kernels.moe.gpu_gmm import gmm
 from pallas_kernels.moe.gpu_gmm_fp8 import fp8_config, fp8_unsupported, gmm_fp8
+from pallas_kernels.moe.gpu_gmm_gated import gated_config, gmm_gated
 from pallas_kernels.moe.gpu_tgmm_ws import ws_tgmm_config
 
 __all__ = ["grouped_matmul", "sorted_expert_mlp", "tokamax_status", "tokamax_supports", "zeros_past_sum"]
@@ -202,7 +204,8 @@ def _fp8_in_kernel_problem(rhs: Fp8Weight, interpret: bool) -> str | None:
 
 
 def _pallas(interpret: bool):
-    def run(lhs, rhs, group_sizes, *, preferred_element_type):
+    def run(lhs, rhs, group_sizes, *, preferred_element_type, gate_fn=None):
+        # gate_fn (sorted_expert_mlp only, after _gated_problem): the gated activation in the epilogue
         if isinstance(rhs, Fp8Weight):
             why = _fp8_in_kernel_problem(rhs, interpret)
             if why is None:
@@ -211,14 +214,38 @@ def _pallas(interpret: bool):
                          if needs_byte_pairs(rhs.w) else "")
                 _record_distinct(FP8_REPORT, f"dequantised per tile in the kernel (gmm_fp8, {cfg.label()}{pairs})")
                 return gmm_fp8(lhs, rhs.w, rhs.scale_inv, group_sizes, scale_block=rhs.block, config=cfg,
-                               interpret=interpret).astype(preferred_element_type)
+                               interpret=interpret, gate_fn=gate_fn).astype(preferred_element_type)
             rhs = _dense_rhs(lhs, rhs, why)
+        if gate_fn is not None:
+            return gmm_gated(lhs, rhs, group_sizes, gate_fn, tgmm_config=_tgmm_choice(lhs, rhs, interpret),
+                             interpret=interpret).astype(preferred_element_type)
         # Output in lhs.dtype (fp32 accumulation inside), widened outside as for tokamax: the backward
         # kernels then get a cotangent of the operands' dtype, and a bf16 output halves the kernel's
         # store traffic (sorted_expert_mlp narrows h to bf16 right after anyway).
         return gmm(lhs, rhs, group_sizes, tgmm_config=_tgmm_choice(lhs, rhs, interpret),
                    interpret=interpret).astype(preferred_element_type)
     return run
+
+
+GATED_REPORT = OP + ".gated"
+
+
+def _gated_problem(impl: str, xs, wi, act) -> str | None:
+    """Why ``sorted_expert_mlp`` cannot fuse ``act`` into the first grouped matmul's epilogue (None when it can):
+    it fuses a ``GatedActivation`` in the Pallas kernels, bf16 / f16 / f32 or in-kernel FP8 experts, I a multiple
+    of 16 (FP8: of the kernel's ``bn``)."""
+    if impl not in ("pallas_gpu", "pallas_gpu_interpret"):
+        return f"grouped matmul {impl!r} has no gated epilogue"
+    if not isinstance(act, GatedActivation):
+        return "the activation is not a GatedActivation"
+    if wi.shape[-1] % 2:
+        return f"odd gate/up width {wi.shape[-1]}"
+    half = wi.shape[-1] // 2
+    if isinstance(wi, Fp8Weight) and _fp8_in_kernel_problem(wi, impl.endswith("interpret")) is None:
+        bn = fp8_config(xs.shape[0], wi.shape[0], wi.block).bn
+        return None if half % bn == 0 else f"FP8 experts: I = {half} is not a multiple of the kernel's bn = {bn}"
+    cfg = gated_config(half)
+    return cfg if isinstance(cfg, str) else None
 
 
 def _pallas_supports(lhs=None, *_, **__) -> str | None:
@@ -253,7 +280,10 @@ def sorted_expert_mlp(xs: jax.Array, group_sizes: jax.Array, wi: jax.Array, wo: 
     """Gated expert MLP on rows sorted by expert: ``[M, H] -> [M, H]`` in ``out_dtype``.
 
     Args: ``xs [M, H]`` compute dtype, rows sorted by expert; ``group_sizes [G]`` int32, sum <= M;
-      ``wi [G, H, 2I]`` (gate columns first), ``wo [G, I, H]`` (arrays or ``Fp8Weight``); ``act`` maps ``[..., 2I] -> [..., I]``;
+      ``wi [G, H, 2I]`` (gate columns first), ``wo [G, I, H]`` (arrays or ``Fp8Weight``); ``act`` maps
+      ``[..., 2I] -> [..., I]`` (a ``GatedActivation`` runs in the first Pallas matmul's epilogue when not
+      differentiated, so ``h [M, 2I]`` is never written: ``_gated_problem``; recorded under
+      ``"grouped_matmul.gated"``);
       ``gmm_impl`` a grouped-matmul implementation (module docstring); ``out_dtype`` of the result (both
       grouped matmuls accumulate in float32; a caller that narrows the result anyway passes its dtype,
       the values are the same).
@@ -261,8 +291,16 @@ def sorted_expert_mlp(xs: jax.Array, group_sizes: jax.Array, wi: jax.Array, wo: 
     implementation already stores zeros there, ``zeros_past_sum``).
     Raises ImplementationUnavailable for an implementation that cannot run here.
     """
-    h = grouped_matmul(xs, wi, group_sizes, implementation=gmm_impl)
-    y = grouped_matmul(act(h.astype(xs.dtype)), wo, group_sizes, implementation=gmm_impl).astype(out_dtype)
+    impl = registry.resolve(OP, gmm_impl, xs, wi, group_sizes, preferred_element_type=xs.dtype).name
+    why = _gated_problem(impl, xs, wi, act)
+    _record_distinct(GATED_REPORT, "fused into the first grouped matmul's epilogue (forward only)" if why is None
+                     else f"separate ({why})")
+    if why is None:
+        a = registry.dispatch(OP, impl, xs, wi if isinstance(wi, Fp8Weight) else wi.astype(xs.dtype),
+                              group_sizes.astype(jnp.int32), preferred_element_type=xs.dtype, gate_fn=act.gate_fn)
+    else:
+        a = act(grouped_matmul(xs, wi, group_sizes, implementation=gmm_impl).astype(xs.dtype))
+    y = grouped_matmul(a, wo, group_sizes, implementation=gmm_impl).astype(out_dtype)
     if zeros_past_sum(gmm_impl):
         # the kernels already store exact zeros there: a mask would be a pass over [M, H] in the forward
         # and another over its cotangent (see BENCHMARKS.md (MoE))
