@@ -260,8 +260,12 @@ def _load(ref, rows=None, cols=None):
 
 
 def _gmm_kernel(tab_ref, lhs_ref, rhs_ref, *refs, bm, bk, bn, n_groups, n_col_tiles, kdim, ndim,
-                transpose_rhs, half_tail, fold, visit_group=1, scale_block=None, pairs=False, gate_fn=None):
-    scale_ref, out_ref = refs if scale_block else (None, refs[0])
+                transpose_rhs, half_tail, fold, visit_group=1, scale_block=None, pairs=False, gate_fn=None,
+                gather=False):
+    refs = list(refs)
+    rows_ref = refs.pop(0) if gather else None       # gather: lhs_ref is the flat [N * K] token matrix
+    scale_ref = refs.pop(0) if scale_block else None
+    out_ref = refs.pop(0)
     pid = pl.program_id(0)
     if visit_group == 1:
         v = jax.lax.div(pid, n_col_tiles)
@@ -287,6 +291,9 @@ def _gmm_kernel(tab_ref, lhs_ref, rhs_ref, *refs, bm, bk, bn, n_groups, n_col_ti
         [lo + rm, lo + rm + extra), masked at hi: a second dot on the same weight tile per K step."""
         parts = ((lo, rm, True),) if not extra else ((lo, rm, False), (lo + rm, extra, True))   # (row0, rows, masked)
         rmasks = [(r0 + _iota(r)) < hi if masked else None for r0, r, masked in parts]
+        # gather: each part's source token rows (masked rows read token 0, loaded as zeros)
+        srcs = [pltriton.load(rows_ref.at[pl.ds(r0, r)], mask=rmask, other=None if rmask is None else 0)
+                for (r0, r, _), rmask in zip(parts, rmasks)] if gather else None
 
         def weight_tile(k0, kmask, c0):
             """The ``[bk, bn]`` (transposed: ``[bn, bk]``) weight tile of columns ``[c0, c0 + bn)``."""
@@ -309,8 +316,13 @@ def _gmm_kernel(tab_ref, lhs_ref, rhs_ref, *refs, bm, bk, bn, n_groups, n_col_ti
         def body(kk, accs):     # accs[part][half]
             k0 = pl.multiple_of(kk * bk, bk)
             kmask = (k0 + _iota(bk)) < kdim if kdim % bk else None
-            a = [_load(lhs_ref.at[pl.ds(r0, r), pl.ds(k0, bk)], rmask, kmask)
-                 for (r0, r, _), rmask in zip(parts, rmasks)]
+            if gather:   # row i of the tile is token src[i] of lhs: element offsets into the flat token matrix
+                a = [pltriton.load(lhs_ref.at[s[:, None] * kdim + (k0 + _iota(bk))[None, :]],
+                                   mask=_mask((r, bk), rmask, kmask), other=jnp.zeros((), lhs_ref.dtype))
+                     for (_, r, _), rmask, s in zip(parts, rmasks, srcs)]
+            else:
+                a = [_load(lhs_ref.at[pl.ds(r0, r), pl.ds(k0, bk)], rmask, kmask)
+                     for (r0, r, _), rmask in zip(parts, rmasks)]
             bs = [weight_tile(k0, kmask, c0) for c0 in col0s]
             return tuple(tuple(acc + _dot(ai, b, trans_b=transpose_rhs) for acc, b in zip(pacc, bs))
                          for pacc, ai in zip(accs, a))
@@ -416,7 +428,7 @@ def _check(lhs, rhs, group_sizes, transpose_rhs, fp8=False):
 def gmm_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool = False,
                 out_dtype=None, config: TileConfig | None = None, interpret: bool = False,
                 rhs_scale: jax.Array | None = None, scale_block: tuple[int, int] | None = None,
-                fp8_pairs: bool | None = None, gate_fn=None) -> jax.Array:
+                fp8_pairs: bool | None = None, gate_fn=None, lhs_rows: jax.Array | None = None) -> jax.Array:
     """Grouped matmul kernel (no autodiff): ``out[rows of g] = lhs[rows of g] @ op(rhs[g])``, or with
     ``gate_fn`` the gated activation of it.
 
@@ -442,12 +454,19 @@ def gmm_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, trans
         (what the separate path stores) -- the epilogue of the first MoE matmul, so ``h [M, 2I]`` is never
         written. Needs ``I % config.bn == 0`` and no ``transpose_rhs``; a program computes both halves of its
         ``bn`` output columns (so ``bn`` here does the work of ``2 bn`` without it).
+      lhs_rows: None, or int32 ``[M]``: row ``i`` of the sorted operand is ``lhs[lhs_rows[i]]`` (lhs is then the
+        ``[T, K]`` token matrix, ``T * K < 2**31``): the MoE input permutation gathered by the kernel's loads, so
+        the sorted ``[M, K]`` copy is never written (rows past the group sum are not read).
     Returns: ``[M, N]`` (``[M, N / 2]`` with ``gate_fn``) in out_dtype; rows past ``sum(group_sizes)`` are exactly
       0 (shapes and dtypes asserted as above).
     Math: MegaBlocks (Gale et al. 2022) block-sparse grouped GEMM; see the module docstring.
     """
     fp8 = rhs_scale is not None
     _check(lhs, rhs, group_sizes, transpose_rhs, fp8)
+    gather = lhs_rows is not None
+    if gather:
+        assert lhs_rows.ndim == 1 and jnp.issubdtype(lhs_rows.dtype, jnp.integer), f"lhs_rows {lhs_rows.shape}"
+        assert lhs.size < 2**31, f"lhs_rows: the token matrix {lhs.shape} needs < 2**31 elements (int32 offsets)"
     cfg = config or DEFAULT_CONFIG
     if fp8:
         assert not transpose_rhs, "FP8 rhs: no transposed kernel"
@@ -455,7 +474,7 @@ def gmm_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, trans
             f"FP8 rhs: {cfg.label()} tiles must lie in one {scale_block} scale block")
         assert rhs_scale.shape == (rhs.shape[0],) + tuple(-(-d // b) for d, b in zip(rhs.shape[1:], scale_block)), (
             f"rhs_scale {rhs_scale.shape} does not fit rhs {rhs.shape} in blocks {scale_block}")
-    m, kdim = lhs.shape
+    m, kdim = (lhs_rows.shape[0], lhs.shape[1]) if gather else lhs.shape
     g = rhs.shape[0]
     ndim = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     if gate_fn is not None:
@@ -466,8 +485,9 @@ def gmm_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, trans
     pairs = fp8 and (needs_byte_pairs(rhs) if fp8_pairs is None else bool(fp8_pairs))
     if pairs:   # [G, K, N] 1-byte -> [G, K, N/2] uint16 (an XLA bitcast, no copy): element offsets stay below 2**31
         rhs = to_byte_pairs(rhs)
-    operands = common_vma(lhs, rhs, group_sizes, *((rhs_scale.astype(jnp.float32),) if fp8 else ()))
-    lhs, rhs, group_sizes, scale = operands[0], operands[1], operands[2], operands[3:]
+    extra = ((lhs_rows.astype(jnp.int32),) if gather else ()) + ((rhs_scale.astype(jnp.float32),) if fp8 else ())
+    operands = common_vma(lhs.reshape(-1) if gather else lhs, rhs, group_sizes, *extra)
+    lhs, rhs, group_sizes, extra = operands[0], operands[1], operands[2], operands[3:]
     tab = make_visits(group_sizes, m, cfg.bm, cfg.fold)
     if tab.shape[1] % cfg.visit_group:    # unused visits (the pseudo-group, no rows) up to a multiple of visit_group
         pad = cfg.visit_group - tab.shape[1] % cfg.visit_group
@@ -476,15 +496,17 @@ def gmm_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, trans
     kernel = functools.partial(_gmm_kernel, bm=cfg.bm, bk=cfg.bk, bn=cfg.bn, n_groups=g, n_col_tiles=n_col,
                                kdim=kdim, ndim=ndim, transpose_rhs=transpose_rhs, half_tail=cfg.half_tail,
                                fold=cfg.fold, visit_group=cfg.visit_group,
-                               scale_block=tuple(scale_block) if fp8 else None, pairs=pairs, gate_fn=gate_fn)
+                               scale_block=tuple(scale_block) if fp8 else None, pairs=pairs, gate_fn=gate_fn,
+                               gather=gather)
     return pl.pallas_call(
         kernel,
         grid=(tab.shape[1] * n_col,),
         out_shape=typed_out_struct((m, ndim), out_dtype, lhs),
         compiler_params=_params(cfg),
         interpret=interpret,
-        name=("gmm_t_gpu" if transpose_rhs else ("gmm_fp8_gpu" if fp8 else "gmm_gpu")) + ("_gated" if gate_fn else ""),
-    )(tab, lhs, rhs, *scale)
+        name=(("gmm_t_gpu" if transpose_rhs else ("gmm_fp8_gpu" if fp8 else "gmm_gpu")) + ("_gated" if gate_fn else "")
+              + ("_gather" if gather else "")),
+    )(tab, lhs, rhs, *extra)
 
 
 def tgmm(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, out_dtype=None,

@@ -39,7 +39,8 @@ from minimax_jax import sharding
 from minimax_jax.ops import registry
 from minimax_jax.ops.moe.expert_parallel import TRANSPORTS, moe_expert_parallel
 from minimax_jax.ops.moe.fp8_weight import Fp8Weight
-from minimax_jax.ops.moe.grouped_matmul import sorted_expert_mlp, tokamax_supports
+from minimax_jax.ops.moe.fused_first import expert_mlp_from_tokens
+from minimax_jax.ops.moe.grouped_matmul import tokamax_supports
 from minimax_jax.ops.moe.permute import gather_rows, group_starts, permute_rows, sort_by_expert, unpermute_combine
 from minimax_jax.ops.registry import Implementation, ImplementationUnavailable
 
@@ -122,8 +123,7 @@ def _dense(x, weights, experts, wi, wo, act, **_):
 
 def _dropless(x, weights, experts, wi, wo, act, gmm_impl):
     order, inv, group_sizes = sort_by_expert(experts, wi.shape[0])
-    xs = permute_rows(x, order, inv)
-    ys = sorted_expert_mlp(xs, group_sizes, wi, wo, act, gmm_impl, out_dtype=x.dtype)
+    ys = expert_mlp_from_tokens(x, order, inv, group_sizes, wi, wo, act, gmm_impl, out_dtype=x.dtype)
     return unpermute_combine(ys, weights, order, inv).astype(x.dtype)
 
 

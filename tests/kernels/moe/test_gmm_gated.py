@@ -1,5 +1,6 @@
-"""The gated activation fused into the first MoE grouped matmul's epilogue (``gpu_gmm_gated.gmm_gated``, the gated
-``gmm_fp8``, and the MoE op's choice of it), in interpret mode on CPU.
+"""The first MoE grouped matmul fused with its surroundings, in interpret mode on CPU: the gated activation in its
+epilogue (``gpu_gmm_gated.gmm_gated``, the gated ``gmm_fp8``), its input rows gathered from the tokens by its loads
+(``gmm_forward(lhs_rows=)``), and the MoE op's choice of them (``fused_first.expert_mlp_from_tokens``).
 
 Oracles: the separate path (the same grouped matmul to ``h [M, 2I]`` in the input dtype, then the activation in
 XLA), which the fused epilogue reproduces to one ulp of the output dtype (it rounds gate / up to the input dtype
@@ -8,7 +9,7 @@ XLA); ``ragged_dot`` in float32 followed by the activation in float32 (bf16
 tolerance); rows past the group sum are 0. Gradients (the separate path by construction) equal the separate
 path's bit for bit. Both activations (SwiGLU, M3's clamped swigluoai with a small clamp so that it bites), tails
 (half-height tiles, folding, visit groups, N tails), FP8 weights, the op-level choice and its report, lowering
-for CUDA at M2 / M3 shapes.
+for CUDA at M2 / M3 shapes. Gathered rows: equal bit for bit to the kernel on the gathered copy.
 """
 
 from __future__ import annotations
@@ -200,8 +201,66 @@ def test_gated_kernels_lower_for_cuda_at_m2_m3_shapes():
             sd((m, kd), jnp.bfloat16), sd((g, kd, 2 * i), jnp.bfloat16), sd((g,), jnp.int32)).lower(
             lowering_platforms=("cuda",)).as_text()
         assert txt.count("__gpu$xla.gpu.triton") == 1 and "gmm_gpu_gated" in txt
+        # the same with the rows gathered from the m / top-k tokens (M2: 8, M3: 4 experts per token)
+        txt = jax.jit(lambda a, b, gs, r: gpu_gmm.gmm_forward(a, b, gs, gate_fn=act.gate_fn, lhs_rows=r,
+                                                               config=gpu_gmm_gated.gated_config(i))).trace(
+            sd((m // (8 if i == 1536 else 4), kd), jnp.bfloat16), sd((g, kd, 2 * i), jnp.bfloat16),
+            sd((g,), jnp.int32), sd((m,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+        assert txt.count("__gpu$xla.gpu.triton") == 1 and "gmm_gpu_gated_gather" in txt
     m, kd, i, g = 65536, 3072, 1536, 256
     txt = jax.jit(lambda a, b, s, gs: gpu_gmm_fp8.gmm_fp8(a, b, s, gs, gate_fn=act.gate_fn)).trace(
         sd((m, kd), jnp.bfloat16), sd((g, kd, 2 * i), jnp.float8_e4m3fn), sd((g, kd // 128, 2 * i // 128), jnp.float32),
         sd((g,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
     assert txt.count("__gpu$xla.gpu.triton") == 1 and "gmm_fp8_gpu_gated" in txt
+
+
+@pytest.mark.parametrize("cfg", [SMALL, TileConfig(32, 32, 16, 4, 2, half_tail=True), TileConfig(128, 32, 32, 4, 2, fold=64),
+                                 TileConfig(32, 16, 32, 4, 2, visit_group=4)], ids=lambda c: c.label())
+def test_gathered_rows_equal_the_sorted_copy(cfg):
+    """gmm_forward(lhs_rows=) on the token matrix == gmm_forward on the gathered copy, bit for bit (plain, gated,
+    FP8 gated), 0 past the group sum, whatever the rows past the sum point at."""
+    rng = np.random.default_rng(9)
+    t, kdim, i, g = 70, 64, 64, 5
+    x = jnp.asarray(rng.normal(size=(t, kdim)), jnp.bfloat16)
+    sizes = _sizes(rng, 240, g, 1)
+    total = int(sizes.sum())
+    rows = jnp.asarray(np.concatenate([rng.integers(0, t, total), np.full(240 - total, t - 1)]), jnp.int32)
+    gs = jnp.asarray(sizes, jnp.int32)
+    rhs = jnp.asarray(rng.normal(size=(g, kdim, 2 * i)) / 8, jnp.bfloat16)
+    for gate_fn in (None, ACTS[1].gate_fn):
+        got = gpu_gmm.gmm_forward(x, rhs, gs, config=cfg, interpret=True, gate_fn=gate_fn, lhs_rows=rows)
+        ref = gpu_gmm.gmm_forward(x[rows], rhs, gs, config=cfg, interpret=True, gate_fn=gate_fn)
+        _eq(got, ref, f"gate_fn={gate_fn}")
+        assert got.shape == (240, i if gate_fn else 2 * i) and not np.any(np.asarray(got, np.float32)[total:])
+    q = jnp.asarray(rng.normal(size=(g, kdim, 256)) * 4, jnp.float32).astype(jnp.float8_e4m3fn)
+    s = jnp.asarray(rng.uniform(0.01, 0.1, (g, 1, 2)), jnp.float32)
+    kw = dict(config=TileConfig(32, 32, 64, 4, 2), interpret=True, rhs_scale=s, scale_block=(128, 128),
+              gate_fn=ACTS[0].gate_fn)
+    _eq(gpu_gmm.gmm_forward(x, q, gs, lhs_rows=rows, **kw), gpu_gmm.gmm_forward(x[rows], q, gs, **kw), "fp8")
+
+
+def test_moe_op_gathers_rows_and_reports_it():
+    """moe_experts(pallas_gpu_interpret) with a GatedActivation gathers the token rows in the first matmul
+    (report), and equals the separate path (a plain activation: permute, then both matmuls) in the forward (one
+    ulp) and bit for bit in the gradients; too large a token matrix for int32 offsets is refused with the reason."""
+    from minimax_jax.ops.moe.fused_first import _gather_problem
+    n, h, e, i, k = 80, 64, 4, 32, 2
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.normal(size=(n, h)), jnp.bfloat16)
+    w, ex, _ = moe.route(x, jnp.asarray(rng.normal(size=(h, e)), jnp.float32), jnp.zeros((e,)), k)
+    wi = jnp.asarray(rng.normal(size=(e, h, 2 * i)) / 8, jnp.bfloat16)
+    wo = jnp.asarray(rng.normal(size=(e, i, h)) / 8, jnp.bfloat16)
+    act = ACTS[0]
+    f = lambda a: lambda x, wi, wo: moe.moe_experts(x, w, ex, wi, wo, a, implementation="pallas_gpu_interpret")  # noqa: E731
+    clear_implementation_report()
+    got = jax.jit(f(act))(x, wi, wo)
+    assert implementation_report()["grouped_matmul.gather"].startswith("the first grouped matmul gathers")
+    clear_implementation_report()
+    ref = jax.jit(f(lambda hh: act(hh)))(x, wi, wo)
+    assert implementation_report()["grouped_matmul.gather"].startswith("separate (the activation")
+    _near(got, ref, jnp.bfloat16, "output")
+    loss = lambda a: jax.jit(jax.grad(lambda *p: jnp.sum(f(a)(*p).astype(jnp.float32) ** 2), argnums=(0, 1, 2)))  # noqa: E731
+    for a, b in zip(loss(act)(x, wi, wo), loss(lambda hh: act(hh))(x, wi, wo)):
+        _eq(a, b, "gradient")
+    big = jax.ShapeDtypeStruct((2**20, 2**11), jnp.bfloat16)
+    assert "int32" in _gather_problem("pallas_gpu", big, 2**21, wi, act)
