@@ -79,9 +79,9 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.common import common_vma, from_byte_pairs, needs_byte_pairs, searchsorted, to_byte_pairs, typed_out_struct
+from pallas_kernels.common import common_vma, from_byte_pairs, needs_byte_pairs, to_byte_pairs, typed_out_struct
 from pallas_kernels.moe.gpu_tgmm_ws import WsTgmmConfig, tgmm_ws
-from pallas_kernels.moe.groups import group_bounds
+from pallas_kernels.moe.groups import group_bounds, make_visits, num_visits
 
 __all__ = ["TileConfig", "DEFAULT_CONFIG", "DEFAULT_DLHS_CONFIG", "DEFAULT_TGMM_CONFIG", "DEFAULT_CONFIGS",
            "CANDIDATES", "TGMM_CANDIDATES", "num_visits", "make_visits", "gmm_forward", "tgmm", "gmm", "FP8_DTYPE"]
@@ -182,52 +182,6 @@ TGMM_CANDIDATES = (
     TileConfig(32, 256, 128, 8, 3),
     TileConfig(64, 128, 128, 8, 3),
 )
-
-
-# ----------------------------------------------------------------------------- work lists
-def num_visits(m: int, num_groups: int, bm: int) -> int:
-    """Static upper bound of the visits of ``make_visits`` (any fold): ``cdiv(m, bm) + num_groups``."""
-    return pl.cdiv(m, bm) + num_groups
-
-
-def make_visits(group_sizes: jax.Array, m: int, bm: int, fold: int = 0) -> jax.Array:
-    """Work list of the gmm kernel (XLA, O((cdiv(m, bm) + G) * log G)).
-
-    Args:
-      group_sizes: int ``[G]`` rows per group (rows sorted by group; the sum is clipped to ``m``).
-      m: rows of lhs; bm: rows per visit.
-      fold: 0, or (tail folding, module docstring) a group of ``q * bm + r`` rows with ``q >= 1`` and
-        ``0 < r <= fold`` gets ``q`` visits, the last one of ``bm + r`` rows (``TileConfig.fold``).
-    Returns: int32 ``[3, V]``, ``V = num_visits(m, G, bm)``; column v = ``(group, lo, hi)``: the
-      visit computes rows ``[lo, hi)`` of ``group`` (``0 < hi - lo <= bm``, or ``bm < hi - lo <= bm +
-      fold`` for a folded group's last visit); ``group == G`` is the pseudo-group of the rows past
-      ``sum(group_sizes)`` (stored as zeros, never folded); unused visits have ``lo == hi == 0`` and
-      ``group == G``. Visits are ordered by row; every row in ``[0, m)`` lies in exactly one visit.
-    """
-    g = group_sizes.shape[0]
-    starts, sizes = group_bounds(group_sizes, m)
-    total = jnp.sum(sizes)
-    starts_x = jnp.concatenate([starts, total[None]])
-    sizes_x = jnp.concatenate([sizes, (m - total)[None]])
-    blocks = (sizes_x + bm - 1) // bm
-    if fold:
-        rem = sizes_x - (blocks - 1) * bm                 # rows of the last block (1..bm if the group is live)
-        folded = (blocks >= 2) & (rem <= fold) & (jnp.arange(g + 1) < g)
-        blocks = blocks - folded.astype(blocks.dtype)
-    vend = jnp.cumsum(blocks)                       # exclusive end of each group's visits
-    vstart = vend - blocks
-    v = jnp.arange(num_visits(m, g, bm), dtype=jnp.int32)
-    grp = searchsorted(vend, v, side="right")                      # in [0, G + 1] (no XLA while loop)
-    valid = grp <= g
-    gc = jnp.minimum(grp, g)
-    lo = starts_x[gc] + (v - vstart[gc]) * bm
-    if fold:   # a group's last visit ends at the group's end (bm + r rows if folded), the others after bm rows
-        hi = jnp.where(v == vend[gc] - 1, starts_x[gc] + sizes_x[gc], lo + bm)
-    else:
-        hi = jnp.minimum(lo + bm, starts_x[gc] + sizes_x[gc])
-    lo = jnp.where(valid, lo, 0)
-    hi = jnp.where(valid, hi, 0)
-    return jnp.stack([gc, lo, hi]).astype(jnp.int32)
 
 
 # ----------------------------------------------------------------------------- kernels
