@@ -171,10 +171,13 @@ def _moe_fns(impl, act=_act, **kw):
 
 def _pallas_gmm(impl, configs):
     """``grouped_matmul(implementation=impl)`` for a Pallas ``impl`` with the tile ``configs``
-    (``{"fwd", "dlhs", "tgmm"} -> config``) passed to the kernels: ``f(lhs, rhs, gs, out_dtype)``."""
+    (``{"fwd", "dlhs", "tgmm"} -> config``) passed to the kernels: ``f(lhs, rhs, gs, out_dtype)``;
+    ``gpu_gmm.DEFAULT_CONFIGS`` itself means the per-shape defaults (``gpu_gmm.shape_configs``)."""
     def f(lhs, rhs, gs, out_dtype):
-        return gpu_gmm.gmm(lhs, rhs.astype(lhs.dtype), gs.astype(jnp.int32), config=configs["fwd"],
-                           dlhs_config=configs["dlhs"], tgmm_config=configs["tgmm"],
+        cfgs = (gpu_gmm.shape_configs(rhs.shape[1], rhs.shape[2], lhs.dtype) if configs is gpu_gmm.DEFAULT_CONFIGS
+                else configs)
+        return gpu_gmm.gmm(lhs, rhs.astype(lhs.dtype), gs.astype(jnp.int32), config=cfgs["fwd"],
+                           dlhs_config=cfgs["dlhs"], tgmm_config=cfgs["tgmm"],
                            interpret=impl == "pallas_gpu_interpret").astype(out_dtype)
     return f
 
@@ -182,7 +185,8 @@ def _pallas_gmm(impl, configs):
 def _pallas_layer_fns(impl, configs):
     """(forward, forward+backward) of ``moe_experts(implementation=impl)`` with the tile ``configs``: the
     default tiles run ``moe_experts`` itself; others the same dropless path (sort, permute, both grouped
-    matmuls with the activation between, un-permute + combine) with the kernels called with ``configs``."""
+    matmuls with the activation between, un-permute + combine) with the kernels called with ``configs``: so a
+    swept config's row is the separate path (no gated epilogue, no gathered rows), like "pallas_gpu_separate"."""
     if dict(configs) == dict(gpu_gmm.DEFAULT_CONFIGS):
         return _moe_fns(impl, GATED)
     gmm = _pallas_gmm(impl, configs)

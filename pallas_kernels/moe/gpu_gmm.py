@@ -53,7 +53,9 @@ data-dependent ``pl.ds`` slices and masked ``pallas.triton`` loads / stores):
   weight holds the gate columns then the up columns (``[G, K, 2I]``), a program loads per K step one weight
   tile of each half (columns ``[n0, n0 + bn)`` and ``[I + n0, I + n0 + bn)``) into two fp32 accumulators,
   rounds both to lhs.dtype and stores ``gate_fn(gate, up)``: ``[M, I]`` out, and the ``[M, 2I]`` intermediate
-  is neither written nor read back by a separate activation. Forward only: differentiated, the separate path runs (the backward needs h).
+  is neither written nor read back by a separate activation. ``gmm_gated`` runs it in forward-only calls
+  (differentiated, the separate path: the backward needs h); the FP8 ``gmm_fp8(gate_fn=)`` always (its
+  backward recomputes h).
 - transpose_rhs: the same kernel loads ``rhs[g]`` tiles ``[bn, bk]`` and contracts their last
   dimension (``dot_general`` with a transposed operand; Triton transposes in shared memory), so
   dlhs needs no transposed copy of the weights.
@@ -84,7 +86,7 @@ from pallas_kernels.moe.gpu_tgmm_ws import WsTgmmConfig, tgmm_ws
 from pallas_kernels.moe.groups import group_bounds, make_visits, num_visits
 
 __all__ = ["TileConfig", "DEFAULT_CONFIG", "DEFAULT_DLHS_CONFIG", "DEFAULT_TGMM_CONFIG", "DEFAULT_CONFIGS",
-           "CANDIDATES", "TGMM_CANDIDATES", "num_visits", "make_visits", "gmm_forward", "tgmm", "gmm", "FP8_DTYPE"]
+           "CANDIDATES", "TGMM_CANDIDATES", "GROUPED_VISITS_MIN_BYTES", "shape_configs", "num_visits", "make_visits", "gmm_forward", "tgmm", "gmm", "FP8_DTYPE"]
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -148,8 +150,22 @@ class TileConfig:
 DEFAULT_CONFIG = TileConfig(128, 64, 256, 8, 4, half_tail=True)
 DEFAULT_DLHS_CONFIG = TileConfig(128, 64, 256, 8, 4, half_tail=True)
 DEFAULT_TGMM_CONFIG = TileConfig(32, 128, 128, 4, 4)
-#: The configs ``gmm`` uses when none are passed (read-only): kernel name -> config.
+#: The base configs (read-only): kernel name -> config; ``shape_configs`` adapts them to the weight size.
 DEFAULT_CONFIGS = MappingProxyType({"fwd": DEFAULT_CONFIG, "dlhs": DEFAULT_DLHS_CONFIG, "tgmm": DEFAULT_TGMM_CONFIG})
+#: Expert weights ``[K, N]`` of more bytes than this (about Hopper's 50 MB L2) run the forward and dlhs with
+#: ``visit_group = 4``: at M3's first projection (75 MB per expert) that measured 457 / 446 TFLOP/s against 360 / 318
+#: with the plain order, at M2's (19 MB) 423 / 434 against 484 / 470 (BENCHMARKS.md (MoE)).
+GROUPED_VISITS_MIN_BYTES = 48 * 2**20
+
+
+def shape_configs(kdim: int, ndim: int, dtype) -> MappingProxyType:
+    """The default configs (``DEFAULT_CONFIGS``' keys) for expert weights ``[K, N]`` of ``dtype``: the base ones,
+    with ``visit_group = 4`` for the forward and dlhs when a weight exceeds ``GROUPED_VISITS_MIN_BYTES``."""
+    if kdim * ndim * jnp.dtype(dtype).itemsize <= GROUPED_VISITS_MIN_BYTES:
+        return DEFAULT_CONFIGS
+    return MappingProxyType({"fwd": dataclasses.replace(DEFAULT_CONFIG, visit_group=4),
+                             "dlhs": dataclasses.replace(DEFAULT_DLHS_CONFIG, visit_group=4),
+                             "tgmm": DEFAULT_TGMM_CONFIG})
 
 FP8_DTYPE = jnp.float8_e4m3fn   # the FP8 weights gmm_forward takes with rhs_scale
 
@@ -394,7 +410,7 @@ def gmm_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, trans
         negative sizes count as 0).
       transpose_rhs: see rhs.
       out_dtype: output dtype (default ``lhs.dtype``); accumulation is fp32.
-      config: tile config (default ``DEFAULT_CONFIG``); ``config.fold > 0`` turns on
+      config: tile config (default ``shape_configs(...)["fwd" or "dlhs"]``); ``config.fold > 0`` turns on
         tail folding (module docstring), with the same result up to fp32 accumulation order.
       interpret: run in Pallas interpret mode (any backend; for CPU tests).
       rhs_scale / scale_block: FP8 weights (``gpu_gmm_fp8.gmm_fp8``): rhs float8_e4m3fn ``[G, K, N]`` times float32
@@ -421,7 +437,8 @@ def gmm_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, trans
     if gather:
         assert lhs_rows.ndim == 1 and jnp.issubdtype(lhs_rows.dtype, jnp.integer), f"lhs_rows {lhs_rows.shape}"
         assert lhs.size < 2**31, f"lhs_rows: the token matrix {lhs.shape} needs < 2**31 elements (int32 offsets)"
-    cfg = config or DEFAULT_CONFIG
+    cfg = config or shape_configs(*((rhs.shape[2], rhs.shape[1]) if transpose_rhs else rhs.shape[1:]),
+                                  rhs.dtype)["dlhs" if transpose_rhs else "fwd"]
     if fp8:
         assert not transpose_rhs, "FP8 rhs: no transposed kernel"
         assert scale_block[0] % cfg.bk == 0 and scale_block[1] % cfg.bn == 0, (
@@ -537,7 +554,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, config: TileC
       rhs: ``[G, K, N]``, same dtype as lhs.
       group_sizes: int ``[G]`` rows per group, ``sum <= M`` (larger sums are clipped to M).
       config / dlhs_config / tgmm_config: TileConfigs of the forward, the dlhs kernel (transposed
-        gmm) and the weight-gradient kernel (tgmm); None = ``DEFAULT_CONFIGS``.
+        gmm) and the weight-gradient kernel (tgmm); None = ``shape_configs(K, N, rhs.dtype)``.
         A ``gpu_tgmm_ws.WsTgmmConfig`` as tgmm_config runs the warp-specialized Mosaic GPU weight
         gradient instead (bf16 / f16, its shape constraints raise ValueError).
       out_dtype: output dtype (default ``lhs.dtype``), fp32 accumulation.
@@ -562,6 +579,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, config: TileC
     # kernels' outputs and the custom VJP's cotangents are typed like their primals; JAX transposes
     # these casts (psum) outside the custom VJP. No-op elsewhere.
     lhs, rhs, group_sizes = common_vma(lhs, rhs, group_sizes.astype(jnp.int32))
-    return _gmm(lhs, rhs, group_sizes, out_dtype, config or DEFAULT_CONFIG,
-                dlhs_config or DEFAULT_DLHS_CONFIG, tgmm_config or DEFAULT_TGMM_CONFIG, bool(interpret))
+    base = shape_configs(rhs.shape[1], rhs.shape[2], rhs.dtype)
+    return _gmm(lhs, rhs, group_sizes, out_dtype, config or base["fwd"], dlhs_config or base["dlhs"],
+                tgmm_config or base["tgmm"], bool(interpret))
 

@@ -12,8 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.common import common_vma
-from pallas_kernels.moe.gpu_gmm import (DEFAULT_CONFIG, DEFAULT_DLHS_CONFIG, DEFAULT_TGMM_CONFIG, TileConfig, _check,
-                                        _gmm_bwd, gmm_forward)
+from pallas_kernels.moe.gpu_gmm import GROUPED_VISITS_MIN_BYTES, TileConfig, _check, _gmm_bwd, gmm_forward, shape_configs
 from pallas_kernels.moe.gpu_tgmm_ws import WsTgmmConfig
 
 __all__ = ["DEFAULT_GATED_CONFIG", "gated_config", "gated_activation_xla", "gmm_gated"]
@@ -24,11 +23,14 @@ __all__ = ["DEFAULT_GATED_CONFIG", "gated_config", "gated_activation_xla", "gmm_
 DEFAULT_GATED_CONFIG = TileConfig(128, 64, 128, 8, 4, half_tail=True)
 
 
-def gated_config(half_width: int, config: TileConfig | None = None) -> TileConfig | str:
+def gated_config(half_width: int, config: TileConfig | None = None, weight_bytes: int = 0) -> TileConfig | str:
     """The tiles ``gmm_gated`` runs for gate / up halves of ``half_width`` (I) columns: ``config`` (default
-    ``DEFAULT_GATED_CONFIG``) with ``bn`` cut to the largest power of two that divides I (at least 16), or, when
-    none does, why not (a short sentence)."""
+    ``DEFAULT_GATED_CONFIG``, with ``visit_group = 4`` when an expert's ``[K, 2I]`` weight of ``weight_bytes``
+    exceeds ``gpu_gmm.GROUPED_VISITS_MIN_BYTES``, as ``gpu_gmm.shape_configs``) with ``bn`` cut to the largest
+    power of two up to ``bn`` that divides I (at least 16), or, when none does, why not (a short sentence)."""
     cfg = config or DEFAULT_GATED_CONFIG
+    if config is None and weight_bytes > GROUPED_VISITS_MIN_BYTES:
+        cfg = dataclasses.replace(cfg, visit_group=4)
     bn = cfg.bn
     while bn >= 16 and half_width % bn:
         bn //= 2
@@ -77,7 +79,8 @@ def gmm_gated(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, gate_fn, *
       gate_fn: hashable elementwise ``f(gate, up) -> out`` on float32 arrays with ``f(0, 0) = 0`` (a gated
         activation, e.g. ``silu(gate) * up``).
       config: the fused kernel's tiles (default ``gated_config(I)``; ``gmm_forward``, ``gate_fn``).
-      forward_config / dlhs_config / tgmm_config: the separate path's kernels, run when differentiated (as ``gmm``).
+      forward_config / dlhs_config / tgmm_config: the separate path's kernels, run when differentiated (default
+        ``gpu_gmm.shape_configs``, as ``gmm``).
       out_dtype: default lhs.dtype.
     Returns: ``[M, I]``; rows past ``sum(group_sizes)`` are 0.
     Gradients: the forward is then the separate path (``gmm`` to h, the activation in XLA, h kept for the
@@ -93,10 +96,11 @@ def gmm_gated(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, gate_fn, *
             raise TypeError(f"configs must be TileConfig or None, got {type(c).__name__}")
     if tgmm_config is not None and not isinstance(tgmm_config, (TileConfig, WsTgmmConfig)):
         raise TypeError(f"tgmm_config must be a TileConfig, a WsTgmmConfig or None, got {type(tgmm_config).__name__}")
-    cfg = gated_config(rhs.shape[2] // 2, config)
+    cfg = gated_config(rhs.shape[2] // 2, config, rhs.shape[1] * rhs.shape[2] * rhs.dtype.itemsize)
     if isinstance(cfg, str) or rhs.shape[2] % 2:
         raise ValueError(f"gmm_gated: rhs {rhs.shape}: {cfg if isinstance(cfg, str) else 'odd 2I'}")
     lhs, rhs, group_sizes = common_vma(lhs, rhs, group_sizes.astype(jnp.int32))
-    return _gmm_gated(lhs, rhs, group_sizes, gate_fn, cfg, forward_config or DEFAULT_CONFIG,
-                      dlhs_config or DEFAULT_DLHS_CONFIG, tgmm_config or DEFAULT_TGMM_CONFIG,
+    base = shape_configs(rhs.shape[1], rhs.shape[2], rhs.dtype)
+    return _gmm_gated(lhs, rhs, group_sizes, gate_fn, cfg, forward_config or base["fwd"],
+                      dlhs_config or base["dlhs"], tgmm_config or base["tgmm"],
                       jnp.dtype(out_dtype or lhs.dtype), bool(interpret))

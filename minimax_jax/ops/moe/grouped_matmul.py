@@ -168,8 +168,9 @@ def _record_distinct(key: str, value: str) -> None:
     """Record ``value`` under ``key``, keeping the distinct values recorded since the report was last cleared
     ("; "-joined): one MoE layer traces two grouped matmuls of different shapes."""
     prev = implementation_report().get(key)
-    if prev and value not in prev.split("; "):
-        value = f"{prev}; {value}"
+    if prev:
+        parts = prev.split("; ")
+        value = prev if value in parts else f"{prev}; {value}"
     record_implementation(key, value)
 
 
@@ -210,9 +211,7 @@ def _pallas(interpret: bool):
             why = _fp8_in_kernel_problem(rhs, interpret)
             if why is None:
                 cfg = fp8_config(lhs.shape[0], rhs.shape[0], rhs.block)
-                pairs = (", weights of >= 2**31 bytes read as uint16 byte pairs"
-                         if needs_byte_pairs(rhs.w) else "")
-                _record_distinct(FP8_REPORT, f"dequantised per tile in the kernel (gmm_fp8, {cfg.label()}{pairs})")
+                _record_fp8_in_kernel(rhs, cfg)
                 return gmm_fp8(lhs, rhs.w, rhs.scale_inv, group_sizes, scale_block=rhs.block, config=cfg,
                                interpret=interpret, gate_fn=gate_fn).astype(preferred_element_type)
             rhs = _dense_rhs(lhs, rhs, why)
@@ -228,6 +227,14 @@ def _pallas(interpret: bool):
 
 
 GATED_REPORT = OP + ".gated"
+#: the gated fusion's report (``sorted_expert_mlp``; ``fused_first`` records what ran in each trace)
+GATED_FUSED = "fused into the first grouped matmul's epilogue in forward-only calls (FP8 experts: always)"
+
+
+def _record_fp8_in_kernel(rhs: Fp8Weight, cfg, how: str = "gmm_fp8") -> None:
+    """Record under ``FP8_REPORT`` that the kernel (``how``) dequantises ``rhs`` per tile with ``cfg``."""
+    pairs = ", weights of >= 2**31 bytes read as uint16 byte pairs" if needs_byte_pairs(rhs.w) else ""
+    _record_distinct(FP8_REPORT, f"dequantised per tile in the kernel ({how}, {cfg.label()}{pairs})")
 
 
 def _gated_problem(impl: str, xs, wi, act) -> str | None:
@@ -281,9 +288,9 @@ def sorted_expert_mlp(xs: jax.Array, group_sizes: jax.Array, wi: jax.Array, wo: 
 
     Args: ``xs [M, H]`` compute dtype, rows sorted by expert; ``group_sizes [G]`` int32, sum <= M;
       ``wi [G, H, 2I]`` (gate columns first), ``wo [G, I, H]`` (arrays or ``Fp8Weight``); ``act`` maps
-      ``[..., 2I] -> [..., I]`` (a ``GatedActivation`` runs in the first Pallas matmul's epilogue when not
-      differentiated, so ``h [M, 2I]`` is never written: ``_gated_problem``; recorded under
-      ``"grouped_matmul.gated"``);
+      ``[..., 2I] -> [..., I]`` (a ``GatedActivation`` runs in the first Pallas matmul's epilogue in forward-only
+      calls, and with FP8 experts dequantised in the kernel always (``gmm_fp8`` recomputes h in its backward), so
+      ``h [M, 2I]`` is never written: ``_gated_problem``; recorded under ``"grouped_matmul.gated"``);
       ``gmm_impl`` a grouped-matmul implementation (module docstring); ``out_dtype`` of the result (both
       grouped matmuls accumulate in float32; a caller that narrows the result anyway passes its dtype,
       the values are the same).
@@ -293,8 +300,7 @@ def sorted_expert_mlp(xs: jax.Array, group_sizes: jax.Array, wi: jax.Array, wo: 
     """
     impl = registry.resolve(OP, gmm_impl, xs, wi, group_sizes, preferred_element_type=xs.dtype).name
     why = _gated_problem(impl, xs, wi, act)
-    _record_distinct(GATED_REPORT, "fused into the first grouped matmul's epilogue (forward only)" if why is None
-                     else f"separate ({why})")
+    _record_distinct(GATED_REPORT, GATED_FUSED if why is None else f"separate ({why})")
     if why is None:
         a = registry.dispatch(OP, impl, xs, wi if isinstance(wi, Fp8Weight) else wi.astype(xs.dtype),
                               group_sizes.astype(jnp.int32), preferred_element_type=xs.dtype, gate_fn=act.gate_fn)

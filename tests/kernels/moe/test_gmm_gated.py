@@ -157,7 +157,8 @@ def test_moe_op_fuses_a_gated_activation_and_reports_it():
     for grad in (False, True):
         clear_implementation_report()
         got = run(act, grad)
-        assert implementation_report()["grouped_matmul.gated"].startswith("fused"), implementation_report()
+        want = "separate (differentiated)" if grad else "fused into the first grouped matmul's epilogue (gathered rows)"
+        assert implementation_report()["grouped_matmul.gated"] == want, implementation_report()
         clear_implementation_report()
         ref = run(lambda hh: act(hh), grad)
         assert implementation_report()["grouped_matmul.gated"] == "separate (the activation is not a GatedActivation)"
@@ -264,3 +265,41 @@ def test_moe_op_gathers_rows_and_reports_it():
         _eq(a, b, "gradient")
     big = jax.ShapeDtypeStruct((2**20, 2**11), jnp.bfloat16)
     assert "int32" in _gather_problem("pallas_gpu", big, 2**21, wi, act)
+
+
+def test_fp8_experts_the_kernel_cannot_dequantise_run_the_separate_gather():
+    """FP8 experts whose scale blocks are finer than a tile: the MoE op does not gather in the kernel (reported
+    with the reason), dequantises them before the kernel, still fuses the activation, and equals xla_ragged."""
+    rng = np.random.default_rng(0)
+    n, h, e, i, k, block = 16, 64, 4, 32, 2, (128, 8)
+
+    def fp8(shape):
+        q = jnp.asarray(rng.normal(size=shape) * 4, jnp.float32).astype(jnp.float8_e4m3fn)
+        return Fp8Weight(q, jnp.full((shape[0], -(-shape[1] // block[0]), -(-shape[2] // block[1])), 0.05,
+                                     jnp.float32), block)
+    x = jnp.asarray(rng.normal(size=(n, h)), jnp.bfloat16)
+    w, ex, _ = moe.route(x, jnp.asarray(rng.normal(size=(h, e)), jnp.float32), jnp.zeros((e,)), k)
+    wi, wo = fp8((e, h, 2 * i)), fp8((e, i, h))
+    clear_implementation_report()
+    got = moe.moe_experts(x, w, ex, wi, wo, ACTS[0], implementation="pallas_gpu_interpret")
+    rep = implementation_report()
+    assert rep["grouped_matmul.gather"].startswith("separate (FP8 experts dequantised before the kernel"), rep
+    assert rep["grouped_matmul.gated"].startswith("fused"), rep
+    ref = moe.moe_experts(x, w, ex, wi, wo, ACTS[0], implementation="xla_ragged")
+    _close(np.asarray(got, np.float32), np.asarray(ref, np.float32), jnp.bfloat16, "fp8 fine blocks", rtol=2.0**-7)
+
+
+def test_report_keeps_distinct_values_and_shape_defaults():
+    """The report joins distinct values once each (a repeat keeps the others); weights above
+    GROUPED_VISITS_MIN_BYTES get visit_group 4 in the forward / dlhs defaults (plain and gated), smaller ones
+    the base configs."""
+    from minimax_jax.ops.moe.grouped_matmul import _record_distinct
+    clear_implementation_report()
+    for v in ("A", "B", "A"):
+        _record_distinct("k", v)
+    assert implementation_report()["k"] == "A; B"
+    m3 = gpu_gmm.shape_configs(6144, 6144, jnp.bfloat16)         # 75 MB per expert
+    assert m3["fwd"].visit_group == 4 and m3["dlhs"].visit_group == 4 and m3["tgmm"] == gpu_gmm.DEFAULT_TGMM_CONFIG
+    assert gpu_gmm.shape_configs(3072, 3072, jnp.bfloat16) is gpu_gmm.DEFAULT_CONFIGS   # 19 MB (M2)
+    assert gpu_gmm_gated.gated_config(3072, weight_bytes=6144 * 6144 * 2).visit_group == 4
+    assert gpu_gmm_gated.gated_config(1536, weight_bytes=3072 * 3072 * 2).visit_group == 1
