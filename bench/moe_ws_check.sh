@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
-# One device call for issue 29: (1) the tile sweep at M3's expert shapes (h 6144, i 3072, 128 experts, top-4), and
-# at M2's with SWEEP_M2_S > 0 (the defaults were swept at M2's only; M3's grouped matmuls ran at 53 % / 50 % of the
-# dense rate at 8K tokens against M2's 67 % / 57 % in session 33); the candidates include visit_group 2 / 4 / 8, not
-# yet measured (M3's first projection times like one HBM read of each 75 MB expert weight per visit, an inference:
-# BENCHMARKS.md (MoE), session 34); (2) bench/moe.py's timed rows and interleaved rounds with the default
-# tiles, grouped matmuls and the MoE layer against the dense matmul (TOKENS, default 8K); (3) optionally
+# One device call for issue 29: (1) the tile sweep of the first projection at M3's expert shapes (h 6144, i 3072, 128
+# experts, top-4), and at M2's with SWEEP_M2_S > 0 (visit_group 4 won at M3 and lost at M2 in session 35, hence
+# gpu_gmm.shape_configs); (2) bench/moe.py's timed rows and interleaved rounds with the default tiles: grouped
+# matmuls (also with the gated epilogue), the MoE layer with the fused first matmul and with the separate path,
+# against the dense matmul (TOKENS, default 8K); (3) optionally
 # bench/moe_fp8.py (FP8_S > 0; its first full GPU run was session 33); (4) the 8K x 8 dense training step with its
 # per-kernel profile (remat dots_kernels where its ~84 GiB plan fits, i.e. on 141 GB H200s; remat full on 80 GB
 # H100s, whose ~63 GiB plan needs a memory fraction above jax's default 0.75).

@@ -26,10 +26,10 @@ data-dependent ``pl.ds`` slices and masked ``pallas.triton`` loads / stores):
   programs running at the same time share an lhs row block and walk one group's weights (L2 reuse).
   With ``TileConfig.visit_group = n > 1`` the ids walk n consecutive visits per column tile first
   (the grouped ordering of Triton's matmul tutorial; the visit count, and so the grid, is rounded up
-  to a multiple of n with empty visits): the visits of one expert then start together. The hypothesis,
-  not yet measured: visits of one expert n_col ids apart, resident at the same time but started at
-  different times, read a weight tile far enough apart that the second read misses L2 (M3's first
-  projection runs at about one HBM read of each expert's weight per visit; BENCHMARKS.md (MoE)).
+  to a multiple of n with empty visits): the visits of one expert then start together, and read each
+  weight tile close enough in time to share it in L2. That pays where an expert's weight is larger than
+  the L2 (M3's first projection, 75 MB: +27 % forward, +40 % dlhs with n = 4) and costs where it fits
+  (M2, 19 MB: -13 %), so ``shape_configs`` sets n = 4 above ``GROUPED_VISITS_MIN_BYTES`` (BENCHMARKS.md (MoE)).
   fp32 accumulation over a static loop of ``cdiv(K, bk)`` steps, output in the requested dtype.
 - tail folding (``TileConfig.fold = f > 0``): a group of ``s = q * bm + r`` rows with ``q >= 1`` full
   blocks and a remainder ``0 < r <= f`` gets ``q`` visits instead of ``q + 1``: its last visit is
@@ -173,9 +173,8 @@ FP8_DTYPE = jnp.float8_e4m3fn   # the FP8 weights gmm_forward takes with rhs_sca
 #: order (bench/moe.py --tiny sweeps the first three), around the defaults: tail folding (``fold``), a
 #: smaller K step with a deeper pipeline, and half-height tails. ``fold`` 64 with four stages of a 128 +
 #: 64-row tile would need ~224 KiB of shared memory, so it runs with three (or with bk = 32). Results
-#: and the configs tried and dropped: BENCHMARKS.md (MoE). The last four are not measured yet (bench/moe_ws_check.sh
-#: sweeps them at M3's shapes): visit_group 2 / 4 / 8, and 256-row tiles (one weight tile load per 256 rows of an
-#: expert, about one visit per expert at M2 / M3's ~256 rows per expert at 8K tokens).
+#: and the configs tried and dropped (among them 256-row tiles, slower at M2 and M3): BENCHMARKS.md (MoE). The
+#: visit_group ones win at M3's first projection (``shape_configs``).
 CANDIDATES = (
     TileConfig(128, 64, 256, 8, 3),
     TileConfig(128, 64, 256, 8, 3, fold=64),
@@ -186,7 +185,6 @@ CANDIDATES = (
     TileConfig(128, 64, 256, 8, 4, half_tail=True, visit_group=2),
     TileConfig(128, 64, 256, 8, 4, half_tail=True, visit_group=4),
     TileConfig(128, 64, 256, 8, 4, half_tail=True, visit_group=8),
-    TileConfig(256, 64, 128, 8, 3, half_tail=True),
 )
 #: tgmm candidates (output tile bk x bn, bm rows per step); results and the designs tried and dropped:
 #: BENCHMARKS.md (MoE).
