@@ -81,14 +81,35 @@ def moe_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, wi: jax.Ar
       ep_transport: expert-parallel exchange, one of ``expert_parallel.TRANSPORTS``.
     Returns: ``[N, H]`` in ``x.dtype`` (accumulated in float32).
     Raises: ImplementationUnavailable for an unknown or unavailable implementation or an unknown
-      transport; ValueError for ``"xla_capacity"`` without a capacity factor.
+      transport; ValueError for ``"xla_capacity"`` without a capacity factor, or for shapes / dtypes that do not
+      fit together as above (the message names the operand). Expert ids outside ``[0, E)`` are not checked (they
+      are traced values).
     """
+    _check_shapes(x, weights, experts, wi, wo)
     if ep_transport not in TRANSPORTS:
         raise ImplementationUnavailable(f"expert-parallel transport {ep_transport!r} is not one of {TRANSPORTS}")
     if implementation == "xla_capacity" and capacity_factor is None:
         raise ValueError("moe implementation 'xla_capacity' needs capacity_factor")
     return registry.dispatch(OP, implementation, x, weights, experts, wi, wo, act,
                              capacity_factor=capacity_factor, ep_transport=ep_transport)
+
+
+def _check_shapes(x, weights, experts, wi, wo) -> None:
+    """One-line ValueErrors for operands that do not fit ``moe_experts``' contract."""
+    def bad(what):
+        raise ValueError(f"moe_experts: {what} (x {tuple(x.shape)}, weights {tuple(weights.shape)}, experts "
+                         f"{tuple(experts.shape)}, wi {tuple(wi.shape)}, wo {tuple(wo.shape)})")
+    if x.ndim != 2 or weights.ndim != 2 or experts.ndim != 2 or len(wi.shape) != 3 or len(wo.shape) != 3:
+        bad("expects x [N, H], weights / experts [N, k], wi [E, H, 2I], wo [E, I, H]")
+    if weights.shape != experts.shape or weights.shape[0] != x.shape[0]:
+        bad("weights and experts must be [N, k] with N the rows of x")
+    if not jnp.issubdtype(experts.dtype, jnp.integer):
+        bad(f"experts must hold integer expert ids, got {experts.dtype}")
+    e, h, two_i = wi.shape
+    if h != x.shape[1] or two_i % 2:
+        bad("wi must be [E, H, 2I]: H the width of x, an even gate/up width")
+    if tuple(wo.shape) != (e, two_i // 2, h):
+        bad(f"wo must be [E, I, H] = [{e}, {two_i // 2}, {h}]")
 
 
 def _auto(backend, x, weights, experts, wi, wo, act, **_):

@@ -237,3 +237,24 @@ def test_implementation_names_and_backends():
         "tokamax": ("gpu", "tpu"), "pallas_gpu": ("gpu",)}
     assert registry.implementation_names("grouped_matmul") == ("auto", "xla", "tokamax", "pallas_gpu",
                                                                "pallas_gpu_interpret")
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda a: {**a, "weights": a["weights"][:15], "experts": a["experts"][:15]}, "N the rows of x"),
+    (lambda a: {**a, "weights": jnp.ones((16, 3))}, "N the rows of x"),
+    (lambda a: {**a, "x": jnp.ones((16, 33))}, "H the width of x"),
+    (lambda a: {**a, "wi": jnp.ones((8, 32, 129))}, "even gate/up width"),
+    (lambda a: {**a, "wo": jnp.ones((8, 72, 32))}, r"wo must be \[E, I, H\] = \[8, 64, 32\]"),
+    (lambda a: {**a, "wo": jnp.ones((8, 64, 36))}, r"wo must be \[E, I, H\]"),
+    (lambda a: {**a, "experts": a["experts"].astype(jnp.float32)}, "integer expert ids"),
+    (lambda a: {**a, "x": a["x"][None]}, r"expects x \[N, H\]"),
+])
+def test_shape_errors_name_the_operand(change, match):
+    """Operands that do not fit raise one ValueError naming the problem and every shape, for every implementation
+    (before, a token-count mismatch returned NaN rows from xla_ragged)."""
+    ok = dict(x=jnp.ones((16, 32)), weights=jnp.ones((16, 2)), experts=jnp.zeros((16, 2), jnp.int32),
+              wi=jnp.ones((8, 32, 128)), wo=jnp.ones((8, 64, 32)))
+    assert moe.moe_experts(**ok, act=moe.GatedActivation(), implementation="xla_ragged").shape == (16, 32)
+    for impl in ("xla_ragged", "xla_dense", "pallas_gpu_interpret"):
+        with pytest.raises(ValueError, match=match):
+            moe.moe_experts(**change(ok), act=moe.GatedActivation(), implementation=impl)
