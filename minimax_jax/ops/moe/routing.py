@@ -33,7 +33,13 @@ def route(x: jax.Array, router: jax.Array, bias: jax.Array, top_k: int) -> tuple
     Returns:
       ``(weights [N, k] float32 (rows sum to 1), experts [N, k] int32, load [E] float32)`` where
       ``load`` counts tokens routed to each expert (the router statistic the bias update uses).
+    Raises ValueError (one line naming the shapes) for operands that do not fit or ``top_k`` outside ``[1, E]``.
     """
+    if x.ndim != 2 or router.ndim != 2 or bias.shape != (router.shape[-1],) or x.shape[1] != router.shape[0]:
+        raise ValueError(f"route: expects x [N, H], router [H, E], bias [E]; got x {tuple(x.shape)}, router "
+                         f"{tuple(router.shape)}, bias {tuple(bias.shape)}")
+    if not 1 <= int(top_k) <= router.shape[1]:
+        raise ValueError(f"route: top_k must be in [1, E = {router.shape[1]}], got {top_k}")
     scores = router_scores(x, router)
     _, experts = jax.lax.top_k(scores + jax.lax.stop_gradient(bias.astype(jnp.float32))[None, :], top_k)
     experts = experts.astype(jnp.int32)

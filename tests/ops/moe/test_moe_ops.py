@@ -258,3 +258,16 @@ def test_shape_errors_name_the_operand(change, match):
     for impl in ("xla_ragged", "xla_dense", "pallas_gpu_interpret"):
         with pytest.raises(ValueError, match=match):
             moe.moe_experts(**change(ok), act=moe.GatedActivation(), implementation=impl)
+
+
+def test_route_errors_name_the_problem():
+    """route refuses operands that do not fit and top_k outside [1, E] with one ValueError each."""
+    x, router, bias = jnp.ones((4, 8)), jnp.ones((8, 6)), jnp.zeros((6,))
+    assert moe.route(x, router, bias, 6)[1].shape == (4, 6)
+    for args, match in (((x, router, bias, 7), r"top_k must be in \[1, E = 6\], got 7"),
+                        ((x, router, bias, 0), "top_k"),
+                        ((x, router, jnp.zeros((5,)), 2), r"bias \(5,\)"),
+                        ((jnp.ones((4, 9)), router, bias, 2), r"x \(4, 9\)"),
+                        ((x[None], router, bias, 2), r"expects x \[N, H\]")):
+        with pytest.raises(ValueError, match=match):
+            moe.route(*args)
