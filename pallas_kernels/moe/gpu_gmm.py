@@ -86,7 +86,8 @@ from pallas_kernels.moe.gpu_tgmm_ws import WsTgmmConfig, tgmm_ws
 from pallas_kernels.moe.groups import group_bounds, make_visits, num_visits
 
 __all__ = ["TileConfig", "DEFAULT_CONFIG", "DEFAULT_DLHS_CONFIG", "DEFAULT_TGMM_CONFIG", "DEFAULT_CONFIGS",
-           "CANDIDATES", "TGMM_CANDIDATES", "GROUPED_VISITS_MIN_BYTES", "shape_configs", "num_visits", "make_visits", "gmm_forward", "tgmm", "gmm", "FP8_DTYPE"]
+           "CANDIDATES", "TGMM_CANDIDATES", "GROUPED_VISITS_MIN_BYTES", "shape_configs", "num_visits", "make_visits",
+           "gmm_forward", "tgmm", "gmm", "FP8_DTYPE"]
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 

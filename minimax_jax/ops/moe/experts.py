@@ -74,8 +74,9 @@ def moe_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, wi: jax.Ar
         step; expert parallelism shards them as stored when their blocks split with the expert width,
         ``expert_parallel.py``).
       act: ``f(gate_up [..., 2I]) -> [..., I]``; a ``GatedActivation`` (what the model passes) is fused into the
-        first grouped matmul's epilogue by the Pallas kernels in forward-only calls (``grouped_matmul.py``,
-        ``sorted_expert_mlp``); any other callable runs after it.
+        first grouped matmul's epilogue by the Pallas kernels in forward-only calls, which outside a mesh also
+        gathers its rows from x (``fused_first.py``; inside one ``grouped_matmul.sorted_expert_mlp``); any other
+        callable runs after it.
       implementation: one of ``MOE_IMPLEMENTATIONS`` (module docstring).
       capacity_factor: rows per expert for ``"xla_capacity"`` (required there; ignored elsewhere).
       ep_transport: expert-parallel exchange, one of ``expert_parallel.TRANSPORTS``.

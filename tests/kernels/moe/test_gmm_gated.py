@@ -136,17 +136,20 @@ def test_gated_fp8_equals_separate(act, cfg):
         gpu_gmm_fp8.gmm_fp8(lhs, q[..., :192], scale[..., :2], gs, interpret=True, gate_fn=act.gate_fn)
 
 
-def test_moe_op_fuses_a_gated_activation_and_reports_it():
-    """moe_experts(pallas_gpu_interpret) with a GatedActivation: the fused epilogue ran (report), output and
-    gradients equal the same layer with the activation as a plain function (separate path, reported so), and
-    FP8 experts fuse too."""
-    n, h, e, i, k = 64, 64, 4, 32, 2
+@pytest.mark.parametrize("act", ACTS, ids=lambda a: a.kind)
+def test_moe_op_fuses_a_gated_activation_and_reports_it(act):
+    """moe_experts(pallas_gpu_interpret) with a GatedActivation: the first matmul gathered the token rows and ran the
+    activation in its epilogue (reports), output (one ulp) and gradients (bit for bit) equal the same layer with the
+    activation as a plain function (separate path: permute, both matmuls; reported so), a gradient trace reports
+    the separate path, too large a token matrix for int32 offsets is refused with the reason, the XLA grouped
+    matmul says it has no epilogue, and FP8 experts fuse too."""
+    from minimax_jax.ops.moe.fused_first import _gather_problem
+    n, h, e, i, k = 80, 64, 4, 32, 2
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.normal(size=(n, h)), jnp.bfloat16)
     w, ex, _ = moe.route(x, jnp.asarray(rng.normal(size=(h, e)), jnp.float32), jnp.zeros((e,)), k)
     wi = jnp.asarray(rng.normal(size=(e, h, 2 * i)) / 8, jnp.bfloat16)
     wo = jnp.asarray(rng.normal(size=(e, i, h)) / 8, jnp.bfloat16)
-    act = ACTS[1]
 
     def run(a, grad):
         f = lambda x, wi, wo: moe.moe_experts(x, w, ex, wi, wo, a, implementation="pallas_gpu_interpret")  # noqa: E731
@@ -157,16 +160,23 @@ def test_moe_op_fuses_a_gated_activation_and_reports_it():
     for grad in (False, True):
         clear_implementation_report()
         got = run(act, grad)
-        want = "separate (differentiated)" if grad else "fused into the first grouped matmul's epilogue (gathered rows)"
-        assert implementation_report()["grouped_matmul.gated"] == want, implementation_report()
+        rep = implementation_report()
+        assert rep["grouped_matmul.gated"] == ("separate (differentiated)" if grad else
+                                               "fused into the first grouped matmul's epilogue (gathered rows)"), rep
+        assert rep["grouped_matmul.gather"] == ("separate (differentiated)" if grad else
+                                                "the first grouped matmul gathers the token rows and applies the "
+                                                "activation in its epilogue"), rep
         clear_implementation_report()
         ref = run(lambda hh: act(hh), grad)
-        assert implementation_report()["grouped_matmul.gated"] == "separate (the activation is not a GatedActivation)"
+        for key in ("grouped_matmul.gated", "grouped_matmul.gather"):
+            assert implementation_report()[key] == "separate (the activation is not a GatedActivation)"
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
             if grad:
                 _eq(a, b, "gradient")
             else:
                 _near(a, b, jnp.bfloat16, "output")
+    big = jax.ShapeDtypeStruct((2**20, 2**11), jnp.bfloat16)
+    assert "int32" in _gather_problem("pallas_gpu", big, 2**21, wi, act)
     # XLA grouped matmul: separate, and said so
     clear_implementation_report()
     sorted_expert_mlp(x, jnp.array([30, 34, 0, 0], jnp.int32), wi, wo, act, "xla")
@@ -238,33 +248,6 @@ def test_gathered_rows_equal_the_sorted_copy(cfg):
     kw = dict(config=TileConfig(32, 32, 64, 4, 2), interpret=True, rhs_scale=s, scale_block=(128, 128),
               gate_fn=ACTS[0].gate_fn)
     _eq(gpu_gmm.gmm_forward(x, q, gs, lhs_rows=rows, **kw), gpu_gmm.gmm_forward(x[rows], q, gs, **kw), "fp8")
-
-
-def test_moe_op_gathers_rows_and_reports_it():
-    """moe_experts(pallas_gpu_interpret) with a GatedActivation gathers the token rows in the first matmul
-    (report), and equals the separate path (a plain activation: permute, then both matmuls) in the forward (one
-    ulp) and bit for bit in the gradients; too large a token matrix for int32 offsets is refused with the reason."""
-    from minimax_jax.ops.moe.fused_first import _gather_problem
-    n, h, e, i, k = 80, 64, 4, 32, 2
-    rng = np.random.default_rng(6)
-    x = jnp.asarray(rng.normal(size=(n, h)), jnp.bfloat16)
-    w, ex, _ = moe.route(x, jnp.asarray(rng.normal(size=(h, e)), jnp.float32), jnp.zeros((e,)), k)
-    wi = jnp.asarray(rng.normal(size=(e, h, 2 * i)) / 8, jnp.bfloat16)
-    wo = jnp.asarray(rng.normal(size=(e, i, h)) / 8, jnp.bfloat16)
-    act = ACTS[0]
-    f = lambda a: lambda x, wi, wo: moe.moe_experts(x, w, ex, wi, wo, a, implementation="pallas_gpu_interpret")  # noqa: E731
-    clear_implementation_report()
-    got = jax.jit(f(act))(x, wi, wo)
-    assert implementation_report()["grouped_matmul.gather"].startswith("the first grouped matmul gathers")
-    clear_implementation_report()
-    ref = jax.jit(f(lambda hh: act(hh)))(x, wi, wo)
-    assert implementation_report()["grouped_matmul.gather"].startswith("separate (the activation")
-    _near(got, ref, jnp.bfloat16, "output")
-    loss = lambda a: jax.jit(jax.grad(lambda *p: jnp.sum(f(a)(*p).astype(jnp.float32) ** 2), argnums=(0, 1, 2)))  # noqa: E731
-    for a, b in zip(loss(act)(x, wi, wo), loss(lambda hh: act(hh))(x, wi, wo)):
-        _eq(a, b, "gradient")
-    big = jax.ShapeDtypeStruct((2**20, 2**11), jnp.bfloat16)
-    assert "int32" in _gather_problem("pallas_gpu", big, 2**21, wi, act)
 
 
 def test_fp8_experts_the_kernel_cannot_dequantise_run_the_separate_gather():
