@@ -16,6 +16,10 @@ way and compared with the one-step plain output (rows ``loop N``; speed-up = vs 
 the device, per host round trip) and the plain decode loop of the same N (rows ``<rows> spec loop N``; speed-up =
 vs one plain step at a time, ``vs loop`` = vs the plain loop of N steps; first difference vs one-step plain
 greedy). Writes ``spec_decode.json`` under ``--out``; the table is printed last.
+``--checkpoint DIR``: another model (default: the shipped demo); ``--num-draft N``: drafts per speculative step
+(default: all of the model's MTP modules); ``--prompts FILE``: prompts cut from a text file (``.txt``, or ``.jsonl``
+with a ``text`` field per line) tokenized with the checkpoint's tokenizer, prompt i starting at token 7919 * i,
+instead of random tokens (which leave the MTP modules nothing to predict).
 CPU smoke run: ``python bench/spec_decode.py --lengths 64 --new 16 --spec-loops 4 --out /tmp/spec``.
 """
 
@@ -58,6 +62,27 @@ def _row(label, n, plain, tp, out, t):
             "drafted": st.drafted}
 
 
+def _prompts(source, lengths, vocab_size, seed, tokenizer):
+    """Token-id prompts of ``lengths``: random ids (``source == "random"``) or windows of a text file."""
+    if source == "random":
+        rng = np.random.default_rng(seed)
+        return [rng.integers(3, vocab_size, n).tolist() for n in lengths]
+    with open(source, encoding="utf-8") as f:
+        if source.endswith(".jsonl"):
+            text = "\n\n".join(json.loads(line)["text"] for line in f if line.strip())
+        else:
+            text = f.read()
+    ids = tokenizer.encode(text)
+    ids = getattr(ids, "ids", ids)
+    out = []
+    for i, n in enumerate(lengths):
+        start = (7919 * i) % max(len(ids) - n, 1)
+        if len(ids) < n:
+            raise SystemExit(f"--prompts {source}: {len(ids)} tokens, fewer than the {n} a prompt needs")
+        out.append(list(ids[start:start + n]))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
@@ -68,20 +93,24 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-loops", default="", help="comma list of decode_loop values to time after the rows")
     ap.add_argument("--spec-loops", default="", help="comma list of decode_loop values of speculative device loops "
                                                      "(and plain loops of the same N), timed with each --rows setting")
+    ap.add_argument("--checkpoint", default=None, help="model directory (default: the shipped demo)")
+    ap.add_argument("--num-draft", type=int, default=None, help="drafts per speculative step (default: all modules)")
+    ap.add_argument("--prompts", default="random", help="'random' token prompts, or a .txt / .jsonl text file")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    model = load_model(None)
+    model = load_model(args.checkpoint)
     cfg, params = model.cfg, model.params
-    k = cfg.num_mtp_modules
-    rng = np.random.default_rng(args.seed)
+    k = cfg.num_mtp_modules if args.num_draft is None else args.num_draft
+    if not 1 <= k <= cfg.num_mtp_modules:
+        ap.error(f"--num-draft {k}: the model has {cfg.num_mtp_modules} MTP modules")
     lengths = [int(x) for x in args.lengths.split(",")]
-    prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in lengths]
+    prompts = _prompts(args.prompts, lengths, cfg.vocab_size, args.seed, model.tokenizer)
     spec_loops = [int(x) for x in args.spec_loops.split(",") if x]
     rows = []
     for setting in args.rows.split(","):
         gen = Generator(cfg, params, engine_options={"query_rows": 1 + k} if setting == "padded" else None)
         for n, prompt in zip(lengths, prompts):
-            base = GenerationConfig(max_new_tokens=args.new, stop_token_ids=())
+            base = GenerationConfig(max_new_tokens=args.new, stop_token_ids=(), num_draft=args.num_draft)
             plain, tp = _timed(gen, prompt, base)
             spec, ts = _timed(gen, prompt, dataclasses.replace(base, speculative="mtp"))
             found = [_row(setting, n, plain, tp, spec, ts)]
@@ -105,7 +134,9 @@ def main(argv=None) -> int:
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     with open(os.path.join(args.out, "spec_decode.json"), "w") as f:
-        json.dump({"device": str(jax.devices()[0].device_kind), "mtp_modules": k, "rows": rows}, f, indent=1)
+        json.dump({"device": str(jax.devices()[0].device_kind), "checkpoint": args.checkpoint or "checkpoints/demo",
+                   "mtp_modules": cfg.num_mtp_modules, "num_draft": k, "prompts": args.prompts, "rows": rows}, f,
+                  indent=1)
     print(f"\n{'rows':22} {'prompt':>6} {'plain tok/s':>11} {'spec/loop tok/s':>15} {'speedup':>7} {'vs loop':>7} "
           f"{'accept':>6} {'first diff':>10}")
     for r in rows:

@@ -59,6 +59,9 @@ class OptimConfig:
       z_loss: coefficient of ``mean(logsumexp(logits)^2)`` (0 = off).
       mtp_weights: per-depth MTP loss weights; one number (same for every depth) or a list with
         one entry per MTP module. Ignored when the model has no MTP modules.
+      mtp_targets: ``data`` (the MTP modules learn the data's future tokens) or ``self`` (they learn the
+        main model's own greedy tokens at those positions: self-distillation for speculative decoding,
+        whose drafts are accepted when they match the main model's greedy choice).
       router_bias_rate: aux-loss-free balancing step: ``bias += rate * sign(mean_load - load)``.
       aux_loss: coefficient of an optional MoE balance loss; needs the forward to report
         ``aux["moe_aux_loss"]`` (e.g. ``minimax_jax.ops.moe.load_balancing_loss`` summed over layers).
@@ -79,6 +82,7 @@ class OptimConfig:
     grad_accum: int = 1
     z_loss: float = 0.0
     mtp_weights: Any = 0.3
+    mtp_targets: str = "data"
     router_bias_rate: float = 1e-3
     aux_loss: float = 0.0
     freeze: tuple[str, ...] = ()
@@ -430,6 +434,7 @@ def validate(tc: TrainConfig) -> None:
     w = o.mtp_weights
     ws = [w] if not isinstance(w, (list, tuple)) else list(w)
     _check(all(_is_num(x) and x >= 0 for x in ws), f"optim.mtp_weights must be numbers >= 0, got {w!r}")
+    _check(o.mtp_targets in ("data", "self"), f"optim.mtp_targets must be data or self, got {o.mtp_targets!r}")
     for pat in o.freeze:
         try:
             re.compile(pat)

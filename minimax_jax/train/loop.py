@@ -126,7 +126,8 @@ class Trainer:
                             aux_loss=float(tc.optim.aux_loss),
                             mtp_weights=mtp_weights_list(tc.optim.mtp_weights, cfg.num_mtp_modules),
                             grad_accum=tc.optim.grad_accum, remat=tc.run.remat,
-                            router_bias_rate=self.router_bias_rate(phase), logits_chunk=tc.run.logits_chunk)
+                            router_bias_rate=self.router_bias_rate(phase), logits_chunk=tc.run.logits_chunk,
+                            mtp_self_targets=tc.optim.mtp_targets == "self")
             fn = make_train_step(spec, tx, trainable, schedule, 0 if phase == PHASE_WARMUP else self.warmup_steps)
             sh = self.state_shardings(phase)
             self._steps[phase] = jax.jit(fn, in_shardings=(sh, self.batch_sh), out_shardings=(sh, self.rep),

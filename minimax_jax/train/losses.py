@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from minimax_jax.ops.logits import logits_matmul
 from minimax_jax.sharding import constrain
 
-__all__ = ["cross_entropy_sums", "chunked_cross_entropy_sums", "mtp_targets", "mtp_weights_list"]
+__all__ = ["cross_entropy_sums", "chunked_cross_entropy_sums", "greedy_ids", "mtp_targets", "mtp_weights_list"]
 
 
 def cross_entropy_sums(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -82,6 +82,26 @@ def chunked_cross_entropy_sums(head_input: jax.Array, head_weight: jax.Array, ta
     zero = jnp.zeros((), jnp.float32)
     (ce, zs), _ = jax.lax.scan(body, (zero, zero), xs)
     return ce, zs
+
+
+def greedy_ids(head_out: jax.Array, head_weight: jax.Array | None = None, chunk: int = 0) -> jax.Array:
+    """The model's own greedy next tokens ``argmax`` over the vocabulary, ``[B, T]`` int32, no gradient.
+
+    ``head_out`` is ``[B, T, V]`` logits (``chunk == 0``) or the lm head's ``[B, T, H]`` input, then the
+    logits are formed ``chunk`` tokens at a time (as ``chunked_cross_entropy_sums``). Ties take the lowest
+    id, as greedy decoding's ``argmax`` does. These are the targets of ``optim.mtp_targets: self`` (an MTP
+    drafter is accepted when it predicts the main model's greedy token, not the data's).
+    """
+    head_out = jax.lax.stop_gradient(head_out)
+    if not chunk:
+        return jnp.argmax(head_out, axis=-1).astype(jnp.int32)
+    b, t, h = head_out.shape
+    n = -(-t // chunk)
+    x = jnp.pad(head_out, ((0, 0), (0, n * chunk - t), (0, 0)))
+    x = jnp.swapaxes(x.reshape(b, n, chunk, h), 0, 1)
+    w = jax.lax.stop_gradient(head_weight).astype(head_out.dtype)
+    ids = jax.lax.map(lambda hc: jnp.argmax(logits_matmul(hc, w), axis=-1).astype(jnp.int32), x)
+    return jnp.swapaxes(ids, 0, 1).reshape(b, n * chunk)[:, :t]
 
 
 def mtp_targets(targets: jax.Array, loss_mask: jax.Array, segment_ids: jax.Array, depth: int):

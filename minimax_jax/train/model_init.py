@@ -3,7 +3,10 @@
 - ``scratch``: ``model.name`` (a config name/path) with the other ``model`` keys as field overrides;
   params from ``init_params``.
 - ``checkpoint``: config and params of a converted checkpoint (``minimax_jax.convert``), ``model``
-  keys override fields that do not change shapes (dtypes, implementations...).
+  keys override fields that do not change shapes (dtypes, implementations...), and
+  ``num_mtp_modules``: fewer modules drop the last ones; more append copies of the checkpoint's last
+  MTP module (module d then starts from module d-1's weights, the usual way to add speculative depth
+  to a trained model; train them with ``optim.freeze`` holding the rest, configs/train/demo-mtp.yaml).
 - ``sparse_cpt``: a dense checkpoint turned into MSA: ``cfg.with_msa(msa.layers, **msa.index)`` and
   ``add_index_params`` initialises the index branch (then the loop warms the indexer up).
 
@@ -20,7 +23,7 @@ import jax
 from minimax_jax.config import ModelConfig, load_config
 from minimax_jax.train.config import TrainConfig, TrainConfigError
 
-__all__ = ["model_configs", "initial_params"]
+__all__ = ["model_configs", "initial_params", "resize_mtp"]
 
 
 def _apply_fields(cfg: ModelConfig, fields: dict[str, Any]) -> ModelConfig:
@@ -67,6 +70,12 @@ def model_configs(tc: TrainConfig) -> tuple[ModelConfig, ModelConfig | None]:
     except (OSError, ValueError) as e:
         raise TrainConfigError(f"cannot build the model config: {e}") from None
     if tc.init.mode == "checkpoint":
+        stored = read_config(tc.init.path).num_mtp_modules
+        if src.num_mtp_modules != stored:
+            if src.num_mtp_modules > stored == 0:
+                raise TrainConfigError(f"model.num_mtp_modules={src.num_mtp_modules}: the checkpoint {tc.init.path} "
+                                       f"has no MTP module to copy the new ones from")
+            return src, src.replace(num_mtp_modules=stored)
         return src, src
     try:
         cfg = src.with_msa(tc.msa.layers, **dict(tc.msa.index))
@@ -86,6 +95,9 @@ def initial_params(tc: TrainConfig, cfg: ModelConfig, src_cfg: ModelConfig | Non
     from minimax_jax.convert.load import load_checkpoint
 
     if tc.init.mode == "checkpoint":
+        if src_cfg is not None and src_cfg.num_mtp_modules != cfg.num_mtp_modules:
+            _, params = load_checkpoint(tc.init.path, src_cfg, shardings=src_shardings, dtype=cfg.param_dtype)
+            return resize_mtp(params, cfg.num_mtp_modules)
         _, params = load_checkpoint(tc.init.path, cfg, shardings=shardings, dtype=cfg.param_dtype)
         return params
     from minimax_jax.model import add_index_params
@@ -94,3 +106,22 @@ def initial_params(tc: TrainConfig, cfg: ModelConfig, src_cfg: ModelConfig | Non
     key = jax.random.fold_in(jax.random.key(tc.run.seed), 1)
     conv = jax.jit(lambda p, k: add_index_params(p, src_cfg, cfg, k), out_shardings=shardings)
     return conv(dense, key)
+
+
+def resize_mtp(params: dict, num_modules: int) -> dict:
+    """``params`` with ``num_modules`` MTP modules: the first ones kept, new ones copies of the last.
+
+    Copies are new buffers (the train step donates its state; one buffer twice would be refused).
+    Raises ValueError when modules are to be added and ``params`` has none.
+    """
+    import jax.numpy as jnp
+
+    mods = list(params.get("mtp", ()))
+    if num_modules > len(mods) and not mods:
+        raise ValueError("no MTP module to copy: the params have none")
+    out = {k: v for k, v in params.items() if k != "mtp"}
+    mods = mods[:num_modules] + [jax.tree.map(lambda a: jnp.array(a, copy=True), mods[-1])
+                                 for _ in range(num_modules - len(mods))]
+    if mods:
+        out["mtp"] = mods
+    return out

@@ -40,7 +40,7 @@ from minimax_jax.data.prefix_tree import KEY_KEYS
 from minimax_jax.model import forward, mtp_forward
 from minimax_jax.model.transformer import lm_head_weight
 from minimax_jax.model.router_bias import update_router_biases
-from minimax_jax.train.losses import chunked_cross_entropy_sums, cross_entropy_sums, mtp_targets
+from minimax_jax.train.losses import chunked_cross_entropy_sums, cross_entropy_sums, greedy_ids, mtp_targets
 
 __all__ = ["StepSpec", "init_state", "make_train_step", "make_eval_step", "BATCH_KEYS", "batch_norms"]
 
@@ -63,6 +63,7 @@ class StepSpec:
     remat: str = "none"
     router_bias_rate: float = 0.0
     logits_chunk: int = 0     # tokens per lm-head + CE slice (0 = whole [B,T,V] logits)
+    mtp_self_targets: bool = False   # MTP targets = the main model's greedy tokens (optim.mtp_targets: self)
 
 
 def init_state(params: Any, tx: optax.GradientTransformation, seed: int) -> dict[str, Any]:
@@ -121,8 +122,12 @@ def _loss_fn(spec: StepSpec, trainable: Any):
         if num_mtp:
             outs = mtp_forward(p, cfg, out.hidden, mb["tokens"], positions=mb["positions"],
                                segment_ids=mb["segment_ids"], return_logits=not chunk)
+            base = mb["targets"]
+            if spec.mtp_self_targets:
+                base = greedy_ids(out.head_input if chunk else out.logits,
+                                  lm_head_weight(p, cfg) if chunk else None, chunk)
             for d, (lg, w) in enumerate(zip(outs, spec.mtp_weights), start=1):
-                tgt, md = mtp_targets(mb["targets"], mb["loss_mask"], mb["segment_ids"], d)
+                tgt, md = mtp_targets(base, mb["loss_mask"], mb["segment_ids"], d)
                 ce_d, _ = _ce_sums(p, cfg, chunk, lg, tgt, md)
                 m[f"mtp_loss/{d}"] = ce_d / norms[f"mtp{d}"]
                 total = total + w * m[f"mtp_loss/{d}"]

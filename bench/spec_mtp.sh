@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One device call: grow the demo model's MTP modules (configs/train/demo-mtp.yaml: 4 modules trained on the
+# main model's greedy tokens, backbone frozen), export the model, then time speculative vs plain greedy decoding
+# with it and with the shipped demo (bench/spec_decode.py on held-out text prompts).
+#   OUT=... bash bench/spec_mtp.sh            # GPU machine; carry .whl (grain, array_record, portpicker wheels for
+#                                             # Python 3.12) and data/corpus (python -m minimax_jax.data.corpus
+#                                             # --out data/corpus --max_mb 16)
+#   TRAIN_S=20 STEPS=4 SEQ=256 BATCH=2 NEW=16 LENGTHS=64 LOOPS=4 OUT=/tmp/o bash bench/spec_mtp.sh   # CPU smoke run
+# Back in $OUT: metrics.jsonl (training), ck.tgz.* (the exported checkpoint in <= 15 MiB pieces: cat ck.tgz.* |
+# tar xzf -), spec4/ and spec1/ spec_decode.json (grown model / shipped demo).
+set -u
+cd "$(dirname "$0")/.."
+: "${OUT:?set OUT}"
+export PYTHONUNBUFFERED=1
+if [ -d .whl ]; then
+  SITE=/tmp/site_$$
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/*.whl || exit 1
+  export PYTHONPATH=$SITE:${PYTHONPATH:-}
+fi
+W=${W:-/tmp/spec_mtp}
+rm -rf "$W" && mkdir -p "$W" "$OUT"
+# SIGINT at TRAIN_S: train.py saves a checkpoint at the step it reached and exits (then the export takes it).
+timeout -s INT "${TRAIN_S:-240}" python3 train.py --config configs/train/demo-mtp.yaml --set run.run_dir="$W/run" \
+  --set run.steps="${STEPS:-1000}" --set data.seq_len="${SEQ:-1024}" --set data.batch_size="${BATCH:-32}" \
+  --set checkpoint.every=250 --set run.log_every=50 2>&1 | tail -25
+cp "$W/run/metrics.jsonl" "$OUT/" 2>/dev/null
+python3 -m minimax_jax.train.export --run_dir "$W/run" --dst "$W/ck" --dtype bfloat16 --tokenizer checkpoints/demo/tokenizer.json || exit 1
+tar czf - -C "$W" ck | split -b 15m - "$OUT/ck.tgz."
+P=data/corpus/heldout.jsonl
+for s in 4 1; do
+  ck=$([ $s = 4 ] && echo "--checkpoint $W/ck" || echo "")
+  timeout "${SPEC_S:-170}" python3 bench/spec_decode.py $ck --prompts $P --lengths "${LENGTHS:-512,4000}" --rows padded \
+    --new "${NEW:-512}" --spec-loops "${LOOPS:-32}" --out "$OUT/spec$s" 2>&1 | tail -8
+done
