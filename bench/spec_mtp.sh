@@ -7,7 +7,7 @@
 #                                             # --out data/corpus --max_mb 16)
 #   TRAIN_S=20 STEPS=4 SEQ=256 BATCH=2 NEW=16 LENGTHS=64 LOOPS=4 OUT=/tmp/o bash bench/spec_mtp.sh   # CPU smoke run
 # Back in $OUT: metrics.jsonl (training), ck.tgz.* (the exported checkpoint in <= 15 MiB pieces: cat ck.tgz.* |
-# tar xzf -), spec4/ and spec1/ spec_decode.json (grown model / shipped demo).
+# tar xzf -), spec4/ and spec1/ spec_decode.json (grown model / shipped demo; SPEC_BASE=0 skips the demo's run).
 set -u
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
@@ -27,7 +27,7 @@ cp "$W/run/metrics.jsonl" "$OUT/" 2>/dev/null
 python3 -m minimax_jax.train.export --run_dir "$W/run" --dst "$W/ck" --dtype bfloat16 --tokenizer checkpoints/demo/tokenizer.json || exit 1
 tar czf - -C "$W" ck | split -b 15m - "$OUT/ck.tgz."
 P=data/corpus/heldout.jsonl
-for s in 4 1; do
+for s in 4 $([ "${SPEC_BASE:-1}" = 1 ] && echo 1); do
   ck=$([ $s = 4 ] && echo "--checkpoint $W/ck" || echo "")
   timeout "${SPEC_S:-170}" python3 bench/spec_decode.py $ck --prompts $P --lengths "${LENGTHS:-512,4000}" --rows padded \
     --new "${NEW:-512}" --spec-loops "${LOOPS:-32}" --out "$OUT/spec$s" 2>&1 | tail -8

@@ -247,8 +247,10 @@ def _chunk(q, qi, ids, starts, qpos, qseg, fresh, dki, teacher_lse, qw, *, kp, k
     head = (*lists, q, kp, qi, kip, ids, qpos, qseg, kvpos, kvseg)
     grid = (n_items, g, bsz)
     teacher = teacher_lse is None
+    # Given the teacher's LSE, pass 1 reads no head rows: its tiles hold `rows` tokens, not rows // (H/G).
+    lse_consts = consts if teacher else dict(consts, hg=1, per=rows, per_pad=max(16, layout.next_pow2(rows)))
     parts = pl.pallas_call(
-        functools.partial(_lse_kernel, teacher=teacher, **consts), grid=grid,
+        functools.partial(_lse_kernel, teacher=teacher, **lse_consts), grid=grid,
         out_shape=[jax.ShapeDtypeStruct((bsz, t + 1, topk, h), jnp.float32)] * teacher     # + spare row
         + [jax.ShapeDtypeStruct((bsz, t + 1, topk, g), jnp.float32)],
         name="msa_kl_lse_gpu" if teacher else "msa_kl_student_lse_gpu", **params,

@@ -83,8 +83,9 @@ def moe_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, wi: jax.Ar
     Returns: ``[N, H]`` in ``x.dtype`` (accumulated in float32).
     Raises: ImplementationUnavailable for an unknown or unavailable implementation or an unknown
       transport; ValueError for ``"xla_capacity"`` without a capacity factor, or for shapes / dtypes that do not
-      fit together as above (the message names the operand). Expert ids outside ``[0, E)`` are not checked (they
-      are traced values).
+      fit together as above (the message names the operand). Expert ids outside ``[0, E)`` (traced values, not
+      checked) contribute nothing to their token in every implementation, and leave every other token's output
+      unchanged.
     """
     _check_shapes(x, weights, experts, wi, wo)
     if ep_transport not in TRANSPORTS:
@@ -127,6 +128,11 @@ def _auto(backend, x, weights, experts, wi, wo, act, **_):
 def _dropless_impl(gmm: str):
     """The dropless path with grouped-matmul implementation ``gmm``: expert parallel inside ``use_mesh``."""
     def run(x, weights, experts, wi, wo, act, *, ep_transport, **_):
+        # An id outside [0, E) would index past the group sizes / offsets (a neighbour's rows): weight 0 on
+        # expert 0 instead, as the one-hot of xla_dense and xla_capacity drops it.
+        valid = (experts >= 0) & (experts < wi.shape[0])
+        weights = jnp.where(valid, weights, jnp.zeros((), weights.dtype))
+        experts = jnp.where(valid, experts, jnp.zeros((), experts.dtype))
         ctx = sharding.current()
         if ctx is not None:
             return moe_expert_parallel(x, weights, experts, wi, wo, act, mesh=ctx[0], rules=ctx[1], gmm_impl=gmm,
@@ -154,12 +160,15 @@ def _capacity(x, weights, experts, wi, wo, act, *, capacity_factor, **_):
     e = wi.shape[0]
     m = n * k
     cap = capacity_of(n, k, e, capacity_factor)
+    valid = (experts >= 0) & (experts < e)      # an id outside [0, E) sorts last and is dropped (no capacity used)
+    experts = jnp.where(valid, experts, e)
+    weights = jnp.where(valid, weights, jnp.zeros((), weights.dtype))
     order, inv, group_sizes = sort_by_expert(experts, e)
     starts = group_starts(group_sizes)
     xs = permute_rows(x, order, inv)                                     # [M, H] sorted by expert
     e_sorted = jnp.take(experts.reshape(-1), order)                      # expert of each sorted row
-    pos = jnp.arange(m, dtype=jnp.int32) - jnp.take(starts, e_sorted)    # rank inside its expert
-    keep = pos < cap
+    pos = jnp.arange(m, dtype=jnp.int32) - jnp.take(starts, jnp.minimum(e_sorted, e - 1))   # rank in its expert
+    keep = (pos < cap) & (e_sorted < e)
     slot = e_sorted * cap + pos                                          # row -> buffer slot
     c = jnp.arange(cap, dtype=jnp.int32)
     src = (starts[:, None] + c[None, :]).reshape(-1)                     # buffer slot -> row

@@ -260,6 +260,20 @@ def test_shape_errors_name_the_operand(change, match):
             moe.moe_experts(**change(ok), act=moe.GatedActivation(), implementation=impl)
 
 
+def test_expert_ids_out_of_range_contribute_nothing():
+    """An expert id outside [0, E) adds nothing to its token and leaves every other token unchanged, in every
+    implementation (before, the grouped paths let it shift a neighbour's rows)."""
+    x, router, bias, wi, wo = _inputs(5)
+    weights, experts = moe.route(x, router, bias, K)[:2]
+    bad = experts.at[3, 1].set(E).at[10, 0].set(-1).at[20, 2].set(E + 7)
+    keep = weights.at[3, 1].set(0.0).at[10, 0].set(0.0).at[20, 2].set(0.0)
+    want = np.asarray(moe.moe_experts(x, keep, experts, wi, wo, _act, implementation="xla_dense"))
+    for impl in ("xla_dense", "xla_ragged", "xla_capacity", "pallas_gpu_interpret"):
+        kw = {"capacity_factor": float(E)} if impl == "xla_capacity" else {}
+        got = np.asarray(moe.moe_experts(x, weights, bad, wi, wo, _act, implementation=impl, **kw))
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=impl)
+
+
 def test_route_errors_name_the_problem():
     """route refuses operands that do not fit and top_k outside [1, E] with one ValueError each."""
     x, router, bias = jnp.ones((4, 8)), jnp.ones((8, 6)), jnp.zeros((6,))
