@@ -109,6 +109,19 @@ def _head_mean(pt, tl, hg, per, shape):
     return tch
 
 
+def _teacher_loop(q_ref, lse_ref, win, tl, b, g, heads, scale, masked, shape):
+    """The teacher of each token row of a token tile [P, B] (rows are tokens): the f32 mean over the group's
+    ``heads`` of each head's probabilities, one head's [P, D] x [D, B] product per loop step."""
+    def body(hh, acc):
+        head = jnp.full_like(tl.t_tok, g * heads + hh)
+        q = q_ref[b, tl.t_tok, head, :]                               # [P, D]
+        s = mask_logits(_dot(q, win.k, trans_b=True) * (scale * _LOG2E), win, tl.ok_tok, tl.n_tok, tl.qp_tok,
+                        tl.qs_tok, masked=masked)
+        lse2 = lse_ref[b, tl.t_tok, head] * _LOG2E
+        return acc + jnp.exp2(s - jnp.where(lse2 == -jnp.inf, 0.0, lse2)[:, None])
+    return jax.lax.fori_loop(0, heads, body, jnp.zeros(shape, jnp.float32)) * (1.0 / heads)
+
+
 def _spare(ok, t, ref):
     """Token index for a masked store: rows not ``ok`` point at the spare row T (gpu_sparse_fwd.py)."""
     return jnp.where(ok, t, ref.shape[1] - 1)
@@ -150,7 +163,7 @@ def _lse_kernel(flat_ref, key_ref, rend_ref, nval_ref, mend_ref, q_ref, k_ref, q
 
 def _kl_kernel(flat_ref, key_ref, rend_ref, nval_ref, mend_ref, q_ref, k_ref, qi_ref, ki_ref,
                ids_ref, qpos_ref, qseg_ref, kvpos_ref, kvseg_ref, lse_ref, lsex_ref, *refs, blk, topk,
-               scale, iscale, hg, per, per_pad, chunk, rows, s_pad, grads, weighted):
+               scale, iscale, hg, per, per_pad, chunk, rows, s_pad, grads, weighted, head_loop=0):
     if weighted:                                         # per-token weights [B, T+1] (spare row 0)
         qw_ref, refs = refs[0], refs[1:]
     if grads:
@@ -172,10 +185,14 @@ def _kl_kernel(flat_ref, key_ref, rend_ref, nval_ref, mend_ref, q_ref, k_ref, qi
 
         def tile(si, dki, masked):
             tl = _Tile(trefs, b, g, a, si, end, hg=hg, per=per, per_pad=per_pad, topk=topk, rows=rows)
-            s, x, qi = _logits(q_ref, qi_ref, win, kib, tl, b, g, scale, iscale, masked)
-            lse2 = lse_ref[b, tl.t, tl.head] * _LOG2E
-            pt = jnp.exp2(s - jnp.where(lse2 == -jnp.inf, 0.0, lse2)[:, None])   # [R, B]
-            tch = _head_mean(pt, tl, hg, per, x.shape)
+            if head_loop:                # token tiles (hg = 1 here), the group's head_loop heads in a loop
+                x, qi = _student_logits(qi_ref, win, kib, tl, b, g, iscale, masked)
+                tch = _teacher_loop(q_ref, lse_ref, win, tl, b, g, head_loop, scale, masked, x.shape)
+            else:
+                s, x, qi = _logits(q_ref, qi_ref, win, kib, tl, b, g, scale, iscale, masked)
+                lse2 = lse_ref[b, tl.t, tl.head] * _LOG2E
+                pt = jnp.exp2(s - jnp.where(lse2 == -jnp.inf, 0.0, lse2)[:, None])   # [R, B]
+                tch = _head_mean(pt, tl, hg, per, x.shape)
             lx2 = lsex_ref[b, tl.t_tok, g] * _LOG2E
             lx2 = jnp.where(lx2 == -jnp.inf, 0.0, lx2)
             log_p = x - lx2[:, None]                                    # log2 student prob
@@ -228,7 +245,7 @@ def _logsumexp_slots(parts, valid):
 
 
 def _chunk(q, qi, ids, starts, qpos, qseg, fresh, dki, teacher_lse, qw, *, kp, kip, kvpos, kvseg, blk, chunk, rows,
-           grads, interpret, num_warps):
+           grads, interpret, num_warps, head_loop=False):
     """One query chunk: (kl_sum, count, dqi [B,Tc,G,Di] f32 or None, dki totals [B,Sp,G,Di] f32);
     ``teacher_lse`` ``[B,Tc,H]`` (natural log) or None (computed here, pass 1); ``qw`` ``[B,Tc]`` f32 query
     weights or None (then ``count`` is int32, else the weighted float32 count)."""
@@ -247,8 +264,11 @@ def _chunk(q, qi, ids, starts, qpos, qseg, fresh, dki, teacher_lse, qw, *, kp, k
     head = (*lists, q, kp, qi, kip, ids, qpos, qseg, kvpos, kvseg)
     grid = (n_items, g, bsz)
     teacher = teacher_lse is None
-    # Given the teacher's LSE, pass 1 reads no head rows: its tiles hold `rows` tokens, not rows // (H/G).
-    lse_consts = consts if teacher else dict(consts, hg=1, per=rows, per_pad=max(16, layout.next_pow2(rows)))
+    # Given the teacher's LSE, pass 1 reads no head rows: its tiles hold `rows` tokens, not rows // (H/G);
+    # so do pass 2's with head_loop (the teacher's heads then run in a loop inside the tile).
+    tok_consts = dict(consts, hg=1, per=rows, per_pad=max(16, layout.next_pow2(rows)))
+    lse_consts = consts if teacher else tok_consts
+    kl_consts = dict(tok_consts, head_loop=hg) if head_loop and hg > 1 else consts
     parts = pl.pallas_call(
         functools.partial(_lse_kernel, teacher=teacher, **lse_consts), grid=grid,
         out_shape=[jax.ShapeDtypeStruct((bsz, t + 1, topk, h), jnp.float32)] * teacher     # + spare row
@@ -268,7 +288,7 @@ def _chunk(q, qi, ids, starts, qpos, qseg, fresh, dki, teacher_lse, qw, *, kp, k
         outs += [f32(bsz, t + 1, topk, g, di), f32(bsz, g, n_items, 2, blk, di), f32(*dki.shape)]
         args.append(dki)
     res = pl.pallas_call(
-        functools.partial(_kl_kernel, s_pad=sp, grads=grads, weighted=qw is not None, **consts), grid=grid,
+        functools.partial(_kl_kernel, s_pad=sp, grads=grads, weighted=qw is not None, **kl_consts), grid=grid,
         out_shape=outs,
         input_output_aliases={len(args) - 1: 3} if grads else {},
         name="msa_kl_gpu", **params,
@@ -299,7 +319,7 @@ def _query_chunk(bsz, h, g, di, topk, blk, chunk, budget_bytes=PARTIALS_BUDGET):
 
 
 def _run(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, blk, interpret, grads,
-         teacher_lse=None, q_weights=None, rows=32, chunk=None, query_chunk=None, num_warps=8):
+         teacher_lse=None, q_weights=None, rows=32, chunk=None, query_chunk=None, num_warps=8, head_loop=False):
     """(kl_sum, count, dqi, dki) for a unit cotangent (dqi / dki None without ``grads``). ``chunk``: sorted
     selections per program (None: ``default_bwd_chunk`` of a pass, as the attention backward); ``rows``,
     ``num_warps``: the tiling (``indexer_kl_gpu``)."""
@@ -314,7 +334,8 @@ def _run(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, blk,
     if chunk is None:
         chunk = default_bwd_chunk(bsz * min(t, qc) * ids.shape[-1] * g)
     run = functools.partial(_chunk, kp=prep.k, kip=prep.v, kvpos=prep.kv_pos, kvseg=prep.kv_seg,
-                            blk=blk, chunk=chunk, rows=rows, grads=grads, interpret=interpret, num_warps=num_warps)
+                            blk=blk, chunk=chunk, rows=rows, grads=grads, interpret=interpret, num_warps=num_warps,
+                            head_loop=head_loop)
     dki = jnp.zeros((bsz, prep.s_pad, g, di), jnp.float32)
     if t <= qc:
         kl, count, dqi, dki = run(q, qi, ids, starts, qpos, prep.q_seg, jnp.ones((t,), bool), dki, teacher_lse,
@@ -385,7 +406,7 @@ _kl.defvjp(_kl_fwd, _kl_bwd)
 
 def indexer_kl_gpu(q, k, qi, ki, block_ids, *, q_positions, kv_positions, q_segment_ids=None,
                    kv_segment_ids=None, block_size=None, teacher_lse=None, q_weights=None, interpret=False,
-                   chunk=None, rows=32, num_warps=8):
+                   chunk=None, rows=32, num_warps=8, head_loop=False):
     """Indexer KL(teacher || student) on the selected support, Pallas/Triton GPU kernels.
 
     Args:
@@ -401,6 +422,8 @@ def indexer_kl_gpu(q, k, qi, ki, block_ids, *, q_positions, kv_positions, q_segm
       chunk: sorted selections per program (a power of two >= 16; None: ``default_bwd_chunk`` per pass).
       rows: (token, head) rows per tile (a power of two >= 32, raised to H/G's); num_warps: Triton warps
         (the defaults measured fastest at M3 128K: BENCHMARKS.md, MSA indexer KL probe);
+      head_loop: opt-in, untimed: the KL pass tiles ``rows`` tokens and loops over the group's heads for the
+        teacher (no per-token head sums, full student tiles) instead of ``rows`` (token, head) rows;
     Returns: (kl_sum f32 [], count int32 [], or float32 with q_weights) as minimax_jax.ops.msa.indexer_kl.
     Raises: ValueError for block_ids=None (the dense warm-up has no kernel) and for rows / num_warps outside
       the ranges above. Other preconditions
@@ -423,6 +446,6 @@ def indexer_kl_gpu(q, k, qi, ki, block_ids, *, q_positions, kv_positions, q_segm
             or rows < 32 or rows & (rows - 1) or num_warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"indexer_kl_gpu: rows={rows!r} (a power of two >= 32), num_warps={num_warps!r} (1-16, a "
                          "power of two)")
-    tiling = (("chunk", chunk), ("rows", rows), ("num_warps", num_warps))
+    tiling = (("chunk", chunk), ("rows", rows), ("num_warps", num_warps), ("head_loop", bool(head_loop)))
     return _kl(q, k, qi, ki, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids, teacher_lse,
                q_weights, block_size, interpret, tiling)
