@@ -62,16 +62,27 @@ def _row(label, n, plain, tp, out, t):
             "drafted": st.drafted}
 
 
-def _prompts(source, lengths, vocab_size, seed, tokenizer):
-    """Token-id prompts of ``lengths``: random ids (``source == "random"``) or windows of a text file."""
-    if source == "random":
+def _read_text(path):
+    """The text of a ``.txt`` file, or the ``text`` fields of a ``.jsonl`` file (any case) joined by blank lines."""
+    with open(path, encoding="utf-8") as f:
+        if not path.lower().endswith(".jsonl"):
+            return f.read()
+        out = []
+        for i, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    out.append(json.loads(line)["text"])
+                except (json.JSONDecodeError, KeyError, TypeError) as e:
+                    raise ValueError(f"line {i} is not a JSON object with a 'text' field ({type(e).__name__})") \
+                        from None
+        return "\n\n".join(out)
+
+
+def _prompts(text, lengths, vocab_size, seed, tokenizer, source):
+    """Token-id prompts of ``lengths``: random ids (``text`` None) or windows of ``text`` (read from ``source``)."""
+    if text is None:
         rng = np.random.default_rng(seed)
         return [rng.integers(3, vocab_size, n).tolist() for n in lengths]
-    with open(source, encoding="utf-8") as f:
-        if source.endswith(".jsonl"):
-            text = "\n\n".join(json.loads(line)["text"] for line in f if line.strip())
-        else:
-            text = f.read()
     ids = tokenizer.encode(text)
     ids = getattr(ids, "ids", ids)
     out = []
@@ -97,14 +108,23 @@ def main(argv=None) -> int:
     ap.add_argument("--num-draft", type=int, default=None, help="drafts per speculative step (default: all modules)")
     ap.add_argument("--prompts", default="random", help="'random' token prompts, or a .txt / .jsonl text file")
     args = ap.parse_args(argv)
+    try:
+        text = None if args.prompts == "random" else _read_text(args.prompts)
+    except (OSError, ValueError, KeyError) as e:
+        ap.error(f"--prompts {args.prompts}: {type(e).__name__}: {e}")
     os.makedirs(args.out, exist_ok=True)
-    model = load_model(args.checkpoint)
+    try:
+        model = load_model(args.checkpoint)
+    except Exception as e:     # one line naming the problem (CheckpointNotFound, mismatch, ...)
+        ap.error(f"--checkpoint {args.checkpoint or 'checkpoints/demo'}: {type(e).__name__}: {str(e).splitlines()[0]}")
     cfg, params = model.cfg, model.params
+    if not cfg.num_mtp_modules:
+        ap.error(f"--checkpoint {args.checkpoint}: the model has no MTP modules (speculative decoding needs one)")
     k = cfg.num_mtp_modules if args.num_draft is None else args.num_draft
     if not 1 <= k <= cfg.num_mtp_modules:
-        ap.error(f"--num-draft {k}: the model has {cfg.num_mtp_modules} MTP modules")
+        ap.error(f"--num-draft {k}: must be in [1, {cfg.num_mtp_modules}] (the model's MTP modules)")
     lengths = [int(x) for x in args.lengths.split(",")]
-    prompts = _prompts(args.prompts, lengths, cfg.vocab_size, args.seed, model.tokenizer)
+    prompts = _prompts(text, lengths, cfg.vocab_size, args.seed, model.tokenizer, args.prompts)
     spec_loops = [int(x) for x in args.spec_loops.split(",") if x]
     rows = []
     for setting in args.rows.split(","):

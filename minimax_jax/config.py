@@ -243,8 +243,9 @@ class ModelConfig:
                 raise ConfigError(
                     f"index_topk ({self.index_topk}) must be >= index_local_blocks + index_init_blocks "
                     f"({self.index_local_blocks + self.index_init_blocks})")
-        if self.num_mtp_modules < 0:
-            raise ConfigError("num_mtp_modules must be >= 0")
+        v = self.num_mtp_modules
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ConfigError(f"num_mtp_modules must be an integer >= 0, got {v!r}")
 
     # ------------------------------------------------------------------ derived
     @property

@@ -66,7 +66,8 @@ class OptimConfig:
       aux_loss: coefficient of an optional MoE balance loss; needs the forward to report
         ``aux["moe_aux_loss"]`` (e.g. ``minimax_jax.ops.moe.load_balancing_loss`` summed over layers).
       freeze: regexes over '/'-joined param paths (e.g. ``segments/0/attn/.*``); matching leaves
-        are not trained. ``router_bias`` is never trained by the optimizer regardless.
+        are not trained, and a matching ``router_bias`` is not moved by the balancing rule either (the
+        optimizer never trains router biases).
       mu_dtype: dtype of Adam's first moment (``optax.adamw(mu_dtype=)``): null = the parameters'
         dtype, or ``bfloat16`` to halve its memory and traffic (the second moment stays float32: its
         small values underflow in bf16). On the 1.9B-parameter bench model the optimizer update is

@@ -44,7 +44,7 @@ from minimax_jax.train.losses import mtp_weights_list
 from minimax_jax.train.metrics import MetricsWriter, peak_flops_per_device, train_flops
 from minimax_jax.train.metrics_truncate import truncate_after, write_atomic
 from minimax_jax.train.model_init import initial_params, model_configs
-from minimax_jax.train.optimizer import PHASE_MAIN, PHASE_WARMUP, make_optimizer, path_of
+from minimax_jax.train.optimizer import PHASE_MAIN, PHASE_WARMUP, held_router_biases, make_optimizer, path_of
 from minimax_jax.train.run_lock import RunLock
 from minimax_jax.train.step import StepSpec, init_state, make_eval_step, make_train_step
 
@@ -128,7 +128,8 @@ class Trainer:
                             grad_accum=tc.optim.grad_accum, remat=tc.run.remat,
                             router_bias_rate=self.router_bias_rate(phase), logits_chunk=tc.run.logits_chunk,
                             mtp_self_targets=tc.optim.mtp_targets == "self")
-            fn = make_train_step(spec, tx, trainable, schedule, 0 if phase == PHASE_WARMUP else self.warmup_steps)
+            fn = make_train_step(spec, tx, trainable, schedule, 0 if phase == PHASE_WARMUP else self.warmup_steps,
+                                 hold=held_router_biases(self.abstract, tuple(tc.optim.freeze)))
             sh = self.state_shardings(phase)
             self._steps[phase] = jax.jit(fn, in_shardings=(sh, self.batch_sh), out_shardings=(sh, self.rep),
                                          donate_argnums=(0,))

@@ -77,6 +77,10 @@ def model_configs(tc: TrainConfig) -> tuple[ModelConfig, ModelConfig | None]:
                                        f"has no MTP module to copy the new ones from")
             return src, src.replace(num_mtp_modules=stored)
         return src, src
+    stored = read_config(tc.init.path).num_mtp_modules
+    if src.num_mtp_modules != stored:
+        raise TrainConfigError(f"model.num_mtp_modules={src.num_mtp_modules}: init.mode sparse_cpt keeps the "
+                               f"checkpoint's {stored} MTP modules; change them in an init.mode: checkpoint run")
     try:
         cfg = src.with_msa(tc.msa.layers, **dict(tc.msa.index))
     except (ValueError, TypeError) as e:
@@ -117,6 +121,8 @@ def resize_mtp(params: dict, num_modules: int) -> dict:
     import jax.numpy as jnp
 
     mods = list(params.get("mtp", ()))
+    if num_modules < 0:
+        raise ValueError(f"num_modules must be >= 0, got {num_modules}")
     if num_modules > len(mods) and not mods:
         raise ValueError("no MTP module to copy: the params have none")
     out = {k: v for k, v in params.items() if k != "mtp"}

@@ -8,8 +8,10 @@ Masks:
 - weight decay: off for every norm scale (path contains ``norm``), every bias (path ends in ``bias``)
   and the MoE ``router_bias``; on for the other weights (embedding and lm_head included);
 - trainable: off for ``optim.freeze`` matches and always for ``router_bias`` (it is moved by the
-  aux-loss-free balancing rule, ``minimax_jax.model.router_bias``). In the MSA warm-up phase with
-  ``msa.freeze_backbone_in_warmup`` only the index branch (``index_*``) is trainable.
+  aux-loss-free balancing rule, ``minimax_jax.model.router_bias``; a ``router_bias`` a freeze regex
+  matches is held there too, ``held_router_biases``), and off for MTP modules whose loss is not computed
+  (trailing zero ``optim.mtp_weights``: weight decay would otherwise move them). In the MSA warm-up phase
+  with ``msa.freeze_backbone_in_warmup`` only the index branch (``index_*``) is trainable.
 
 Frozen leaves go through ``optax.set_to_zero`` inside ``optax.multi_transform`` (no Adam moments are
 kept for them) and the step function also ``stop_gradient``s them, so XLA drops their backward pass.
@@ -25,8 +27,10 @@ import jax.numpy as jnp
 import optax
 
 from minimax_jax.train.config import TrainConfig
+from minimax_jax.train.losses import mtp_weights_list
 
-__all__ = ["path_of", "leaf_paths", "decay_mask", "trainable_mask", "make_schedule", "make_optimizer",
+__all__ = ["path_of", "leaf_paths", "decay_mask", "trainable_mask", "held_router_biases", "make_schedule",
+           "make_optimizer",
            "PHASE_WARMUP", "PHASE_MAIN", "INDEX_PARAM_PATTERN"]
 
 PHASE_WARMUP = "indexer_warmup"
@@ -66,18 +70,31 @@ def decay_mask(tree: Any) -> Any:
     return _map_paths(decays, tree)
 
 
-def trainable_mask(tree: Any, freeze: tuple[str, ...] = (), only_index: bool = False) -> Any:
-    """Bool tree: True for leaves the optimizer trains (see module docstring)."""
+def trainable_mask(tree: Any, freeze: tuple[str, ...] = (), only_index: bool = False,
+                   mtp_computed: int | None = None) -> Any:
+    """Bool tree: True for leaves the optimizer trains (see module docstring); ``mtp_computed``: MTP modules
+    whose loss is computed (the first ones; None: all)."""
     pats = [re.compile(p) for p in freeze]
     index = re.compile(INDEX_PARAM_PATTERN)
+    idle = re.compile(r"^mtp/(\d+)/")
 
     def trains(path: str) -> bool:
         if path.endswith("router_bias"):
+            return False
+        m = idle.match(path)
+        if mtp_computed is not None and m and int(m.group(1)) >= mtp_computed:
             return False
         if only_index and not index.search(path):
             return False
         return not any(p.search(path) for p in pats)
     return _map_paths(trains, tree)
+
+
+def held_router_biases(tree: Any, freeze: tuple[str, ...] = ()) -> Any:
+    """Bool tree: True for the ``router_bias`` leaves an ``optim.freeze`` regex matches (the balancing rule
+    leaves them as they are), False elsewhere."""
+    pats = [re.compile(p) for p in freeze]
+    return _map_paths(lambda path: path.endswith("router_bias") and any(p.search(path) for p in pats), tree)
 
 
 def make_schedule(tc: TrainConfig, phase: str = PHASE_MAIN) -> optax.Schedule:
@@ -119,7 +136,14 @@ def make_optimizer(tc: TrainConfig, params_like: Any, phase: str = PHASE_MAIN) -
     """
     o = tc.optim
     only_index = phase == PHASE_WARMUP and tc.msa.freeze_backbone_in_warmup
-    train = trainable_mask(params_like, tuple(o.freeze), only_index)
+    n_mtp = len(params_like.get("mtp", ())) if isinstance(params_like, dict) else 0
+    computed = len(mtp_weights_list(o.mtp_weights, n_mtp)) if n_mtp else None
+    paths = leaf_paths(params_like)
+    for pat in o.freeze:
+        if not any(re.search(pat, p) for p in paths):
+            raise ValueError(f"optim.freeze pattern {pat!r} matches no parameter (paths look like {paths[0]!r}, "
+                             f"{paths[-1]!r})")
+    train = trainable_mask(params_like, tuple(o.freeze), only_index, computed)
     if not any(jax.tree.leaves(train)):
         raise ValueError("no trainable parameters: optim.freeze (and the phase) freezes every leaf")
     schedule = make_schedule(tc, phase)

@@ -161,12 +161,13 @@ def _load_stats(load: jax.Array) -> dict[str, jax.Array]:
 
 
 def make_train_step(spec: StepSpec, tx: optax.GradientTransformation, trainable: Any,
-                    schedule: Callable, phase_start: int = 0) -> Callable:
+                    schedule: Callable, phase_start: int = 0, hold: Any = None) -> Callable:
     """``step(state, batch) -> (state, metrics)`` (not jitted).
 
     Args:
       spec: static settings; tx / trainable: from ``make_optimizer``; schedule: its lr schedule;
-      phase_start: global step at which this phase's optimizer started (for the logged lr).
+      phase_start: global step at which this phase's optimizer started (for the logged lr);
+      hold: optional bool tree (``optimizer.held_router_biases``): router biases the balancing rule leaves.
     The batch holds ``BATCH_KEYS`` arrays ``[B, L]``; B must be divisible by ``spec.grad_accum``.
     """
     cfg = spec.cfg
@@ -196,7 +197,9 @@ def make_train_step(spec: StepSpec, tx: optax.GradientTransformation, trainable:
         new_params = optax.apply_updates(params, updates)
         load = metrics.pop("router_load")
         if spec.router_bias_rate and cfg.num_moe_layers:
-            new_params = update_router_biases(new_params, cfg, load, spec.router_bias_rate)
+            moved = update_router_biases(new_params, cfg, load, spec.router_bias_rate)
+            new_params = moved if hold is None else jax.tree.map(lambda m, n, h: n if h else m, moved, new_params,
+                                                                 hold)
         metrics.update(_load_stats(load))
         metrics["grad_norm"] = grad_norm
         metrics["lr"] = jnp.asarray(schedule(state["step"] - phase_start), jnp.float32)

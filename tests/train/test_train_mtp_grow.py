@@ -50,6 +50,8 @@ def test_resize_mtp_copies_and_drops():
     assert len(resize_mtp(p, 1)["mtp"]) == 1 and "mtp" not in resize_mtp(p, 0)
     with pytest.raises(ValueError, match="no MTP module"):
         resize_mtp(resize_mtp(p, 0), 2)
+    with pytest.raises(ValueError, match=">= 0"):
+        resize_mtp(p, -1)
 
 
 def test_grow_mtp_trains_only_new_modules(tmp_path):
@@ -82,12 +84,14 @@ def test_grow_mtp_trains_only_new_modules(tmp_path):
     assert moved >= 10
 
 
-def test_grow_mtp_needs_a_module_to_copy(tmp_path):
+@pytest.mark.parametrize("mode,stored,match", [("checkpoint", 0, "no MTP module to copy"),
+                                                ("sparse_cpt", 1, "sparse_cpt keeps the checkpoint's 1 MTP modules")])
+def test_mtp_count_changes_refused(tmp_path, mode, stored, match):
     ckpt = str(tmp_path / "ck")
-    _checkpoint(ckpt, mtp=0)
+    _checkpoint(ckpt, mtp=stored)
     tc = from_dict(micro_train_dict(str(tmp_path / "run"), model={"num_mtp_modules": 2},
-                                    init={"mode": "checkpoint", "path": ckpt}))
-    with pytest.raises(TrainConfigError, match="no MTP module to copy"):
+                                    init={"mode": mode, "path": ckpt}))
+    with pytest.raises(TrainConfigError, match=match):
         model_configs(tc)
 
 

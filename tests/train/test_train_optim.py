@@ -11,8 +11,8 @@ from minimax_jax.train.config import from_dict
 from minimax_jax.train.data import SyntheticIterator, decode_state, encode_state
 from minimax_jax.train.losses import cross_entropy_sums, mtp_targets, mtp_weights_list
 from minimax_jax.train.model_init import model_configs
-from minimax_jax.train.optimizer import (PHASE_MAIN, PHASE_WARMUP, decay_mask, leaf_paths, make_optimizer,
-                                         make_schedule, trainable_mask)
+from minimax_jax.train.optimizer import (PHASE_MAIN, PHASE_WARMUP, decay_mask, held_router_biases, leaf_paths,
+                                         make_optimizer, make_schedule, trainable_mask)
 from tests.train_helpers import MICRO_MSA_MODEL, micro_train_dict
 
 
@@ -54,6 +54,24 @@ def test_masks(tmp_path):
     assert {p for p, t in only.items() if t} == {p for p in paths if "/index_" in p}
     with pytest.raises(ValueError, match="no trainable parameters"):
         make_optimizer(_tc(tmp_path, optim={"freeze": [".*"]}), tree, PHASE_MAIN)
+    with pytest.raises(ValueError, match="'nomatch' matches no parameter"):       # a typo is not silently ignored
+        make_optimizer(_tc(tmp_path, optim={"freeze": ["embed/", "nomatch"]}), tree, PHASE_MAIN)
+    held = dict(zip(paths, jax.tree.leaves(held_router_biases(tree, ("^segments/1/",)))))
+    assert held["segments/1/mlp/router_bias"] and not held["segments/1/mlp/wi"]
+    assert not held["mtp/0/layer/mlp/router_bias"]
+
+
+def test_mtp_modules_without_a_loss_are_frozen(tmp_path):
+    """A trailing zero MTP weight drops that depth's loss, and the module is not trained (weight decay would
+    otherwise move it)."""
+    model = {**MICRO_MSA_MODEL, "num_mtp_modules": 2}
+    tc = from_dict(micro_train_dict(str(tmp_path), model=model, optim={"mtp_weights": [1.0, 0.0]}))
+    cfg, _ = model_configs(tc)
+    tree = abstract_params(cfg)
+    _, train, _ = make_optimizer(tc, tree, PHASE_MAIN)
+    train = dict(zip(leaf_paths(tree), jax.tree.leaves(train)))
+    assert train["mtp/0/eh_proj"] and not train["mtp/1/eh_proj"]
+    assert not any(t for p, t in train.items() if p.startswith("mtp/1/"))
 
 
 def test_mtp_targets_mask_boundaries():

@@ -11,7 +11,7 @@ from minimax_jax.train.config import from_dict
 from minimax_jax.train.data import SyntheticIterator
 from minimax_jax.train.losses import mtp_weights_list
 from minimax_jax.train.model_init import model_configs
-from minimax_jax.train.optimizer import PHASE_MAIN, PHASE_WARMUP, leaf_paths, make_optimizer
+from minimax_jax.train.optimizer import PHASE_MAIN, PHASE_WARMUP, held_router_biases, leaf_paths, make_optimizer
 from minimax_jax.train.step import StepSpec, init_state, make_train_step
 from tests.train_helpers import MICRO_MSA_MODEL, micro_train_dict
 
@@ -75,6 +75,24 @@ def test_freeze_and_router_bias_rule(one_and_two):
     np.testing.assert_allclose(s1["params"]["segments"][1]["mlp"]["router_bias"], want, atol=1e-7)
     assert np.abs(np.asarray(want)).max() > 0
     assert not changed["mtp/0/layer/mlp/router_bias"]
+
+
+def test_frozen_router_bias_is_held(tmp_path):
+    """A freeze regex that matches a layer's router_bias holds it against the balancing rule too."""
+    tc = from_dict(micro_train_dict(str(tmp_path), model=MICRO_MSA_MODEL,
+                                    data={"kind": "synthetic", "seq_len": 48, "batch_size": 4},
+                                    optim={"freeze": ["^segments/1/mlp/"], "router_bias_rate": 0.05}))
+    cfg, _ = model_configs(tc)
+    params = init_params(cfg, jax.random.key(0))
+    tx, trainable, sched = make_optimizer(tc, params, PHASE_MAIN)
+    batch = next(SyntheticIterator(48, 4, cfg.vocab_size, seed=3))
+    out = {}
+    for hold in (None, held_router_biases(params, tuple(tc.optim.freeze))):
+        step = jax.jit(make_train_step(StepSpec(cfg=cfg, router_bias_rate=0.05, mtp_weights=(0.3,)), tx, trainable,
+                                       sched, hold=hold))
+        out[hold is None] = step(init_state(params, tx, 0), batch)[0]["params"]["segments"][1]["mlp"]["router_bias"]
+    np.testing.assert_array_equal(out[False], params["segments"][1]["mlp"]["router_bias"])
+    assert not np.array_equal(out[True], params["segments"][1]["mlp"]["router_bias"])
 
 
 def test_bf16_first_moment(tmp_path):

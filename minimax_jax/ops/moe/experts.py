@@ -88,6 +88,12 @@ def moe_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, wi: jax.Ar
       unchanged.
     """
     _check_shapes(x, weights, experts, wi, wo)
+    # int32 ids whatever integer type came in (a narrower one wraps E in comparisons and overflows slot
+    # arithmetic); an id outside [0, E) gets weight 0 here (0, not 0 * a non-finite weight) and is routed
+    # nowhere by each implementation.
+    experts = experts.astype(jnp.int32)
+    valid = (experts >= 0) & (experts < wi.shape[0])
+    weights = jnp.where(valid, weights, jnp.zeros((), weights.dtype))
     if ep_transport not in TRANSPORTS:
         raise ImplementationUnavailable(f"expert-parallel transport {ep_transport!r} is not one of {TRANSPORTS}")
     if implementation == "xla_capacity" and capacity_factor is None:
@@ -128,11 +134,9 @@ def _auto(backend, x, weights, experts, wi, wo, act, **_):
 def _dropless_impl(gmm: str):
     """The dropless path with grouped-matmul implementation ``gmm``: expert parallel inside ``use_mesh``."""
     def run(x, weights, experts, wi, wo, act, *, ep_transport, **_):
-        # An id outside [0, E) would index past the group sizes / offsets (a neighbour's rows): weight 0 on
-        # expert 0 instead, as the one-hot of xla_dense and xla_capacity drops it.
-        valid = (experts >= 0) & (experts < wi.shape[0])
-        weights = jnp.where(valid, weights, jnp.zeros((), weights.dtype))
-        experts = jnp.where(valid, experts, jnp.zeros((), experts.dtype))
+        # An id outside [0, E) would index past the group sizes / offsets (a neighbour's rows): expert 0
+        # instead, with the weight 0 moe_experts gave it.
+        experts = jnp.where((experts >= 0) & (experts < wi.shape[0]), experts, 0)
         ctx = sharding.current()
         if ctx is not None:
             return moe_expert_parallel(x, weights, experts, wi, wo, act, mesh=ctx[0], rules=ctx[1], gmm_impl=gmm,
@@ -160,9 +164,8 @@ def _capacity(x, weights, experts, wi, wo, act, *, capacity_factor, **_):
     e = wi.shape[0]
     m = n * k
     cap = capacity_of(n, k, e, capacity_factor)
-    valid = (experts >= 0) & (experts < e)      # an id outside [0, E) sorts last and is dropped (no capacity used)
-    experts = jnp.where(valid, experts, e)
-    weights = jnp.where(valid, weights, jnp.zeros((), weights.dtype))
+    # an id outside [0, E) sorts last and is dropped (no capacity used; moe_experts gave it weight 0)
+    experts = jnp.where((experts >= 0) & (experts < e), experts, e)
     order, inv, group_sizes = sort_by_expert(experts, e)
     starts = group_starts(group_sizes)
     xs = permute_rows(x, order, inv)                                     # [M, H] sorted by expert

@@ -132,17 +132,21 @@ def test_model_sparse_kl_follows_msa_impl():
     assert rep["indexer_kl"] == "xla"
 
 
-@pytest.mark.parametrize("with_lse", [True, False])
-def test_kl_head_loop_tiling_agrees(with_lse):
-    """``head_loop``: token tiles with the teacher's heads in a loop give the default tiling's KL, count and
-    gradients (packed documents, 3 heads per group, masked and mask-free tiles)."""
-    rng = np.random.default_rng(5)
+def _packed_case(seed):
+    """(q, k, qi, ki, ids, positions) of two packed rows, 6 heads in 2 groups, top-3 blocks."""
+    rng = np.random.default_rng(seed)
     c = make_case(rng, bsz=2, t=40, s=40, h=6, g=2, d=16, segments=[[13, 20, 5], [40]])
     ids = jnp.asarray(random_ids(rng, c["q_pos"], c["q_seg"], 2, 3, BLK))
     qi = jnp.asarray(rng.standard_normal((2, 40, 2, 16)).astype(np.float32))
     ki = jnp.asarray(rng.standard_normal((2, 40, 16)).astype(np.float32))
-    q, k = jnp.asarray(c["q"]), jnp.asarray(c["k"])
-    pos = positions(c)
+    return jnp.asarray(c["q"]), jnp.asarray(c["k"]), qi, ki, ids, positions(c)
+
+
+@pytest.mark.parametrize("with_lse", [True, False])
+def test_kl_head_loop_tiling_agrees(with_lse):
+    """``head_loop``: token tiles with the teacher's heads in a loop give the default tiling's KL, count and
+    gradients (packed documents, 3 heads per group, masked and mask-free tiles)."""
+    q, k, qi, ki, ids, pos = _packed_case(5)
     lse = msa_ops.msa_attention(q, k, k, ids, block_size=BLK, implementation="xla", **pos)[1] if with_lse else None
 
     def kl(**kw):
@@ -162,13 +166,7 @@ def test_kl_head_loop_tiling_agrees(with_lse):
 def test_kl_with_the_attention_lse_skips_the_teacher_pass_and_agrees():
     """``teacher_lse`` = msa_attention's LSE over the same support: the same KL and gradients as the kernel
     computing it (and as the reference), and the kernel's first pass no longer computes main-branch logits."""
-    rng = np.random.default_rng(3)
-    c = make_case(rng, bsz=2, t=40, s=40, h=6, g=2, d=16, segments=[[13, 20, 5], [40]])
-    ids = jnp.asarray(random_ids(rng, c["q_pos"], c["q_seg"], 2, 3, BLK))
-    qi = jnp.asarray(rng.standard_normal((2, 40, 2, 16)).astype(np.float32))
-    ki = jnp.asarray(rng.standard_normal((2, 40, 16)).astype(np.float32))
-    q, k = jnp.asarray(c["q"]), jnp.asarray(c["k"])
-    pos = positions(c)
+    q, k, qi, ki, ids, pos = _packed_case(3)
     _, lse = msa_ops.msa_attention(q, k, k, ids, block_size=BLK, implementation="xla", **pos)
 
     def kl(impl, **kw):

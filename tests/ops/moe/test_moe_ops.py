@@ -272,6 +272,12 @@ def test_expert_ids_out_of_range_contribute_nothing():
         kw = {"capacity_factor": float(E)} if impl == "xla_capacity" else {}
         got = np.asarray(moe.moe_experts(x, weights, bad, wi, wo, _act, implementation=impl, **kw))
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=impl)
+        nan_w = weights.at[3, 1].set(jnp.nan).at[10, 0].set(jnp.inf)       # non-finite weights on bad ids
+        got = np.asarray(moe.moe_experts(x, nan_w, bad, wi, wo, _act, implementation=impl, **kw))
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=f"{impl}, non-finite weights")
+        for dt in (jnp.int8, jnp.uint8, jnp.int16):                      # narrow id types: same result
+            got = np.asarray(moe.moe_experts(x, keep, experts.astype(dt), wi, wo, _act, implementation=impl, **kw))
+            np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=f"{impl}, {dt.__name__} ids")
 
 
 def test_route_errors_name_the_problem():
