@@ -442,7 +442,7 @@ def validate(tc: TrainConfig) -> None:
         except re.error as e:
             raise TrainConfigError(f"optim.freeze pattern {pat!r} is not a valid regex: {e}") from None
     _check(s.kind in SCHEDULES, f"schedule.kind must be one of {SCHEDULES}, got {s.kind!r}")
-    _check(_is_int(s.warmup_steps) and s.warmup_steps >= 0, f"schedule.warmup_steps must be an int >= 0")
+    _check(_is_int(s.warmup_steps) and s.warmup_steps >= 0, f"schedule.warmup_steps must be an int >= 0, got {s.warmup_steps!r}")
     _check(s.decay_steps is None or (_is_int(s.decay_steps) and s.decay_steps > 0),
            f"schedule.decay_steps must be a positive int or null, got {s.decay_steps!r}")
     _check(_is_num(s.min_lr_ratio) and 0 <= s.min_lr_ratio <= 1, "schedule.min_lr_ratio must be in [0, 1]")
