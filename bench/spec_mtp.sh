@@ -22,7 +22,7 @@ rm -rf "$W" && mkdir -p "$W" "$OUT"
 # SIGINT at TRAIN_S: train.py saves a checkpoint at the step it reached and exits (then the export takes it).
 timeout -s INT "${TRAIN_S:-240}" python3 train.py --config configs/train/demo-mtp.yaml --set run.run_dir="$W/run" \
   --set run.steps="${STEPS:-1000}" --set data.seq_len="${SEQ:-1024}" --set data.batch_size="${BATCH:-32}" \
-  --set checkpoint.every=250 --set run.log_every=50 2>&1 | tail -25
+  --set checkpoint.every=250 --set run.log_every=50 --set run.progress=false 2>&1 | tail -25
 cp "$W/run/metrics.jsonl" "$OUT/" 2>/dev/null
 python3 -m minimax_jax.train.export --run_dir "$W/run" --dst "$W/ck" --dtype bfloat16 --tokenizer checkpoints/demo/tokenizer.json || exit 1
 tar czf - -C "$W" ck | split -b 15m - "$OUT/ck.tgz."
