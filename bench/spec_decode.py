@@ -87,9 +87,9 @@ def _prompts(text, lengths, vocab_size, seed, tokenizer, source):
     ids = getattr(ids, "ids", ids)
     out = []
     for i, n in enumerate(lengths):
-        start = (7919 * i) % max(len(ids) - n, 1)
         if len(ids) < n:
             raise SystemExit(f"--prompts {source}: {len(ids)} tokens, fewer than the {n} a prompt needs")
+        start = (7919 * i) % max(len(ids) - n, 1)
         out.append(list(ids[start:start + n]))
     return out
 
@@ -110,16 +110,17 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         text = None if args.prompts == "random" else _read_text(args.prompts)
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError) as e:
         ap.error(f"--prompts {args.prompts}: {type(e).__name__}: {e}")
     os.makedirs(args.out, exist_ok=True)
+    where = args.checkpoint or "checkpoints/demo"
     try:
         model = load_model(args.checkpoint)
     except Exception as e:     # one line naming the problem (CheckpointNotFound, mismatch, ...)
-        ap.error(f"--checkpoint {args.checkpoint or 'checkpoints/demo'}: {type(e).__name__}: {str(e).splitlines()[0]}")
+        ap.error(f"--checkpoint {where}: {type(e).__name__}: {str(e).splitlines()[0]}")
     cfg, params = model.cfg, model.params
     if not cfg.num_mtp_modules:
-        ap.error(f"--checkpoint {args.checkpoint}: the model has no MTP modules (speculative decoding needs one)")
+        ap.error(f"--checkpoint {where}: the model has no MTP modules (speculative decoding needs one)")
     k = cfg.num_mtp_modules if args.num_draft is None else args.num_draft
     if not 1 <= k <= cfg.num_mtp_modules:
         ap.error(f"--num-draft {k}: must be in [1, {cfg.num_mtp_modules}] (the model's MTP modules)")
@@ -154,7 +155,7 @@ def main(argv=None) -> int:
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     with open(os.path.join(args.out, "spec_decode.json"), "w") as f:
-        json.dump({"device": str(jax.devices()[0].device_kind), "checkpoint": args.checkpoint or "checkpoints/demo",
+        json.dump({"device": str(jax.devices()[0].device_kind), "checkpoint": where,
                    "mtp_modules": cfg.num_mtp_modules, "num_draft": k, "prompts": args.prompts, "rows": rows}, f,
                   indent=1)
     print(f"\n{'rows':22} {'prompt':>6} {'plain tok/s':>11} {'spec/loop tok/s':>15} {'speedup':>7} {'vs loop':>7} "

@@ -66,21 +66,21 @@ def model_configs(tc: TrainConfig) -> tuple[ModelConfig, ModelConfig | None]:
             return _precision(_apply_fields(base, fields), tc), None
         from minimax_jax.convert.atomic_dir import read_config
 
-        src = _precision(_apply_fields(read_config(tc.init.path), fields), tc)
+        stored_cfg = read_config(tc.init.path)
+        src = _precision(_apply_fields(stored_cfg, fields), tc)
     except (OSError, ValueError) as e:
         raise TrainConfigError(f"cannot build the model config: {e}") from None
+    want, stored = src.num_mtp_modules, stored_cfg.num_mtp_modules
+    if want != stored:           # grown / shrunk from the stored modules (initial_params, resize_mtp)
+        if tc.init.mode != "checkpoint":
+            raise TrainConfigError(f"model.num_mtp_modules={want}: init.mode {tc.init.mode} keeps the checkpoint's "
+                                   f"{stored} MTP modules; change them in an init.mode: checkpoint run")
+        if stored == 0:
+            raise TrainConfigError(f"model.num_mtp_modules={want}: the checkpoint {tc.init.path} has no MTP module "
+                                   f"to copy the new ones from")
+        return src, src.replace(num_mtp_modules=stored)
     if tc.init.mode == "checkpoint":
-        stored = read_config(tc.init.path).num_mtp_modules
-        if src.num_mtp_modules != stored:
-            if src.num_mtp_modules > stored == 0:
-                raise TrainConfigError(f"model.num_mtp_modules={src.num_mtp_modules}: the checkpoint {tc.init.path} "
-                                       f"has no MTP module to copy the new ones from")
-            return src, src.replace(num_mtp_modules=stored)
         return src, src
-    stored = read_config(tc.init.path).num_mtp_modules
-    if src.num_mtp_modules != stored:
-        raise TrainConfigError(f"model.num_mtp_modules={src.num_mtp_modules}: init.mode sparse_cpt keeps the "
-                               f"checkpoint's {stored} MTP modules; change them in an init.mode: checkpoint run")
     try:
         cfg = src.with_msa(tc.msa.layers, **dict(tc.msa.index))
     except (ValueError, TypeError) as e:

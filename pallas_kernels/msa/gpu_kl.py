@@ -109,6 +109,12 @@ def _head_mean(pt, tl, hg, per, shape):
     return tch
 
 
+def _probs(s, lse):
+    """Each row's probabilities from its log2 logits s [R, B] and natural-log LSE [R] (-inf: an empty row)."""
+    lse2 = lse * _LOG2E
+    return jnp.exp2(s - jnp.where(lse2 == -jnp.inf, 0.0, lse2)[:, None])
+
+
 def _teacher_loop(q_ref, lse_ref, win, tl, b, g, heads, scale, masked, shape):
     """The teacher of each token row of a token tile [P, B] (rows are tokens): the f32 mean over the group's
     ``heads`` of each head's probabilities, one head's [P, D] x [D, B] product per loop step."""
@@ -117,8 +123,7 @@ def _teacher_loop(q_ref, lse_ref, win, tl, b, g, heads, scale, masked, shape):
         q = q_ref[b, tl.t_tok, head, :]                               # [P, D]
         s = mask_logits(_dot(q, win.k, trans_b=True) * (scale * _LOG2E), win, tl.ok_tok, tl.n_tok, tl.qp_tok,
                         tl.qs_tok, masked=masked)
-        lse2 = lse_ref[b, tl.t_tok, head] * _LOG2E
-        return acc + jnp.exp2(s - jnp.where(lse2 == -jnp.inf, 0.0, lse2)[:, None])
+        return acc + _probs(s, lse_ref[b, tl.t_tok, head])
     return jax.lax.fori_loop(0, heads, body, jnp.zeros(shape, jnp.float32)) * (1.0 / heads)
 
 
@@ -190,9 +195,7 @@ def _kl_kernel(flat_ref, key_ref, rend_ref, nval_ref, mend_ref, q_ref, k_ref, qi
                 tch = _teacher_loop(q_ref, lse_ref, win, tl, b, g, head_loop, scale, masked, x.shape)
             else:
                 s, x, qi = _logits(q_ref, qi_ref, win, kib, tl, b, g, scale, iscale, masked)
-                lse2 = lse_ref[b, tl.t, tl.head] * _LOG2E
-                pt = jnp.exp2(s - jnp.where(lse2 == -jnp.inf, 0.0, lse2)[:, None])   # [R, B]
-                tch = _head_mean(pt, tl, hg, per, x.shape)
+                tch = _head_mean(_probs(s, lse_ref[b, tl.t, tl.head]), tl, hg, per, x.shape)
             lx2 = lsex_ref[b, tl.t_tok, g] * _LOG2E
             lx2 = jnp.where(lx2 == -jnp.inf, 0.0, lx2)
             log_p = x - lx2[:, None]                                    # log2 student prob
