@@ -16,8 +16,8 @@ program, runs of one window walked in row tiles of tokens x heads. Per query chu
    of the student logits; XLA merges the K slots (the support's log-sum-exps). Given the teacher's
    LSE (``teacher_lse``: the attention forward computed it over the same support), only the
    student's (``msa_kl_student_lse_gpu``: no main-branch logits).
-2. ``msa_kl_gpu``: per (token, slot) the teacher (the mean over the tile rows of a token's heads,
-   exact f32), the KL terms and, with gradients, d x = p - t: d qi partials per slot (summed in
+2. ``msa_kl_gpu`` on tiles of tokens: per (token, slot) the teacher (the exact f32 mean of the group's
+   heads' probabilities, one head's product per loop step), the KL terms and, with gradients, d x = p - t: d qi partials per slot (summed in
    XLA) and d ki accumulated per window piece (per group, added with the attention backward's
    ownership-masked writes and merge; XLA sums the groups). The gradients are those of a unit
    cotangent, kept as residuals and scaled in the backward: no atomics, bitwise repeatable.
@@ -96,19 +96,6 @@ def _logits(q_ref, qi_ref, win, kib, tl, b, g, scale, iscale, masked):
     return s, x, qi
 
 
-def _head_mean(pt, tl, hg, per, shape):
-    """The teacher of each token row p of a tile [P, B]: the f32 mean of its hg heads' rows of pt [R, B], as
-    ``per`` masked column sums (a TF32x3 matmul with the 0/1 row-membership matrix measured slower at the default
-    rows 32: BENCHMARKS.md, MSA indexer KL probe)."""
-    if hg == 1:
-        return pt                                         # rows are tokens (per_pad == rows)
-    tch = jnp.zeros(shape, jnp.float32)
-    for p in range(per):
-        tp = jnp.sum(jnp.where((tl.j == p)[:, None], pt, 0.0), axis=0) * (1.0 / hg)
-        tch = jnp.where((tl.it == p)[:, None], tp[None, :], tch)
-    return tch
-
-
 def _probs(s, lse):
     """Each row's probabilities from its log2 logits s [R, B] and natural-log LSE [R] (-inf: an empty row)."""
     lse2 = lse * _LOG2E
@@ -168,7 +155,7 @@ def _lse_kernel(flat_ref, key_ref, rend_ref, nval_ref, mend_ref, q_ref, k_ref, q
 
 def _kl_kernel(flat_ref, key_ref, rend_ref, nval_ref, mend_ref, q_ref, k_ref, qi_ref, ki_ref,
                ids_ref, qpos_ref, qseg_ref, kvpos_ref, kvseg_ref, lse_ref, lsex_ref, *refs, blk, topk,
-               scale, iscale, hg, per, per_pad, chunk, rows, s_pad, grads, weighted, head_loop=0):
+               scale, iscale, hg, per, per_pad, chunk, rows, s_pad, grads, weighted, heads):
     if weighted:                                         # per-token weights [B, T+1] (spare row 0)
         qw_ref, refs = refs[0], refs[1:]
     if grads:
@@ -190,12 +177,8 @@ def _kl_kernel(flat_ref, key_ref, rend_ref, nval_ref, mend_ref, q_ref, k_ref, qi
 
         def tile(si, dki, masked):
             tl = _Tile(trefs, b, g, a, si, end, hg=hg, per=per, per_pad=per_pad, topk=topk, rows=rows)
-            if head_loop:                # token tiles (hg = 1 here), the group's head_loop heads in a loop
-                x, qi = _student_logits(qi_ref, win, kib, tl, b, g, iscale, masked)
-                tch = _teacher_loop(q_ref, lse_ref, win, tl, b, g, head_loop, scale, masked, x.shape)
-            else:
-                s, x, qi = _logits(q_ref, qi_ref, win, kib, tl, b, g, scale, iscale, masked)
-                tch = _head_mean(_probs(s, lse_ref[b, tl.t, tl.head]), tl, hg, per, x.shape)
+            x, qi = _student_logits(qi_ref, win, kib, tl, b, g, iscale, masked)     # token tiles (hg = 1 here)
+            tch = _teacher_loop(q_ref, lse_ref, win, tl, b, g, heads, scale, masked, x.shape)
             lx2 = lsex_ref[b, tl.t_tok, g] * _LOG2E
             lx2 = jnp.where(lx2 == -jnp.inf, 0.0, lx2)
             log_p = x - lx2[:, None]                                    # log2 student prob
@@ -248,7 +231,7 @@ def _logsumexp_slots(parts, valid):
 
 
 def _chunk(q, qi, ids, starts, qpos, qseg, fresh, dki, teacher_lse, qw, *, kp, kip, kvpos, kvseg, blk, chunk, rows,
-           grads, interpret, num_warps, head_loop=False):
+           grads, interpret, num_warps):
     """One query chunk: (kl_sum, count, dqi [B,Tc,G,Di] f32 or None, dki totals [B,Sp,G,Di] f32);
     ``teacher_lse`` ``[B,Tc,H]`` (natural log) or None (computed here, pass 1); ``qw`` ``[B,Tc]`` f32 query
     weights or None (then ``count`` is int32, else the weighted float32 count)."""
@@ -267,11 +250,12 @@ def _chunk(q, qi, ids, starts, qpos, qseg, fresh, dki, teacher_lse, qw, *, kp, k
     head = (*lists, q, kp, qi, kip, ids, qpos, qseg, kvpos, kvseg)
     grid = (n_items, g, bsz)
     teacher = teacher_lse is None
-    # Given the teacher's LSE, pass 1 reads no head rows: its tiles hold `rows` tokens, not rows // (H/G);
-    # so do pass 2's with head_loop (the teacher's heads then run in a loop inside the tile).
+    # Pass 2's tiles, and pass 1's given the teacher's LSE, hold `rows` tokens (not rows // (H/G)): pass 2 runs
+    # the teacher's heads in a loop inside the tile (measured 1.6-1.9x faster than (token, head) row tiles at
+    # 128K: BENCHMARKS.md, MSA indexer KL probe).
     tok_consts = dict(consts, hg=1, per=rows, per_pad=max(16, layout.next_pow2(rows)))
     lse_consts = consts if teacher else tok_consts
-    kl_consts = dict(tok_consts, head_loop=hg) if head_loop and hg > 1 else consts
+    kl_consts = dict(tok_consts, heads=hg)
     parts = pl.pallas_call(
         functools.partial(_lse_kernel, teacher=teacher, **lse_consts), grid=grid,
         out_shape=[jax.ShapeDtypeStruct((bsz, t + 1, topk, h), jnp.float32)] * teacher     # + spare row
@@ -322,7 +306,7 @@ def _query_chunk(bsz, h, g, di, topk, blk, chunk, budget_bytes=PARTIALS_BUDGET):
 
 
 def _run(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, blk, interpret, grads,
-         teacher_lse=None, q_weights=None, rows=32, chunk=None, query_chunk=None, num_warps=8, head_loop=False):
+         teacher_lse=None, q_weights=None, rows=32, chunk=None, query_chunk=None, num_warps=8):
     """(kl_sum, count, dqi, dki) for a unit cotangent (dqi / dki None without ``grads``). ``chunk``: sorted
     selections per program (None: ``default_bwd_chunk`` of a pass, as the attention backward); ``rows``,
     ``num_warps``: the tiling (``indexer_kl_gpu``)."""
@@ -337,8 +321,7 @@ def _run(q, k, qi, ki, block_ids, q_positions, kv_positions, q_seg, kv_seg, blk,
     if chunk is None:
         chunk = default_bwd_chunk(bsz * min(t, qc) * ids.shape[-1] * g)
     run = functools.partial(_chunk, kp=prep.k, kip=prep.v, kvpos=prep.kv_pos, kvseg=prep.kv_seg,
-                            blk=blk, chunk=chunk, rows=rows, grads=grads, interpret=interpret, num_warps=num_warps,
-                            head_loop=head_loop)
+                            blk=blk, chunk=chunk, rows=rows, grads=grads, interpret=interpret, num_warps=num_warps)
     dki = jnp.zeros((bsz, prep.s_pad, g, di), jnp.float32)
     if t <= qc:
         kl, count, dqi, dki = run(q, qi, ids, starts, qpos, prep.q_seg, jnp.ones((t,), bool), dki, teacher_lse,
@@ -409,7 +392,7 @@ _kl.defvjp(_kl_fwd, _kl_bwd)
 
 def indexer_kl_gpu(q, k, qi, ki, block_ids, *, q_positions, kv_positions, q_segment_ids=None,
                    kv_segment_ids=None, block_size=None, teacher_lse=None, q_weights=None, interpret=False,
-                   chunk=None, rows=32, num_warps=8, head_loop=False):
+                   chunk=None, rows=32, num_warps=8):
     """Indexer KL(teacher || student) on the selected support, Pallas/Triton GPU kernels.
 
     Args:
@@ -424,9 +407,7 @@ def indexer_kl_gpu(q, k, qi, ki, block_ids, *, q_positions, kv_positions, q_segm
         count and the gradients (no gradient; prefix-tree rows, minimax_jax.data.prefix_tree).
       chunk: sorted selections per program (a power of two >= 16; None: ``default_bwd_chunk`` per pass).
       rows: (token, head) rows per tile (a power of two >= 32, raised to H/G's); num_warps: Triton warps
-        (the defaults measured fastest at M3 128K: BENCHMARKS.md, MSA indexer KL probe);
-      head_loop: opt-in, untimed: the KL pass tiles ``rows`` tokens and loops over the group's heads for the
-        teacher (no per-token head sums, full student tiles) instead of ``rows`` (token, head) rows;
+        (the defaults measured fastest at M3 128K: BENCHMARKS.md, MSA indexer KL probe).
     Returns: (kl_sum f32 [], count int32 [], or float32 with q_weights) as minimax_jax.ops.msa.indexer_kl.
     Raises: ValueError for block_ids=None (the dense warm-up has no kernel) and for rows / num_warps outside
       the ranges above. Other preconditions
@@ -449,6 +430,6 @@ def indexer_kl_gpu(q, k, qi, ki, block_ids, *, q_positions, kv_positions, q_segm
             or rows < 32 or rows & (rows - 1) or num_warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"indexer_kl_gpu: rows={rows!r} (a power of two >= 32), num_warps={num_warps!r} (1-16, a "
                          "power of two)")
-    tiling = (("chunk", chunk), ("rows", rows), ("num_warps", num_warps), ("head_loop", bool(head_loop)))
+    tiling = (("chunk", chunk), ("rows", rows), ("num_warps", num_warps))
     return _kl(q, k, qi, ki, block_ids, q_positions, kv_positions, q_segment_ids, kv_segment_ids, teacher_lse,
                q_weights, block_size, interpret, tiling)

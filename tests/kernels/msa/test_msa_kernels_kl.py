@@ -143,19 +143,19 @@ def _packed_case(seed):
 
 
 @pytest.mark.parametrize("with_lse", [True, False])
-def test_kl_head_loop_tiling_agrees(with_lse):
-    """``head_loop``: token tiles with the teacher's heads in a loop give the default tiling's KL, count and
-    gradients (packed documents, 3 heads per group, masked and mask-free tiles)."""
+def test_kl_token_tiles_with_a_head_loop_match_the_reference(with_lse):
+    """The KL pass's token tiles (the teacher's 3 heads per group in a loop) give the XLA reference's KL, count
+    and gradients (packed documents, masked and mask-free tiles), with the teacher's LSE given or computed."""
     q, k, qi, ki, ids, pos = _packed_case(5)
     lse = msa_ops.msa_attention(q, k, k, ids, block_size=BLK, implementation="xla", **pos)[1] if with_lse else None
 
-    def kl(**kw):
-        f = lambda qi, ki: indexer_kl_gpu(q, k, qi, ki, ids, block_size=BLK, teacher_lse=lse, interpret=True,
-                                          **pos, **kw)
+    def kl(impl):
+        kw = dict(teacher_lse=lse) if impl != "xla" else {}
+        f = lambda qi, ki: msa_ops.indexer_kl(q, k, qi, ki, ids, block_size=BLK, implementation=impl, **pos, **kw)
         (val, cnt), vjp = jax.vjp(f, qi, ki)
         return val, cnt, vjp((jnp.float32(1.0), np.zeros((), jax.dtypes.float0)))
 
-    (a, ca, ga), (b, cb, gb) = kl(head_loop=True), kl()
+    (a, ca, ga), (b, cb, gb) = kl("pallas_gpu_interpret"), kl("xla")
     assert int(ca) == int(cb) and int(ca) > 0
     np.testing.assert_allclose(float(a), float(b), rtol=1e-5)
     for x, y in zip(ga, gb):
