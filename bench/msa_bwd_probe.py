@@ -124,12 +124,12 @@ def bench(model, t, key, interpret, variants, dense):
         return vjp((do, jnp.zeros_like(lse)))
     add("msa_attention_gpu fwd+bwd (defaults)", jax.jit(msa_fb), (q, k, v, ids, do), 3.5 * fwd_f)
     if kbw.wgmma_bwd_supported(q.shape, k.shape, v.shape[-1], q.dtype, BLK) is None:
-        for bwd in ("triton", "wgmma"):
-            def hopper_fb(q, k, v, ids, do, bwd=bwd):
+        for fwd, bwd in (("wgmma", "triton"), ("wgmma", "wgmma"), ("triton", "wgmma")):
+            def hopper_fb(q, k, v, ids, do, fwd=fwd, bwd=bwd):
                 (_, lse), vjp = jax.vjp(lambda q, k, v: msa_attention_gpu(
-                    q, k, v, ids, block_size=BLK, interpret=interpret, forward="wgmma", backward=bwd, **pos), q, k, v)
+                    q, k, v, ids, block_size=BLK, interpret=interpret, forward=fwd, backward=bwd, **pos), q, k, v)
                 return vjp((do, jnp.zeros_like(lse)))
-            add(f"msa_attention_gpu fwd+bwd (forward wgmma, backward {bwd})", jax.jit(hopper_fb), (q, k, v, ids, do),
+            add(f"msa_attention_gpu fwd+bwd (forward {fwd}, backward {bwd})", jax.jit(hopper_fb), (q, k, v, ids, do),
                 3.5 * fwd_f)
     if dense and not interpret:
         def dense_fb(q, k, v, do):

@@ -165,7 +165,8 @@ def probe_shapes(tiny):
             ("m2_packed", dict(bsz=2, t=3000, s=3000, h=48, g=8, d=128, blk=128, topk=16,
                                segments=[[1000, 1500, 450], [129, 2871]])),
             ("suffix_m3", dict(bsz=1, t=1000, s=5000, h=64, g=4, d=128, blk=128, topk=16)),
-            ("m3_blk64", dict(bsz=1, t=2048, s=2048, h=64, g=4, d=128, blk=64, topk=16))]
+            ("m3_blk64", dict(bsz=1, t=2048, s=2048, h=64, g=4, d=128, blk=64, topk=16)),
+            ("train", dict(bsz=1, t=4096, s=4096, h=16, g=4, d=128, blk=128, topk=16))]   # 4 heads per group
 
 
 def _parse_variants(text):
@@ -207,6 +208,7 @@ def run_probe(description, check_fn, bench_fn, default_variants, out_name, ok_ke
     ap.add_argument("--tiny", action="store_true", help="tiny check shapes and no timed cases (CPU smoke run)")
     ap.add_argument("--no-checks", action="store_true", help="the timings alone")
     ap.add_argument("--no-bench", action="store_true", help="the checks alone")
+    ap.add_argument("--check-cases", default="", help="only these check cases, comma-separated (default: all)")
     args = ap.parse_args()
     try:        # bad flags end the run here, before minutes of checks
         variants, cases = _parse_variants(args.variants), _parse_cases(args.cases)
@@ -222,9 +224,14 @@ def run_probe(description, check_fn, bench_fn, default_variants, out_name, ok_ke
     print(meta, flush=True)
     key = jax.random.PRNGKey(0)
     checks = []
-    for name, shp in probe_shapes(args.tiny):
+    shapes = probe_shapes(args.tiny)
+    wanted = [c for c in args.check_cases.split(",") if c]
+    unknown = sorted(set(wanted) - {n for n, _ in shapes})
+    if unknown:
+        ap.error(f"--check-cases {','.join(unknown)}: not among {', '.join(n for n, _ in shapes)}")
+    for name, shp in shapes:
         key, sub = jax.random.split(key)
-        if args.no_checks:
+        if args.no_checks or (wanted and name not in wanted):
             checks.append({"case": name, "skipped": True})
             continue
         try:

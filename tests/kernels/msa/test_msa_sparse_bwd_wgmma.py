@@ -57,9 +57,9 @@ def _run_and_check(c, ids, chunk, **kw):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("h,g", [(16, 2), (32, 2)])
+@pytest.mark.parametrize("h,g", [(16, 2), (32, 2), (8, 2)])
 def test_causal_self_attention_gqa(h, g):
-    """8 and 16 heads per group; 384 causal tokens, top-3 of 128-key blocks; one program per group's slice
+    """8 and 16 heads per group, and 4 (in 8-row slots: the training model's GQA); 384 causal tokens, top-3 of 128-key blocks; one program per group's slice
     of 512 sorted selections (whole runs only); f32 dq partials."""
     rng = np.random.default_rng()
     c = make_case(rng, bsz=1, t=384, s=384, h=h, g=g, d=128)
