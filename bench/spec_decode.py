@@ -107,6 +107,7 @@ def main(argv=None) -> int:
     ap.add_argument("--checkpoint", default=None, help="model directory (default: the shipped demo)")
     ap.add_argument("--num-draft", type=int, default=None, help="drafts per speculative step (default: all modules)")
     ap.add_argument("--prompts", default="random", help="'random' token prompts, or a .txt / .jsonl text file")
+    ap.add_argument("--mtp-window", type=int, default=64, help="positions the MTP layers attend over when drafting")
     args = ap.parse_args(argv)
     try:
         text = None if args.prompts == "random" else _read_text(args.prompts)
@@ -124,6 +125,8 @@ def main(argv=None) -> int:
     k = cfg.num_mtp_modules if args.num_draft is None else args.num_draft
     if not 1 <= k <= cfg.num_mtp_modules:
         ap.error(f"--num-draft {k}: must be in [1, {cfg.num_mtp_modules}] (the model's MTP modules)")
+    if args.mtp_window < 1:
+        ap.error(f"--mtp-window {args.mtp_window}: must be >= 1")
     lengths = [int(x) for x in args.lengths.split(",")]
     prompts = _prompts(text, lengths, cfg.vocab_size, args.seed, model.tokenizer, args.prompts)
     spec_loops = [int(x) for x in args.spec_loops.split(",") if x]
@@ -131,7 +134,8 @@ def main(argv=None) -> int:
     for setting in args.rows.split(","):
         gen = Generator(cfg, params, engine_options={"query_rows": 1 + k} if setting == "padded" else None)
         for n, prompt in zip(lengths, prompts):
-            base = GenerationConfig(max_new_tokens=args.new, stop_token_ids=(), num_draft=args.num_draft)
+            base = GenerationConfig(max_new_tokens=args.new, stop_token_ids=(), num_draft=args.num_draft,
+                                    mtp_window=args.mtp_window)
             plain, tp = _timed(gen, prompt, base)
             spec, ts = _timed(gen, prompt, dataclasses.replace(base, speculative="mtp"))
             found = [_row(setting, n, plain, tp, spec, ts)]
@@ -156,7 +160,8 @@ def main(argv=None) -> int:
                 rows.append(row)
     with open(os.path.join(args.out, "spec_decode.json"), "w") as f:
         json.dump({"device": str(jax.devices()[0].device_kind), "checkpoint": where,
-                   "mtp_modules": cfg.num_mtp_modules, "num_draft": k, "prompts": args.prompts, "rows": rows}, f,
+                   "mtp_modules": cfg.num_mtp_modules, "num_draft": k, "mtp_window": args.mtp_window, "prompts": args.prompts,
+                   "rows": rows}, f,
                   indent=1)
     print(f"\n{'rows':22} {'prompt':>6} {'plain tok/s':>11} {'spec/loop tok/s':>15} {'speedup':>7} {'vs loop':>7} "
           f"{'accept':>6} {'first diff':>10}")

@@ -102,6 +102,9 @@ class ModelConfig:
       index_local_blocks: MSA blocks nearest each query that it always attends (>= 1; 1 in M3).
       index_rope: apply the partial RoPE to the MSA index queries and keys.
       num_mtp_modules: multi-token-prediction modules (0 = none).
+      mtp_attention_window: None, or W: the MTP modules attend over a sliding window of their last W tokens
+        (itself included) instead of their layer kind's attention, so a model trained so drafts exactly as
+        it trained with a drafting window (``infer.py --mtp_window``) of at least W.
       tie_word_embeddings: the lm head reuses the embedding matrix.
       bos_token_id: id of the tokenizer's begin-of-sequence token (null = none).
       eos_token_id: id of the end-of-sequence token; generation stops on it (null = none).
@@ -148,6 +151,7 @@ class ModelConfig:
     index_local_blocks: int = 1
     index_rope: bool = True
     num_mtp_modules: int = 0
+    mtp_attention_window: int | None = None
     tie_word_embeddings: bool = False
     bos_token_id: int | None = 200034
     eos_token_id: int | None = 200020
@@ -246,6 +250,9 @@ class ModelConfig:
         v = self.num_mtp_modules
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise ConfigError(f"num_mtp_modules must be an integer >= 0, got {v!r}")
+        w = self.mtp_attention_window
+        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
+            raise ConfigError(f"mtp_attention_window must be null or an integer >= 1, got {w!r}")
 
     # ------------------------------------------------------------------ derived
     @property
@@ -420,6 +427,7 @@ class ModelConfig:
             index_local_blocks=int(hf.get("index_local_blocks", 1)),
             index_rope=True,
             num_mtp_modules=mtp,
+            mtp_attention_window=hf.get("mtp_attention_window") if is_m3 else None,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos,
@@ -461,6 +469,8 @@ class ModelConfig:
                 index_topk_blocks=self.index_topk, index_local_blocks=self.index_local_blocks,
                 num_mtp_modules=self.num_mtp_modules,
             )
+            if self.mtp_attention_window is not None:       # ours (not a published field): kept on export
+                d["mtp_attention_window"] = self.mtp_attention_window
         else:
             d.update(model_type="minimax_m2", architectures=["MiniMaxM2ForCausalLM"])
         return d

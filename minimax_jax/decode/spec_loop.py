@@ -34,7 +34,7 @@ from minimax_jax.config import ModelConfig
 from minimax_jax.decode.cache import CacheSpec
 from minimax_jax.decode.step import model_step
 from minimax_jax.model.layers import rms_norm, rope_frequencies
-from minimax_jax.model.params import mtp_layer_kinds
+from minimax_jax.model.params import mtp_compute_kinds
 from minimax_jax.model.transformer import decoder_layer, embed, unembed
 
 __all__ = ["mtp_depth", "stack_mtp", "window_layout", "accept_greedy_counts", "draft_greedy",
@@ -61,8 +61,8 @@ def mtp_depth(params, cfg: ModelConfig, depth, h_prev, next_tokens, positions, s
     hn = norm(h_prev.astype(e.dtype), mod["hnorm"]["scale"])
     x = jnp.concatenate([e, hn], axis=-1) @ mod["eh_proj"].astype(e.dtype)
     cos, sin = rope_frequencies(positions, cfg.rotary_dim, cfg.rope_theta)
-    lt, mt = mtp_layer_kinds(cfg)
-    h, _ = decoder_layer(mod["layer"], x, cfg, lt, mt, positions, segment_ids, cos, sin, None)
+    lcfg, lt, mt = mtp_compute_kinds(cfg)
+    h, _ = decoder_layer(mod["layer"], x, lcfg, lt, mt, positions, segment_ids, cos, sin, None)
     return h, unembed(params, cfg, norm(h[:, -1:] if last_only else h, mod["final_norm"]["scale"]))
 
 

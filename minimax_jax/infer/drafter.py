@@ -8,7 +8,9 @@ depth 2 at ``n - 1`` proposes ``x_{n+2}``, and so on: ``num_draft <= num_mtp_mod
 
 Each MTP layer attends over the sequence, so every depth runs over a window of the last
 ``window`` positions (right-aligned, left padding in its own segment). A window shorter than the
-context only lowers the acceptance rate; the verification step keeps the output distribution exact.
+context only lowers the acceptance rate; the verification step keeps the output distribution exact. A model
+whose MTP layers were trained with ``cfg.mtp_attention_window`` = W drafts exactly as trained once
+``window >= num_draft * (W - 1) + 1`` (depth d at a position reads d windows back).
 Per row the drafter keeps the last ``window`` main hidden states and tokens.
 """
 

@@ -110,6 +110,16 @@ def mtp_layer_kinds(cfg: ModelConfig) -> tuple[str, str]:
     return cfg.layer_types[-1], cfg.mlp_types[-1]
 
 
+def mtp_compute_kinds(cfg: ModelConfig) -> tuple[ModelConfig, str, str]:
+    """(config, attention kind, MLP kind) the MTP modules compute with: their params' kinds
+    (``mtp_layer_kinds``), or with ``cfg.mtp_attention_window`` = W a ``sliding`` attention of W tokens over
+    the same weights (an MSA layer's index branch then goes unused)."""
+    lt, mt = mtp_layer_kinds(cfg)
+    if cfg.mtp_attention_window is None:
+        return cfg, lt, mt
+    return dataclasses.replace(cfg, sliding_window=cfg.mtp_attention_window), "sliding", mt
+
+
 # ----------------------------------------------------------------------------- init
 def _normal(key, shape, std, dtype):
     return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)

@@ -23,7 +23,7 @@ import numpy as np
 from minimax_jax.config import ModelConfig, dtype_of
 from minimax_jax.model.layers import apply_rope, dense_mlp, gated_activation, rms_norm, rope_frequencies
 from minimax_jax.model.msa_block import msa_block
-from minimax_jax.model.params import layer_segments, mtp_layer_kinds
+from minimax_jax.model.params import layer_segments, mtp_compute_kinds
 from minimax_jax.ops import context_parallel
 from minimax_jax.ops.attention import attention
 from minimax_jax.ops.logits import logits_matmul
@@ -410,14 +410,14 @@ def mtp_forward(params, cfg: ModelConfig, hidden: jax.Array, tokens: jax.Array, 
     if not cfg.num_mtp_modules:
         return []
     positions, segment_ids, cos, sin = _prepare(cfg, tokens, positions, segment_ids)
-    lt, mt = mtp_layer_kinds(cfg)
+    lcfg, lt, mt = mtp_compute_kinds(cfg)
     h = hidden
     outs = []
     for d, mod in enumerate(params["mtp"], start=1):
         shifted = jnp.pad(tokens[:, d:], ((0, 0), (0, d)))
         e = _norm(embed(params, cfg, shifted), mod["enorm"], cfg)
         x = jnp.concatenate([e, _norm(h, mod["hnorm"], cfg)], axis=-1) @ mod["eh_proj"].astype(e.dtype)
-        h, _ = decoder_layer(mod["layer"], x, cfg, lt, mt, positions, segment_ids, cos, sin, None,
+        h, _ = decoder_layer(mod["layer"], x, lcfg, lt, mt, positions, segment_ids, cos, sin, None,
                              subtree_end=subtree_end)
         head_input = _norm(h, mod["final_norm"], cfg)
         outs.append(unembed(params, cfg, head_input) if return_logits else head_input)

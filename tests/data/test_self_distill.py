@@ -1,0 +1,72 @@
+"""Self-distillation data (minimax_jax.data.self_distill): prompts are whole-token windows of corpus documents,
+seeded; join pairs each generation record with its prompt by id; outputs are written whole or not at all."""
+
+import json
+import os
+
+import pytest
+
+from minimax_jax.data import self_distill as sd
+from minimax_jax.data.tokenizer import load_tokenizer
+
+TOKENIZER = os.path.join(os.path.dirname(__file__), "..", "..", "checkpoints", "demo", "tokenizer.json")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(TOKENIZER)
+
+
+CORPUS = ["ROMEO: But, soft! what light through yonder window breaks? " * 12, "short", "def f(x):\n    return x\n" * 30]
+
+
+def test_prompts_are_seeded_token_windows_of_long_enough_documents(tok):
+    a = sd.sample_prompts(CORPUS, tok, 20, 16, 40, seed=3)
+    assert a == sd.sample_prompts(CORPUS, tok, 20, 16, 40, seed=3)
+    assert a != sd.sample_prompts(CORPUS, tok, 20, 16, 40, seed=4)
+    assert [p["id"] for p in a] == [f"sd-{i}" for i in range(20)]
+    for p in a:
+        n = len(tok.encode(p["prompt"]).ids)
+        assert 12 <= n <= 44, n                      # decode -> encode may merge a few tokens at the edges
+        assert any(p["prompt"].strip()[:10] in doc for doc in CORPUS[::2])    # never the 1-token document
+
+
+def test_prompts_refuse_bad_counts_and_a_corpus_too_short(tok):
+    with pytest.raises(ValueError, match="min_tokens"):
+        sd.sample_prompts(CORPUS, tok, 4, 50, 20)
+    with pytest.raises(ValueError, match="no corpus document has 100000 tokens"):
+        sd.sample_prompts(CORPUS, tok, 4, 100000, 100000)
+
+
+def test_join_pairs_records_with_their_prompts():
+    prompts = [{"prompt": "A: ", "id": "sd-0"}, {"prompt": "B: ", "id": "sd-1"}]
+    gens = [{"id": "sd-1", "sample": 0, "text": "bee"}, {"id": "sd-0", "sample": 0, "text": "ay"}]
+    assert sd.join_generations(prompts, gens) == [{"text": "B: bee", "source": "self", "id": "sd-1-0"},
+                                                  {"text": "A: ay", "source": "self", "id": "sd-0-0"}]
+    with pytest.raises(ValueError, match="'sd-9' matches no prompt"):
+        sd.join_generations(prompts, [{"id": "sd-9", "text": "x"}])
+    with pytest.raises(ValueError, match="has no text"):
+        sd.join_generations(prompts, [{"id": "sd-0"}])
+
+
+def test_cli_writes_whole_files_refuses_existing_ones_and_drops_a_cut_last_record(tmp_path, capsys):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in CORPUS))
+    out = tmp_path / "p.jsonl"
+    args = ["prompts", "--corpus", str(corpus), "--tokenizer", TOKENIZER, "--num", "3", "--min_tokens", "8",
+            "--max_tokens", "16", "--out", str(out)]
+    assert sd.main(args) == 0
+    prompts = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(prompts) == 3
+    assert sd.main(args) == 2 and "exists" in capsys.readouterr().err
+    assert out.read_text().count("\n") == 3                       # untouched
+    gen = tmp_path / "g.jsonl"                                    # a generator killed mid-record
+    gen.write_text(json.dumps({"id": "sd-0", "text": "x"}) + "\n" + '{"id": "sd-1", "te')
+    dst = tmp_path / "d" / "train.jsonl"
+    assert sd.main(["join", "--prompts", str(out), "--generations", str(gen), "--out", str(dst)]) == 0
+    assert "unfinished last line" in capsys.readouterr().err
+    assert [json.loads(x)["id"] for x in dst.read_text().splitlines()] == ["sd-0-0"]
+    assert not [f for f in os.listdir(dst.parent) if ".tmp" in f]
+    assert sd.main(["prompts", "--corpus", str(tmp_path / "none*.jsonl"), "--tokenizer", TOKENIZER,
+                    "--out", str(tmp_path / "q.jsonl")]) == 2
+    assert "matches no file" in capsys.readouterr().err
