@@ -109,6 +109,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", default="random", help="'random' token prompts, or a .txt / .jsonl text file")
     ap.add_argument("--mtp-window", type=int, default=64, help="positions the MTP layers attend over when drafting")
     args = ap.parse_args(argv)
+    if args.mtp_window < 1:
+        ap.error(f"--mtp-window {args.mtp_window}: must be >= 1")
     try:
         text = None if args.prompts == "random" else _read_text(args.prompts)
     except (OSError, ValueError) as e:
@@ -125,8 +127,6 @@ def main(argv=None) -> int:
     k = cfg.num_mtp_modules if args.num_draft is None else args.num_draft
     if not 1 <= k <= cfg.num_mtp_modules:
         ap.error(f"--num-draft {k}: must be in [1, {cfg.num_mtp_modules}] (the model's MTP modules)")
-    if args.mtp_window < 1:
-        ap.error(f"--mtp-window {args.mtp_window}: must be >= 1")
     lengths = [int(x) for x in args.lengths.split(",")]
     prompts = _prompts(text, lengths, cfg.vocab_size, args.seed, model.tokenizer, args.prompts)
     spec_loops = [int(x) for x in args.spec_loops.split(",") if x]

@@ -5,7 +5,8 @@
 #   OUT=... bash bench/spec_mtp.sh            # GPU machine; carry .whl (grain, array_record, portpicker wheels for
 #                                             # Python 3.12) and data/corpus (python -m minimax_jax.data.corpus
 #                                             # --out data/corpus --max_mb 16)
-#   TRAIN_S=20 STEPS=4 SEQ=256 BATCH=2 NEW=16 LENGTHS=64 LOOPS=4 OUT=/tmp/o bash bench/spec_mtp.sh   # CPU smoke run
+#   SELF_N=8 SELF_NEW=16 TRAIN_S=60 STEPS=4 SEQ=256 BATCH=2 NEW=16 LENGTHS=64 LOOPS=4 OUT=/tmp/o \
+#     bash bench/spec_mtp.sh                    # CPU smoke run (~1 minute)
 #   By default (SELF=1) the modules train on the demo's own greedy continuations of SELF_N corpus prompts
 #   (<= SELF_PROMPT tokens, SELF_NEW new tokens each, SELF_BATCH rows per engine batch, GEN_S seconds at most);
 #   SELF=0 trains on the corpus itself
@@ -27,9 +28,10 @@ if [ "${SELF:-1}" = 1 ]; then
   # Self-distillation (minimax_jax/data/self_distill.py): the demo's greedy continuations of corpus prompts are
   # the training text, so the modules learn on what verification sees (greedy tokens after greedy tokens).
   SD=$W/sd
+  PMAX=${SELF_PROMPT:-512}
   python3 -m minimax_jax.data.self_distill prompts --corpus 'data/corpus/train-*.jsonl' \
-    --tokenizer checkpoints/demo/tokenizer.json --num "${SELF_N:-2048}" --max_tokens "${SELF_PROMPT:-512}" \
-    --out "$SD/prompts.jsonl" || exit 1
+    --tokenizer checkpoints/demo/tokenizer.json --num "${SELF_N:-2048}" --min_tokens $((PMAX < 128 ? PMAX : 128)) \
+    --max_tokens "$PMAX" --out "$SD/prompts.jsonl" || exit 1
   timeout "${GEN_S:-150}" python3 infer.py --checkpoint checkpoints/demo --prompts_file "$SD/prompts.jsonl" \
     --temperature 0 --max_new_tokens "${SELF_NEW:-512}" --batch_size "${SELF_BATCH:-256}" --dtype bfloat16 \
     --output "$SD/gen.jsonl" --no_echo_prompt > /dev/null 2> "$SD/gen.log"

@@ -103,8 +103,9 @@ class ModelConfig:
       index_rope: apply the partial RoPE to the MSA index queries and keys.
       num_mtp_modules: multi-token-prediction modules (0 = none).
       mtp_attention_window: None, or W: the MTP modules attend over a sliding window of their last W tokens
-        (itself included) instead of their layer kind's attention, so a model trained so drafts exactly as
-        it trained with a drafting window (``infer.py --mtp_window``) of at least W.
+        (itself included) instead of their layer kind's attention, in training and drafting alike; drafts then
+        equal the trained computation when the drafting window (``infer.py --mtp_window``) holds at least
+        num_draft * (W - 1) + 1 tokens (depth d reads d windows back).
       tie_word_embeddings: the lm head reuses the embedding matrix.
       bos_token_id: id of the tokenizer's begin-of-sequence token (null = none).
       eos_token_id: id of the end-of-sequence token; generation stops on it (null = none).

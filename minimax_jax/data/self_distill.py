@@ -35,27 +35,47 @@ from minimax_jax.data.tokenizer import load_tokenizer
 __all__ = ["sample_prompts", "join_generations"]
 
 
-def _read_jsonl(path: str, cut_tail_ok: bool = False) -> list[dict]:
-    """The JSON objects of a JSONL file. ``cut_tail_ok``: a last line without its newline (a writer stopped
-    mid-record, e.g. ``infer.py`` under ``timeout``) is dropped with a note instead of refused."""
+def _read_jsonl(path: str, cut_tail_ok: bool = False, need=()) -> list[dict]:
+    """The JSON objects of a JSONL file, each with the keys ``need``. ``cut_tail_ok``: a last line that is not
+    JSON and lacks its newline (a writer stopped mid-record, e.g. ``infer.py`` under ``timeout``) is dropped with
+    a note instead of refused. Raises ValueError naming the file and line."""
     with open(path, encoding="utf-8") as f:
         lines = f.read().split("\n")
-    if cut_tail_ok and lines[-1].strip():
-        print(f"self_distill: {path}: dropped an unfinished last line", file=sys.stderr)
-        lines[-1] = ""
     rows = []
     for n, line in enumerate(lines, start=1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            if cut_tail_ok and n == len(lines):
+                print(f"self_distill: {path}: dropped an unfinished last line", file=sys.stderr)
+                continue
+            raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{n}: not a JSON object")
+        missing = [k for k in need if k not in row]
+        if missing:
+            raise ValueError(f"{path}:{n}: no {', '.join(repr(k) for k in missing)}")
+        rows.append(row)
     return rows
 
 
-def _write_jsonl(path: str, rows: list[dict]) -> None:
+def _check_out(path: str) -> None:
+    """Refuse an output path that exists or whose folder cannot be made (before any work)."""
+    if os.path.isdir(path):
+        raise ValueError(f"--out {path} is a folder; give a file path")
     if os.path.exists(path):
-        raise FileExistsError(f"{path} exists; remove it or choose another --out")
+        raise ValueError(f"--out {path} exists; remove it or choose another path")
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ValueError(f"--out {path}: {parent} is a file, not a folder")
+
+
+def _write_jsonl(path: str, rows: list[dict]) -> None:
+    _check_out(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
@@ -73,6 +93,8 @@ def sample_prompts(corpus: list[str], tokenizer, num: int, min_tokens: int, max_
     """
     if num < 1 or not 1 <= min_tokens <= max_tokens:
         raise ValueError(f"need num >= 1 and 1 <= min_tokens <= max_tokens, got {num}, {min_tokens}, {max_tokens}")
+    if not corpus:
+        raise ValueError("the corpus holds no document with a 'text' string")
     rng = random.Random(seed)
     docs = [ids for ids in (tokenizer.encode(t).ids for t in corpus) if len(ids) >= min_tokens]
     if not docs:
@@ -89,16 +111,27 @@ def sample_prompts(corpus: list[str], tokenizer, num: int, min_tokens: int, max_
 def join_generations(prompts: list[dict], generations: list[dict]) -> list[dict]:
     """Prompt + generated text per generation record (``infer.py --output``), matched by ``id``.
 
-    Raises: ValueError naming an id with no prompt, or a record without ``text``.
+    Raises: ValueError naming an id with no prompt, a prompt id or (id, sample) given twice, a record without
+    ``text``, or no record at all.
     """
-    by_id = {p["id"]: p["prompt"] for p in prompts}
-    out = []
+    by_id = {}
+    for p in prompts:
+        if p["id"] in by_id:
+            raise ValueError(f"prompt id {p['id']!r} appears twice")
+        by_id[p["id"]] = p["prompt"]
+    out, seen = [], set()
     for g in generations:
         if g.get("id") not in by_id:
             raise ValueError(f"generation record id {g.get('id')!r} matches no prompt")
         if not isinstance(g.get("text"), str):
             raise ValueError(f"generation record {g['id']!r} has no text")
-        out.append({"text": by_id[g["id"]] + g["text"], "source": "self", "id": f"{g['id']}-{g.get('sample', 0)}"})
+        rid = f"{g['id']}-{g.get('sample', 0)}"
+        if rid in seen:
+            raise ValueError(f"generation record {g['id']!r} (sample {g.get('sample', 0)}) appears twice")
+        seen.add(rid)
+        out.append({"text": by_id[g["id"]] + g["text"], "source": "self", "id": rid})
+    if not out:
+        raise ValueError("no generation record to join (did the generator write any?)")
     return out
 
 
@@ -106,27 +139,33 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prompts", help="sample prompts from a corpus")
-    p.add_argument("--corpus", required=True, help="JSONL glob with a 'text' field per line")
+    p.add_argument("--corpus", required=True, help="JSONL file or glob, a 'text' string per line")
     p.add_argument("--tokenizer", required=True, help="tokenizer.json or its directory")
-    p.add_argument("--num", type=int, default=2048)
-    p.add_argument("--min_tokens", type=int, default=128)
-    p.add_argument("--max_tokens", type=int, default=768)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True)
+    p.add_argument("--num", type=int, default=2048, help="prompts to sample (default %(default)s)")
+    p.add_argument("--min_tokens", type=int, default=128, help="shortest prompt in tokens (default %(default)s)")
+    p.add_argument("--max_tokens", type=int, default=768, help="longest prompt in tokens (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default %(default)s)")
+    p.add_argument("--out", required=True, help="prompts JSONL to write (infer.py --prompts_file); must not exist")
     j = sub.add_parser("join", help="prompt + generated text per record")
-    j.add_argument("--prompts", required=True)
+    j.add_argument("--prompts", required=True, help="the prompts JSONL of the 'prompts' step")
     j.add_argument("--generations", required=True, help="infer.py --output records")
-    j.add_argument("--out", required=True)
+    j.add_argument("--out", required=True, help="training JSONL to write ({'text': ...} per line); must not exist")
     a = ap.parse_args(argv)
     try:
+        _check_out(a.out)
         if a.cmd == "prompts":
             files = sorted(glob.glob(a.corpus))
             if not files:
                 raise ValueError(f"--corpus {a.corpus!r} matches no file")
             texts = [r["text"] for f in files for r in _read_jsonl(f) if isinstance(r.get("text"), str)]
-            rows = sample_prompts(texts, load_tokenizer(a.tokenizer), a.num, a.min_tokens, a.max_tokens, a.seed)
+            try:
+                tok = load_tokenizer(a.tokenizer)
+            except Exception as e:       # tokenizers raises a bare Exception for a file that is not a tokenizer
+                raise ValueError(f"--tokenizer {a.tokenizer}: {str(e).splitlines()[0]}") from None
+            rows = sample_prompts(texts, tok, a.num, a.min_tokens, a.max_tokens, a.seed)
         else:
-            rows = join_generations(_read_jsonl(a.prompts), _read_jsonl(a.generations, cut_tail_ok=True))
+            rows = join_generations(_read_jsonl(a.prompts, need=("prompt", "id")),
+                                    _read_jsonl(a.generations, cut_tail_ok=True))
         _write_jsonl(a.out, rows)
     except (OSError, ValueError) as e:
         print(f"self_distill: {e}", file=sys.stderr)

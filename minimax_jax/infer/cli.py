@@ -147,7 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                                                    '(each draft step runs the MTP '
                                                                                    'layers over this many tokens; '
                                                                                    'larger = better drafts, '
-                                                                                   'slower).')
+                                                                                   'slower, up to num_draft x '
+                                                                                   '(W - 1) + 1 for a model whose '
+                                                                                   'mtp_attention_window is W).')
     p.add_argument("--engine", choices=("paged", "recompute"), default="paged", help="Generation engine: 'paged' "
                                                                                      '= KV-cache decode engine '
                                                                                      '(minimax_jax.decode); '

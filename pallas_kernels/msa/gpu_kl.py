@@ -17,8 +17,9 @@ program, runs of one window walked in row tiles of tokens x heads. Per query chu
    LSE (``teacher_lse``: the attention forward computed it over the same support), only the
    student's (``msa_kl_student_lse_gpu``: no main-branch logits).
 2. ``msa_kl_gpu`` on tiles of tokens: per (token, slot) the teacher (the exact f32 mean of the group's
-   heads' probabilities, one head's product per loop step), the KL terms and, with gradients, d x = p - t: d qi partials per slot (summed in
-   XLA) and d ki accumulated per window piece (per group, added with the attention backward's
+   heads' probabilities, one head's product per loop step), the KL terms and, with gradients,
+   d x = p - t: d qi partials per slot (summed in XLA) and d ki accumulated per window piece (per
+   group, added with the attention backward's
    ownership-masked writes and merge; XLA sums the groups). The gradients are those of a unit
    cotangent, kept as residuals and scaled in the backward: no atomics, bitwise repeatable.
 """
@@ -406,7 +407,8 @@ def indexer_kl_gpu(q, k, qi, ki, block_ids, *, q_positions, kv_positions, q_segm
       q_weights: None, or float [B,T]: query i's rows count ``q_weights[b, i]`` times in the sum, the
         count and the gradients (no gradient; prefix-tree rows, minimax_jax.data.prefix_tree).
       chunk: sorted selections per program (a power of two >= 16; None: ``default_bwd_chunk`` per pass).
-      rows: (token, head) rows per tile (a power of two >= 32, raised to H/G's); num_warps: Triton warps
+      rows: tokens per tile of the KL pass (and of the student-LSE pass; (token, head) rows when pass 1 computes
+        the teacher's LSE too): a power of two >= 32, raised to H/G's; num_warps: Triton warps
         (the defaults measured fastest at M3 128K: BENCHMARKS.md, MSA indexer KL probe).
     Returns: (kl_sum f32 [], count int32 [], or float32 with q_weights) as minimax_jax.ops.msa.indexer_kl.
     Raises: ValueError for block_ids=None (the dense warm-up has no kernel) and for rows / num_warps outside

@@ -70,3 +70,36 @@ def test_cli_writes_whole_files_refuses_existing_ones_and_drops_a_cut_last_recor
     assert sd.main(["prompts", "--corpus", str(tmp_path / "none*.jsonl"), "--tokenizer", TOKENIZER,
                     "--out", str(tmp_path / "q.jsonl")]) == 2
     assert "matches no file" in capsys.readouterr().err
+
+
+def test_join_refuses_duplicates_and_nothing_to_join():
+    prompts = [{"prompt": "A: ", "id": "sd-0"}]
+    with pytest.raises(ValueError, match="prompt id 'sd-0' appears twice"):
+        sd.join_generations(prompts * 2, [{"id": "sd-0", "text": "x"}])
+    with pytest.raises(ValueError, match="appears twice"):
+        sd.join_generations(prompts, [{"id": "sd-0", "text": "x"}] * 2)
+    with pytest.raises(ValueError, match="no generation record"):
+        sd.join_generations(prompts, [])
+
+
+def test_cli_names_the_bad_line_and_keeps_a_whole_last_record(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "A", "id": "sd-0"}) + "\n" + json.dumps({"prompt": "B", "id": "sd-1"}))
+    gen = tmp_path / "g.jsonl"                 # two whole records, the last without its newline: both kept
+    gen.write_text(json.dumps({"id": "sd-0", "text": "a"}) + "\n" + json.dumps({"id": "sd-1", "text": "b"}))
+    dst = tmp_path / "d.jsonl"
+    assert sd.main(["join", "--prompts", str(prompts), "--generations", str(gen), "--out", str(dst)]) == 0
+    assert len(dst.read_text().splitlines()) == 2
+    for body, msg in (("[1, 2]\n", "g2.jsonl:1: not a JSON object"), ('{"text": "a"}\n', None)):
+        bad = tmp_path / "g2.jsonl"
+        bad.write_text(body)
+        out = tmp_path / "e.jsonl"
+        assert sd.main(["join", "--prompts", str(prompts), "--generations", str(bad), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert (msg or "matches no prompt") in err and not out.exists()
+    bad_p = tmp_path / "p2.jsonl"
+    bad_p.write_text(json.dumps({"id": "sd-0"}) + "\n")
+    assert sd.main(["join", "--prompts", str(bad_p), "--generations", str(gen), "--out", str(tmp_path / "f.jsonl")]) == 2
+    assert "p2.jsonl:1: no 'prompt'" in capsys.readouterr().err
+    assert sd.main(["join", "--prompts", str(prompts), "--generations", str(gen), "--out", str(tmp_path)]) == 2
+    assert "is a folder" in capsys.readouterr().err
