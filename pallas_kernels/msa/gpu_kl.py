@@ -65,6 +65,16 @@ class _Tile:
 
     def __init__(self, refs, b, g, a, si, end, *, hg, per, per_pad, topk, rows):
         flat_ref, ids_ref, qpos_ref, qseg_ref = refs
+        self.it = jax.lax.broadcasted_iota(jnp.int32, (per_pad,), 0)
+        e_tok = a + si * per + self.it
+        self.ok_tok = (self.it < per) & (e_tok < end)
+        self.t_tok, self.slot_tok, self.n_tok, self.qp_tok, self.qs_tok = tile_rows(
+            flat_ref, ids_ref, qpos_ref, qseg_ref, b, g, e_tok, self.ok_tok, topk, a)
+        if hg == 1 and per_pad == rows:       # token tiles: the rows are the tokens (no second table read)
+            self.j, self.head = self.it, jnp.full_like(self.it, g)
+            self.ok, self.t, self.slot, self.n, self.qp, self.qs = (
+                self.ok_tok, self.t_tok, self.slot_tok, self.n_tok, self.qp_tok, self.qs_tok)
+            return
         r = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
         self.j = r // hg
         self.head = g * hg + (r - self.j * hg)
@@ -72,11 +82,6 @@ class _Tile:
         self.ok = (self.j < per) & (e < end)
         self.t, self.slot, self.n, self.qp, self.qs = tile_rows(
             flat_ref, ids_ref, qpos_ref, qseg_ref, b, g, e, self.ok, topk, a)
-        self.it = jax.lax.broadcasted_iota(jnp.int32, (per_pad,), 0)
-        e_tok = a + si * per + self.it
-        self.ok_tok = (self.it < per) & (e_tok < end)
-        self.t_tok, self.slot_tok, self.n_tok, self.qp_tok, self.qs_tok = tile_rows(
-            flat_ref, ids_ref, qpos_ref, qseg_ref, b, g, e_tok, self.ok_tok, topk, a)
 
 
 def _student_logits(qi_ref, win, kib, tl, b, g, iscale, masked):

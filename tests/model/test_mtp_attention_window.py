@@ -39,17 +39,17 @@ def test_depth_d_sees_exactly_its_last_d_windows(model, depth):
     those (positions kept), its logits are equal; without the window (the layer's own attention over all
     positions) they differ."""
     cfg, params, tokens, hidden = model
-    for d in (depth,):
-        keep = d * (W - 1) + 1
-        n = T - d                     # the last position with a real shifted token
-        pos = jnp.arange(T, dtype=jnp.int32)[None]
-        full = mtp_forward(params, cfg, hidden[:, :n + d], tokens[:, :n + d], positions=pos[:, :n + d])[d - 1]
-        a = n - keep
-        cut = mtp_forward(params, cfg, hidden[:, a:n + d], tokens[:, a:n + d], positions=pos[:, a:n + d])[d - 1]
-        np.testing.assert_allclose(np.asarray(cut[0, keep - 1]), np.asarray(full[0, n - 1]), rtol=1e-5, atol=1e-5)
-        own = mtp_forward(params, cfg.replace(mtp_attention_window=None), hidden[:, :n + d], tokens[:, :n + d],
-                          positions=pos[:, :n + d])[d - 1]
-        assert np.max(np.abs(np.asarray(own[0, n - 1]) - np.asarray(full[0, n - 1]))) > 1e-4
+    d = depth
+    keep = d * (W - 1) + 1
+    n = T - d                     # the last position with a real shifted token
+    pos = jnp.arange(T, dtype=jnp.int32)[None]
+    full = mtp_forward(params, cfg, hidden[:, :n + d], tokens[:, :n + d], positions=pos[:, :n + d])[d - 1]
+    a = n - keep
+    cut = mtp_forward(params, cfg, hidden[:, a:n + d], tokens[:, a:n + d], positions=pos[:, a:n + d])[d - 1]
+    np.testing.assert_allclose(np.asarray(cut[0, keep - 1]), np.asarray(full[0, n - 1]), rtol=1e-5, atol=1e-5)
+    own = mtp_forward(params, cfg.replace(mtp_attention_window=None), hidden[:, :n + d], tokens[:, :n + d],
+                      positions=pos[:, :n + d])[d - 1]
+    assert np.max(np.abs(np.asarray(own[0, n - 1]) - np.asarray(full[0, n - 1]))) > 1e-4
 
 
 def test_drafting_depths_equal_the_trained_computation(model):
