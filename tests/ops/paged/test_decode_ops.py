@@ -80,3 +80,15 @@ def test_byte_pair_caches_are_recorded():
         rep = implementation_report()
         for key in ("paged_attention.byte_pairs", "msa_decode_select.byte_pairs"):
             assert (key in rep and "uint16 byte pairs" in rep[key]) == paired, (key, rep)
+
+
+def test_near_tie_acceptance_takes_only_tied_swaps():
+    """The oracle comparison's near-tie rule: a swap of two pages scoring within 1e-5 is the kernel's call; a
+    swap of pages 0.1 apart is a wrong selection."""
+    from tests.ops.paged.test_decode_oracle import accept_near_ties
+    want = np.array([[[[0, 1, 3]]]])
+    scores = np.array([[[[2.0, 1.0, 1.0 + 1e-7, np.nan]]]])
+    got = np.array([[[[0, 2, 3]]]])
+    assert accept_near_ties(got, want, scores).tolist() == got.tolist()
+    with pytest.raises(AssertionError, match="no near-tie"):
+        accept_near_ties(got, want, np.array([[[[2.0, 1.0, 0.9, np.nan]]]]))

@@ -22,10 +22,12 @@ G, HG, D, DI, PAGE, K = 2, 4, 16, 16, 16, 4
 
 # ----------------------------------------------------------------------------- oracle
 
-def oracle_select(qi, ki_pages, table, pos, topk):
-    """Logical page ids per (b, group, row) as SETS (python loops, float64)."""
+def oracle_select(qi, ki_pages, table, pos, topk, return_scores=False):
+    """Logical page ids per (b, group, row) as SETS (python loops, float64); ``return_scores``: also the page
+    scores ``[B, HI, Q, pages]`` (NaN where a page is not ranked)."""
     b, nq, hi, _ = qi.shape
     out = np.full((b, hi, nq, topk), -1, np.int64)
+    scores = np.full((b, hi, nq, table.shape[1]), np.nan)
     for bb in range(b):
         for i in range(nq):
             if pos[bb, i] < 0:
@@ -33,9 +35,27 @@ def oracle_select(qi, ki_pages, table, pos, topk):
             local = pos[bb, i] // PAGE
             for r in range(hi):
                 sc = [(ki_pages[table[bb, n]] @ qi[bb, i, r]).max() / math.sqrt(DI) for n in range(local)]
+                scores[bb, r, i, :local] = sc
                 order = sorted(range(local), key=lambda n: (-sc[n], n))[: topk - 1]
                 ids = order + [local]
                 out[bb, r, i, : len(ids)] = ids
+    return (out, scores) if return_scores else out
+
+
+def accept_near_ties(ids, want_ids, scores, rtol=1e-5):
+    """``want_ids`` with each row whose selected set differs from the kernel's ``ids`` only by pages whose oracle
+    scores tie within ``rtol`` (relative to the larger magnitude, at least 1) taken as the kernel's row; a row
+    that differs otherwise fails the assertion (the MSA repo's near-tie criterion)."""
+    out = want_ids.copy()
+    for bb, r, i in np.argwhere(np.any(np.sort(ids, -1) != np.sort(want_ids, -1), axis=-1)):
+        got, want = set(ids[bb, r, i].tolist()) - {-1}, set(want_ids[bb, r, i].tolist()) - {-1}
+        extra, missing = sorted(got - want), sorted(want - got)
+        sc = scores[bb, r, i]
+        ranked = lambda ps: all(0 <= p < len(sc) and np.isfinite(sc[p]) for p in ps)    # noqa: E731
+        tied = len(extra) == len(missing) and ranked(extra) and ranked(missing) and all(
+            abs(sc[e] - sc[m]) <= rtol * max(abs(sc[e]), abs(sc[m]), 1.0) for e in extra for m in missing)
+        assert tied, f"row {(bb, r, i)}: kernel {sorted(got)} vs oracle {sorted(want)} is no near-tie"
+        out[bb, r, i] = ids[bb, r, i]
     return out
 
 
@@ -118,9 +138,11 @@ def check_against_oracle(impl, nq, kv_dtype, ordered=True, launch_table=None):
         seen_dt = jnp.float16 if score_launch(jnp.dtype(kv_dtype), *[None] * 6, table=launch_table)["f16"] \
             else jnp.bfloat16
     qi_seen = n["qi"] if exact else np.asarray(jnp.asarray(n["qi"], seen_dt).astype(jnp.float32), np.float64)
-    want_ids = oracle_select(qi_seen, n["ki"], n["table"], n["pos"], K)
+    want_ids, scores = oracle_select(qi_seen, n["ki"], n["table"], n["pos"], K, return_scores=True)
     ids = np.asarray(_select(c, impl, launch_table=launch_table))
     assert ids.shape == want_ids.shape and ids.dtype == np.int32
+    # f32 summation order can flip an exact near-tie (1 row in a few hundred runs): such rows take the kernel's set
+    want_ids = accept_near_ties(ids, want_ids, scores)
     np.testing.assert_array_equal(np.sort(ids, -1), np.sort(want_ids, -1))      # sets, padded with -1
     if ordered:                     # rows keeping every page (local < K): the reference order for "xla",
         short = (n["pos"] // PAGE < K)[:, None, :, None]          # ascending ids for the GPU kernels
