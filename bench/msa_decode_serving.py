@@ -30,7 +30,7 @@ import numpy as np
 
 import msa_decode as md
 from minimax_jax.ops import paged as ops
-from minimax_jax.ops.registry import implementation_report
+from minimax_jax.ops.registry import clear_implementation_report, implementation_report
 
 SPREAD = 0.25
 #: Issue 34's table cells (batch x context), timed before the grid.
@@ -105,6 +105,7 @@ def queries(key, lead, b, nq, row_corr=0.0):
 # ----------------------------------------------------------------------------- correctness
 
 def _path():
+    """The ``msa_decode`` path(s) traced since the report was last cleared (callers clear it before the call)."""
     return implementation_report().get("msa_decode.path")
 
 
@@ -129,8 +130,10 @@ def serving_check(impl, table=None, seed=0):
         if name == "all_pages":
             o_d, l_d = jax.jit(lambda q, kp, vp, pt, pos: ops.paged_attention(
                 q, kp, vp, pt, pos, implementation=impl, launch_table=table))(q, kp, vp, pt, pos)
+            clear_implementation_report()
             o, lse, ids = msa(impl, q, qi, kp, vp, kib, None, pt, pos)
             res["all_pages_jit_path"] = _path()
+            clear_implementation_report()
             ops.msa_decode(q, qi, kp, vp, kib, pt, pos, topk=md.K, implementation=impl, launch_table=table)
             res["all_pages_eager_path"] = _path()
             local = np.asarray(pos)[:, None, :, None] // md.PAGE
@@ -141,6 +144,7 @@ def serving_check(impl, table=None, seed=0):
             continue
         for label, ki, ks in (("bf16", kib, None), ("fp8", ki8, ks8)):
             o_r, l_r, ids_r = msa("xla", q, qi, kp, vp, ki, ks, pt, pos)
+            clear_implementation_report()
             o, lse, ids = msa(impl, q, qi, kp, vp, ki, ks, pt, pos)
             res[f"{label}_path"] = _path()
             same = np.all(np.sort(np.asarray(ids), -1) == np.sort(np.asarray(ids_r), -1), -1)   # [B, G, Q]
@@ -187,6 +191,7 @@ def time_unit(lay, cache, tables, nq, impl, table, seed, runtime_dense_check=Fal
                       steps_per_call=steps, cache_gib=lay["cache_gib"], dense_ms=t_d / steps * 1e3, dense_calls=n_d,
                       row_corr=row_corr)
         for label, ki, ks in (("bf16", kib, None), ("fp8", ki8, ks8)):
+            clear_implementation_report()
             t, n = md.timeit(md.unrolled(fns["msa"], steps, reps, unroll), q, qi, kp, vp, ki, ks, pos, tables)
             cells.append(dict(common, index_dtype=label, msa_ms=t / steps * 1e3, msa_calls=n,
                               speedup=t_d / t, msa_path=_path()))

@@ -20,6 +20,8 @@ greedy). Writes ``spec_decode.json`` under ``--out``; the table is printed last.
 (default: all of the model's MTP modules); ``--prompts FILE``: prompts cut from a text file (``.txt``, or ``.jsonl``
 with a ``text`` field per line) tokenized with the checkpoint's tokenizer, prompt i starting at token 7919 * i,
 instead of random tokens (which leave the MTP modules nothing to predict).
+``--mtp-window W``: positions the MTP layers attend over while drafting (default 64; for a model trained with
+``model.mtp_attention_window`` = w, drafting is exact from num_draft x (w - 1) + 1).
 CPU smoke run: ``python bench/spec_decode.py --lengths 64 --new 16 --spec-loops 4 --out /tmp/spec``.
 """
 
@@ -37,7 +39,31 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from minimax_jax import cli_main  # noqa: E402
 from minimax_jax.infer import GenerationConfig, Generator  # noqa: E402
+from minimax_jax.infer.drafter import MAX_MTP_WINDOW  # noqa: E402
+
+ROW_SETTINGS = ("per-step", "padded")
+
+
+def _int_list(lo: int):
+    """argparse type: a comma list of integers >= ``lo`` ("" = none)."""
+    one = cli_main.int_at_least(lo)
+
+    def parse(text: str) -> list[int]:
+        return [one(x.strip()) for x in text.split(",") if x.strip()]
+    return parse
+
+
+def _choices(allowed):
+    """argparse type: a non-empty comma list of ``allowed`` names."""
+    def parse(text: str) -> list[str]:
+        names = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [x for x in names if x not in allowed]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(allowed)}, got {text!r}")
+        return names
+    return parse
 from minimax_jax.infer.loading import load_model  # noqa: E402
 
 
@@ -95,22 +121,27 @@ def _prompts(text, lengths, vocab_size, seed, tokenizer, source):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--lengths", default="512,1000,4000")
-    ap.add_argument("--new", type=int, default=1024)
-    ap.add_argument("--rows", default="per-step,padded")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="result folder (made if missing)")
+    ap.add_argument("--lengths", type=_int_list(1), default="512,1000,4000", help="prompt lengths in tokens")
+    ap.add_argument("--new", type=cli_main.int_at_least(1), default=1024, help="new tokens per call")
+    ap.add_argument("--rows", type=_choices(ROW_SETTINGS), default="per-step,padded",
+                    help="decode-row settings, comma list of " + ", ".join(ROW_SETTINGS))
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--decode-loops", default="", help="comma list of decode_loop values to time after the rows")
-    ap.add_argument("--spec-loops", default="", help="comma list of decode_loop values of speculative device loops "
-                                                     "(and plain loops of the same N), timed with each --rows setting")
+    ap.add_argument("--decode-loops", type=_int_list(1), default="",
+                    help="comma list of decode_loop values to time after the rows")
+    ap.add_argument("--spec-loops", type=_int_list(1), default="", help="comma list of decode_loop values of "
+                    "speculative device loops (and plain loops of the same N), timed with each --rows setting")
     ap.add_argument("--checkpoint", default=None, help="model directory (default: the shipped demo)")
     ap.add_argument("--num-draft", type=int, default=None, help="drafts per speculative step (default: all modules)")
     ap.add_argument("--prompts", default="random", help="'random' token prompts, or a .txt / .jsonl text file")
-    ap.add_argument("--mtp-window", type=int, default=64, help="positions the MTP layers attend over when drafting")
+    ap.add_argument("--mtp-window", type=cli_main.int_at_least(1, MAX_MTP_WINDOW), default=64,
+                    help="positions the MTP layers attend over when drafting (default %(default)s)")
     args = ap.parse_args(argv)
-    if args.mtp_window < 1:
-        ap.error(f"--mtp-window {args.mtp_window}: must be >= 1")
+    if not args.lengths:
+        ap.error("--lengths: give at least one prompt length")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        ap.error(f"--out {args.out}: exists and is not a folder")
     try:
         text = None if args.prompts == "random" else _read_text(args.prompts)
     except (OSError, ValueError) as e:
@@ -127,11 +158,11 @@ def main(argv=None) -> int:
     k = cfg.num_mtp_modules if args.num_draft is None else args.num_draft
     if not 1 <= k <= cfg.num_mtp_modules:
         ap.error(f"--num-draft {k}: must be in [1, {cfg.num_mtp_modules}] (the model's MTP modules)")
-    lengths = [int(x) for x in args.lengths.split(",")]
+    lengths = args.lengths
     prompts = _prompts(text, lengths, cfg.vocab_size, args.seed, model.tokenizer, args.prompts)
-    spec_loops = [int(x) for x in args.spec_loops.split(",") if x]
+    spec_loops = args.spec_loops
     rows = []
-    for setting in args.rows.split(","):
+    for setting in args.rows:
         gen = Generator(cfg, params, engine_options={"query_rows": 1 + k} if setting == "padded" else None)
         for n, prompt in zip(lengths, prompts):
             base = GenerationConfig(max_new_tokens=args.new, stop_token_ids=(), num_draft=args.num_draft,
@@ -147,7 +178,7 @@ def main(argv=None) -> int:
             for row in found:
                 print(json.dumps(row), flush=True)
             rows += found
-    loops = [int(x) for x in args.decode_loops.split(",") if x]
+    loops = args.decode_loops
     if loops:
         gen = Generator(cfg, params)
         for n, prompt in zip(lengths, prompts):

@@ -328,7 +328,7 @@ def bench_one(mode: str, seq: int, args) -> dict:
             lowered = tr.step_fn(step_phase).lower(state, gbatch)
     row["lower_s"] = round(time.perf_counter() - t, 2)
     row["implementations"] = implementation_report()
-    if row["implementations"].get("attention") == "cudnn_packed":
+    if "cudnn_packed" in row["implementations"].get("attention", "").split("; "):
         from minimax_jax.ops.attention import cudnn as cudnn_packed
         row["cudnn_packed"] = {"max_segments": cudnn_packed.DEFAULT_MAX_SEGMENTS,
                                "overflow": cudnn_packed.DEFAULT_OVERFLOW}

@@ -38,7 +38,7 @@ import numpy as np  # noqa: E402
 from minimax_jax.config import load_config  # noqa: E402
 from minimax_jax.model.params import init_params  # noqa: E402
 from minimax_jax.model.transformer import forward  # noqa: E402
-from minimax_jax.ops.registry import implementation_report  # noqa: E402
+from minimax_jax.ops.registry import clear_implementation_report, implementation_report  # noqa: E402
 
 
 def _loss_fn(cfg):
@@ -112,6 +112,7 @@ def main() -> int:
     segs = jnp.asarray(np.where(np.arange(a.seq)[None] < cut, 0, 1).repeat(a.batch, 0), jnp.int32)
     res = {}
     for impl in ("xla", "auto"):
+        clear_implementation_report()
         (loss, logits), grads = _loss_fn(base.replace(msa_impl=impl))(params, tokens, segs)
         res[impl] = (float(loss), np.asarray(logits, np.float32), jax.tree.map(lambda g: np.asarray(g, np.float32), grads))
         res[impl + "_ran"] = {k: v for k, v in implementation_report().items() if k.startswith(("msa", "indexer_kl"))}

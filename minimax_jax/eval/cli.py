@@ -26,6 +26,7 @@ import time
 from collections.abc import Sequence
 
 from minimax_jax import cli_main
+from minimax_jax.atomic_file import write_atomic
 from minimax_jax.chat.tokens import BOS
 from minimax_jax.data.haystack import LengthError, noise_haystack, prose_haystack, token_counter
 from minimax_jax.data.prose import MissingDataError
@@ -193,10 +194,7 @@ def _progress(line: str) -> None:
 
 
 def _write_json(path: str, obj: dict) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(obj, indent=1))
 
 
 def _results(args, examples, outputs, timing, perplexity=None) -> dict:

@@ -142,14 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
                    f'the loop). At most {MAX_DECODE_LOOP}.')
     p.add_argument("--num_draft", type=int, default=None, help='Drafts per step with --speculative mtp (default: '
                                                                'all MTP modules).')
-    p.add_argument("--mtp_window", type=cli_main.int_at_least(1), default=64, help='Positions the MTP layers '
-                                                                                   'attend over while drafting '
-                                                                                   '(each draft step runs the MTP '
-                                                                                   'layers over this many tokens; '
-                                                                                   'larger = better drafts, '
-                                                                                   'slower, up to num_draft x '
-                                                                                   '(W - 1) + 1 for a model whose '
-                                                                                   'mtp_attention_window is W).')
+    p.add_argument("--mtp_window", type=cli_main.int_at_least(1), default=None, help='Positions the MTP layers '
+                   'attend over while drafting with --speculative mtp (default 64, at most 8192; each draft step runs '
+                   'the MTP layers over this many tokens; larger = better drafts, slower; useful up to num_draft x '
+                   '(W - 1) + 1 for a model whose mtp_attention_window is W, and never past the longest row).')
     p.add_argument("--engine", choices=("paged", "recompute"), default="paged", help="Generation engine: 'paged' "
                                                                                      '= KV-cache decode engine '
                                                                                      '(minimax_jax.decode); '
@@ -272,8 +268,9 @@ def check_flags() -> None:
         raise UsageError("--logprobs adds log-probabilities to the JSON records: pass --json or --output too")
     if FLAGS.overwrite and not FLAGS.output:
         raise UsageError("--overwrite applies only with --output")
-    if FLAGS.num_draft is not None and FLAGS.speculative == "none":
-        raise UsageError("--num_draft needs --speculative mtp")
+    for flag in ("num_draft", "mtp_window"):
+        if getattr(FLAGS, flag) is not None and FLAGS.speculative == "none":
+            raise UsageError(f"--{flag} needs --speculative mtp")
     # (sampling and logprobs with an explicit loop: GenerationConfig refuses them)
     if FLAGS.decode_loop != "auto" and FLAGS.decode_loop > 1 and FLAGS.engine != "paged":
         raise UsageError("--decode_loop > 1 needs --engine paged")
@@ -295,7 +292,8 @@ def _config():
         stop_strings=tuple(FLAGS.stop or ()), repeat_max_period=FLAGS.repeat_max_period,
         repeat_max_count=FLAGS.repeat_max_count,
         speculative=None if FLAGS.speculative == "none" else FLAGS.speculative,
-        num_draft=FLAGS.num_draft, mtp_window=FLAGS.mtp_window, logprobs=FLAGS.logprobs,
+        num_draft=FLAGS.num_draft, mtp_window=64 if FLAGS.mtp_window is None else FLAGS.mtp_window,
+        logprobs=FLAGS.logprobs,
         decode_loop=resolve_decode_loop(FLAGS.decode_loop, sampling, engine=FLAGS.engine, logprobs=FLAGS.logprobs,
                                         speculative=FLAGS.speculative != "none", decode_rows=FLAGS.decode_rows,
                                         max_new_tokens=FLAGS.max_new_tokens))

@@ -26,8 +26,14 @@ from minimax_jax.config import ModelConfig
 from minimax_jax.decode.spec_loop import mtp_depth, stack_mtp, window_layout
 from minimax_jax.infer.errors import InferenceError
 
-__all__ = ["MTPDrafter", "mtp_depth", "stack_mtp"]     # the MTP math lives in minimax_jax.decode.spec_loop
+__all__ = ["MAX_MTP_WINDOW", "MTPDrafter", "mtp_depth", "stack_mtp"]     # the MTP math lives in minimax_jax.decode.spec_loop
 
+
+#: Largest drafting window: every draft step runs the MTP layers over W positions and the host keeps W main
+#: hidden states per row (W x hidden_size float32: 100 MB per row at W = 8192 for M2), so larger windows
+#: cost more than drafting gains; a model trained with ``mtp_attention_window`` needs only
+#: ``num_draft x (W - 1) + 1``.
+MAX_MTP_WINDOW = 8192
 
 class MTPDrafter:
     """Per-row MTP draft state and the batched drafting step.
@@ -50,8 +56,8 @@ class MTPDrafter:
         if not 1 <= num_draft <= min(have, 15):
             raise InferenceError(f"num_draft must be in [1, {min(have, 15)}] for this model "
                                  f"({have} MTP modules, at most 15 drafts), got {num_draft}")
-        if window < 1:
-            raise InferenceError(f"MTP window must be >= 1, got {window}")
+        if not 1 <= window <= MAX_MTP_WINDOW:
+            raise InferenceError(f"MTP window must be in [1, {MAX_MTP_WINDOW}], got {window}")
         self.params, self.cfg, self.num_draft, self.window = params, cfg, num_draft, window
         self.tokens: dict[int, list[int]] = {}
         self.hidden: dict[int, np.ndarray] = {}

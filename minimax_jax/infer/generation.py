@@ -26,6 +26,7 @@ import numpy as np
 
 from minimax_jax.config import ModelConfig
 from minimax_jax.infer.backends import ENGINES, Backend, make_backend
+from minimax_jax.infer.drafter import MAX_MTP_WINDOW
 from minimax_jax.infer.errors import ContextTooLong, EngineUnavailable, InferenceError
 from minimax_jax.infer.metrics import CompileClock, GenerationStats, Timer
 from minimax_jax.infer.penalties import PenaltyTracker
@@ -81,6 +82,9 @@ class GenerationConfig:
             if why:
                 raise ValueError(f"decode_loop > 1 runs greedy decoding (temperature 0, plain or speculative) on "
                                  f"the device; it cannot serve {', '.join(why)}")
+        if isinstance(self.mtp_window, bool) or not isinstance(self.mtp_window, int) \
+                or not 1 <= self.mtp_window <= MAX_MTP_WINDOW:
+            raise ValueError(f"mtp_window must be an int in [1, {MAX_MTP_WINDOW}], got {self.mtp_window!r}")
         if self.speculative not in (None,) + SPECULATIVE_METHODS:
             raise ValueError(f"speculative must be None or one of {SPECULATIVE_METHODS}, got {self.speculative!r}")
         if self.speculative is not None and self.sampling.has_penalties:
@@ -204,12 +208,15 @@ class Generator:
         self.log(f"engine: {self.backend.describe()}")
         return self.backend
 
-    def _drafter(self, config: GenerationConfig):
+    def _drafter(self, config: GenerationConfig, longest: int):
+        """The drafter for ``config``; its window is cut to the longest a row of this call can grow to
+        (``longest`` tokens, rounded up to a power of two): a longer window would only hold padding."""
         from minimax_jax.infer.drafter import MTPDrafter
 
-        key = (config.num_draft, config.mtp_window)
+        window = min(config.mtp_window, _round_up_pow2(max(longest, 64)))
+        key = (config.num_draft, window)
         if key not in self._drafters:
-            self._drafters[key] = MTPDrafter(self.params, self.cfg, config.num_draft, config.mtp_window)
+            self._drafters[key] = MTPDrafter(self.params, self.cfg, config.num_draft, window)
         return self._drafters[key]
 
     def stop_ids(self, config: GenerationConfig) -> frozenset:
@@ -275,7 +282,8 @@ class Generator:
         if config.decode_loop > 1 and self.engine != "paged":
             raise EngineUnavailable(f"GenerationConfig.decode_loop > 1 needs the paged engine, not {self.engine!r}")
         spec = config.speculative is not None
-        drafter = self._drafter(config) if spec else None
+        longest = max(len(p) + m for p, m in zip(prompts, limits)) + config.tokens_past_limit(15)
+        drafter = self._drafter(config, longest) if spec else None
         k = drafter.num_draft if spec else 0
         rows = self.engine_options.get("query_rows")
         if spec and rows is not None and rows < 1 + k:
@@ -391,7 +399,7 @@ class _Run:
         spec = self.drafter is not None
         # The drafter keeps only the last mtp_window hidden states: ask for no more (a 1M-token prompt
         # would otherwise bring every position's hidden state to the host).
-        want = self.config.mtp_window if spec else False
+        want = self.drafter.window if spec else False
         w0 = clock.now()
         handles, last, hidden = self.backend.prefill(self.prompts, want_hidden=want, on_tokens=on_prefill_tokens)
         self.stats.prefill_s = timer.elapsed()

@@ -91,7 +91,7 @@ def read_prompts_file(path: str) -> list[PromptItem]:
     or duplicate fields, no prompt; the line is named) or ChatFormatError."""
     try:
         with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
+            lines = f.read().split("\n")      # JSONL lines end at "\n" only: U+2028 etc. may sit in strings
     except OSError as e:
         raise ValueError(f"cannot read --prompts_file {path!r}: {e.strerror}") from None
     items, seen = [], {}

@@ -29,8 +29,8 @@ import jax
 from pallas_kernels.common import triton_cuda_target
 
 __all__ = ["ImplementationUnavailable", "Implementation", "Op", "register", "get_op", "implementation_names",
-           "dispatch", "resolve", "record_implementation", "implementation_report", "clear_implementation_report",
-           "default_backend", "assume_backend", "PLATFORMS"]
+           "dispatch", "resolve", "record_implementation", "refine_implementation", "implementation_report",
+           "clear_implementation_report", "default_backend", "assume_backend", "PLATFORMS"]
 
 #: The platforms ``default_backend()`` can return.
 PLATFORMS = ("cpu", "gpu", "tpu")
@@ -42,19 +42,44 @@ class ImplementationUnavailable(RuntimeError):
 
 # ----------------------------------------------------------------------------- the report of what ran
 _lock = threading.Lock()
-_report: dict[str, str] = {}
+_report: dict[str, list[str]] = {}     # op -> distinct values, in the order first recorded
 
 
-def record_implementation(op: str, implementation: str) -> None:
-    """Record that ``op`` (e.g. ``"msa_attention"``) resolved to ``implementation`` at trace time."""
+_dispatching = threading.local()        # .stack: [(op, the value its dispatch recorded, whether it was new)]
+
+
+def record_implementation(op: str, implementation: str) -> bool:
+    """Record that ``op`` (e.g. ``"msa_attention"``) resolved to ``implementation`` at trace time.
+
+    The report keeps every distinct value recorded under ``op`` since it was last cleared, in the order
+    first seen: a program whose layers run one op two ways (an MoE layer's two grouped matmuls, MTP
+    layers on another attention path) reports both, never only the last. Returns whether the value was new."""
     with _lock:
-        _report[op] = implementation
+        seen = _report.setdefault(op, [])
+        if implementation in seen:
+            return False
+        seen.append(implementation)
+        return True
+
+
+def refine_implementation(op: str, detail: str) -> None:
+    """Inside ``op``'s implementation (called by ``dispatch``): report ``detail`` (e.g. ``"expert_parallel[...]"``)
+    in place of the plain implementation name that this call's dispatch recorded, unless an earlier call had
+    recorded that name too (then both stay). Outside a dispatch of ``op`` it records ``detail``."""
+    frame = next((f for f in reversed(getattr(_dispatching, "stack", [])) if f[0] == op), None)
+    if frame is not None and frame[2]:
+        with _lock:
+            seen = _report.get(op, [])
+            if frame[1] in seen:
+                seen.remove(frame[1])
+    record_implementation(op, detail)
 
 
 def implementation_report() -> dict[str, str]:
-    """Return ``{op name: implementation}`` for every op traced so far in this process."""
+    """Return ``{op name: implementation}`` for every op traced since the report was last cleared; an op
+    recorded with several distinct values gets them ``"; "``-joined in the order first seen."""
     with _lock:
-        return dict(_report)
+        return {op: "; ".join(values) for op, values in _report.items()}
 
 
 def clear_implementation_report() -> None:
@@ -214,5 +239,9 @@ def dispatch(op: str, implementation: str, *args, **kwargs):
     impl, reasons = _pick(op, implementation, args, kwargs)
     if reasons:
         record_implementation(f"{op}.auto_reason", "; ".join(reasons))
-    record_implementation(op, impl.name)
-    return impl.fn(*args, **kwargs)
+    stack = _dispatching.__dict__.setdefault("stack", [])
+    stack.append((op, impl.name, record_implementation(op, impl.name)))
+    try:
+        return impl.fn(*args, **kwargs)
+    finally:
+        stack.pop()

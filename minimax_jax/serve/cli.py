@@ -46,8 +46,9 @@ def build_parser(prog: str = PROG):
                         "the batched decode step (greedy output identical; as infer.py --speculative).")
     p.add_argument("--num_draft", type=cli_main.int_at_least(1), default=None,
                    help="Drafts per step with --speculative mtp (default: all MTP modules).")
-    p.add_argument("--mtp_window", type=cli_main.int_at_least(1), default=64,
-                   help="Positions the MTP layers attend over while drafting.")
+    p.add_argument("--mtp_window", type=cli_main.int_at_least(1, 8192), default=None,
+                   help="Positions the MTP layers attend over while drafting with --speculative mtp (default 64, "
+                        "at most 8192: infer.drafter.MAX_MTP_WINDOW).")
     p.add_argument("--decode_loop", type=cli_main.int_at_least(1), default=1,
                    help="Multi-step scheduling: while nobody waits or is prefilled and every decoding request is "
                         "greedy (no penalties, logit bias or logprobs), run this many decode steps in one compiled "
@@ -70,8 +71,9 @@ def _main(argv, prog: str = PROG) -> int:
 
     parser = build_parser(prog)
     flags = cli_main.parse_args(parser, argv)
-    if flags.num_draft is not None and flags.speculative == "none":
-        parser.error("--num_draft needs --speculative mtp")
+    for flag in ("num_draft", "mtp_window"):
+        if getattr(flags, flag) is not None and flags.speculative == "none":
+            parser.error(f"--{flag} needs --speculative mtp")
     if flags.sharding_rules is not None and not flags.mesh:
         parser.error("--sharding_rules applies only with --mesh")
     from minimax_jax.decode import mesh_attention
@@ -96,7 +98,8 @@ def _main(argv, prog: str = PROG) -> int:
     server = build(model, max_batch=flags.max_batch, max_len=flags.max_len, max_queue=flags.max_queue,
                    prefill_chunk=flags.prefill_chunk, model_name=flags.served_model_name,
                    default_max_tokens=flags.default_max_tokens, prefix_cache=flags.prefix_cache,
-                   token_budget=flags.token_budget, num_draft=flags.num_draft, mtp_window=flags.mtp_window,
+                   token_budget=flags.token_budget, num_draft=flags.num_draft,
+                   mtp_window=64 if flags.mtp_window is None else flags.mtp_window,
                    speculative=None if flags.speculative == "none" else flags.speculative,
                    decode_loop=flags.decode_loop, warmup=flags.warmup)
     print(f"serving {server.model_name} on http://{flags.host}:{flags.port}/v1 ({server.scheduler.max_batch} "

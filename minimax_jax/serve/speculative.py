@@ -35,7 +35,8 @@ class MTPStep:
 
     def __init__(self, sched, num_draft: int | None, window: int):
         self.sched = sched
-        self.drafter = MTPDrafter(sched.gen.params, sched.gen.cfg, num_draft, window)
+        # a window past the engine's max_len would hold only padding
+        self.drafter = MTPDrafter(sched.gen.params, sched.gen.cfg, num_draft, min(window, sched.max_len))
         if not sched.backend.supports_hidden:
             raise EngineUnavailable("MTP speculation needs an engine that returns hidden states")
         self.k = self.drafter.num_draft

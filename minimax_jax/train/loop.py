@@ -32,6 +32,7 @@ import jax
 import numpy as np
 import yaml
 
+from minimax_jax.atomic_file import write_atomic
 from minimax_jax.config import ModelConfig
 from minimax_jax.model import abstract_params, params_shardings
 from minimax_jax.ops.registry import implementation_report
@@ -42,7 +43,7 @@ from minimax_jax.train.data import decode_state, encode_state, make_iterator, to
 from minimax_jax.interrupt import StopSignals
 from minimax_jax.train.losses import mtp_weights_list
 from minimax_jax.train.metrics import MetricsWriter, peak_flops_per_device, train_flops
-from minimax_jax.train.metrics_truncate import truncate_after, write_atomic
+from minimax_jax.train.metrics_truncate import truncate_after
 from minimax_jax.train.model_init import initial_params, model_configs
 from minimax_jax.train.optimizer import PHASE_MAIN, PHASE_WARMUP, held_router_biases, make_optimizer, path_of
 from minimax_jax.train.run_lock import RunLock

@@ -15,12 +15,13 @@ when something is dropped.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import struct
 
-__all__ = ["truncate_after", "write_atomic"]
+from minimax_jax.atomic_file import write_atomic
+
+__all__ = ["truncate_after"]
 
 
 def truncate_after(run_dir: str, step: int) -> dict[str, int]:
@@ -52,7 +53,7 @@ def _keep_row(line: str, step: int) -> bool:
 
 def _truncate_jsonl(path: str, step: int) -> int:
     with open(path, encoding="utf-8", errors="replace") as f:
-        lines = [x for x in f.read().splitlines() if x.strip()]
+        lines = [x for x in f.read().split("\n") if x.strip()]    # JSONL lines end at "\n" only
     keep = [x for x in lines if _keep_row(x, step)]
     if len(keep) < len(lines):
         write_atomic(path, "".join(x + "\n" for x in keep).encode())
@@ -88,19 +89,3 @@ def _truncate_events(path: str, step: int) -> int:
     if len(keep) < total or cut_short:
         write_atomic(path, b"".join(keep))
     return total - len(keep) + int(cut_short)
-
-
-def write_atomic(path: str, content: bytes) -> None:
-    """Write ``content`` to ``path`` through a hidden temporary sibling renamed into place (a reader
-    never sees a half-written file; the temporary name never looks like an event file)."""
-    tmp = os.path.join(os.path.dirname(path) or ".", f".{os.getpid()}.partial")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(content)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise

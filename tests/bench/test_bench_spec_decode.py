@@ -34,3 +34,25 @@ def test_spec_decode_device_loop_smoke(tmp_path):
         rows = {x["rows"]: x for x in json.load(f)["rows"]}
     loop = rows["padded spec loop 4"]
     assert loop["first_difference"] is None and loop["drafted"] > 0 and loop["loop_tok_s"] > 0
+
+
+def test_bad_flags_are_one_line_errors_before_the_model_loads(tmp_path, capsys):
+    import pytest
+    sys.path.insert(0, os.path.join(REPO_ROOT, "bench"))
+    try:
+        import spec_decode
+    finally:
+        sys.path.pop(0)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for flags, msg in ((["--out", str(afile)], "exists and is not a folder"),
+                       (["--lengths", "abc"], "expected an integer, got 'abc'"),
+                       (["--lengths", "0"], "must be >= 1, got 0"), (["--lengths", ""], "at least one prompt length"),
+                       (["--spec-loops", "0"], "must be >= 1, got 0"), (["--new", "0"], "must be >= 1, got 0"),
+                       (["--rows", "bogus"], "comma list of per-step, padded"),
+                       (["--mtp-window", "9000"], "must be >= 1 and <= 8192, got 9000")):
+        with pytest.raises(SystemExit) as e:
+            spec_decode.main(["--out", str(tmp_path / "o")] + flags)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and msg in err and "Traceback" not in err, (flags, err)
+    assert not (tmp_path / "o").exists()

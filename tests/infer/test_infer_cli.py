@@ -176,7 +176,9 @@ def test_flag_combinations_that_cannot_work_exit_2(capsys):
                       (("--json", "--output=x.jsonl"), "pick one"),
                       (("--logprobs",), "--logprobs adds log-probabilities to the JSON records"),
                       (("--overwrite",), "--overwrite applies only with --output"),
-                      (("--num_draft=2",), "--num_draft needs --speculative mtp")]:
+                      (("--num_draft=2",), "--num_draft needs --speculative mtp"),
+                      (("--mtp_window=5",), "--mtp_window needs --speculative mtp"),
+                      (("--speculative=mtp", "--mtp_window=8193"), "mtp_window must be an int in [1, 8192], got 8193")]:
         code = cli.main(["--prompt=hi", *args])
         err = capsys.readouterr().err
         assert code == 2 and err.startswith("infer.py: error: ") and msg in err, (args, err)

@@ -86,6 +86,21 @@ def test_exact_mtp_accepts_every_draft_and_stops_on_time(chain, num_draft, windo
     assert spec.stats.decode_steps < plain.stats.decode_steps
 
 
+def test_a_window_longer_than_any_row_is_cut_to_the_rows(chain):
+    """mtp_window 8192 on 40-token rows: the drafter's window is the longest row rounded up to a power of two
+    (64 here; only padding is dropped, so the same tokens and accepted drafts as a window of exactly 64)."""
+    cfg, params, tok, start = chain
+    gen = Generator(cfg, params, tok, engine="recompute")
+    prompts = [[7, 3, start], [start]]
+    runs = [gen.generate(prompts, GenerationConfig(max_new_tokens=40, speculative="mtp", num_draft=1, mtp_window=w))
+            for w in (8192, 64)]
+    assert [d.window for d in gen._drafters.values()] == [64]          # one drafter, cut to 64
+    assert [s.tokens for s in runs[0].sequences] == [s.tokens for s in runs[1].sequences]
+    assert runs[0].stats.acceptance_rate == runs[1].stats.acceptance_rate == 1.0
+    with pytest.raises(ValueError, match=r"mtp_window must be an int in \[1, 8192\], got 8193"):
+        GenerationConfig(speculative="mtp", mtp_window=8193)
+
+
 def test_sampled_speculative_is_seeded(chain):
     cfg, params, tok, start = chain
     gen = Generator(cfg, params, tok, engine="recompute")

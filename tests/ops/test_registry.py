@@ -33,7 +33,7 @@ def toy_op():
 def test_explicit_names_run_or_say_why_not(toy_op):
     assert registry.dispatch(toy_op, "xla", 3) == ("xla", 3)
     assert registry.dispatch(toy_op, "pallas_gpu_interpret", 4) == ("interp", 4)
-    assert registry.implementation_report()[toy_op] == "pallas_gpu_interpret"
+    assert registry.implementation_report()[toy_op] == "xla; pallas_gpu_interpret"     # both, first-seen order
     with pytest.raises(ImplementationUnavailable, match="cannot serve this call: odd input 5"):
         registry.dispatch(toy_op, "pallas_gpu_interpret", 5)
     with registry.assume_backend("cpu"), pytest.raises(ImplementationUnavailable,
@@ -51,11 +51,36 @@ def test_auto_takes_the_first_that_serves_and_records_why_others_were_passed_ove
     with registry.assume_backend("gpu"):
         assert registry.resolve(toy_op, "auto", 4).name == "pallas_gpu"
         assert registry.implementation_report() == {toy_op: "xla"}     # resolve records nothing
+        registry.clear_implementation_report()
         assert registry.dispatch(toy_op, "auto", 4) == ("gpu", 4)
         assert registry.implementation_report()[toy_op] == "pallas_gpu"
         assert registry.dispatch(toy_op, "auto", 5) == ("xla", 5)
+        assert registry.dispatch(toy_op, "auto", 7) == ("xla", 7)
         report = registry.implementation_report()
-        assert report[toy_op] == "xla" and report[f"{toy_op}.auto_reason"] == "pallas_gpu: odd input 5"
+        # both choices since the last clear, in the order first made; a reason only once per distinct text
+        assert report[toy_op] == "pallas_gpu; xla", report
+        assert report[f"{toy_op}.auto_reason"] == "pallas_gpu: odd input 5; pallas_gpu: odd input 7", report
+        assert registry.dispatch(toy_op, "auto", 5) == ("xla", 5) and registry.implementation_report() == report
+
+
+def test_an_implementation_refines_what_its_dispatch_recorded(toy_op):
+    """``refine_implementation`` inside an implementation replaces the plain name its own dispatch added (the
+    expert-parallel MoE reports ``expert_parallel[...]``, not ``xla_ragged`` too); a name an earlier call had
+    recorded stays."""
+    registry._ops.pop(toy_op)
+    registry.register(toy_op, [
+        Implementation("xla", lambda x: ("xla", x)),
+        Implementation("xla_split", lambda x: registry.refine_implementation(toy_op, f"xla_split[{x}]") or x)],
+        auto=lambda backend, x: ["xla"])
+    registry.clear_implementation_report()
+    registry.dispatch(toy_op, "xla_split", 2)
+    assert registry.implementation_report() == {toy_op: "xla_split[2]"}
+    registry.dispatch(toy_op, "xla", 1)
+    registry.dispatch(toy_op, "xla_split", 3)
+    assert registry.implementation_report() == {toy_op: "xla_split[2]; xla; xla_split[3]"}
+    registry.record_implementation(toy_op, "xla_split")      # the plain name recorded by another call ...
+    registry.dispatch(toy_op, "xla_split", 4)                 # ... is kept when a later call refines its own
+    assert registry.implementation_report()[toy_op].split("; ")[-2:] == ["xla_split", "xla_split[4]"]
 
 
 def test_registration_errors(toy_op):

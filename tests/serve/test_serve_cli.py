@@ -10,18 +10,25 @@ def test_defaults_serve_the_demo_on_loopback():
     assert f.checkpoint is None and f.host == "127.0.0.1" and f.port == 8000 and f.max_batch == 8
     assert f.prefix_cache and build_parser().parse_args(["--no_prefix_cache"]).prefix_cache is False
     assert f.attention == "as_trained" and build_parser().parse_args(["--attention", "dense"]).attention == "dense"
-    assert f.speculative == "none" and f.num_draft is None and f.mtp_window == 64
+    assert f.speculative == "none" and f.num_draft is None and f.mtp_window is None     # 64 with --speculative
     g = build_parser().parse_args(["--speculative", "mtp", "--num_draft", "1", "--mtp_window", "32"])
     assert (g.speculative, g.num_draft, g.mtp_window) == ("mtp", 1, 32)
 
 
 @pytest.mark.parametrize("argv", [["--port", "-1"], ["--port", "70000"], ["--max_batch", "0"], ["--bogus"],
                                   ["--attention", "sparse"], ["--speculative", "eagle"], ["--num_draft", "1"],
-                                  ["--speculative", "mtp", "--num_draft", "0"], ["--sharding_rules", "default"]])
+                                  ["--speculative", "mtp", "--num_draft", "0"], ["--sharding_rules", "default"],
+                                  ["--mtp_window", "32"], ["--speculative", "mtp", "--mtp_window", "8193"]])
 def test_bad_flags_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2 and "error:" in capsys.readouterr().err
+
+
+def test_the_window_bound_is_the_drafters():
+    from minimax_jax.infer.drafter import MAX_MTP_WINDOW
+    assert build_parser().parse_args(["--speculative", "mtp", "--mtp_window", str(MAX_MTP_WINDOW)]).mtp_window == 8192
+    assert MAX_MTP_WINDOW == 8192
 
 
 def test_infer_py_serve_is_the_server_cli():

@@ -37,7 +37,8 @@ from minimax_jax.ops.moe.fp8_weight import Fp8Weight
 from minimax_jax.ops.moe.grouped_matmul import OP as GMM_OP
 from minimax_jax.ops.moe.grouped_matmul import sorted_expert_mlp
 from minimax_jax.ops.moe.permute import gather_rows, group_starts, permute_rows, sort_by_expert, unpermute_combine
-from minimax_jax.ops.registry import ImplementationUnavailable, default_backend, record_implementation
+from minimax_jax.ops.registry import (ImplementationUnavailable, default_backend, record_implementation,
+                                      refine_implementation)
 from pallas_kernels.common import match_vma, searchsorted
 
 __all__ = ["moe_expert_parallel", "TRANSPORTS"]
@@ -102,7 +103,7 @@ def moe_expert_parallel(x: jax.Array, weights: jax.Array, experts: jax.Array, wi
     if transport == "ragged_all_to_all" and default_backend() == "cpu":
         raise ImplementationUnavailable("jax.lax.ragged_all_to_all does not run on CPU; use transport='all_to_all'")
     gmm = registry.resolve(GMM_OP, gmm_impl).name
-    record_implementation("moe", f"expert_parallel[{transport},{gmm},ep={p},tp={_size(mesh, tp)}]")
+    refine_implementation("moe", f"expert_parallel[{transport},{gmm},ep={p},tp={_size(mesh, tp)}]")
 
     e_pad = -(-e // p) * p
     if e_pad != e:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from minimax_jax.ops import registry
 from minimax_jax.ops.moe.fp8_weight import Fp8Weight
 from minimax_jax.ops.moe.grouped_matmul import (GATED_REPORT, OP, _fp8_in_kernel_problem, _gated_problem,
-                                                _record_distinct, _record_fp8_in_kernel, grouped_matmul,
+                                                _record_fp8_in_kernel, grouped_matmul,
                                                 sorted_expert_mlp, zeros_past_sum)
 from minimax_jax.ops.moe.permute import permute_rows
 from pallas_kernels.moe.gpu_gmm import gmm_forward
@@ -51,8 +51,8 @@ GATHERED = "the first grouped matmul gathers the token rows and applies the acti
 def _fused_first(x, wi, order, inv, group_sizes, act, impl):
     # traced only where the call is not differentiated (custom_vjp traces the fwd rule under AD), so the
     # reports say what the compiled program runs
-    _record_distinct(GATHER_REPORT, GATHERED)
-    _record_distinct(GATED_REPORT, "fused into the first grouped matmul's epilogue (gathered rows)")
+    registry.record_implementation(GATHER_REPORT, GATHERED)
+    registry.record_implementation(GATED_REPORT, "fused into the first grouped matmul's epilogue (gathered rows)")
     rows = order // (order.shape[0] // x.shape[0])          # sorted row -> its token
     interpret = impl.endswith("interpret")
     if isinstance(wi, Fp8Weight):
@@ -67,8 +67,8 @@ def _fused_first(x, wi, order, inv, group_sizes, act, impl):
 
 def _fused_first_fwd(x, wi, order, inv, group_sizes, act, impl):
     # differentiated: the separate path (its backward needs the sorted rows and h), through its own VJPs
-    _record_distinct(GATHER_REPORT, "separate (differentiated)")
-    _record_distinct(GATED_REPORT, "separate (differentiated)")
+    registry.record_implementation(GATHER_REPORT, "separate (differentiated)")
+    registry.record_implementation(GATED_REPORT, "separate (differentiated)")
     out, vjp = jax.vjp(lambda x, wi: _separate_first(x, wi, order, inv, group_sizes, act, impl), x, wi)
     return out, vjp
 
@@ -95,7 +95,7 @@ def expert_mlp_from_tokens(x: jax.Array, order: jax.Array, inv: jax.Array, group
     impl = registry.resolve(OP, gmm_impl, x, wi, group_sizes, preferred_element_type=x.dtype).name
     why = _gather_problem(impl, x, order.shape[0], wi, act)
     if why is not None:
-        _record_distinct(GATHER_REPORT, f"separate ({why})")
+        registry.record_implementation(GATHER_REPORT, f"separate ({why})")
         return sorted_expert_mlp(permute_rows(x, order, inv), group_sizes, wi, wo, act, gmm_impl, out_dtype=out_dtype)
     a = _fused_first(x, wi, order, inv, group_sizes.astype(jnp.int32), act, impl)
     y = grouped_matmul(a, wo, group_sizes, implementation=impl).astype(out_dtype)

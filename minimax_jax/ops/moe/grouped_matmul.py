@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from minimax_jax.ops import registry
 from minimax_jax.ops.moe.activation import GatedActivation
 from minimax_jax.ops.moe.fp8_weight import Fp8Weight
-from minimax_jax.ops.registry import Implementation, implementation_report, record_implementation
+from minimax_jax.ops.registry import Implementation, record_implementation
 from pallas_kernels.common import gpu_compute_capability, gpu_sm_count, match_vma, needs_byte_pairs
 from pallas_kernels.moe.gpu_gmm import gmm
 from pallas_kernels.moe.gpu_gmm_fp8 import fp8_config, fp8_unsupported, gmm_fp8
@@ -123,13 +123,13 @@ def _dense_rhs(lhs, rhs, why: str):
     ``why`` under ``FP8_REPORT``."""
     if not isinstance(rhs, Fp8Weight):
         return rhs
-    _record_distinct(FP8_REPORT, f"dequantised before the kernel ({why})")
+    record_implementation(FP8_REPORT, f"dequantised before the kernel ({why})")
     return rhs.astype(lhs.dtype)
 
 
 def _xla(lhs, rhs, group_sizes, *, preferred_element_type):
     if isinstance(rhs, Fp8Weight):
-        _record_distinct(FP8_REPORT, f"dequantised {FP8_EXPERTS_PER_STEP} experts per scan step (xla)")
+        record_implementation(FP8_REPORT, f"dequantised {FP8_EXPERTS_PER_STEP} experts per scan step (xla)")
         return _xla_fp8(lhs, rhs, group_sizes, preferred_element_type)
     return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
 
@@ -164,16 +164,6 @@ def _xla_fp8(lhs, rhs: Fp8Weight, group_sizes, preferred_element_type):
 TGMM_REPORT = OP + ".tgmm"
 
 
-def _record_distinct(key: str, value: str) -> None:
-    """Record ``value`` under ``key``, keeping the distinct values recorded since the report was last cleared
-    ("; "-joined): one MoE layer traces two grouped matmuls of different shapes."""
-    prev = implementation_report().get(key)
-    if prev:
-        parts = prev.split("; ")
-        value = prev if value in parts else f"{prev}; {value}"
-    record_implementation(key, value)
-
-
 def _tgmm_choice(lhs, rhs, interpret: bool):
     """The weight-gradient config ``"pallas_gpu"`` passes to ``gmm`` (None: the Triton default), recorded under
     ``TGMM_REPORT`` as the kernel the weight gradient runs if the call is differentiated, with the reason when
@@ -185,9 +175,9 @@ def _tgmm_choice(lhs, rhs, interpret: bool):
         why = f"compute capability {cc}, not Hopper" if cc is not None and not cc.startswith("9.") else None
     cfg = ws_tgmm_config(lhs.shape[1], rhs.shape[2], lhs.dtype, gpu_sm_count()) if why is None else why
     if isinstance(cfg, str):
-        _record_distinct(TGMM_REPORT, f"triton ({cfg})")
+        record_implementation(TGMM_REPORT, f"triton ({cfg})")
         return None
-    _record_distinct(TGMM_REPORT, f"tgmm_ws ({cfg.label()})")
+    record_implementation(TGMM_REPORT, f"tgmm_ws ({cfg.label()})")
     return cfg
 
 
@@ -234,7 +224,7 @@ GATED_FUSED = "fused into the first grouped matmul's epilogue in forward-only ca
 def _record_fp8_in_kernel(rhs: Fp8Weight, cfg, how: str = "gmm_fp8") -> None:
     """Record under ``FP8_REPORT`` that the kernel (``how``) dequantises ``rhs`` per tile with ``cfg``."""
     pairs = ", weights of >= 2**31 bytes read as uint16 byte pairs" if needs_byte_pairs(rhs.w) else ""
-    _record_distinct(FP8_REPORT, f"dequantised per tile in the kernel ({how}, {cfg.label()}{pairs})")
+    record_implementation(FP8_REPORT, f"dequantised per tile in the kernel ({how}, {cfg.label()}{pairs})")
 
 
 def _gated_problem(impl: str, xs, wi, act) -> str | None:
@@ -300,7 +290,7 @@ def sorted_expert_mlp(xs: jax.Array, group_sizes: jax.Array, wi: jax.Array, wo: 
     """
     impl = registry.resolve(OP, gmm_impl, xs, wi, group_sizes, preferred_element_type=xs.dtype).name
     why = _gated_problem(impl, xs, wi, act)
-    _record_distinct(GATED_REPORT, GATED_FUSED if why is None else f"separate ({why})")
+    record_implementation(GATED_REPORT, GATED_FUSED if why is None else f"separate ({why})")
     if why is None:
         a = registry.dispatch(OP, impl, xs, wi if isinstance(wi, Fp8Weight) else wi.astype(xs.dtype),
                               group_sizes.astype(jnp.int32), preferred_element_type=xs.dtype, gate_fn=act.gate_fn)

@@ -272,15 +272,9 @@ def test_fp8_experts_the_kernel_cannot_dequantise_run_the_separate_gather():
     _close(np.asarray(got, np.float32), np.asarray(ref, np.float32), jnp.bfloat16, "fp8 fine blocks", rtol=2.0**-7)
 
 
-def test_report_keeps_distinct_values_and_shape_defaults():
-    """The report joins distinct values once each (a repeat keeps the others); weights above
-    GROUPED_VISITS_MIN_BYTES get visit_group 4 in the forward / dlhs defaults (plain and gated), smaller ones
-    the base configs."""
-    from minimax_jax.ops.moe.grouped_matmul import _record_distinct
-    clear_implementation_report()
-    for v in ("A", "B", "A"):
-        _record_distinct("k", v)
-    assert implementation_report()["k"] == "A; B"
+def test_shape_defaults():
+    """Weights above GROUPED_VISITS_MIN_BYTES get visit_group 4 in the forward / dlhs defaults (plain and
+    gated), smaller ones the base configs."""
     m3 = gpu_gmm.shape_configs(6144, 6144, jnp.bfloat16)         # 75 MB per expert
     assert m3["fwd"].visit_group == 4 and m3["dlhs"].visit_group == 4 and m3["tgmm"] == gpu_gmm.DEFAULT_TGMM_CONFIG
     assert gpu_gmm.shape_configs(3072, 3072, jnp.bfloat16) is gpu_gmm.DEFAULT_CONFIGS   # 19 MB (M2)

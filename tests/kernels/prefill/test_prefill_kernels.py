@@ -160,6 +160,7 @@ def test_auto_resolution_and_widths():
 
     def ran(implementation, sliding_window=None):
         """The implementation ``prefill_attention`` records for this call (traced, not run)."""
+        clear_implementation_report()
         jax.eval_shape(functools.partial(prefill_attention, sliding_window=sliding_window,
                                          implementation=implementation), q, kv, kv, pos)
         return implementation_report()["prefill_attention"]
@@ -184,7 +185,7 @@ def test_auto_resolution_and_widths():
     with assume_backend("gpu"):
         assert ran("auto") == "pallas_gpu"
         assert ran("auto", sliding_window=32) == "xla"
-    assert "window" in implementation_report()["prefill_attention.auto_reason"]
+        assert "window" in implementation_report()["prefill_attention.auto_reason"]
     assert step_mod.PREFILL_IMPLEMENTATIONS[:2] == ("auto", "xla")
 
 

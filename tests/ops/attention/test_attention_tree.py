@@ -49,6 +49,7 @@ def test_xla_tree_attention_matches_brute_force(chunk, window):
     k = jax.random.normal(kk, (b, t, 2, 8), jnp.float32)
     v = jax.random.normal(kv, (b, t, 2, 8), jnp.float32)
     pos, seg = jnp.asarray(rows["positions"]), jnp.asarray(rows["segment_ids"])
+    registry.clear_implementation_report()
     out = attention(q, k, v, q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg,
                     sliding_window=window, implementation="auto", chunk_size=chunk,
                     kv_subtree_end=jnp.asarray(rows["subtree_end"]))

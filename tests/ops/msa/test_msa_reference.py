@@ -383,6 +383,7 @@ def test_auto_consults_kernel_supports(monkeypatch):
     assert report["msa_select_blocks"] == "xla" and "power of two" in report["msa_select_blocks.auto_reason"]
     ref_ids, _ = oracle.select_blocks(x["qi"], x["ki"], *oracle_masks(x), 4, 2)
     np.testing.assert_array_equal(np.asarray(ids), ref_ids)
+    clear_implementation_report()
     with assume_backend("gpu"):
         ids = msa.msa_select_blocks(qi, ki, block_size=16, topk=2, implementation="auto", **masks(x))
     assert implementation_report()["msa_select_blocks"] == "pallas_gpu" and np.all(np.asarray(ids) == 5)

@@ -62,7 +62,7 @@ def test_each_query_sees_its_own_trajectory():
                [set(r) for r in ids1.reshape(-1, K).tolist()]
         o1, lse1 = msa_attention(aq, ak, av, jnp.asarray(ids1)[None], **kw1)
         np.testing.assert_allclose(np.asarray(o)[0, slots], np.asarray(o1)[0], rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(np.asarray(lse)[0, slots], np.asarray(lse1)[0], rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(lse)[0, slots], np.asarray(lse1)[0], rtol=1e-5, atol=1e-6)   # an LSE near 0: absolute
     assert n == 72
 
 
