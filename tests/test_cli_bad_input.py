@@ -32,7 +32,8 @@ def _never(*a, **k):
     ("--ppl_seq_len", "0", "must be >= 2"), ("--ppl_max_tokens", "-1", "must be >= 2"),
     ("--ppl_batch_size", "0", "must be >= 1"), ("--max_seq_len", "-5", "must be >= 2"),
     ("--time_budget_s", "-5", "seconds >= 0"), ("--num_samples", "two", "expected an integer"),
-    ("--attention", "sparse", "invalid choice")])
+    ("--attention", "sparse", "invalid choice"), ("--tasks", "niah_single,niah_single", "niah_single given twice"),
+    ("--lengths", "128,128", "128 given twice"), ("--lengths", "128,,256", "expected comma-separated integers")])
 def test_eval_bad_values_are_argument_errors(flag, value, needle, capsys):
     with pytest.raises(SystemExit) as e:
         eval_cli.main(["--checkpoint", "ckpt", flag, value])
@@ -44,14 +45,28 @@ def test_eval_unwritable_out_and_missing_ppl_files_fail_before_the_model(tmp_pat
     monkeypatch.setattr(eval_cli, "generate_suite", _never)
     empty = tmp_path / "empty.txt"
     empty.write_text("")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.yaml").write_text("keep")
+    prose = tmp_path / "prose.txt"
+    prose.write_text("keep")
+    old = tmp_path / "old.json"
+    old.write_text("keep")
     cases = [(["--out", str(tmp_path / "no" / "r.json")], "does not exist"),
              (["--out", str(tmp_path)], "is a directory"),
+             (["--out", str(ckpt / "config.yaml")], "is inside the checkpoint"),
+             (["--out", str(ckpt / "r.json")], "is inside the checkpoint"),
+             (["--ppl_files", str(prose), "--out", str(prose), "--overwrite"], "is the input file"),
+             (["--out", str(old)], "exists; pass --overwrite"),
+             (["--out", "/proc/r.json"], "cannot write in '/proc'"),
              (["--ppl_files", str(tmp_path / "missing.txt")], "is not a file"),
              (["--ppl_files", str(empty)], "is empty")]
     for extra, needle in cases:
-        assert eval_cli.main(["--checkpoint", "ckpt", *extra]) == 2
+        assert eval_cli.main(["--checkpoint", str(ckpt), *extra]) == 2, extra
         err = capsys.readouterr().err
         assert needle in err and err.startswith("python -m minimax_jax.eval: error:"), err
+    assert [p.read_text() for p in (ckpt / "config.yaml", prose, old)] == ["keep"] * 3
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "empty.txt", "old.json", "prose.txt"]   # no probe left
 
 
 def test_eval_lengths_over_max_seq_len_are_refused(tmp_path, monkeypatch, capsys):

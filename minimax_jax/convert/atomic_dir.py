@@ -65,13 +65,26 @@ def _ours(path: str) -> bool:
     return False
 
 
-def check_destination(dst: str | os.PathLike, *, sources=(), overwrite: bool = False) -> str:
+#: What marks each kind of output folder (``check_destination(kind=)``): an orbax checkpoint holds
+#: ``config.yaml`` + ``params/``; a Hugging Face export ``config.json`` + safetensors shards.
+_KIND_MARKS = {"orbax": (CONFIG_FILE, PARAMS_DIR), "hf": ("config.json",)}
+
+
+def _other_kind(path: str, kind: str) -> str | None:
+    """The kind of output ``path`` holds when it is not ``kind`` (None: the same kind, or unknown)."""
+    entries = set(os.listdir(path))
+    return next((k for k, marks in _KIND_MARKS.items() if k != kind and entries & set(marks)), None)
+
+
+def check_destination(dst: str | os.PathLike, *, sources=(), overwrite: bool = False, kind: str | None = None) -> str:
     """Refuse a destination whose writing could lose data; returns its absolute path.
 
+    ``kind`` ("orbax" | "hf"): what will be written; an existing ``dst`` holding the other kind is refused
+    up front (replacing it would fail only after the writing, on its entries the new output lacks).
     Raises (nothing touched): DestinationError when ``dst`` is, contains or lies inside one of
       ``sources`` (paths compared after resolving symlinks), or exists with ``overwrite`` but was
-      not written by this tool; DestinationExistsError (a FileExistsError) when it exists and not
-      ``overwrite``.
+      not written by this tool or holds another kind of output; DestinationExistsError (a FileExistsError)
+      when it exists and not ``overwrite``.
     """
     dst = os.path.abspath(os.fspath(dst))
     real = os.path.realpath(dst)
@@ -90,6 +103,11 @@ def check_destination(dst: str | os.PathLike, *, sources=(), overwrite: bool = F
             raise DestinationError(f"destination {dst} exists and was not written by minimax-jax (no {MANIFEST_FILE} "
                                    "in it: not ours, or from a version before manifests); nothing was replaced: "
                                    "remove it yourself or choose another destination", dst)
+        other = _other_kind(dst, kind) if kind is not None and os.path.isdir(dst) else None
+        if other is not None:
+            names = {"orbax": "an orbax checkpoint", "hf": "a Hugging Face export"}
+            raise DestinationError(f"destination {dst} holds {names[other]}, not {names[kind]}; nothing was "
+                                   "replaced: choose another destination", dst)
     return dst
 
 

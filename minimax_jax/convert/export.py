@@ -195,7 +195,7 @@ def export_orbax_to_hf(src: str | os.PathLike, dst: str | os.PathLike, fp8: bool
     from tqdm.auto import tqdm
 
     src = os.fspath(src)
-    check_destination(dst, sources=(src,), overwrite=overwrite)
+    check_destination(dst, sources=(src,), overwrite=overwrite, kind="hf")
     cfg = read_config(src)
     manifest = read_manifest(os.path.abspath(src)) if verify else None
     if verify and manifest is None:

@@ -153,7 +153,7 @@ def convert_hf_to_orbax(src: str | os.PathLike, dst: str | os.PathLike, dtype: s
         raise ValueError(f"dtype must be 'bfloat16' or 'float32', got {dtype!r}")
     if weights_dtype not in WEIGHTS_DTYPES:
         raise ValueError(f"weights_dtype must be one of {WEIGHTS_DTYPES}, got {weights_dtype!r}")
-    check_destination(dst, sources=(src,), overwrite=overwrite)
+    check_destination(dst, sources=(src,), overwrite=overwrite, kind="orbax")
     cfg = (cfg or ModelConfig.from_hf_config(src)).replace(dtype=dtype, param_dtype=dtype)
     reader = SafetensorsReader(src)
     plan = make_plan(reader, cfg, keep_fp8=weights_dtype == "fp8")

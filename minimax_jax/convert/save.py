@@ -44,7 +44,7 @@ def save_checkpoint(params: Any, cfg: ModelConfig, dst: str | os.PathLike, *, dt
     if tokenizer and not os.path.isfile(tokenizer):
         raise FileNotFoundError(f"tokenizer file {tokenizer} does not exist")
     sources = (*sources, tokenizer)
-    check_destination(dst, sources=sources, overwrite=overwrite)
+    check_destination(dst, sources=sources, overwrite=overwrite, kind="orbax")
     if dtype:
         params = cast_params(params, dtype)
         cfg = cfg.replace(param_dtype=dtype)

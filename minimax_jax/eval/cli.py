@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 
@@ -42,14 +43,27 @@ from minimax_jax.infer.loading import load_tokenizer_for, peek_config
 PROG = "python -m minimax_jax.eval"
 
 
+def _no_repeats(vals: list, s: str) -> list:
+    """``vals`` if no item repeats (a repeated task or length would run and count its prompts twice)."""
+    twice = sorted({v for v in vals if vals.count(v) > 1}, key=str)
+    if twice:
+        raise argparse.ArgumentTypeError(f"{', '.join(map(str, twice))} given twice in {s!r}")
+    return vals
+
+
 def _int_list(s: str) -> list[int]:
+    items = [x.strip() for x in s.split(",")]
     try:
-        vals = [int(x) for x in s.split(",") if x.strip()]
+        vals = [int(x) for x in items]
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from e
     if not vals or any(v < 1 for v in vals):
         raise argparse.ArgumentTypeError(f"expected positive integers, got {s!r}")
     return vals
+
+
+def _length_list(s: str) -> list[int]:
+    return _no_repeats(_int_list(s), s)
 
 
 def _seconds(s: str) -> float:
@@ -68,7 +82,7 @@ def _task_list(s: str) -> list[str]:
     unknown = [n for n in names if n not in TASKS]
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"unknown tasks {unknown}; known: {sorted(TASKS)} or 'all'")
-    return names
+    return _no_repeats(names, s)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, help="tokenizer.json overriding the runtime's")
     p.add_argument("--tasks", type=_task_list, default=sorted(TASKS),
                    help=f"comma list of {', '.join(sorted(TASKS))}, or 'all' (default: all)")
-    p.add_argument("--lengths", type=_int_list, default=[2048, 4096],
+    p.add_argument("--lengths", type=_length_list, default=[2048, 4096],
                    help="context lengths in tokens, comma separated (default: 2048,4096)")
     p.add_argument("--num_samples", type=cli_main.int_at_least(1), default=4, help="examples per task and length (default: 4)")
     p.add_argument("--seed", type=int, default=0, help="task generation seed: same seed, same prompts (default: 0)")
@@ -115,7 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "selection costs)")
     p.add_argument("--out", default=None,
                    help="write the results JSON here (rewritten atomically after every batch, so a killed "
-                        "run leaves the results so far)")
+                        "run leaves the results so far); an existing file only with --overwrite, never a file "
+                        "of the checkpoint or an input")
+    cli_main.add_bool(p, "overwrite", False, "let --out replace an existing file")
     p.add_argument("--time_budget_s", type=_seconds, default=None,
                    help="start no new batch (after the first) past this many seconds of the task phase (the held-out "
                         "perplexity runs before it and is not counted); prompts run shortest first and the ones "
@@ -172,13 +188,26 @@ def file_error(args: argparse.Namespace) -> str | None:
     """A one-line error for an ``--out`` that cannot be written or ``--ppl_files`` that cannot be read,
     checked before any model work (a bad ``--out`` would otherwise fail after the first batch)."""
     if args.out:
-        parent = os.path.dirname(os.path.abspath(args.out))
+        out = os.path.realpath(args.out)
+        parent = os.path.dirname(out)
         if os.path.isdir(args.out):
             return f"--out {args.out!r} is a directory; give a file path, e.g. {os.path.join(args.out, 'results.json')}"
         if not os.path.isdir(parent):
             return f"--out {args.out!r}: its directory {parent!r} does not exist"
-        if not os.access(parent, os.W_OK):
-            return f"--out {args.out!r}: its directory {parent!r} is not writable"
+        ckpt = os.path.realpath(args.checkpoint)
+        if os.path.commonpath([out, ckpt]) == ckpt:
+            return f"--out {args.out!r} is inside the checkpoint {args.checkpoint!r}; write the results elsewhere"
+        inputs = [f for f in [*(args.ppl_files or ()), args.tokenizer] if f and os.path.isfile(f)]
+        same = next((f for f in inputs if os.path.exists(out) and os.path.samefile(out, f)), None)
+        if same is not None:
+            return f"--out {args.out!r} is the input file {same!r}; write the results elsewhere"
+        if os.path.exists(out) and not args.overwrite:
+            return f"--out {args.out!r} exists; pass --overwrite to replace it or choose another path"
+        try:                            # a real write: os.access says yes to root on read-only mounts
+            with tempfile.NamedTemporaryFile(dir=parent, prefix=".eval-probe-"):
+                pass
+        except OSError as e:
+            return f"--out {args.out!r}: cannot write in {parent!r} ({e.strerror})"
     if args.perplexity:
         for f in args.ppl_files or ():
             if not os.path.isfile(f):

@@ -118,7 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
         'sample, tokens, text, stop reason, logprobs, parsed chat turn); nothing else goes to stdout.', absl_alias=True)
     p.add_argument("--output", default=None, help='Write the JSONL records to this file (refused if it exists, '
                                                   'unless --overwrite); stdout keeps the text output.')
-    cli_main.add_bool(p, "overwrite", False, 'Let --output replace an existing file.', absl_alias=True)
+    cli_main.add_bool(p, "overwrite", False, 'Let --output replace an existing file (the records go to '
+                      'FILE.partial and replace FILE when the run completes; an interrupted run keeps FILE).',
+                      absl_alias=True)
     cli_main.add_bool(p, "logprobs", False, "Add each generated token's log-probability under the model (raw "
         'logits, before penalties, temperature and filters) to the records.', absl_alias=True)
     cli_main.add_bool(p, "echo_prompt", True, "Text output: print each prompt (under '--- prompt ---') before its "
@@ -218,10 +220,12 @@ def _err(msg: str) -> None:
 
 def _read(path: str, what: str) -> str:
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:      # a byte-order mark is not part of the prompt
             return f.read()
     except OSError as e:
         raise ValueError(f"cannot read {what} {path!r}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what} {path!r} is not UTF-8 text (byte {e.start})") from None
 
 
 SOURCES = ("prompt", "prompt_file", "chat_file", "prompts_file")
@@ -348,9 +352,6 @@ def run() -> int:
     tokenizer = load_tokenizer_for(ckpt, FLAGS.tokenizer)
     check_tokenizer_fits(tokenizer, cfg, FLAGS.tokenizer or ckpt)
     prompts = _encode(items, tokenizer, cfg, config)
-    out = Output(total=len(items), n=FLAGS.n, json=FLAGS.json, echo=FLAGS.echo_prompt, output=FLAGS.output,
-                 overwrite=FLAGS.overwrite, sources=(FLAGS.prompts_file, FLAGS.prompt_file, FLAGS.chat_file),
-                 logprobs=FLAGS.logprobs)
     if FLAGS.n > 1 and config.sampling.greedy:
         _err(f"warning: --n {FLAGS.n} with --temperature 0 (greedy) gives {FLAGS.n} identical samples")
     from minimax_jax.decode import mesh_attention
@@ -364,6 +365,10 @@ def run() -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     cli_main.enable_compilation_cache(FLAGS.compilation_cache, prog=PROG)
+    out = Output(total=len(items), n=FLAGS.n, json=FLAGS.json, echo=FLAGS.echo_prompt, output=FLAGS.output,
+                 overwrite=FLAGS.overwrite, sources=(FLAGS.prompts_file, FLAGS.prompt_file, FLAGS.chat_file),
+                 logprobs=FLAGS.logprobs)
+    complete = False             # a replaced --output file is swapped in only after a whole run
     try:
         model = load_model(ckpt, tokenizer_path=FLAGS.tokenizer, dtype=FLAGS.dtype, mesh=FLAGS.mesh,
                            rules=FLAGS.sharding_rules or "default", convert_dir=FLAGS.convert_dir, attention=FLAGS.attention,
@@ -387,9 +392,11 @@ def run() -> int:
             opts["query_rows"] = FLAGS.decode_rows
         gen = Generator(model.cfg, model.params, model.tokenizer, engine=FLAGS.engine,
                         engine_options=opts if FLAGS.engine == "paged" else None, log=_err)
-        return _generate_all(gen, model, items, prompts, config, chunk, out)
+        rc = _generate_all(gen, model, items, prompts, config, chunk, out)
+        complete = rc == 0
+        return rc
     finally:
-        out.close()
+        out.close(complete)
 
 
 def _generate_all(gen, model, items, prompts, config, chunk, out) -> int:
@@ -434,7 +441,10 @@ def _generate_all(gen, model, items, prompts, config, chunk, out) -> int:
                 reasons[seq.stop_reason] = reasons.get(seq.stop_reason, 0) + 1
             if res.interrupted:
                 sys.stdout.flush()
-                where = f"; records in {FLAGS.output}" if FLAGS.output else ""
+                where = ""
+                if out.file is not None:
+                    where = f"; records in {out.file.where}" + (
+                        f" ({FLAGS.output} kept as it was)" if out.file.where != FLAGS.output else "")
                 _err(f"interrupted (Ctrl-C): {out.records} of {len(rows)} generations finished{where}")
                 return INTERRUPTED
     _report(reasons, combine_stats(stats), model)

@@ -86,7 +86,8 @@ class Output:
             self.out.flush()
             self._streaming = False
 
-    def close(self) -> None:
+    def close(self, complete: bool = True) -> None:
+        """Close the outputs; ``complete`` False (interrupted or failed) keeps a replaced ``--output`` file."""
         for w in (self.json, self.file):
             if w is not None:
-                w.close()
+                w.close(complete)

@@ -90,10 +90,12 @@ def read_prompts_file(path: str) -> list[PromptItem]:
     """Every prompt of a ``--prompts_file`` (module doc). Raises ValueError (unreadable, bad JSON, bad
     or duplicate fields, no prompt; the line is named) or ChatFormatError."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:   # a leading byte-order mark is dropped
             lines = f.read().split("\n")      # JSONL lines end at "\n" only: U+2028 etc. may sit in strings
     except OSError as e:
         raise ValueError(f"cannot read --prompts_file {path!r}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--prompts_file {path!r} is not UTF-8 text (byte {e.start})") from None
     items, seen = [], {}
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -103,6 +105,11 @@ def read_prompts_file(path: str) -> list[PromptItem]:
             data = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{where}: not valid JSON ({e.msg}, column {e.colno})") from None
+        try:                        # a "\ud800" escape decodes to a lone surrogate, which no tokenizer takes
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{where}: a string holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff "
+                             "escape)") from None
         item = parse_prompt_line(data, len(items), where)
         if item.id in seen:
             raise ValueError(f"{where}: id {item.id!r} repeats the one on line {seen[item.id]}")
@@ -148,11 +155,13 @@ class RecordWriter:
     """JSONL records to ``path`` (None = stdout), one line each, flushed per ``write``.
 
     A ``path`` that exists is refused unless ``overwrite``; one that is (or holds) a file of
-    ``sources`` is always refused. Raises ValueError with the reason.
+    ``sources`` is always refused. Raises ValueError with the reason. Replacing an existing file, the
+    records go to ``<path>.partial`` (``self.where``) and replace ``path`` only at ``close(complete=True)``: a
+    run that is interrupted or fails keeps the old file, and its records so far stay in ``<path>.partial``.
     """
 
     def __init__(self, path: str | None, *, overwrite: bool = False, sources=()):
-        self.path, self.count = path, 0
+        self.path, self.count, self.where = path, 0, path
         if path is None:
             self._f = sys.stdout
             return
@@ -163,16 +172,27 @@ class RecordWriter:
             raise ValueError(f"--output {path!r} is a directory; give a file path")
         if os.path.exists(path) and not overwrite:
             raise ValueError(f"--output {path!r} exists; pass --overwrite to replace it, or choose another path")
+        if os.path.exists(path):
+            self.where = path + ".partial"
         try:
-            self._f = open(path, "w" if overwrite else "x", encoding="utf-8")
+            self._f = open(self.where, "w" if overwrite else "x", encoding="utf-8")
         except OSError as e:
-            raise ValueError(f"cannot write --output {path!r}: {e.strerror}") from None
+            raise ValueError(f"cannot write --output {self.where!r}: {e.strerror}") from None
 
     def write(self, record: dict) -> None:
         self._f.write(json.dumps(record, ensure_ascii=False) + "\n")
         self._f.flush()
         self.count += 1
 
-    def close(self) -> None:
-        if self._f is not sys.stdout:
-            self._f.close()
+    def close(self, complete: bool = True) -> None:
+        """Close the file; when replacing one, move the records into place if ``complete``, else keep the old
+        file (and the records so far in ``self.where``, removed when there are none)."""
+        if self._f is sys.stdout or self._f.closed:
+            return
+        self._f.close()
+        if self.where != self.path:
+            if complete:
+                os.replace(self.where, self.path)
+                self.where = self.path
+            elif self.count == 0:
+                os.remove(self.where)

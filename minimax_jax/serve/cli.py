@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 
 from minimax_jax import cli_main
+from minimax_jax.exit_codes import UsageError
 
 PROG = "python -m minimax_jax.serve"
 
@@ -84,6 +85,8 @@ def _main(argv, prog: str = PROG) -> int:
         mesh_attention.prefill_chunk(n, flags.prefill_chunk, explicit=True)
     except ValueError as e:
         parser.error(str(e))
+    if why := _address_problem(flags.host, flags.port):    # before the model loads (minutes for a large one)
+        raise UsageError(why)
     cli_main.enable_compilation_cache(flags.compilation_cache, prog=prog)
     log = lambda m: print(m, file=sys.stderr, flush=True)            # noqa: E731
     model = load_model(flags.checkpoint, tokenizer_path=flags.tokenizer, dtype=flags.dtype,
@@ -106,9 +109,33 @@ def _main(argv, prog: str = PROG) -> int:
           f"slots, max_len {server.scheduler.max_len})", file=sys.stderr, flush=True)
     try:
         uvicorn.Server(uvicorn_config(server.app, host=flags.host, port=flags.port)).run()
+    except SystemExit as e:       # uvicorn exits 3 when it cannot start (its own error line is printed above)
+        if e.code not in (0, None):
+            print(f"{prog}: error: the server could not start on {flags.host}:{flags.port} (uvicorn's message above)",
+                  file=sys.stderr, flush=True)
+            return 1
+        raise
     finally:
         server.close()
     return 0
+
+
+def _address_problem(host: str, port: int) -> str | None:
+    """Why the server could not listen on ``host:port`` (unknown host, port in use, no permission), found by
+    binding a socket there now and closing it (as uvicorn binds: SO_REUSEADDR), or None."""
+    import socket
+
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        return f"--host {host!r}: {getattr(e, 'strerror', None) or e}"
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            return f"cannot listen on {host}:{port}: {e.strerror}"
+    return None
 
 
 def main(argv=None, prog: str = PROG) -> int:

@@ -81,9 +81,9 @@ def export_run(run_dir: str, dst: str, *, dtype: str = "bfloat16", tokenizer: st
     elif not os.path.isfile(tokenizer):
         raise FileNotFoundError(f"tokenizer file {tokenizer} does not exist")
     sources = (run_dir, tokenizer)
-    check_destination(dst, sources=sources, overwrite=overwrite)
+    check_destination(dst, sources=sources, overwrite=overwrite, kind="orbax")
     if hf_dst:
-        check_destination(hf_dst, sources=(*sources, dst), overwrite=overwrite)
+        check_destination(hf_dst, sources=(*sources, dst), overwrite=overwrite, kind="hf")
     cfg = ModelConfig.from_yaml(os.path.join(run_dir, "model_config.yaml"))
     if tokenizer:
         _check_tokenizer(tokenizer, cfg)

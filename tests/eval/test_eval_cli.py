@@ -88,7 +88,8 @@ def test_attention_dense_is_forwarded_and_recorded(monkeypatch, tmp_path, tok_di
     assert cli.main(args(tmp_path, "--no_perplexity", "--attention", "dense")) == 0
     assert calls[-1] == ("ckpt", {"attention": "dense"})
     assert json.load(open(tmp_path / "r.json"))["attention"] == "dense"
-    assert cli.main(args(tmp_path, "--no_perplexity")) == 0
+    assert cli.main(args(tmp_path, "--no_perplexity")) == 2                 # r.json exists: refused
+    assert cli.main(args(tmp_path, "--no_perplexity", "--overwrite")) == 0
     assert calls[-1] == ("ckpt", {})
     assert json.load(open(tmp_path / "r.json"))["attention"] == "as_trained"
     with pytest.raises(SystemExit):

@@ -2,6 +2,7 @@
 the text layout and the prompts-file errors; the CLI runs in this process (flags parsed, ``cli.run``)."""
 
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -139,6 +140,7 @@ def test_output_file_and_text_layout(model, infer, tmp_path):
     ('{"prompt": "a", "id": [1]}', "'id' must be a string or an integer"), ('["a"]', "expected a JSON object"),
     ('{"messages": [{"role": "nobody", "content": "x"}]}', "role"),
     ('{"prompt": "a", "tools": []}', "go with 'messages'"),
+    ('{"prompt": "bad \\ud800 x"}', "lone UTF-16 surrogate"),
 ])
 def test_prompts_file_errors_name_the_line(tmp_path, line, match):
     from minimax_jax.chat import ChatFormatError
@@ -167,3 +169,43 @@ def test_token_logprobs_is_log_softmax():
     t = [0, 5, 10]
     want = np.log(np.exp(x.astype(np.float64)) / np.exp(x.astype(np.float64)).sum(-1, keepdims=True))[range(3), t]
     np.testing.assert_allclose(token_logprobs(x, t), want, rtol=1e-12)
+
+
+def test_replacing_an_output_keeps_the_old_file_until_the_run_is_whole(tmp_path):
+    """--overwrite: records go to <path>.partial and replace the old file only when the run completes; an
+    interrupted (or failed) run keeps the old file, and its records so far in <path>.partial (none: removed)."""
+    from minimax_jax.infer.prompts_io import RecordWriter
+    path = tmp_path / "o.jsonl"
+    path.write_text('{"old": 1}\n')
+    for complete, records in ((False, 0), (False, 1), (True, 2)):
+        w = RecordWriter(str(path), overwrite=True)
+        assert w.where == str(path) + ".partial"
+        for i in range(records):
+            w.write({"new": i})
+        w.close(complete)
+        if complete:
+            assert [json.loads(x) for x in path.read_text().splitlines()] == [{"new": 0}, {"new": 1}]
+            assert w.where == str(path) and sorted(os.listdir(tmp_path)) == ["o.jsonl"]
+        else:
+            assert path.read_text() == '{"old": 1}\n'
+            assert sorted(os.listdir(tmp_path)) == (["o.jsonl", "o.jsonl.partial"] if records else ["o.jsonl"])
+    fresh = RecordWriter(str(tmp_path / "new.jsonl"))                 # a new file is written in place
+    assert fresh.where == str(tmp_path / "new.jsonl")
+    fresh.close(False)
+    assert (tmp_path / "new.jsonl").exists()
+
+
+def test_byte_order_marks_and_other_encodings(tmp_path):
+    """A UTF-8 byte-order mark is dropped (prompts files and --prompt_file); non-UTF-8 bytes name the file."""
+    f = tmp_path / "p.jsonl"
+    f.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "hi"}\n')
+    assert [i.text for i in read_prompts_file(str(f))] == ["hi"]
+    f.write_bytes(b'{"prompt": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=f"--prompts_file '{f}' is not UTF-8 text"):
+        read_prompts_file(str(f))
+    t = tmp_path / "p.txt"
+    t.write_bytes(b"\xef\xbb\xbfROMEO:")
+    assert cli._read(str(t), "--prompt_file") == "ROMEO:"
+    t.write_bytes(b"caf\xe9")
+    with pytest.raises(ValueError, match=f"--prompt_file '{t}' is not UTF-8 text"):
+        cli._read(str(t), "--prompt_file")

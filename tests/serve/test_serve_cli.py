@@ -124,3 +124,22 @@ def test_prefill_chunk_must_split_over_the_sequence_axis(tmp_path):
     assert err.strip().splitlines()[-1].startswith(
         "python -m minimax_jax.serve: error: --prefill_chunk 3 does not split over the mesh's sequence axis (2 "
         "devices): pass a multiple of 2 (4 for balanced causal work)"), err[-2000:]
+
+
+def test_an_address_in_use_is_refused_before_the_model_loads(capsys, monkeypatch):
+    import socket
+
+    import minimax_jax.infer.loading as loading
+
+    def never(*a, **k):
+        raise AssertionError("loaded the model")
+    monkeypatch.setattr(loading, "load_model", never)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m minimax_jax.serve: error: cannot listen on 127.0.0.1:") and "in use" in err, err
+    assert main(["--host", "no-such-host.invalid"]) == 2
+    assert "--host 'no-such-host.invalid'" in capsys.readouterr().err

@@ -6,6 +6,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 
 from minimax_jax.convert import load_checkpoint
 from minimax_jax.train.export import export_run, latest_params
@@ -21,6 +22,12 @@ def test_export_run_roundtrip(tmp_path, capsys):
     out = export_run(str(run), str(tmp_path / "ckpt"), dtype="float32", hf_dst=str(tmp_path / "hf"))
     assert out["step"] == step == 1 and out["hf"]["tensors"] > 0
     assert out["tokenizer"] == "configs/tiny-data/tokenizer.json"       # the run's data.tokenizer
+    from minimax_jax.convert.errors import DestinationError
+    for dst, hf_dst, msg in ((tmp_path / "ck3", tmp_path / "ckpt", "holds an orbax checkpoint, not a Hugging Face"),
+                             (tmp_path / "hf", None, "holds a Hugging Face export, not an orbax checkpoint")):
+        with pytest.raises(DestinationError, match=msg):                 # refused before anything is written
+            export_run(str(run), str(dst), dtype="float32", hf_dst=hf_dst and str(hf_dst), overwrite=True)
+    assert not (tmp_path / "ck3").exists() and (tmp_path / "hf" / "config.json").exists()
     from minimax_jax.train.export import main
     (run / "config.yaml").write_text("data:\n  kind: synthetic\n")      # a run without a tokenizer:
     main(["--run_dir", str(run), "--dst", str(tmp_path / "ckpt2")])     # the CLI says the tokenizer is missing
