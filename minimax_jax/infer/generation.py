@@ -282,6 +282,7 @@ class Generator:
         if config.decode_loop > 1 and self.engine != "paged":
             raise EngineUnavailable(f"GenerationConfig.decode_loop > 1 needs the paged engine, not {self.engine!r}")
         spec = config.speculative is not None
+        # room for a loop's tokens at the most drafts a drafter takes (15): the window bound need not be tight
         longest = max(len(p) + m for p, m in zip(prompts, limits)) + config.tokens_past_limit(15)
         drafter = self._drafter(config, longest) if spec else None
         k = drafter.num_draft if spec else 0
