@@ -21,22 +21,25 @@ def build_parser(prog: str = PROG):
     p.add_argument("--checkpoint", default=None, help="Checkpoint directory (ours or Hugging Face); default: the "
                                                       "shipped demo checkpoint checkpoints/demo/.")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the one in --checkpoint).")
-    p.add_argument("--host", default="127.0.0.1", help="Address to listen on.")
-    p.add_argument("--port", type=cli_main.int_at_least(0, 65535), default=8000, help="TCP port.")
+    p.add_argument("--host", default="127.0.0.1", help="Address to listen on (default %(default)s).")
+    p.add_argument("--port", type=cli_main.int_at_least(0, 65535), default=8000, help="TCP port (default %(default)s).")
     p.add_argument("--max_batch", type=cli_main.int_at_least(1), default=8, help="Sequences decoded together "
-                                                                                 "(engine slots).")
+                                                                                 "(engine slots; default %(default)s).")
     p.add_argument("--max_len", type=cli_main.int_at_least(2), default=4096, help="Longest prompt + completion "
                                                                                   "in tokens (rounded up to a "
-                                                                                  "power of two).")
+                                                                                  "power of two; default "
+                                                                                  "%(default)s).")
     p.add_argument("--max_queue", type=cli_main.int_at_least(1), default=64, help="Waiting sequences before "
-                                                                                  "requests get 429.")
+                                                                                  "requests get 429 (default "
+                                                                                  "%(default)s).")
     p.add_argument("--prefill_chunk", type=cli_main.int_at_least(1), default=256, help="Prompt tokens per "
-                                                                                       "prefill step.")
+                                                                                       "prefill step (default "
+                                                                                       "%(default)s).")
     p.add_argument("--token_budget", type=cli_main.int_at_least(1), default=None,
                    help="Tokens per scheduler iteration (one per decoding sequence + prefill tokens); default: one "
                         "prefill chunk per prefilling sequence on top of the decode tokens.")
     p.add_argument("--default_max_tokens", type=cli_main.int_at_least(1), default=256,
-                   help="Chat completion length when the request gives no max_tokens.")
+                   help="Chat completion length when the request gives no max_tokens (default %(default)s).")
     p.add_argument("--served_model_name", default=None, help="Model id of the API (default: the checkpoint "
                                                              "folder's name).")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="Cast the parameters on load.")
@@ -87,6 +90,13 @@ def _main(argv, prog: str = PROG) -> int:
         parser.error(str(e))
     if why := _address_problem(flags.host, flags.port):    # before the model loads (minutes for a large one)
         raise UsageError(why)
+    if flags.num_draft is not None:                          # likewise: the config says how many drafts there can be
+        from minimax_jax.infer.loading import peek_config, resolve_checkpoint
+
+        have = min(peek_config(resolve_checkpoint(flags.checkpoint)).num_mtp_modules, 15)
+        if flags.num_draft > have:
+            raise UsageError(f"--num_draft {flags.num_draft}: this model has {have} MTP modules, so at most {have} "
+                             "drafts per step")
     cli_main.enable_compilation_cache(flags.compilation_cache, prog=prog)
     log = lambda m: print(m, file=sys.stderr, flush=True)            # noqa: E731
     model = load_model(flags.checkpoint, tokenizer_path=flags.tokenizer, dtype=flags.dtype,

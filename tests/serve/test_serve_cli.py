@@ -25,6 +25,24 @@ def test_bad_flags_exit_2(argv, capsys):
     assert e.value.code == 2 and "error:" in capsys.readouterr().err
 
 
+def test_too_many_drafts_is_refused_before_loading(capsys, monkeypatch):
+    """The shipped demo has one MTP module: ``--num_draft 2`` exits 2 from its config, before any weights load."""
+    import minimax_jax.infer.loading as loading
+
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    rc = main(["--port", "0", "--speculative", "mtp", "--num_draft", "2"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--num_draft 2: this model has 1 MTP modules" in err
+
+
+def test_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for text in ("default 127.0.0.1", "default 8000", "default 8)", "default 4096)", "default 64)", "default 256)"):
+        assert text in out, text
+
+
 def test_the_window_bound_is_the_drafters():
     from minimax_jax.infer.drafter import MAX_MTP_WINDOW
     assert build_parser().parse_args(["--speculative", "mtp", "--mtp_window", str(MAX_MTP_WINDOW)]).mtp_window == 8192
