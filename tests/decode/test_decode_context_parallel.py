@@ -59,12 +59,16 @@ def _check(results: list[dict], meshes: list[str], msa: bool, kernels: bool, kv_
             assert r["pallas_inside"] > 0 and r["pallas_outside"] == 0, r
 
 
-def test_m3_prefill_sequence_parallel_equals_one_device():
+@pytest.mark.parametrize("meshes", [
+    ["sequence=2,tensor=2,fsdp=2"],
+    pytest.param(["sequence=4,data=2", "tensor=2,data=4"], marks=pytest.mark.slow, id="seq4_and_heads_only")],
+    ids=lambda m: "+".join(m))
+def test_m3_prefill_sequence_parallel_equals_one_device(meshes):
     """Tiny M3 (a dense first layer and MSA layers) with the interpreted GPU kernels (MSA selection and
-    sparse attention, the suffix-attention kernel for the dense layer): sequence=4 x data=2,
-    sequence=2 x tensor=2 x fsdp=2 (zig-zag order: 2n divides the 64-token chunk), tensor=2 x data=4 (heads
-    only: the decode steps and the whole chunk per head group)."""
-    meshes = ["sequence=4,data=2", "sequence=2,tensor=2,fsdp=2", "tensor=2,data=4"]
+    sparse attention, the suffix-attention kernel for the dense layer): sequence=2 x tensor=2 x fsdp=2
+    (zig-zag order: 2n divides the 64-token chunk; kv heads over tensor); slow (another ~110 s of
+    interpreted kernels): sequence=4 x data=2 and tensor=2 x data=4 (heads only: the decode steps and the whole chunk per
+    head group)."""
     _check(_run_worker("configs/tiny-m3.yaml", meshes, "pallas_gpu_interpret"), meshes, msa=True, kernels=True)
 
 

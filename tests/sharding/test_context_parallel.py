@@ -57,11 +57,13 @@ def _check(results: list[dict], meshes: list[str], msa: bool, kernels: bool = Fa
         assert r["pallas_outside"] == 0, r
 
 
-def test_m3_msa_kernels_sequence_parallel_equal_one_device():
+@pytest.mark.parametrize("meshes", [["sequence=2,tensor=2,fsdp=2"],
+                                    pytest.param(["sequence=4,data=2"], marks=pytest.mark.slow, id="seq4")],
+                         ids=lambda m: "+".join(m))
+def test_m3_msa_kernels_sequence_parallel_equal_one_device(meshes):
     """Tiny M3 (dense first layer and MTP layer with the interpreted masked GPU kernel: local queries
-    against the gathered keys; MSA layers with the interpreted GPU kernels, sparse KL): sequence=4 (x
-    data=2) and sequence=2 with tensor and fsdp."""
-    meshes = ["sequence=4,data=2", "sequence=2,tensor=2,fsdp=2"]
+    against the gathered keys; MSA layers with the interpreted GPU kernels, sparse KL): sequence=2 with
+    tensor and fsdp; slow: sequence=4 (x data=2)."""
     results = _run_worker("configs/tiny-m3.yaml", meshes, msa_impl="pallas_gpu_interpret",
                           attention_impl="pallas_masked_gpu_interpret")
     _check(results, meshes, msa=True, kernels=True)
