@@ -136,7 +136,10 @@ def main(argv=None) -> int:
 
     with exit_while_starting("train.py"):
         import jax  # noqa: F401  (the slow import a Ctrl-C must not be lost in)
-    return cli_main.run(_main, argv, prog=PROG)
+    from minimax_jax.data.sources import SourceError
+    from minimax_jax.data.trajectories import TrajectoryError
+
+    return cli_main.run(_main, argv, prog=PROG, usage=(SourceError, TrajectoryError))     # bad data: exit 2
 
 
 def _main(argv):

@@ -224,3 +224,16 @@ def test_resume_past_run_steps_warns(tmp_path, capsys):
     out = train(from_dict(json.loads(json.dumps(base))))
     text = capsys.readouterr().out
     assert out["step"] == 1 and "already at step 1 >= run.steps 1: nothing to train" in text
+
+
+def test_bad_trajectory_data_exits_2_before_the_run_dir_is_made(tmp_path, monkeypatch, capsys):
+    """Bad trajectory records are bad input (exit 2, no "--debug" hint), found before the run dir is created."""
+    monkeypatch.chdir(REPO)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"tokens": [1, 2, 3]}\n{"tokens": [1, 2, 99999]}\n')
+    run = tmp_path / "run"
+    rc = _train_main()(["--config", "configs/train/agent-tree.yaml", "--set", f"run.run_dir={run}",
+                        "--set", f"data.sources=[{bad}]", "--set", "data.seq_len=64", "--set", "run.steps=1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"{bad} line 2: token id 99999 is not below the model's vocab_size" in err, err
+    assert "--debug" not in err and not run.exists()

@@ -176,6 +176,7 @@ def load_tokenizer(dir_or_file: str) -> Tokenizer:
 
     Raises:
       FileNotFoundError: naming the exact file looked for.
+      ValueError: the file is not a ``tokenizers`` JSON file (naming it).
     """
     path = os.fspath(dir_or_file)
     if os.path.isdir(path):
@@ -185,7 +186,10 @@ def load_tokenizer(dir_or_file: str) -> Tokenizer:
             f"no tokenizer file at {path!r} (looked for {TOKENIZER_FILE} in the directory, or the "
             f"file itself); train one with `python -m minimax_jax.data.tokenizer train`"
         )
-    return Tokenizer.from_file(path)
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for a file it cannot parse
+        raise ValueError(f"{path} is not a tokenizers JSON file ({e})") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,13 +7,16 @@ Each non-empty line of a ``.jsonl`` source is one trajectory, either
   ``render(messages, tools) -> str`` callable the caller passes, e.g. ``minimax_jax.chat.render_chat``
   without the generation prompt) and tokenised; with ``loss_on: assistant`` the trained tokens are
   those of every assistant turn after its ``]~b]ai\\n`` header, its closing ``[e~[`` included;
-- ``{"tokens": [ids], "loss_mask": [0/1 per token]?}``: token ids (mask default: all ones).
+- ``{"tokens": [ids], "loss_mask": [0/1 per token]?}``: token ids (ints in ``[0, vocab_size)``; mask default: all
+  ones).
 
 ``loss_on: all`` trains every token but the first. The trajectories of one step are consecutive in file
 order (rollouts of one prompt should be adjacent; there is no shuffling, which would scatter them) and
 are as many as fit ``batch_size / shard_count`` rows of ``seq_len`` after merging (at most
-``max_trajectories`` when > 0); ``minimax_jax.data.prefix_tree`` lays them out. Multi-host: host h
-reads the trajectories ``h::shard_count``. The files are read and tokenised once, at construction.
+``max_trajectories`` when > 0), never more than the rest of the current pass over the file: a step holds
+each trajectory at most once, and an epoch ends a step. ``minimax_jax.data.prefix_tree`` lays them out.
+Multi-host: host h reads the trajectories ``h::shard_count``. The files are read, tokenised and checked
+(token ids, lengths against ``seq_len`` / ``key_len``, some token trained) once, at construction.
 
 Batches: ``prefix_tree.ROW_KEYS`` arrays ``[rows, seq_len]`` (and ``KEY_KEYS`` with ``key_len``); ``it.last_stats`` is the ``PackStats``
 of the batch returned last. ``get_state()`` / ``set_state()`` restore the exact next batch.
@@ -82,6 +85,8 @@ class TrajectoryConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise TrajectoryError(f"{name} must be a positive int, got {v!r}")
+        if not isinstance(self.merge, bool):
+            raise TrajectoryError(f"merge must be true or false, got {self.merge!r}")
         if self.loss_on not in LOSS_ON:
             raise TrajectoryError(f"loss_on must be one of {LOSS_ON}, got {self.loss_on!r}")
         if not isinstance(self.key_len, int) or isinstance(self.key_len, bool) or self.key_len < 0:
@@ -129,15 +134,24 @@ def conversation_trajectory(text: str, tokenizer, loss_on: str = "assistant") ->
     return Trajectory(ids, mask.astype(np.float32))
 
 
+def _int_list(value: Any, ok: Callable[[Any], bool]) -> bool:
+    return isinstance(value, list) and all(ok(v) for v in value)
+
+
 def _parse(obj: Any, where: str, tokenizer, render, loss_on: str) -> Trajectory:
     if not isinstance(obj, dict) or ("messages" in obj) == ("tokens" in obj):
         raise TrajectoryError(f"{where}: expected an object with 'messages' or 'tokens'")
     if "tokens" in obj:
-        toks = np.asarray(obj["tokens"], np.int64)
-        mask = np.asarray(obj.get("loss_mask", np.ones(toks.size)), np.float32)
-        if toks.ndim != 1 or toks.size == 0 or mask.shape != toks.shape:
-            raise TrajectoryError(f"{where}: 'tokens' must be a non-empty list with a 'loss_mask' of the same length")
-        return Trajectory(toks, mask if loss_on == "assistant" else np.ones(toks.size, np.float32))
+        toks, mask = obj["tokens"], obj.get("loss_mask")
+        if not _int_list(toks, lambda v: type(v) is int) or not toks:
+            raise TrajectoryError(f"{where}: 'tokens' must be a non-empty list of integer token ids")
+        if mask is not None and (not _int_list(mask, lambda v: type(v) in (int, bool) and v in (0, 1))
+                                 or len(mask) != len(toks)):
+            raise TrajectoryError(f"{where}: 'loss_mask' must be a list of 0 / 1, one per token ({len(toks)})")
+        if min(toks) < 0 or max(toks) >= 1 << 31:
+            raise TrajectoryError(f"{where}: token id {min(toks) if min(toks) < 0 else max(toks)} is out of range")
+        weights = np.ones(len(toks), np.float32) if mask is None or loss_on == "all" else np.asarray(mask, np.float32)
+        return Trajectory(np.asarray(toks, np.int64), weights)
     if render is None or tokenizer is None:
         raise TrajectoryError(f"{where}: a conversation needs a tokenizer and a chat renderer")
     try:
@@ -150,33 +164,67 @@ def _parse(obj: Any, where: str, tokenizer, render, loss_on: str) -> Trajectory:
 def load_trajectories(paths: Sequence[str] | str, tokenizer=None, render: Callable | None = None,
                       loss_on: str = "assistant") -> list[Trajectory]:
     """Every trajectory of ``paths`` in file order (module docstring). Raises TrajectoryError."""
+    return [t for t, _ in _load(paths, tokenizer, render, loss_on)]
+
+
+def _load(paths, tokenizer, render, loss_on) -> list[tuple[Trajectory, str]]:
+    """(trajectory, "FILE line N") in file order; a UTF-8 BOM is dropped."""
     out = []
     for path in resolve_paths(paths):
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise TrajectoryError(f"{path} line {n}: invalid JSON ({e})") from None
-                out.append(_parse(obj, f"{path} line {n}", tokenizer, render, loss_on))
+        with open(path, "rb") as f:
+            data = f.read()
+        try:
+            text = data.decode("utf-8-sig")
+        except UnicodeDecodeError as e:
+            raise TrajectoryError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+        for n, line in enumerate(text.split("\n"), start=1):    # JSONL lines end at "\n" only
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TrajectoryError(f"{path} line {n}: invalid JSON ({e.msg} at column {e.colno})") from None
+            out.append((_parse(obj, f"{path} line {n}", tokenizer, render, loss_on), f"{path} line {n}"))
     if not out:
         raise TrajectoryError(f"sources {paths} hold no trajectories")
     return out
 
 
+def _check(loaded: list[tuple[Trajectory, str]], c: TrajectoryConfig, vocab_size: int | None) -> None:
+    """Up-front checks of every trajectory (all hosts' alike), each error naming its file and line."""
+    limit = min(x for x in (c.seq_len, c.key_len or None) if x is not None)
+    for t, where in loaded:
+        if vocab_size is not None and int(t.tokens.max()) >= vocab_size:
+            raise TrajectoryError(f"{where}: token id {int(t.tokens.max())} is not below the model's vocab_size "
+                                  f"{vocab_size}")
+        if t.tokens.size > limit:
+            raise TrajectoryError(f"{where}: {t.tokens.size} tokens do not fit a row of seq_len={c.seq_len}"
+                                  + (f" and key_len={c.key_len}" if c.key_len else ""))
+    if not any(t.loss_mask[1:].any() for t, _ in loaded):
+        raise TrajectoryError(f"sources {list(c.sources)}: no trajectory has a trained token (loss_on={c.loss_on}"
+                              + (": no assistant turn after its first token)" if c.loss_on == "assistant" else ")"))
+
+
 class TrajectoryIterator:
     """Per-host batches of prefix-tree-packed trajectories (module docstring)."""
 
-    def __init__(self, config: TrajectoryConfig, render: Callable | None = None, tokenizer=None):
+    def __init__(self, config: TrajectoryConfig, render: Callable | None = None, tokenizer=None,
+                 vocab_size: int | None = None):
+        """``vocab_size``: when given, every token id must be below it (else TrajectoryError naming the line)."""
         self.config = config
-        tok = tokenizer if tokenizer is not None or config.tokenizer is None else load_tokenizer(config.tokenizer)
+        tok = tokenizer
+        if tok is None and config.tokenizer is not None:
+            try:
+                tok = load_tokenizer(config.tokenizer)
+            except ValueError as e:
+                raise TrajectoryError(f"data.tokenizer: {e}") from None
         index, count = config.shard()
         if config.batch_size % count:
             raise TrajectoryError(f"batch_size={config.batch_size} is not divisible by shard_count={count}")
         self.rows = config.batch_size // count
-        self.trajectories = load_trajectories(config.sources, tok, render, config.loss_on)[index::count]
+        loaded = _load(config.sources, tok, render, config.loss_on)
+        _check(loaded, config, vocab_size)
+        self.trajectories = [t for t, _ in loaded][index::count]
         if not self.trajectories:
             raise TrajectoryError(f"shard {index} of {count} holds no trajectory")
         self.index = 0
@@ -201,7 +249,9 @@ class TrajectoryIterator:
         left = None if c.num_epochs is None else c.num_epochs * m - self.index
         if left is not None and left <= 0:
             raise StopIteration
-        cap = min(x for x in (left, c.max_trajectories or None, 1 << 30) if x is not None)
+        # never past the end of this pass over the file: a step holds each trajectory at most once (a repeat
+        # would merge for free and silently count twice), and an epoch ends a step
+        cap = min(x for x in (left, c.max_trajectories or None, m - self.index % m) if x is not None)
         best = self._pack(1)
         if best is None:
             t = self.trajectories[self.index % m]

@@ -75,7 +75,7 @@ def make_iterator(data: DataSection, vocab_size: int, *, sources: tuple[str, ...
         return SyntheticIterator(int(f["seq_len"]), int(f["batch_size"]), vocab_size, seed,
                                  int(f.get("mean_doc_len", 0)), jax.process_index(), jax.process_count())
     if data.kind == "trajectory":
-        return _trajectory_iterator(data, sources, eval_mode)
+        return _trajectory_iterator(data, sources, eval_mode, vocab_size)
     from minimax_jax.data.pipeline import DataConfig, make_train_iterator
 
     fields = dict(data.fields)
@@ -86,7 +86,7 @@ def make_iterator(data: DataSection, vocab_size: int, *, sources: tuple[str, ...
     return make_train_iterator(DataConfig.from_dict(fields))
 
 
-def _trajectory_iterator(data: DataSection, sources, eval_mode: bool):
+def _trajectory_iterator(data: DataSection, sources, eval_mode: bool, vocab_size: int):
     import functools
 
     from minimax_jax.chat import render_chat
@@ -98,7 +98,7 @@ def _trajectory_iterator(data: DataSection, sources, eval_mode: bool):
     if eval_mode:
         fields["num_epochs"] = None
     render = functools.partial(render_chat, add_generation_prompt=False)     # render(messages, tools)
-    return TrajectoryIterator(TrajectoryConfig.from_dict(fields), render=render)
+    return TrajectoryIterator(TrajectoryConfig.from_dict(fields), render=render, vocab_size=vocab_size)
 
 
 def to_global(batch: dict[str, np.ndarray], sharding: jax.sharding.Sharding) -> dict[str, jax.Array]:

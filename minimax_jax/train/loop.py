@@ -230,22 +230,22 @@ def train(tc: TrainConfig, devices: list | None = None) -> dict[str, Any]:
     directory cannot be written and ``RunDirLockedError`` when another process trains in it.
     """
     tr = Trainer(tc, devices)
+    data_it = make_iterator(tc.data, tr.cfg.vocab_size)    # bad data fails here, before the run dir is touched
     lock = RunLock(tc.run.run_dir) if jax.process_index() == 0 else None
     sig = StopSignals(sigterm=tc.checkpoint.save_on_sigterm)
     try:
-        return _train(tr, sig)
+        return _train(tr, sig, data_it)
     finally:
         sig.close()
         if lock is not None:
             lock.release()
 
 
-def _train(tr: Trainer, sig: StopSignals) -> dict[str, Any]:
+def _train(tr: Trainer, sig: StopSignals, data_it) -> dict[str, Any]:
     tc = tr.tc
     run_dir = tc.run.run_dir
     is_main = jax.process_index() == 0
     ck = Checkpointer(os.path.join(run_dir, "checkpoints"), keep=tc.checkpoint.keep, async_save=tc.checkpoint.async_save)
-    data_it = make_iterator(tc.data, tr.cfg.vocab_size)
     restored = None
     if tc.checkpoint.resume and ck.all_steps():
         def target(meta):

@@ -73,3 +73,75 @@ def test_bad_settings_are_refused():
         _it(key_len=1000)
     with pytest.raises(TrajectoryError, match="unknown trajectory data keys"):
         _it(keylen=4)
+
+
+def _write(tmp_path, lines, name="t.jsonl", data=None):
+    p = tmp_path / name
+    if data is not None:
+        p.write_bytes(data)
+    else:
+        p.write_text("".join(line + "\n" for line in lines))
+    return str(p)
+
+
+def _tok_it(src, **kw):
+    cfg = dict(sources=(src,), seq_len=64, batch_size=2, num_epochs=None)
+    vocab = kw.pop("vocab_size", None)
+    cfg.update(kw)
+    return TrajectoryIterator(TrajectoryConfig.from_dict(cfg), vocab_size=vocab)
+
+
+def test_a_step_holds_each_trajectory_once_and_an_epoch_ends_a_step(tmp_path):
+    """All trajectories fit one step: each step is one pass over the file (it used to wrap round the file and
+    double the count of free, identical merges towards 2^30: a hang), and two epochs are two steps."""
+    one = _tok_it(_write(tmp_path, ['{"tokens": [1, 2, 3, 4]}']))
+    for _ in range(3):
+        next(one)
+        assert one.last_stats.tokens_before == 4
+    assert one.index == 3
+    rows = ['{"tokens": [1, 2, %d]}' % i for i in range(3, 9)]
+    two = _tok_it(_write(tmp_path, rows, "six.jsonl"), num_epochs=2)
+    sizes = []
+    for _ in two:
+        sizes.append(two.last_stats.tokens_before)
+    assert sizes == [18, 18] and two.index == 12
+    capped = _it(max_trajectories=64)                  # the shipped rollouts: no trajectory twice in a step
+    next(capped)
+    assert capped.index <= 12
+
+
+@pytest.mark.parametrize("record,needle", [
+    ('{"tokens": ["a", "b"]}', "'tokens' must be a non-empty list of integer token ids"),
+    ('{"tokens": [1.7, 2.2]}', "'tokens' must be a non-empty list of integer token ids"),
+    ('{"tokens": [true, false]}', "'tokens' must be a non-empty list of integer token ids"),
+    ('{"tokens": []}', "'tokens' must be a non-empty list of integer token ids"),
+    ('{"tokens": [1, -3, 2]}', "token id -3 is out of range"),
+    ('{"tokens": [1, 2, 600]}', "token id 600 is not below the model's vocab_size 512"),
+    ('{"tokens": [1, 2, 3], "loss_mask": [1, 100, 1]}', "'loss_mask' must be a list of 0 / 1, one per token (3)"),
+    ('{"tokens": [1, 2, 3], "loss_mask": [1, "x", 1]}', "'loss_mask' must be a list of 0 / 1"),
+    ('{"tokens": [1, 2, 3], "loss_mask": [1, 1]}', "'loss_mask' must be a list of 0 / 1, one per token (3)"),
+    ('{"tokens": %s}' % list(range(1, 70)), "69 tokens do not fit a row of seq_len=64"),
+    ('{"tokens": [1, 2', "invalid JSON"),
+])
+def test_bad_records_are_refused_up_front_naming_the_line(tmp_path, record, needle):
+    src = _write(tmp_path, ['{"tokens": [1, 2, 3]}', record])
+    with pytest.raises(TrajectoryError) as e:
+        _tok_it(src, vocab_size=512)
+    assert f"{src} line 2: " in str(e.value) and needle in str(e.value), str(e.value)
+
+
+def test_files_without_a_trained_token_or_utf8_are_refused_and_a_bom_is_dropped(tmp_path):
+    with pytest.raises(TrajectoryError, match="no trajectory has a trained token"):
+        _tok_it(_write(tmp_path, ['{"tokens": [1, 2, 3], "loss_mask": [1, 0, 0]}']))
+    with pytest.raises(TrajectoryError, match="no assistant turn"):
+        _it(sources=(_write(tmp_path, ['{"messages": [{"role": "user", "content": "hi"}]}'], "user.jsonl"),))
+    latin = _write(tmp_path, None, "latin.jsonl", data='{"tokens": [1, 2]} \xe9\n'.encode("latin-1"))
+    with pytest.raises(TrajectoryError, match=f"{latin}: not UTF-8 text"):
+        _tok_it(latin)
+    bom = _write(tmp_path, None, "bom.jsonl", data=b'\xef\xbb\xbf{"tokens": [1, 2, 3]}\n')
+    next(_tok_it(bom))
+
+
+def test_merge_must_be_a_bool():
+    with pytest.raises(TrajectoryError, match="merge must be true or false, got 'false'"):
+        TrajectoryConfig(sources=(SRC,), seq_len=64, batch_size=1, merge="false")
