@@ -138,8 +138,10 @@ def main(argv=None) -> int:
         import jax  # noqa: F401  (the slow import a Ctrl-C must not be lost in)
     from minimax_jax.data.sources import SourceError
     from minimax_jax.data.trajectories import TrajectoryError
+    from minimax_jax.train.loop import TrainingDiverged
 
-    return cli_main.run(_main, argv, prog=PROG, usage=(SourceError, TrajectoryError))     # bad data: exit 2
+    return cli_main.run(_main, argv, prog=PROG, usage=(SourceError, TrajectoryError),     # bad data: exit 2
+                        failure=(TrainingDiverged,))
 
 
 def _main(argv):

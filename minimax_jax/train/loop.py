@@ -241,6 +241,18 @@ def train(tc: TrainConfig, devices: list | None = None) -> dict[str, Any]:
             lock.release()
 
 
+class TrainingDiverged(RuntimeError):
+    """The training loss became NaN or infinite (the run stops without saving that state)."""
+
+
+def _check_finite(loss: float, step: int, saved: set[int]) -> None:
+    """TrainingDiverged when ``loss`` is not finite (``saved``: the steps with a checkpoint in this run dir)."""
+    if not np.isfinite(loss):
+        last = f"the last checkpoint is step {max(saved)}" if saved else "no checkpoint was saved"
+        raise TrainingDiverged(f"the loss is {loss} at step {step}: stopping without saving this state ({last}); "
+                               "lower optim.lr or check the data")
+
+
 def _train(tr: Trainer, sig: StopSignals, data_it) -> dict[str, Any]:
     tc = tr.tc
     run_dir = tc.run.run_dir
@@ -293,6 +305,8 @@ def _train(tr: Trainer, sig: StopSignals, data_it) -> dict[str, Any]:
     def save(s):
         nonlocal last_saved
         if s not in saved:
+            if done_here:                # never a checkpoint of a diverged state
+                _check_finite(float(jax.device_get(m["loss"])), s, saved)
             ck.save(s, state, encode_state(data_it.get_state()), _meta(tr, s, phase))
             saved.add(s)
             last_saved = s
@@ -373,6 +387,7 @@ def _train(tr: Trainer, sig: StopSignals, data_it) -> dict[str, Any]:
                 if tc.run.eval_every and step % tc.run.eval_every == 0:
                     metrics["eval_loss"] = tr.evaluate(state["params"])
                 writer.write(step, metrics)
+                _check_finite(metrics["loss"], step, saved)
                 t0, flops, toks, excluded = time.perf_counter(), 0.0, 0.0, 0.0
             elif tc.run.eval_every and step % tc.run.eval_every == 0:
                 writer.write(step, {"eval_loss": untimed(lambda: tr.evaluate(state["params"]))})
