@@ -347,7 +347,9 @@ class ModelConfig:
         Args:
           src: a dict, a path to ``config.json``, or a checkpoint directory holding it.
           **overrides: our field names to override (e.g. dtype).
-        Raises: ConfigError for unsupported model types or missing fields.
+        Raises: ConfigError (naming the file or field) for a file that is not a JSON object, unsupported model
+          types, missing fields, or a field of the wrong type (an integer field given a string or a
+          non-integral number).
         """
         if not isinstance(src, Mapping):
             p = os.fspath(src)
@@ -358,8 +360,15 @@ class ModelConfig:
                 hint = (" (this folder holds a minimax-jax checkpoint, config.yaml: to write safetensors from it, "
                         "add --export)") if ours else ""
                 raise ConfigError(f"config.json not found at {p}{hint}")
-            with open(p) as f:
-                src = json.load(f)
+            try:
+                with open(p, encoding="utf-8") as f:
+                    src = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{p}: not valid JSON (line {e.lineno}, column {e.colno}): {e.msg}") from None
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"{p}: not a UTF-8 text file ({e.reason} at byte {e.start})") from None
+            if not isinstance(src, Mapping):
+                raise ConfigError(f"{p}: expected a JSON object of config fields, got {type(src).__name__}")
         hf = dict(src)
         if "text_config" in hf:  # M3-VL wrapper: use the text tower
             hf = dict(hf["text_config"])
@@ -367,13 +376,17 @@ class ModelConfig:
         if mt not in ("minimax_m2", "minimax_m3_vl_text", "minimax_m3", "minimax_m3_vl", ""):
             raise ConfigError(f"unsupported model_type {mt!r}")
         is_m3 = mt.startswith("minimax_m3") or "index_topk_blocks" in hf or "mlp_layer_types" in hf
-        num_layers = int(_need(hf, "num_hidden_layers"))
-        head_dim = int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
+        num_layers = _int(_need(hf, "num_hidden_layers"), "num_hidden_layers")
+        hidden, heads = _int(_need(hf, "hidden_size"), "hidden_size"), _int(_need(hf, "num_attention_heads"),
+                                                                           "num_attention_heads")
+        if heads <= 0:
+            raise ConfigError(f"HF config field 'num_attention_heads' must be positive, got {heads}")
+        head_dim = _int(hf["head_dim"], "head_dim") if hf.get("head_dim") else hidden // heads
         rope = hf.get("rope_parameters") or {}
         rotary_dim = hf.get("rotary_dim")
         if rotary_dim is None:
             factor = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-            rotary_dim = int(round(head_dim * float(factor)))
+            rotary_dim = int(round(head_dim * _float(factor, "partial_rotary_factor")))
         theta = rope.get("rope_theta", hf.get("rope_theta", 5_000_000.0))
         if rope.get("rope_type", "default") not in ("default", None):
             raise ConfigError(f"unsupported rope_type {rope.get('rope_type')!r}")
@@ -395,37 +408,38 @@ class ModelConfig:
             eos = eos[0] if eos else None
         mtp = 0
         if is_m3:
-            mtp = int(hf.get("num_mtp_modules", hf.get("num_nextn_predict_layers", 0)) or 0)
+            mtp = _int(hf.get("num_mtp_modules", hf.get("num_nextn_predict_layers", 0)) or 0, "num_mtp_modules")
         kw: dict[str, Any] = dict(
-            vocab_size=int(_need(hf, "vocab_size")),
-            hidden_size=int(_need(hf, "hidden_size")),
+            vocab_size=_int(_need(hf, "vocab_size"), "vocab_size"),
+            hidden_size=hidden,
             num_layers=num_layers,
-            num_heads=int(_need(hf, "num_attention_heads")),
-            num_kv_heads=int(hf.get("num_key_value_heads") or hf["num_attention_heads"]),
+            num_heads=heads,
+            num_kv_heads=_int(hf.get("num_key_value_heads") or heads, "num_key_value_heads"),
             head_dim=head_dim,
-            rotary_dim=int(rotary_dim),
-            rope_theta=float(theta),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 196_608)),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rotary_dim=_int(rotary_dim, "rotary_dim"),
+            rope_theta=_float(theta, "rope_theta"),
+            max_position_embeddings=_int(hf.get("max_position_embeddings", 196_608), "max_position_embeddings"),
+            rms_norm_eps=_float(hf.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
             norm_kind="gemma" if is_m3 else "rms",
             qk_norm="per_head" if is_m3 else "full",
             layer_types=layer_types,
             mlp_types=mlp_types,
             sliding_window=hf.get("sliding_window"),
             mlp_activation="swigluoai" if is_m3 else "silu",
-            swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
-            swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
-            dense_intermediate_size=int(hf.get("dense_intermediate_size", 0) or 0),
-            num_experts=int(hf.get("num_local_experts", hf.get("num_experts", 0)) or 0),
-            num_experts_per_tok=int(hf.get("num_experts_per_tok", 1)),
-            moe_intermediate_size=int(hf.get("intermediate_size", 0)),
-            shared_intermediate_size=int(hf.get("shared_intermediate_size", 0) or 0) if is_m3 else 0,
-            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-            index_num_heads=int(hf.get("index_n_heads", 0)) if "msa" in layer_types else 0,
-            index_head_dim=int(hf.get("index_head_dim", 128)),
-            index_block_size=int(hf.get("index_block_size", 128)),
-            index_topk=int(hf.get("index_topk_blocks", 16)),
-            index_local_blocks=int(hf.get("index_local_blocks", 1)),
+            swiglu_alpha=_float(hf.get("swiglu_alpha", 1.702), "swiglu_alpha"),
+            swiglu_limit=_float(hf.get("swiglu_limit", 7.0), "swiglu_limit"),
+            dense_intermediate_size=_int(hf.get("dense_intermediate_size", 0) or 0, "dense_intermediate_size"),
+            num_experts=_int(hf.get("num_local_experts", hf.get("num_experts", 0)) or 0, "num_local_experts"),
+            num_experts_per_tok=_int(hf.get("num_experts_per_tok", 1), "num_experts_per_tok"),
+            moe_intermediate_size=_int(hf.get("intermediate_size", 0), "intermediate_size"),
+            shared_intermediate_size=_int(hf.get("shared_intermediate_size", 0) or 0,
+                                          "shared_intermediate_size") if is_m3 else 0,
+            routed_scaling_factor=_float(hf.get("routed_scaling_factor", 1.0), "routed_scaling_factor"),
+            index_num_heads=_int(hf.get("index_n_heads", 0), "index_n_heads") if "msa" in layer_types else 0,
+            index_head_dim=_int(hf.get("index_head_dim", 128), "index_head_dim"),
+            index_block_size=_int(hf.get("index_block_size", 128), "index_block_size"),
+            index_topk=_int(hf.get("index_topk_blocks", 16), "index_topk_blocks"),
+            index_local_blocks=_int(hf.get("index_local_blocks", 1), "index_local_blocks"),
             index_rope=True,
             num_mtp_modules=mtp,
             mtp_attention_window=hf.get("mtp_attention_window") if is_m3 else None,
@@ -433,7 +447,7 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos,
             pad_token_id=hf.get("pad_token_id"),
-            initializer_range=float(hf.get("initializer_range", 0.02)),
+            initializer_range=_float(hf.get("initializer_range", 0.02), "initializer_range"),
         )
         if not kw["sliding_window"]:
             kw["sliding_window"] = None
@@ -516,6 +530,21 @@ def _need(d: Mapping[str, Any], key: str) -> Any:
     if key not in d or d[key] is None:
         raise ConfigError(f"HF config is missing required field {key!r}")
     return d[key]
+
+
+def _int(value: Any, key: str) -> int:
+    """HF config field ``key`` as an int: an integer or an integral float (128.0); anything else is refused."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            (isinstance(value, float) and not value.is_integer()):
+        raise ConfigError(f"HF config field {key!r} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _float(value: Any, key: str) -> float:
+    """HF config field ``key`` as a float (a JSON number; not a string or a boolean)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"HF config field {key!r} must be a number, got {value!r}")
+    return float(value)
 
 
 def _expand_layer_list(value: Any, num_layers: int, name: str) -> tuple[str, ...]:

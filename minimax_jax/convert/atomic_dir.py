@@ -4,9 +4,11 @@ failed or interrupted run leaves at most that clearly-partial directory (removed
 exception), never something at the destination path that looks complete.
 
 Before anything is written, ``check_destination`` refuses (``DestinationError``, nothing touched) a
-destination that is, contains or lies inside one of the sources, one that exists without
-``overwrite``, and, with ``overwrite``, one this tool did not write (no manifest in it; an empty
-directory may be replaced). Nothing beside the destination is ever touched.
+destination whose parent is not a directory, one that is, contains or lies inside one of the sources,
+one that exists without ``overwrite``, and, with ``overwrite``, one this tool did not write (no manifest
+in it; an empty directory may be replaced) or holding entries this tool does not write (a user's files).
+Nothing beside the destination is ever touched. Ctrl-C during the cleanup or the final renames is
+held until they are done (then KeyboardInterrupt), so it never leaves a half-removed directory.
 
 Also: the small files that travel with a converted checkpoint (our config, tokenizer, chat
 template) and their copying.
@@ -18,6 +20,8 @@ import contextlib
 import json
 import os
 import shutil
+import signal
+import threading
 import time
 import uuid
 from typing import Iterator
@@ -27,6 +31,7 @@ import yaml
 from minimax_jax.config import ModelConfig
 from minimax_jax.convert.errors import DestinationError, DestinationExistsError
 from minimax_jax.convert.manifest import MANIFEST_FILE, is_manifest
+from minimax_jax.convert.safetensors_io import INDEX_FILE
 
 __all__ = ["atomic_output_dir", "check_destination", "TOKENIZER_FILES", "copy_side_files", "write_config",
            "read_config", "CONFIG_FILE", "PARAMS_DIR", "REPORT_FILE", "write_json"]
@@ -68,6 +73,46 @@ def _ours(path: str) -> bool:
 #: What marks each kind of output folder (``check_destination(kind=)``): an orbax checkpoint holds
 #: ``config.yaml`` + ``params/``; a Hugging Face export ``config.json`` + safetensors shards.
 _KIND_MARKS = {"orbax": (CONFIG_FILE, PARAMS_DIR), "hf": ("config.json",)}
+#: The top-level entries each kind of output may hold (every writer's; an HF export also holds the shards its
+#: index lists). An entry outside these is a user's: ``overwrite`` refuses its folder before any work (the
+#: final check, after the work, is stricter: what the new output lacks must be the old index's shards).
+_KIND_ENTRIES = {"orbax": {CONFIG_FILE, PARAMS_DIR, REPORT_FILE, MANIFEST_FILE, "fp8_weights.json", "hf_config.json",
+                           *TOKENIZER_FILES},
+                 "hf": {"config.json", INDEX_FILE, MANIFEST_FILE, *TOKENIZER_FILES}}
+
+
+def _indexed_shards(path: str) -> set[str]:
+    """The shard files the HF index in ``path`` (one this tool wrote) lists: that export's own files."""
+    try:
+        with open(os.path.join(path, INDEX_FILE)) as f:
+            files = json.load(f).get("weight_map", {}).values()
+    except (OSError, ValueError, AttributeError):
+        return set()
+    return {f for f in files if isinstance(f, str) and os.path.basename(f) == f and f.endswith(".safetensors")}
+
+
+def _foreign_entries(path: str, kind: str | None, new: str | None = None) -> list[str]:
+    """Top-level entries of ``path`` (an earlier output of ours) that this tool did not write: not in the
+    new output ``new``, not an entry of ``kind`` outputs (None: none), and not a shard listed in its own index."""
+    ours = _indexed_shards(path) | _KIND_ENTRIES.get(kind, set()) | (set(os.listdir(new)) if new else set())
+    return sorted(set(os.listdir(path)) - ours)
+
+
+def _refuse_foreign(dst: str, extra: list[str]) -> None:
+    if extra:
+        shown = ", ".join(extra[:3]) + (f" and {len(extra) - 3} more" if len(extra) > 3 else "")
+        raise DestinationError(f"destination {dst} holds entries this tool did not write ({shown}); nothing was "
+                               "replaced: move them out or choose another destination", dst)
+
+
+def _check_parent(dst: str) -> None:
+    """Refuse ``dst`` when its nearest existing ancestor is not a directory (a file in the way)."""
+    parent = os.path.dirname(dst)
+    while not os.path.lexists(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    if os.path.lexists(parent) and not os.path.isdir(parent):
+        raise DestinationError(f"destination {dst}: parent {parent} is not a directory; nothing was written: "
+                               "choose another destination", dst)
 
 
 def _other_kind(path: str, kind: str) -> str | None:
@@ -79,14 +124,15 @@ def _other_kind(path: str, kind: str) -> str | None:
 def check_destination(dst: str | os.PathLike, *, sources=(), overwrite: bool = False, kind: str | None = None) -> str:
     """Refuse a destination whose writing could lose data; returns its absolute path.
 
-    ``kind`` ("orbax" | "hf"): what will be written; an existing ``dst`` holding the other kind is refused
-    up front (replacing it would fail only after the writing, on its entries the new output lacks).
-    Raises (nothing touched): DestinationError when ``dst`` is, contains or lies inside one of
-      ``sources`` (paths compared after resolving symlinks), or exists with ``overwrite`` but was
-      not written by this tool or holds another kind of output; DestinationExistsError (a FileExistsError)
-      when it exists and not ``overwrite``.
+    ``kind`` ("orbax" | "hf"): what will be written; an existing ``dst`` holding the other kind, or entries
+    such outputs never hold, is refused up front (replacing it would fail only after the writing).
+    Raises (nothing touched): DestinationError when the parent of ``dst`` is not a directory, ``dst`` is,
+      contains or lies inside one of ``sources`` (paths compared after resolving symlinks), or exists with
+      ``overwrite`` but was not written by this tool or holds another kind of output or a user's entries;
+      DestinationExistsError (a FileExistsError) when it exists and not ``overwrite``.
     """
     dst = os.path.abspath(os.fspath(dst))
+    _check_parent(dst)
     real = os.path.realpath(dst)
     for src in sources:
         if src is None:
@@ -108,52 +154,67 @@ def check_destination(dst: str | os.PathLike, *, sources=(), overwrite: bool = F
             names = {"orbax": "an orbax checkpoint", "hf": "a Hugging Face export"}
             raise DestinationError(f"destination {dst} holds {names[other]}, not {names[kind]}; nothing was "
                                    "replaced: choose another destination", dst)
+        if kind is not None and os.path.isdir(dst):
+            _refuse_foreign(dst, _foreign_entries(dst, kind))
     return dst
 
 
 @contextlib.contextmanager
-def atomic_output_dir(dst: str | os.PathLike, *, overwrite: bool = False, sources=()) -> Iterator[str]:
+def atomic_output_dir(dst: str | os.PathLike, *, overwrite: bool = False, sources=(),
+                      kind: str | None = None) -> Iterator[str]:
     """Yield a fresh temporary directory next to ``dst``; on normal exit rename it to ``dst``.
 
     Raises DestinationError / DestinationExistsError (before anything is written): see
-    ``check_destination``. With ``overwrite`` an old ``dst`` this tool wrote is moved aside,
-    replaced, then deleted, unless it holds top-level entries the new output does not have (files a
-    user put there): then DestinationError and the old ``dst`` stays as it was. On an exception the
-    temporary directory is removed and the exception propagates.
+    ``check_destination`` (``kind`` as there). With ``overwrite`` an old ``dst`` this tool wrote is moved
+    aside, replaced, then deleted, unless it holds top-level entries that are neither in the new output
+    nor shards listed in its own index (files a user put there): then DestinationError and the old
+    ``dst`` stays as it was. On an exception (Ctrl-C included) the temporary
+    directory is removed and the exception propagates.
     """
-    dst = check_destination(dst, sources=sources, overwrite=overwrite)
+    dst = check_destination(dst, sources=sources, overwrite=overwrite, kind=kind)
     parent = os.path.dirname(dst)
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{os.path.basename(dst)}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     os.mkdir(tmp)
     try:
         yield tmp
-        _fsync_dir(tmp)
-        if os.path.exists(dst):
-            _refuse_foreign_entries(dst, tmp)
-            old = tmp + ".old"
-            os.rename(dst, old)
-            try:
+        with _sigint_held():
+            _fsync_dir(tmp)
+            if os.path.exists(dst):
+                _refuse_foreign(dst, _foreign_entries(dst, None, new=tmp))
+                old = tmp + ".old"
+                os.rename(dst, old)
+                try:
+                    os.rename(tmp, dst)
+                except BaseException:
+                    os.rename(old, dst)
+                    raise
+                shutil.rmtree(old, ignore_errors=True)
+            else:
                 os.rename(tmp, dst)
-            except BaseException:
-                os.rename(old, dst)
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, dst)
-        _fsync_dir(parent)
+            _fsync_dir(parent)
     except BaseException:
-        _remove_settled(tmp)
+        with _sigint_held():
+            _remove_settled(tmp)
         raise
 
 
-def _refuse_foreign_entries(dst: str, new: str) -> None:
-    """Refuse to replace ``dst`` when it holds top-level entries that the new output ``new`` lacks."""
-    extra = sorted(set(os.listdir(dst)) - set(os.listdir(new)))
-    if extra:
-        shown = ", ".join(extra[:3]) + (f" and {len(extra) - 3} more" if len(extra) > 3 else "")
-        raise DestinationError(f"destination {dst} holds entries this tool did not write ({shown}); nothing was "
-                               "replaced: move them out or choose another destination", dst)
+@contextlib.contextmanager
+def _sigint_held() -> Iterator[None]:
+    """Hold Ctrl-C (SIGINT) until the block is done, then raise KeyboardInterrupt (unless the block
+    raised). Only in the main thread under Python's default SIGINT handler; elsewhere a no-op."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    got = []
+    signal.signal(signal.SIGINT, lambda signum, frame: got.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if got:
+        raise KeyboardInterrupt
 
 
 def _remove_settled(path: str, *, settle_s: float = 0.2, attempts: int = 50) -> None:

@@ -3,10 +3,11 @@
     python -m minimax_jax.convert --src HF_DIR --dst OUT_DIR [--dtype bfloat16|float32] [--weights_dtype fp8]
     python -m minimax_jax.convert --export --src OUT_DIR --dst HF_DIR [--fp8] [--max_shard_mb 5120]
 
-Exit status (``minimax_jax.exit_codes``): 0 on success, 2 for bad arguments (a missing --src, a --dst
-that exists without --overwrite, overlaps --src, or was not written by this tool: nothing is touched),
-1 for a checkpoint / config error (the message names the tensor or field; the destination is not
-created), 130 interrupted. The kebab-case flags of earlier versions (``--max-shard-gb``, ``--no-verify``,
+Exit status (``minimax_jax.exit_codes``): 0 on success, 2 for bad arguments or the wrong kind of source
+(a missing --src, or one without a valid config.json / config.yaml, a field of the wrong type; --weights_dtype
+fp8 on a source without FP8 weights; a --dst that exists without --overwrite, overlaps --src, sits under a
+file, or was not written by this tool: nothing is touched), 1 for a checkpoint error (the message names
+the tensor; the destination is not created), 130 interrupted. The kebab-case flags of earlier versions (``--max-shard-gb``, ``--no-verify``,
 ...) still work with a one-line deprecation warning.
 """
 
@@ -64,10 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point (``argv`` without the program name); returns the exit status."""
     from minimax_jax.config import ConfigError
-    from minimax_jax.convert.errors import CheckpointError, DestinationError
+    from minimax_jax.convert.errors import CheckpointError, DestinationError, SourceKindError
 
-    # DestinationError: the destination changed since the check before the work
-    return cli_main.run(_main, argv, prog=PROG, usage=(DestinationError,), failure=(CheckpointError, ConfigError))
+    # DestinationError: the destination changed since the check before the work; ConfigError: --src's config
+    return cli_main.run(_main, argv, prog=PROG, usage=(DestinationError, ConfigError, SourceKindError),
+                        failure=(CheckpointError,))
 
 
 def _main(argv: list[str] | None) -> int:
@@ -81,7 +83,8 @@ def _main(argv: list[str] | None) -> int:
         print(f"{PROG}: error: --src {args.src}: {what}", file=sys.stderr)
         return 2
     try:
-        check_destination(args.dst, sources=(args.src,), overwrite=args.overwrite)
+        check_destination(args.dst, sources=(args.src,), overwrite=args.overwrite,
+                          kind="hf" if args.export else "orbax")
     except DestinationExistsError:
         print(f"{PROG}: error: --dst {args.dst} already exists; pass --overwrite to replace it, or choose another "
               "--dst", file=sys.stderr)

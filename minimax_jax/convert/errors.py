@@ -4,7 +4,7 @@ where it applies, the expected and the actual shape / dtype / size."""
 from __future__ import annotations
 
 __all__ = ["CheckpointError", "MissingTensorError", "UnknownTensorError", "TensorShapeError",
-           "TensorDtypeError", "CorruptFileError", "ChecksumMismatch", "DestinationError", "DestinationExistsError",
+           "TensorDtypeError", "SourceKindError", "CorruptFileError", "ChecksumMismatch", "DestinationError", "DestinationExistsError",
            "first_line", "root_cause"]
 
 
@@ -29,6 +29,11 @@ class TensorShapeError(CheckpointError):
 
 class TensorDtypeError(CheckpointError):
     """A tensor's dtype is not one the converter accepts for it."""
+
+
+class SourceKindError(TensorDtypeError):
+    """The source lacks what an option asks for (``weights_dtype="fp8"`` on a checkpoint without FP8 layer
+    weights): bad input, found before anything is written (CLIs exit 2)."""
 
 
 class CorruptFileError(CheckpointError):

@@ -203,7 +203,7 @@ def export_orbax_to_hf(src: str | os.PathLike, dst: str | os.PathLike, fp8: bool
              "exporting it without checksum verification")
     total = sum(int(np.prod(m.shape)) * np.dtype(m.dtype).itemsize
                 for m in _flat_meta(checkpoint_metadata(src)))
-    with atomic_output_dir(dst, overwrite=overwrite, sources=(src,)) as tmp, \
+    with atomic_output_dir(dst, overwrite=overwrite, sources=(src,), kind="hf") as tmp, \
             tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="export", disable=not progress,
                  dynamic_ncols=True) as bar:
         shards: list[list[str]] = []

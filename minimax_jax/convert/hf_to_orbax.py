@@ -26,7 +26,7 @@ from minimax_jax.config import ModelConfig
 from minimax_jax.convert.assemble import PieceReader, fill_unit
 from minimax_jax.convert.atomic_dir import (PARAMS_DIR, REPORT_FILE, atomic_output_dir, check_destination,
                                             copy_side_files, write_config, write_json)
-from minimax_jax.convert.errors import CheckpointError, TensorDtypeError
+from minimax_jax.convert.errors import CheckpointError, SourceKindError
 from minimax_jax.convert.fp8_keep import WEIGHTS_DTYPES, lazy_fp8_leaves, plan_blocks, write_blocks
 from minimax_jax.convert.manifest import write_manifest
 from minimax_jax.convert.orbax_stream import DEFAULT_CHUNK_BYTES, LazyLeaf, save_lazy_tree
@@ -143,7 +143,7 @@ def convert_hf_to_orbax(src: str | os.PathLike, dst: str | os.PathLike, dtype: s
     Returns: ``(cfg, report)``; ``report`` is what ``conversion.json`` holds.
     Raises: ConfigError (bad config), CheckpointError subclasses (missing / unknown / wrong shape /
       wrong dtype / truncated tensors; ``weights_dtype="fp8"`` for a checkpoint without FP8 layer weights:
-      TensorDtypeError; raised before anything is written), DestinationError /
+      SourceKindError, a TensorDtypeError; raised before anything is written), DestinationError /
       DestinationExistsError (a FileExistsError), before anything is read or written.
     """
     from tqdm.auto import tqdm
@@ -159,7 +159,7 @@ def convert_hf_to_orbax(src: str | os.PathLike, dst: str | os.PathLike, dtype: s
     plan = make_plan(reader, cfg, keep_fp8=weights_dtype == "fp8")
     blocks = plan_blocks(plan)
     if weights_dtype == "fp8" and not blocks:
-        raise TensorDtypeError(f"weights_dtype='fp8': {src} has no FP8 (F8_E4M3 + weight_scale_inv) layer weights "
+        raise SourceKindError(f"weights_dtype='fp8': {src} has no FP8 (F8_E4M3 + weight_scale_inv) layer weights "
                                f"to keep; convert it without weights_dtype='fp8'")
     for w in plan.warnings:
         log.warning("%s", w)
@@ -168,7 +168,7 @@ def convert_hf_to_orbax(src: str | os.PathLike, dst: str | os.PathLike, dtype: s
               disable=not progress, dynamic_ncols=True) as bar:
         tree = lazy_tree(plan, reader, on_bytes=bar.update)
         _check_against_model(tree, cfg, blocks)
-        with atomic_output_dir(dst, overwrite=overwrite, sources=(src,)) as tmp:
+        with atomic_output_dir(dst, overwrite=overwrite, sources=(src,), kind="orbax") as tmp:
             entries = save_lazy_tree(os.path.join(tmp, PARAMS_DIR), tree, chunk_bytes=chunk_bytes,
                                      max_in_flight=max_in_flight, compress=compress)
             write_manifest(tmp, entries, writer="convert")

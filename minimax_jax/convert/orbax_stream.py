@@ -11,12 +11,19 @@ so every unit write covers whole chunks (no read-modify-write).
 Peak host memory ~ ``max_in_flight`` x the largest unit (one layer of one leaf) plus the reader's
 float32 chunk. The only orbax internal used is ``NumpyHandler._open_and_write(value, tspec,
 ts_context)`` (orbax-checkpoint 0.12); ``check_orbax_support()`` fails loudly if it changes.
+
+Ctrl-C during the save skips the units not yet written and lets orbax finish (so none of its threads
+writes after the caller removes the directory, or reports an error), then raises KeyboardInterrupt;
+a second Ctrl-C interrupts at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import threading
+import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -64,13 +71,14 @@ def check_orbax_support() -> None:
 class LazyLeafHandler(th.NumpyHandler):
     """Writes ``LazyLeaf`` values unit by unit (see module docstring)."""
 
-    def __init__(self, max_in_flight: int = 1):
+    def __init__(self, max_in_flight: int = 1, stop: Callable[[], bool] = lambda: False):
         try:  # orbax < 0.12 has no deepcopy_host_arrays (its handler never copied host arrays)
             super().__init__(deepcopy_host_arrays=False)
         except TypeError:
             super().__init__()
         self._max_in_flight = max(1, int(max_in_flight))
         self._in_flight = 0  # touched only from the event loop's thread
+        self._stop = stop    # true: skip the remaining units (Ctrl-C; the caller discards the checkpoint)
 
     async def _open_and_write(self, value: Any, tspec: dict, ts_context: Any):  # noqa: D401 - orbax hook
         t = await ts.open(ts.Spec(tspec), create=True, open=True, context=ts_context)
@@ -82,6 +90,8 @@ class LazyLeafHandler(th.NumpyHandler):
             # error, nothing here schedules callbacks on a loop that may already be closed.
             while self._in_flight >= self._max_in_flight:
                 await asyncio.sleep(0.001)
+            if self._stop():
+                return
             self._in_flight += 1
             try:
                 arr = produce()
@@ -95,6 +105,33 @@ class LazyLeafHandler(th.NumpyHandler):
                 del arr
             finally:
                 self._in_flight -= 1
+
+
+class _SigintStop:
+    """While active (main thread, Python's default SIGINT handler): the first Ctrl-C only sets ``requested``
+    (its time); a second one a second later raises KeyboardInterrupt at once. Elsewhere a no-op."""
+
+    def __init__(self):
+        self.requested = 0.0
+        self._active = False
+
+    def __enter__(self):
+        self._active = (threading.current_thread() is threading.main_thread()
+                        and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+        if self._active:
+            signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def _on_sigint(self, signum, frame):
+        # one Ctrl-C may arrive twice (``timeout -s INT`` signals the process, then its group)
+        if self.requested and time.monotonic() - self.requested > 1.0:
+            raise KeyboardInterrupt
+        self.requested = self.requested or time.monotonic()
+
+    def __exit__(self, *exc):
+        if self._active:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        return False
 
 
 def _digested(leaf: LazyLeaf, digest: StreamDigest) -> LazyLeaf:
@@ -139,14 +176,24 @@ def save_lazy_tree(path: str | os.PathLike, tree: Any, *, chunk_bytes: int = DEF
         leaves[leaf_name(p)] = x
     tree = jax.tree_util.tree_map_with_path(
         lambda p, x: _digested(x, digests[leaf_name(p)]) if leaf_name(p) in digests else x, tree, is_leaf=is_leaf)
+    sigint = _SigintStop()
     registry = th.create_type_handler_registry(
-        (np.ndarray, th.NumpyHandler()), (jax.Array, th.ArrayHandler()), (LazyLeaf, LazyLeafHandler(max_in_flight)))
+        (np.ndarray, th.NumpyHandler()), (jax.Array, th.ArrayHandler()),
+        (LazyLeaf, LazyLeafHandler(max_in_flight, stop=lambda: sigint.requested)))
     save_args = jax.tree.map(
         lambda x: ocp.SaveArgs(shard_axes=(0,), chunk_byte_size=chunk_bytes)
         if isinstance(x, LazyLeaf) and x.stacked else ocp.SaveArgs(chunk_byte_size=chunk_bytes),
         tree, is_leaf=is_leaf)
     handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry, use_compression=compress)
-    with ocp.Checkpointer(handler) as ck:
-        ck.save(os.fspath(path), args=ocp.args.PyTreeSave(tree, save_args=save_args))
+    with sigint:
+        try:
+            with ocp.Checkpointer(handler) as ck:
+                ck.save(os.fspath(path), args=ocp.args.PyTreeSave(tree, save_args=save_args))
+        except Exception:
+            if sigint.requested:    # the save failed because of the Ctrl-C: report that, not orbax's errors
+                raise KeyboardInterrupt from None
+            raise
+    if sigint.requested:
+        raise KeyboardInterrupt
     return {n: entry(x.shape, x.dtype, digests[n].hexdigest() if n in digests else
                      None if isinstance(x, LazyLeaf) else array_digest(x)) for n, x in leaves.items()}

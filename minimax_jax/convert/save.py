@@ -49,7 +49,7 @@ def save_checkpoint(params: Any, cfg: ModelConfig, dst: str | os.PathLike, *, dt
         params = cast_params(params, dtype)
         cfg = cfg.replace(param_dtype=dtype)
     tree = jax.tree.map(lambda x: np.asarray(x), params)
-    with atomic_output_dir(dst, overwrite=overwrite, sources=sources) as tmp:
+    with atomic_output_dir(dst, overwrite=overwrite, sources=sources, kind="orbax") as tmp:
         entries = save_lazy_tree(os.path.join(tmp, PARAMS_DIR), tree)
         write_manifest(tmp, entries, writer="save_checkpoint")
         write_config(cfg, tmp)

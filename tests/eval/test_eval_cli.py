@@ -287,3 +287,23 @@ def test_intervals_and_perplexity_by_position(monkeypatch, tmp_path, tok_dir, ca
         cli.main(args(tmp_path, "--ppl_buckets", "0,64"))
     assert e.value.code == 2 and "--ppl_buckets" in capsys.readouterr().err
     assert len(calls) == n_calls                       # refused before loading the checkpoint
+
+
+@pytest.mark.parametrize("text, seq_len", [("\n", "128"), ("hi", "64"), ("hi there " * 20, "128")])
+def test_ppl_files_too_short_for_one_window_are_refused(monkeypatch, tmp_path, tok_dir, capsys, text, seq_len):
+    """--ppl_files holding fewer tokens than one --ppl_seq_len window + 1: bad input (exit 2), one line naming
+    the file and its token count, no perplexity reported; enough text is scored."""
+    install_fake_infer(monkeypatch, tok_dir, reader, [])
+    short = tmp_path / "short.txt"
+    short.write_text(text)
+    argv = ["--checkpoint", "ckpt", "--tasks", "niah_single", "--lengths", "700", "--num_samples", "1",
+            "--haystack", "noise", "--ppl_files", str(short), "--ppl_seq_len", seq_len]
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    err = [ln for ln in captured.err.splitlines() if "error" in ln]
+    assert len(err) == 1 and f"--ppl_files '{short}': " in err[0], captured.err
+    assert f"need at least {int(seq_len) + 1} for one window of --ppl_seq_len {seq_len}" in err[0], err
+    assert "perplexity" not in captured.out
+    short.write_text(open(os.path.join(STD, "json", "encoder.py")).read())
+    assert cli.main(argv) == 0
+    assert "held-out perplexity" in capsys.readouterr().out
