@@ -145,8 +145,8 @@ def _parse(obj: Any, where: str, tokenizer, render, loss_on: str) -> Trajectory:
         toks, mask = obj["tokens"], obj.get("loss_mask")
         if not _int_list(toks, lambda v: type(v) is int) or not toks:
             raise TrajectoryError(f"{where}: 'tokens' must be a non-empty list of integer token ids")
-        if mask is not None and (not _int_list(mask, lambda v: type(v) in (int, bool) and v in (0, 1))
-                                 or len(mask) != len(toks)):
+        if mask is not None and (not _int_list(mask, lambda v: type(v) in (int, float, bool) and v in (0, 1))
+                                 or len(mask) != len(toks)):                  # 0 / 1 as ints, floats or bools
             raise TrajectoryError(f"{where}: 'loss_mask' must be a list of 0 / 1, one per token ({len(toks)})")
         if min(toks) < 0 or max(toks) >= 1 << 31:
             raise TrajectoryError(f"{where}: token id {min(toks) if min(toks) < 0 else max(toks)} is out of range")
@@ -201,8 +201,9 @@ def _check(loaded: list[tuple[Trajectory, str]], c: TrajectoryConfig, vocab_size
             raise TrajectoryError(f"{where}: {t.tokens.size} tokens do not fit a row of seq_len={c.seq_len}"
                                   + (f" and key_len={c.key_len}" if c.key_len else ""))
     if not any(t.loss_mask[1:].any() for t, _ in loaded):
-        raise TrajectoryError(f"sources {list(c.sources)}: no trajectory has a trained token (loss_on={c.loss_on}"
-                              + (": no assistant turn after its first token)" if c.loss_on == "assistant" else ")"))
+        raise TrajectoryError(f"sources {list(c.sources)}: no trajectory has a trained token after its first (loss_on="
+                              f"{c.loss_on}" + (": no assistant turn in a conversation, no 1 in a token record's "
+                                                "loss_mask)" if c.loss_on == "assistant" else ")"))
 
 
 class TrajectoryIterator:

@@ -242,15 +242,18 @@ def train(tc: TrainConfig, devices: list | None = None) -> dict[str, Any]:
 
 
 class TrainingDiverged(RuntimeError):
-    """The training loss became NaN or infinite (the run stops without saving that state)."""
+    """The training loss or gradient norm became NaN or infinite (the run stops without saving that state)."""
 
 
-def _check_finite(loss: float, step: int, saved: set[int]) -> None:
-    """TrainingDiverged when ``loss`` is not finite (``saved``: the steps with a checkpoint in this run dir)."""
-    if not np.isfinite(loss):
-        last = f"the last checkpoint is step {max(saved)}" if saved else "no checkpoint was saved"
-        raise TrainingDiverged(f"the loss is {loss} at step {step}: stopping without saving this state ({last}); "
-                               "lower optim.lr or check the data")
+def _check_finite(metrics: dict[str, Any], step: int, saved: set[int]) -> None:
+    """TrainingDiverged when the step's ``loss`` or ``grad_norm`` (the update it applied) is not finite
+    (``saved``: the steps with a checkpoint in this run dir)."""
+    for name in ("loss", "grad_norm"):
+        value = float(metrics.get(name, 0.0))
+        if not np.isfinite(value):
+            last = f"the last checkpoint is step {max(saved)}" if saved else "no checkpoint was saved"
+            raise TrainingDiverged(f"the {name} is {value} at step {step}: stopping without saving this state "
+                                   f"({last}); lower optim.lr or check the data")
 
 
 def _train(tr: Trainer, sig: StopSignals, data_it) -> dict[str, Any]:
@@ -306,7 +309,7 @@ def _train(tr: Trainer, sig: StopSignals, data_it) -> dict[str, Any]:
         nonlocal last_saved
         if s not in saved:
             if done_here:                # never a checkpoint of a diverged state
-                _check_finite(float(jax.device_get(m["loss"])), s, saved)
+                _check_finite(jax.device_get({k: m[k] for k in ("loss", "grad_norm") if k in m}), s, saved)
             ck.save(s, state, encode_state(data_it.get_state()), _meta(tr, s, phase))
             saved.add(s)
             last_saved = s
@@ -387,7 +390,7 @@ def _train(tr: Trainer, sig: StopSignals, data_it) -> dict[str, Any]:
                 if tc.run.eval_every and step % tc.run.eval_every == 0:
                     metrics["eval_loss"] = tr.evaluate(state["params"])
                 writer.write(step, metrics)
-                _check_finite(metrics["loss"], step, saved)
+                _check_finite(metrics, step, saved)
                 t0, flops, toks, excluded = time.perf_counter(), 0.0, 0.0, 0.0
             elif tc.run.eval_every and step % tc.run.eval_every == 0:
                 writer.write(step, {"eval_loss": untimed(lambda: tr.evaluate(state["params"]))})

@@ -118,6 +118,7 @@ def test_a_step_holds_each_trajectory_once_and_an_epoch_ends_a_step(tmp_path):
     ('{"tokens": [1, -3, 2]}', "token id -3 is out of range"),
     ('{"tokens": [1, 2, 600]}', "token id 600 is not below the model's vocab_size 512"),
     ('{"tokens": [1, 2, 3], "loss_mask": [1, 100, 1]}', "'loss_mask' must be a list of 0 / 1, one per token (3)"),
+    ('{"tokens": [1, 2, 3], "loss_mask": [1, 0.5, 1]}', "'loss_mask' must be a list of 0 / 1, one per token (3)"),
     ('{"tokens": [1, 2, 3], "loss_mask": [1, "x", 1]}', "'loss_mask' must be a list of 0 / 1"),
     ('{"tokens": [1, 2, 3], "loss_mask": [1, 1]}', "'loss_mask' must be a list of 0 / 1, one per token (3)"),
     ('{"tokens": %s}' % list(range(1, 70)), "69 tokens do not fit a row of seq_len=64"),
@@ -133,13 +134,15 @@ def test_bad_records_are_refused_up_front_naming_the_line(tmp_path, record, need
 def test_files_without_a_trained_token_or_utf8_are_refused_and_a_bom_is_dropped(tmp_path):
     with pytest.raises(TrajectoryError, match="no trajectory has a trained token"):
         _tok_it(_write(tmp_path, ['{"tokens": [1, 2, 3], "loss_mask": [1, 0, 0]}']))
-    with pytest.raises(TrajectoryError, match="no assistant turn"):
+    with pytest.raises(TrajectoryError, match="no assistant turn in a conversation"):
         _it(sources=(_write(tmp_path, ['{"messages": [{"role": "user", "content": "hi"}]}'], "user.jsonl"),))
     latin = _write(tmp_path, None, "latin.jsonl", data='{"tokens": [1, 2]} \xe9\n'.encode("latin-1"))
     with pytest.raises(TrajectoryError, match=f"{latin}: not UTF-8 text"):
         _tok_it(latin)
     bom = _write(tmp_path, None, "bom.jsonl", data=b'\xef\xbb\xbf{"tokens": [1, 2, 3]}\n')
     next(_tok_it(bom))
+    floats = _tok_it(_write(tmp_path, ['{"tokens": [1, 2, 3], "loss_mask": [0.0, 1.0, true]}'], "f.jsonl"))
+    np.testing.assert_array_equal(floats.trajectories[0].loss_mask, [0, 1, 1])   # numpy's tolist() writes floats
 
 
 def test_merge_must_be_a_bool():
