@@ -7,8 +7,8 @@ Exit status (``minimax_jax.exit_codes``): 0 on success, 2 for bad arguments or t
 (a missing --src, or one without a valid config.json / config.yaml, a field of the wrong type; --weights_dtype
 fp8 on a source without FP8 weights; a --dst that exists without --overwrite, overlaps --src, sits under a
 file, or was not written by this tool: nothing is touched), 1 for a checkpoint error (the message names
-the tensor; the destination is not created), 130 interrupted. The kebab-case flags of earlier versions (``--max-shard-gb``, ``--no-verify``,
-...) still work with a one-line deprecation warning.
+the tensor; the destination is not created), 130 interrupted. The kebab-case flags of earlier versions
+(``--max-shard-gb``, ``--no-verify``, ...) still work with a one-line deprecation warning.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ where it applies, the expected and the actual shape / dtype / size."""
 from __future__ import annotations
 
 __all__ = ["CheckpointError", "MissingTensorError", "UnknownTensorError", "TensorShapeError",
-           "TensorDtypeError", "SourceKindError", "CorruptFileError", "ChecksumMismatch", "DestinationError", "DestinationExistsError",
+           "TensorDtypeError", "SourceKindError", "CorruptFileError", "ChecksumMismatch", "DestinationError",
+           "DestinationExistsError",
            "first_line", "root_cause"]
 
 

@@ -134,7 +134,8 @@ def conversation_trajectory(text: str, tokenizer, loss_on: str = "assistant") ->
     return Trajectory(ids, mask.astype(np.float32))
 
 
-def _int_list(value: Any, ok: Callable[[Any], bool]) -> bool:
+def _list_of(value: Any, ok: Callable[[Any], bool]) -> bool:
+    """``value`` is a list whose every item passes ``ok``."""
     return isinstance(value, list) and all(ok(v) for v in value)
 
 
@@ -143,9 +144,9 @@ def _parse(obj: Any, where: str, tokenizer, render, loss_on: str) -> Trajectory:
         raise TrajectoryError(f"{where}: expected an object with 'messages' or 'tokens'")
     if "tokens" in obj:
         toks, mask = obj["tokens"], obj.get("loss_mask")
-        if not _int_list(toks, lambda v: type(v) is int) or not toks:
+        if not _list_of(toks, lambda v: type(v) is int) or not toks:
             raise TrajectoryError(f"{where}: 'tokens' must be a non-empty list of integer token ids")
-        if mask is not None and (not _int_list(mask, lambda v: type(v) in (int, float, bool) and v in (0, 1))
+        if mask is not None and (not _list_of(mask, lambda v: type(v) in (int, float, bool) and v in (0, 1))
                                  or len(mask) != len(toks)):                  # 0 / 1 as ints, floats or bools
             raise TrajectoryError(f"{where}: 'loss_mask' must be a list of 0 / 1, one per token ({len(toks)})")
         if min(toks) < 0 or max(toks) >= 1 << 31:

@@ -33,7 +33,7 @@ from minimax_jax.data.haystack import LengthError, noise_haystack, prose_haystac
 from minimax_jax.data.prose import MissingDataError
 from minimax_jax.data.tasks import TASKS, generate_suite
 from minimax_jax.eval.chat import chat_prompt, strip_thinking
-from minimax_jax.eval.perplexity import heldout_perplexity, token_stream
+from minimax_jax.eval.perplexity import stream_perplexity, token_stream
 from minimax_jax.exit_codes import UsageError
 from minimax_jax.eval.runner import ModelFns, RuntimeUnavailable, load_model_fns
 from minimax_jax.eval.scoring import METRICS, score_examples
@@ -218,11 +218,10 @@ def file_error(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _check_ppl_tokens(args: argparse.Namespace, texts: list[str], tokenizer, bos: int | None) -> None:
-    """Raise UsageError when ``--ppl_files`` hold fewer tokens than one window of ``--ppl_seq_len`` + 1
+def _check_ppl_tokens(args: argparse.Namespace, got: int, bos: int | None) -> None:
+    """Raise UsageError when ``--ppl_files`` hold ``got`` < one window of ``--ppl_seq_len`` + 1 tokens
     (or ``--ppl_max_tokens``): a perplexity of a few tokens is no measurement."""
     need = min(args.ppl_seq_len + 1, args.ppl_max_tokens)
-    got = len(token_stream(texts, tokenizer, bos_id=bos, max_tokens=need))
     if got < need:
         files = ", ".join(repr(f) for f in args.ppl_files)
         raise UsageError(f"--ppl_files {files}: {got} token(s){' with BOS' if bos is not None else ''}, need at "
@@ -287,15 +286,14 @@ def run_eval(args: argparse.Namespace, fns: ModelFns) -> dict:
         else:
             texts = [prose_haystack(heldout_works=args.heldout_works, seed=args.corpus_seed).text]
         bos = None if not args.bos else fns.tokenizer.token_to_id(BOS)
+        stream = token_stream(texts, fns.tokenizer, bos_id=bos, max_tokens=args.ppl_max_tokens)
         if args.ppl_files:
-            _check_ppl_tokens(args, texts, fns.tokenizer, bos)
+            _check_ppl_tokens(args, len(stream), bos)
         t0 = time.perf_counter()
         _progress(f"perplexity: scoring up to {args.ppl_max_tokens} tokens in windows of {args.ppl_seq_len} ...")
         buckets = None if not args.ppl_buckets else [0, *args.ppl_buckets, args.ppl_seq_len]
-        ppl = heldout_perplexity(
-            fns.logprob_fn, texts, fns.tokenizer, seq_len=args.ppl_seq_len,
-            batch_size=args.ppl_batch_size, max_tokens=args.ppl_max_tokens, bos_id=bos, buckets=buckets,
-        )
+        ppl = stream_perplexity(fns.logprob_fn, stream, args.ppl_seq_len, args.ppl_batch_size,
+                                tokenizer=fns.tokenizer, buckets=buckets)
         _progress(f"perplexity: {ppl['tokens']} tokens in {time.perf_counter() - t0:.1f} s")
     outputs: list[str] = []
     timing: list[dict] = []
