@@ -14,7 +14,9 @@
 # with EVAL=1 [default] runs the eval CLI at LENGTHS [4096,...,65536] under EVAL_BUDGET_S [150].
 # Environment: W work dir [/tmp/long]; OUT results [$W/out]; MAX_MB corpus [60]; MSA_IMPL / ATTN_IMPL
 # [auto / pallas_flash_gpu on a GPU]; MEM_FRACTION per process [0.3 with several checkpoints, else 0.75];
-# EXTRA_SETS more --set flags (CPU smoke runs); SEND_CKPT=1 sends DST/<name> back in <= 15 MiB pieces
+# EXTRA_SETS more --set flags (CPU smoke runs); SETS_<name> more --set flags for the run <name> only, after
+# EXTRA_SETS (e.g. SETS_msa="--set init.mode=sparse_cpt ..." turns that copy into MSA; issue 31's recipe);
+# LONG_SEED the corpus seed [2]; COPY_CHECK=0 skips the copy check; SEND_CKPT=1 sends DST/<name> back in <= 15 MiB pieces
 # (cat long_ckpt_<name>.tar.part-* | tar xf -).
 set -u
 cd "$(dirname "$0")/../.."
@@ -34,7 +36,7 @@ if [ -e "$W/corpus/manifest.json" ]; then
   log "reusing $W/corpus"
 else
   log "corpus (${MAX_MB:-60} MB, retrieval documents ${LONG_MIN_CHARS:-12000}-${LONG_MAX_CHARS:-50000} characters)"
-  $PY -m minimax_jax.data.corpus --out "$W/corpus.tmp" --max_mb "${MAX_MB:-60}" --seed 2 \
+  $PY -m minimax_jax.data.corpus --out "$W/corpus.tmp" --max_mb "${MAX_MB:-60}" --seed "${LONG_SEED:-2}" \
     --shares prose=0.05,code=0.05,synthetic=0.9 --synthetic_min_chars "${LONG_MIN_CHARS:-12000}" \
     --synthetic_max_chars "${LONG_MAX_CHARS:-50000}" --workers "$(( $(nproc) < 16 ? $(nproc) : 16 ))" \
     > "$OUT/corpus_long.json" || exit 1
@@ -50,7 +52,7 @@ n=$(echo "$CKPTS" | wc -w)
 MEM=${MEM_FRACTION:-$([ "$n" -gt 1 ] && echo 0.3 || echo 0.75)}
 
 one() {  # name checkpoint-dir
-  local name=$1 ckpt=$2 t0=$SECONDS rd="$W/run_$1"
+  local name=$1 ckpt=$2 t0=$SECONDS rd="$W/run_$1" own="SETS_$1"
   # shellcheck disable=SC2086
   XLA_PYTHON_CLIENT_MEM_FRACTION=$MEM timeout -s TERM -k 60 "${CAP_S:-260}" $PY train.py \
     --config configs/train/demo.yaml --noprepare_data \
@@ -59,15 +61,17 @@ one() {  # name checkpoint-dir
     --set data.batch_size="${BATCH:-2}" --set run.steps="${STEPS:-800}" --set optim.lr="${LR:-5e-4}" \
     --set schedule.warmup_steps=20 --set msa.indexer_warmup_steps=0 --set model.attention_impl="$ATTN_IMPL" \
     --set model.msa_impl="$MSA_IMPL" --set "run.run_dir=$rd" --set run.progress=false --set checkpoint.every=200 \
-    --set run.log_every=50 ${EXTRA_SETS:-} > "$W/train_$name.log" 2>&1
+    --set run.log_every=50 ${EXTRA_SETS:-} ${!own:-} > "$W/train_$name.log" 2>&1
   log "train $name: rc $? after $((SECONDS - t0)) s (124 = stopped by the cap with a SIGTERM save)"
   cp "$rd/metrics.jsonl" "$OUT/metrics_long_$name.jsonl" 2>/dev/null
   tail -5 "$W/train_$name.log" > "$OUT/train_long_tail_$name.txt"
   $PY -m minimax_jax.train.export --run_dir "$rd" --dst "$DST/$name" >> "$W/train_$name.log" 2>&1 \
     || { log "export $name failed"; return 1; }
-  XLA_PYTHON_CLIENT_MEM_FRACTION=0.1 PYTHONPATH=.:${PYTHONPATH:-} $PY experiments/learnability/induction.py repeat \
-    --checkpoint "$DST/$name" > "$OUT/induction_long_$name.txt" 2>>"$W/train_$name.log"
-  log "copy check $name: $(tail -1 "$OUT/induction_long_$name.txt")"
+  if [ "${COPY_CHECK:-1}" = 1 ]; then
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.1 PYTHONPATH=.:${PYTHONPATH:-} $PY experiments/learnability/induction.py repeat \
+      --checkpoint "$DST/$name" > "$OUT/induction_long_$name.txt" 2>>"$W/train_$name.log"
+    log "copy check $name: $(tail -1 "$OUT/induction_long_$name.txt")"
+  fi
   if [ "${EVAL:-1}" = 1 ]; then
     t0=$SECONDS
     XLA_PYTHON_CLIENT_MEM_FRACTION=$MEM timeout -k 30 $(( ${EVAL_BUDGET_S:-150} + 120 )) $PY -m minimax_jax.eval \

