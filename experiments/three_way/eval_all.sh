@@ -16,7 +16,7 @@
 # Environment: W [/tmp/three_way]; OUT [$W/out]; CKPT_ROOT [$W/ckpt]; VARIANTS [msa full sliding]; LENGTHS
 # [2048,4096,8192,16384,32768,65536]; NUM_SAMPLES [8]; BATCH [8]; EVAL_BUDGET_S [240] (the eval CLI's
 # own budget) and EVAL_SLACK_S [240] (hard cap = budget + slack: loading, compilation, perplexity);
-# RECALL_LENGTH [4096: the training row]; PPL_BUCKETS perplexity-by-position bucket edges (--ppl_buckets, e.g.
+# RECALL_LENGTH [4096: the training row]; RECALL_TIMEOUT_S [180]; PPL_BUCKETS perplexity-by-position bucket edges (--ppl_buckets, e.g.
 # 1024,4096,16384; default: the eval CLI's); INFER=0 skips the infer.py timing; CTX_TOKENS [32768]; PREFILL_CHUNK paged-engine prefill step [1024];
 # GPUS_* and MEM_FRACTION (per process; 0.3 when three share one GPU) as in train_all.sh.
 set -u
@@ -62,7 +62,7 @@ eval_one() {  # variant device
     --ppl_seq_len "$PPL_SEQ" --ppl_max_tokens 65536 ${PPL_BUCKETS:+--ppl_buckets "$PPL_BUCKETS"} --out "$OUT/eval_$v.json" > "$W/eval_$v.log" 2>&1
   log "eval $v: rc $? after $((SECONDS - t0)) s"
   if [ "$v" = msa ]; then
-    timeout -k 10 180 $PY -m minimax_jax.eval.recall --checkpoint "$CKPT_ROOT/$v" --text_file "$W/heldout_prose.txt" \
+    timeout -k 10 "${RECALL_TIMEOUT_S:-180}" $PY -m minimax_jax.eval.recall --checkpoint "$CKPT_ROOT/$v" --text_file "$W/heldout_prose.txt" \
       --length "$RECALL_LENGTH" --out "$OUT/recall_$v.json" >> "$W/eval_$v.log" 2>&1
     log "recall $v: rc $?"
   fi
