@@ -8,6 +8,8 @@
 #                                                   # with the dense KL, then sparse), sliding (window 512 on
 #                                                   # layers 2-5 = MSA's 8 x 64 attended tokens)
 #   bash experiments/long_context/device.sh train   # dense then three in one call, shorter caps
+#   bash experiments/long_context/device.sh msa2    # the MSA variant with its indexer warm-up on 8K rows, then
+#                                                   # sparse on 32K rows; and its eval (RESULTS.md says why)
 #   bash experiments/long_context/device.sh eval    # RULER-style tasks at 4K-32K, >= 16 prompts per cell,
 #                                                   # perplexity by position, indexer recall at 16K; the MSA
 #                                                   # model also with --attention dense (backbone vs selection)
@@ -58,6 +60,28 @@ case $stage in
     WHEELS=0 COPY_CHECK=0 A_STEPS=${A_STEPS:-800} A_CAP_S=${A_CAP_S:-140} bash "$0" dense || exit $?
     WHEELS=0 COPY_CHECK=0 B_STEPS=${B_STEPS:-700} B_CAP_S=${B_CAP_S:-290} B_WARMUP=${B_WARMUP:-100} bash "$0" three
     exit $? ;;
+  msa2)   # the MSA variant again, its indexer warm-up on 8K rows (the warm-up's dense KL has no kernel: XLA,
+           # ~15K tokens/s at 32K rows), then sparse on 32K rows; W_STEPS + S_STEPS = stage B's steps; its eval
+    if [ ! -d "$W/ckptA/dense" ] && ls .exp/dense_ckpt.tar.part-* >/dev/null 2>&1; then
+      mkdir -p "$W/ckptA" && cat .exp/dense_ckpt.tar.part-* | tar xf - -C "$W/ckptA" && echo "stage A model from .exp/ (fresh machine)"
+    fi
+    [ -d "$W/ckptA/dense" ] || { echo "msa2: no stage-A model in $W/ckptA/dense, none carried in .exp/"; exit 3; }
+    corpus_b || exit 1
+    ws=${W_STEPS:-100}
+    export SETS_msaw="--set init.mode=sparse_cpt --set msa.layers=[2,3,4,5] --set msa.indexer_warmup_steps=$ws \
+--set msa.freeze_backbone_in_warmup=true --set msa.warmup_lr=1e-3 --set schedule.warmup_steps=0"
+    OUT=$W/out EVAL=0 DST=$W/ckptW SEQ=8192 BATCH=4 STEPS=$ws CAP_S=${W_CAP_S:-150} MEM_FRACTION=0.85 \
+      CKPTS="msaw=$W/ckptA/dense" W=$W/b bash experiments/three_way/long_stage.sh || exit 1
+    OUT=$W/out EVAL=0 DST=$W/ckptC SEQ=32768 BATCH=1 STEPS=${S_STEPS:-600} CAP_S=${S_CAP_S:-150} LR=${B_LR:-5e-4} \
+      MEM_FRACTION=0.85 CKPTS="msa=$W/ckptW/msaw" W=$W/b bash experiments/three_way/long_stage.sh
+    [ -d "$W/ckptC/msa" ] || exit 1
+    tar cf - -C "$W/ckptC" msa | split -b 15m - "$OUT/msa_ckpt.tar.part-"    # back even if the eval is cut short
+    OUT=$W/out CKPT_ROOT=$W/ckptC W=$W/b VARIANTS="${EVAL_VARIANTS:-msa msa_dense}" LENGTHS=${LENGTHS:-4096,8192,16384,32768} \
+      NUM_SAMPLES=${NUM_SAMPLES:-16} BATCH=16 EVAL_BUDGET_S=${EVAL_BUDGET_S:-200} EVAL_SLACK_S=${EVAL_SLACK_S:-80} \
+      RECALL_TIMEOUT_S=${RECALL_TIMEOUT_S:-90} RECALL_LENGTH=${RECALL_LENGTH:-16384} PPL_SEQ=${PPL_SEQ:-32768} \
+      PPL_BUCKETS=${PPL_BUCKETS:-1024,4096,8192,16384} INFER=0 MEM_FRACTION=0.4 bash experiments/three_way/eval_all.sh
+    rc=$?
+    ;;
   three)
     if [ ! -d "$W/ckptA/dense" ] && ls .exp/dense_ckpt.tar.part-* >/dev/null 2>&1; then
       mkdir -p "$W/ckptA" && cat .exp/dense_ckpt.tar.part-* | tar xf - -C "$W/ckptA" && echo "stage A model from .exp/ (fresh machine)"
@@ -82,7 +106,7 @@ case $stage in
       bash experiments/three_way/eval_all.sh
     rc=$?
     ;;
-  *) echo "usage: device.sh dense|three|train|eval"; exit 2 ;;
+  *) echo "usage: device.sh dense|three|train|msa2|eval"; exit 2 ;;
 esac
 tar czf "$OUT/lc_$stage.tgz" -C "$W" out
 if [ "$stage" = dense ] && [ -d "$W/ckptA/dense" ]; then

@@ -39,7 +39,7 @@ else
   $PY -m minimax_jax.data.corpus --out "$W/corpus.tmp" --max_mb "${MAX_MB:-60}" --seed "${LONG_SEED:-2}" \
     --shares prose=0.05,code=0.05,synthetic=0.9 --synthetic_min_chars "${LONG_MIN_CHARS:-12000}" \
     --synthetic_max_chars "${LONG_MAX_CHARS:-50000}" --workers "$(( $(nproc) < 16 ? $(nproc) : 16 ))" \
-    > "$OUT/corpus_long.json" || exit 1
+    > "$OUT/corpus_long_$(basename "$W").json" || exit 1
   rm -rf "$W/corpus" && mv "$W/corpus.tmp" "$W/corpus"    # complete or absent: a killed build is redone
 fi
 [ "${CORPUS_ONLY:-0}" = 1 ] && exit 0

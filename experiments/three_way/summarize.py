@@ -2,8 +2,8 @@
 
     python experiments/three_way/summarize.py [RESULTS_DIR]   # default experiments/three_way/results
 
-Reads eval_<v>.json (task x length accuracy, perplexity, per-batch timing), metrics_<v>.jsonl
-(training curve), train_<v>.log (the step it stopped at), recall_msa.json and infer_<v>.txt (the stats line of infer.py) for the variants
+Reads eval_<v>.json (task x length accuracy, perplexity, per-batch timing), metrics_<v>.jsonl or
+metrics_long_<v>.jsonl (training curve), train_<v>.log (the step it stopped at), recall_msa.json and infer_<v>.txt (the stats line of infer.py) for the variants
 msa / full / sliding (and msa_dense where eval_all.sh ran it), and prints: the accuracy table (a cell is blank where the length was not
 reached in the time budget; with its 95 % interval where the eval file has one), a training summary and a timing summary.
 """
@@ -55,6 +55,8 @@ def training_summary(d: str) -> str:
             "|---|---|---|---|---|---|---|---|"]
     for v in CORE:
         p = os.path.join(d, f"metrics_{v}.jsonl")
+        if not os.path.exists(p):    # long_stage.sh's name (experiments/long_context/)
+            p = os.path.join(d, f"metrics_long_{v}.jsonl")
         if not os.path.exists(p):
             continue
         m = [json.loads(line) for line in open(p)]
