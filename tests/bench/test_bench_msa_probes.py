@@ -29,13 +29,26 @@ def test_chunked_prefill_serving_case(tmp_path):
     assert len(res["rows"]) == 4 and all(r["ms"] > 0 for r in res["rows"])
 
 
-@pytest.mark.parametrize("script,out,keys", [("msa_bwd_probe.py", "msa_bwd_probe.json", ("bwd_ok", "bwd_chunked_ok", "bwd_dq16_ok")),
-                                             ("msa_kl_probe.py", "msa_kl_probe.json", ("kl_ok",))])
-def test_probe_checks_pass(tmp_path, script, out, keys):
-    _run(script, tmp_path, "--interpret", "--tiny")
+TINY_CASES = ["m3like", "m2like_packed", "suffix"]        # bench/msa_fwd_probe.py's probe_shapes(tiny=True)
+BWD = ("msa_bwd_probe.py", "msa_bwd_probe.json", ("bwd_ok", "bwd_chunked_ok", "bwd_dq16_ok"))
+KL = ("msa_kl_probe.py", "msa_kl_probe.json", ("kl_ok",))
+
+
+@pytest.mark.parametrize("script,out,keys,cases", [
+    (*BWD, ["m2like_packed"]), (*KL, ["m2like_packed"]),
+    pytest.param(*BWD, None, marks=pytest.mark.slow, id="msa_bwd_probe.py-all_cases"),
+    pytest.param(*KL, None, marks=pytest.mark.slow, id="msa_kl_probe.py-all_cases")],
+    ids=lambda v: "+".join(v) if isinstance(v, list) else None)
+def test_probe_checks_pass(tmp_path, script, out, keys, cases):
+    """The default run checks the packed two-row case alone (``--check-cases``: ~10 s of interpreted kernels a
+    case); every tiny case (also the one-row and the suffix query case) in the slow run."""
+    _run(script, tmp_path, "--interpret", "--tiny", *([f"--check-cases={','.join(cases)}"] if cases else []))
     with open(tmp_path / out) as f:
         checks = json.load(f)["checks"]
-    assert checks and all(c.get(k) for c in checks for k in keys), checks
+    assert [c["case"] for c in checks] == TINY_CASES, checks
+    ran = [c for c in checks if not c.get("skipped")]
+    assert [c["case"] for c in ran] == (cases or TINY_CASES), checks
+    assert ran and all(c.get(k) for c in ran for k in keys), checks
 
 
 @pytest.mark.parametrize("args,message", [

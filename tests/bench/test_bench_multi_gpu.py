@@ -1,12 +1,14 @@
 """bench/multi_gpu.py on simulated CPU devices (``--tiny``): each sub-command's correctness check passes
 (context-parallel MSA layer == one device; expert-parallel train step's first loss == expert=1; M2 greedy
 decode on an expert + tensor mesh == one device) before its rows are timed, and its JSON holds the rows;
-a check that fails makes the script exit 1 with no timed rows."""
+a check that fails makes the script exit 1 with no timed rows. ep_train: slow."""
 
 import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 from tests.paths import REPO_ROOT
 
@@ -53,7 +55,12 @@ def test_cp_failed_check_times_nothing(tmp_path):
     assert "cp check: FAILED" in out
 
 
+@pytest.mark.slow
 def test_ep_train(tmp_path):
+    """Slow (~50 s: four compiles of the tiny MSA train step): the expert-parallel train step's loss against
+    expert=1 is checked by tests/sharding/test_sharding_equivalence.py (fsdp x expert x tensor) and
+    tests/ops/moe/test_moe_expert_parallel.py, train_step.bench_one by tests/bench/test_bench_train_step.py,
+    this script's harness by the other tests here."""
     res, out = _run(tmp_path, "ep_train", "--experts", "1,4", "--steps", "1", "--warmup", "0", devices=4)
     check = res["check"]
     assert check["passed"] and set(check["values"]) == {"1", "4"}, check

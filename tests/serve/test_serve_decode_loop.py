@@ -2,7 +2,7 @@
 ``openai`` client: greedy completions alone and concurrent (completion lengths that are not multiples of the
 loop, a chunked prefill, a stop string) equal the plain greedy generation loop, and device loops really ran;
 a request with logprobs or a sampled one rides along (one step at a time while it decodes) and finishes; with
-``speculative="mtp"`` the loops are speculative ones, with the same output."""
+``speculative="mtp"`` the loops are speculative ones, with the same output (slow)."""
 
 from __future__ import annotations
 
@@ -44,11 +44,11 @@ def test_loops_give_plain_greedy_output(srv, gen, monkeypatch):
     loops = []
     greedy = sched.backend.greedy
     monkeypatch.setattr(sched.backend, "greedy", lambda *a: loops.append(a[2]) or greedy(*a))
-    want = [_plain(gen, *_case(i)) for i in range(10)]
+    want = [_plain(gen, *_case(i)) for i in range(7)]
     assert [_ask(srv, i) for i in range(len(PROMPTS))] == want[:len(PROMPTS)]
     assert loops and set(loops) == {4}                                     # device loops of 4 steps ran
-    with concurrent.futures.ThreadPoolExecutor(10) as pool:                # > 4 slots: batched, some wait
-        got = list(pool.map(lambda i: _ask(srv, i), range(10)))
+    with concurrent.futures.ThreadPoolExecutor(7) as pool:                 # > 4 slots: batched, some wait
+        got = list(pool.map(lambda i: _ask(srv, i), range(7)))
     assert got == want
     text = _plain(gen, PROMPTS[1], 18)
     stop = text[len(text) // 2:len(text) // 2 + 2]
@@ -75,9 +75,13 @@ def test_requests_a_loop_cannot_serve_ride_along(srv, gen):
     assert srv.wait_idle()
 
 
+@pytest.mark.slow
 def test_speculative_loops_give_plain_greedy_output(demo, gen, monkeypatch):
     """``speculative="mtp"`` with ``decode_loop=3``: greedy completions alone and concurrent equal plain greedy
-    decoding, drafts are verified and some kept, and speculative device loops really ran."""
+    decoding, drafts are verified and some kept, and speculative device loops really ran. Slow (~30 s, a server
+    of its own): the default run serves speculative device loops in tests/serve/test_serve_warmup.py
+    (``mtp+loop``), checks the speculative loop's output against plain greedy in tests/infer/test_spec_loop.py and
+    the server's speculative output in tests/serve/test_serve_speculative.py."""
     with running(demo, max_batch=4, max_len=512, prefill_chunk=64, speculative="mtp", decode_loop=3) as sp:
         sched, m = sp.scheduler, sp.server.metrics
         loops = []

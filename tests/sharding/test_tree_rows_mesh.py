@@ -18,16 +18,27 @@ from tests.paths import REPO_ROOT
 TOL = 1e-5
 
 
-@pytest.mark.parametrize("way", ["ops_xla", "keys_pallas"])
-def test_tree_rows_split_over_the_batch_axes_equal_one_device(way):
+ROWS = {"data=4": 1, "data=2,tensor=2": 2}          # mesh -> rows per device
+
+
+@pytest.mark.parametrize("way,meshes", [
+    ("ops_xla", ["data=4", "data=2,tensor=2"]),
+    ("keys_pallas", ["data=2,tensor=2"]),
+    pytest.param("keys_pallas", ["data=4"], marks=pytest.mark.slow, id="keys_pallas-data=4")],
+    ids=lambda v: "+".join(v) if isinstance(v, list) else v)
+def test_tree_rows_split_over_the_batch_axes_equal_one_device(way, meshes):
+    """Both meshes with the XLA ops; the interpreted kernels (~20 s a mesh) on data=2 x tensor=2 (two rows per
+    device), on data=4 (one row per device, as tests/sharding/test_context_parallel.py's local-rows case with
+    the kernels) only in the slow run."""
     env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4",
                JAX_PLATFORMS="cpu", PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), way], env=env, capture_output=True, text=True,
-                          timeout=900, cwd=REPO_ROOT)
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), way, ";".join(meshes)], env=env,
+                          capture_output=True, text=True, timeout=900, cwd=REPO_ROOT)
     assert proc.returncode == 0, (proc.stdout[-4000:], proc.stderr[-8000:])
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert [r["mesh"] for r in results] == ["data=4", "data=2,tensor=2"]
-    for r, rows in zip(results, (1, 2)):
+    assert [r["mesh"] for r in results] == meshes
+    for r in results:
+        rows = ROWS[r["mesh"]]
         assert r["max_abs_err"] <= TOL and r["bad_leaves"] == [] and r["kl"] > 0, r
         assert r["cp"]["context_parallel/msa"].startswith("sequence=1,batch=('data',),heads=-"), r
         assert r["cp"]["context_parallel/attention"].startswith("sequence=1,batch=('data',),heads=-"), r
@@ -36,7 +47,7 @@ def test_tree_rows_split_over_the_batch_axes_equal_one_device(way):
         assert r["pallas_inside"] > 0 or way == "ops_xla", r
 
 
-def _worker(way: str) -> None:
+def _worker(way: str, meshes: list[str]) -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -75,7 +86,7 @@ def _worker(way: str) -> None:
     step = jax.value_and_grad(_loss_fn(spec, jax.tree.map(lambda _: True, params)), has_aux=True)
     norms = batch_norms(batch, 0)
     ref = jax.jit(step)(params, batch, norms)
-    for mesh_spec in ("data=4", "data=2,tensor=2"):
+    for mesh_spec in meshes:
         mesh, rules = sh.make_mesh(mesh_spec), sh.load_rules("default")
         p = jax.device_put(params, params_shardings(cfg, mesh, rules))
         gb = {k: jax.device_put(v, sh.batch_sharding(mesh, rules)) for k, v in batch.items()}
@@ -99,4 +110,4 @@ def _worker(way: str) -> None:
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1])
+    _worker(sys.argv[1], sys.argv[2].split(";"))
