@@ -44,6 +44,12 @@ corpus_b() {  # the 32K-row corpus: retrieval documents of 12,000-100,000 charac
   OUT=$W/out W=$W/b MAX_MB=${B_MB:-80} LONG_SEED=4 LONG_MAX_CHARS=100000 CORPUS_ONLY=1 \
     bash experiments/three_way/long_stage.sh
 }
+stage_a_model() {  # stage A's model in W/ckptA/dense: left by `dense` on this machine, or carried in .exp/
+  if [ ! -d "$W/ckptA/dense" ] && ls .exp/dense_ckpt.tar.part-* >/dev/null 2>&1; then
+    mkdir -p "$W/ckptA" && cat .exp/dense_ckpt.tar.part-* | tar xf - -C "$W/ckptA" && echo "stage A model from .exp/ (fresh machine)"
+  fi
+  [ -d "$W/ckptA/dense" ] || { echo "$1: no stage-A model in $W/ckptA/dense, none carried in .exp/"; return 1; }
+}
 stage=${1:-}
 case $stage in
   dense)
@@ -62,10 +68,7 @@ case $stage in
     exit $? ;;
   msa2)   # the MSA variant again, its indexer warm-up on 8K rows (the warm-up's dense KL has no kernel: XLA,
            # ~15K tokens/s at 32K rows), then sparse on 32K rows; W_STEPS + S_STEPS = stage B's steps; its eval
-    if [ ! -d "$W/ckptA/dense" ] && ls .exp/dense_ckpt.tar.part-* >/dev/null 2>&1; then
-      mkdir -p "$W/ckptA" && cat .exp/dense_ckpt.tar.part-* | tar xf - -C "$W/ckptA" && echo "stage A model from .exp/ (fresh machine)"
-    fi
-    [ -d "$W/ckptA/dense" ] || { echo "msa2: no stage-A model in $W/ckptA/dense, none carried in .exp/"; exit 3; }
+    stage_a_model msa2 || exit 3
     corpus_b || exit 1
     ws=${W_STEPS:-100}
     export SETS_msaw="--set init.mode=sparse_cpt --set msa.layers=[2,3,4,5] --set msa.indexer_warmup_steps=$ws \
@@ -83,10 +86,7 @@ case $stage in
     rc=$?
     ;;
   three)
-    if [ ! -d "$W/ckptA/dense" ] && ls .exp/dense_ckpt.tar.part-* >/dev/null 2>&1; then
-      mkdir -p "$W/ckptA" && cat .exp/dense_ckpt.tar.part-* | tar xf - -C "$W/ckptA" && echo "stage A model from .exp/ (fresh machine)"
-    fi
-    [ -d "$W/ckptA/dense" ] || { echo "three: no stage-A model in $W/ckptA/dense, none carried in .exp/"; exit 3; }
+    stage_a_model three || exit 3
     corpus_b || exit 1
     warm=${B_WARMUP:-150}
     export SETS_msa="--set init.mode=sparse_cpt --set msa.layers=[2,3,4,5] --set msa.indexer_warmup_steps=$warm \
