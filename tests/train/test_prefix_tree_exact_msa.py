@@ -56,7 +56,8 @@ CASES = {
 
 WAYS = [(name, "ops_xla") for name in sorted(CASES)] + \
        [(name, "keys_xla") for name in ("six_levels", "several_trees_per_row", "dense_warmup")] + \
-       [("several_trees_per_row", "keys_pallas"),      # slow below: that tree's ops_xla way is in the default run
+       [("several_trees_per_row", "keys_pallas"),
+        # slow: this tree's ops_xla way is in the default run, the key layout through the kernels above
         pytest.param("on_block_16_and_64", "keys_pallas", marks=pytest.mark.slow, id="on_block_16_and_64-keys_pallas"),
         ("several_trees_per_row", "keys_tpu_kernels")]
 
