@@ -23,7 +23,8 @@
 # final save); B_STEPS [1000] B_CAP_S [420]; B_WARMUP [150] MSA indexer warm-up steps (part of B_STEPS);
 # EVAL_BUDGET_S [300]; NUM_SAMPLES [16]; LENGTHS [4096,8192,16384,32768]; RECALL_LENGTH [16384]; PPL_SEQ
 # [32768] and PPL_BUCKETS [1024,4096,8192,16384]; PYTHON [python3]; WHEELS=0 skips the .whl install; EXTRA_SETS
-# more --set flags for every training run. CPU smoke run (a few minutes):
+# more --set flags for every training run; msa2: W_STEPS [100] W_CAP_S [150] (warm-up), S_STEPS [600] S_CAP_S [150]
+# (sparse), EVAL_VARIANTS [msa msa_dense msa_top16] (eval_all.sh's names; they share the GPU). CPU smoke run (a few minutes):
 #   W=/tmp/lcs OUT=/tmp/lcs_out PYTHON=.venv/bin/python WHEELS=0 A_MB=2 B_MB=2 A_STEPS=4 B_STEPS=6 B_WARMUP=2 \
 #     EXTRA_SETS="--set data.seq_len=1024 --set run.remat=none" bash experiments/long_context/device.sh dense  (then three,
 #   then eval with LENGTHS=1024 NUM_SAMPLES=1 RECALL_LENGTH=1024 PPL_SEQ=1024 PPL_BUCKETS=256 EVAL_BUDGET_S=60)
@@ -79,10 +80,12 @@ case $stage in
       MEM_FRACTION=0.85 CKPTS="msa=$W/ckptW/msaw" W=$W/b bash experiments/three_way/long_stage.sh
     [ -d "$W/ckptC/msa" ] || exit 1
     tar cf - -C "$W/ckptC" msa | split -b 15m - "$OUT/msa_ckpt.tar.part-"    # back even if the eval is cut short
-    OUT=$W/out CKPT_ROOT=$W/ckptC W=$W/b VARIANTS="${EVAL_VARIANTS:-msa msa_dense}" LENGTHS=${LENGTHS:-4096,8192,16384,32768} \
+    ev=${EVAL_VARIANTS:-msa msa_dense msa_top16}; set -- $ev   # msa_top16: the same weights selecting 16 blocks
+    OUT=$W/out CKPT_ROOT=$W/ckptC W=$W/b VARIANTS="$ev" LENGTHS=${LENGTHS:-4096,8192,16384,32768} \
       NUM_SAMPLES=${NUM_SAMPLES:-16} BATCH=16 EVAL_BUDGET_S=${EVAL_BUDGET_S:-200} EVAL_SLACK_S=${EVAL_SLACK_S:-80} \
       RECALL_TIMEOUT_S=${RECALL_TIMEOUT_S:-90} RECALL_LENGTH=${RECALL_LENGTH:-16384} PPL_SEQ=${PPL_SEQ:-32768} \
-      PPL_BUCKETS=${PPL_BUCKETS:-1024,4096,8192,16384} INFER=0 MEM_FRACTION=0.4 bash experiments/three_way/eval_all.sh
+      PPL_BUCKETS=${PPL_BUCKETS:-1024,4096,8192,16384} INFER=0 MEM_FRACTION=$(awk -v n=$# 'BEGIN { printf "%.2f", 0.9 / n }') \
+      bash experiments/three_way/eval_all.sh
     rc=$?
     ;;
   three)

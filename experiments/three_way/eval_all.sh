@@ -11,7 +11,8 @@
 #   W=/tmp/three_way bash experiments/three_way/eval_all.sh
 #
 # VARIANTS may also name msa_dense: the MSA checkpoint evaluated with `--attention dense` (its MSA layers
-# run as full attention: the ceiling of any indexer of that backbone; RESULTS.md, session 10); give each
+# run as full attention: the ceiling of any indexer of that backbone; RESULTS.md, session 10) and msa_top<N>:
+# the MSA checkpoint with index_topk N (a copy under W with its config.yaml edited); give each
 # of N variants sharing one GPU MEM_FRACTION <= 0.9 / N.
 # Environment: W [/tmp/three_way]; OUT [$W/out]; CKPT_ROOT [$W/ckpt]; VARIANTS [msa full sliding]; LENGTHS
 # [2048,4096,8192,16384,32768,65536]; NUM_SAMPLES [8]; BATCH [8]; EVAL_BUDGET_S [240] (the eval CLI's
@@ -55,6 +56,11 @@ EOF
 eval_one() {  # variant device
   local v=$1 dev=$2 t0=$SECONDS ck=$CKPT_ROOT/$1 att=as_trained
   [ "$v" = msa_dense ] && { ck=$CKPT_ROOT/msa; att=dense; }
+  case $v in msa_top[0-9]*)   # the same weights selecting top-N blocks (an inference-time choice)
+    ck=$W/ckpt_$v; rm -rf "$ck"; cp -r "$CKPT_ROOT/msa" "$ck" || return
+    sed -i "s/^index_topk: .*/index_topk: ${v#msa_top}/" "$ck/config.yaml"
+    grep -q "^index_topk: ${v#msa_top}\$" "$ck/config.yaml" || { log "eval $v: no index_topk line in config.yaml"; return; } ;;
+  esac
   export CUDA_VISIBLE_DEVICES=$dev XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.45}
   timeout -k 30 $((EVAL_BUDGET_S + ${EVAL_SLACK_S:-240})) $PY -m minimax_jax.eval --checkpoint "$ck" --attention "$att" --tasks all \
     --lengths "$LENGTHS" --num_samples "$NUM_SAMPLES" --batch_size "$BATCH" --time_budget_s "$EVAL_BUDGET_S" \
@@ -77,7 +83,7 @@ eval_one() {  # variant device
 }
 
 for v in $VARIANTS; do
-  case $v in msa|msa_dense) dev=$GPUS_MSA ;; full) dev=$GPUS_FULL ;; *) dev=$GPUS_SLIDING ;; esac
+  case $v in msa|msa_dense|msa_top*) dev=$GPUS_MSA ;; full) dev=$GPUS_FULL ;; *) dev=$GPUS_SLIDING ;; esac
   eval_one "$v" "$dev" &
 done
 wait

@@ -16,12 +16,16 @@ import re
 import sys
 
 CORE = ("msa", "full", "sliding")
-# msa_dense (eval_all.sh): the MSA checkpoint with --attention dense; listed only where its files exist.
+# msa_dense (eval_all.sh): the MSA checkpoint with --attention dense; msa_top<N>: the MSA checkpoint selecting
+# top-N blocks; listed only where their files exist.
 OPTIONAL = ("msa_dense",)
+_TOP = re.compile(r"eval_(msa_top\d+)\.json$")
 
 
 def _variants(d: str) -> tuple[str, ...]:
-    return CORE + tuple(v for v in OPTIONAL if os.path.exists(os.path.join(d, f"eval_{v}.json")))
+    tops = sorted((m.group(1) for f in (os.listdir(d) if os.path.isdir(d) else ()) if (m := _TOP.match(f))),
+                  key=lambda v: int(v[len("msa_top"):]))
+    return CORE + tuple(v for v in OPTIONAL if os.path.exists(os.path.join(d, f"eval_{v}.json"))) + tuple(tops)
 
 
 def _load(path):

@@ -37,6 +37,11 @@ def test_summarize_lists_msa_dense_only_when_evaluated(tmp_path):
     _eval_json(tmp_path / "eval_msa_dense.json", {"niah_single": {"2048": 0.5, "4096": 0.25}})
     table = summarize.accuracy_table(str(tmp_path))
     assert "| niah_single | msa_dense | 0.50 | 0.25 |" in table and "msa_dense 3 / 0" in table
+    for n in (32, 16):     # msa_top<N> (the MSA checkpoint selecting top-N blocks) after them, by N
+        _eval_json(tmp_path / f"eval_msa_top{n}.json", {"niah_single": {"2048": 1.0, "4096": n / 32}})
+    table = summarize.accuracy_table(str(tmp_path))
+    assert "| niah_single | msa_top16 | 1.00 | 0.50 |" in table and "| niah_single | msa_top32 | 1.00 | 1.00 |" in table
+    assert table.index("msa_dense |") < table.index("msa_top16 |") < table.index("msa_top32 |")
     # newer eval files carry 95 % intervals per cell: shown beside the mean
     json.dump({"tasks": {"niah_single": {"2048": 1.0}}, "intervals": {"niah_single": {"2048": [0.806, 1.0]}},
                "examples": [{}] * 16, "skipped": []}, open(tmp_path / "eval_full.json", "w"))
