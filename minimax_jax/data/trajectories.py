@@ -19,12 +19,14 @@ Multi-host: host h reads the trajectories ``h::shard_count``. The files are read
 (token ids, lengths against ``seq_len`` / ``key_len``, some token trained) once, at construction.
 
 Batches: ``prefix_tree.ROW_KEYS`` arrays ``[rows, seq_len]`` (and ``KEY_KEYS`` with ``key_len``); ``it.last_stats`` is the ``PackStats``
-of the batch returned last. ``get_state()`` / ``set_state()`` restore the exact next batch.
+of the batch returned last. ``get_state()`` / ``set_state()`` restore the exact next batch; the state carries
+a fingerprint of the trajectories (all hosts' alike), and ``set_state`` refuses a state saved over other data.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -226,6 +228,7 @@ class TrajectoryIterator:
         self.rows = config.batch_size // count
         loaded = _load(config.sources, tok, render, config.loss_on)
         _check(loaded, config, vocab_size)
+        self.fingerprint = _fingerprint(t for t, _ in loaded)
         self.trajectories = [t for t, _ in loaded][index::count]
         if not self.trajectories:
             raise TrajectoryError(f"shard {index} of {count} holds no trajectory")
@@ -272,7 +275,26 @@ class TrajectoryIterator:
         return rows
 
     def get_state(self) -> dict[str, Any]:
-        return {"index": self.index}
+        return {"index": self.index, "fingerprint": self.fingerprint}
 
     def set_state(self, state: dict[str, Any]) -> None:
+        """Restores the position; raises TrajectoryError when ``state`` was saved over other trajectories
+        (a state without a fingerprint, from before it was kept, is taken as it is)."""
+        saved = state.get("fingerprint")
+        if saved is not None and saved != self.fingerprint:
+            raise TrajectoryError(
+                f"sources {list(self.config.sources)}: the trajectories differ from those the checkpoint was trained "
+                f"on (fingerprint {self.fingerprint} vs {saved}), so its data position (trajectory {int(state['index'])}) "
+                "means nothing here; restore the original files, or train on these in a new run.run_dir from this "
+                "run's weights (python -m minimax_jax.train.export, then init.mode=checkpoint, init.path=<export>)")
         self.index = int(state["index"])
+
+
+def _fingerprint(trajectories) -> str:
+    """blake2b-64 hex of the trajectories' token ids and loss masks, in order."""
+    h = hashlib.blake2b(digest_size=8)
+    for t in trajectories:
+        for a in (np.asarray(t.tokens, np.int64), np.asarray(t.loss_mask, np.float32)):
+            h.update(np.int64(a.size).tobytes())
+            h.update(a.tobytes())
+    return h.hexdigest()

@@ -66,6 +66,26 @@ def test_state_resumes_the_exact_next_batch():
         np.testing.assert_array_equal(got[k], want[k])
 
 
+def test_state_over_other_trajectories_is_refused(tmp_path):
+    """A checkpoint's data position means nothing over changed files: set_state names the change (the training
+    loop restores it before writing anything, so train.py exits 2 and the run is kept as it was)."""
+    it = _it()
+    next(it)
+    state = it.get_state()
+    lines = open(SRC, encoding="utf-8").read().splitlines()
+    _write(tmp_path, lines[:-1], name="fewer.jsonl")             # one rollout dropped
+    other = _it(sources=(str(tmp_path / "fewer.jsonl"),))
+    with pytest.raises(TrajectoryError, match=r"differ from those the checkpoint was trained on .*trajectory \d+"):
+        other.set_state(state)
+    same = _it(sources=(str(tmp_path / "fewer.jsonl"),))
+    same.set_state({"index": 1})                                   # a state from before fingerprints: taken as is
+    assert same.index == 1
+    _write(tmp_path, lines, name="copy.jsonl")                     # the same trajectories in another file: fine
+    copy = _it(sources=(str(tmp_path / "copy.jsonl"),))
+    copy.set_state(state)
+    assert copy.index == it.index
+
+
 def test_bad_settings_are_refused():
     with pytest.raises(TrajectoryError, match="key_len must be an int >= 0"):
         _it(key_len=-1)
