@@ -30,9 +30,17 @@ def _gather(x, slot):
     return jax.vmap(lambda xb, sb: xb[sb])(x, slot)
 
 
+def _dense_kl_impl(cfg: ModelConfig) -> str:
+    """The dense warm-up KL's implementation: ``cfg.msa_impl``, except the TPU kernels' (they have no dense warm-up,
+    ``minimax_jax.ops.msa.pallas``), for which the XLA reference; on GPU the dense kernels of
+    ``pallas_kernels.msa.gpu_kl_dense`` (``"auto"`` too). What ran is recorded under ``"indexer_kl"``."""
+    return "xla" if cfg.msa_impl.startswith("pallas_tpu") else cfg.msa_impl
+
+
 def _kl_takes_weights(cfg: ModelConfig, indexer_kl: str) -> bool:
     """Whether the KL implementation these rows get takes ``q_weights``: the XLA reference and the GPU kernels
-    do, the TPU kernels not (``minimax_jax.ops.msa.pallas``); the dense warm-up always runs the reference."""
+    do, the TPU kernels not (``minimax_jax.ops.msa.pallas``); the dense warm-up runs one of the former
+    (``_dense_kl_impl``)."""
     impl = cfg.msa_impl
     if indexer_kl == "dense" or impl == "xla":
         return True
@@ -88,7 +96,7 @@ def msa_block(q, k, v, qi, ki, cfg: ModelConfig, positions, segment_ids, indexer
     if indexer_kl == "dense":
         o = attention(q, k, v, implementation=cfg.attention_impl, **rows, **tree)
         kl_sum, kl_cnt = msa_ops.indexer_kl(take(q), k_sel, take(qi), ki_sel, None, block_size=blk, **kl_rows,
-                                            **kl_extra)
+                                            implementation=_dense_kl_impl(cfg), **kl_extra)
         return o, kl_sum, kl_cnt, None, None
     ids = msa_ops.msa_select_blocks(qi, ki_sel, block_size=blk, topk=cfg.index_topk, init_blocks=cfg.index_init_blocks,
                                     local_blocks=cfg.index_local_blocks, implementation=cfg.msa_impl, **sel)

@@ -1,5 +1,5 @@
 """MSA indexer KL loss on GPU (Pallas, Triton lowering), sparse support, KV-outer on the attention's
-schedule; forward and backward.
+schedule; forward and backward (the dense warm-up's support: gpu_kl_dense.py).
 
 Math (MSA_SPEC.md section 4; minimax_jax.ops.msa.kl is the reference): for query i and group r the
 support U is the visible keys of the selected blocks block_ids[b, r, i, :].
@@ -416,13 +416,13 @@ def indexer_kl_gpu(q, k, qi, ki, block_ids, *, q_positions, kv_positions, q_segm
         the teacher's LSE too): a power of two >= 32, raised to H/G's; num_warps: Triton warps
         (the defaults measured fastest at M3 128K: BENCHMARKS.md, MSA indexer KL probe).
     Returns: (kl_sum f32 [], count int32 [], or float32 with q_weights) as minimax_jax.ops.msa.indexer_kl.
-    Raises: ValueError for block_ids=None (the dense warm-up has no kernel) and for rows / num_warps outside
-      the ranges above. Other preconditions
-      (tile sizes, head counts) are asserted; the ops layer checks them for its callers.
+    Raises: ValueError for block_ids=None (the dense warm-up: ``gpu_kl_dense.indexer_kl_dense_gpu``) and for
+      rows / num_warps outside the ranges above. Other preconditions (tile sizes, head counts) are asserted; the
+      ops layer checks them for its callers.
     """
     if block_ids is None:
         raise ValueError("indexer_kl_gpu covers the sparse support only; the dense warm-up "
-                         "(block_ids=None) has no kernel")
+                         "(block_ids=None) is gpu_kl_dense.indexer_kl_dense_gpu")
     for name, x in (("block_size", block_size), ("head dim", q.shape[-1]), ("index dim", qi.shape[-1])):
         assert x is not None and x >= 16 and not x & (x - 1), f"{name} must be a power of two >= 16, got {x}"
     assert qi.shape[2] == k.shape[2], f"index heads {qi.shape[2]} must equal kv heads {k.shape[2]}"

@@ -5,7 +5,8 @@ visible to query ``i`` iff ``kv_seg[j] == q_seg[i] and kv_seg[j] >= 0 and kv_pos
 a key's block is ``kv_pos // block_size`` and a query's local block is ``q_pos // block_size``.
 With ``kv_subtree_end`` ``[B, S]`` (prefix-tree rows, ``minimax_jax.data.prefix_tree``; needs T == S)
 key slot ``j`` is visible only to query slots ``j <= i < kv_subtree_end[j]`` as well, so every op sees
-each query's own trajectory (its blocks are those of the unmerged trajectory); only ``"xla"`` serves it.
+each query's own trajectory (its blocks are those of the unmerged trajectory); only ``"xla"`` serves it,
+and for ``indexer_kl``'s dense warm-up (``block_ids=None``) the GPU kernels too.
 The number of key blocks is ``NB = ceil(S / block_size)``, so key positions must lie in
 ``[0, NB * block_size)`` (checked when the positions are concrete; under ``jit`` keys past that
 range are never selected).
@@ -281,14 +282,16 @@ def indexer_kl(q, k, qi, ki, block_ids, *, q_positions, kv_positions, q_segment_
     Args:
       q: ``[B, T, H, D]``, k: ``[B, S, G, D]`` main-branch queries / keys (receive no gradient).
       qi: ``[B, T, Hi, Di]`` with ``Hi == G``; ki: ``[B, S, Di]`` (gradients reach only these).
-      block_ids: ``[B, Hi, T, K]`` int (from ``msa_select_blocks``) or None for the dense warm-up.
+      block_ids: ``[B, Hi, T, K]`` int (from ``msa_select_blocks``) or None for the dense warm-up (on the
+        GPU implementations the flash-style kernels of ``pallas_kernels.msa.gpu_kl_dense``, which also take
+        ``kv_subtree_end``; the TPU kernels refuse it).
       positions / segment ids, kv_subtree_end: as ``msa_index_scores``; block_size: required with
         ``block_ids``.
       q_weights: ``[B, T]`` float or None: each query's rows count ``q_weights[b, i]`` times in the sum
         and the count (prefix-tree rows: how many unmerged input positions a slot stands for).
       teacher_lse: ``[B, T, H]`` float32 or None: each head's natural-log LSE over the same support,
-        i.e. ``msa_attention``'s second output for these ``block_ids`` (no gradient). The GPU kernel
-        then skips recomputing it (the main-branch logits of its first pass); the other
+        i.e. ``msa_attention``'s second output for these ``block_ids`` (no gradient; sparse only). The
+        sparse GPU kernel then skips recomputing it (the main-branch logits of its first pass); the other
         implementations compute their own (the result is the same up to rounding).
     Returns: ``(kl_sum float32 [], count [])``: the sum over (b, i, r) and the number of
       (b, i, r) with a non-empty support (``Hi * T`` for ordinary inputs; int32, or float32 with

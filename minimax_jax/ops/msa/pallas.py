@@ -6,8 +6,11 @@ dropped here), plus a ``supports`` check that says when the kernel cannot serve 
 - GPU (Triton) kernels: ``block_size`` and the head / index dims powers of two >= 16 (tile sizes);
 - TPU (Mosaic) kernels: ``block_size % 128 == 0`` (lane-dense key tiles); in interpret mode the
   attention and KL kernels take any multiple of 8;
-- ``indexer_kl``: the dense warm-up (``block_ids=None``) has no kernel;
-- every kernel: T <= S, and the storage layout of ``pallas_kernels.msa.layout`` (each segment's keys
+- ``indexer_kl``'s dense warm-up (``block_ids=None``): the GPU implementations run
+  ``pallas_kernels.msa.gpu_kl_dense`` (head / index dims powers of two in [16, 256], q / k and qi / ki each
+  one dtype; no block size, no layout contract: any T and S, visibility per element; it also serves
+  prefix-tree visibility ``kv_subtree_end`` and ``q_weights``); the TPU kernels have no dense warm-up;
+- every other kernel: T <= S, and the storage layout of ``pallas_kernels.msa.layout`` (each segment's keys
   one contiguous run, positions increasing by one), checked when the positions are concrete (under
   ``jit`` it is a precondition).
 Names: ``pallas_gpu`` / ``pallas_tpu`` (compiled, on their platform) and ``pallas_gpu_interpret`` /
@@ -44,6 +47,7 @@ from pallas_kernels.msa.gpu_indexer_wgmma import msa_select_blocks_wgmma, wgmma_
 from pallas_kernels.msa.gpu_sparse_bwd_wgmma import wgmma_bwd_supported
 from pallas_kernels.msa.gpu_sparse_fwd_wgmma import head_slot, wgmma_supported
 from pallas_kernels.msa.gpu_kl import indexer_kl_gpu
+from pallas_kernels.msa.gpu_kl_dense import dense_unsupported_reason, indexer_kl_dense_gpu
 from pallas_kernels.msa.tpu_attention import msa_attention_tpu
 from pallas_kernels.msa.tpu_indexer import msa_select_blocks_tpu
 from pallas_kernels.msa.tpu_kl import indexer_kl_tpu
@@ -110,10 +114,10 @@ def _tpu_supports(multiple, *args, **kw):
 
 
 def _sparse_only(check):
-    """``check`` for indexer_kl, after refusing the dense warm-up (block_ids=None)."""
+    """``check`` for the TPU indexer_kl, after refusing the dense warm-up (block_ids=None: no TPU kernel)."""
     def supports(*args, **kw):
         if args[4] is None:
-            return "indexer_kl: dense warm-up (block_ids=None) has no Pallas kernel"
+            return "indexer_kl: dense warm-up (block_ids=None) has no Pallas TPU kernel"
         return check(*args, **kw)
     return supports
 
@@ -214,7 +218,21 @@ def _attention_tpu(q, k, v, block_ids, *, chunk_size, interpret, **kw):
 
 
 def _kl_gpu(q, k, qi, ki, block_ids, *, chunk_size, interpret, **kw):
+    """The sparse GPU KL (``gpu_kl``), or for the dense warm-up (``block_ids=None``: no ``teacher_lse``, the op
+    refuses it; ``block_size`` unused) the dense one (``gpu_kl_dense``, which also takes ``kv_subtree_end``)."""
+    if block_ids is None:
+        kw.pop("block_size", None)
+        return indexer_kl_dense_gpu(q, k, qi, ki, interpret=interpret, **kw)
     return indexer_kl_gpu(q, k, qi, ki, block_ids, interpret=interpret, **kw)
+
+
+def _kl_gpu_supports(*args, **kw):
+    """The GPU KL's check: the dense warm-up by ``dense_unsupported_reason`` (tree rows and weights taken), the
+    sparse support by the Triton kernels' (``_gpu``: no prefix trees, weights taken)."""
+    if args[4] is None:
+        why = dense_unsupported_reason(*args[:4])
+        return None if why is None else f"indexer_kl (dense warm-up): {why}"
+    return _no_tree(_gpu, weights=True)(*args, **kw)
 
 
 def _kl_tpu(q, k, qi, ki, block_ids, *, chunk_size, interpret, teacher_lse=None, **kw):
@@ -233,11 +251,11 @@ def _no_tree(check, weights: bool = False):
     return supports
 
 
-def _four(gpu_fn, tpu_fn, gpu_check, tpu_check, tpu_interpret_check, gpu_weights=False):
+def _four(gpu_fn, tpu_fn, gpu_check, tpu_check, tpu_interpret_check):
     """The op's kernels in registry order: pallas_gpu, pallas_tpu, pallas_tpu_interpret, pallas_gpu_interpret
-    (``gpu_weights``: the GPU kernels take ``q_weights``)."""
+    (``INDEXER_KL`` lists its own: the GPU KL takes ``q_weights``, and trees in the dense warm-up)."""
     p = functools.partial
-    gpu_check = _no_tree(gpu_check, gpu_weights)
+    gpu_check = _no_tree(gpu_check)
     tpu_check, tpu_interpret_check = _no_tree(tpu_check), _no_tree(tpu_interpret_check)
     return [Implementation("pallas_gpu", p(gpu_fn, interpret=False), ("gpu",), gpu_check),
             Implementation("pallas_tpu", p(tpu_fn, interpret=False), ("tpu",), tpu_check),
@@ -245,13 +263,13 @@ def _four(gpu_fn, tpu_fn, gpu_check, tpu_check, tpu_interpret_check, gpu_weights
             Implementation("pallas_gpu_interpret", p(gpu_fn, interpret=True), None, gpu_check)]
 
 
-def _hopper(fn, kernel_reason, triton_check, weights=False):
+def _hopper(fn, kernel_reason, triton_check):
     """The Hopper set's two implementations: pallas_hopper_gpu and pallas_hopper_gpu_interpret."""
     p = functools.partial
     return [Implementation("pallas_hopper_gpu", p(fn, interpret=False), ("gpu",),
-                           _no_tree(_hopper_supports(False, kernel_reason, triton_check), weights)),
+                           _no_tree(_hopper_supports(False, kernel_reason, triton_check))),
             Implementation("pallas_hopper_gpu_interpret", p(fn, interpret=True), None,
-                           _no_tree(_hopper_supports(True, kernel_reason, triton_check), weights))]
+                           _no_tree(_hopper_supports(True, kernel_reason, triton_check)))]
 
 
 _gpu = functools.partial(_gpu_supports, _main_dims)
@@ -262,6 +280,15 @@ SELECT_BLOCKS = [*_four(_select_gpu, _select_tpu, _gpu_select, functools.partial
 ATTENTION = [*_four(_attention_gpu, _attention_tpu, _gpu, functools.partial(_tpu_supports, 128),
                     functools.partial(_tpu_supports, 8)),
              *_hopper(_attention_hopper, _attention_shapes, _gpu)]
-INDEXER_KL = [*_four(_kl_gpu, _kl_tpu, _sparse_only(_gpu), _sparse_only(functools.partial(_tpu_supports, 128)),
-                     _sparse_only(functools.partial(_tpu_supports, 8)), gpu_weights=True),
-              *_hopper(_kl_gpu, None, _sparse_only(_gpu), weights=True)]
+_kl_tpu_checks = [_sparse_only(_no_tree(functools.partial(_tpu_supports, m))) for m in (128, 8)]
+INDEXER_KL = [Implementation("pallas_gpu", functools.partial(_kl_gpu, interpret=False), ("gpu",), _kl_gpu_supports),
+              Implementation("pallas_tpu", functools.partial(_kl_tpu, interpret=False), ("tpu",), _kl_tpu_checks[0]),
+              Implementation("pallas_tpu_interpret", functools.partial(_kl_tpu, interpret=True), None,
+                             _kl_tpu_checks[1]),
+              Implementation("pallas_gpu_interpret", functools.partial(_kl_gpu, interpret=True), None,
+                             _kl_gpu_supports),
+              # the Hopper set runs the Triton KL kernels (sparse and dense), after its device check
+              Implementation("pallas_hopper_gpu", functools.partial(_kl_gpu, interpret=False), ("gpu",),
+                             _hopper_supports(False, None, _kl_gpu_supports)),
+              Implementation("pallas_hopper_gpu_interpret", functools.partial(_kl_gpu, interpret=True), None,
+                             _hopper_supports(True, None, _kl_gpu_supports))]

@@ -64,11 +64,11 @@ def test_kl_unsupported_paths_raise():
               block_size=BLK)
     with pytest.raises(ValueError, match="dense warm-up"):
         indexer_kl_gpu(z, jnp.zeros((1, 4, 2, 16)), z, jnp.zeros((1, 4, 16)), None, **kw)
-    # the dense warm-up (no block ids) has no kernel on any backend
-    for impl in ("pallas_tpu_interpret", "pallas_gpu_interpret"):
-        with pytest.raises(ImplementationUnavailable, match="dense warm-up"):
-            msa_ops.indexer_kl(z, jnp.zeros((1, 4, 2, 16)), z, jnp.zeros((1, 4, 16)),
-                               None, implementation=impl, **kw)
+    # the dense warm-up (no block ids) has no TPU kernel (the GPU implementations run gpu_kl_dense:
+    # tests/kernels/msa/test_msa_kernels_kl_dense.py)
+    with pytest.raises(ImplementationUnavailable, match="dense warm-up"):
+        msa_ops.indexer_kl(z, jnp.zeros((1, 4, 2, 16)), z, jnp.zeros((1, 4, 16)),
+                           None, implementation="pallas_tpu_interpret", **kw)
 
 
 def test_kl_lowers_for_cuda():
@@ -89,7 +89,8 @@ def test_kl_lowers_for_cuda():
 def test_model_sparse_kl_follows_msa_impl():
     """The model's sparse indexer KL runs the implementation of ``cfg.msa_impl`` (it ran the fp32 XLA
     reference whatever msa_impl said: O(T^2), ~475 TFLOP per step of bench/train_step.py at 64K):
-    same KL and index-projection gradients as msa_impl="xla"; the dense warm-up KL stays on XLA."""
+    same KL and index-projection gradients as msa_impl="xla"; the dense warm-up KL follows it too (the dense GPU
+    kernels, pallas_kernels/msa/gpu_kl_dense.py)."""
     from minimax_jax.config import load_config
     from minimax_jax.model import forward, init_params
     from minimax_jax.ops.registry import clear_implementation_report, implementation_report
@@ -129,7 +130,7 @@ def test_model_sparse_kl_follows_msa_impl():
             n += 1
     assert n >= 2
     rep = run("pallas_gpu_interpret", mode="dense", trace_only=True)
-    assert rep["indexer_kl"] == "xla"
+    assert rep["indexer_kl"] == "pallas_gpu_interpret"
 
 
 def _packed_case(seed):
