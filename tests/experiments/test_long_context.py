@@ -57,3 +57,28 @@ def test_summarize_reads_long_stage_metrics(tmp_path):
     (tmp_path / "train_full.log").write_text("train.py: preempted at step 80: checkpoint saved\n")
     table = summarize.training_summary(str(tmp_path))
     assert "| full | 80 |" in table and "3.00 (50)" in table and "2.00 (100)" in table
+
+
+def test_needle_ranks_block_scores_match_a_direct_computation():
+    """needle_ranks.block_scores: the head-averaged softmax mass per block and the per-block max index score of the
+    last query, against numpy loops (a ragged last block included)."""
+    import jax.numpy as jnp
+
+    sys.path.insert(0, f"{REPO_ROOT}/experiments/long_context")
+    from needle_ranks import block_scores
+
+    rng = np.random.default_rng(1)
+    t, g, r, d, di, bs = 37, 2, 3, 8, 4, 8
+    q, k = rng.normal(size=(g * r, d)), rng.normal(size=(t, g, d))
+    qi, ki = rng.normal(size=(g, di)), rng.normal(size=(t, di))
+    nb = -(-t // bs)
+    mass, idx = block_scores(*(jnp.asarray(a, jnp.float32) for a in (q, k, qi, ki)), nb, bs)
+    for gg in range(g):
+        p = np.zeros(t)
+        for h in range(gg * r, gg * r + r):
+            s = k[:, gg] @ q[h] / np.sqrt(d)
+            p += np.exp(s - s.max()) / np.exp(s - s.max()).sum() / r
+        si = ki @ qi[gg]
+        for b in range(nb):
+            np.testing.assert_allclose(mass[gg, b], p[b * bs:(b + 1) * bs].sum(), rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(idx[gg, b], si[b * bs:(b + 1) * bs].max(), rtol=1e-5, atol=1e-5)
