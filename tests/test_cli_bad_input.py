@@ -226,6 +226,23 @@ def test_resume_past_run_steps_warns(tmp_path, capsys):
     assert out["step"] == 1 and "already at step 1 >= run.steps 1: nothing to train" in text
 
 
+def test_resume_with_fewer_steps_than_trained_rewrites_nothing(tmp_path, capsys):
+    """run.steps below the checkpoint's step: nothing is trained, so the run's config keeps the steps it trained and no
+    log record is dropped as "trained again"."""
+    run_dir = str(tmp_path / "run")
+    base = micro_train_dict(run_dir, data={"kind": "synthetic", "seq_len": 16, "batch_size": 2},
+                            run={"steps": 2}, checkpoint={"every": 1, "async_save": False})
+    assert train(from_dict(base))["step"] == 2
+    files = {f: open(os.path.join(run_dir, f)).read() for f in ("config.yaml", "model_config.yaml", "metrics.jsonl")}
+    capsys.readouterr()
+    lower = json.loads(json.dumps(base))
+    lower["run"]["steps"] = 1
+    assert train(from_dict(lower))["step"] == 2
+    text = capsys.readouterr().out
+    assert "already at step 2 >= run.steps 1: nothing to train" in text and "dropped the log records" not in text
+    assert {f: open(os.path.join(run_dir, f)).read() for f in files} == files
+
+
 def test_bad_trajectory_data_exits_2_before_the_run_dir_is_made(tmp_path, monkeypatch, capsys):
     """Bad trajectory records are bad input (exit 2, no "--debug" hint), found before the run dir is created."""
     monkeypatch.chdir(REPO)

@@ -6,7 +6,7 @@ from __future__ import annotations
 __all__ = ["CheckpointError", "MissingTensorError", "UnknownTensorError", "TensorShapeError",
            "TensorDtypeError", "SourceKindError", "CorruptFileError", "ChecksumMismatch", "DestinationError",
            "DestinationExistsError",
-           "first_line", "root_cause"]
+           "first_line", "root_cause", "quiet_failed_read_teardown"]
 
 
 class CheckpointError(ValueError):
@@ -82,3 +82,66 @@ def first_line(e: BaseException) -> str:
     e = root_cause(e)
     text = str(e).strip() or type(e).__name__
     return text.splitlines()[0][:300]
+
+
+_QUIET_INSTALLED = False
+
+
+def quiet_failed_read_teardown() -> None:
+    """Drop the teardown noise of an orbax / tensorstore restore that fails (call it before restoring:
+    the noise can come before the restore's own exception and goes on after it).
+
+    A restore that fails on one array closes orbax's event loop while the reads of the other arrays
+    are still running; each of those then ends in ``RuntimeError: Event loop is closed`` (raised in a
+    tensorstore callback) or in an orbax read coroutine that is never awaited, which Python prints as
+    an "unraisable" traceback, or as "RuntimeWarning: coroutine ... was never awaited" when it is collected,
+    from other threads and after the error was already reported (hundreds of lines around the one-line
+    error or fallback warning); asyncio also logs the abandoned read tasks ("Task exception was never
+    retrieved") when they are collected. Installs, once per process, a ``sys.unraisablehook`` that drops
+    exactly those kinds and passes everything else on, a warnings filter for that coroutine's warning and
+    a filter on the ``asyncio`` logger for those orbax tasks.
+    """
+    global _QUIET_INSTALLED
+    if _QUIET_INSTALLED:
+        return
+    import logging
+    import sys
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r"coroutine '_read_array_index_and_device_put' was never awaited",
+                            category=RuntimeWarning)
+
+    previous = sys.unraisablehook
+
+    def hook(u) -> None:
+        if _is_failed_read_noise(u):
+            return
+        previous(u)
+
+    sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(_drop_abandoned_orbax_tasks)
+    _QUIET_INSTALLED = True
+
+
+def _drop_abandoned_orbax_tasks(record) -> bool:
+    """logging filter: False (drop) for asyncio's "Task / Future exception was never retrieved" about an
+    orbax read or its tensorstore future (abandoned by a failed restore; its error was reported once already)."""
+    if "exception was never retrieved" not in str(record.msg):
+        return True
+    text = record.getMessage()
+    if "orbax" in text or "OCDBT database" in text or "TensorStore(" in text:   # orbax's task, tensorstore's future
+        return False
+    tb = record.exc_info[2] if record.exc_info else None
+    while tb is not None:
+        if "orbax" in tb.tb_frame.f_code.co_filename:
+            return False
+        tb = tb.tb_next
+    return True
+
+
+def _is_failed_read_noise(u) -> bool:
+    if u.exc_type is RuntimeError and str(u.exc_value) == "Event loop is closed" and u.object is None:
+        tb = getattr(u, "exc_traceback", None)     # raised right in a callback from outside Python (tensorstore)
+        return tb is None or tb.tb_frame.f_code.co_name == "call_soon_threadsafe"
+    code = getattr(u.object, "cr_code", None)    # a coroutine garbage-collected with its exception
+    return code is not None and "orbax" in code.co_filename.replace("\\", "/")

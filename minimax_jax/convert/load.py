@@ -11,7 +11,7 @@ import numpy as np
 
 from minimax_jax.config import ModelConfig
 from minimax_jax.convert.atomic_dir import PARAMS_DIR, read_config
-from minimax_jax.convert.errors import CheckpointError, CorruptFileError, first_line
+from minimax_jax.convert.errors import CheckpointError, CorruptFileError, first_line, quiet_failed_read_teardown
 from minimax_jax.convert.manifest import MANIFEST_FILE, default_warn, read_manifest, verify_tree
 
 __all__ = ["load_checkpoint", "checkpoint_metadata", "stored_abstract"]
@@ -146,6 +146,7 @@ def load_checkpoint(directory: str | os.PathLike, cfg: ModelConfig | None = None
     abstract = jax.tree_util.tree_map_with_path(target, want, shardings)
     import orbax.checkpoint as ocp
 
+    quiet_failed_read_teardown()    # before: the noise of a failed read can come before its exception
     try:
         with ocp.StandardCheckpointer() as ck:
             params = ck.restore(os.path.join(directory, PARAMS_DIR), abstract)

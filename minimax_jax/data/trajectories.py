@@ -284,7 +284,7 @@ class TrajectoryIterator:
         if saved is not None and saved != self.fingerprint:
             raise TrajectoryError(
                 f"sources {list(self.config.sources)}: the trajectories differ from those the checkpoint was trained "
-                f"on (fingerprint {self.fingerprint} vs {saved}), so its data position (trajectory {int(state['index'])}) "
+                f"on (these files: {self.fingerprint}, the checkpoint's: {saved}), so its data position (trajectory {int(state['index'])}) "
                 "means nothing here; restore the original files, or train on these in a new run.run_dir from this "
                 "run's weights (python -m minimax_jax.train.export, then init.mode=checkpoint, init.path=<export>)")
         self.index = int(state["index"])

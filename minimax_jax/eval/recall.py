@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from minimax_jax import cli_main
+from minimax_jax.atomic_file import write_atomic
 from minimax_jax.config import ModelConfig
 from minimax_jax.exit_codes import UsageError
 from minimax_jax.model.layers import rms_norm, rope_frequencies
@@ -121,7 +122,8 @@ def _main(argv) -> int:
     ap.add_argument("--checkpoint", required=True, help="orbax checkpoint directory (minimax_jax.convert)")
     ap.add_argument("--text_file", required=True, help="text to score (e.g. a held-out play)")
     ap.add_argument("--length", type=int, default=4096, help="tokens of the text to use (>= 2)")
-    ap.add_argument("--out", help="write the result JSON here")
+    ap.add_argument("--out", help="write the result JSON here (atomically; an existing file only with --overwrite)")
+    cli_main.add_bool(ap, "overwrite", False, "let --out replace an existing file")
     a = cli_main.parse_args(cli_main.add_common(ap, cache=True), argv)
     if a.length < 2:
         ap.error(f"--length must be >= 2 tokens, got {a.length}")
@@ -140,6 +142,17 @@ def _main(argv) -> int:
         if os.path.isdir(a.out) or not os.path.isdir(parent):
             raise UsageError(f"--out {a.out!r} cannot be written: "
                              + ("it is a directory" if os.path.isdir(a.out) else f"no directory {parent!r}"))
+        if os.path.exists(a.out) and os.path.samefile(a.out, a.text_file):
+            raise UsageError(f"--out {a.out!r} is the --text_file; write the result elsewhere")
+        if os.path.exists(a.out) and not a.overwrite:
+            raise UsageError(f"--out {a.out!r} exists; pass --overwrite to replace it or choose another path")
+    try:
+        with open(a.text_file, encoding="utf-8-sig") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise UsageError(f"--text_file {a.text_file!r} is not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise UsageError(f"cannot read --text_file {a.text_file!r}: {e.strerror}") from None
     ckpt = a.checkpoint
     if not os.path.exists(os.path.join(ckpt, "config.yaml")):
         hf = os.path.exists(os.path.join(ckpt, "config.json"))
@@ -151,15 +164,13 @@ def _main(argv) -> int:
     cli_main.enable_compilation_cache(a.compilation_cache, prog=PROG)
     cfg, params = load_checkpoint(ckpt)
     tok = load_tokenizer(a.checkpoint)
-    with open(a.text_file) as f:
-        ids = tok.encode(f.read()).ids[:a.length]
+    ids = tok.encode(text).ids[:a.length]
     if len(ids) < a.length:
         raise UsageError(f"--text_file {a.text_file} has only {len(ids)} tokens, fewer than --length {a.length}")
     res = indexer_recall(params, cfg, np.asarray(ids))
     print(json.dumps(res, indent=1))
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+        write_atomic(a.out, json.dumps(res, indent=1))
     return 0
 
 

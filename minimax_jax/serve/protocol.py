@@ -153,6 +153,8 @@ class ChatCompletionRequest(_Common):
 
     def unsupported(self) -> None:
         super().unsupported()
+        if not self.messages:
+            raise ApiError(400, "messages is empty: send at least one message", "messages", "invalid_value")
         if self.tool_choice not in (None, "auto", "none"):
             raise ApiError(400, "tool_choice other than 'auto' / 'none' is not supported", "tool_choice",
                            "unsupported_parameter")

@@ -30,7 +30,7 @@ import jax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from minimax_jax.convert.errors import ChecksumMismatch, first_line, root_cause
+from minimax_jax.convert.errors import ChecksumMismatch, first_line, quiet_failed_read_teardown, root_cause
 from minimax_jax.convert.manifest import default_warn, is_manifest, manifest_dict, tree_entries, verify_tree
 
 __all__ = ["Checkpointer", "ITEMS"]
@@ -139,6 +139,7 @@ class Checkpointer:
     def _restore(self, step: int, **items) -> tuple[Any, bool]:
         """Restore ``items`` of ``step`` (and its manifest, checking the ``state`` item against it
         when ``self.verify``). Returns ``(restored items, whether the state was verified)``."""
+        quiet_failed_read_teardown()    # a failed read's other arrays would end in tracebacks
         verified = self.verify and os.path.isdir(os.path.join(self.directory, str(step), "manifest"))
         if verified:
             items["manifest"] = ocp.args.JsonRestore()

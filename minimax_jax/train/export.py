@@ -23,7 +23,8 @@ import orbax.checkpoint as ocp
 
 from minimax_jax import cli_main
 from minimax_jax.config import ModelConfig
-from minimax_jax.convert.errors import CheckpointError, DestinationError, DestinationExistsError, first_line
+from minimax_jax.convert.errors import (ChecksumMismatch, CheckpointError, CorruptFileError, DestinationError,
+                                        DestinationExistsError, first_line)
 from minimax_jax.train.checkpointing import ITEMS, Checkpointer
 
 __all__ = ["latest_params", "export_run", "ExportMismatch", "TokenizerMismatch"]
@@ -53,7 +54,14 @@ def latest_params(run_dir: str, *, verify: bool = True, warn=None) -> tuple[int,
         steps = ck.all_steps()
         if not steps:
             raise FileNotFoundError(f"no checkpoint under {ckpt}")
-        return steps[-1], ck.restore_state(steps[-1], warn=warn)["params"]
+        try:
+            return steps[-1], ck.restore_state(steps[-1], warn=warn)["params"]
+        except ChecksumMismatch:
+            raise
+        except Exception as e:  # noqa: BLE001 - tensorstore's error embeds the whole array spec: keep its root line
+            raise CorruptFileError(
+                f"checkpoint {ckpt}/{steps[-1]}: reading it failed, the files are truncated or corrupt "
+                f"({first_line(e)}); move that step out of {ckpt} to export the one before it") from e
     finally:
         ck.close()
 
@@ -76,6 +84,7 @@ def export_run(run_dir: str, dst: str, *, dtype: str = "bfloat16", tokenizer: st
     from minimax_jax.convert.atomic_dir import check_destination
     from minimax_jax.convert.save import save_checkpoint
 
+    _check_run_dir(run_dir)
     if tokenizer is None:
         tokenizer = _run_tokenizer(run_dir)       # first: a missing tokenizer fails before any work
     elif not os.path.isfile(tokenizer):
@@ -165,6 +174,18 @@ def _saved_model_config(run_dir: str, step: int) -> dict | None:
         return dict(mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]["model_config"])
     except Exception:  # noqa: BLE001 - only used to make the error message more precise
         return None
+
+
+def _check_run_dir(run_dir: str) -> None:
+    """Raises FileNotFoundError / NotADirectoryError naming what ``run_dir`` is instead of a run directory."""
+    if not os.path.exists(run_dir):
+        raise FileNotFoundError(f"run directory {run_dir!r} does not exist")
+    if not os.path.isdir(run_dir):
+        raise NotADirectoryError(f"run directory {run_dir!r} is a file; pass the directory train.py wrote "
+                                 "(its run.run_dir)")
+    if not os.path.isfile(os.path.join(run_dir, "model_config.yaml")):
+        raise FileNotFoundError(f"{run_dir!r} is not a train.py run directory (it has no model_config.yaml, "
+                                "which train.py writes when a run starts); pass the run's run.run_dir")
 
 
 def _run_tokenizer(run_dir: str) -> str | None:

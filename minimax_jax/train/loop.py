@@ -275,7 +275,8 @@ def _train(tr: Trainer, sig: StopSignals, data_it) -> dict[str, Any]:
         step, phase = 0, tr.phase_of(0)
         state = tr.initial_state()
     dropped = {}
-    if is_main:  # only now: a refused resume (another model config) leaves the run's files as they were
+    idle = restored is not None and step >= tc.run.steps     # nothing to train: the run's files stay as they are
+    if is_main and not idle:  # only now: a refused resume (another model config) leaves the run's files as they were
         _write_yaml_atomic(os.path.join(run_dir, "config.yaml"), tc.to_dict())
         _write_yaml_atomic(os.path.join(run_dir, "model_config.yaml"), tr.cfg.to_dict())  # the resolved model
         if tc.checkpoint.resume:  # the steps past the restored one are trained again: log them once
@@ -284,7 +285,7 @@ def _train(tr: Trainer, sig: StopSignals, data_it) -> dict[str, Any]:
                            progress=tc.run.progress, is_main=is_main)
     if restored is not None:
         writer.message(f"resumed from step {step} ({run_dir}/checkpoints)")
-        if step >= tc.run.steps:
+        if idle:
             writer.message(f"warning: the run is already at step {step} >= run.steps {tc.run.steps}: nothing to "
                            f"train; raise run.steps to continue it, or use a new run.run_dir for a new run")
         changes = settings_changes(meta.get("train_config"), tc.to_dict())

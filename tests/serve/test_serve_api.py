@@ -145,6 +145,9 @@ def test_over_long_prompt_and_bad_chat_are_400_unknown_model_404(srv):
     with pytest.raises(openai.BadRequestError) as e:
         srv.client.chat.completions.create(model=MODEL, messages=[{"role": "tool", "content": "x"}], max_tokens=4)
     assert e.value.param == "messages" and "message 0" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:         # no message at all (OpenAI: 400 too)
+        srv.client.chat.completions.create(model=MODEL, messages=[], max_tokens=4)
+    assert e.value.param == "messages" and "messages is empty" in e.value.message
     with pytest.raises(openai.NotFoundError) as e:
         srv.client.completions.create(model="nope", prompt="ROMEO:", max_tokens=4)
     assert e.value.code == "model_not_found" and "nope" in e.value.message
