@@ -107,18 +107,25 @@ def _tree_rows():
     return pack_trajectories([Trajectory(t, np.ones(t.size)) for t in toks], 72, 2)[0]
 
 
-def test_dense_kl_prefix_tree_rows_with_weights_match_reference():
-    """Prefix-tree visibility (``kv_subtree_end``: siblings invisible, tiles of sibling subtrees skipped) with
-    the rows' input weights as q_weights (the model's merged KL rows)."""
+def _tree_case(seed, h, g):
+    """(rows, rng, (q, k, qi, ki, op keywords)) over ``_tree_rows`` with h q heads, g kv groups, dims 16."""
     rows = _tree_rows()
     b, t = rows["tokens"].shape
-    rng = np.random.default_rng(4)
-    q = jnp.asarray(rng.standard_normal((b, t, 4, 16)), jnp.float32)
-    k = jnp.asarray(rng.standard_normal((b, t, 2, 16)), jnp.float32)
-    qi, ki = _index(rng, b, t, t, 2, 16)
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((b, t, h, 16)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((b, t, g, 16)), jnp.float32)
+    qi, ki = _index(rng, b, t, t, g, 16)
     pos, seg = jnp.asarray(rows["positions"]), jnp.asarray(rows["segment_ids"])
     kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg,
               kv_subtree_end=jnp.asarray(rows["subtree_end"]))
+    return rows, rng, (q, k, qi, ki, kw)
+
+
+def test_dense_kl_prefix_tree_rows_with_weights_match_reference():
+    """Prefix-tree visibility (``kv_subtree_end``: siblings invisible, tiles of sibling subtrees skipped) with
+    the rows' input weights as q_weights (the model's merged KL rows)."""
+    rows, rng, (q, k, qi, ki, kw) = _tree_case(4, h=4, g=2)
+    b, t = rows["tokens"].shape
     w = jnp.asarray(rows["input_weight"], jnp.float32) + jnp.asarray(rng.uniform(0, 1, (b, t)), jnp.float32)
     _check(q, k, qi, ki, kw, q_weights=w, block_q=16, block_k=16)
 
@@ -162,15 +169,7 @@ def test_public_op_runs_the_dense_kernel_on_gpu_implementations():
 
 def test_public_op_dense_tree_rows_run_the_kernel():
     """Prefix-tree rows through the op: the dense GPU KL serves kv_subtree_end (the sparse kernels refuse it)."""
-    rows = _tree_rows()
-    b, t = rows["tokens"].shape
-    rng = np.random.default_rng(6)
-    q = jnp.asarray(rng.standard_normal((b, t, 2, 16)), jnp.float32)
-    k = jnp.asarray(rng.standard_normal((b, t, 1, 16)), jnp.float32)
-    qi, ki = _index(rng, b, t, t, 1, 16)
-    pos, seg = jnp.asarray(rows["positions"]), jnp.asarray(rows["segment_ids"])
-    kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg,
-              kv_subtree_end=jnp.asarray(rows["subtree_end"]))
+    _, _, (q, k, qi, ki, kw) = _tree_case(6, h=2, g=1)
     registry.clear_implementation_report()
     kl, cnt = msa_ops.indexer_kl(q, k, qi, ki, None, implementation="pallas_gpu_interpret", **kw)
     assert registry.implementation_report()["indexer_kl"] == "pallas_gpu_interpret"
