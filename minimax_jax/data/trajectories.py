@@ -54,7 +54,7 @@ class TrajectoryConfig:
     """Agent trajectories (JSONL conversations or token ids), packed per step into prefix trees.
 
     Attributes:
-      sources: JSONL files, directories or globs (one trajectory per line).
+      sources: JSONL files, directories (their ``*.jsonl`` files, recursively) or globs (one trajectory per line).
       seq_len: slots per packed row.
       batch_size: GLOBAL rows per step.
       tokenizer: ``tokenizer.json`` or its directory (needed for conversations).
@@ -170,10 +170,25 @@ def load_trajectories(paths: Sequence[str] | str, tokenizer=None, render: Callab
     return [t for t, _ in _load(paths, tokenizer, render, loss_on)]
 
 
+def _trajectory_files(paths) -> list[str]:
+    """Files as given and glob matches as they are; from a directory only its ``*.jsonl`` files (its notes, configs
+    and logs are not trajectories). Raises TrajectoryError for a directory without one."""
+    paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    files: set[str] = set()
+    for p in paths:
+        found = resolve_paths(p)
+        if os.path.isdir(os.path.expanduser(os.fspath(p))):
+            found = [f for f in found if f.endswith(".jsonl")]
+            if not found:
+                raise TrajectoryError(f"directory {os.fspath(p)!r} holds no .jsonl file")
+        files.update(found)
+    return sorted(files)
+
+
 def _load(paths, tokenizer, render, loss_on) -> list[tuple[Trajectory, str]]:
     """(trajectory, "FILE line N") in file order; a UTF-8 BOM is dropped."""
     out = []
-    for path in resolve_paths(paths):
+    for path in _trajectory_files(paths):
         with open(path, "rb") as f:
             data = f.read()
         try:

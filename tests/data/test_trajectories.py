@@ -86,6 +86,21 @@ def test_state_over_other_trajectories_is_refused(tmp_path):
     assert copy.index == it.index
 
 
+def test_a_directory_source_takes_its_jsonl_files_only(tmp_path):
+    """A directory of rollouts may hold notes and logs beside them: only its .jsonl files are read; one without
+    any is refused by name."""
+    d = tmp_path / "rollouts"
+    d.mkdir()
+    (d / "a.jsonl").write_text(open(SRC, encoding="utf-8").read())
+    (d / "README.md").write_text("# not a trajectory\n")
+    (d / "run.log").write_bytes(b"\xff\xfe binary")
+    it, ref = _it(sources=(str(d),)), _it()
+    assert it.fingerprint == ref.fingerprint
+    (d / "a.jsonl").unlink()
+    with pytest.raises(TrajectoryError, match="holds no .jsonl file"):
+        _it(sources=(str(d),))
+
+
 def test_bad_settings_are_refused():
     with pytest.raises(TrajectoryError, match="key_len must be an int >= 0"):
         _it(key_len=-1)
