@@ -147,8 +147,8 @@ class GenerationStats:
     def summary(self) -> str:
         """One human line (the engine is not repeated: it is printed when it is built)."""
         rate = self.steady_tokens_per_s
-        steady = ("n/a tok/s steady state (every decode step compiled)" if rate is None
-                  else f"{rate:.1f} tok/s steady state")
+        steady = (f"{self.tokens_per_s:.1f} tok/s with compilation (no steady state: every decode step compiled)"
+                  if rate is None else f"{rate:.1f} tok/s steady state")
         parts = [f"prompt {self.prompt_tokens} tok, prefill {self.prefill_s:.2f}s "
                  f"(compiled in {self.prefill_compile_s:.2f}s)",
                  f"TTFT {self.ttft_s:.2f}s",

@@ -202,7 +202,9 @@ def test_steady_state_throughput_excludes_compiling_steps():
     assert "engine" not in line                                    # printed once, when the engine is built
     only = GenerationStats(decode_steps=1)
     only.add_step(2.0, 1, True)
-    assert only.steady_tokens_per_s is None and "n/a tok/s steady state" in only.summary()
+    only.generated_tokens, only.decode_s = 5, 2.0                  # no steady step: the all-in rate, said so
+    assert only.steady_tokens_per_s is None
+    assert "decode 2.0 tok/s with compilation (no steady state: every decode step compiled)" in only.summary()
     both = combine_stats([st, st])
     assert (both.steady_tokens, both.compile_steps, both.ttft_s) == (64, 4, 5.1)
     assert both.steady_tokens_per_s == pytest.approx(40.0)
