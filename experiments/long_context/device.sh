@@ -8,8 +8,9 @@
 #                                                   # with the dense KL, then sparse), sliding (window 512 on
 #                                                   # layers 2-5 = MSA's 8 x 64 attended tokens)
 #   bash experiments/long_context/device.sh train   # dense then three in one call, shorter caps
-#   bash experiments/long_context/device.sh msa2    # the MSA variant with its indexer warm-up on 8K rows, then
-#                                                   # sparse on 32K rows; and its eval (RESULTS.md says why)
+#   bash experiments/long_context/device.sh msa2    # the MSA variant alone: its indexer warm-up (W_SEQ-token
+#                                                   # rows), the warmed indexer's recall, sparse on 32K rows;
+#                                                   # and its eval (RESULTS.md "Second MSA run" says why)
 #   bash experiments/long_context/device.sh eval    # RULER-style tasks at 4K-32K, >= 16 prompts per cell,
 #                                                   # perplexity by position, indexer recall at 16K; the MSA
 #                                                   # model also with --attention dense (backbone vs selection)
@@ -23,8 +24,10 @@
 # final save); B_STEPS [1000] B_CAP_S [420]; B_WARMUP [150] MSA indexer warm-up steps (part of B_STEPS);
 # EVAL_BUDGET_S [300]; NUM_SAMPLES [16]; LENGTHS [4096,8192,16384,32768]; RECALL_LENGTH [16384]; PPL_SEQ
 # [32768] and PPL_BUCKETS [1024,4096,8192,16384]; PYTHON [python3]; WHEELS=0 skips the .whl install; EXTRA_SETS
-# more --set flags for every training run; msa2: W_STEPS [100] W_CAP_S [150] (warm-up), S_STEPS [600] S_CAP_S [150]
-# (sparse), EVAL_VARIANTS [msa msa_dense msa_top16] (eval_all.sh's names; they share the GPU). CPU smoke run (a few minutes):
+# more --set flags for every training run; msa2: W_STEPS [100] W_CAP_S [150] W_SEQ [8192] W_BATCH [32768 / W_SEQ]
+# (warm-up), INDEX index_* overrides of the fresh index branches, no spaces (e.g. '{"index_head_dim":64}'), W_RECALL [1]
+# the warmed model's recall (recall_msaw.json), S_STEPS [600] S_CAP_S [150] (sparse), EVAL_VARIANTS
+# [msa msa_dense msa_top16] (eval_all.sh's names; they share the GPU). CPU smoke run (a few minutes):
 #   W=/tmp/lcs OUT=/tmp/lcs_out PYTHON=.venv/bin/python WHEELS=0 A_MB=2 B_MB=2 A_STEPS=4 B_STEPS=6 B_WARMUP=2 \
 #     EXTRA_SETS="--set data.seq_len=1024 --set run.remat=none" bash experiments/long_context/device.sh dense  (then three,
 #   then eval with LENGTHS=1024 NUM_SAMPLES=1 RECALL_LENGTH=1024 PPL_SEQ=1024 PPL_BUCKETS=256 EVAL_BUDGET_S=60)
@@ -33,7 +36,7 @@ cd "$(dirname "$0")/../.."
 : "${OUT:?set OUT to the folder whose files come back}"
 W=${W:-/tmp/lc}
 export PYTHONUNBUFFERED=1
-mkdir -p "$W/out"
+mkdir -p "$W/out" "$OUT"
 PY=${PYTHON:-python3}
 if [ -d .whl ] && [ "${WHEELS:-1}" = 1 ]; then
   SITE=/tmp/site_$$
@@ -67,15 +70,20 @@ case $stage in
     WHEELS=0 COPY_CHECK=0 A_STEPS=${A_STEPS:-800} A_CAP_S=${A_CAP_S:-140} bash "$0" dense || exit $?
     WHEELS=0 COPY_CHECK=0 B_STEPS=${B_STEPS:-700} B_CAP_S=${B_CAP_S:-290} B_WARMUP=${B_WARMUP:-100} bash "$0" three
     exit $? ;;
-  msa2)   # the MSA variant again, its indexer warm-up on 8K rows (the warm-up's dense KL has no kernel: XLA,
-           # ~15K tokens/s at 32K rows), then sparse on 32K rows; W_STEPS + S_STEPS = stage B's steps; its eval
+  msa2)   # the MSA variant alone: indexer warm-up on W_SEQ-token rows (frozen backbone, dense KL), the warmed
+           # indexer's recall, then sparse on 32K rows; its eval
     stage_a_model msa2 || exit 3
     corpus_b || exit 1
-    ws=${W_STEPS:-100}
+    ws=${W_STEPS:-100} wseq=${W_SEQ:-8192}
     export SETS_msaw="--set init.mode=sparse_cpt --set msa.layers=[2,3,4,5] --set msa.indexer_warmup_steps=$ws \
---set msa.freeze_backbone_in_warmup=true --set msa.warmup_lr=1e-3 --set schedule.warmup_steps=0"
-    OUT=$W/out EVAL=0 DST=$W/ckptW SEQ=8192 BATCH=4 STEPS=$ws CAP_S=${W_CAP_S:-150} MEM_FRACTION=0.85 \
-      CKPTS="msaw=$W/ckptA/dense" W=$W/b bash experiments/three_way/long_stage.sh || exit 1
+--set msa.freeze_backbone_in_warmup=true --set msa.warmup_lr=1e-3 --set schedule.warmup_steps=0${INDEX:+ --set msa.index=$INDEX}"
+    OUT=$W/out EVAL=0 DST=$W/ckptW SEQ=$wseq BATCH=${W_BATCH:-$(( 32768 / wseq > 0 ? 32768 / wseq : 1 ))} STEPS=$ws \
+      CAP_S=${W_CAP_S:-150} MEM_FRACTION=0.85 CKPTS="msaw=$W/ckptA/dense" W=$W/b \
+      bash experiments/three_way/long_stage.sh || exit 1
+    if [ "${W_RECALL:-1}" = 1 ]; then   # the warmed indexer before any sparse step (the goal is >= 0.85 at 16K)
+      OUT=$W/out CKPT_ROOT=$W/ckptW W=$W/b VARIANTS=msaw RECALL_ONLY=1 RECALL_LENGTH=${RECALL_LENGTH:-16384} \
+        RECALL_TIMEOUT_S=${RECALL_TIMEOUT_S:-90} MEM_FRACTION=0.85 bash experiments/three_way/eval_all.sh
+    fi
     OUT=$W/out EVAL=0 DST=$W/ckptC SEQ=32768 BATCH=1 STEPS=${S_STEPS:-600} CAP_S=${S_CAP_S:-150} LR=${B_LR:-5e-4} \
       MEM_FRACTION=0.85 CKPTS="msa=$W/ckptW/msaw" W=$W/b bash experiments/three_way/long_stage.sh
     [ -d "$W/ckptC/msa" ] || exit 1

@@ -13,7 +13,8 @@
 # VARIANTS may also name msa_dense: the MSA checkpoint evaluated with `--attention dense` (its MSA layers
 # run as full attention: the ceiling of any indexer of that backbone; RESULTS.md, session 10) and msa_top<N>:
 # the MSA checkpoint with index_topk N (a copy under W with its config.yaml edited); give each
-# of N variants sharing one GPU MEM_FRACTION <= 0.9 / N.
+# of N variants sharing one GPU MEM_FRACTION <= 0.9 / N. RECALL_ONLY=1: only the indexer recall, of every
+# variant in VARIANTS (each a checkpoint CKPT_ROOT/<variant> with MSA layers; e.g. an indexer warm-up's export).
 # Environment: W [/tmp/three_way]; OUT [$W/out]; CKPT_ROOT [$W/ckpt]; VARIANTS [msa full sliding]; LENGTHS
 # [2048,4096,8192,16384,32768,65536]; NUM_SAMPLES [8]; BATCH [8]; EVAL_BUDGET_S [240] (the eval CLI's
 # own budget) and EVAL_SLACK_S [240] (hard cap = budget + slack: loading, compilation, perplexity);
@@ -53,6 +54,14 @@ text = "\n\n".join(d["text"] for d in docs if d["source"].startswith("shakespear
 open(f"{w}/heldout_prose.txt", "w", encoding="utf-8").write(text)
 EOF
 
+recall_one() {  # variant: block recall of CKPT_ROOT/<variant> at RECALL_LENGTH tokens of held-out text
+  local t0=$SECONDS
+  timeout -k 10 "${RECALL_TIMEOUT_S:-180}" $PY -m minimax_jax.eval.recall --checkpoint "$CKPT_ROOT/$1" --text_file "$W/heldout_prose.txt" \
+    --length "$RECALL_LENGTH" --out "$OUT/recall_$1.json" >> "$W/eval_$1.log" 2>&1
+  log "recall $1: rc $? after $((SECONDS - t0)) s"
+  cp "$W/eval_$1.log" "$OUT/" 2>/dev/null
+}
+
 eval_one() {  # variant device
   local v=$1 dev=$2 t0=$SECONDS ck=$CKPT_ROOT/$1 att=as_trained
   [ "$v" = msa_dense ] && { ck=$CKPT_ROOT/msa; att=dense; }
@@ -62,16 +71,13 @@ eval_one() {  # variant device
     grep -q "^index_topk: ${v#msa_top}\$" "$ck/config.yaml" || { log "eval $v: no index_topk line in config.yaml"; return; } ;;
   esac
   export CUDA_VISIBLE_DEVICES=$dev XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.45}
+  if [ "${RECALL_ONLY:-0}" = 1 ]; then recall_one "$v"; return; fi
   timeout -k 30 $((EVAL_BUDGET_S + ${EVAL_SLACK_S:-240})) $PY -m minimax_jax.eval --checkpoint "$ck" --attention "$att" --tasks all \
     --lengths "$LENGTHS" --num_samples "$NUM_SAMPLES" --batch_size "$BATCH" --time_budget_s "$EVAL_BUDGET_S" \
     --prefill_chunk "$PREFILL_CHUNK" \
     --ppl_seq_len "$PPL_SEQ" --ppl_max_tokens 65536 ${PPL_BUCKETS:+--ppl_buckets "$PPL_BUCKETS"} --out "$OUT/eval_$v.json" > "$W/eval_$v.log" 2>&1
   log "eval $v: rc $? after $((SECONDS - t0)) s"
-  if [ "$v" = msa ]; then
-    timeout -k 10 "${RECALL_TIMEOUT_S:-180}" $PY -m minimax_jax.eval.recall --checkpoint "$CKPT_ROOT/$v" --text_file "$W/heldout_prose.txt" \
-      --length "$RECALL_LENGTH" --out "$OUT/recall_$v.json" >> "$W/eval_$v.log" 2>&1
-    log "recall $v: rc $?"
-  fi
+  [ "$v" = msa ] && recall_one "$v"
   if [ "${INFER:-1}" = 0 ]; then cp "$W/eval_$v.log" "$OUT/" 2>/dev/null; return; fi
   # About 3.3 characters per token for this tokenizer on Shakespeare.
   head -c $((CTX_TOKENS * 33 / 10)) "$W/heldout_prose.txt" > "$W/ctx_$v.txt"

@@ -59,7 +59,7 @@ STEPS=${STEPS:-800}
 t0=$SECONDS
 # shellcheck disable=SC2086
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 timeout -s TERM -k 60 "${CAP_S:-240}" $PY train.py \
-  --config configs/train/demo.yaml --noprepare_data \
+  --config configs/train/demo.yaml --no_prepare_data \
   --set "data.sources=[$W/corpus/train-*.jsonl]" --set "data.tokenizer=$CKPT/tokenizer.json" \
   --set init.mode=checkpoint --set "init.path=$CKPT" --set data.seq_len="${SEQ:-4096}" \
   --set data.batch_size="${BATCH:-8}" --set run.steps="$STEPS" --set msa.indexer_warmup_steps="$STEPS" \

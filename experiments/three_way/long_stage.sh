@@ -55,7 +55,7 @@ one() {  # name checkpoint-dir
   local name=$1 ckpt=$2 t0=$SECONDS rd="$W/run_$1" own="SETS_$1"
   # shellcheck disable=SC2086
   XLA_PYTHON_CLIENT_MEM_FRACTION=$MEM timeout -s TERM -k 60 "${CAP_S:-260}" $PY train.py \
-    --config configs/train/demo.yaml --noprepare_data \
+    --config configs/train/demo.yaml --no_prepare_data \
     --set "data.sources=[$W/corpus/train-*.jsonl]" --set "data.tokenizer=$ckpt/tokenizer.json" \
     --set init.mode=checkpoint --set "init.path=$ckpt" --set data.seq_len="${SEQ:-16384}" \
     --set data.batch_size="${BATCH:-2}" --set run.steps="${STEPS:-800}" --set optim.lr="${LR:-5e-4}" \
