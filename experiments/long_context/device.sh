@@ -11,6 +11,7 @@
 #   bash experiments/long_context/device.sh msa2    # the MSA variant alone: its indexer warm-up (W_SEQ-token
 #                                                   # rows), the warmed indexer's recall, sparse on 32K rows;
 #                                                   # and its eval (RESULTS.md "Second MSA run" says why)
+#   bash experiments/long_context/device.sh msa2eval # msa2's eval alone (after MSA2_EVAL=0 msa2, machine warm)
 #   bash experiments/long_context/device.sh eval    # RULER-style tasks at 4K-32K, >= 16 prompts per cell,
 #                                                   # perplexity by position, indexer recall at 16K; the MSA
 #                                                   # model also with --attention dense (backbone vs selection)
@@ -27,7 +28,8 @@
 # more --set flags for every training run; msa2: W_STEPS [100] W_CAP_S [150] W_SEQ [8192] W_BATCH [32768 / W_SEQ]
 # (warm-up), INDEX index_* overrides of the fresh index branches, no spaces (e.g. '{"index_head_dim":64}'), W_RECALL [1]
 # the warmed model's recall (recall_msaw.json), S_STEPS [600] S_CAP_S [150] (sparse), EVAL_VARIANTS
-# [msa msa_dense msa_top16] (eval_all.sh's names; they share the GPU). CPU smoke run (a few minutes):
+# [msa msa_dense msa_top16] (eval_all.sh's names; they share the GPU), MSA2_EVAL=0 leaves the eval to a next call
+# `device.sh msa2eval` on the same warm machine. CPU smoke run (a few minutes):
 #   W=/tmp/lcs OUT=/tmp/lcs_out PYTHON=.venv/bin/python WHEELS=0 A_MB=2 B_MB=2 A_STEPS=4 B_STEPS=6 B_WARMUP=2 \
 #     EXTRA_SETS="--set data.seq_len=1024 --set run.remat=none" bash experiments/long_context/device.sh dense  (then three,
 #   then eval with LENGTHS=1024 NUM_SAMPLES=1 RECALL_LENGTH=1024 PPL_SEQ=1024 PPL_BUCKETS=256 EVAL_BUDGET_S=60)
@@ -53,6 +55,14 @@ stage_a_model() {  # stage A's model in W/ckptA/dense: left by `dense` on this m
     mkdir -p "$W/ckptA" && cat .exp/dense_ckpt.tar.part-* | tar xf - -C "$W/ckptA" && echo "stage A model from .exp/ (fresh machine)"
   fi
   [ -d "$W/ckptA/dense" ] || { echo "$1: no stage-A model in $W/ckptA/dense, none carried in .exp/"; return 1; }
+}
+msa2_eval() {  # msa2's model (W/ckptC/msa): eval_all.sh's EVAL_VARIANTS, sharing the GPU
+  local ev=${EVAL_VARIANTS:-msa msa_dense msa_top16}; set -- $ev   # msa_top16: the same weights selecting 16 blocks
+  OUT=$W/out CKPT_ROOT=$W/ckptC W=$W/b VARIANTS="$ev" LENGTHS=${LENGTHS:-4096,8192,16384,32768} \
+    NUM_SAMPLES=${NUM_SAMPLES:-16} BATCH=16 EVAL_BUDGET_S=${EVAL_BUDGET_S:-200} EVAL_SLACK_S=${EVAL_SLACK_S:-80} \
+    RECALL_TIMEOUT_S=${RECALL_TIMEOUT_S:-90} RECALL_LENGTH=${RECALL_LENGTH:-16384} PPL_SEQ=${PPL_SEQ:-32768} \
+    PPL_BUCKETS=${PPL_BUCKETS:-1024,4096,8192,16384} INFER=0 MEM_FRACTION=$(awk -v n=$# 'BEGIN { printf "%.2f", 0.9 / n }') \
+    bash experiments/three_way/eval_all.sh
 }
 stage=${1:-}
 case $stage in
@@ -88,13 +98,11 @@ case $stage in
       MEM_FRACTION=0.85 CKPTS="msa=$W/ckptW/msaw" W=$W/b bash experiments/three_way/long_stage.sh
     [ -d "$W/ckptC/msa" ] || exit 1
     tar cf - -C "$W/ckptC" msa | split -b 15m - "$OUT/msa_ckpt.tar.part-"    # back even if the eval is cut short
-    ev=${EVAL_VARIANTS:-msa msa_dense msa_top16}; set -- $ev   # msa_top16: the same weights selecting 16 blocks
-    OUT=$W/out CKPT_ROOT=$W/ckptC W=$W/b VARIANTS="$ev" LENGTHS=${LENGTHS:-4096,8192,16384,32768} \
-      NUM_SAMPLES=${NUM_SAMPLES:-16} BATCH=16 EVAL_BUDGET_S=${EVAL_BUDGET_S:-200} EVAL_SLACK_S=${EVAL_SLACK_S:-80} \
-      RECALL_TIMEOUT_S=${RECALL_TIMEOUT_S:-90} RECALL_LENGTH=${RECALL_LENGTH:-16384} PPL_SEQ=${PPL_SEQ:-32768} \
-      PPL_BUCKETS=${PPL_BUCKETS:-1024,4096,8192,16384} INFER=0 MEM_FRACTION=$(awk -v n=$# 'BEGIN { printf "%.2f", 0.9 / n }') \
-      bash experiments/three_way/eval_all.sh
-    rc=$?
+    if [ "${MSA2_EVAL:-1}" = 1 ]; then msa2_eval; rc=$?; else rc=0; fi
+    ;;
+  msa2eval)   # msa2's eval alone, of the model msa2 left on this machine (a warm one: chain the calls)
+    [ -d "$W/ckptC/msa" ] || { echo "msa2eval: no msa2 model in $W/ckptC (the machine was released?)"; exit 3; }
+    msa2_eval; rc=$?
     ;;
   three)
     stage_a_model three || exit 3
@@ -117,7 +125,7 @@ case $stage in
       bash experiments/three_way/eval_all.sh
     rc=$?
     ;;
-  *) echo "usage: device.sh dense|three|train|msa2|eval"; exit 2 ;;
+  *) echo "usage: device.sh dense|three|train|msa2|msa2eval|eval"; exit 2 ;;
 esac
 tar czf "$OUT/lc_$stage.tgz" -C "$W" out
 if [ "$stage" = dense ] && [ -d "$W/ckptA/dense" ]; then
