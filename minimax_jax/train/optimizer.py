@@ -101,13 +101,16 @@ def make_schedule(tc: TrainConfig, phase: str = PHASE_MAIN) -> optax.Schedule:
     """Learning rate as a function of the optimizer's own step count.
 
     The main phase runs ``run.steps - msa.indexer_warmup_steps`` steps; the MSA warm-up phase uses
-    a linear warm-up to ``msa.warmup_lr`` (default ``optim.lr``) and then holds it.
+    a linear warm-up to ``msa.warmup_lr`` (default ``optim.lr``), then holds it (``msa.warmup_schedule:
+    constant``) or decays it by a cosine to ``schedule.min_lr_ratio`` of it at its last step (``cosine``).
     """
     s, lr = tc.schedule, float(tc.optim.lr)
     warm_msa = tc.msa.indexer_warmup_steps
     if phase == PHASE_WARMUP:
         peak = float(tc.msa.warmup_lr or lr)
         w = min(s.warmup_steps, max(warm_msa // 10, 1))
+        if tc.msa.warmup_schedule == "cosine":
+            return optax.warmup_cosine_decay_schedule(0.0, peak, w, max(warm_msa, w + 1), peak * float(s.min_lr_ratio))
         return optax.join_schedules([optax.linear_schedule(0.0, peak, w), optax.constant_schedule(peak)], [w])
     total = max(tc.run.steps - warm_msa, 1)
     w = min(s.warmup_steps, total)

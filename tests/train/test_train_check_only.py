@@ -13,7 +13,7 @@ def _check_only(*args):
 def test_check_only_reports_missing_corpus_and_tokenizer(tmp_path):
     r = _check_only("--set", f"data.sources=[{tmp_path}/none-*.jsonl]", "--set", f"data.tokenizer={tmp_path}/t.json")
     assert r.returncode == 0, r.stderr
-    assert "# model: 11,716,368 params" in r.stdout
+    assert "# model: 12,085,968 params" in r.stdout
     assert f"# data: sources ['{tmp_path}/none-*.jsonl']: missing, would be built first" in r.stdout
     assert f"# data: tokenizer {tmp_path}/t.json: missing, would be trained on the corpus first" in r.stdout
     assert not (tmp_path / "t.json").exists()          # nothing is built by a check

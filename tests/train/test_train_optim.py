@@ -36,6 +36,13 @@ def test_cosine_and_wsd_schedules(tmp_path):
              msa={"indexer_warmup_steps": 20, "warmup_lr": 0.5}, run={"steps": 100})
     assert float(make_schedule(tc, PHASE_WARMUP)(10)) == pytest.approx(0.5)
     assert float(make_schedule(tc)(2)) == pytest.approx(0.5) and float(make_schedule(tc)(50)) == 1.0
+    # ... decayed by a cosine to min_lr_ratio of it over the warm-up steps (ramp: 20 // 10 = 2 steps).
+    tc = _tc(tmp_path, optim={"lr": 1.0}, schedule={"kind": "constant", "warmup_steps": 4, "min_lr_ratio": 0.1},
+             msa={"indexer_warmup_steps": 20, "warmup_lr": 0.5, "warmup_schedule": "cosine"}, run={"steps": 100})
+    w = make_schedule(tc, PHASE_WARMUP)
+    assert float(w(1)) == pytest.approx(0.25) and float(w(2)) == pytest.approx(0.5)
+    assert float(w(11)) == pytest.approx(0.5 * (0.1 + 0.9 * 0.5), abs=1e-6) and float(w(20)) == pytest.approx(0.05)
+    assert float(make_schedule(tc)(50)) == 1.0
 
 
 def test_masks(tmp_path):
