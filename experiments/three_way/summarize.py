@@ -109,6 +109,9 @@ def timing_summary(d: str) -> str:
         rows += ["", f"Indexer block recall vs dense attention's top blocks (MSA checkpoint): mean {rec['mean']:.3f} "
                  f"over {rec['pairs']} (query, group) pairs; per layer "
                  + ", ".join(f"{k}: {v:.3f}" for k, v in sorted(rec["layers"].items(), key=lambda kv: int(kv[0])))]
+        if "mass" in rec:   # recall files written since session 42
+            rows[-1] += (f"; dense attention mass inside the selection {rec['mass']['mean']:.3f} of the "
+                         f"{rec['oracle_mass']['mean']:.3f} the top blocks hold")
     return "\n".join(rows)
 
 

@@ -73,3 +73,18 @@ def test_timing_summary_reads_both_infer_stats_lines(tmp_path):
     out = mod.timing_summary(str(tmp_path))
     assert "| msa | 5 | 2.60 | 2.35 | 66.1 | attention=xla |" in out, out
     assert "| full | 7 | 1.70 | 1.50 | 21.3 |" in out, out
+
+
+def test_timing_summary_reports_recall_and_the_covered_mass(tmp_path):
+    """The recall line: block recall per layer, and (recall files since session 42) the covered dense mass."""
+    sys.path.insert(0, "experiments/three_way")
+    import summarize
+
+    rec = {"layers": {"3": 0.75, "2": 0.5}, "mean": 0.625, "pairs": 8}
+    json.dump(rec, open(tmp_path / "recall_msa.json", "w"))
+    line = summarize.timing_summary(str(tmp_path)).splitlines()[-1]
+    assert "mean 0.625 over 8 (query, group) pairs; per layer 2: 0.500, 3: 0.750" in line and "mass" not in line
+    rec.update(mass={"layers": {}, "mean": 0.91}, oracle_mass={"layers": {}, "mean": 0.95})
+    json.dump(rec, open(tmp_path / "recall_msa.json", "w"))
+    line = summarize.timing_summary(str(tmp_path)).splitlines()[-1]
+    assert line.endswith("dense attention mass inside the selection 0.910 of the 0.950 the top blocks hold")
