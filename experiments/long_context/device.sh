@@ -31,8 +31,8 @@
 # [1e-3] W_SCHEDULE [constant | cosine: to schedule.min_lr_ratio of W_LR] (warm-up), INDEX index_* overrides of the
 # fresh index branches, no spaces (e.g. '{"index_head_dim":128}', session 42's), W_RECALL [1] the warmed model's
 # recall (recall_msaw.json), S_STEPS [600] S_CAP_S [150] (sparse), EVAL_VARIANTS [msa msa_dense msa_top16]
-# (eval_all.sh's names; they share the GPU), MSA2_EVAL=0 leaves the eval to a next call `device.sh msa2eval` on the
-# same warm machine. CPU smoke run (a few minutes):
+# (eval_all.sh's names; they share the GPU), W_ONLY=1 stops after the warm-up's recall, MSA2_EVAL=0 leaves the eval to
+# a next call `device.sh msa2eval` on the same warm machine. CPU smoke run (a few minutes):
 #   W=/tmp/lcs OUT=/tmp/lcs_out PYTHON=.venv/bin/python WHEELS=0 A_MB=2 B_MB=2 A_STEPS=4 B_STEPS=6 B_WARMUP=2 \
 #     EXTRA_SETS="--set data.seq_len=1024 --set run.remat=none" bash experiments/long_context/device.sh dense  (then three,
 #   then eval with LENGTHS=1024 NUM_SAMPLES=1 RECALL_LENGTH=1024 PPL_SEQ=1024 PPL_BUCKETS=256 EVAL_BUDGET_S=60)
@@ -98,6 +98,7 @@ case $stage in
       OUT=$W/out CKPT_ROOT=$W/ckptW W=$W/b VARIANTS=msaw RECALL_ONLY=1 RECALL_LENGTH=${RECALL_LENGTH:-16384} \
         RECALL_TIMEOUT_S=${RECALL_TIMEOUT_S:-90} MEM_FRACTION=0.85 bash experiments/three_way/eval_all.sh
     fi
+    if [ "${W_ONLY:-0}" = 1 ]; then tar czf "$OUT/lc_$stage.tgz" -C "$W" out; exit 0; fi   # the warm-up and its recall only
     OUT=$W/out EVAL=0 DST=$W/ckptC SEQ=32768 BATCH=1 STEPS=${S_STEPS:-600} CAP_S=${S_CAP_S:-150} LR=${B_LR:-5e-4} \
       MEM_FRACTION=0.85 CKPTS="msa=$W/ckptW/msaw" W=$W/b bash experiments/three_way/long_stage.sh
     [ -d "$W/ckptC/msa" ] || exit 1
