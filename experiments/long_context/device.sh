@@ -98,7 +98,9 @@ case $stage in
       OUT=$W/out CKPT_ROOT=$W/ckptW W=$W/b VARIANTS=msaw RECALL_ONLY=1 RECALL_LENGTH=${RECALL_LENGTH:-16384} \
         RECALL_TIMEOUT_S=${RECALL_TIMEOUT_S:-90} MEM_FRACTION=0.85 bash experiments/three_way/eval_all.sh
     fi
-    if [ "${W_ONLY:-0}" = 1 ]; then tar czf "$OUT/lc_$stage.tgz" -C "$W" out; exit 0; fi   # the warm-up and its recall only
+    if [ "${W_ONLY:-0}" = 1 ]; then   # the warm-up and its recall only
+      tar czf "$OUT/lc_$stage.tgz" -C "$W" out; cat "$W/out/long_stage.log"; [ -s "$W/out/recall_msaw.json" ]; exit $?
+    fi
     OUT=$W/out EVAL=0 DST=$W/ckptC SEQ=32768 BATCH=1 STEPS=${S_STEPS:-600} CAP_S=${S_CAP_S:-150} LR=${B_LR:-5e-4} \
       MEM_FRACTION=0.85 CKPTS="msa=$W/ckptW/msaw" W=$W/b bash experiments/three_way/long_stage.sh
     [ -d "$W/ckptC/msa" ] || exit 1

@@ -22,12 +22,11 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 
 from minimax_jax import cli_main
-from minimax_jax.atomic_file import write_atomic
+from minimax_jax.atomic_file import out_file_error, write_atomic
 from minimax_jax.chat.tokens import BOS
 from minimax_jax.data.haystack import LengthError, noise_haystack, prose_haystack, token_counter
 from minimax_jax.data.prose import MissingDataError
@@ -189,26 +188,11 @@ def file_error(args: argparse.Namespace) -> str | None:
     """A one-line error for an ``--out`` that cannot be written or ``--ppl_files`` that cannot be read,
     checked before any model work (a bad ``--out`` would otherwise fail after the first batch)."""
     if args.out:
-        out = os.path.realpath(args.out)
-        parent = os.path.dirname(out)
-        if os.path.isdir(args.out):
-            return f"--out {args.out!r} is a directory; give a file path, e.g. {os.path.join(args.out, 'results.json')}"
-        if not os.path.isdir(parent):
-            return f"--out {args.out!r}: its directory {parent!r} does not exist"
-        ckpt = os.path.realpath(args.checkpoint)
-        if os.path.commonpath([out, ckpt]) == ckpt:
-            return f"--out {args.out!r} is inside the checkpoint {args.checkpoint!r}; write the results elsewhere"
-        inputs = [f for f in [*(args.ppl_files or ()), args.tokenizer] if f and os.path.isfile(f)]
-        same = next((f for f in inputs if os.path.exists(out) and os.path.samefile(out, f)), None)
-        if same is not None:
-            return f"--out {args.out!r} is the input file {same!r}; write the results elsewhere"
-        if os.path.exists(out) and not args.overwrite:
-            return f"--out {args.out!r} exists; pass --overwrite to replace it or choose another path"
-        try:                            # a real write: os.access says yes to root on read-only mounts
-            with tempfile.NamedTemporaryFile(dir=parent, prefix=".eval-probe-"):
-                pass
-        except OSError as e:
-            return f"--out {args.out!r}: cannot write in {parent!r} ({e.strerror})"
+        inputs = [(f"the input file {f!r}", f) for f in [*(args.ppl_files or ()), args.tokenizer] if f]
+        err = out_file_error(args.out, overwrite=args.overwrite, inside=[(f"the checkpoint {args.checkpoint!r}",
+                                                                           args.checkpoint)], inputs=inputs)
+        if err:
+            return err
     if args.perplexity:
         for f in args.ppl_files or ():
             if not os.path.isfile(f):
@@ -235,7 +219,7 @@ def _progress(line: str) -> None:
 
 
 def _write_json(path: str, obj: dict) -> None:
-    write_atomic(path, json.dumps(obj, indent=1))
+    write_atomic(os.path.realpath(path), json.dumps(obj, indent=1))   # through a link, not over it
 
 
 def _results(args, examples, outputs, timing, perplexity=None) -> dict:

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from minimax_jax import cli_main
-from minimax_jax.atomic_file import write_atomic
+from minimax_jax.atomic_file import out_file_error, write_atomic
 from minimax_jax.config import ModelConfig
 from minimax_jax.exit_codes import UsageError
 from minimax_jax.model.layers import rms_norm, rope_frequencies
@@ -67,7 +67,8 @@ def indexer_recall(params, cfg: ModelConfig, tokens: np.ndarray) -> dict:
       params: model params; cfg: a config with MSA layers; tokens: ``[T]`` int token ids.
     Returns: ``{"layers": {layer: recall}, "mean": float, "pairs": int, "mass": {"layers": ..., "mean": ...},
     "oracle_mass": {"layers": ..., "mean": ...}}`` (mass: share of the group's dense attention, 0-1).
-    Raises: ValueError when the config has no MSA layer.
+    Raises: ValueError when the config has no MSA layer or ``tokens`` is no longer than ``index_topk x
+    index_block_size`` (no query has a block left out: nothing to measure).
     """
     if not cfg.has_msa:
         raise ValueError("indexer_recall needs a config with MSA layers")
@@ -80,6 +81,9 @@ def indexer_recall(params, cfg: ModelConfig, tokens: np.ndarray) -> dict:
     layers = unstack_layers(params, cfg)
     kinds = [(s.layer_type, s.mlp_type) for s in layer_segments(cfg) for _ in range(s.length)]
     B, K = cfg.index_block_size, cfg.index_topk
+    if t <= K * B:
+        raise ValueError(f"{t} tokens measure nothing: with index_topk x index_block_size = {K} x {B} = {K * B} every "
+                         f"block is selected up to {K * B} tokens of history; use more than {K * B} tokens")
     result, total, count = {}, 0.0, 0
     mass_of = {"mass": ({}, [0.0]), "oracle_mass": ({}, [0.0])}
     step = jax.jit(lambda lp, x, lt, mt: decoder_layer(lp, x, cfg, lt, mt, pos, seg, cos, sin, None)[0],
@@ -134,7 +138,8 @@ def _main(argv) -> int:
     ap = cli_main.Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", required=True, help="orbax checkpoint directory (minimax_jax.convert)")
     ap.add_argument("--text_file", required=True, help="text to score (e.g. a held-out play)")
-    ap.add_argument("--length", type=int, default=4096, help="tokens of the text to use (>= 2)")
+    ap.add_argument("--length", type=int, default=4096, help="tokens of the text to use (more than the checkpoint's "
+                    "index_topk x index_block_size, e.g. 512 for the demo: below that every block is selected)")
     ap.add_argument("--out", help="write the result JSON here (atomically; an existing file only with --overwrite)")
     cli_main.add_bool(ap, "overwrite", False, "let --out replace an existing file")
     a = cli_main.parse_args(cli_main.add_common(ap, cache=True), argv)
@@ -151,14 +156,10 @@ def _main(argv) -> int:
             raise UsageError(f"{what} {path!r} is {kind}; expected "
                              + ("a checkpoint directory" if want_dir else "a text file"))
     if a.out:
-        parent = os.path.dirname(os.path.abspath(a.out))
-        if os.path.isdir(a.out) or not os.path.isdir(parent):
-            raise UsageError(f"--out {a.out!r} cannot be written: "
-                             + ("it is a directory" if os.path.isdir(a.out) else f"no directory {parent!r}"))
-        if os.path.exists(a.out) and os.path.samefile(a.out, a.text_file):
-            raise UsageError(f"--out {a.out!r} is the --text_file; write the result elsewhere")
-        if os.path.exists(a.out) and not a.overwrite:
-            raise UsageError(f"--out {a.out!r} exists; pass --overwrite to replace it or choose another path")
+        err = out_file_error(a.out, overwrite=a.overwrite, inside=[(f"the checkpoint {a.checkpoint!r}", a.checkpoint)],
+                             inputs=[("the --text_file", a.text_file)])
+        if err:
+            raise UsageError(err)
     try:
         with open(a.text_file, encoding="utf-8-sig") as f:
             text = f.read()
@@ -183,7 +184,7 @@ def _main(argv) -> int:
     res = indexer_recall(params, cfg, np.asarray(ids))
     print(json.dumps(res, indent=1))
     if a.out:
-        write_atomic(a.out, json.dumps(res, indent=1))
+        write_atomic(os.path.realpath(a.out), json.dumps(res, indent=1))   # through a link, not over it
     return 0
 
 

@@ -36,7 +36,6 @@ __all__ = ["TrainConfigError", "TrainConfig", "OptimConfig", "ScheduleConfig", "
 
 SCHEDULES = ("cosine", "wsd", "constant")
 INIT_MODES = ("scratch", "checkpoint", "sparse_cpt")
-WARMUP_SCHEDULES = ("constant", "cosine")
 REMAT = ("none", "full", "dots", "dots_kernels")
 DATA_KINDS = ("grain", "synthetic", "trajectory")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -184,8 +183,7 @@ class MSAConfig:
       kl_coeff: weight of the indexer KL (normalised by ``aux["indexer_kl_count"]``).
       freeze_backbone_in_warmup: during the warm-up only the index projections/norms are trained.
       warmup_lr: lr of the warm-up phase (None = ``optim.lr``); the main schedule starts after it.
-      warmup_schedule: the warm-up phase's lr after its linear ramp: ``constant`` (held at ``warmup_lr``) or
-        ``cosine`` (decayed to ``warmup_lr * schedule.min_lr_ratio`` at the last warm-up step).
+      warmup_schedule: after the ramp ``constant`` (warmup_lr) or ``cosine`` (to min_lr_ratio of it at its end).
       layers: ``sparse_cpt`` only: layers turned into MSA (``all_full`` or a list of indices).
       index: ``sparse_cpt`` only: ``index_*`` ModelConfig overrides for ``with_msa`` (e.g. block size).
     """
@@ -471,8 +469,7 @@ def validate(tc: TrainConfig) -> None:
     _check(_is_int(m.indexer_warmup_steps) and m.indexer_warmup_steps >= 0, "msa.indexer_warmup_steps must be >= 0")
     _check(_is_num(m.kl_coeff) and m.kl_coeff >= 0, f"msa.kl_coeff must be >= 0, got {m.kl_coeff!r}")
     _check(m.warmup_lr is None or (_is_num(m.warmup_lr) and m.warmup_lr > 0), "msa.warmup_lr must be > 0 or null")
-    _check(m.warmup_schedule in WARMUP_SCHEDULES,
-           f"msa.warmup_schedule must be one of {WARMUP_SCHEDULES}, got {m.warmup_schedule!r}")
+    _check(m.warmup_schedule in ("constant", "cosine"), f"msa.warmup_schedule must be constant or cosine: {m.warmup_schedule!r}")
     _check(isinstance(m.index, Mapping) and all(str(k).startswith("index_") for k in m.index),
            f"msa.index must map index_* ModelConfig fields, got {m.index!r}")
     _check(i.mode in INIT_MODES, f"init.mode must be one of {INIT_MODES}, got {i.mode!r}")

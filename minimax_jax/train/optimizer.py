@@ -110,7 +110,8 @@ def make_schedule(tc: TrainConfig, phase: str = PHASE_MAIN) -> optax.Schedule:
         peak = float(tc.msa.warmup_lr or lr)
         w = min(s.warmup_steps, max(warm_msa // 10, 1))
         if tc.msa.warmup_schedule == "cosine":
-            return optax.warmup_cosine_decay_schedule(0.0, peak, w, max(warm_msa, w + 1), peak * float(s.min_lr_ratio))
+            # the floor at the last warm-up step (optimizer count warm_msa - 1)
+            return optax.warmup_cosine_decay_schedule(0.0, peak, w, max(warm_msa - 1, w + 1), peak * float(s.min_lr_ratio))
         return optax.join_schedules([optax.linear_schedule(0.0, peak, w), optax.constant_schedule(peak)], [w])
     total = max(tc.run.steps - warm_msa, 1)
     w = min(s.warmup_steps, total)

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from minimax_jax.config import load_config
 from minimax_jax.eval.recall import dense_block_mass, indexer_recall
@@ -27,8 +28,9 @@ def test_recall_bounds_and_perfect_when_selection_is_dense():
     r = indexer_recall(params, cfg, tokens)
     assert set(r["layers"]) == {i for i, t in enumerate(cfg.layer_types) if t == "msa"}
     assert 0.0 < r["mean"] <= 1.0 and r["pairs"] == (64 - 24) * cfg.num_kv_heads * 3
-    wide = cfg.replace(index_topk=8)   # K * B = 64 >= T: nothing is dropped, recall is trivially 1
-    assert indexer_recall(params, wide, tokens)["mean"] == 1.0
+    wide = cfg.replace(index_topk=8)   # K * B = 64 >= T: nothing is dropped, nothing to measure
+    with pytest.raises(ValueError, match="64 tokens measure nothing: with index_topk x index_block_size = 8 x 8 = 64"):
+        indexer_recall(params, wide, tokens)
 
 
 def test_covered_mass_is_bounded_by_the_oracle_and_equals_it_at_full_recall():

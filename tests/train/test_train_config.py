@@ -60,7 +60,7 @@ def test_unknown_yaml_key_rejected(tmp_path):
     ("optim", "freeze", ["("], "not a valid regex"),
     ("optim", "mu_dtype", "float16", "optim.mu_dtype"),
     ("schedule", "kind", "linear", "schedule.kind"),
-    ("msa", "warmup_schedule", "linear", "msa.warmup_schedule must be one of"),
+    ("msa", "warmup_schedule", "linear", "msa.warmup_schedule must be constant or cosine"),
     ("run", "remat", "some", "run.remat"),
     ("run", "compute_dtype", "int8", "run.compute_dtype"),
     ("checkpoint", "keep", 0, "checkpoint.keep"),

@@ -1,6 +1,8 @@
 """Optimizer pieces: schedules, weight-decay / trainable masks, MTP targets, cross-entropy sums,
 optimizer-state sharding mirror, synthetic data layout, iterator-state encoding."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,7 +43,9 @@ def test_cosine_and_wsd_schedules(tmp_path):
              msa={"indexer_warmup_steps": 20, "warmup_lr": 0.5, "warmup_schedule": "cosine"}, run={"steps": 100})
     w = make_schedule(tc, PHASE_WARMUP)
     assert float(w(1)) == pytest.approx(0.25) and float(w(2)) == pytest.approx(0.5)
-    assert float(w(11)) == pytest.approx(0.5 * (0.1 + 0.9 * 0.5), abs=1e-6) and float(w(20)) == pytest.approx(0.05)
+    half = 0.5 * (1 + math.cos(math.pi * 9 / 17))        # count 11 of the decay's 2..19
+    assert float(w(11)) == pytest.approx(0.05 + 0.45 * half, abs=1e-6)
+    assert float(w(19)) == pytest.approx(0.05)           # the last warm-up step (optimizer count 19 of 0..19)
     assert float(make_schedule(tc)(50)) == 1.0
 
 
