@@ -92,7 +92,7 @@ def test_recall_bad_input(tmp_path, capsys):
                          (["--checkpoint", str(text), "--text_file", str(text)], "is a file; expected a checkpoint"),
                          (["--checkpoint", str(tmp_path / "x"), "--text_file", str(text)], "does not exist"),
                          (["--checkpoint", ckpt, "--text_file", str(text), "--out", str(tmp_path / "no" / "r.json")],
-                          "cannot be written"),
+                          "its directory"),
                          (["--checkpoint", str(hf), "--text_file", str(text)],
                           "is a Hugging Face folder; recall reads a minimax-jax checkpoint: convert it first")]:
         assert recall.main(argv) == 2, argv
