@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from minimax_jax.chat import render_chat
-from minimax_jax.infer.generation import GenerationConfig
+from minimax_jax.infer.generation import GenerationConfig, Generator
 from minimax_jax.infer.sampler import SamplingParams
 from tests.serve.serving import running
 
@@ -44,14 +44,22 @@ def test_greedy_completion_equals_the_generation_loop(srv, gen):
     assert r.choices[0].finish_reason == {"length": "length"}.get(want.stop_reason, "stop")
 
 
-@pytest.mark.xfail(strict=True, reason="open defect (session 42): with the demo shipped in session 42 the server's choice 0 "
-                   "samples ', Romeo, ...' where the generation loop's row 0 samples '!--What stature ...' (the same for 1, 2 "
-                   "and 4 rows and both engines); choice 1 matches. Not yet told apart: a near-tie of the first draw under the "
-                   "server's batch numerics, or a bookkeeping difference of the first choice (e.g. its prefill vs the prefix hit)")
-def test_sampled_n2_equals_the_generation_loop_per_sample(srv, gen, demo):
+@pytest.fixture(scope="module")
+def gen8(demo):
+    """The generation loop with the server's engine shape (8 slots of 512 tokens)."""
+    g = Generator(demo.cfg, demo.params, demo.tokenizer)
+    g.reserve(8, 512)
+    return g
+
+
+def test_sampled_n2_equals_the_generation_loop_per_sample(srv, gen8):
+    # Compared with a loop of the server's 8 slots, not the 2-slot ``gen``: the batch shape changes the bf16
+    # matmuls' rounding, and this prompt's last token has a routing near-tie in the first MoE layer (2nd / 3rd
+    # biased expert scores 1.0364 / 1.0346 at 2 slots, 1.0354 / 1.0351 at 8): the two shapes route it to different
+    # experts, so their first-token logits differ by up to ~2 (the 8-slot logits are within 0.05 of the fp32 model's).
     p, cfg = "JULIET:\nO Romeo, Romeo", GenerationConfig(max_new_tokens=10, sampling=SamplingParams(
         temperature=1.0, top_p=0.9, top_k=40, seed=7))
-    want = gen.generate_text([p, p], cfg, row_ids=[0, 1]).sequences
+    want = gen8.generate_text([p, p], cfg, row_ids=[0, 1]).sequences
     r = srv.client.completions.create(model=MODEL, prompt=p, max_tokens=10, temperature=1.0, top_p=0.9, seed=7, n=2,
                                       extra_body={"top_k": 40})
     assert [c.index for c in r.choices] == [0, 1]
