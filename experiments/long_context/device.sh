@@ -12,6 +12,8 @@
 #                                                   # rows), the warmed indexer's recall, sparse on 32K rows;
 #                                                   # and its eval (RESULTS.md "Second MSA run" says why)
 #   bash experiments/long_context/device.sh msa2eval # msa2's eval alone (after MSA2_EVAL=0 msa2, machine warm)
+#   bash experiments/long_context/device.sh fullmv  # full attention retrained as in stage B and the shipped MSA
+#                                                   # demo on one task with more prompts (multi-value, 64)
 #   bash experiments/long_context/device.sh eval    # RULER-style tasks at 4K-32K, >= 16 prompts per cell,
 #                                                   # perplexity by position, indexer recall at 16K; the MSA
 #                                                   # model also with --attention dense (backbone vs selection)
@@ -31,7 +33,8 @@
 # [1e-3] W_SCHEDULE [constant | cosine: to schedule.min_lr_ratio of W_LR] (warm-up), INDEX index_* overrides of the
 # fresh index branches, no spaces (e.g. '{"index_head_dim":128}', session 42's), W_RECALL [1] the warmed model's
 # recall (recall_msaw.json), S_STEPS [600] S_CAP_S [150] (sparse), EVAL_VARIANTS [msa msa_dense msa_top16]
-# (eval_all.sh's names; they share the GPU), W_ONLY=1 stops after the warm-up's recall, MSA2_EVAL=0 leaves the eval to
+# (eval_all.sh's names; they share the GPU), W_ONLY=1 stops after the warm-up's recall (W_REUSE=1 on a chained
+# call then starts from that warm-up), MSA2_EVAL=0 leaves the eval to
 # a next call `device.sh msa2eval` on the same warm machine. CPU smoke run (a few minutes):
 #   W=/tmp/lcs OUT=/tmp/lcs_out PYTHON=.venv/bin/python WHEELS=0 A_MB=2 B_MB=2 A_STEPS=4 B_STEPS=6 B_WARMUP=2 \
 #     EXTRA_SETS="--set data.seq_len=1024 --set run.remat=none" bash experiments/long_context/device.sh dense  (then three,
@@ -91,10 +94,15 @@ case $stage in
     export SETS_msaw="--set init.mode=sparse_cpt --set msa.layers=[2,3,4,5] --set msa.indexer_warmup_steps=$ws \
 --set msa.freeze_backbone_in_warmup=true --set msa.warmup_lr=${W_LR:-1e-3} --set msa.warmup_schedule=${W_SCHEDULE:-constant} \
 --set schedule.warmup_steps=0${INDEX:+ --set msa.index=$INDEX}"
-    OUT=$W/out EVAL=0 DST=$W/ckptW SEQ=$wseq BATCH=${W_BATCH:-$(( 32768 / wseq > 0 ? 32768 / wseq : 1 ))} STEPS=$ws \
-      CAP_S=${W_CAP_S:-150} MEM_FRACTION=0.85 CKPTS="msaw=$W/ckptA/dense" W=$W/b \
-      bash experiments/three_way/long_stage.sh || exit 1
-    if [ "${W_RECALL:-1}" = 1 ]; then   # the warmed indexer before any sparse step (the goal is >= 0.85 at 16K)
+    if [ "${W_REUSE:-0}" = 1 ] && [ -d "$W/ckptW/msaw" ]; then   # a chained call: the warm-up a W_ONLY call left
+      echo "msa2: the warmed indexer of an earlier call on this machine ($W/ckptW/msaw); no warm-up"; reused=1
+    else
+      reused=0
+      OUT=$W/out EVAL=0 DST=$W/ckptW SEQ=$wseq BATCH=${W_BATCH:-$(( 32768 / wseq > 0 ? 32768 / wseq : 1 ))} STEPS=$ws \
+        CAP_S=${W_CAP_S:-150} MEM_FRACTION=0.85 CKPTS="msaw=$W/ckptA/dense" W=$W/b \
+        bash experiments/three_way/long_stage.sh || exit 1
+    fi
+    if [ "${W_RECALL:-1}" = 1 ] && { [ $reused = 0 ] || [ ! -s "$W/out/recall_msaw.json" ]; }; then   # the warmed indexer before any sparse step (the goal is >= 0.85 at 16K)
       OUT=$W/out CKPT_ROOT=$W/ckptW W=$W/b VARIANTS=msaw RECALL_ONLY=1 RECALL_LENGTH=${RECALL_LENGTH:-16384} \
         RECALL_TIMEOUT_S=${RECALL_TIMEOUT_S:-90} MEM_FRACTION=0.85 bash experiments/three_way/eval_all.sh
     fi
@@ -110,6 +118,20 @@ case $stage in
   msa2eval)   # msa2's eval alone, of the model msa2 left on this machine (a warm one: chain the calls)
     [ -d "$W/ckptC/msa" ] || { echo "msa2eval: no msa2 model in $W/ckptC (the machine was released?)"; exit 3; }
     msa2_eval; rc=$?
+    ;;
+  fullmv)   # issue 31's multi-value cells with more prompts: full attention retrained as in session 40 (stage B:
+            # B_STEPS [700] x 32K rows from stage A) and the shipped MSA demo, on TASKS [niah_multivalue] at NUM_SAMPLES [64]
+    stage_a_model fullmv || exit 3
+    corpus_b || exit 1
+    OUT=$W/out EVAL=0 DST=$W/ckptB SEQ=32768 BATCH=1 STEPS=${B_STEPS:-700} CAP_S=${B_CAP_S:-200} LR=${B_LR:-5e-4} \
+      MEM_FRACTION=0.85 CKPTS="full=$W/ckptA/dense" W=$W/b bash experiments/three_way/long_stage.sh
+    [ -d "$W/ckptB/full" ] || exit 1
+    rm -rf "$W/ckptB/msa" && cp -r checkpoints/demo "$W/ckptB/msa" || exit 1
+    OUT=$W/out CKPT_ROOT=$W/ckptB W=$W/b VARIANTS="full msa" TASKS=${TASKS:-niah_multivalue} \
+      LENGTHS=${LENGTHS:-4096,8192,16384,32768} NUM_SAMPLES=${NUM_SAMPLES:-64} BATCH=16 EVAL_BUDGET_S=${EVAL_BUDGET_S:-200} \
+      EVAL_SLACK_S=${EVAL_SLACK_S:-80} RECALL_TIMEOUT_S=${RECALL_TIMEOUT_S:-90} RECALL_LENGTH=16384 PPL_SEQ=32768 \
+      INFER=0 MEM_FRACTION=0.45 bash experiments/three_way/eval_all.sh
+    rc=$?
     ;;
   three)
     stage_a_model three || exit 3
@@ -132,7 +154,7 @@ case $stage in
       bash experiments/three_way/eval_all.sh
     rc=$?
     ;;
-  *) echo "usage: device.sh dense|three|train|msa2|msa2eval|eval"; exit 2 ;;
+  *) echo "usage: device.sh dense|three|train|msa2|msa2eval|fullmv|eval"; exit 2 ;;
 esac
 tar czf "$OUT/lc_$stage.tgz" -C "$W" out
 if [ "$stage" = dense ] && [ -d "$W/ckptA/dense" ]; then

@@ -15,7 +15,7 @@
 # the MSA checkpoint with index_topk N (a copy under W with its config.yaml edited); give each
 # of N variants sharing one GPU MEM_FRACTION <= 0.9 / N. RECALL_ONLY=1: only the indexer recall, of every
 # variant in VARIANTS (each a checkpoint CKPT_ROOT/<variant> with MSA layers; e.g. an indexer warm-up's export).
-# Environment: W [/tmp/three_way]; OUT [$W/out]; CKPT_ROOT [$W/ckpt]; VARIANTS [msa full sliding]; LENGTHS
+# Environment: W [/tmp/three_way]; OUT [$W/out]; CKPT_ROOT [$W/ckpt]; VARIANTS [msa full sliding]; TASKS [all]; LENGTHS
 # [2048,4096,8192,16384,32768,65536]; NUM_SAMPLES [8]; BATCH [8]; EVAL_BUDGET_S [240] (the eval CLI's
 # own budget) and EVAL_SLACK_S [240] (hard cap = budget + slack: loading, compilation, perplexity);
 # RECALL_LENGTH [4096: the training row]; RECALL_TIMEOUT_S [180]; PPL_BUCKETS perplexity-by-position bucket edges (--ppl_buckets, e.g.
@@ -72,7 +72,7 @@ eval_one() {  # variant device
   esac
   export CUDA_VISIBLE_DEVICES=$dev XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.45}
   if [ "${RECALL_ONLY:-0}" = 1 ]; then recall_one "$v"; return; fi
-  timeout -k 30 $((EVAL_BUDGET_S + ${EVAL_SLACK_S:-240})) $PY -m minimax_jax.eval --checkpoint "$ck" --attention "$att" --tasks all \
+  timeout -k 30 $((EVAL_BUDGET_S + ${EVAL_SLACK_S:-240})) $PY -m minimax_jax.eval --checkpoint "$ck" --attention "$att" --tasks "${TASKS:-all}" \
     --lengths "$LENGTHS" --num_samples "$NUM_SAMPLES" --batch_size "$BATCH" --time_budget_s "$EVAL_BUDGET_S" \
     --prefill_chunk "$PREFILL_CHUNK" \
     --ppl_seq_len "$PPL_SEQ" --ppl_max_tokens 65536 ${PPL_BUCKETS:+--ppl_buckets "$PPL_BUCKETS"} --out "$OUT/eval_$v.json" > "$W/eval_$v.log" 2>&1
