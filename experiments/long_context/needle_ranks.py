@@ -1,6 +1,7 @@
 """Where the needle's block ranks for the last prompt query: dense attention mass vs the MSA indexer, per layer and group.
 
     python experiments/long_context/needle_ranks.py --checkpoint DIR [--length 8192] [--num 3]
+    python experiments/long_context/needle_ranks.py --checkpoint DIR --length 4096 --eval_json EVAL.json   # multi-value
 
 For each `niah_single` prompt (the eval's generator, seeded) and each MSA layer / kv group: the needle block's share of
 the group's head-averaged dense attention mass at the last prompt token, its rank under that mass (1 = heaviest), its
@@ -11,6 +12,8 @@ and both top-6 lists. RESULTS.md ("Second MSA run") reads it. fp32 HIGHEST produ
 from __future__ import annotations
 
 import argparse
+import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -38,44 +41,89 @@ def block_scores(q, k, qi, ki, nb, bs):
     return np.asarray(mass), np.asarray(idx)
 
 
+def ranks_at(cfg, params, tok, text, targets, label):
+    """Print, per MSA layer and group, where each target string's block ranks for the LAST token of ``text``."""
+    bs = cfg.index_block_size
+    kinds = [(s.layer_type, s.mlp_type) for s in layer_segments(cfg) for _ in range(s.length)]
+    layers = unstack_layers(params, cfg)
+    enc = tok.encode(text)
+    t = len(enc.ids)
+    nb = -(-t // bs)
+    blocks = []
+    for a in targets:
+        at = text.find(a)
+        blocks.append(next(i for i, (lo, hi) in enumerate(enc.offsets) if lo <= at < hi or lo >= at) // bs)
+    pos = jnp.arange(t, dtype=jnp.int32)[None]
+    seg = jnp.zeros_like(pos)
+    cos, sin = rope_frequencies(pos, cfg.rotary_dim, cfg.rope_theta)
+    x = embed(params, cfg, jnp.asarray(enc.ids, jnp.int32)[None])
+    print(f"{label}: {t} tokens ({nb} blocks); targets {list(targets)} in blocks {blocks}")
+    for li, (lp, (lt, mt)) in enumerate(zip(layers, kinds)):
+        if lt == "msa":
+            h = rms_norm(x, lp["input_norm"]["scale"], eps=cfg.rms_norm_eps, kind=cfg.norm_kind)
+            q, k, _ = project_qkv(lp, h, cfg, cos, sin)
+            qi, ki = project_index(lp, h, cfg, cos, sin)
+            mass, idx = block_scores(q[0, -1].astype(jnp.float32), k[0].astype(jnp.float32),
+                                     qi[0, -1].astype(jnp.float32), ki[0].astype(jnp.float32), nb, bs)
+            for g in range(mass.shape[0]):
+                free = idx[g, :-1]                                   # the local block is always kept
+                cells = []
+                for b in blocks:
+                    rank_i = "local" if b == nb - 1 else int((free > free[b]).sum()) + 1
+                    cells.append(f"mass {mass[g, b]:.3f} dense rank {int((mass[g] > mass[g, b]).sum()) + 1} "
+                                 f"index rank {rank_i}")
+                print(f"  layer {li} group {g}: " + " | ".join(cells))
+        x = decoder_layer(lp, x, cfg, lt, mt, pos, seg, cos, sin, None)[0]
+
+
+def _decode_point(output: str, answers) -> tuple[str, list[str], list[str]]:
+    """The output's prefix up to the point where the model should have started its next missing value
+    (after the last new correct value and its separator), the values found, the values missing."""
+    found, end = [], 0
+    for mt in re.finditer(r"\d{7}", output):
+        v = mt.group(0)
+        if v in answers and v not in found:
+            found.append(v)
+            rest = output[mt.end():]
+            end = mt.end() + len(rest) - len(rest.lstrip(", "))
+        else:
+            break
+    return output[:end], found, [a for a in answers if a not in found]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--length", type=int, default=8192)
     ap.add_argument("--num", type=int, default=3)
+    ap.add_argument("--eval_json", default=None,
+                    help="multi-value mode: the eval CLI's JSON of this checkpoint; for each niah_multivalue prompt at "
+                         "--length whose output missed a value, the ranks at the token where the next missing value "
+                         "should have started (the prompt + the output's correct part)")
     a = ap.parse_args(argv)
     m = load_model(a.checkpoint)
     cfg, params, tok = m.cfg, m.params, m.tokenizer
-    bs = cfg.index_block_size
-    kinds = [(s.layer_type, s.mlp_type) for s in layer_segments(cfg) for _ in range(s.length)]
-    layers = unstack_layers(params, cfg)
-    for e in generate_suite(["niah_single"], [a.length], a.num, token_counter(tok), prose_haystack(heldout_works=4, seed=0),
+    task = "niah_multivalue" if a.eval_json else "niah_single"
+    num = a.num
+    outputs = {}
+    if a.eval_json:
+        with open(a.eval_json) as f:
+            ex = [e for e in json.load(f)["examples"] if e["task"] == task and e["target_length"] == a.length]
+        num = len(ex)
+        outputs = {tuple(e["answers"]): e for e in ex}
+    for e in generate_suite([task], [a.length], num, token_counter(tok), prose_haystack(heldout_works=4, seed=0),
                             seed=0):
-        text = BOS + e.prompt
-        enc = tok.encode(text)
-        at = text.find(e.answers[0])
-        needle = next(i for i, (lo, hi) in enumerate(enc.offsets) if lo <= at < hi or lo >= at)
-        t = len(enc.ids)
-        nb, nblk = -(-t // bs), needle // bs
-        pos = jnp.arange(t, dtype=jnp.int32)[None]
-        seg = jnp.zeros_like(pos)
-        cos, sin = rope_frequencies(pos, cfg.rotary_dim, cfg.rope_theta)
-        x = embed(params, cfg, jnp.asarray(enc.ids, jnp.int32)[None])
-        print(f"prompt of {t} tokens, needle at token {needle} (block {nblk} of {nb}), answer {e.answers[0]}")
-        for li, (lp, (lt, mt)) in enumerate(zip(layers, kinds)):
-            if lt == "msa":
-                h = rms_norm(x, lp["input_norm"]["scale"], eps=cfg.rms_norm_eps, kind=cfg.norm_kind)
-                q, k, _ = project_qkv(lp, h, cfg, cos, sin)
-                qi, ki = project_index(lp, h, cfg, cos, sin)
-                mass, idx = block_scores(q[0, -1].astype(jnp.float32), k[0].astype(jnp.float32),
-                                         qi[0, -1].astype(jnp.float32), ki[0].astype(jnp.float32), nb, bs)
-                for g in range(mass.shape[0]):
-                    free = idx[g, :-1]                                   # the local block is always kept
-                    rank_i = "local" if nblk == nb - 1 else int((free > free[nblk]).sum()) + 1
-                    print(f"  layer {li} group {g}: needle mass {mass[g, nblk]:.3f}, dense rank "
-                          f"{int((mass[g] > mass[g, nblk]).sum()) + 1}, index rank {rank_i} of {nb - 1}; dense top "
-                          f"{np.argsort(-mass[g])[:6].tolist()}, index top {np.argsort(-free)[:6].tolist()}")
-            x = decoder_layer(lp, x, cfg, lt, mt, pos, seg, cos, sin, None)[0]
+        if not a.eval_json:
+            ranks_at(cfg, params, tok, BOS + e.prompt, e.answers[:1], f"last prompt token, answer {e.answers[0]}")
+            continue
+        got = outputs.get(tuple(e.answers))
+        if got is None:
+            raise SystemExit(f"--eval_json has no output for answers {e.answers}: another seed, haystack or length?")
+        if got["score"] >= 1:
+            continue
+        prefix, found, missing = _decode_point(got["output"], e.answers)
+        ranks_at(cfg, params, tok, BOS + e.prompt + prefix, missing + found,
+                 f"output {got['output'][:60]!r}: query after {prefix!r}; missing {missing}, found {found}")
 
 
 if __name__ == "__main__":
