@@ -41,6 +41,8 @@
 #   then eval with LENGTHS=1024 NUM_SAMPLES=1 RECALL_LENGTH=1024 PPL_SEQ=1024 PPL_BUCKETS=256 EVAL_BUDGET_S=60)
 set -u
 cd "$(dirname "$0")/../.."
+USAGE="usage: device.sh dense|three|train|msa2|msa2eval|fullmv|eval"
+case ${1:-} in dense|three|train|msa2|msa2eval|fullmv|eval) ;; *) echo "$USAGE"; exit 2 ;; esac
 : "${OUT:?set OUT to the folder whose files come back}"
 W=${W:-/tmp/lc}
 export PYTHONUNBUFFERED=1
@@ -94,21 +96,29 @@ case $stage in
     export SETS_msaw="--set init.mode=sparse_cpt --set msa.layers=[2,3,4,5] --set msa.indexer_warmup_steps=$ws \
 --set msa.freeze_backbone_in_warmup=true --set msa.warmup_lr=${W_LR:-1e-3} --set msa.warmup_schedule=${W_SCHEDULE:-constant} \
 --set schedule.warmup_steps=0${INDEX:+ --set msa.index=$INDEX}"
-    if [ "${W_REUSE:-0}" = 1 ] && [ -d "$W/ckptW/msaw" ]; then   # a chained call: the warm-up a W_ONLY call left
-      echo "msa2: the warmed indexer of an earlier call on this machine ($W/ckptW/msaw); no warm-up"; reused=1
-    else
-      reused=0
-      OUT=$W/out EVAL=0 DST=$W/ckptW SEQ=$wseq BATCH=${W_BATCH:-$(( 32768 / wseq > 0 ? 32768 / wseq : 1 ))} STEPS=$ws \
+    wbatch=${W_BATCH:-$(( 32768 / wseq > 0 ? 32768 / wseq : 1 ))}
+    stamp="steps=$ws seq=$wseq batch=$wbatch lr=${W_LR:-1e-3} schedule=${W_SCHEDULE:-constant} index=${INDEX:-} src=${SRC:-}"
+    if [ "${W_REUSE:-0}" = 1 ]; then   # a chained call: the warm-up a W_ONLY call left, with the same settings
+      [ "$(cat "$W/ckptW/warmup_settings" 2>/dev/null)" = "$stamp" ] || {
+        echo "msa2: W_REUSE=1 but no warm-up with these settings on this machine ($stamp; found:" \
+             "$(cat "$W/ckptW/warmup_settings" 2>/dev/null || echo none))"; exit 3; }
+      echo "msa2: the warmed indexer of an earlier call on this machine ($W/ckptW/msaw, $stamp); no warm-up"
+    else   # a fresh warm-up: nothing an earlier one left on this machine is resumed, reused or reported
+      rm -rf "$W/b/run_msaw" "$W/ckptW" "$W/ckptC" "$W/out/recall_msaw.json" "$W/out/recall_msa.json"
+      OUT=$W/out EVAL=0 DST=$W/ckptW SEQ=$wseq BATCH=$wbatch STEPS=$ws \
         CAP_S=${W_CAP_S:-150} MEM_FRACTION=0.85 CKPTS="msaw=$W/ckptA/dense" W=$W/b \
         bash experiments/three_way/long_stage.sh || exit 1
+      [ -d "$W/ckptW/msaw" ] || exit 1
+      echo "$stamp" > "$W/ckptW/warmup_settings"
     fi
-    if [ "${W_RECALL:-1}" = 1 ] && { [ $reused = 0 ] || [ ! -s "$W/out/recall_msaw.json" ]; }; then   # the warmed indexer before any sparse step (the goal is >= 0.85 at 16K)
+    if [ "${W_RECALL:-1}" = 1 ] && [ ! -s "$W/out/recall_msaw.json" ]; then   # the warmed indexer before any sparse step (the goal is >= 0.85 at 16K)
       OUT=$W/out CKPT_ROOT=$W/ckptW W=$W/b VARIANTS=msaw RECALL_ONLY=1 RECALL_LENGTH=${RECALL_LENGTH:-16384} \
         RECALL_TIMEOUT_S=${RECALL_TIMEOUT_S:-90} MEM_FRACTION=0.85 bash experiments/three_way/eval_all.sh
     fi
     if [ "${W_ONLY:-0}" = 1 ]; then   # the warm-up and its recall only
       tar czf "$OUT/lc_$stage.tgz" -C "$W" out; cat "$W/out/long_stage.log"; [ -s "$W/out/recall_msaw.json" ]; exit $?
     fi
+    rm -rf "$W/b/run_msa" "$W/ckptC"
     OUT=$W/out EVAL=0 DST=$W/ckptC SEQ=32768 BATCH=1 STEPS=${S_STEPS:-600} CAP_S=${S_CAP_S:-150} LR=${B_LR:-5e-4} \
       MEM_FRACTION=0.85 CKPTS="msa=$W/ckptW/msaw" W=$W/b bash experiments/three_way/long_stage.sh
     [ -d "$W/ckptC/msa" ] || exit 1
@@ -123,11 +133,13 @@ case $stage in
             # B_STEPS [700] x 32K rows from stage A) and the shipped MSA demo, on TASKS [niah_multivalue] at NUM_SAMPLES [64]
     stage_a_model fullmv || exit 3
     corpus_b || exit 1
-    OUT=$W/out EVAL=0 DST=$W/ckptB SEQ=32768 BATCH=1 STEPS=${B_STEPS:-700} CAP_S=${B_CAP_S:-200} LR=${B_LR:-5e-4} \
-      MEM_FRACTION=0.85 CKPTS="full=$W/ckptA/dense" W=$W/b bash experiments/three_way/long_stage.sh
-    [ -d "$W/ckptB/full" ] || exit 1
-    rm -rf "$W/ckptB/msa" && cp -r checkpoints/demo "$W/ckptB/msa" || exit 1
-    OUT=$W/out CKPT_ROOT=$W/ckptB W=$W/b VARIANTS="full msa" TASKS=${TASKS:-niah_multivalue} \
+    rm -rf "$W/ckptMV" "$W/b_mv/run_full"
+    mkdir -p "$W/b_mv" && ln -sfn "$W/b/corpus" "$W/b_mv/corpus"    # corpus_b's data, as stage B trained on
+    OUT=$W/out EVAL=0 DST=$W/ckptMV SEQ=32768 BATCH=1 STEPS=${B_STEPS:-700} CAP_S=${B_CAP_S:-200} LR=${B_LR:-5e-4} \
+      MEM_FRACTION=0.85 CKPTS="full=$W/ckptA/dense" W=$W/b_mv bash experiments/three_way/long_stage.sh
+    [ -d "$W/ckptMV/full" ] || exit 1
+    cp -r checkpoints/demo "$W/ckptMV/msa" || exit 1
+    OUT=$W/out CKPT_ROOT=$W/ckptMV W=$W/b_mv VARIANTS="full msa" TASKS=${TASKS:-niah_multivalue} \
       LENGTHS=${LENGTHS:-4096,8192,16384,32768} NUM_SAMPLES=${NUM_SAMPLES:-64} BATCH=16 EVAL_BUDGET_S=${EVAL_BUDGET_S:-200} \
       EVAL_SLACK_S=${EVAL_SLACK_S:-80} RECALL_TIMEOUT_S=${RECALL_TIMEOUT_S:-90} RECALL_LENGTH=16384 PPL_SEQ=32768 \
       INFER=0 MEM_FRACTION=0.45 bash experiments/three_way/eval_all.sh
@@ -154,7 +166,7 @@ case $stage in
       bash experiments/three_way/eval_all.sh
     rc=$?
     ;;
-  *) echo "usage: device.sh dense|three|train|msa2|msa2eval|fullmv|eval"; exit 2 ;;
+  *) echo "$USAGE"; exit 2 ;;
 esac
 tar czf "$OUT/lc_$stage.tgz" -C "$W" out
 if [ "$stage" = dense ] && [ -d "$W/ckptA/dense" ]; then

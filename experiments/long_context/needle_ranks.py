@@ -77,8 +77,9 @@ def ranks_at(cfg, params, tok, text, targets, label):
 
 
 def _decode_point(output: str, answers) -> tuple[str, list[str], list[str]]:
-    """The output's prefix up to the point where the model should have started its next missing value
-    (after the last new correct value and its separator), the values found, the values missing."""
+    """The output's prefix through its last new correct value (and the separator after it, if any): the point
+    after which the model ended the list or repeated a value instead of giving a missing one; the values found,
+    the values missing."""
     found, end = [], 0
     for mt in re.finditer(r"\d{7}", output):
         v = mt.group(0)
@@ -91,26 +92,49 @@ def _decode_point(output: str, answers) -> tuple[str, list[str], list[str]]:
     return output[:end], found, [a for a in answers if a not in found]
 
 
+def _eval_examples(path: str, task: str, length: int) -> dict:
+    """The eval CLI JSON's ``task`` examples at ``length``, keyed by their answers; SystemExit (one line) for a file
+    that is not such a JSON, or has none there."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        examples = data["examples"]
+        rows = [e for e in examples if e["task"] == task and e["target_length"] == length]
+        by_answers = {tuple(e["answers"]): e for e in rows}
+        lacking = sorted({k for e in rows for k in ("output", "score") if k not in e})
+        if lacking:
+            raise KeyError(f"examples without {lacking}")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"needle_ranks.py: error: --eval_json {path}: not the eval CLI's JSON ({type(e).__name__}: {e})")
+    if not rows:
+        have = sorted({e.get("target_length") for e in examples if isinstance(e, dict) and e.get("task") == task})
+        raise SystemExit(f"needle_ranks.py: error: --eval_json {path} has no {task} examples at --length {length} "
+                         f"(lengths there: {have or 'none'})")
+    if len(by_answers) != len(rows):
+        raise SystemExit(f"needle_ranks.py: error: --eval_json {path} repeats {task} prompts at {length} "
+                         f"({len(rows)} examples, {len(by_answers)} distinct): one eval run's JSON, please")
+    if data.get("attention", "as_trained") != "as_trained":
+        print(f"warning: --eval_json ran with --attention {data['attention']}; the ranks below are the MSA model's")
+    return by_answers
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--length", type=int, default=8192)
-    ap.add_argument("--num", type=int, default=3)
+    ap.add_argument("--num", type=int, default=3, help="niah_single prompts (multi-value mode: every prompt of the JSON)")
     ap.add_argument("--eval_json", default=None,
-                    help="multi-value mode: the eval CLI's JSON of this checkpoint; for each niah_multivalue prompt at "
-                         "--length whose output missed a value, the ranks at the token where the next missing value "
-                         "should have started (the prompt + the output's correct part)")
+                    help="multi-value mode: the eval CLI's JSON of this checkpoint (default prompts: seed 0, no chat, "
+                         "BOS); for each niah_multivalue prompt at --length whose output missed a value, the ranks at "
+                         "the output's last token that gave a new correct value (or its separator after it): the "
+                         "token after which the model ended or repeated instead of giving the next value")
     a = ap.parse_args(argv)
+    task = "niah_multivalue" if a.eval_json else "niah_single"
+    outputs = _eval_examples(a.eval_json, task, a.length) if a.eval_json else {}
     m = load_model(a.checkpoint)
     cfg, params, tok = m.cfg, m.params, m.tokenizer
-    task = "niah_multivalue" if a.eval_json else "niah_single"
-    num = a.num
-    outputs = {}
-    if a.eval_json:
-        with open(a.eval_json) as f:
-            ex = [e for e in json.load(f)["examples"] if e["task"] == task and e["target_length"] == a.length]
-        num = len(ex)
-        outputs = {tuple(e["answers"]): e for e in ex}
+    num = len(outputs) if a.eval_json else a.num
+    missed = 0
     for e in generate_suite([task], [a.length], num, token_counter(tok), prose_haystack(heldout_works=4, seed=0),
                             seed=0):
         if not a.eval_json:
@@ -118,12 +142,16 @@ def main(argv=None):
             continue
         got = outputs.get(tuple(e.answers))
         if got is None:
-            raise SystemExit(f"--eval_json has no output for answers {e.answers}: another seed, haystack or length?")
+            raise SystemExit(f"needle_ranks.py: error: --eval_json has no output for answers {e.answers}: another seed, "
+                             "haystack or length?")
         if got["score"] >= 1:
             continue
+        missed += 1
         prefix, found, missing = _decode_point(got["output"], e.answers)
         ranks_at(cfg, params, tok, BOS + e.prompt + prefix, missing + found,
                  f"output {got['output'][:60]!r}: query after {prefix!r}; missing {missing}, found {found}")
+    if a.eval_json:
+        print(f"{num} {task} prompts at {a.length} tokens, {missed} missed a value (ranks above)")
 
 
 if __name__ == "__main__":

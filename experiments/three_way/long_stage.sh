@@ -88,6 +88,9 @@ one() {  # name checkpoint-dir
 for pair in $CKPTS; do
   [ -d "${pair#*=}" ] || { log "no checkpoint ${pair#*=} for ${pair%%=*}"; exit 2; }
 done
-for pair in $CKPTS; do one "${pair%%=*}" "${pair#*=}" & done
-wait
-log "done"
+pids=""
+for pair in $CKPTS; do one "${pair%%=*}" "${pair#*=}" & pids="$pids $!"; done
+rc=0
+for p in $pids; do wait "$p" || rc=1; done    # a run whose export failed fails the stage (a capped run does not)
+log "done (rc $rc)"
+exit $rc

@@ -123,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
                       absl_alias=True)
     cli_main.add_bool(p, "logprobs", False, "Add each generated token's log-probability under the model (raw "
         'logits, before penalties, temperature and filters) to the records.', absl_alias=True)
+    cli_main.add_bool(p, "bos", False, "Start each raw prompt (not a chat: the template renders its own) with the "
+        "BOS token ]~!b[, as every training document starts (the eval CLI's --bos); a base model such as the demo "
+        "continues prompts in the style it was trained on only with it.", absl_alias=True)
     cli_main.add_bool(p, "echo_prompt", True, "Text output: print each prompt (under '--- prompt ---') before its "
         'generations.', absl_alias=True)
     p.add_argument("--batch_size", type=cli_main.int_at_least(1), default=16, help='Rows (prompt x sample) '
@@ -316,15 +319,21 @@ def resolve_decode_loop(value, sampling, *, engine, logprobs, speculative, decod
     return max(1, min(AUTO_DECODE_LOOP, max_new_tokens)) if eligible else 1
 
 
-def _encode(items, tokenizer, cfg, config) -> list:
+def _encode(items, tokenizer, cfg, config, bos: bool = False) -> list:
+    from minimax_jax.chat.tokens import BOS
     from minimax_jax.infer.errors import ContextTooLong
     from minimax_jax.infer.generation import check_context
 
+    bos_id = tokenizer.token_to_id(BOS) if bos else None
+    if bos and bos_id is None:
+        raise ValueError(f"--bos: the tokenizer has no BOS token {BOS!r}")
     ids = []
     for it in items:
         p = tokenizer.encode(it.text, add_special_tokens=False).ids
         if not p:
             raise ValueError(f"{it.where} is empty (it encodes to no tokens)")
+        if bos_id is not None and it.chat is None and p[0] != bos_id:
+            p = [bos_id, *p]
         try:
             # a per-line max_new_tokens goes as a list: the advice then names the line's value too
             check_context(cfg, [len(p)], [it.max_new_tokens] if it.max_new_tokens else config.max_new_tokens)
@@ -351,7 +360,7 @@ def run() -> int:
     cfg = peek_config(ckpt)
     tokenizer = load_tokenizer_for(ckpt, FLAGS.tokenizer)
     check_tokenizer_fits(tokenizer, cfg, FLAGS.tokenizer or ckpt)
-    prompts = _encode(items, tokenizer, cfg, config)
+    prompts = _encode(items, tokenizer, cfg, config, bos=FLAGS.bos)
     if FLAGS.n > 1 and config.sampling.greedy:
         _err(f"warning: --n {FLAGS.n} with --temperature 0 (greedy) gives {FLAGS.n} identical samples")
     from minimax_jax.decode import mesh_attention
