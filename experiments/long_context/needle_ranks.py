@@ -105,7 +105,8 @@ def _eval_examples(path: str, task: str, length: int) -> dict:
         if lacking:
             raise KeyError(f"examples without {lacking}")
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise SystemExit(f"needle_ranks.py: error: --eval_json {path}: not the eval CLI's JSON ({type(e).__name__}: {e})")
+        raise SystemExit(f"needle_ranks.py: error: --eval_json {path}: not the eval CLI's JSON "
+                         f"({type(e).__name__}: {e})")
     if not rows:
         have = sorted({e.get("target_length") for e in examples if isinstance(e, dict) and e.get("task") == task})
         raise SystemExit(f"needle_ranks.py: error: --eval_json {path} has no {task} examples at --length {length} "
@@ -122,7 +123,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--length", type=int, default=8192)
-    ap.add_argument("--num", type=int, default=3, help="niah_single prompts (multi-value mode: every prompt of the JSON)")
+    ap.add_argument("--num", type=int, default=3,
+                    help="niah_single prompts (multi-value mode: every prompt of the JSON)")
     ap.add_argument("--eval_json", default=None,
                     help="multi-value mode: the eval CLI's JSON of this checkpoint (default prompts: seed 0, no chat, "
                          "BOS); for each niah_multivalue prompt at --length whose output missed a value, the ranks at "
@@ -142,8 +144,8 @@ def main(argv=None):
             continue
         got = outputs.get(tuple(e.answers))
         if got is None:
-            raise SystemExit(f"needle_ranks.py: error: --eval_json has no output for answers {e.answers}: another seed, "
-                             "haystack or length?")
+            raise SystemExit(f"needle_ranks.py: error: --eval_json has no output for answers {e.answers}: "
+                             "another seed, haystack or length?")
         if got["score"] >= 1:
             continue
         missed += 1

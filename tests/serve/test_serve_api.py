@@ -53,13 +53,18 @@ def gen8(demo):
 
 
 def test_sampled_n2_equals_the_generation_loop_per_sample(srv, gen8):
-    # Compared with a loop of the server's 8 slots, not the 2-slot ``gen``: the batch shape changes the bf16
-    # matmuls' rounding, and this prompt's last token has a routing near-tie in the first MoE layer (2nd / 3rd
-    # biased expert scores 1.0364 / 1.0346 at 2 slots, 1.0354 / 1.0351 at 8): the two shapes route it to different
-    # experts, so their first-token logits differ by up to ~2 (the 8-slot logits are within 0.05 of the fp32 model's).
-    p, cfg = "JULIET:\nO Romeo, Romeo", GenerationConfig(max_new_tokens=10, sampling=SamplingParams(
-        temperature=1.0, top_p=0.9, top_k=40, seed=7))
-    want = gen8.generate_text([p, p], cfg, row_ids=[0, 1]).sequences
+    # Compared with a loop of the server's 8 slots: another batch shape rounds bf16 differently and can flip a
+    # near-tie (session 43: "JULIET:\nO Romeo, Romeo" has an MoE routing tie at its last token that 2 and 8 slots
+    # break differently). This prompt and seed sample the same with 2 and 8 slots, and top_p 0.9 changes both
+    # choices (checked below), so a server that dropped top_p, top_k, the seed or the choice order would fail.
+    p = "ROMEO:\nBut soft"
+    kw = dict(temperature=1.0, top_k=40, seed=7)
+    def loop(top_p):
+        cfg = GenerationConfig(max_new_tokens=10, sampling=SamplingParams(top_p=top_p, **kw))
+        return gen8.generate_text([p, p], cfg, row_ids=[0, 1]).sequences
+
+    want, unfiltered = loop(0.9), loop(1.0)
+    assert all(a.text != b.text for a, b in zip(want, unfiltered))
     r = srv.client.completions.create(model=MODEL, prompt=p, max_tokens=10, temperature=1.0, top_p=0.9, seed=7, n=2,
                                       extra_body={"top_k": 40})
     assert [c.index for c in r.choices] == [0, 1]
