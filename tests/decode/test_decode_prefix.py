@@ -20,7 +20,7 @@ def _engine(params, cfg):
 
 def test_prefix_cache_hits_match_forward():
     cfg, params = small_model("m3")
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(0)
     eng = _engine(params, cfg)
     a = random_tokens(rng, cfg, 83)
     (sa,), (la,) = eng.prefill([a], return_all_logits=True)
@@ -41,7 +41,7 @@ def test_prefix_cache_hits_match_forward():
 
 def test_whole_prompt_cached_still_returns_last_logits():
     cfg, params = small_model("m3")
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(1)
     eng = _engine(params, cfg)
     a = random_tokens(rng, cfg, 32)
     eng.prefill([a])
@@ -52,7 +52,7 @@ def test_whole_prompt_cached_still_returns_last_logits():
 
 def test_speculative_rollback_with_copy_on_write():
     cfg, params = small_model("m3")
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(2)
     eng = _engine(params, cfg)
     seq = random_tokens(rng, cfg, 76)
     (s,), _ = eng.prefill([seq])

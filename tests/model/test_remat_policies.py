@@ -16,7 +16,7 @@ def _setup():
                                          num_mtp_modules=0, attention_impl="pallas_flash_gpu_interpret",
                                          moe_impl="pallas_gpu_interpret")
     params = init_params(cfg, jax.random.key(0))
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(0)
     t = 32
     seg = jnp.asarray((np.arange(t) >= 13).astype(np.int32))[None].repeat(2, 0)
     pos = jnp.asarray(np.where(np.arange(t) >= 13, np.arange(t) - 13, np.arange(t)).astype(np.int32))[None].repeat(2, 0)

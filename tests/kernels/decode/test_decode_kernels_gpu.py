@@ -99,7 +99,7 @@ def test_unrolled_scoring_matches_reference(unroll, ppp, kv_dtype, f16):
     from minimax_jax.ops import paged as ops
     from pallas_kernels.decode.gpu_select import page_scores_gpu, select_pages_gpu
 
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(0)
     b, nq, hi, di, page, npg, topk = 2, 2, 2, 32, 16, 13, 4
     qi, ki, ks, table, n_phys = _index_keys(rng, b, nq, hi, di, page, npg, kv_dtype)
     # request 1 uses 7 pages (positions up to 6 pages + 3): entries past them hold a huge id
@@ -161,7 +161,7 @@ def test_split_select_rows_exact(init_blocks, local_blocks):
     from minimax_jax.ops import paged as ops
     from pallas_kernels.decode.gpu_select import _select_rows
 
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(1)
     b, rows, n_rows, width, page, topk = 2, 8, 7, 64, 16, 8     # rows >= n_rows are padding (not selected)
     raw, pos = _raw_rows_case(rng, b, rows, width, page, topk)
     pos[1, n_rows:] = -1
@@ -190,7 +190,7 @@ def test_split_select_auto_wide_rows():
     assert _auto_select_splits(1, 2, 2048) == 4
     assert _auto_select_splits(32, 4, 16384) == 32 and _auto_select_splits(1, 4, 16384) == 32
     assert _auto_select_splits(64, 16, 16384) == 4 and _auto_select_splits(8, 4, 512) == 1
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(2)
     b, rows, width, page, topk = 1, 2, 2048, 16, 16
     raw, pos = _raw_rows_case(rng, b, rows, width, page, topk, n_levels=50)
     pos[0, 1] = width * page - 5
@@ -214,7 +214,7 @@ def test_split_select_matches_single_stage(kv_dtype, init_blocks, local_blocks):
     from minimax_jax.decode.cache import quantize
     from pallas_kernels.decode.gpu_select import page_scores_gpu, select_pages_gpu
 
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(3)
     b, nq, hi, di, page, npg, topk = 2, 2, 2, 32, 16, 40, 8
     n_phys = b * npg + 1
     keys = jax.random.split(jax.random.PRNGKey(int(rng.integers(1 << 30))), 2)
@@ -262,7 +262,7 @@ def test_split_select_config_default():
     from tests.ops.paged.test_decode_oracle import K, make_case
 
     assert gpu_config.DEFAULT_TABLE.select_splits == 4 and gpu_config.DEFAULT_TABLE.sparse_pps == 4
-    c = make_case(np.random.default_rng(), 1, kv_dtype="bfloat16", index_dtype="bfloat16")
+    c = make_case(np.random.default_rng(4), 1, kv_dtype="bfloat16", index_dtype="bfloat16")
     args = (c["qi"], c["ki"], c["table"], c["pos"], c["ki_scale"])
     base = np.asarray(gpu_select.select_pages_gpu(*args, topk=K, interpret=True, select_splits=1))
     one = dataclasses.replace(gpu_config.DEFAULT_TABLE, select_splits=1)
@@ -278,8 +278,8 @@ def test_config_splits_fit_narrow_score_rows():
     import numpy as np
 
     from pallas_kernels.decode import gpu_config, gpu_select
-    qi = jnp.asarray(np.random.default_rng().normal(size=(1, 1, 2, 16)), jnp.float32)
-    ki = jnp.asarray(np.random.default_rng().normal(size=(3, 8, 16)), jnp.float32)
+    qi = jnp.asarray(np.random.default_rng(5).normal(size=(1, 1, 2, 16)), jnp.float32)
+    ki = jnp.asarray(np.random.default_rng(6).normal(size=(3, 8, 16)), jnp.float32)
     table, pos = jnp.asarray([[2, 1]], jnp.int32), jnp.full((1, 1), 15, jnp.int32)
     assert gpu_config.DEFAULT_TABLE.select_splits > 2
     got = gpu_select.select_pages_gpu(qi, ki, table, pos, topk=2, interpret=True, ppp=1)
@@ -323,7 +323,7 @@ def test_sparse_pages_per_split(kv_dtype, loop):
     from tests.ops.paged.test_decode_oracle import make_case, oracle_select
 
     topk = 6
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(7)
     c = make_case(rng, 2, kv_dtype=kv_dtype, index_dtype="float32")
     n = c["np"]
     ids = oracle_select(n["qi"], n["ki"], n["table"], n["pos"], topk)
@@ -380,7 +380,7 @@ def test_persistent_scoring_matches_chunked(nq, kv_dtype, f16):
     from minimax_jax.ops import paged as ops
     from pallas_kernels.decode.gpu_select import page_scores_gpu, select_pages_gpu
 
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(8)
     qi, ki, ks, table, pos, ref_table = _uneven_case(rng, nq, kv_dtype)
     page, topk = ki.shape[1], 4
     n_score = np.clip(np.asarray(pos).max(1) // page, 0, None)
@@ -456,7 +456,7 @@ def test_size_class_picks_the_launch(monkeypatch):
     seen = []
     real = gpu_select._page_scores
     monkeypatch.setattr(gpu_select, "_page_scores", lambda *a, **k: seen.append(k) or real(*a, **k))
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(9)
     qi, ki, ks, table, pos, _ = _uneven_case(rng, 2, "bfloat16")         # B * NP = 5 * 13 = 65: large
     n_score = np.clip(np.asarray(pos).max(1) // ki.shape[1], 0, None)
     got = {}
@@ -491,8 +491,8 @@ def test_bad_scoring_launch_raises():
         select_pages_gpu(qi, ki, table, pos, topk=2, interpret=True, programs=3, unroll=2)
     with pytest.raises(ValueError, match="evict must be one of"):
         page_scores_gpu(qi, ki, table, pos, interpret=True, evict="evict_always")
-    qi = jnp.asarray(np.random.default_rng().normal(size=(1, 1, 2, 16)), jnp.float32)
-    ki = jnp.asarray(np.random.default_rng().normal(size=(3, 8, 16)), jnp.float32)
+    qi = jnp.asarray(np.random.default_rng(10).normal(size=(1, 1, 2, 16)), jnp.float32)
+    ki = jnp.asarray(np.random.default_rng(11).normal(size=(3, 8, 16)), jnp.float32)
     table, pos = jnp.asarray([[2, 1]], jnp.int32), jnp.full((1, 1), 15, jnp.int32)
     got = select_pages_gpu(qi, ki, table, pos, topk=2, interpret=True, programs=3)
     want = select_pages_gpu(qi, ki, table, pos, topk=2, interpret=True, ppp=1, select_splits=1)

@@ -53,7 +53,7 @@ def _python_union(ids, qpb, nsplit):
 def test_union_pages(nq, qpb, nsplit, n_pages):
     """Both constructions (pairwise, and the per-page bitmap that ``n_pages`` = 19 selects for U = qpb K >= 19)
     against a Python union."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(0)
     b, g, k = 2, 3, 6
     ids = rng.integers(-1, 19, (b, g, nq, k)).astype(np.int32)         # repeats and -1 slots
     got = jax.jit(union_pages, static_argnums=(1, 2, 3))(jnp.asarray(ids), qpb, nsplit, n_pages)
@@ -84,7 +84,7 @@ def test_requests_that_keep_every_page_are_not_scored():
     """With ``topk``, a request whose rows all have local page < topk writes no score (interpret mode
     fills unwritten outputs with NaN); the other request's needed pages are scored either way."""
     b, nq, hi, di, page, npg, topk = 2, 2, 2, 16, 16, 12, 4
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(1)
     qi = jnp.asarray(rng.standard_normal((b, nq, hi, di)), jnp.float32)
     ki = jnp.asarray(rng.standard_normal((b * npg, page, di)), jnp.float32)
     pt = jnp.asarray(rng.permutation(b * npg).reshape(b, npg), jnp.int32)

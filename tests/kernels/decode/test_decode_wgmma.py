@@ -103,7 +103,7 @@ def test_matches_reference_in_the_interpreter(nq, monkeypatch):
     monkeypatch.setattr(gpu_attention, "paged_decode_wgmma",
                         lambda *a, **kw: ran.append(a[0].shape) or paged_decode_wgmma(*a, **kw))
     gpu_attention._paged_attention.clear_cache()
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(0)
     c = _case(rng, nq, [300, 384, 70, None])
     c["pos"] = c["pos"].at[2, -1].set(-1)
     o, lse = _run(c, True, 2)
@@ -113,14 +113,14 @@ def test_matches_reference_in_the_interpreter(nq, monkeypatch):
 
 @needs_interpreter
 def test_rows_independent_of_the_step_in_the_interpreter():
-    _row_independence(_case(np.random.default_rng(), 8, [300, 200, 129]), True, 2)
+    _row_independence(_case(np.random.default_rng(1), 8, [300, 200, 129]), True, 2)
 
 
 @needs_interpreter
 def test_pingpong_changes_no_bit_in_the_interpreter():
     """128-row tiles with and without the warpgroups' turns on the tensor cores: the same bits (the turns
     only reorder the two warpgroups' work); requests whose later splits are empty between non-empty ones."""
-    c = _case(np.random.default_rng(), 8, [300, 200, 129, None, 64])
+    c = _case(np.random.default_rng(2), 8, [300, 200, 129, None, 64])
     o1, l1 = _run(c, True, 2)
     o0, l0 = _run(c, True, 2, table=dataclasses.replace(WGMMA, wgmma_pingpong=False))
     _check(c, o1, l1)
@@ -133,7 +133,7 @@ def test_pingpong_changes_no_bit_in_the_interpreter():
 def test_shared_sparse_tiles_match_reference_in_the_interpreter(nq):
     """MSA block ids (top-3 of up to 6 pages per row, the local page always): the tile walks the union of
     its rows' pages, each row only its own; a padding row and a request of padding rows."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(3)
     c = _case(rng, nq, [300, 384, 70, None])
     c["pos"] = c["pos"].at[2, -1].set(-1)
     c["ids"] = _selection(rng, np.asarray(c["pos"]), 2, 3, 64)
@@ -158,7 +158,7 @@ def test_reason_and_table():
 @pytest.mark.parametrize("ctas", [1, 3, 7, 200])
 def test_schedule_items_dense(ctas):
     """Every item once, in order, CTA ranges balanced within one item; n and n_free by brute force."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(4)
     b, g, nr, nsplit, pps, page = 5, 3, 2, 4, 3, 16
     lim = rng.integers(0, nsplit * pps + 1, b)
     minpos = rng.integers(-1, lim[:, None] * page + 1, (b, nr))
@@ -193,7 +193,7 @@ def _check_bounds(bounds, meta, ctas):
 def test_schedule_items_shared():
     """Shared tiles: n per split from the union's starts; n_free = the split's slots whose page every row
     of the block sees whole."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(5)
     b, g, nq, k, page, nsplit, qpb = 3, 2, 8, 4, 16, 4, 8
     ids = np.sort(rng.choice(12, (b, g, nq, k)), axis=-1).astype(np.int32)
     uid, bits, starts = union_pages(jnp.asarray(ids), qpb, nsplit)
@@ -241,7 +241,7 @@ def test_auto_tile_kernel_is_wgmma_on_hopper_only(monkeypatch):
 def test_unsupported_tiles_take_the_triton_kernel():
     """Q = 1 (16-row tiles) with tile_kernel="wgmma": the Triton kernel runs (interpret mode here), the
     same result as the default table, and the ops registry records it and why."""
-    c = _case(np.random.default_rng(), 1, [300, 70], h=32, g=2, d=64, page=16, npg=20)
+    c = _case(np.random.default_rng(6), 1, [300, 70], h=32, g=2, d=64, page=16, npg=20)
     o, lse = _run(c, True, 4)
     o_ref, l_ref = _run(c, True, 4, table=DEFAULT_TABLE)
     registry.clear_implementation_report()
@@ -258,7 +258,7 @@ def test_unsupported_tiles_take_the_triton_kernel():
 @pytest.mark.parametrize("nq", [4, 8])
 def test_hopper_m3_shapes(nq):
     """On the GPU: M3 shapes (64 q / 4 kv heads of 128, 128-token pages), 8 requests of 1-4K tokens."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(7)
     c = _case(rng, nq, [4096, 3000, 129, 1000, 2048, 4000, 700, None], h=64, g=4, d=128, page=128, npg=32)
     _check(c, *_run(c, False, 8))
     _row_independence(c, False, 8)

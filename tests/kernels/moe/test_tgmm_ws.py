@@ -50,7 +50,7 @@ def _case(rng, sizes, m, k, n):
 @pytest.mark.parametrize("cfg", [WsTgmmConfig(64, 128, 256, 3, num_sms=3), WsTgmmConfig(64, 64, 128, 2, num_sms=2),
                                  WsTgmmConfig(128, 64, 256, 2, num_sms=5)], ids=lambda c: c.label())
 def test_matches_fp32_oracle_ragged_groups(cfg):
-    seed = int(np.random.default_rng().integers(1 << 31))
+    seed = 0
     rng = np.random.default_rng(seed)
     # unaligned starts (3, 70, 203 ...), an empty group, groups shorter than one block and longer than
     # two, a block-multiple group; sum < M: the rows past it belong to no group
@@ -67,7 +67,7 @@ def test_matches_fp32_oracle_ragged_groups(cfg):
 @needs_interpreter
 def test_last_group_ends_at_m_and_random_sizes():
     """Random sizes summing to M exactly (the last block reads past M: TMA zero fill), f16 in and out."""
-    seed = int(np.random.default_rng().integers(1 << 31))
+    seed = 1
     rng = np.random.default_rng(seed)
     sizes = rng.integers(0, 90, size=6)
     m = int(sizes.sum())
@@ -83,7 +83,7 @@ def test_last_group_ends_at_m_and_random_sizes():
 def test_gmm_vjp_with_ws_weight_gradient():
     """gpu_gmm.gmm with tgmm_config=WsTgmmConfig: drhs from the Mosaic kernel equals the Triton tgmm's
     (both in their interpreters) and the fp32 oracle; y and dlhs are untouched."""
-    seed = int(np.random.default_rng().integers(1 << 31))
+    seed = 2
     rng = np.random.default_rng(seed)
     sizes = np.array([40, 0, 77, 13])
     m = int(sizes.sum()) + 6

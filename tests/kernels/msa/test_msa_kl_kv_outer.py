@@ -51,9 +51,10 @@ def _check(got, want):
         np.testing.assert_allclose(a, b, atol=2e-5 * max(1.0, np.abs(b).max()), rtol=1e-4)
 
 
-@pytest.mark.parametrize("h,g", [(4, 4), (6, 2), (12, 2), (32, 2)])   # H/G = 1, 3, 6, 16
+# H/G = 1, 3, 6, 16; 6 (rows left unused in a 32-row tile, as 3 does) only in the slow run
+@pytest.mark.parametrize("h,g", [(4, 4), (6, 2), pytest.param(12, 2, marks=pytest.mark.slow), (32, 2)])
 def test_gqa_groups_and_runs_split_over_programs(h, g):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(0)
     c = make_case(rng, bsz=1, t=64, s=64, h=h, g=g, d=16)
     ids = random_ids(rng, c["q_pos"], c["q_seg"], g, 4, BLK)
     qi, ki = _inputs(rng, c, g)
@@ -63,7 +64,7 @@ def test_gqa_groups_and_runs_split_over_programs(h, g):
 @pytest.mark.parametrize("h,g,rows,num_warps", [(12, 2, 64, 4), (32, 2, 128, 8), (4, 4, 64, 4)])
 def test_row_tilings(h, g, rows, num_warps):
     """The tilings bench/msa_kl_probe.py times beside the default: larger row tiles, other warp counts."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(1)
     c = make_case(rng, bsz=1, t=64, s=64, h=h, g=g, d=16)
     ids = random_ids(rng, c["q_pos"], c["q_seg"], g, 4, BLK)
     qi, ki = _inputs(rng, c, g)
@@ -83,7 +84,7 @@ def test_bad_tiling_raises_value_error():
 
 
 def test_packed_clamped_windows_empty_tokens_and_duplicates():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(2)
     c = make_case(rng, bsz=2, t=72, s=72, h=6, g=2, d=16, segments=[[21, 30, 13, 8], [72]])
     c["kv_pos"][1] += 5                     # block 0's window starts before storage index 0
     c["q_pos"] = np.ascontiguousarray(c["kv_pos"][:, -72:])
@@ -114,7 +115,7 @@ def test_query_chunk_loop_counts_each_token_once():
 
 
 def test_bitwise_repeatable():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(3)
     c = make_case(rng, bsz=1, t=48, s=48, h=8, g=2, d=16)
     ids = random_ids(rng, c["q_pos"], c["q_seg"], 2, 4, BLK)
     qi, ki = _inputs(rng, c, 2)
@@ -125,7 +126,7 @@ def test_bitwise_repeatable():
 
 
 def test_primal_only_path_and_public_function_agree():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(4)
     c = make_case(rng, bsz=1, t=40, s=40, h=8, g=2, d=16)
     ids = random_ids(rng, c["q_pos"], c["q_seg"], 2, 3, BLK)
     qi, ki = _inputs(rng, c, 2)
@@ -170,7 +171,7 @@ def _weighted_reference(c, ids, qi, ki, w):
 def test_weighted_rows_equal_the_xla_reference(query_chunk):
     """``q_weights`` (prefix-tree rows: a merged query stands for several unmerged ones): KL, weighted count
     and both gradients, queries a suffix of packed keys, weights 0..3, through the query-chunk loop too."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(5)
     c = make_case(rng, bsz=2, t=40, s=96, h=6, g=2, d=16, segments=[[30, 66], [96]])
     ids = random_ids(rng, c["q_pos"], c["q_seg"], 2, 3, BLK)
     ids[0, :, 3:6] = -1                                        # tokens with no valid slot (not counted)

@@ -55,9 +55,10 @@ def _case(rng, **kw):
     return c
 
 
-@pytest.mark.parametrize("h,g", [(4, 4), (6, 2), (12, 2), (32, 2)])   # H/G = 1, 3, 6, 16
+# H/G = 1, 3, 6, 16; 6 (rows left unused in a 32-row tile, as 3 does) only in the slow run
+@pytest.mark.parametrize("h,g", [(4, 4), (6, 2), pytest.param(12, 2, marks=pytest.mark.slow), (32, 2)])
 def test_gqa_groups_and_runs_split_over_programs(h, g):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(0)
     c = _case(rng, bsz=1, t=64, s=64, h=h, g=g, d=16)
     ids = random_ids(rng, c["q_pos"], c["q_seg"], g, 4, BLK)
     _check(c, ids, _bwd(c, ids, chunk=8, rows=32))     # popular windows span several programs
@@ -72,7 +73,7 @@ def test_long_programs_of_the_default_chunk():
 
 
 def test_packed_unaligned_windows_empty_tokens_and_duplicates():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(1)
     c = _case(rng, bsz=2, t=72, s=72, h=6, g=2, d=16, segments=[[21, 30, 13, 8], [72]])
     ids = random_ids(rng, c["q_pos"], c["q_seg"], 2, 3, BLK)
     ids[0, :, 5:9] = -1                    # tokens with no valid slot
@@ -84,7 +85,7 @@ def test_packed_unaligned_windows_empty_tokens_and_duplicates():
 def test_clamped_windows():
     """Windows clamped at both ends of storage: keys stored from position 5 on (block 0's window
     starts before storage index 0) and a last segment whose final block starts in the last tile."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(2)
     c = _case(rng, bsz=2, t=40, s=72, h=4, g=2, d=16, segments=[[6, 66], [72]])
     c["kv_pos"][1] += 5
     c["q_pos"] = np.ascontiguousarray(c["kv_pos"][:, -40:])
@@ -93,7 +94,7 @@ def test_clamped_windows():
 
 
 def test_query_chunk_loop_counts_each_token_once():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(3)
     c = _case(rng, bsz=1, t=50, s=130, h=4, g=2, d=16)        # queries: a suffix of the keys
     ids = random_ids(rng, c["q_pos"], c["q_seg"], 2, 4, BLK)
     one = _bwd(c, ids, chunk=8)
@@ -105,7 +106,7 @@ def test_query_chunk_loop_counts_each_token_once():
 
 
 def test_bitwise_repeatable_bf16():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(4)
     c = _case(rng, bsz=1, t=64, s=64, h=8, g=2, d=16)
     ids = random_ids(rng, c["q_pos"], c["q_seg"], 2, 4, BLK)
     a = _bwd(c, ids, dtype=jnp.bfloat16, chunk=8)
@@ -136,7 +137,7 @@ def test_every_key_is_owned_by_exactly_its_own_window():
     """Ownership (what makes the dk / dv writes of concurrent programs disjoint): every stored key
     is owned by one window start only, the one its (segment, block) selections load."""
     from pallas_kernels.msa import layout
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(5)
     c = _case(rng, bsz=2, t=40, s=72, h=4, g=2, d=16, segments=[[6, 21, 30, 7], [72]])
     c["kv_pos"][1] += 5
     c["q_pos"] = np.ascontiguousarray(c["kv_pos"][:, -40:])

@@ -40,9 +40,10 @@ def _check(c, ids, o, lse, atol=2e-5):
     assert np.all(o[~np.broadcast_to(fin[..., None], o.shape)] == 0.0)
 
 
-@pytest.mark.parametrize("h,g", [(4, 4), (6, 2), (12, 2), (32, 2)])   # H/G = 1, 3, 6, 16
+# H/G = 1, 3, 6, 16; 6 (rows left unused in a 32-row tile, as 3 does) only in the slow run
+@pytest.mark.parametrize("h,g", [(4, 4), (6, 2), pytest.param(12, 2, marks=pytest.mark.slow), (32, 2)])
 def test_gqa_groups_and_split_runs(h, g):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(0)
     c = make_case(rng, bsz=1, t=80, s=80, h=h, g=g, d=16)
     ids = random_ids(rng, c["q_pos"], c["q_seg"], g, 4, BLK)
     # chunk=8 splits every popular window's run over several programs; rows=32 tiles end inside
@@ -52,7 +53,7 @@ def test_gqa_groups_and_split_runs(h, g):
 
 
 def test_packed_unaligned_windows_and_empty_tokens():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(1)
     c = make_case(rng, bsz=2, t=72, s=72, h=6, g=2, d=16, segments=[[21, 30, 13], [72]])
     ids = random_ids(rng, c["q_pos"], c["q_seg"], 2, 3, BLK)
     ids[0, :, 5:9] = -1                    # tokens with no valid slot: lse -inf, o = 0
@@ -66,7 +67,7 @@ def test_query_chunk_loop_equals_one_pass():
     # A row's tile (and so whether it runs the masked or the mask-free body) depends on the query
     # chunk; in interpret mode the two bodies compile separately and may round lse 1 ulp apart.
     # Repeating one call is bitwise (below).
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(2)
     c = make_case(rng, bsz=1, t=50, s=130, h=4, g=2, d=16)      # queries: a suffix of the keys
     ids = random_ids(rng, c["q_pos"], c["q_seg"], 2, 4, BLK)
     one = _fwd(c, ids, dtype=jnp.bfloat16)

@@ -26,7 +26,7 @@ KB = K * PAGE
 def _case(nq, contexts, dtype="float32", npg=12):
     """Row i of request b at position ``contexts[b] - nq + i`` (context = tokens incl. the new rows);
     ``None`` = a request of padding rows only. Shuffled page tables; random caches."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(0)
     b, p = len(contexts), len(contexts) * npg + 1
     f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
     (k, ks), (v, vs), (ki, kis) = (quantize(x, dtype) for x in (f(G, p, PAGE, D), f(G, p, PAGE, D), f(p, PAGE, DI)))
