@@ -110,7 +110,19 @@ def test_sweep_scores_installs_per_size_class(monkeypatch):
     assert [("ms" in r, "skipped" in r) for r in spent] == [(True, False), (False, True)] * 2   # defaults only
 
 
-def test_score_sweep_cli_smoke(tmp_path):
+def _refused(monkeypatch, capsys, argv):
+    """``(exit code, stderr)`` of ``msa_decode.py`` given ``argv`` when its argument checks refuse them (``main`` in
+    this process: the checks run before JAX does anything, so no subprocess needs to import it again); the module
+    globals ``main`` sets are put back afterwards."""
+    monkeypatch.setattr(msa_decode, "STEP_UNROLL", msa_decode.STEP_UNROLL)
+    monkeypatch.setattr(sys, "argv", [os.path.join(ROOT, "bench", "msa_decode.py"), *argv])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        msa_decode.main()
+    return e.value.code, capsys.readouterr().err
+
+
+def test_score_sweep_cli_smoke(tmp_path, monkeypatch, capsys):
     """--sweep-scores on the CPU (--smoke: kernels in interpret mode): sweep, per-case winners, the
     per-class install, the re-check of every class's launch, the table; a bad family is refused."""
     import json
@@ -127,9 +139,8 @@ def test_score_sweep_cli_smoke(tmp_path):
     assert len(sw["rows"]) == 2 * (1 + len(msa_decode.score_candidates("bf16", "evict", sms=2)))
     assert out["check_tuned"]["ok"] and "select_fp8_large_set_mismatch_rows" in out["check_tuned"]
     assert len(out["rows"]) == 1
-    bad = subprocess.run(cmd[:-2] + ["--score-family", "narrow,fast", "--out", str(tmp_path)], capture_output=True,
-                         text=True, timeout=120, env=env, cwd=ROOT)
-    assert bad.returncode == 2 and "unknown --score-family" in bad.stderr
+    code, err = _refused(monkeypatch, capsys, cmd[2:-2] + ["--score-family", "narrow,fast", "--out", str(tmp_path)])
+    assert code == 2 and "unknown --score-family" in err
 
 
 def test_geomean_best_needs_every_case_and_a_match():
@@ -181,7 +192,7 @@ def test_serving_sweep_skips_past_budget_and_memory():
     assert "GiB > --mem-gib 1.0" in skipped[0]["reason"] and "budget" in skipped[1]["reason"]
 
 
-def test_serving_cli_smoke(tmp_path):
+def test_serving_cli_smoke(tmp_path, monkeypatch, capsys):
     """--serving on the CPU (timed calls as a loop of 2 steps, one per iteration): the check (GPU kernels in interpret
     mode, the first tiling) first, then every (batch, context, Q, tiling, index dtype) cell with finite times and the path the op took, a cell over --mem-gib
     listed, the table last (with the tiling comparison)."""
@@ -212,12 +223,10 @@ def test_serving_cli_smoke(tmp_path):
     tail = r.stdout.rstrip().split("\n")[-12:]     # title, header, 8 lines, the tiling comparison, the skipped cell
     assert tail[0].startswith("serving sweep (check ok=True") and tail[-1].startswith("serving skipped: 64x204800")
     assert tail[-2].startswith("tiling legacy vs default: dense ") and "(8 cells;" in tail[-2]
-    bad = subprocess.run(cmd[:-2] + ["--serving-q", "8,17", "--out", str(tmp_path)], capture_output=True,
-                         text=True, timeout=120, env=env, cwd=ROOT)
-    assert bad.returncode == 2 and "--serving-q takes 1..16" in bad.stderr
-    bad = subprocess.run(cmd[:-2] + ["--serving-tilings", "default,wide", "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
-    assert bad.returncode == 2 and "unknown --serving-tilings ['wide']" in bad.stderr
+    code, err = _refused(monkeypatch, capsys, cmd[2:-2] + ["--serving-q", "8,17", "--out", str(tmp_path)])
+    assert code == 2 and "--serving-q takes 1..16" in err
+    code, err = _refused(monkeypatch, capsys, cmd[2:-2] + ["--serving-tilings", "default,wide", "--out", str(tmp_path)])
+    assert code == 2 and "unknown --serving-tilings ['wide']" in err
 
 
 def test_decode_ncu_script_runs_every_kernel():

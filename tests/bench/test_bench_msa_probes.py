@@ -3,6 +3,7 @@ same-run checks pass, and it writes its JSON (bench/msa_chunked_prefill.py also 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -64,5 +65,15 @@ def test_probe_flags_refused_before_any_work(tmp_path, args, message):
     r = subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=300, env=env, cwd=REPO_ROOT)
     assert r.returncode == 2 and message in r.stderr and "CHECK" not in r.stdout, (r.stdout[-2000:], r.stderr[-2000:])
     assert not os.listdir(tmp_path)
-    h = subprocess.run(cmd + ["--help"], capture_output=True, text=True, timeout=300, env=env, cwd=REPO_ROOT)
-    assert h.returncode == 0 and "--no-checks" in h.stdout and "--no-bench" in h.stdout
+    code, out = _probe_help()
+    assert code == 0 and "--no-checks" in out and "--no-bench" in out
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_help() -> tuple[int, str]:
+    """``(exit code, stdout)`` of ``msa_bwd_probe.py --help``: one run per test process, the same for every case
+    above."""
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT, JAX_PLATFORMS="cpu")
+    h = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "bench", "msa_bwd_probe.py"), "--help"],
+                       capture_output=True, text=True, timeout=300, env=env, cwd=REPO_ROOT)
+    return h.returncode, h.stdout

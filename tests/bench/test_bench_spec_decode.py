@@ -1,5 +1,6 @@
-"""bench/spec_decode.py on CPU (the shipped demo model, tiny run): both row settings run, the JSON and the table
-are written, and with padded rows the speculative greedy output equals the plain one."""
+"""bench/spec_decode.py on CPU (the shipped demo model, tiny run): both row settings and a speculative device loop
+run in one invocation, the JSON and the table are written, and with padded rows the speculative greedy output (one
+step at a time and in device loops) equals the plain one."""
 
 import json
 import os
@@ -10,29 +11,22 @@ from tests.paths import REPO_ROOT
 
 
 def test_spec_decode_smoke(tmp_path):
+    """One run of both row settings with ``--spec-loops 4``: the JSON and the table are written; with padded rows the
+    speculative greedy output equals the plain one; the speculative device loop's row (padded rows), its output
+    equal to plain greedy, is compared with the plain loop of the same length."""
     env = dict(os.environ, PYTHONPATH=REPO_ROOT, JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "bench", "spec_decode.py"), "--lengths", "24",
-                        "--new", "8", f"--out={tmp_path}"], capture_output=True, text=True, timeout=600, env=env,
-                       cwd=REPO_ROOT)
+                        "--new", "8", "--spec-loops", "4", f"--out={tmp_path}"], capture_output=True, text=True,
+                       timeout=600, env=env, cwd=REPO_ROOT)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     with open(tmp_path / "spec_decode.json") as f:
         rows = json.load(f)["rows"]
-    assert [(x["rows"], x["prompt"], x["new"]) for x in rows] == [("per-step", 24, 8), ("padded", 24, 8)]
-    assert rows[1]["first_difference"] is None and rows[1]["drafted"] > 0
+    assert [(x["rows"], x["prompt"], x["new"]) for x in rows] == [
+        ("per-step", 24, 8), ("per-step spec loop 4", 24, 8), ("padded", 24, 8), ("padded spec loop 4", 24, 8)]
+    by = {x["rows"]: x for x in rows}
+    assert by["padded"]["first_difference"] is None and by["padded"]["drafted"] > 0
     assert r.stdout.rstrip().splitlines()[-1].startswith("padded")
-
-
-def test_spec_decode_device_loop_smoke(tmp_path):
-    """``--spec-loops``: the speculative device loop's row, its output equal to plain greedy, compared with the plain
-    loop of the same length."""
-    env = dict(os.environ, PYTHONPATH=REPO_ROOT, JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "bench", "spec_decode.py"), "--lengths", "24",
-                        "--new", "8", "--rows", "padded", "--spec-loops", "4", f"--out={tmp_path}"],
-                       capture_output=True, text=True, timeout=600, env=env, cwd=REPO_ROOT)
-    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
-    with open(tmp_path / "spec_decode.json") as f:
-        rows = {x["rows"]: x for x in json.load(f)["rows"]}
-    loop = rows["padded spec loop 4"]
+    loop = by["padded spec loop 4"]
     assert loop["first_difference"] is None and loop["drafted"] > 0 and loop["loop_tok_s"] > 0
 
 

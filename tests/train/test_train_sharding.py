@@ -42,11 +42,16 @@ print("RESULT" + json.dumps(out))
 """
 
 
-def _check(tmp_path, meshes):
+def _run(tmp_path, meshes):
+    """The worker's results for ``meshes`` (the first one ``data=1``, the one-device reference)."""
     proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(meshes)], cwd=REPO, capture_output=True,
                           text=True, timeout=900, env=subprocess_env(str(tmp_path / "cache"), devices=8))
     assert proc.returncode == 0, proc.stderr[-4000:]
-    res = json.loads(proc.stdout.split("RESULT", 1)[1])
+    return json.loads(proc.stdout.split("RESULT", 1)[1])
+
+
+def _compare(res, meshes):
+    """Every mesh of ``meshes[1:]`` gave the losses and parameters of ``data=1`` (``res`` from ``_run``)."""
     ref = res["data=1"]
     for mesh in meshes[1:]:
         got = res[mesh]
@@ -59,13 +64,24 @@ def _check(tmp_path, meshes):
     return res
 
 
-def test_eight_devices_data_parallel_equals_one(tmp_path):
-    _check(tmp_path, ["data=1", "data=8"])
+def _check(tmp_path, meshes):
+    return _compare(_run(tmp_path, meshes), meshes)
 
 
-def test_context_parallel_train_py_equals_one_device(tmp_path):
+@pytest.fixture(scope="module")
+def default_meshes(tmp_path_factory):
+    """One worker run for the default run's two tests: the one-device reference, data=8 and sequence=4 x data=2
+    (one subprocess, one reference compile)."""
+    return _run(tmp_path_factory.mktemp("sharding"), ["data=1", "data=8", "sequence=4,data=2"])
+
+
+def test_eight_devices_data_parallel_equals_one(default_meshes):
+    _compare(default_meshes, ["data=1", "data=8"])
+
+
+def test_context_parallel_train_py_equals_one_device(default_meshes):
     """train.py's Trainer with a sequence axis: attention and MSA run context-parallel in shard_map."""
-    res = _check(tmp_path, ["data=1", "sequence=4,data=2"])
+    res = _compare(default_meshes, ["data=1", "sequence=4,data=2"])
     impl = res["sequence=4,data=2"]["impl"]
     assert impl.get("context_parallel/msa", "").startswith("sequence=4,"), impl
     assert impl.get("context_parallel/attention", "").startswith("sequence=4,"), impl
