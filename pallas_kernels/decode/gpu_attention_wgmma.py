@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import (gpu_sm_count, mosaic_interpret_params, mosaic_load_rows, mosaic_smem_transforms,
-                                   typed_out_struct)
+                                   searchsorted, typed_out_struct)
 
 __all__ = ["paged_decode_wgmma", "wgmma_decode_reason", "schedule_items", "default_ctas", "ROWS"]
 
@@ -327,8 +327,9 @@ def schedule_items(lim, q_min_pos, *, g, pps, nsplit, ctas, page, ids=None):
     before = jnp.cumsum(w) - w                                        # weight of the items before each
     tot, c = jnp.sum(w), jnp.arange(ctas, dtype=jnp.int32)
     targets = c * (tot // ctas) + (c * (tot % ctas)) // ctas          # c * tot // ctas without int32 overflow
-    bounds = jnp.concatenate([jnp.searchsorted(before, targets, side="left").astype(jnp.int32),
-                              jnp.full((1,), meta.shape[0], jnp.int32)])
+    # common.searchsorted: jnp.searchsorted's default lowers to an XLA while loop, a host round trip per
+    # iteration on a GPU, which stalls every decode step (and layer) behind it
+    bounds = jnp.concatenate([searchsorted(before, targets, side="left"), jnp.full((1,), meta.shape[0], jnp.int32)])
     return meta, bounds
 
 

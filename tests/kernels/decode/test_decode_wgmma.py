@@ -208,6 +208,25 @@ def test_schedule_items_shared():
     _check_bounds(np.asarray(bounds), meta.reshape(-1, 3), 5)
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["dense", "shared"])
+def test_schedule_items_lowers_without_a_while_loop(shared):
+    """The work list is plain XLA without a ``while`` op: a GPU runs an XLA while loop with a host round trip
+    per iteration, which stalled every Q > 1 decode step behind it (the CTA bounds' binary search was
+    ``jnp.searchsorted``'s scan; now ``pallas_kernels.common.searchsorted``, unrolled)."""
+    b, g, nq, k, page, nsplit = 8, 4, 8, 16, 128, 16
+    minpos = jax.ShapeDtypeStruct((b, 1), jnp.int32)
+    if shared:
+        ids = jax.ShapeDtypeStruct((b, g, 1, nq * k), jnp.int32)
+        starts = jax.ShapeDtypeStruct((b, g, 1, nsplit + 1), jnp.int32)
+        f = lambda st, mp, u: schedule_items(st, mp, g=g, pps=0, nsplit=nsplit, ctas=132, page=page, ids=u)
+        text = jax.jit(f).lower(starts, minpos, ids).as_text()
+    else:
+        f = lambda lim, mp: schedule_items(lim, mp, g=g, pps=4, nsplit=nsplit, ctas=132, page=page)
+        text = jax.jit(f).lower(jax.ShapeDtypeStruct((b,), jnp.int32), minpos).as_text()
+    assert "stablehlo.while" not in text and "stablehlo.case" not in text
+    assert "stablehlo.custom_call" not in text
+
+
 def test_tile_kernel_choice():
     """M3 shapes (64 q / 4 kv heads of 128, 128-token pages): which kernel a table sends the tiles to."""
     bf = jnp.bfloat16
