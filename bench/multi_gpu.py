@@ -26,7 +26,8 @@ profile's busiest lines (GPU; the CPU profile has no device lines).
 ``m2_decode``: paged decode (``DecodeEngine`` under ``sharding.use_mesh``) of an M2-shaped model with random
 weights over ``--mesh`` (default ``expert=4,tensor=2``): configs/tiny-m2.yaml, or configs/minimax-m2.yaml
 with ``--full``; parameters initialised directly sharded (``jax.jit(init_params, out_shardings=...)``).
-``--weights-dtype fp8`` keeps the routed experts in FP8 (``Fp8Weight``: the random bf16 weights cast to
+The decoder layers are split as ``load_model`` gives them (``--layers stacked``: left stacked, so every step copies
+each layer's weights out of the stacks, to measure that cost). ``--weights-dtype fp8`` keeps the routed experts in FP8 (``Fp8Weight``: the random bf16 weights cast to
 e4m3 with one fixed scale, 128 x 128 blocks), as ``load_model(weights_dtype="fp8")`` keeps a published
 checkpoint's. Check first (tiny-m2, fp32, the same weights dtype): prefill two prompts and take 4 greedy
 decode steps on the mesh and on one device: the same tokens. Then per context of ``--contexts`` and batch of
@@ -455,13 +456,22 @@ def m2_check(args, mesh, rules) -> dict:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (37, 20)]
     with jax.default_matmul_precision("float32"):
-        one, l1 = _greedy(params, cfg, prompts, 4, None, None)
         shard = jax.device_put(params, param_shardings(cfg, mesh, rules, args.weights_dtype))
-        many, lm = _greedy(shard, cfg, prompts, 4, mesh, rules)
+        one, l1 = _greedy(_layout(params, cfg, args), cfg, prompts, 4, None, None)
+        many, lm = _greedy(_layout(shard, cfg, args), cfg, prompts, 4, mesh, rules)
     log(f"m2_decode check: one device {one.tolist()}, mesh {many.tolist()}")
     return {"model": "tiny-m2", "dtype": "float32", "weights_dtype": args.weights_dtype, "one_device": one.tolist(),
             "mesh": many.tolist(), "first_logits_relative_error": _rel(lm, l1),
             "passed": bool(np.array_equal(one, many))}
+
+
+def _layout(params, cfg, args, delete: bool = False):
+    """``params`` with the decoder layers as ``--layers`` asks (``split``: ``model.split_layers``, as
+    ``load_model`` gives the engine, ``delete``: the stacked arrays deleted as they are split; ``stacked``: as made,
+    each step then copies the layers out of the stacks)."""
+    from minimax_jax.model import split_layers
+
+    return split_layers(params, cfg, delete_stacked=delete) if args.layers == "split" else params
 
 
 def _cache_bytes(cfg, seqs: int, max_len: int, page: int, kv_dtype) -> int:
@@ -553,6 +563,9 @@ def cmd_m2_decode(args) -> int:
     if check["passed"]:
         path = args.config or os.path.join(ROOT, "configs", "minimax-m2.yaml" if args.full else "tiny-m2.yaml")
         cfg = ModelConfig.from_yaml(path)
+        if args.num_layers:     # the model's first N layers (per-layer cost without the whole model's memory)
+            n = args.num_layers
+            cfg = cfg.replace(num_layers=n, layer_types=tuple(cfg.layer_types[:n]), mlp_types=tuple(cfg.mlp_types[:n]))
         contexts = [int(x) for x in args.contexts.split(",")]
         longest = max(contexts + [args.prefill_tokens]) + args.steps * (args.reps + 1)
         cfg = cfg.replace(max_position_embeddings=max(cfg.max_position_embeddings, longest))
@@ -561,8 +574,9 @@ def cmd_m2_decode(args) -> int:
 
         page = cfg.index_block_size if cfg.has_msa else DEFAULT_PAGE_SIZE
         t0 = time.perf_counter()
-        params = jax.block_until_ready(random_params(cfg, mesh, rules, args.weights_dtype))
-        extra.update(config=os.path.relpath(path, ROOT), init_s=round(time.perf_counter() - t0, 1),
+        params = jax.block_until_ready(_layout(random_params(cfg, mesh, rules, args.weights_dtype), cfg, args,
+                                                     delete=True))
+        extra.update(config=os.path.relpath(path, ROOT), init_s=round(time.perf_counter() - t0, 1), layers=args.layers,
                      param_bytes=leaf_bytes(params), param_count=cfg.param_counts(), fp8_leaves=len(fp8_blocks(params)))
         log(f"{extra['config']}: params {extra['param_bytes'] / 2**30:.2f} GiB ({args.weights_dtype or cfg.param_dtype}) "
             f"made on mesh {args.mesh} in {extra['init_s']} s")
@@ -619,8 +633,12 @@ def main(argv=None) -> int:
     p.add_argument("--rules", default="default", help="sharding rule table (configs/sharding.yaml preset)")
     p.add_argument("--full", action="store_true", help="configs/minimax-m2.yaml (GPUs) instead of tiny-m2")
     p.add_argument("--config", default=None, help="a model YAML (overrides --full)")
+    p.add_argument("--num-layers", type=int, default=None, help="keep only the model's first N layers")
     p.add_argument("--weights-dtype", default=None, choices=["fp8"], help="keep the routed experts in FP8")
     p.add_argument("--kv-dtype", default=None, help="KV cache dtype (default the model's)")
+    p.add_argument("--layers", default="split", choices=["split", "stacked"],
+                   help="decoder layer layout the engine gets (split: as load_model gives it; stacked: the layers "
+                        "copied out of their stacks in every step)")
     p.add_argument("--batches", default=None, help="decode batches (default 1,32,128; --tiny 1,4)")
     p.add_argument("--contexts", default=None, help="decode contexts (default 8192,131072; --tiny 64,192)")
     p.add_argument("--steps", type=int, default=16, help="decode steps per timed call (decode_greedy)")

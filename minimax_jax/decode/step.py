@@ -36,14 +36,22 @@ from minimax_jax.config import ModelConfig
 from minimax_jax.decode import mesh_attention
 from minimax_jax.decode.cache import CacheSpec, gather_pages, write_layer
 from minimax_jax.model.layers import rms_norm, rope_frequencies
-from minimax_jax.model.params import layer_segments
+from minimax_jax.model.params import layer_params, layer_segments, layers_layout
 from minimax_jax.model.transformer import embed, mlp_block, project_index, project_qkv, unembed
 from minimax_jax.ops import context_parallel
 from minimax_jax.ops import msa as msa_ops
 from minimax_jax.ops import paged, registry
 from minimax_jax.ops.prefill import prefill_attention
 
-__all__ = ["model_step", "greedy_steps", "PATHS", "PREFILL_IMPLEMENTATIONS"]
+__all__ = ["model_step", "greedy_steps", "PATHS", "PREFILL_IMPLEMENTATIONS", "LAYERS_REPORT"]
+
+#: ``registry.implementation_report()`` key: how the step read the layer weights (``model.params.split_layers``).
+LAYERS_REPORT = "decode.layers"
+_LAYOUT_NOTES = {
+    "split": "split (each layer's weights read in place)",
+    "stacked": "stacked (each step copies every layer's weights out of the stack; model.split_layers avoids it)",
+    "mixed": "mixed (the stacked segments' weights are copied out of their stacks in each step)",
+}
 
 PATHS = ("gather", "paged")
 #: ``implementation`` values of the "gather" path: the names of the MSA ops and of ``prefill_attention``
@@ -94,6 +102,9 @@ def model_step(params, cache, tokens, positions, page_table, logit_rows=None, *,
 
     Args:
       params: model params tree (docs/ARCHITECTURE.md).
+        Decoder layers in either layout (``minimax_jax.model.params``); split ones (``split_layers``, what
+        ``minimax_jax.infer.load_model`` returns) are read in place, stacked ones copied out of their stacks in
+        every step (recorded under ``LAYERS_REPORT``).
       cache: list of layer caches (``minimax_jax.decode.cache``); donated and returned updated.
       tokens: ``[B, T]`` int32; positions: ``[B, T]`` int32 absolute positions, ``-1`` = padding.
         Within a row, valid positions must be the consecutive suffix ``len .. len + n - 1`` of the
@@ -146,10 +157,11 @@ def _layers(params, cfg, spec, cache, x, cos, sin, page_table, positions, mp, pa
     """The decoder layers of ``model_step``: ``(x, cache)`` after them."""
     b, t, _ = x.shape
     cache = list(cache)
+    registry.record_implementation(LAYERS_REPORT, _LAYOUT_NOTES[layers_layout(params)])
     for seg, sp in zip(layer_segments(cfg), params["segments"]):
         for j in range(seg.length):
             li = seg.start + j
-            lp = jax.tree_util.tree_map(lambda a, j=j: a[j], sp)
+            lp = layer_params(sp, j)       # split layers are read in place; a stacked one is copied out
             h = _norm(x, lp["input_norm"], cfg)
             q, k, v = project_qkv(lp, h, cfg, cos, sin)
             qi = ki = None

@@ -156,7 +156,8 @@ def load_model(checkpoint_dir: str | None = None, *, tokenizer_path: str | None 
                mesh: str | None = None, rules: str = "default", convert_dir: str | None = None,
                attention: str = "as_trained", log: Callable[[str], None] = print, verify: bool = True,
                weights_dtype: str | None = None) -> LoadedModel:
-    """Load a checkpoint (ours or HF, see module doc) and its tokenizer.
+    """Load a checkpoint (ours or HF, see module doc) and its tokenizer, with the decoder layers split for
+    inference (``minimax_jax.model.params.split_layers``: ``params["segments"][s]`` is a list of per-layer trees).
 
     Args:
       checkpoint_dir: directory; None means ``DEFAULT_CHECKPOINT`` (``checkpoints/demo``).
@@ -193,6 +194,13 @@ def load_model(checkpoint_dir: str | None = None, *, tokenizer_path: str | None 
         params = jax.device_put(params, params_shardings(cfg, model.mesh, model.rules))
     if attention != "as_trained":
         log(f"attention: {note}")
+    # Inference reads layer j's weights as their own buffers: the decode step would otherwise copy them out of
+    # the stacked segments in every step (minimax_jax.model.params). The stacked arrays are ours (restored
+    # here), deleted leaf by leaf, so the device holds one extra leaf at a time, not a second copy.
+    from minimax_jax.model.params import split_layers
+
+    model = dataclasses.replace(model, params=None)
+    params = split_layers(params, cfg, delete_stacked=True)
     return dataclasses.replace(model, cfg=cfg, params=params, attention=attention, attention_note=note)
 
 

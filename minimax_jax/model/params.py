@@ -3,6 +3,13 @@
 The layout is documented in docs/ARCHITECTURE.md. Linear weights are ``[in, out]``. Consecutive
 layers of the same (layer_type, mlp_type) form a segment whose leaves are stacked on a leading
 layer axis, so the forward scans a segment and compile time does not grow with depth.
+
+Inference may hold the decoder layers *split* instead (``split_layers``): each segment a list of
+per-layer trees, each leaf its own device buffer. The unrolled decode / prefill step
+(``minimax_jax.decode.step``) reads layer j's weights from the stack as ``a[j]``, and a slice that feeds
+a custom call (the Pallas grouped matmuls, the attention kernels) is materialised by XLA: a copy of every
+layer's expert weights in every step. Split layers are read in place. ``forward`` and ``model_step``
+take either layout (``layer_params``).
 """
 
 from __future__ import annotations
@@ -16,7 +23,8 @@ import jax.numpy as jnp
 from minimax_jax.config import ModelConfig, dtype_of
 
 __all__ = ["Segment", "layer_segments", "init_params", "abstract_params", "param_axes",
-           "init_layer_params", "layer_axes", "add_index_params", "segment_of_layer", "count_params"]
+           "init_layer_params", "layer_axes", "add_index_params", "segment_of_layer", "count_params",
+           "is_split", "layer_params", "split_layers", "layers_layout"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,12 +267,70 @@ def add_index_params(params: dict[str, Any], old_cfg: ModelConfig, new_cfg: Mode
     return out
 
 
+def is_split(segment_params) -> bool:
+    """Whether one entry of ``params["segments"]`` holds split layers (a list of per-layer trees,
+    ``split_layers``) rather than stacked ones (a tree whose leaves lead with the layer axis)."""
+    return isinstance(segment_params, (list, tuple))
+
+
+def layer_params(segment_params, j: int):
+    """Layer ``j`` of a segment's params (no leading axis), from either layout (``is_split``)."""
+    if is_split(segment_params):
+        return segment_params[j]
+    return jax.tree.map(lambda x: x[j], segment_params)
+
+
+def layers_layout(params: dict[str, Any]) -> str:
+    """``"split"`` when every segment holds split layers, ``"stacked"`` when none does, else ``"mixed"``."""
+    split = [is_split(sp) for sp in params["segments"]]
+    return "split" if all(split) else ("stacked" if not any(split) else "mixed")
+
+
+def _split_leaf(x, length: int):
+    """``[L, ...] -> L`` arrays ``[...]`` (one jitted program; each output its own buffer), sharded as ``x``
+    minus its leading axis when ``x`` has a ``NamedSharding``."""
+    sh = getattr(x, "sharding", None)
+    out = None
+    if isinstance(sh, jax.sharding.NamedSharding):
+        spec = tuple(sh.spec) + (None,) * (x.ndim - len(sh.spec))
+        out = jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec(*spec[1:]))
+        out = (out,) * length
+    return jax.jit(lambda a: tuple(a[j] for j in range(length)), out_shardings=out)(x)
+
+
+def split_layers(params: dict[str, Any], cfg: ModelConfig, *, delete_stacked: bool = False) -> dict[str, Any]:
+    """Params with every segment's stacked layers split into a list of per-layer trees (module docstring).
+
+    Args:
+      params: a params tree (either layout; split segments are kept as they are).
+      cfg: its config.
+      delete_stacked: delete each stacked device array once its layers are split out (the caller must own
+        ``params`` and not use it again), so the device needs room for one extra leaf at a time, not a
+        second copy of the decoder weights.
+    Returns: the same tree with ``"segments"`` a list (per segment) of lists (per layer) of trees; every other
+      entry shared with ``params``. Values are unchanged.
+    """
+    segs = []
+    for s, sp in zip(layer_segments(cfg), params["segments"]):
+        if is_split(sp):
+            segs.append(list(sp))
+            continue
+        leaves, tree = jax.tree.flatten(sp)
+        parts = []
+        for x in leaves:
+            parts.append(_split_leaf(x, s.length) if isinstance(x, jax.Array) else tuple(x[j] for j in range(s.length)))
+            if delete_stacked and isinstance(x, jax.Array):
+                x.delete()
+        segs.append([jax.tree.unflatten(tree, [p[j] for p in parts]) for j in range(s.length)])
+    return {**params, "segments": segs}
+
+
 def unstack_layers(params: dict[str, Any], cfg: ModelConfig) -> list[dict[str, Any]]:
-    """Per-layer param dicts (no leading axis), in layer order."""
+    """Per-layer param dicts (no leading axis), in layer order (either layout, ``is_split``)."""
     out = []
     for s, sp in zip(layer_segments(cfg), params["segments"]):
         for j in range(s.length):
-            out.append(jax.tree.map(lambda x, j=j: x[j], sp))
+            out.append(layer_params(sp, j))
     return out
 
 

@@ -23,7 +23,7 @@ import numpy as np
 from minimax_jax.config import ModelConfig, dtype_of
 from minimax_jax.model.layers import apply_rope, dense_mlp, gated_activation, rms_norm, rope_frequencies
 from minimax_jax.model.msa_block import msa_block
-from minimax_jax.model.params import layer_segments, mtp_compute_kinds
+from minimax_jax.model.params import is_split, layer_segments, mtp_compute_kinds
 from minimax_jax.ops import context_parallel
 from minimax_jax.ops.attention import attention
 from minimax_jax.ops.logits import logits_matmul
@@ -297,7 +297,8 @@ def _balanced_order(cfg: ModelConfig, p) -> np.ndarray | None:
 
 def _layers(params, cfg, x, positions, segment_ids, cos, sin, indexer_kl, return_msa, subtree_end, input_weight,
             tree_keys, remat):
-    """The decoder layers (scanned per segment): ``(x, loads, msa_out, kl_sum, kl_cnt)``."""
+    """The decoder layers (scanned per stacked segment, unrolled over split ones): ``(x, loads, msa_out, kl_sum,
+    kl_cnt)``."""
     loads, msa_out = [], []
     kl_sum, kl_cnt = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
     for seg, sp in zip(layer_segments(cfg), params["segments"]):
@@ -314,7 +315,14 @@ def _layers(params, cfg, x, positions, segment_ids, cos, sin, indexer_kl, return
             body = jax.checkpoint(body, policy=_save_dots_and_kernels)
         elif remat != "none":
             raise ValueError(f"remat must be none|full|dots|dots_kernels, got {remat!r}")
-        x, (load, ks, kc, extra) = jax.lax.scan(body, x, sp)
+        if is_split(sp):    # split layers (params.split_layers): unrolled, each layer's weights read in place
+            auxs = []
+            for lp in sp:
+                x, aux = body(x, lp)
+                auxs.append(aux)
+            load, ks, kc, extra = jax.tree.map(lambda *a: jnp.stack(a), *auxs)
+        else:
+            x, (load, ks, kc, extra) = jax.lax.scan(body, x, sp)
         if seg.mlp_type == "moe":
             loads.append(load)
         for j in range(seg.length if extra else 0):

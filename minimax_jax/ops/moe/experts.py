@@ -16,11 +16,14 @@ Implementations (``implementation=``):
   interpret mode (CPU tests). Accuracy and rates: BENCHMARKS.md (MoE).
 - ``"auto"``: inside ``minimax_jax.sharding.use_mesh`` -> expert parallel (below) with the grouped matmul
   ``"auto"`` (``"pallas_gpu"`` on GPU, XLA elsewhere); otherwise ``"xla_dense"`` when
-  ``N * E <= DENSE_MAX_TOKENS_X_EXPERTS`` (decode steps, prefill chunks, tiny models: one compiled
-  program, no grouped-matmul autotuning per new shape, which made a long prefill of the demo model time
-  out) unless the experts are FP8 on a GPU (the grouped kernel then reads their FP8 bytes, where
-  ``"xla_dense"`` would dequantise every expert each step), else ``"pallas_gpu"`` on a GPU backend and
-  ``"xla_ragged"`` elsewhere. Never ``"tokamax"``.
+  ``N * E <= DENSE_MAX_TOKENS_X_EXPERTS`` and the layer's expert weights hold at most
+  ``DENSE_MAX_EXPERT_BYTES`` (decode steps, prefill chunks of small models: one compiled program, no
+  grouped-matmul autotuning per new shape, which made a long prefill of the demo model time out) unless the
+  experts are FP8 on a GPU (the grouped kernel then reads their FP8 bytes, where ``"xla_dense"`` would
+  dequantise every expert each step), else ``"pallas_gpu"`` on a GPU backend and ``"xla_ragged"`` elsewhere.
+  Never ``"tokamax"``. (``"xla_dense"`` reads every expert for every token, and XLA's GPU compiler widens
+  them to float32 in a materialised copy: at M2's experts that was 19 GB of temporaries and two 9.7 GB
+  copies per layer and step, seen in the compiled decode step.)
 Inside ``use_mesh`` the implementations ``"auto" | "xla_ragged" | "tokamax" | "pallas_gpu*"`` run
 expert-parallel in ``shard_map`` (``expert_parallel.py``); ``"xla_dense"`` / ``"xla_capacity"`` stay
 GSPMD-partitioned. What ran is recorded under ``"moe"`` (``minimax_jax.ops.registry.implementation_report``):
@@ -44,11 +47,13 @@ from minimax_jax.ops.moe.grouped_matmul import tokamax_supports
 from minimax_jax.ops.moe.permute import gather_rows, group_starts, permute_rows, sort_by_expert, unpermute_combine
 from minimax_jax.ops.registry import Implementation, ImplementationUnavailable
 
-__all__ = ["MOE_IMPLEMENTATIONS", "DENSE_MAX_TOKENS_X_EXPERTS", "moe_experts", "capacity_of"]
+__all__ = ["MOE_IMPLEMENTATIONS", "DENSE_MAX_TOKENS_X_EXPERTS", "DENSE_MAX_EXPERT_BYTES", "moe_experts", "capacity_of"]
 
 OP = "moe"
 #: ``"auto"`` outside a mesh runs ``"xla_dense"`` up to this many tokens x experts (module docstring).
 DENSE_MAX_TOKENS_X_EXPERTS = 65536
+#: ... and up to this many bytes of expert weights (``wi`` + ``wo``) per layer (module docstring).
+DENSE_MAX_EXPERT_BYTES = 64 * 2**20
 
 
 def capacity_of(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
@@ -125,7 +130,8 @@ def _auto(backend, x, weights, experts, wi, wo, act, **_):
     # FP8 experts on a GPU: the grouped kernel reads the chosen experts' FP8 bytes once, where "xla_dense"
     # would dequantise every expert of the layer in every decode step (5x the weight traffic)
     fp8_gpu = backend == "gpu" and any(isinstance(w, Fp8Weight) for w in (wi, wo))
-    if (sharding.current() is None and not fp8_gpu
+    expert_bytes = sum(w.nbytes if isinstance(w, Fp8Weight) else w.size * w.dtype.itemsize for w in (wi, wo))
+    if (sharding.current() is None and not fp8_gpu and expert_bytes <= DENSE_MAX_EXPERT_BYTES
             and x.shape[0] * wi.shape[0] <= DENSE_MAX_TOKENS_X_EXPERTS):
         return ["xla_dense"]
     return grouped

@@ -187,6 +187,23 @@ def test_auto_picks_pallas_gpu_on_gpu():
     assert implementation_report()["grouped_matmul"] == "pallas_gpu"
 
 
+def test_auto_sends_large_experts_to_the_grouped_path():
+    """A decode step's few tokens with experts past ``DENSE_MAX_EXPERT_BYTES`` (M2's: 7.2 GB a layer) take the
+    grouped path: "xla_dense" would read (and on a GPU widen to float32) every expert in every step."""
+    n = 4                                               # N * E far below the token bound
+    e, h, i = 16, 1024, 1024                            # 16 * 1024 * 3072 * 4 bytes = 192 MiB of float32 experts
+    assert e * h * 3 * i * 4 > moe.DENSE_MAX_EXPERT_BYTES >= 3 * E * H * I * 4     # the other tests: dense
+    args = [jax.ShapeDtypeStruct((n, h), jnp.float32), jax.ShapeDtypeStruct((n, K), jnp.float32),
+            jax.ShapeDtypeStruct((n, K), jnp.int32), jax.ShapeDtypeStruct((e, h, 2 * i), jnp.float32),
+            jax.ShapeDtypeStruct((e, i, h), jnp.float32)]
+    for backend, want in (("cpu", "xla_ragged"), ("gpu", "pallas_gpu")):
+        clear_implementation_report()
+        with assume_backend(backend):
+            jax.eval_shape(lambda x, w, ex, wi, wo: moe.moe_experts(x, w, ex, wi, wo, _act, implementation="auto"),
+                           *args)
+        assert implementation_report()["moe"] == want, backend
+
+
 def test_router_bias_update_exact():
     bias = jnp.array([0.0, 0.5, -0.25, 1.0], jnp.float32)
     load = jnp.array([10.0, 2.0, 4.0, 4.0])           # mean 5
