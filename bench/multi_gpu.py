@@ -28,7 +28,8 @@ weights over ``--mesh`` (default ``expert=4,tensor=2``): configs/tiny-m2.yaml, o
 with ``--full``; parameters initialised directly sharded (``jax.jit(init_params, out_shardings=...)``).
 The decoder layers are split as ``load_model`` gives them (``--layers stacked``: left stacked, so every step copies
 each layer's weights out of the stacks, to measure that cost). ``--weights-dtype fp8`` keeps the routed experts in FP8 (``Fp8Weight``: the random bf16 weights cast to
-e4m3 with one fixed scale, 128 x 128 blocks), as ``load_model(weights_dtype="fp8")`` keeps a published
+e4m3 with one fixed scale, 128 x 128 blocks; ``fp8_attention``: the attention projections too, whose decode-sized
+matmuls then run ``minimax_jax.ops.linear``'s FP8 kernel on a GPU), as ``load_model(weights_dtype="fp8")`` keeps a published
 checkpoint's. Check first (tiny-m2, fp32, the same weights dtype): prefill two prompts and take 4 greedy
 decode steps on the mesh and on one device: the same tokens. Then per context of ``--contexts`` and batch of
 ``--batches``: decode tokens/s (``decode_greedy``, ``--steps`` steps per call, median of ``--reps`` calls),
@@ -394,33 +395,43 @@ def cmd_ep_train(args) -> int:
 
 # ============================================================================== m2_decode
 
-def _expert_blocks(cfg: ModelConfig, block=(128, 128)) -> dict:
-    """``{leaf name: block}`` of the routed-expert weights (the leaves with an ``experts`` axis)."""
+#: the attention projections an FP8 checkpoint stores in FP8 (``--weights-dtype fp8_attention`` keeps them in FP8 too)
+_FP8_ATTENTION = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj")
+
+
+def _expert_blocks(cfg: ModelConfig, block=(128, 128), attention: bool = False) -> dict:
+    """``{leaf name: block}`` of the routed-expert weights (the leaves with an ``experts`` axis), and with
+    ``attention`` of the decoder layers' attention projections."""
     from minimax_jax.model import param_axes
     from minimax_jax.model.fp8_params import leaf_name
 
     flat = jax.tree_util.tree_flatten_with_path(
         param_axes(cfg), is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(a, str) for a in x))[0]
-    return {leaf_name(p): block for p, axes in flat if "experts" in axes}
+    return {leaf_name(p): block for p, axes in flat
+            if "experts" in axes or (attention and leaf_name(p).endswith(_FP8_ATTENTION))}
 
 
 def param_shardings(cfg: ModelConfig, mesh, rules, weights_dtype=None):
-    """``params_shardings``; with ``weights_dtype="fp8"`` those of the tree with ``Fp8Weight`` experts."""
+    """``params_shardings``; with ``weights_dtype="fp8"`` / ``"fp8_attention"`` those of the tree with ``Fp8Weight``
+    experts (and attention projections)."""
     from minimax_jax.model import abstract_params, params_shardings
     from minimax_jax.model.fp8_params import fp8_shardings, quantized_abstract
 
     s = params_shardings(cfg, mesh, rules)
-    return s if weights_dtype != "fp8" else fp8_shardings(s, quantized_abstract(abstract_params(cfg), _expert_blocks(cfg)))
+    if weights_dtype not in ("fp8", "fp8_attention"):
+        return s
+    return fp8_shardings(s, quantized_abstract(abstract_params(cfg), _expert_blocks(cfg, attention=weights_dtype != "fp8")))
 
 
 def random_params(cfg: ModelConfig, mesh=None, rules=None, weights_dtype=None, seed: int = 0):
     """Random params made directly sharded over ``mesh`` (one device without); ``weights_dtype="fp8"``:
-    the routed experts as ``Fp8Weight`` (the random weights over one fixed scale, cast to e4m3)."""
+    the routed experts as ``Fp8Weight`` (the random weights over one fixed scale, cast to e4m3);
+    ``"fp8_attention"``: the attention projections too."""
     from minimax_jax.model import init_params
     from minimax_jax.model.fp8_params import leaf_name
     from minimax_jax.ops.moe.fp8_weight import FP8_DTYPE, Fp8Weight, scale_shape
 
-    blocks = _expert_blocks(cfg) if weights_dtype == "fp8" else {}
+    blocks = _expert_blocks(cfg, attention=weights_dtype == "fp8_attention") if weights_dtype else {}
     fmax = float(jnp.finfo(FP8_DTYPE).max)
     s = 16.0 * cfg.initializer_range / fmax          # 16 standard deviations fit e4m3's range
 
@@ -634,7 +645,9 @@ def main(argv=None) -> int:
     p.add_argument("--full", action="store_true", help="configs/minimax-m2.yaml (GPUs) instead of tiny-m2")
     p.add_argument("--config", default=None, help="a model YAML (overrides --full)")
     p.add_argument("--num-layers", type=int, default=None, help="keep only the model's first N layers")
-    p.add_argument("--weights-dtype", default=None, choices=["fp8"], help="keep the routed experts in FP8")
+    p.add_argument("--weights-dtype", default=None, choices=["fp8", "fp8_attention"],
+                   help="keep the routed experts in FP8 (fp8_attention: the attention projections too, as an FP8 "
+                        "checkpoint stores them)")
     p.add_argument("--kv-dtype", default=None, help="KV cache dtype (default the model's)")
     p.add_argument("--layers", default="split", choices=["split", "stacked"],
                    help="decoder layer layout the engine gets (split: as load_model gives it; stacked: the layers "
