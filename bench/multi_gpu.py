@@ -28,8 +28,8 @@ weights over ``--mesh`` (default ``expert=4,tensor=2``): configs/tiny-m2.yaml, o
 with ``--full``; parameters initialised directly sharded (``jax.jit(init_params, out_shardings=...)``).
 The decoder layers are split as ``load_model`` gives them (``--layers stacked``: left stacked, so every step copies
 each layer's weights out of the stacks, to measure that cost). ``--weights-dtype fp8`` keeps the routed experts in FP8 (``Fp8Weight``: the random bf16 weights cast to
-e4m3 with one fixed scale, 128 x 128 blocks; ``fp8_attention``: the attention projections too, whose decode-sized
-matmuls then run ``minimax_jax.ops.linear``'s FP8 kernel on a GPU), as ``load_model(weights_dtype="fp8")`` keeps a published
+e4m3 with one fixed scale, 128 x 128 blocks; ``fp8_attention``: the attention projections too, dequantised by XLA
+in each step), as ``load_model(weights_dtype="fp8")`` keeps a published
 checkpoint's. Check first (tiny-m2, fp32, the same weights dtype): prefill two prompts and take 4 greedy
 decode steps on the mesh and on one device: the same tokens. Then per context of ``--contexts`` and batch of
 ``--batches``: decode tokens/s (``decode_greedy``, ``--steps`` steps per call, median of ``--reps`` calls),

@@ -41,7 +41,6 @@ from minimax_jax.model.transformer import embed, mlp_block, project_index, proje
 from minimax_jax.ops import context_parallel
 from minimax_jax.ops import msa as msa_ops
 from minimax_jax.ops import paged, registry
-from minimax_jax.ops.linear import linear
 from minimax_jax.ops.prefill import prefill_attention
 
 __all__ = ["model_step", "greedy_steps", "PATHS", "PREFILL_IMPLEMENTATIONS", "LAYERS_REPORT"]
@@ -182,7 +181,7 @@ def _layers(params, cfg, spec, cache, x, cos, sin, page_table, positions, mp, pa
                 else:
                     o = _attend_paged(cfg, cache[li], q, qi, page_table, positions, seg.layer_type,
                                       implementation)
-            x = x + linear(o.reshape(b, t, cfg.q_dim), lp["attn"]["o_proj"])
+            x = x + o.reshape(b, t, cfg.q_dim) @ lp["attn"]["o_proj"].astype(x.dtype)
             m, _ = mlp_block(lp, _norm(x, lp["post_attn_norm"], cfg), cfg, seg.mlp_type)
             x = x + m
             x = mesh_attention.constrain(mp, x)

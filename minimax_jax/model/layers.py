@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 
 from minimax_jax.config import ModelConfig
-from minimax_jax.ops.linear import linear
 from minimax_jax.ops.moe.activation import GatedActivation
 
 __all__ = ["rms_norm", "rope_frequencies", "apply_rope", "gated_activation", "swiglu", "dense_mlp"]
@@ -89,4 +88,5 @@ def swiglu(gate_up: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 def dense_mlp(x: jax.Array, wi: jax.Array, wo: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Dense gated MLP: ``act(x @ wi) @ wo``. x ``[..., H]``, wi ``[H, 2I]``, wo ``[I, H]``."""
-    return linear(swiglu(linear(x, wi), cfg), wo)
+    h = jnp.einsum("...h,hf->...f", x, wi.astype(x.dtype))
+    return jnp.einsum("...f,fh->...h", swiglu(h, cfg), wo.astype(x.dtype))

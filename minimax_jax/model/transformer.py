@@ -26,7 +26,6 @@ from minimax_jax.model.msa_block import msa_block
 from minimax_jax.model.params import is_split, layer_segments, mtp_compute_kinds
 from minimax_jax.ops import context_parallel
 from minimax_jax.ops.attention import attention
-from minimax_jax.ops.linear import linear
 from minimax_jax.ops.logits import logits_matmul
 from minimax_jax.ops.moe import moe_experts, route
 from minimax_jax.sharding import constrain
@@ -75,9 +74,9 @@ def project_qkv(p: dict, x: jax.Array, cfg: ModelConfig, cos: jax.Array, sin: ja
     """
     b, t, _ = x.shape
     a = p["attn"]
-    q = linear(x, a["q_proj"])
-    k = linear(x, a["k_proj"])
-    v = linear(x, a["v_proj"])
+    q = x @ a["q_proj"].astype(x.dtype)
+    k = x @ a["k_proj"].astype(x.dtype)
+    v = x @ a["v_proj"].astype(x.dtype)
     if cfg.qk_norm == "full":
         q, k = _norm(q, a["q_norm"], cfg), _norm(k, a["k_norm"], cfg)
     q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
@@ -98,8 +97,8 @@ def project_index(p: dict, x: jax.Array, cfg: ModelConfig, cos: jax.Array, sin: 
     a = p["attn"]
     xs = jax.lax.stop_gradient(x)
     hi, di = cfg.index_num_heads, cfg.index_head_dim
-    qi = linear(xs, a["index_q_proj"]).reshape(b, t, hi, di)
-    ki = linear(xs, a["index_k_proj"]).reshape(b, t, 1, di)
+    qi = (xs @ a["index_q_proj"].astype(x.dtype)).reshape(b, t, hi, di)
+    ki = (xs @ a["index_k_proj"].astype(x.dtype)).reshape(b, t, 1, di)
     qi, ki = _norm(qi, a["index_q_norm"], cfg), _norm(ki, a["index_k_norm"], cfg)
     if cfg.index_rope:
         qi, ki = apply_rope(qi, cos, sin), apply_rope(ki, cos, sin)
@@ -161,7 +160,7 @@ def attention_block(p, x, cfg: ModelConfig, layer_type: str, positions, segment_
                                         ["bth."], name="attention")
         else:
             o = attention(q, k, v, sliding_window=window, implementation=impl, **pos_kw, **tree_kw)
-    out = linear(o.reshape(b, t, cfg.q_dim), p["attn"]["o_proj"])
+    out = o.reshape(b, t, cfg.q_dim) @ p["attn"]["o_proj"].astype(x.dtype)
     return out, kl_sum, kl_cnt, extra
 
 

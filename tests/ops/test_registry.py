@@ -114,7 +114,7 @@ def test_an_auto_policy_naming_an_unregistered_implementation_is_a_clear_error()
 
 def test_every_op_is_registered_with_one_naming_scheme():
     ops = {"attention", "msa_index_scores", "msa_select_blocks", "msa_attention", "indexer_kl", "moe",
-           "grouped_matmul", "paged_attention", "msa_decode_select", "prefill_attention", "linear"}
+           "grouped_matmul", "paged_attention", "msa_decode_select", "prefill_attention"}
     assert ops <= set(registry._ops)
     scheme = r"^(xla(_[a-z]+)?|tokamax|cudnn(_packed)?|[a-z]+(_[a-z]+)?_(gpu|tpu)(_interpret)?)$"
     for name in ops:
