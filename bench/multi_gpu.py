@@ -27,15 +27,16 @@ profile's busiest lines (GPU; the CPU profile has no device lines).
 weights over ``--mesh`` (default ``expert=4,tensor=2``): configs/tiny-m2.yaml, or configs/minimax-m2.yaml
 with ``--full``; parameters initialised directly sharded (``jax.jit(init_params, out_shardings=...)``).
 The decoder layers are split as ``load_model`` gives them (``--layers stacked``: left stacked, so every step copies
-each layer's weights out of the stacks, to measure that cost). ``--weights-dtype fp8`` keeps the routed experts in FP8 (``Fp8Weight``: the random bf16 weights cast to
-e4m3 with one fixed scale, 128 x 128 blocks; ``fp8_attention``: the attention projections too, dequantised by XLA
-in each step), as ``load_model(weights_dtype="fp8")`` keeps a published
-checkpoint's. Check first (tiny-m2, fp32, the same weights dtype): prefill two prompts and take 4 greedy
-decode steps on the mesh and on one device: the same tokens. Then per context of ``--contexts`` and batch of
-``--batches``: decode tokens/s (``decode_greedy``, ``--steps`` steps per call, median of ``--reps`` calls),
-each row's context filled without computing it (pages allocated, their zero keys cost what real ones do in
-dense attention; a cell whose replicated KV cache would not fit the free device memory is skipped), and the
-prefill time of one ``--prefill-tokens`` prompt (``--prefill-chunk`` tokens per step, compiled first).
+each layer's weights out of the stacks, to measure that cost); ``--num-layers N`` keeps the model's first N layers.
+``--weights-dtype fp8`` keeps the routed experts in FP8 (``Fp8Weight``: the random bf16 weights cast to e4m3 with one
+fixed scale, 128 x 128 blocks; ``fp8_attention``: the attention projections too, dequantised by XLA in each step), as
+``load_model(weights_dtype="fp8")`` keeps a published checkpoint's. Check first (tiny-m2, fp32, the same weights
+dtype): prefill two prompts and take 4 greedy decode steps on the mesh and on one device: the same tokens. Then per
+context of ``--contexts`` and batch of ``--batches``: decode tokens/s (``decode_greedy``, ``--steps`` steps per call,
+median of ``--reps`` calls), each row's context filled without computing it (pages allocated, their zero keys cost
+what real ones do in dense attention; a cell whose replicated KV cache would not fit the free device memory is
+skipped), and the prefill time of one ``--prefill-tokens`` prompt (``--prefill-chunk`` tokens per step, compiled
+first).
 
 Every sub-command prints a short table last and writes ``multi_gpu_<command>.json`` under ``--out``
 (``check``: the check's numbers and ``passed``; ``rows``); a failed check writes the JSON, times nothing
@@ -399,7 +400,7 @@ def cmd_ep_train(args) -> int:
 _FP8_ATTENTION = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj")
 
 
-def _expert_blocks(cfg: ModelConfig, block=(128, 128), attention: bool = False) -> dict:
+def _fp8_blocks(cfg: ModelConfig, block=(128, 128), attention: bool = False) -> dict:
     """``{leaf name: block}`` of the routed-expert weights (the leaves with an ``experts`` axis), and with
     ``attention`` of the decoder layers' attention projections."""
     from minimax_jax.model import param_axes
@@ -420,7 +421,8 @@ def param_shardings(cfg: ModelConfig, mesh, rules, weights_dtype=None):
     s = params_shardings(cfg, mesh, rules)
     if weights_dtype not in ("fp8", "fp8_attention"):
         return s
-    return fp8_shardings(s, quantized_abstract(abstract_params(cfg), _expert_blocks(cfg, attention=weights_dtype != "fp8")))
+    blocks = _fp8_blocks(cfg, attention=weights_dtype == "fp8_attention")
+    return fp8_shardings(s, quantized_abstract(abstract_params(cfg), blocks))
 
 
 def random_params(cfg: ModelConfig, mesh=None, rules=None, weights_dtype=None, seed: int = 0):
@@ -431,7 +433,7 @@ def random_params(cfg: ModelConfig, mesh=None, rules=None, weights_dtype=None, s
     from minimax_jax.model.fp8_params import leaf_name
     from minimax_jax.ops.moe.fp8_weight import FP8_DTYPE, Fp8Weight, scale_shape
 
-    blocks = _expert_blocks(cfg, attention=weights_dtype == "fp8_attention") if weights_dtype else {}
+    blocks = _fp8_blocks(cfg, attention=weights_dtype == "fp8_attention") if weights_dtype else {}
     fmax = float(jnp.finfo(FP8_DTYPE).max)
     s = 16.0 * cfg.initializer_range / fmax          # 16 standard deviations fit e4m3's range
 

@@ -6,9 +6,9 @@ layer axis, so the forward scans a segment and compile time does not grow with d
 
 Inference may hold the decoder layers *split* instead (``split_layers``): each segment a list of
 per-layer trees, each leaf its own device buffer. The unrolled decode / prefill step
-(``minimax_jax.decode.step``) reads layer j's weights from the stack as ``a[j]``, and a slice that feeds
-a custom call (the Pallas grouped matmuls, the attention kernels) is materialised by XLA: a copy of every
-layer's expert weights in every step. Split layers are read in place. ``forward`` and ``model_step``
+(``minimax_jax.decode.step``) would read layer j's weights from the stack as ``a[j]``, and XLA materialises
+a slice that feeds a custom call (the Pallas grouped matmuls): a copy of every layer's expert weights in
+every step. Split layers are read in place. ``forward`` and ``model_step``
 take either layout (``layer_params``).
 """
 
@@ -302,13 +302,16 @@ def split_layers(params: dict[str, Any], cfg: ModelConfig, *, delete_stacked: bo
     """Params with every segment's stacked layers split into a list of per-layer trees (module docstring).
 
     Args:
-      params: a params tree (either layout; split segments are kept as they are).
-      cfg: its config.
+      params: a params tree (either layout; split segments are kept as they are); a stacked leaf is
+        ``[L_seg, ...]`` of any dtype (``Fp8Weight`` leaves split through their arrays).
+      cfg: its config (``layer_segments`` gives each segment's ``L_seg``).
       delete_stacked: delete each stacked device array once its layers are split out (the caller must own
         ``params`` and not use it again), so the device needs room for one extra leaf at a time, not a
         second copy of the decoder weights.
-    Returns: the same tree with ``"segments"`` a list (per segment) of lists (per layer) of trees; every other
-      entry shared with ``params``. Values are unchanged.
+    Returns: the same tree with ``"segments"`` a list (per segment) of ``L_seg`` per-layer trees (leaves
+      ``[...]``, same dtypes, ``NamedSharding`` kept minus the layer axis); every other entry shared with
+      ``params``. Values are unchanged.
+    Raises: IndexError (from indexing) when a leaf's leading axis is shorter than its segment.
     """
     segs = []
     for s, sp in zip(layer_segments(cfg), params["segments"]):

@@ -21,9 +21,8 @@ Implementations (``implementation=``):
   grouped-matmul autotuning per new shape, which made a long prefill of the demo model time out) unless the
   experts are FP8 on a GPU (the grouped kernel then reads their FP8 bytes, where ``"xla_dense"`` would
   dequantise every expert each step), else ``"pallas_gpu"`` on a GPU backend and ``"xla_ragged"`` elsewhere.
-  Never ``"tokamax"``. (``"xla_dense"`` reads every expert for every token, and XLA's GPU compiler widens
-  them to float32 in a materialised copy: at M2's experts that was 19 GB of temporaries and two 9.7 GB
-  copies per layer and step, seen in the compiled decode step.)
+  Never ``"tokamax"``. (``"xla_dense"`` reads every expert for every token, and XLA's GPU compiler writes a
+  float32 copy of them: at M2's experts a 9.7 GB copy per layer and step, BENCHMARKS.md (MoE).)
 Inside ``use_mesh`` the implementations ``"auto" | "xla_ragged" | "tokamax" | "pallas_gpu*"`` run
 expert-parallel in ``shard_map`` (``expert_parallel.py``); ``"xla_dense"`` / ``"xla_capacity"`` stay
 GSPMD-partitioned. What ran is recorded under ``"moe"`` (``minimax_jax.ops.registry.implementation_report``):
