@@ -33,8 +33,9 @@ from pallas_kernels.decode.common import (combine_splits, compute_dtype, dot_nn,
 from pallas_kernels.decode.gpu_attention_wgmma import default_ctas, paged_decode_wgmma, wgmma_decode_reason
 from pallas_kernels.common import from_byte_pairs, gpu_compute_capability, needs_byte_pairs, to_byte_pairs
 from pallas_kernels.decode.gpu_config import DEFAULT_TABLE, TILE_KERNELS, LaunchTable, pages_per_program
+from pallas_kernels.decode.gpu_union import supports_union_kernel, union_pages_gpu
 
-__all__ = ["paged_attention_gpu", "tile_kernel_choice", "resolve_tile_kernel"]
+__all__ = ["paged_attention_gpu", "tile_kernel_choice", "resolve_tile_kernel", "union_choice"]
 
 _NEG = -1e30
 
@@ -158,6 +159,12 @@ def _tile_kernel(m, d, cache_dtype, q_dtype, page, has_scale, shared_rows, tile_
     return ("triton", why) if why else ("wgmma", None)
 
 
+def union_choice(union: str, qpb: int, k: int) -> str:
+    """Where shared sparse tiles' page union comes from: "kernel" (``gpu_union``) when ``union`` asks for it
+    and the kernel serves row blocks of ``qpb`` rows of ``k`` ids, else "xla" (``common.union_pages``)."""
+    return "kernel" if union == "kernel" and supports_union_kernel(qpb, k) else "xla"
+
+
 def tile_kernel_choice(nq, h, g, d, cache_dtype, q_dtype, page, *, has_scale, sparse,
                        table: LaunchTable | None = None, interpret: bool = False) -> str:
     """Which kernel ``paged_attention_gpu`` runs a call's attention tiles on: ``"triton"``, ``"wgmma"``, or
@@ -178,11 +185,11 @@ def tile_kernel_choice(nq, h, g, d, cache_dtype, q_dtype, page, *, has_scale, sp
 
 @functools.partial(jax.jit, static_argnames=("interpret", "pages_per_split", "num_warps", "num_stages", "loop",
                                              "sparse_pages_per_split", "tile_rows", "sparse_tile", "wide_warps",
-                                             "tile_kernel", "wgmma_stages", "wgmma_pingpong"))
+                                             "tile_kernel", "wgmma_stages", "wgmma_pingpong", "union"))
 def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_scale, block_ids, *, interpret,
                      pages_per_split, num_warps, num_stages, loop, sparse_pages_per_split=1, tile_rows=64,
                      sparse_tile="per_row", wide_warps=None, tile_kernel="auto", wgmma_stages=2,
-                     wgmma_pingpong=True):
+                     wgmma_pingpong=True, union="kernel"):
     """Split-KV paged decode attention (dense, or sparse over ``block_ids``).
 
     Args: as ``minimax_jax.ops.paged.paged_attention`` (q ``[B,Q,H,D]``, pages ``[G,P,page,D]``,
@@ -204,7 +211,9 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_sc
       "auto" (``resolve_tile_kernel``: "wgmma" on a Hopper GPU) or "wgmma": dense and shared sparse tiles
       that ``gpu_attention_wgmma.wgmma_decode_reason`` accepts (64 or 128 rows, bf16 / f16 caches) run the
       Mosaic GPU kernel with ``wgmma_stages`` K/V slots, the others
-      (per-row sparse tiles, fp8 caches, narrower tiles) the Triton one.
+      (per-row sparse tiles, fp8 caches, narrower tiles) the Triton one. union: "kernel" = shared tiles'
+      page union from ``gpu_union.union_pages_gpu`` where it serves the row block (``union_choice``), else
+      (and with "xla") from ``common.union_pages``.
     Returns: ``(o [B,Q,H,D] q.dtype, lse [B,Q,H] f32)``.
     Raises ValueError for a sparse_pages_per_split that is not a power of two >= 1.
     """
@@ -232,7 +241,12 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_sc
         lim = jnp.clip(jnp.max(q_positions, axis=1) // page + 1, 0, npg).astype(jnp.int32)
     elif shared:
         nsplit = _shared_splits(block_ids.shape[-1], pps, b * g * rows)
-        ids, bits, lim = union_pages(block_ids, qpb, nsplit, npg)  # [B, G, rows, qpb * K], starts [.., nsplit + 1]
+        if union_choice(union, qpb, block_ids.shape[-1]) == "kernel":   # slots / starts padded (never read)
+            ids, bits, lim = union_pages_gpu(block_ids, qpb, nsplit, interpret=interpret)
+            if wgmma:
+                lim = lim[..., : nsplit + 1]
+        else:
+            ids, bits, lim = union_pages(block_ids, qpb, nsplit, npg)  # [B, G, rows, qpb * K], starts [.., nsplit + 1]
     else:
         nsplit = -(-block_ids.shape[-1] // pps)
         lim = jnp.zeros((b,), jnp.int32)
@@ -278,7 +292,7 @@ def paged_attention_gpu(q, k_pages, v_pages, page_table, q_positions, k_scale=No
     """See ``_paged_attention``; launch parameters left as None come from ``table`` (None =
     ``gpu_config.DEFAULT_TABLE``): ``attn_warps`` / ``attn_warps_wide`` (an explicit ``num_warps``
     applies to every tile), ``attn_stages``, ``loop``, ``sparse_pps``, ``tile_rows``, ``sparse_tile``,
-    ``tile_kernel``, ``wgmma_stages``, ``wgmma_pingpong``."""
+    ``tile_kernel``, ``wgmma_stages``, ``wgmma_pingpong``, ``union``."""
     table = DEFAULT_TABLE if table is None else table
     return _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_scale, block_ids,
                             interpret=interpret, pages_per_split=pages_per_split,
@@ -289,4 +303,4 @@ def paged_attention_gpu(q, k_pages, v_pages, page_table, q_positions, k_scale=No
                                                     else sparse_pages_per_split),
                             tile_rows=table.tile_rows, sparse_tile=table.sparse_tile,
                             tile_kernel=table.tile_kernel, wgmma_stages=table.wgmma_stages,
-                            wgmma_pingpong=table.wgmma_pingpong)
+                            wgmma_pingpong=table.wgmma_pingpong, union=table.union)

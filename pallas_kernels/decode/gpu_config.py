@@ -15,15 +15,18 @@ from collections.abc import Mapping
 
 import jax.numpy as jnp
 
-__all__ = ["LaunchTable", "DEFAULT_TABLE", "LEGACY_TILES", "SPARSE_TILES", "TILE_KERNELS", "SCORE_CLASSES",
+__all__ = ["LaunchTable", "DEFAULT_TABLE", "LEGACY_TILES", "SPARSE_TILES", "TILE_KERNELS", "UNIONS", "SCORE_CLASSES",
            "SCORE_LAUNCH_BASE", "SCORE_STATIC", "EVICT", "score_size_class", "score_keys_label", "score_launch",
            "pages_per_program"]
 
 # Size classes of a scoring call, chosen at trace time from static shapes: the first entry whose bound
-# is >= B * NP (logical pages of the page table; bound None = no limit). Batch 1 x 1M tokens (8192
-# pages) and batch 32 x 32K are "small", batch 32 x 128K (32768) and batch 32 x 1M (262144) "large" (the
-# bound, 16384 pages = 2M tokens, lies between the two swept cases, 1 x 1M and 32 x 1M; it is not tuned).
-SCORE_CLASSES = (("small", 16384), ("large", None))
+# is >= B * NP (logical pages of the page table; bound None = no limit). "tiny" (up to 1,024 pages, e.g.
+# batch 8 x 16K): the serving sweep's small cells, whose tuned "small" launch (8 pages per program) left a
+# few programs walking 8 pages each (1 x 4K: 4 programs); its entries leave ppp to fill the GPU. Batch
+# 1 x 1M tokens (8192 pages) and batch 32 x 32K are "small", batch 32 x 128K (32768) and batch 32 x 1M
+# (262144) "large" (the bound, 16384 pages = 2M tokens, lies between the two swept cases, 1 x 1M and
+# 32 x 1M; it is not tuned).
+SCORE_CLASSES = (("tiny", 1024), ("small", 16384), ("large", None))
 # Launch of the scoring kernel under every ``LaunchTable.score`` entry. Keys: "ppp" pages per program
 # (None = sized to fill the GPU), "unroll" pages per loop iteration, "num_warps", "num_stages", "f16"
 # (fp8 keys: f16 product), "programs" (0 = one program per (request, chunk of ppp pages); N >= 1 = the
@@ -35,6 +38,7 @@ SCORE_LAUNCH_BASE = types.MappingProxyType({"ppp": None, "num_warps": 4, "num_st
 EVICT = ("evict_normal", "evict_first", "evict_last")
 SPARSE_TILES = ("shared", "per_row")
 TILE_KERNELS = ("auto", "triton", "wgmma")
+UNIONS = ("kernel", "xla")
 SCORE_STATIC = ("ppp", "num_warps", "num_stages", "loop", "unroll", "f16", "programs", "evict")
 
 
@@ -89,6 +93,9 @@ class LaunchTable:
       visible GPU of compute capability 9.x, compiled; "triton" otherwise, interpreted and without a GPU
       too; BENCHMARKS.md, MSA decode: the wgmma tiles won at Q = 8); wgmma_stages: its K/V ring slots;
       wgmma_pingpong: its two compute warpgroups of a 128-row tile take turns on the tensor cores.
+    union: how shared sparse tiles get the union of their rows' pages: "kernel" (one Triton launch,
+      ``gpu_union.union_pages_gpu``, where it serves the row block; the XLA form for wider blocks) or "xla"
+      (``common.union_pages``: about seven small XLA fusions, each a launch of its own).
     """
 
     loop: str = "dynamic"
@@ -103,6 +110,7 @@ class LaunchTable:
     tile_kernel: str = "auto"
     wgmma_stages: int = 2
     wgmma_pingpong: bool = True
+    union: str = "kernel"
 
     def __post_init__(self):
         object.__setattr__(self, "score", _frozen(self.score))
@@ -113,6 +121,8 @@ class LaunchTable:
             raise ValueError(f"wgmma_stages must be an int >= 1, got {w!r}")
         if not isinstance(self.wgmma_pingpong, bool):
             raise ValueError(f"wgmma_pingpong must be a bool, got {self.wgmma_pingpong!r}")
+        if self.union not in UNIONS:
+            raise ValueError(f"union must be one of {UNIONS}, got {self.union!r}")
         if self.sparse_tile not in SPARSE_TILES:
             raise ValueError(f"sparse_tile must be one of {SPARSE_TILES}, got {self.sparse_tile!r}")
         t = self.tile_rows
@@ -129,9 +139,11 @@ class LaunchTable:
 
 DEFAULT_TABLE = LaunchTable(
     loop="dynamic",
-    score={"bf16": {"small": {"num_warps": 2, "num_stages": 4, "ppp": 8},
+    score={"bf16": {"tiny": {"num_warps": 2, "num_stages": 4},
+                    "small": {"num_warps": 2, "num_stages": 4, "ppp": 8},
                     "large": {"num_warps": 1, "num_stages": 2, "ppp": 8}},
-           "fp8": {"small": {"num_warps": 1, "num_stages": 3, "ppp": 8, "f16": True},
+           "fp8": {"tiny": {"num_warps": 1, "num_stages": 3, "f16": True},
+                   "small": {"num_warps": 1, "num_stages": 3, "ppp": 8, "f16": True},
                    "large": {"num_warps": 1, "num_stages": 3, "ppp": 4, "f16": True}}},
     attn_warps=4, attn_stages=2, attn_warps_wide=8, tile_rows=128, sparse_tile="shared", select_splits=4,
     sparse_pps=4, tile_kernel="auto")

@@ -144,7 +144,9 @@ def _score_width(b: int, npg: int, ppp, unroll: int, programs: int) -> int:
 
 def _page_scores_raw(qi, ki_pages, page_table, q_positions, ki_scale, *, interpret, ppp, num_warps, num_stages,
                      loop, unroll=1, f16=False, programs=0, evict="evict_normal", topk=None):
-    """Raw page scores ``[B, R, W]`` float32, row ``q * Hi + h`` (max over each page's tokens of ``<qi, ki>/sqrt(Di)``).
+    """Raw page scores ``[B, R, W]`` float32, row ``h * nqp + q`` with ``nqp = next_pow2(Q)`` (group-major, so a
+    group's rows are contiguous and the ids need no transpose; rows of q >= Q are padding), the max over each
+    page's tokens of ``<qi, ki>/sqrt(Di)``.
 
     Only pages ``< max_i(pos_i // page)`` of each request are computed; the others hold garbage and
     must be masked by the caller (``select_from_page_scores`` does). With ``topk`` (an int), a request
@@ -171,8 +173,9 @@ def _page_scores_raw(qi, ki_pages, page_table, q_positions, ki_scale, *, interpr
     cdt = compute_dtype(ki_pages.dtype)
     if f16 and jnp.dtype(ki_pages.dtype).itemsize == 1:
         cdt = jnp.dtype(jnp.float16)
-    r = max(16, next_pow2(nq * hi))
-    q2 = pad_rows(qi.reshape(b, nq * hi, di).astype(cdt), 1, r)
+    nqp = next_pow2(nq)
+    r = max(16, next_pow2(hi * nqp))
+    q2 = pad_rows(pad_rows(qi.transpose(0, 2, 1, 3), 2, nqp).reshape(b, hi * nqp, di).astype(cdt), 1, r)
     n_score = jnp.clip(jnp.max(q_positions, axis=1) // page, 0, npg).astype(jnp.int32)
     if topk is not None:
         n_score = jnp.where(n_score < topk, 0, n_score)      # every page selected: nothing to rank
@@ -216,8 +219,9 @@ def _resolve_ppp(ppp, b: int, npg: int, unroll: int) -> int:
 
 
 def _unpack_scores(raw, nq, hi, npg):
-    b = raw.shape[0]
-    return raw[:, : nq * hi, :npg].reshape(b, nq, hi, npg).transpose(0, 2, 1, 3)
+    """``[B, Hi, Q, NP]`` from raw scores ``[B, R, W]`` (row ``h * nqp + q``, ``_page_scores_raw``)."""
+    b, nqp = raw.shape[0], next_pow2(nq)
+    return raw[:, : hi * nqp, :npg].reshape(b, hi, nqp, npg)[:, :, :nq]
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", *SCORE_STATIC))
@@ -230,6 +234,9 @@ def _page_scores(qi, ki_pages, page_table, q_positions, ki_scale, *, interpret, 
 # ----------------------------------------------------------------------------- selection
 
 _NO_ID = 1 << 30     # id of an unused candidate slot (above every page id)
+
+#: Narrowest padded score row (pages) that the default ``select_splits`` applies to; narrower rows: S = 1.
+SPLIT_MIN_WIDTH = 1024
 
 
 def _extract_topk(x, ids, local, topk):
@@ -334,6 +341,12 @@ def _select_merge_kernel(v_ref, i_ref, pos_ref, o_ref, *, page, topk):
     o_ref[b, r, :] = _all_or_ranked(local, topk, ranked)
 
 
+def _select_warps(width: int) -> int:
+    """Warps of a selection program over ``width`` scores: one up to 512 (each of the ``K - 1`` extractions
+    reduces with warp shuffles alone, no shared-memory round trip), 8 from 4,096, else 4."""
+    return 1 if width <= 512 else 8 if width >= 4096 else 4
+
+
 def _auto_select_splits(b: int, rows: int, width: int) -> int:
     """``select_splits="auto"``: the largest power of two S with ``width / S >= 512`` pages per slice
     and ``b * rows * S <= 4096`` stage-A programs (1 when ``width < 1024``)."""
@@ -381,7 +394,7 @@ def _select_rows(raw, pos, *, n_rows, page, topk, init_blocks, local_blocks, int
         ids = pl.pallas_call(
             kernel, grid=(b, n_rows),
             out_shape=jax.ShapeDtypeStruct((b, raw.shape[1], topk), jnp.int32),
-            compiler_params=pltriton.CompilerParams(num_warps=8 if width >= 4096 else 4, num_stages=1),
+            compiler_params=pltriton.CompilerParams(num_warps=_select_warps(width), num_stages=1),
             interpret=interpret, name="msa_decode_select_topk",
         )(raw, pos)
         return ids[:, :n_rows]
@@ -396,14 +409,14 @@ def _select_rows(raw, pos, *, n_rows, page, topk, init_blocks, local_blocks, int
         kernel, grid=(b, n_rows, s),
         out_shape=[jax.ShapeDtypeStruct((b, n_rows, s, kp), jnp.float32),
                    jax.ShapeDtypeStruct((b, n_rows, s, kp), jnp.int32)],
-        compiler_params=pltriton.CompilerParams(num_warps=8 if ws >= 4096 else 4, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=_select_warps(ws), num_stages=1),
         interpret=interpret, name="msa_decode_select_topk_slices",
     )(raw, pos)
     kernel = functools.partial(_select_merge_kernel, page=page, topk=topk)
     return pl.pallas_call(
         kernel, grid=(b, n_rows),
         out_shape=jax.ShapeDtypeStruct((b, n_rows, topk), jnp.int32),
-        compiler_params=pltriton.CompilerParams(num_warps=8 if s * kp >= 4096 else 4, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=_select_warps(s * kp), num_stages=1),
         interpret=interpret, name="msa_decode_select_topk_merge",
     )(vals.reshape(b, n_rows, s * kp), cids.reshape(b, n_rows, s * kp), pos)
 
@@ -417,11 +430,12 @@ def _select(qi, ki_pages, page_table, q_positions, ki_scale, *, page, topk, init
     b, nq, hi, _ = qi.shape
     raw = _page_scores_raw(qi, ki_pages, page_table, q_positions, ki_scale, interpret=interpret, topk=topk,
                            **launch)   # [B, R, W]
-    r = raw.shape[1]
-    pos = pad_rows(jnp.repeat(q_positions, hi, axis=1), 1, r, -1).astype(jnp.int32)  # row = q * hi + h
-    ids = _select_rows(raw, pos, n_rows=nq * hi, page=page, topk=topk, init_blocks=init_blocks,
+    r, nqp = raw.shape[1], next_pow2(nq)
+    pos = jnp.tile(pad_rows(q_positions.astype(jnp.int32), 1, nqp, -1), (1, hi))        # row = h * nqp + q
+    pos = pad_rows(pos, 1, r, -1)
+    ids = _select_rows(raw, pos, n_rows=hi * nqp, page=page, topk=topk, init_blocks=init_blocks,
                        local_blocks=local_blocks, interpret=interpret, splits=select_splits)
-    return ids.reshape(b, nq, hi, topk).transpose(0, 2, 1, 3)
+    return ids.reshape(b, hi, nqp, topk)[:, :, :nq]       # no transpose: the rows are group-major
 
 
 def page_scores_gpu(qi, ki_pages, page_table, q_positions, ki_scale=None, *, interpret=False, ppp=None,
@@ -448,7 +462,7 @@ def select_pages_gpu(qi, ki_pages, page_table, q_positions, ki_scale=None, *, to
       scoring kernel's launch (``_page_scores_raw``; None = the ``table.score`` entry of the key
       dtype and ``size_class``, itself None = the size class of B * NP; see ``score_launch``);
       select_splits: slices per score row of the selection, a power of two S (at most the padded page
-      width W) or "auto"; None = ``table.select_splits``, lowered to W where W is smaller. S = 1:
+      width W) or "auto"; None = ``table.select_splits`` where W >= ``SPLIT_MIN_WIDTH``, else 1. S = 1:
       one program per (request, row x group) keeps the row's page scores in registers and extracts the
       maximum ``K - 1`` times (no sort). S > 1: S programs per row each select from ``W / S`` pages,
       then one program per row merges the ``S`` candidate lists (``_select_rows``); the ids are
@@ -469,11 +483,12 @@ def select_pages_gpu(qi, ki_pages, page_table, q_positions, ki_scale=None, *, to
                            table=table)
     _check_score_options(launch["unroll"], launch["programs"], launch["evict"])
     if select_splits is None:
-        # The default applies where it fits: at most one slice per page of the padded score width.
+        # The default applies to rows of at least SPLIT_MIN_WIDTH pages; narrower rows are ranked by one
+        # program each (the two-stage form's second launch costs more than it saves there).
         select_splits = table.select_splits
-        if isinstance(select_splits, int) and not isinstance(select_splits, bool):
-            width = _score_width(qi.shape[0], npg, launch["ppp"], launch["unroll"], launch["programs"])
-            select_splits = max(1, min(select_splits, width))
+        width = _score_width(qi.shape[0], npg, launch["ppp"], launch["unroll"], launch["programs"])
+        if width < SPLIT_MIN_WIDTH:
+            select_splits = 1
     return _select(qi, ki_pages, page_table, q_positions, ki_scale, page=ki_pages.shape[1], topk=topk,
                    init_blocks=init_blocks, local_blocks=local_blocks, interpret=interpret,
                    select_splits=select_splits, **launch)

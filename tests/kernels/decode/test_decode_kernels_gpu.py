@@ -524,11 +524,13 @@ def test_default_table_is_read_only_and_explicit_tables_reach_the_launch(monkeyp
     score["bf16"]["small"] = dict(num_warps=8, num_stages=1, ppp=2, evict="evict_first")
     t = dataclasses.replace(d, loop="static", score=score, attn_warps=8, attn_stages=3, sparse_pps=2)
     score["bf16"]["small"]["ppp"] = 64                         # the table holds its own copy
-    got = gpu_config.score_launch(jnp.bfloat16, total_pages=1, table=t)
+    got = gpu_config.score_launch(jnp.bfloat16, total_pages=2048, table=t)
     assert got == dict(gpu_config.SCORE_LAUNCH_BASE, num_warps=8, num_stages=1, ppp=2, evict="evict_first",
                        loop="static")
-    assert gpu_config.score_launch(jnp.bfloat16, total_pages=1) == dict(gpu_config.SCORE_LAUNCH_BASE,
-                                                                        **d.score["bf16"]["small"], loop="dynamic")
+    assert gpu_config.score_launch(jnp.bfloat16, total_pages=2048) == dict(gpu_config.SCORE_LAUNCH_BASE,
+                                                                           **d.score["bf16"]["small"], loop="dynamic")
+    tiny = gpu_config.score_launch(jnp.bfloat16, total_pages=1024)      # "tiny": ppp None, sized to fill the GPU
+    assert tiny == dict(gpu_config.SCORE_LAUNCH_BASE, **d.score["bf16"]["tiny"], loop="dynamic") and tiny["ppp"] is None
     assert d.score["bf16"]["small"]["ppp"] == 8 and d.loop == "dynamic" and t != d and hash(t) != hash(d)
     assert dataclasses.replace(d) == d and hash(dataclasses.replace(d)) == hash(d)
 

@@ -26,9 +26,9 @@ B, Q, G, HG, D, DI, PAGE, P, NP, K = 2, 2, 4, 16, 128, 128, 128, 1100, 512, 16
 DTYPES = [jnp.bfloat16, jnp.float8_e4m3fn]
 
 
-def _index_args(dt, b=B):
+def _index_args(dt, b=B, npg=NP):
     fp8 = dt == jnp.float8_e4m3fn
-    return (S((b, Q, G, DI), jnp.bfloat16), S((P, PAGE, DI), dt), S((b, NP), jnp.int32), S((b, Q), jnp.int32),
+    return (S((b, Q, G, DI), jnp.bfloat16), S((P, PAGE, DI), dt), S((b, npg), jnp.int32), S((b, Q), jnp.int32),
             S((P, PAGE), jnp.float32) if fp8 else None)
 
 
@@ -46,7 +46,9 @@ def _cuda_text(f, args):
 @pytest.mark.parametrize("dt", DTYPES)
 def test_gpu_kernels_lower_to_triton(dt):
     txt = _cuda_text(lambda *a: select_pages_gpu(*a, topk=K), _index_args(dt))
-    assert txt.count("__gpu$xla.gpu.triton") == 3           # scoring + the default split top-k (slices, merge)
+    assert txt.count("__gpu$xla.gpu.triton") == 2           # 512 pages (< SPLIT_MIN_WIDTH): single-stage selection
+    txt = _cuda_text(lambda *a: select_pages_gpu(*a, topk=K), _index_args(dt, npg=2048))
+    assert txt.count("__gpu$xla.gpu.triton") == 3           # 2,048 pages: the default split top-k (slices, merge)
     txt = _cuda_text(lambda *a: select_pages_gpu(*a, topk=K, select_splits=1), _index_args(dt))
     assert txt.count("__gpu$xla.gpu.triton") == 2           # scoring + single-stage selection
     txt = _cuda_text(lambda *a: select_pages_gpu(*a, topk=K, unroll=4, num_stages=4, f16=True, select_splits=1),
@@ -58,9 +60,9 @@ def test_gpu_kernels_lower_to_triton(dt):
     for b in (B, 1, 3):                                      # persistent scoring (B padded to a power of two)
         for kw in (dict(programs=264), dict(programs=132, num_warps=1, num_stages=4, evict="evict_first")):
             txt = _cuda_text(lambda *a: select_pages_gpu(*a, topk=K, **kw), _index_args(dt, b))
-            assert txt.count("__gpu$xla.gpu.triton") == 3, (b, kw)
+            assert txt.count("__gpu$xla.gpu.triton") == 2, (b, kw)
     txt = _cuda_text(lambda *a: select_pages_gpu(*a, topk=K), _index_args(dt, 40))
-    assert txt.count("__gpu$xla.gpu.triton") == 3           # the "large" size class's launch (40 x 512 pages)
+    assert txt.count("__gpu$xla.gpu.triton") == 2           # the "large" size class's launch (40 x 512 pages)
     txt = _cuda_text(lambda *a: select_pages_gpu(*a, topk=K, evict="evict_last", select_splits=1), _index_args(dt))
     assert txt.count("__gpu$xla.gpu.triton") == 2           # chunked scoring with an eviction policy
     for sparse in (False, True):
@@ -75,12 +77,13 @@ def test_gpu_kernels_lower_to_triton(dt):
 @pytest.mark.parametrize("dt", DTYPES)
 def test_gpu_attention_tilings_lower_to_triton(dt):
     static = dataclasses.replace(DEFAULT_TABLE, loop="static")
-    for nq in (8, 16):
+    for nq in (1, 8, 16):
         for table in (DEFAULT_TABLE, LEGACY_TILES, static):
             for sparse in (False, True):
                 txt = _cuda_text(lambda *a: paged_attention_gpu(*a, table=table), _attn_args(dt, sparse, nq))
-                assert txt.count("__gpu$xla.gpu.triton") == 1, (nq, table.sparse_tile, sparse)
-                wide = table.tile_rows > 64 and (not sparse or table.sparse_tile == "shared")   # 128-row tiles
+                shared = sparse and table.sparse_tile == "shared"       # Q = 1: + the page-union kernel (gpu_union)
+                assert txt.count("__gpu$xla.gpu.triton") == 1 + (shared and nq == 1), (nq, table.sparse_tile, sparse)
+                wide = nq > 1 and table.tile_rows > 64 and (not sparse or table.sparse_tile == "shared")   # 128 rows
                 assert f"num_warps = {8 if wide else 4} : i32" in txt, (nq, table.sparse_tile, sparse)
 
 
@@ -92,7 +95,7 @@ def test_fp8_caches_in_the_int32_offset_gap_lower_as_byte_pairs():
     args = (S((B, Q, G, DI), jnp.bfloat16), S((p_ki, PAGE, DI), fp8), S((B, NP), jnp.int32), S((B, Q), jnp.int32),
             S((p_ki, PAGE), jnp.float32))
     txt = _cuda_text(lambda *a: select_pages_gpu(*a, topk=K), args)
-    assert txt.count("__gpu$xla.gpu.triton") == 3 and "ui16" in txt
+    assert txt.count("__gpu$xla.gpu.triton") == 2 and "ui16" in txt
     sc = [S((G, p_kv, PAGE), jnp.float32)] * 2
     args = (S((B, 1, G * HG, D), jnp.bfloat16), S((G, p_kv, PAGE, D), fp8), S((G, p_kv, PAGE, D), fp8),
             S((B, NP), jnp.int32), S((B, 1), jnp.int32), *sc, None)
