@@ -7,8 +7,8 @@ of the same construction compiles to about seven small fusions, each a kernel la
 at decode sizes (a few KiB of ids) the launches, not the work, are its cost.
 
 The program holds its ``U = qpb x K`` candidate ids as one vector and compares them pairwise (``[U, U]``);
-it serves ``U <= MAX_SLOTS`` (``supports_union_kernel``), where it beats the XLA form; wider row blocks
-(MTP verification rows) keep the XLA form.
+it serves ``U <= MAX_SLOTS`` (``supports_union_kernel``: one row of top-16), where it beats the XLA form;
+wider row blocks (MTP verification rows) keep the XLA form.
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ from pallas_kernels.decode.common import next_pow2, pad_rows
 __all__ = ["MAX_SLOTS", "supports_union_kernel", "union_pages_gpu"]
 
 #: Most candidate slots (query rows of a row block x K, each padded to a power of two) of one program:
-#: Q = 1-2 rows of top-16. At 128 slots (8 rows, MTP verification) the kernel lost to the XLA form, in one
-#: [U, U] pass and in column chunks alike (BENCHMARKS.md, MSA decode).
-MAX_SLOTS = 32
+#: one row of top-16 (Q = 1), where it was measured to win. At 128 slots (8 rows, MTP verification) it lost
+#: to the XLA form, in one [U, U] pass and in column chunks alike (BENCHMARKS.md, MSA decode); 32 slots
+#: (Q = 2) were not measured.
+MAX_SLOTS = 16
 
 
 def supports_union_kernel(qpb: int, k: int) -> bool:
