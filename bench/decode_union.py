@@ -1,11 +1,14 @@
-"""Device time of the two constructions of the shared decode tiles' page union (pairwise comparisons vs a
-per-page bitmap; ``pallas_kernels.decode.common.union_pages`` picks the bitmap where the page table has at most
-U = Q x top-k pages), outputs compared first; 200 calls in one jitted loop, best of 5.
+"""Device time of the constructions of the shared decode tiles' page union, outputs compared first; 200 calls in
+one jitted loop, best of 5: the two XLA forms (pairwise comparisons vs a per-page bitmap;
+``pallas_kernels.decode.common.union_pages`` picks the bitmap where the page table has at most U = Q x top-k pages)
+and, with ``--kernel-warps``, the Triton kernel (``pallas_kernels.decode.gpu_union``, one launch; GPU, or
+``--interpret`` on a CPU) at each warp count, at any U (its ``MAX_SLOTS`` bound raised for the timing).
 
 Cells are batch x context; the page table is sized as the serving sweep's (context x 1.25 / 128-token pages,
 bench/msa_decode_serving.py: lengths vary +-25 % inside a batch), with random selections of top-k pages per row.
 
     python3 bench/decode_union.py            # M3 decode shapes: 4 kv groups, top-16, 128-token pages
+    python3 bench/decode_union.py --q 8 --kernel-warps 4,8,16 --cells 1x4096,8x4096,64x4096
 """
 
 from __future__ import annotations
@@ -21,17 +24,28 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pallas_kernels.decode.common import union_pages  # noqa: E402
+from pallas_kernels.decode.gpu_union import union_pages_gpu  # noqa: E402
 
 
-def _looped(q, nsplit, n_pages, calls):
-    """``calls`` unions in one jitted loop (each on ids shifted by the iteration, so none is hoisted): device time."""
+def _looped(union, n_pages, calls):
+    """``calls`` unions ``union(ids)`` in one jitted loop (each on ids shifted by the iteration, so none is
+    hoisted): device time."""
     def run(ids):
         def body(i, acc):
             x = jnp.where(ids >= 0, (ids + i) % n_pages, -1)
-            u, bits, starts = union_pages(x, q, nsplit, n_pages if calls > 0 else None)
+            u, bits, starts = union(x)
             return acc + u[0, 0, 0, 0] + bits[0, 0, 0, 0] + starts[0, 0, 0, -1]
-        return jax.lax.fori_loop(0, abs(calls), body, jnp.zeros((), jnp.int32))
+        return jax.lax.fori_loop(0, calls, body, jnp.zeros((), jnp.int32))
     return jax.jit(run)
+
+
+def _kernel(q, nsplit, warps, interpret):
+    """The Triton union at ``warps`` warps, at any width, trimmed to ``union_pages``' shapes."""
+    def union(x):
+        u, bits, starts = union_pages_gpu(x, q, nsplit, interpret=interpret, num_warps=warps, max_slots=1 << 20)
+        n = q * x.shape[-1]
+        return u[..., :n], bits[..., :n], starts[..., : nsplit + 1]
+    return union
 
 
 def _time(fn, *args, reps=5):
@@ -50,10 +64,15 @@ def main():
     ap.add_argument("--q", type=int, default=8, help="query rows per request (one row block)")
     ap.add_argument("--topk", type=int, default=16)
     ap.add_argument("--nsplit", type=int, default=4)
+    ap.add_argument("--kernel-warps", default="", help="comma list: also time the Triton union kernel at these warps")
+    ap.add_argument("--interpret", action="store_true", help="the Triton kernel in Pallas interpret mode (CPU)")
+    ap.add_argument("--calls", type=int, default=200, help="unions per timed loop")
     a = ap.parse_args()
+    warps = [int(w) for w in a.kernel_warps.split(",") if w]
     rng = np.random.default_rng(0)
     print(f"device {jax.devices()[0].device_kind}; Q {a.q}, top-{a.topk}, {a.nsplit} splits, 4 kv groups")
-    print(f"{'cell':>12} {'pages':>6} {'pairwise ms':>12} {'bitmap ms':>10} equal")
+    print(f"{'cell':>12} {'pages':>6} {'pairwise ms':>12} {'bitmap ms':>10}"
+          + "".join(f" {f'kernel w{w} ms':>14}" for w in warps) + " equal")
     cells = []
     for cell in a.cells.split(","):
         try:
@@ -66,13 +85,14 @@ def main():
     for cell, b, ctx in cells:
         n_pages = -(-int(ctx * 1.25) // 128)
         ids = jnp.asarray(rng.integers(-1, n_pages, (b, 4, a.q, a.topk)), jnp.int32)
-        pair = jax.jit(lambda x: union_pages(x, a.q, a.nsplit))
-        bitmap = jax.jit(lambda x, n=n_pages: union_pages(x, a.q, a.nsplit, n))
-        same = all(bool(jnp.array_equal(u, v)) for u, v in zip(pair(ids), bitmap(ids)))
-        calls = 200
-        t_pair = _time(_looped(a.q, a.nsplit, n_pages, -calls), ids) / calls
-        t_bit = _time(_looped(a.q, a.nsplit, n_pages, calls), ids) / calls
-        print(f"{cell:>12} {n_pages:>6} {t_pair:>12.4f} {t_bit:>10.4f} {same}")
+        pair = lambda x: union_pages(x, a.q, a.nsplit)
+        bitmap = lambda x, n=n_pages: union_pages(x, a.q, a.nsplit, n)
+        forms = [pair, bitmap] + [_kernel(a.q, a.nsplit, w, a.interpret) for w in warps]
+        want = jax.jit(pair)(ids)
+        same = all(bool(jnp.array_equal(u, v)) for f in forms[1:] for u, v in zip(want, jax.jit(f)(ids)))
+        times = [_time(_looped(f, n_pages, a.calls), ids) / a.calls for f in forms]
+        print(f"{cell:>12} {n_pages:>6} {times[0]:>12.4f} {times[1]:>10.4f}"
+              + "".join(f" {t:>14.4f}" for t in times[2:]) + f" {same}")
 
 if __name__ == "__main__":
     main()

@@ -67,12 +67,15 @@ def _union_kernel(ids_ref, uid_ref, bits_ref, st_ref, *, qpb, kp, nq, nsplit):
     st_ref[b, g, r, :] = starts
 
 
-@functools.partial(jax.jit, static_argnames=("qpb", "nsplit", "interpret", "num_warps"))
-def union_pages_gpu(block_ids, qpb: int, nsplit: int = 1, *, interpret: bool = False, num_warps: int = 4):
+@functools.partial(jax.jit, static_argnames=("qpb", "nsplit", "interpret", "num_warps", "max_slots"))
+def union_pages_gpu(block_ids, qpb: int, nsplit: int = 1, *, interpret: bool = False, num_warps: int = 4,
+                    max_slots: int = MAX_SLOTS):
     """``common.union_pages(block_ids, qpb, nsplit)`` as one Triton launch.
 
     Args: block_ids ``[B, G, Q, K]`` int32 logical page ids (``-1`` = empty; repeats allowed); qpb query
-      rows per row block (``supports_union_kernel(qpb, K)``); nsplit >= 1; interpret: Pallas interpret mode.
+      rows per row block (``supports_union_kernel(qpb, K)``); nsplit >= 1; interpret: Pallas interpret mode;
+      num_warps: of each program; max_slots: the most padded slots served (``MAX_SLOTS``; bench/decode_union.py
+      raises it to time wider row blocks).
     Returns: ``(ids [B, G, R, UP], bits [B, G, R, UP], starts [B, G, R, SP])`` int32, ``R = ceil(Q / qpb)``:
       ``union_pages``' values in the first ``qpb * K`` / ``nsplit + 1`` entries; the padding after them
       (``UP = next_pow2(qpb) * next_pow2(K)`` slots, ``SP = next_pow2(nsplit + 1)``) holds ``-1`` ids, 0
@@ -80,8 +83,8 @@ def union_pages_gpu(block_ids, qpb: int, nsplit: int = 1, *, interpret: bool = F
     Raises ValueError when the kernel does not serve ``qpb`` and K.
     """
     b, g, nq, k = block_ids.shape
-    if not supports_union_kernel(qpb, k) or nsplit < 1:
-        raise ValueError(f"union_pages_gpu serves qpb * K <= {MAX_SLOTS} (powers of two) and nsplit >= 1; "
+    if not (1 <= qpb <= 31 and next_pow2(qpb) * next_pow2(k) <= max_slots) or nsplit < 1:
+        raise ValueError(f"union_pages_gpu serves qpb * K <= {max_slots} (powers of two) and nsplit >= 1; "
                          f"got qpb={qpb}, K={k}, nsplit={nsplit}")
     kp, qp = next_pow2(k), next_pow2(qpb)
     nblk = -(-nq // qpb)
