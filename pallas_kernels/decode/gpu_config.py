@@ -84,7 +84,8 @@ class LaunchTable:
       program per row (single stage), a power of two S > 1 = two-stage split top-k, "auto" = the
       largest power of two S with W / S >= 512 pages per slice and B * rows * S <= 4096 programs
       (``gpu_select._auto_select_splits``). 4 from bench/msa_decode.py --sweep-select (ids identical to
-      S = 1 by construction; BENCHMARKS.md, msa_decode).
+      S = 1 by construction; BENCHMARKS.md, msa_decode). Applies to score rows of at least
+      ``gpu_select.SPLIT_MIN_WIDTH`` pages; narrower rows are ranked in one stage.
     sparse_pps: selected-page slots per program of sparse (MSA) attention (a power of two; 1 = one page
       per split). 4 from --sweep-sparse-pps at K = 16 (BENCHMARKS.md, msa_decode).
     tile_kernel: "triton" (the Pallas Triton kernel for every attention tile), "wgmma" (dense and shared
