@@ -159,10 +159,24 @@ def _tile_kernel(m, d, cache_dtype, q_dtype, page, has_scale, shared_rows, tile_
     return ("triton", why) if why else ("wgmma", None)
 
 
-def union_choice(union: str, qpb: int, k: int) -> str:
-    """Where shared sparse tiles' page union comes from: "kernel" (``gpu_union``) when ``union`` asks for it
-    and the kernel serves row blocks of ``qpb`` rows of ``k`` ids, else "xla" (``common.union_pages``)."""
+def _union_from(union: str, qpb: int, k: int) -> str:
+    """"kernel" (``gpu_union``) when ``union`` asks for it and the kernel serves row blocks of ``qpb`` rows
+    of ``k`` ids, else "xla" (``common.union_pages``)."""
     return "kernel" if union == "kernel" and supports_union_kernel(qpb, k) else "xla"
+
+
+def union_choice(nq, h, g, k, *, table: LaunchTable | None = None) -> str | None:
+    """Where ``paged_attention_gpu``'s shared sparse tiles get their page union: "kernel" (``gpu_union``) or
+    "xla" (``common.union_pages``); None when the call has no shared tiles (``table.sparse_tile`` "per_row").
+
+    Args: nq query rows per request, h q heads, g kv heads, k selected pages per row (block_ids' last
+      dim); table: None = ``DEFAULT_TABLE`` (its ``union`` and ``tile_rows``).
+    """
+    table = DEFAULT_TABLE if table is None else table
+    if table.sparse_tile != "shared":
+        return None
+    qpb, _ = row_block(nq, h // g, True, 16, table.tile_rows)      # as _paged_attention packs them
+    return _union_from(table.union, qpb, k)
 
 
 def tile_kernel_choice(nq, h, g, d, cache_dtype, q_dtype, page, *, has_scale, sparse,
@@ -212,7 +226,7 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_sc
       that ``gpu_attention_wgmma.wgmma_decode_reason`` accepts (64 or 128 rows, bf16 / f16 caches) run the
       Mosaic GPU kernel with ``wgmma_stages`` K/V slots, the others
       (per-row sparse tiles, fp8 caches, narrower tiles) the Triton one. union: "kernel" = shared tiles'
-      page union from ``gpu_union.union_pages_gpu`` where it serves the row block (``union_choice``), else
+      page union from ``gpu_union.union_pages_gpu`` where it serves the row block (``_union_from``), else
       (and with "xla") from ``common.union_pages``.
     Returns: ``(o [B,Q,H,D] q.dtype, lse [B,Q,H] f32)``.
     Raises ValueError for a sparse_pages_per_split that is not a power of two >= 1.
@@ -241,7 +255,7 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_sc
         lim = jnp.clip(jnp.max(q_positions, axis=1) // page + 1, 0, npg).astype(jnp.int32)
     elif shared:
         nsplit = _shared_splits(block_ids.shape[-1], pps, b * g * rows)
-        if union_choice(union, qpb, block_ids.shape[-1]) == "kernel":   # slots / starts padded (never read)
+        if _union_from(union, qpb, block_ids.shape[-1]) == "kernel":   # slots / starts padded (never read)
             ids, bits, lim = union_pages_gpu(block_ids, qpb, nsplit, interpret=interpret)
             if wgmma:
                 lim = lim[..., : nsplit + 1]

@@ -489,6 +489,8 @@ def select_pages_gpu(qi, ki_pages, page_table, q_positions, ki_scale=None, *, to
         width = _score_width(qi.shape[0], npg, launch["ppp"], launch["unroll"], launch["programs"])
         if width < SPLIT_MIN_WIDTH:
             select_splits = 1
+        elif isinstance(select_splits, int) and not isinstance(select_splits, bool):
+            select_splits = min(select_splits, width)         # at most one slice per page
     return _select(qi, ki_pages, page_table, q_positions, ki_scale, page=ki_pages.shape[1], topk=topk,
                    init_blocks=init_blocks, local_blocks=local_blocks, interpret=interpret,
                    select_splits=select_splits, **launch)

@@ -31,9 +31,9 @@ __all__ = ["MAX_SLOTS", "supports_union_kernel", "union_pages_gpu"]
 MAX_SLOTS = 16
 
 
-def supports_union_kernel(qpb: int, k: int) -> bool:
-    """Whether ``union_pages_gpu`` serves row blocks of ``qpb`` rows of ``k`` ids each."""
-    return 1 <= qpb <= 31 and next_pow2(qpb) * next_pow2(k) <= MAX_SLOTS
+def supports_union_kernel(qpb: int, k: int, max_slots: int = MAX_SLOTS) -> bool:
+    """Whether ``union_pages_gpu`` serves row blocks of ``qpb`` rows of ``k`` ids each (within ``max_slots``)."""
+    return 1 <= qpb <= 31 and next_pow2(qpb) * next_pow2(k) <= max_slots
 
 
 def _union_kernel(ids_ref, uid_ref, bits_ref, st_ref, *, qpb, kp, nq, nsplit):
@@ -83,7 +83,7 @@ def union_pages_gpu(block_ids, qpb: int, nsplit: int = 1, *, interpret: bool = F
     Raises ValueError when the kernel does not serve ``qpb`` and K.
     """
     b, g, nq, k = block_ids.shape
-    if not (1 <= qpb <= 31 and next_pow2(qpb) * next_pow2(k) <= max_slots) or nsplit < 1:
+    if not supports_union_kernel(qpb, k, max_slots) or nsplit < 1:
         raise ValueError(f"union_pages_gpu serves qpb * K <= {max_slots} (powers of two) and nsplit >= 1; "
                          f"got qpb={qpb}, K={k}, nsplit={nsplit}")
     kp, qp = next_pow2(k), next_pow2(qpb)

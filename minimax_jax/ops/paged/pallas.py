@@ -23,9 +23,7 @@ import functools
 from minimax_jax.ops.paged.xla import select_from_page_scores
 from minimax_jax.ops.registry import Implementation, record_implementation
 from pallas_kernels.common import needs_byte_pairs
-from pallas_kernels.decode.common import row_block
 from pallas_kernels.decode.gpu_attention import paged_attention_gpu, tile_kernel_choice, union_choice
-from pallas_kernels.decode.gpu_config import DEFAULT_TABLE
 from pallas_kernels.decode.gpu_select import select_pages_gpu
 from pallas_kernels.decode.tpu import page_scores_tpu, paged_attention_tpu
 
@@ -46,10 +44,10 @@ def _attention_gpu(q, k_pages, v_pages, page_table, q_positions, *, k_scale, v_s
                                 has_scale=k_scale is not None, sparse=block_ids is not None, table=launch_table,
                                 interpret=interpret)
     record_implementation("paged_attention.tile_kernel", choice)
-    table = DEFAULT_TABLE if launch_table is None else launch_table
-    if block_ids is not None and table.sparse_tile == "shared":
-        qpb, _ = row_block(nq, h // k_pages.shape[0], True, 16, table.tile_rows)
-        record_implementation("paged_attention.union", union_choice(table.union, qpb, block_ids.shape[-1]))
+    union = None if block_ids is None else union_choice(nq, h, k_pages.shape[0], block_ids.shape[-1],
+                                                         table=launch_table)
+    if union is not None:
+        record_implementation("paged_attention.union", union)
     if choice.startswith("triton") and needs_byte_pairs(k_pages):
         record_implementation("paged_attention.byte_pairs", _PAIRS)
     return paged_attention_gpu(q, k_pages, v_pages, page_table, q_positions, k_scale, v_scale, block_ids,

@@ -43,8 +43,10 @@ def test_union_kernel_bounds():
     assert next(q for q in range(1, 40) if not supports_union_kernel(q, 16)) * 16 > MAX_SLOTS
     with pytest.raises(ValueError, match="qpb=8"):
         union_pages_gpu(jnp.zeros((1, 1, 8, 16), jnp.int32), 8, 4)
-    assert union_choice("kernel", 1, 16) == "kernel" and union_choice("kernel", 8, 16) == "xla"
-    assert union_choice("xla", 1, 16) == "xla"
+    xla_union = dataclasses.replace(DEFAULT_TABLE, union="xla")
+    assert union_choice(1, 64, 4, 16) == "kernel" and union_choice(8, 64, 4, 16) == "xla"   # M3: 16 heads / group
+    assert union_choice(1, 64, 4, 16, table=xla_union) == "xla"
+    assert union_choice(1, 64, 4, 16, table=dataclasses.replace(DEFAULT_TABLE, sparse_tile="per_row")) is None
     with pytest.raises(ValueError, match="union must be one of"):
         LaunchTable(union="bitmap")
 
