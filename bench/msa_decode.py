@@ -490,17 +490,16 @@ def make_cache(p):
 
 
 def step_fns(impl, table, runtime_dense_check=False):
-    """One decode step of each timed op, ``fn(q, qi, kp, vp, ki, ks, pos, pt) -> f32 scalar`` (one element
-    of its output): ``dense`` (``paged_attention``), ``msa`` (``msa_decode``, top-K; ``runtime_dense_check``
-    as the op's), ``select`` (``msa_decode_select``) and ``scores`` (the GPU page-scoring kernel alone)."""
+    """One decode step of each timed op, ``fn(q, qi, kp, vp, ki, ks, pos, pt)``: ``dense`` (``paged_attention``)
+    and ``msa`` (``msa_decode``, top-K; ``runtime_dense_check`` as the op's) return their whole output ``o``
+    (``unrolled`` feeds it to the next step, so every element is computed, as in a model), ``select``
+    (``msa_decode_select``) and ``scores`` (the GPU page-scoring kernel alone) one f32 element of theirs."""
     def dense(q, qi, kp, vp, ki, ks, pos, pt):
-        o, _ = ops.paged_attention(q, kp, vp, pt, pos, implementation=impl, launch_table=table)
-        return o[0, 0, 0, 0].astype(jnp.float32)
+        return ops.paged_attention(q, kp, vp, pt, pos, implementation=impl, launch_table=table)[0]
 
     def msa(q, qi, kp, vp, ki, ks, pos, pt):
-        o, _, _ = ops.msa_decode(q, qi, kp, vp, ki, pt, pos, ki_scale=ks, topk=K, implementation=impl,
-                                 launch_table=table, runtime_dense_check=runtime_dense_check)
-        return o[0, 0, 0, 0].astype(jnp.float32)
+        return ops.msa_decode(q, qi, kp, vp, ki, pt, pos, ki_scale=ks, topk=K, implementation=impl,
+                              launch_table=table, runtime_dense_check=runtime_dense_check)[0]
 
     def select(q, qi, kp, vp, ki, ks, pos, pt):
         ids = ops.msa_decode_select(qi, ki, pt, pos, ki_scale=ks, topk=K, implementation=impl, launch_table=table)
@@ -517,24 +516,42 @@ def step_fns(impl, table, runtime_dense_check=False):
 STEP_UNROLL = 8
 
 
+#: scale of the previous step's output added to a step's queries (``unrolled``): far below a bf16 ulp of the
+#: queries (no value changes), but not a constant XLA can fold away
+_CHAIN = 1e-30
+
+
 def unrolled(fn, steps, reps, unroll=None):
     """``jit(run)(q, qi, *args, tables)``: ``steps`` decode steps in one call, step ``r`` =
     ``fn(q[r], qi[r], *args, tables[r % reps])`` (a distinct query per step: identical steps would be
     merged by XLA's CSE, seen in the first H200 run, where single-replica rows then reported a quarter of
-    the true step time), the results summed. ``unroll`` (default ``STEP_UNROLL``): steps per iteration of a
-    ``fori_loop`` (the loop's predicate costs once per ``unroll`` steps); 0 or >= steps: all steps unrolled."""
+    the true step time), the results summed. A step whose ``fn`` returns an array of the queries' shape (an
+    attention output) passes it on: the next step's queries are ``q[r + 1] + _CHAIN * o``, so XLA computes
+    every element of every step's output (from one summed element it computed only what that element needs,
+    e.g. one row's split combine); the call returns the last output's first element. ``unroll`` (default
+    ``STEP_UNROLL``): steps per iteration of a ``fori_loop`` (the loop's predicate costs once per ``unroll``
+    steps); 0 or >= steps: all steps unrolled."""
     unroll = STEP_UNROLL if unroll is None else unroll
 
     @jax.jit
     def run(q, qi, *args):
         *rest, tables = args
-        acc = jnp.zeros((), jnp.float32)
+        chain = jax.eval_shape(fn, q[0], qi[0], *rest, tables[0]).shape == q.shape[1:]
+
+        def step(r, carry):
+            acc, prev = carry
+            qr = q[r] + (prev * _CHAIN).astype(q.dtype) if chain else q[r]
+            out = fn(qr, qi[r], *rest, tables[r % reps])
+            if chain:
+                return out.reshape(-1)[0].astype(jnp.float32), out.astype(q.dtype)
+            return acc + out, prev
+
+        carry = (jnp.zeros((), jnp.float32), jnp.zeros(q.shape[1:], q.dtype) if chain else None)
         if not unroll or unroll >= steps:
             for r in range(steps):
-                acc = acc + fn(q[r], qi[r], *rest, tables[r % reps])
-            return acc
-        body = lambda r, a: a + fn(q[r], qi[r], *rest, tables[r % reps])
-        return jax.lax.fori_loop(0, steps, body, acc, unroll=unroll)
+                carry = step(r, carry)
+            return carry[0]
+        return jax.lax.fori_loop(0, steps, step, carry, unroll=unroll)[0]
     return run
 
 

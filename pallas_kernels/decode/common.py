@@ -147,18 +147,34 @@ def _union_by_bitmap(blk: jax.Array, nsplit: int, n_pages: int):
     return ids.reshape(shape + (u,)), bits.reshape(shape + (u,)), starts.reshape(shape + (nsplit + 1,))
 
 
+def _ordered_sum(x: jax.Array, axis: int) -> jax.Array:
+    """Sum over ``axis`` as a fixed pairwise tree of elementwise adds (halves, the odd last entry carried). An
+    XLA reduction may order its adds differently for arrays of other shapes (a row's result could then differ
+    by an ulp between a 64-row and a 128-row tile); elementwise adds cannot."""
+    n = x.shape[axis]
+    while n > 1:
+        h = n // 2
+        y = jax.lax.slice_in_dim(x, 0, h, axis=axis) + jax.lax.slice_in_dim(x, h, 2 * h, axis=axis)
+        if n % 2:
+            y = jnp.concatenate([y, jax.lax.slice_in_dim(x, 2 * h, n, axis=axis)], axis=axis)
+        x, n = y, y.shape[axis]
+    return jnp.squeeze(x, axis)
+
+
 def combine_splits(o_part: jax.Array, lse_part: jax.Array, axis: int):
     """Merge split-KV partial results by their log-sum-exp.
 
     Args: o_part ``[..., S, M, D]`` f32 (each normalised over its split), lse_part ``[..., S, M]``
       f32 (``-inf`` for an empty split); ``axis`` is the split axis of ``lse_part``.
     Returns: ``(o [..., M, D] f32, lse [..., M] f32)``; ``o = 0``, ``lse = -inf`` where every split is empty.
+    Each row's result depends on its own partials only, bit for bit (``_ordered_sum``), so a query row rounds
+    alike in a tile of any height (speculative verification rows vs plain decoding, issue 34).
     """
     m = jnp.max(lse_part, axis=axis, keepdims=True)
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
     w = jnp.where(jnp.isfinite(lse_part), jnp.exp(lse_part - m_safe), 0.0)
-    den = jnp.sum(w, axis=axis)
-    o = jnp.sum(o_part * jnp.expand_dims(w, -1), axis=axis) / jnp.expand_dims(jnp.where(den > 0, den, 1.0), -1)
+    den = _ordered_sum(w, axis)
+    o = _ordered_sum(o_part * jnp.expand_dims(w, -1), axis) / jnp.expand_dims(jnp.where(den > 0, den, 1.0), -1)
     lse = jnp.where(den > 0, jnp.squeeze(m_safe, axis) + jnp.log(jnp.where(den > 0, den, 1.0)), -jnp.inf)
     return o, lse
 

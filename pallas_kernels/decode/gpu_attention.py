@@ -33,7 +33,7 @@ from pallas_kernels.decode.common import (combine_splits, compute_dtype, dot_nn,
 from pallas_kernels.decode.gpu_attention_wgmma import default_ctas, paged_decode_wgmma, wgmma_decode_reason
 from pallas_kernels.common import from_byte_pairs, gpu_compute_capability, needs_byte_pairs, to_byte_pairs
 from pallas_kernels.decode.gpu_config import DEFAULT_TABLE, TILE_KERNELS, LaunchTable, pages_per_program
-from pallas_kernels.decode.gpu_union import supports_union_kernel, union_pages_gpu
+from pallas_kernels.decode.gpu_union import supports_union_kernel, union_algorithm, union_pages_gpu
 
 __all__ = ["paged_attention_gpu", "tile_kernel_choice", "resolve_tile_kernel", "union_choice"]
 
@@ -159,24 +159,28 @@ def _tile_kernel(m, d, cache_dtype, q_dtype, page, has_scale, shared_rows, tile_
     return ("triton", why) if why else ("wgmma", None)
 
 
-def _union_from(union: str, qpb: int, k: int) -> str:
+def _union_from(union: str, qpb: int, k: int, n_pages: int) -> str:
     """"kernel" (``gpu_union``) when ``union`` asks for it and the kernel serves row blocks of ``qpb`` rows
-    of ``k`` ids, else "xla" (``common.union_pages``)."""
-    return "kernel" if union == "kernel" and supports_union_kernel(qpb, k) else "xla"
+    of ``k`` ids over ``n_pages`` logical pages, else "xla" (``common.union_pages``)."""
+    return "kernel" if union == "kernel" and supports_union_kernel(qpb, k, n_pages=n_pages) else "xla"
 
 
-def union_choice(nq, h, g, k, *, table: LaunchTable | None = None) -> str | None:
-    """Where ``paged_attention_gpu``'s shared sparse tiles get their page union: "kernel" (``gpu_union``) or
-    "xla" (``common.union_pages``); None when the call has no shared tiles (``table.sparse_tile`` "per_row").
+def union_choice(nq, h, g, k, n_pages, *, table: LaunchTable | None = None) -> str | None:
+    """Where ``paged_attention_gpu``'s shared sparse tiles get their page union: "kernel (pairwise)" /
+    "kernel (bitmap)" (``gpu_union``, the algorithm it runs) or "xla" (``common.union_pages``); None when
+    the call has no shared tiles (``table.sparse_tile`` "per_row").
 
     Args: nq query rows per request, h q heads, g kv heads, k selected pages per row (block_ids' last
-      dim); table: None = ``DEFAULT_TABLE`` (its ``union`` and ``tile_rows``).
+      dim), n_pages: the page table's width; table: None = ``DEFAULT_TABLE`` (its ``union`` and
+      ``tile_rows``).
     """
     table = DEFAULT_TABLE if table is None else table
     if table.sparse_tile != "shared":
         return None
     qpb, _ = row_block(nq, h // g, True, 16, table.tile_rows)      # as _paged_attention packs them
-    return _union_from(table.union, qpb, k)
+    if _union_from(table.union, qpb, k, n_pages) == "xla":
+        return "xla"
+    return f"kernel ({union_algorithm(qpb, k, n_pages)})"
 
 
 def tile_kernel_choice(nq, h, g, d, cache_dtype, q_dtype, page, *, has_scale, sparse,
@@ -242,6 +246,7 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_sc
     rows = qr.shape[2]
     bits = jnp.zeros((1, 1, 1, 1), jnp.int32)
     ids = jnp.zeros((1, 1, 1, 1), jnp.int32)
+    items = None
     pps = sparse_pages_per_split
     if not dense and (isinstance(pps, bool) or not isinstance(pps, int) or pps < 1 or pps & (pps - 1)):
         raise ValueError(f"sparse_pages_per_split must be a power of two >= 1, got {pps!r}")
@@ -255,10 +260,12 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_sc
         lim = jnp.clip(jnp.max(q_positions, axis=1) // page + 1, 0, npg).astype(jnp.int32)
     elif shared:
         nsplit = _shared_splits(block_ids.shape[-1], pps, b * g * rows)
-        if _union_from(union, qpb, block_ids.shape[-1]) == "kernel":   # slots / starts padded (never read)
-            ids, bits, lim = union_pages_gpu(block_ids, qpb, nsplit, interpret=interpret)
-            if wgmma:
+        if _union_from(union, qpb, block_ids.shape[-1], npg) == "kernel":   # slots / starts padded (never read)
+            if wgmma:       # the wgmma kernel's work items too
+                ids, bits, lim, items = union_pages_gpu(block_ids, qpb, nsplit, npg, pos, page, interpret=interpret)
                 lim = lim[..., : nsplit + 1]
+            else:
+                ids, bits, lim = union_pages_gpu(block_ids, qpb, nsplit, npg, interpret=interpret)
         else:
             ids, bits, lim = union_pages(block_ids, qpb, nsplit, npg)  # [B, G, rows, qpb * K], starts [.., nsplit + 1]
     else:
@@ -280,7 +287,8 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_sc
     if wgmma:
         o_part, l_part = paged_decode_wgmma(qr, pos, lim, page_table, args[6], args[7], page=page, pps=pps,
                                             nsplit=nsplit, stages=wgmma_stages, interpret=interpret,
-                                            ids=ids if shared else None, bits=bits, hg=hg, pingpong=wgmma_pingpong)
+                                            ids=ids if shared else None, bits=bits, hg=hg, pingpong=wgmma_pingpong,
+                                            items=items)
         o, lse = combine_splits(o_part.astype(jnp.float32), l_part, axis=3)
         o, lse = unpack_rows(o, lse, nq, hg, qpb)
         return o.astype(q.dtype), lse

@@ -39,6 +39,7 @@ import functools
 import math
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -83,10 +84,13 @@ def wgmma_decode_reason(m_rows, d, cache_dtype, q_dtype, page, has_scale, stages
 
 
 def _body(items_ref, meta_ref, pt_ref, pos_ref, ids_ref, bits_ref, q_ref, k_ref, v_ref, o_ref, l_ref, *, page,
-          stages, scale, g_count, nr, nsplit, nwg, hg, shared, p_in_smem, pingpong):
+          stages, scale, g_count, nr, nsplit, nwg, hg, shared, p_in_smem, pingpong, one_each=False):
     c = lax.axis_index("c")
-    lo = items_ref[c]
-    count = items_ref[c + 1] - lo
+    if one_each:                # as many CTAs as items: CTA c runs item c
+        lo, count = c, jnp.int32(1)
+    else:
+        lo = items_ref[c]
+        count = items_ref[c + 1] - lo
     dtype = q_ref.dtype
     d = q_ref.shape[-1]
 
@@ -297,21 +301,25 @@ def default_ctas(interpret: bool = False) -> int:
     return 4 if interpret else gpu_sm_count()
 
 
-def schedule_items(lim, q_min_pos, *, g, pps, nsplit, ctas, page, ids=None):
+def schedule_items(lim, q_min_pos, *, g, pps, nsplit, ctas, page, ids=None, items=None):
     """The persistent launch's work list: items (request, kv group, row block, split) in that order, each
     ``(j0, n, n_free)`` (first slot, slots to walk, how many of the first of them every row of the block sees
     whole, i.e. need no causal mask), and each CTA's contiguous range of items, balanced by ``n + 1`` (its
-    pages plus about a page for the item itself).
+    pages plus about a page for the item itself); with at least as many CTAs as items, item c is CTA c's
+    (a constant, balanced by construction).
 
     Args: lim, pps, nsplit, ids as ``paged_decode_wgmma``; q_min_pos ``[B, R]`` int32: the lowest position
       of a row block's rows (-1 with a padding row); g: kv groups; ctas: CTAs of the launch; page: tokens
-      per page.
+      per page; items: the items ``[B, G, R, nsplit, 3]`` when already built (``gpu_union.union_pages_gpu``
+      with ``free_pages``: no XLA work here).
     Returns: ``(meta [B * G * R * nsplit, 3] int32, bounds [ctas + 1] int32)``: CTA c takes the items
       ``[bounds[c], bounds[c + 1])``.
     """
     bsz, nr = q_min_pos.shape
     free_pages = (q_min_pos + 1) // page                              # [B, R] pages every row sees whole
-    if ids is not None:                                               # shared: lim = starts [B, G, R, nsplit + 1]
+    if items is not None:
+        meta = items.reshape(-1, 3).astype(jnp.int32)
+    elif ids is not None:                                               # shared: lim = starts [B, G, R, nsplit + 1]
         j0 = lim[..., :-1]
         n = jnp.maximum(lim[..., 1:] - j0, 0)
         below = (ids >= 0) & (ids < free_pages[:, None, :, None])      # a split's slots ascend: a prefix of it
@@ -322,7 +330,10 @@ def schedule_items(lim, q_min_pos, *, g, pps, nsplit, ctas, page, ids=None):
         j0 = jnp.broadcast_to(jnp.arange(nsplit, dtype=jnp.int32) * pps, (bsz, g, nr, nsplit))
         n = jnp.clip(lim[:, None, None, None] - j0, 0, pps)
         n_free = jnp.clip(free_pages[:, None, :, None] - j0, 0, n)
-    meta = jnp.stack([j0, n, n_free], axis=-1).reshape(-1, 3).astype(jnp.int32)
+    if items is None:
+        meta = jnp.stack([j0, n, n_free], axis=-1).reshape(-1, 3).astype(jnp.int32)
+    if ctas >= meta.shape[0]:     # an item per CTA (small batches): nothing to balance, no launches for it
+        return meta, jnp.asarray(np.minimum(np.arange(ctas + 1), meta.shape[0]), jnp.int32)   # a literal
     w = meta[:, 1] + 1
     before = jnp.cumsum(w) - w                                        # weight of the items before each
     tot, c = jnp.sum(w), jnp.arange(ctas, dtype=jnp.int32)
@@ -334,7 +345,7 @@ def schedule_items(lim, q_min_pos, *, g, pps, nsplit, ctas, page, ids=None):
 
 
 def paged_decode_wgmma(qr, pos, lim, page_table, k_flat, v_flat, *, page, pps, nsplit, stages=2, interpret=False,
-                       ids=None, bits=None, hg=1, ctas=None, pingpong=True):
+                       ids=None, bits=None, hg=1, ctas=None, pingpong=True, items=None):
     """Split-KV partials of paged decode attention (Hopper, Mosaic GPU): dense, or shared sparse tiles.
 
     Args: qr ``[B, G, R, M, D]`` (``common.pack_rows``; M = 64 or 128 rows), pos ``[B, R, M]`` int32 (-1 =
@@ -346,7 +357,9 @@ def paged_decode_wgmma(qr, pos, lim, page_table, k_flat, v_flat, *, page, pps, n
       from ``common.union_pages`` (split s walks slots ``[starts[s], starts[s + 1])``; a row sees a page
       only if bit ``row // hg`` of its slot's bits is set); pps unused.
       ctas: CTAs of the persistent launch (None: the GPU's SM count, 132 if it reports none; 4 when
-      interpreted); pingpong: with 128-row tiles, the two compute warpgroups take turns on the tensor cores.
+      interpreted; with at least as many CTAs as work items, CTA c runs item c); pingpong: with 128-row
+      tiles, the two compute warpgroups take turns on the tensor cores; items: shared tiles' work items
+      ``[B, G, R, nsplit, 3]`` when built with the union (``schedule_items``).
     Returns: ``(o_part [B, G, R, nsplit, M, D] q.dtype, lse_part [B, G, R, nsplit, M] f32)``, each split
       normalised over its own keys (``common.combine_splits`` merges them).
     Raises ValueError when ``wgmma_decode_reason`` refuses the shapes.
@@ -363,10 +376,14 @@ def paged_decode_wgmma(qr, pos, lim, page_table, k_flat, v_flat, *, page, pps, n
     n_items = bsz * g * nr * nsplit
     ctas = max(1, min(int(ctas), n_items))
     meta, bounds = schedule_items(lim.astype(jnp.int32), jnp.min(pos, axis=-1).astype(jnp.int32), g=g, pps=pps,
-                                  nsplit=nsplit, ctas=ctas, page=page, ids=ids.astype(jnp.int32) if shared else None)
+                                  nsplit=nsplit, ctas=ctas, page=page, ids=ids.astype(jnp.int32) if shared else None,
+                                  items=items)
+    one_each = ctas >= n_items
+    if one_each:        # CTA c runs item c: the bounds are not read (meta stands in: no constant to build)
+        bounds = meta
     body = functools.partial(_body, page=page, stages=stages, scale=1.0 / math.sqrt(d), g_count=g, nr=nr,
                              nsplit=nsplit, nwg=nwg, hg=hg, shared=shared, p_in_smem=p_in_smem,
-                             pingpong=bool(pingpong) and nwg == 2)
+                             pingpong=bool(pingpong) and nwg == 2, one_each=one_each)
     if not shared:
         ids = bits = jnp.zeros((1, 1, 1, 1), jnp.int32)
     kernel = plgpu.kernel(

@@ -95,7 +95,8 @@ class LaunchTable:
       too; BENCHMARKS.md, MSA decode: the wgmma tiles won at Q = 8); wgmma_stages: its K/V ring slots;
       wgmma_pingpong: its two compute warpgroups of a 128-row tile take turns on the tensor cores.
     union: how shared sparse tiles get the union of their rows' pages: "kernel" (one Triton launch,
-      ``gpu_union.union_pages_gpu``, where it serves the row block; the XLA form for wider blocks) or "xla"
+      ``gpu_union.union_pages_gpu``, where it serves the row block and page table: pairwise at Q = 1, a page
+      bitmap for wider blocks over small page tables; the XLA form otherwise) or "xla"
       (``common.union_pages``: about seven small XLA fusions, each a launch of its own).
     """
 

@@ -63,13 +63,33 @@ def _score_page(qi, pt_ref, ki_ref, ks_ref, b, p, *, page, scale, cdt, evict, by
     return jnp.max(s, axis=1) * scale
 
 
-def _score_kernel(pt_ref, n_ref, qi_ref, ki_ref, *rest, ppp, unroll, loop, **page_kw):
-    """Chunked scoring: program (b, c) scores logical pages ``[c * ppp, (c + 1) * ppp)`` of request b."""
+def _load_queries(qi_ref, b, rows, nqp, cdt):
+    """Request b's index queries as score rows ``[rows, Di]`` (row ``h * nqp + q`` = ``qi[b, q, h]``; rows
+    of padding queries or heads are 0), gathered by the kernel: ``qi_ref`` ``[B, Q, Hi, Di]``."""
+    _, nq, hi, di = qi_ref.shape
+    row = jax.lax.broadcasted_iota(jnp.int32, (rows, di), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (rows, di), 1)
+    q, h = row % nqp, row // nqp
+    ok = (q < nq) & (h < hi)
+    x = pltriton.load(qi_ref.at[b, jnp.where(ok, q, 0), jnp.where(ok, h, 0), col], mask=ok, other=0)
+    return x.astype(cdt)
+
+
+def _pages_to_score(qpos_ref, b, *, page, n_pages, topk):
+    """Pages request b scores: ``clip(max_q pos // page, 0, n_pages)``, 0 when ``topk`` is given and that is
+    below it (its selection keeps every page); ``qpos_ref`` ``[B, Qp]`` int32 (padding rows -1)."""
+    n = jnp.clip(jnp.max(qpos_ref[b, :]) // page, 0, n_pages)
+    return n if topk is None else jnp.where(n < topk, 0, n)
+
+
+def _score_kernel(pt_ref, qpos_ref, qi_ref, ki_ref, *rest, ppp, unroll, loop, rows, nqp, topk, **page_kw):
+    """Chunked scoring: program (b, c) scores logical pages ``[c * ppp, (c + 1) * ppp)`` of request b (its
+    page count and query rows from the positions and queries as given: no XLA work before the launch)."""
     ks_ref, o_ref = rest if len(rest) == 2 else (None, *rest)
     b = pl.program_id(0)
     c = pl.program_id(1)
-    qi = qi_ref[b]                                           # [R, Di]
-    n_pages = n_ref[b]
+    qi = _load_queries(qi_ref, b, rows, nqp, page_kw["cdt"])                  # [R, Di]
+    n_pages = _pages_to_score(qpos_ref, b, page=page_kw["page"], n_pages=pt_ref.shape[1], topk=topk)
     last = jnp.maximum(n_pages - 1, 0)
 
     def body(j, carry):
@@ -90,7 +110,7 @@ def _score_kernel(pt_ref, n_ref, qi_ref, ki_ref, *rest, ppp, unroll, loop, **pag
     jax.lax.fori_loop(jnp.int32(0), jnp.asarray(n_iter, jnp.int32), body, 0)
 
 
-def _score_persistent_kernel(pt_ref, n_ref, st_ref, qi_ref, ki_ref, *rest, programs, **page_kw):
+def _score_persistent_kernel(pt_ref, n_ref, st_ref, qi_ref, ki_ref, *rest, programs, rows, nqp, **page_kw):
     """Persistent scoring: program i of ``programs`` scores the items ``[lo, hi)`` of the flattened work
     list of (request b, logical page j < n[b]) in request-major order (item ``st[b] + j``), in equal
     contiguous ranges of ``ceil(total / programs)`` items. One dynamic-trip-count (software-pipelined)
@@ -109,7 +129,7 @@ def _score_persistent_kernel(pt_ref, n_ref, st_ref, qi_ref, ki_ref, *rest, progr
     def request(b, carry):
         j_lo = jnp.maximum(lo - st_ref[b], 0)
         j_hi = jnp.minimum(hi - st_ref[b], n_ref[b])
-        qi = qi_ref[b]                                       # [R, Di]
+        qi = _load_queries(qi_ref, b, rows, nqp, page_kw["cdt"])             # [R, Di]
 
         def body(i, c):
             j = j_lo + i
@@ -175,19 +195,19 @@ def _page_scores_raw(qi, ki_pages, page_table, q_positions, ki_scale, *, interpr
         cdt = jnp.dtype(jnp.float16)
     nqp = next_pow2(nq)
     r = max(16, next_pow2(hi * nqp))
-    q2 = pad_rows(pad_rows(qi.transpose(0, 2, 1, 3), 2, nqp).reshape(b, hi * nqp, di).astype(cdt), 1, r)
-    n_score = jnp.clip(jnp.max(q_positions, axis=1) // page, 0, npg).astype(jnp.int32)
-    if topk is not None:
-        n_score = jnp.where(n_score < topk, 0, n_score)      # every page selected: nothing to rank
     width = _score_width(b, npg, ppp, unroll, programs)
-    keys = [q2, ki_pages.reshape(n_phys * page, di)]
+    keys = [qi, ki_pages.reshape(n_phys * page, di)]         # queries gathered into score rows in the kernel
     byte_dtype = None
     if needs_byte_pairs(ki_pages):      # int32 Triton offsets would overflow (common.needs_byte_pairs)
         keys[1], byte_dtype = to_byte_pairs(keys[1]), ki_pages.dtype
     if ki_scale is not None:
         keys.append(ki_scale.reshape(n_phys * page).astype(jnp.float32))
-    page_kw = dict(page=page, scale=1.0 / math.sqrt(di), cdt=cdt, evict=evict, byte_dtype=byte_dtype)
+    page_kw = dict(page=page, scale=1.0 / math.sqrt(di), cdt=cdt, evict=evict, byte_dtype=byte_dtype, rows=r,
+                   nqp=nqp)
     if programs:
+        n_score = jnp.clip(jnp.max(q_positions, axis=1) // page, 0, npg).astype(jnp.int32)
+        if topk is not None:
+            n_score = jnp.where(n_score < topk, 0, n_score)  # every page selected: nothing to rank
         bp = next_pow2(b)
         starts = jnp.cumsum(n_score) - n_score               # first work-list item of each request
         total = jnp.sum(n_score)
@@ -197,14 +217,21 @@ def _page_scores_raw(qi, ki_pages, page_table, q_positions, ki_scale, *, interpr
         grid, args = (programs,), [page_table.astype(jnp.int32), n_pad, st_pad, *keys]
     else:
         ppp = _resolve_ppp(ppp, b, npg, unroll)
-        kernel = functools.partial(_score_kernel, ppp=ppp, unroll=unroll, loop=loop, **page_kw)
-        grid, args = (b, -(-npg // ppp)), [page_table.astype(jnp.int32), n_score, *keys]
+        kernel = functools.partial(_score_kernel, ppp=ppp, unroll=unroll, loop=loop, topk=topk, **page_kw)
+        grid, args = (b, -(-npg // ppp)), [page_table.astype(jnp.int32), _pad_positions(q_positions), *keys]
     return pl.pallas_call(
         kernel, grid=grid,
         out_shape=jax.ShapeDtypeStruct((b, r, width), jnp.float32),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="msa_decode_page_scores",
     )(*args)
+
+
+def _pad_positions(q_positions):
+    """``[B, Qp]`` int32 positions, Qp = next_pow2(Q), padding rows -1 (no XLA op when Q is a power of two)."""
+    nq = q_positions.shape[1]
+    pos = q_positions.astype(jnp.int32)
+    return pos if next_pow2(nq) == nq else pad_rows(pos, 1, next_pow2(nq), -1)
 
 
 def _resolve_ppp(ppp, b: int, npg: int, unroll: int) -> int:
@@ -267,10 +294,10 @@ def _all_or_ranked(local, topk, ranked):
     return jax.lax.cond(local < topk, every_page, ranked)
 
 
-def _select_kernel(sc_ref, pos_ref, o_ref, *, page, topk, init_blocks, local_blocks):
+def _select_kernel(sc_ref, pos_ref, o_ref, *, page, topk, init_blocks, local_blocks, nqp):
     b = pl.program_id(0)
     r = pl.program_id(1)
-    pos = pos_ref[b, r]
+    pos = pos_ref[b, r if nqp is None else r % nqp]
     local = jnp.where(pos >= 0, pos // page, -1)
 
     def ranked():
@@ -284,7 +311,7 @@ def _select_kernel(sc_ref, pos_ref, o_ref, *, page, topk, init_blocks, local_blo
     o_ref[b, r, :] = _all_or_ranked(local, topk, ranked)
 
 
-def _select_slice_kernel(sc_ref, pos_ref, v_ref, i_ref, *, page, n_ranked, kp, width, init_blocks, local_blocks):
+def _select_slice_kernel(sc_ref, pos_ref, v_ref, i_ref, *, page, n_ranked, kp, width, init_blocks, local_blocks, nqp):
     """Stage A of the split top-k: program (b, r, s) ranks pages ``[s * width, (s + 1) * width)``.
 
     Same masks as ``_select_kernel`` on the global page ids (the local page and later pages are not
@@ -296,7 +323,7 @@ def _select_slice_kernel(sc_ref, pos_ref, v_ref, i_ref, *, page, n_ranked, kp, w
     b = pl.program_id(0)
     r = pl.program_id(1)
     s = pl.program_id(2)
-    pos = pos_ref[b, r]
+    pos = pos_ref[b, r if nqp is None else r % nqp]
     local = jnp.where(pos >= 0, pos // page, -1)
     slot = jax.lax.broadcasted_iota(jnp.int32, (kp,), 0)
 
@@ -324,13 +351,13 @@ def _select_slice_kernel(sc_ref, pos_ref, v_ref, i_ref, *, page, n_ranked, kp, w
     i_ref[b, r, s, :] = out
 
 
-def _select_merge_kernel(v_ref, i_ref, pos_ref, o_ref, *, page, topk):
+def _select_merge_kernel(v_ref, i_ref, pos_ref, o_ref, *, page, topk, nqp):
     """Stage B of the split top-k: program (b, r) extracts the best ``topk - 1`` of the row's
     ``S * kp`` candidates (value desc, id asc: forced ``+inf`` pages first in ascending id) and puts
     the local page after the last valid one, exactly as ``_select_kernel``."""
     b = pl.program_id(0)
     r = pl.program_id(1)
-    pos = pos_ref[b, r]
+    pos = pos_ref[b, r if nqp is None else r % nqp]
     local = jnp.where(pos >= 0, pos // page, -1)
 
     def ranked():
@@ -368,11 +395,12 @@ def _resolve_select_splits(splits, b: int, rows: int, width: int) -> int:
     return splits
 
 
-def _select_rows(raw, pos, *, n_rows, page, topk, init_blocks, local_blocks, interpret, splits=1):
+def _select_rows(raw, pos, *, n_rows, page, topk, init_blocks, local_blocks, interpret, splits=1, nqp=None):
     """Top-(K-1) selection plus the local page from raw page scores.
 
     Args: raw ``[B, R, W]`` f32 page scores (only pages before each row's local page are read:
-      the rest may hold junk); pos ``[B, R]`` int32 row positions (-1 = padding row); n_rows: rows
+      the rest may hold junk); pos ``[B, R]`` int32 row positions (-1 = padding row), or with ``nqp``
+      ``[B, nqp]`` query positions, row ``r`` at ``pos[b, r % nqp]`` (rows ``h * nqp + q``); n_rows: rows
       ``< n_rows`` are selected (the rest are padding); splits: ``select_splits`` (a power of two
       ``<= W``, or "auto", see ``_auto_select_splits``). S = 1: one program per row holds the whole
       row (``_select_kernel``). S > 1: stage A, grid (B, n_rows, S), takes each slice's top-(K-1)
@@ -390,21 +418,21 @@ def _select_rows(raw, pos, *, n_rows, page, topk, init_blocks, local_blocks, int
     s = _resolve_select_splits(splits, b, n_rows, width)
     if s == 1:
         kernel = functools.partial(_select_kernel, page=page, topk=topk, init_blocks=init_blocks,
-                                   local_blocks=local_blocks)
+                                   local_blocks=local_blocks, nqp=nqp)
         ids = pl.pallas_call(
             kernel, grid=(b, n_rows),
-            out_shape=jax.ShapeDtypeStruct((b, raw.shape[1], topk), jnp.int32),
+            out_shape=jax.ShapeDtypeStruct((b, n_rows, topk), jnp.int32),
             compiler_params=pltriton.CompilerParams(num_warps=_select_warps(width), num_stages=1),
             interpret=interpret, name="msa_decode_select_topk",
         )(raw, pos)
-        return ids[:, :n_rows]
+        return ids
     wp = next_pow2(width)                                    # W is a power of two today; pad otherwise
     if wp != width:
         raw = pad_rows(raw, 2, wp, -jnp.inf)
     ws = wp // s
     kp = next_pow2(topk - 1)
     kernel = functools.partial(_select_slice_kernel, page=page, n_ranked=topk - 1, kp=kp, width=ws,
-                               init_blocks=init_blocks, local_blocks=local_blocks)
+                               init_blocks=init_blocks, local_blocks=local_blocks, nqp=nqp)
     vals, cids = pl.pallas_call(
         kernel, grid=(b, n_rows, s),
         out_shape=[jax.ShapeDtypeStruct((b, n_rows, s, kp), jnp.float32),
@@ -412,7 +440,7 @@ def _select_rows(raw, pos, *, n_rows, page, topk, init_blocks, local_blocks, int
         compiler_params=pltriton.CompilerParams(num_warps=_select_warps(ws), num_stages=1),
         interpret=interpret, name="msa_decode_select_topk_slices",
     )(raw, pos)
-    kernel = functools.partial(_select_merge_kernel, page=page, topk=topk)
+    kernel = functools.partial(_select_merge_kernel, page=page, topk=topk, nqp=nqp)
     return pl.pallas_call(
         kernel, grid=(b, n_rows),
         out_shape=jax.ShapeDtypeStruct((b, n_rows, topk), jnp.int32),
@@ -430,11 +458,10 @@ def _select(qi, ki_pages, page_table, q_positions, ki_scale, *, page, topk, init
     b, nq, hi, _ = qi.shape
     raw = _page_scores_raw(qi, ki_pages, page_table, q_positions, ki_scale, interpret=interpret, topk=topk,
                            **launch)   # [B, R, W]
-    r, nqp = raw.shape[1], next_pow2(nq)
-    pos = jnp.tile(pad_rows(q_positions.astype(jnp.int32), 1, nqp, -1), (1, hi))        # row = h * nqp + q
-    pos = pad_rows(pos, 1, r, -1)
-    ids = _select_rows(raw, pos, n_rows=hi * nqp, page=page, topk=topk, init_blocks=init_blocks,
-                       local_blocks=local_blocks, interpret=interpret, splits=select_splits)
+    nqp = next_pow2(nq)
+    ids = _select_rows(raw, _pad_positions(q_positions), n_rows=hi * nqp, page=page, topk=topk,   # row h * nqp + q
+                       init_blocks=init_blocks, local_blocks=local_blocks, interpret=interpret,
+                       splits=select_splits, nqp=nqp)
     return ids.reshape(b, hi, nqp, topk)[:, :, :nq]       # no transpose: the rows are group-major
 
 

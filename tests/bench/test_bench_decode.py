@@ -30,6 +30,30 @@ def test_timed_steps_loop_equals_unrolled(steps, reps, unroll):
     assert abs(got - want) <= 1e-4 * max(1.0, abs(want))
 
 
+@pytest.mark.parametrize("unroll", [4, 0])
+def test_timed_steps_chain_attention_outputs(unroll):
+    """A step returning an output of the queries' shape feeds it to the next step (``q[r + 1] + _CHAIN * o``):
+    every element of every step's output is needed, and the call returns the last output's first element."""
+    import jax
+    import jax.numpy as jnp
+    rng = np.random.default_rng(5)
+    steps, reps = 6, 2
+    q = jnp.asarray(rng.normal(size=(steps, 2, 3)), jnp.float32)
+    qi = jnp.asarray(rng.normal(size=(steps, 2)), jnp.float32)
+    tables = jnp.asarray(rng.normal(size=(reps, 3)), jnp.float32)
+    fn = lambda q, qi, t: jnp.tanh(q * t[None, :] + jnp.sum(qi)) * 1e31      # outputs large: the chain shows
+    prev, want = jnp.zeros((2, 3), jnp.float32), None
+    for r in range(steps):
+        prev = fn(q[r] + prev * msa_decode._CHAIN, qi[r], tables[r % reps])
+    want = float(prev[0, 0])
+    run = msa_decode.unrolled(fn, steps, reps, unroll=unroll)
+    assert abs(float(run(q, qi, tables)) - want) <= 1e-5 * abs(want)
+    unchained = fn(q[-1], qi[-1], tables[(steps - 1) % reps])[0, 0]
+    assert abs(float(unchained) - want) > 1e-3 * abs(want)      # the previous output did enter the last step
+    text = jax.jit(lambda *a: run(*a)).lower(q, qi, tables).as_text()
+    assert "while" in text if unroll else "while" not in text
+
+
 def test_score_candidate_families():
     from pallas_kernels.decode import gpu_config
     wide, narrow = msa_decode.score_candidates("bf16"), msa_decode.score_candidates("bf16", "narrow")

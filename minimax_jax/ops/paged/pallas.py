@@ -3,7 +3,8 @@
 Each implementation is a thin wrapper over a kernel of ``pallas_kernels.decode`` called with the op's
 validated arguments, plus a ``supports`` check:
 - ``paged_attention``: sliding windows are xla-only (no kernel has one); GPU shared sparse tiles record
-  where their page union came from under ``"paged_attention.union"`` ("kernel" or "xla");
+  where their page union came from under ``"paged_attention.union"`` ("kernel (pairwise)", "kernel
+  (bitmap)" or "xla");
 - ``msa_decode_select``: every kernel serves every call. GPU: the scoring kernel plus the in-kernel
   top-k (``"msa_decode_select.topk": "pallas_gpu"``); rows whose local page is ``< topk`` get pages
   ``0..local`` unscored (``"msa_decode_select.short_rows": "unscored"``); TPU: the Mosaic scoring
@@ -45,7 +46,7 @@ def _attention_gpu(q, k_pages, v_pages, page_table, q_positions, *, k_scale, v_s
                                 interpret=interpret)
     record_implementation("paged_attention.tile_kernel", choice)
     union = None if block_ids is None else union_choice(nq, h, k_pages.shape[0], block_ids.shape[-1],
-                                                         table=launch_table)
+                                                         page_table.shape[1], table=launch_table)
     if union is not None:
         record_implementation("paged_attention.union", union)
     if choice.startswith("triton") and needs_byte_pairs(k_pages):

@@ -129,6 +129,25 @@ def test_pingpong_changes_no_bit_in_the_interpreter():
 
 
 @needs_interpreter
+@pytest.mark.parametrize("shared", [False, True], ids=["dense", "shared"])
+def test_one_item_per_cta_changes_no_bit_in_the_interpreter(shared, monkeypatch):
+    """With at least as many CTAs as work items each CTA runs its own item (no balanced ranges are built or
+    read): the same bits as the balanced launch of 4 CTAs."""
+    from pallas_kernels.decode import gpu_attention_wgmma
+    rng = np.random.default_rng(8)
+    c = _case(rng, 8, [300, 200, 129, None, 64])
+    if shared:
+        c["ids"] = _selection(rng, np.asarray(c["pos"]), 2, 3, 64)
+    o4, l4 = _run(c, True, 2)
+    monkeypatch.setattr(gpu_attention_wgmma, "default_ctas", lambda interpret=False: 10 ** 4)
+    gpu_attention._paged_attention.clear_cache()
+    o, lse = _run(c, True, 2)
+    gpu_attention._paged_attention.clear_cache()
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(o4))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(l4))
+
+
+@needs_interpreter
 @pytest.mark.parametrize("nq", [4, 8])
 def test_shared_sparse_tiles_match_reference_in_the_interpreter(nq):
     """MSA block ids (top-3 of up to 6 pages per row, the local page always): the tile walks the union of
