@@ -207,6 +207,17 @@ def test_serving_cells_ragged_and_shuffled():
                                                                           (1, 4096)]
 
 
+def test_serving_tilings_are_launch_tables():
+    """Every ``--serving-tilings`` name builds a valid ``LaunchTable`` over the run's table (the names the
+    device calls A/B: the XLA page union, splits fitted to the persistent launch's CTAs)."""
+    from pallas_kernels.decode.gpu_config import DEFAULT_TABLE
+    tables = msa_decode_serving.tiling_tables(list(msa_decode_serving.TILINGS), None)
+    assert tables["default"] == DEFAULT_TABLE and tables["xla_union"].union == "xla"
+    assert tables["fit_ctas"].shared_splits == "ctas" and DEFAULT_TABLE.shared_splits == "fill"
+    with pytest.raises(ValueError, match="unknown tilings"):
+        msa_decode_serving.tiling_tables(["fit"], None)
+
+
 def test_serving_sweep_skips_past_budget_and_memory():
     """Nothing is allocated for a cell over --mem-gib or once the budget is spent; both are listed."""
     cells, skipped, wall = msa_decode_serving.run_sweep([(128, 204800), (1, 1024)], [8, 1], 1, "xla", None,
