@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["next_pow2", "pad_rows", "row_block", "pack_rows", "unpack_rows", "union_pages", "combine_splits",
+__all__ = ["MAX_BLOCK_ROWS", "next_pow2", "pad_rows", "row_block", "pack_rows", "unpack_rows", "union_pages", "combine_splits",
            "compute_dtype", "dot_nt", "dot_nn"]
 
 
@@ -29,10 +29,15 @@ def compute_dtype(cache_dtype) -> jnp.dtype:
     return jnp.dtype(jnp.float32) if jnp.dtype(cache_dtype) == jnp.float32 else jnp.dtype(jnp.bfloat16)
 
 
+#: Most query rows of one row block: shared sparse tiles keep a bit per row of a page in an int32 word
+#: (``union_pages``' bits), so at most 31.
+MAX_BLOCK_ROWS = 31
+
+
 def row_block(nq: int, hg: int, dense: bool, m_min: int, max_m: int = 64) -> tuple[int, int]:
-    """``(qpb, m)`` of ``pack_rows``: query rows per row block and the block's padded row count, for ``nq``
-    query rows of ``hg`` heads per kv group (arguments as ``pack_rows``)."""
-    qpb = max(1, min(nq, max_m // hg)) if dense else 1
+    """``(qpb, m)`` of ``pack_rows``: query rows per row block (at most ``MAX_BLOCK_ROWS``) and the block's
+    padded row count, for ``nq`` query rows of ``hg`` heads per kv group (arguments as ``pack_rows``)."""
+    qpb = max(1, min(nq, max_m // hg, MAX_BLOCK_ROWS)) if dense else 1
     return qpb, max(m_min, next_pow2(qpb * hg))
 
 
@@ -40,8 +45,8 @@ def pack_rows(q: jax.Array, q_positions: jax.Array, g: int, dense: bool, m_min: 
     """Arrange queries as kernel row blocks.
 
     Args: q ``[B, Q, H, D]``; q_positions ``[B, Q]``; g kv heads; dense: stack several query rows
-      of a group into one row block (they share the pages; at most ``max_m // (H/G)`` rows, at
-      least one) vs. one row block per query row (MSA: each row has its own pages); m_min:
+      of a group into one row block (they share the pages; at most ``max_m // (H/G)`` rows and
+      ``MAX_BLOCK_ROWS``, at least one) vs. one row block per query row (MSA: each row has its own pages); m_min:
       minimum padded row count.
     Returns: ``(qr [B, G, R, M, D], pos [B, R, M] int32, hg, m, qpb)`` with padding rows at
       position -1 and ``qpb`` query rows per row block.

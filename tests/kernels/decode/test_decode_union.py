@@ -149,3 +149,24 @@ def test_attention_is_equal_with_either_union(nq, tile_rows):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
     ref = paged.paged_attention(q, kp, vp, pt, pos, block_ids=jnp.asarray(ids), implementation="xla")
     np.testing.assert_allclose(np.asarray(outs["kernel"][0]), np.asarray(ref[0]), atol=2e-5, rtol=2e-5)
+
+
+def test_row_blocks_stop_at_31_rows():
+    """One q head per kv group and 64-row tiles: 32 query rows would fill a block, but a page's row mask is
+    an int32 word, so blocks take 31 rows (and the last one row); the result is the XLA reference's."""
+    from pallas_kernels.decode.common import MAX_BLOCK_ROWS, row_block
+    assert row_block(32, 1, True, 16, 64) == (MAX_BLOCK_ROWS, 32) and row_block(8, 16, True, 16, 128) == (8, 128)
+    rng = np.random.default_rng(9)
+    b, nq, g, d, page, npg = 1, 32, 2, 16, 16, 6
+    n_phys = b * npg + 1
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+    pos = jnp.arange(60, 60 + nq, dtype=jnp.int32)[None]
+    ids = np.stack([np.zeros(nq, np.int32), np.asarray(pos[0]) // page], -1)[None, None].repeat(g, 1)
+    q, kp, vp = f(b, nq, g, d), f(g, n_phys, page, d), f(g, n_phys, page, d)
+    pt = jnp.arange(1, n_phys, dtype=jnp.int32)[None]
+    table = dataclasses.replace(DEFAULT_TABLE, tile_rows=64)
+    got = paged.paged_attention(q, kp, vp, pt, pos, block_ids=jnp.asarray(ids), implementation="pallas_gpu_interpret",
+                                launch_table=table)
+    ref = paged.paged_attention(q, kp, vp, pt, pos, block_ids=jnp.asarray(ids), implementation="xla")
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(ref[0]), atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(ref[1]), atol=2e-5, rtol=2e-5)
