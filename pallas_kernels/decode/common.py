@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["MAX_BLOCK_ROWS", "next_pow2", "pad_rows", "row_block", "pack_rows", "unpack_rows", "union_pages", "combine_splits",
-           "compute_dtype", "dot_nt", "dot_nn"]
+__all__ = ["MAX_BLOCK_ROWS", "next_pow2", "pad_rows", "row_block", "pack_rows", "unpack_rows", "union_pages",
+           "combine_splits", "compute_dtype", "dot_nt", "dot_nn"]
 
 
 def next_pow2(n: int, minimum: int = 1) -> int:
@@ -46,8 +46,8 @@ def pack_rows(q: jax.Array, q_positions: jax.Array, g: int, dense: bool, m_min: 
 
     Args: q ``[B, Q, H, D]``; q_positions ``[B, Q]``; g kv heads; dense: stack several query rows
       of a group into one row block (they share the pages; at most ``max_m // (H/G)`` rows and
-      ``MAX_BLOCK_ROWS``, at least one) vs. one row block per query row (MSA: each row has its own pages); m_min:
-      minimum padded row count.
+      ``MAX_BLOCK_ROWS``, at least one) vs. one row block per query row (MSA: each row has its own
+      pages); m_min: minimum padded row count.
     Returns: ``(qr [B, G, R, M, D], pos [B, R, M] int32, hg, m, qpb)`` with padding rows at
       position -1 and ``qpb`` query rows per row block.
     """

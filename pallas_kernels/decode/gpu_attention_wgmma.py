@@ -39,7 +39,6 @@ import functools
 import math
 
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -305,21 +304,21 @@ def schedule_items(lim, q_min_pos, *, g, pps, nsplit, ctas, page, ids=None, item
     """The persistent launch's work list: items (request, kv group, row block, split) in that order, each
     ``(j0, n, n_free)`` (first slot, slots to walk, how many of the first of them every row of the block sees
     whole, i.e. need no causal mask), and each CTA's contiguous range of items, balanced by ``n + 1`` (its
-    pages plus about a page for the item itself); with at least as many CTAs as items, item c is CTA c's
-    (a constant, balanced by construction).
+    pages plus about a page for the item itself); with at least as many CTAs as items, CTA c runs item c and
+    no ranges are built.
 
     Args: lim, pps, nsplit, ids as ``paged_decode_wgmma``; q_min_pos ``[B, R]`` int32: the lowest position
       of a row block's rows (-1 with a padding row); g: kv groups; ctas: CTAs of the launch; page: tokens
       per page; items: the items ``[B, G, R, nsplit, 3]`` when already built (``gpu_union.union_pages_gpu``
-      with ``free_pages``: no XLA work here).
-    Returns: ``(meta [B * G * R * nsplit, 3] int32, bounds [ctas + 1] int32)``: CTA c takes the items
-      ``[bounds[c], bounds[c + 1])``.
+      with ``positions``: no XLA work here).
+    Returns: ``(meta [B * G * R * nsplit, 3] int32, bounds [ctas + 1] int32 or None)``: CTA c takes the items
+      ``[bounds[c], bounds[c + 1])``; None when ``ctas`` >= the item count (CTA c takes item c).
     """
     bsz, nr = q_min_pos.shape
     free_pages = (q_min_pos + 1) // page                              # [B, R] pages every row sees whole
     if items is not None:
         meta = items.reshape(-1, 3).astype(jnp.int32)
-    elif ids is not None:                                               # shared: lim = starts [B, G, R, nsplit + 1]
+    elif ids is not None:                                             # shared: lim = starts [B, G, R, nsplit + 1]
         j0 = lim[..., :-1]
         n = jnp.maximum(lim[..., 1:] - j0, 0)
         below = (ids >= 0) & (ids < free_pages[:, None, :, None])      # a split's slots ascend: a prefix of it
@@ -333,7 +332,7 @@ def schedule_items(lim, q_min_pos, *, g, pps, nsplit, ctas, page, ids=None, item
     if items is None:
         meta = jnp.stack([j0, n, n_free], axis=-1).reshape(-1, 3).astype(jnp.int32)
     if ctas >= meta.shape[0]:     # an item per CTA (small batches): nothing to balance, no launches for it
-        return meta, jnp.asarray(np.minimum(np.arange(ctas + 1), meta.shape[0]), jnp.int32)   # a literal
+        return meta, None
     w = meta[:, 1] + 1
     before = jnp.cumsum(w) - w                                        # weight of the items before each
     tot, c = jnp.sum(w), jnp.arange(ctas, dtype=jnp.int32)
@@ -378,8 +377,8 @@ def paged_decode_wgmma(qr, pos, lim, page_table, k_flat, v_flat, *, page, pps, n
     meta, bounds = schedule_items(lim.astype(jnp.int32), jnp.min(pos, axis=-1).astype(jnp.int32), g=g, pps=pps,
                                   nsplit=nsplit, ctas=ctas, page=page, ids=ids.astype(jnp.int32) if shared else None,
                                   items=items)
-    one_each = ctas >= n_items
-    if one_each:        # CTA c runs item c: the bounds are not read (meta stands in: no constant to build)
+    one_each = bounds is None
+    if one_each:        # CTA c runs item c; the kernel reads no bounds (meta stands in for the operand)
         bounds = meta
     body = functools.partial(_body, page=page, stages=stages, scale=1.0 / math.sqrt(d), g_count=g, nr=nr,
                              nsplit=nsplit, nwg=nwg, hg=hg, shared=shared, p_in_smem=p_in_smem,

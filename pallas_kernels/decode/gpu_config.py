@@ -16,9 +16,8 @@ from collections.abc import Mapping
 import jax.numpy as jnp
 
 __all__ = ["LaunchTable", "DEFAULT_TABLE", "LEGACY_TILES", "SPARSE_TILES", "TILE_KERNELS", "UNIONS", "SHARED_SPLITS",
-           "SCORE_CLASSES",
-           "SCORE_LAUNCH_BASE", "SCORE_STATIC", "EVICT", "score_size_class", "score_keys_label", "score_launch",
-           "pages_per_program"]
+           "SCORE_CLASSES", "SCORE_LAUNCH_BASE", "SCORE_STATIC", "EVICT", "score_size_class", "score_keys_label",
+           "score_launch", "pages_per_program"]
 
 # Size classes of a scoring call, chosen at trace time from static shapes: the first entry whose bound
 # is >= B * NP (logical pages of the page table; bound None = no limit). "tiny" (up to 1,024 pages, e.g.

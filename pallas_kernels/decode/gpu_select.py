@@ -311,7 +311,8 @@ def _select_kernel(sc_ref, pos_ref, o_ref, *, page, topk, init_blocks, local_blo
     o_ref[b, r, :] = _all_or_ranked(local, topk, ranked)
 
 
-def _select_slice_kernel(sc_ref, pos_ref, v_ref, i_ref, *, page, n_ranked, kp, width, init_blocks, local_blocks, nqp):
+def _select_slice_kernel(sc_ref, pos_ref, v_ref, i_ref, *, page, n_ranked, kp, width, init_blocks, local_blocks,
+                         nqp):
     """Stage A of the split top-k: program (b, r, s) ranks pages ``[s * width, (s + 1) * width)``.
 
     Same masks as ``_select_kernel`` on the global page ids (the local page and later pages are not

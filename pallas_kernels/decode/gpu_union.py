@@ -184,8 +184,9 @@ def union_pages_gpu(block_ids, qpb: int, nsplit: int = 1, n_pages: int | None = 
     Args: block_ids ``[B, G, Q, K]`` int32 logical page ids (``-1`` = empty; repeats allowed; ``< n_pages``
       when given: the "bitmap" algorithm drops larger ids); qpb query rows per row block; nsplit >= 1;
       n_pages: static bound on the ids (the page table's width), which the "bitmap" algorithm needs;
-      interpret: Pallas interpret mode; num_warps: of each program (None: ``default_warps``); max_slots: the most padded slots of the
-      "pairwise" algorithm (``MAX_SLOTS``; bench/decode_union.py raises it to time wider row blocks);
+      interpret: Pallas interpret mode; num_warps: of each program (None: ``default_warps``); max_slots:
+      the most padded slots of the "pairwise" algorithm (``MAX_SLOTS``; bench/decode_union.py raises it to
+      time wider row blocks);
       algorithm: "pairwise" | "bitmap" | None (``union_algorithm``); positions: optional ``[B, R, M]`` int32,
       the positions of each row block's tile rows (``common.pack_rows``; -1 = padding row), with ``page``
       (tokens per page): a row block's rows all see its pages below ``(min position + 1) // page`` whole.

@@ -189,20 +189,23 @@ def test_reason_and_table():
 
 @pytest.mark.parametrize("ctas", [1, 3, 7, 200])
 def test_schedule_items_dense(ctas):
-    """Every item once, in order, CTA ranges balanced within one item; n and n_free by brute force."""
+    """Every item once, in order, CTA ranges balanced within one item (no ranges with a CTA per item); n and
+    n_free by brute force."""
     rng = np.random.default_rng(4)
     b, g, nr, nsplit, pps, page = 5, 3, 2, 4, 3, 16
     lim = rng.integers(0, nsplit * pps + 1, b)
     minpos = rng.integers(-1, lim[:, None] * page + 1, (b, nr))
     meta, bounds = schedule_items(jnp.asarray(lim, jnp.int32), jnp.asarray(minpos, jnp.int32), g=g, pps=pps,
                                   nsplit=nsplit, ctas=ctas, page=page)
-    meta, bounds = np.asarray(meta).reshape(b, g, nr, nsplit, 3), np.asarray(bounds)
+    assert (bounds is None) == (ctas >= b * g * nr * nsplit)
+    meta = np.asarray(meta).reshape(b, g, nr, nsplit, 3)
     for bb, gg, r, s in np.ndindex(b, g, nr, nsplit):
         j0, n, n_free = meta[bb, gg, r, s]
         pages = [p for p in range(s * pps, (s + 1) * pps) if p < lim[bb]]
         assert (j0, n) == (s * pps, len(pages))
         assert n_free == sum((p + 1) * page - 1 <= minpos[bb, r] for p in pages)
-    _check_bounds(bounds, meta.reshape(-1, 3), ctas)
+    if bounds is not None:
+        _check_bounds(np.asarray(bounds), meta.reshape(-1, 3), ctas)
 
 
 def test_schedule_items_balance_past_int32_products():
