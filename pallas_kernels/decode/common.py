@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["MAX_BLOCK_ROWS", "next_pow2", "pad_rows", "row_block", "pack_rows", "unpack_rows", "union_pages",
-           "combine_splits", "compute_dtype", "dot_nt", "dot_nn"]
+__all__ = ["MAX_BLOCK_ROWS", "next_pow2", "pad_rows", "pad_positions", "row_block", "pack_rows", "unpack_rows",
+           "union_pages", "combine_splits", "compute_dtype", "dot_nt", "dot_nn"]
 
 
 def next_pow2(n: int, minimum: int = 1) -> int:
@@ -22,6 +22,14 @@ def pad_rows(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
     pad = [(0, 0)] * x.ndim
     pad[axis] = (0, size - x.shape[axis])
     return jnp.pad(x, pad, constant_values=value)
+
+
+def pad_positions(q_positions: jax.Array) -> jax.Array:
+    """``[B, Qp]`` int32 positions, Qp = next_pow2(Q), padding rows -1 (no XLA op when Q is a power of two):
+    what a Triton kernel loads as one vector (block shapes are powers of two)."""
+    nq = q_positions.shape[1]
+    pos = q_positions.astype(jnp.int32)
+    return pos if next_pow2(nq) == nq else pad_rows(pos, 1, next_pow2(nq), -1)
 
 
 def compute_dtype(cache_dtype) -> jnp.dtype:

@@ -28,8 +28,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.decode.common import (combine_splits, compute_dtype, dot_nn, dot_nt, pack_rows, pad_rows, row_block,
-                                          union_pages, unpack_rows)
+from pallas_kernels.decode.common import (combine_splits, compute_dtype, dot_nn, dot_nt, pack_rows, pad_positions,
+                                          pad_rows, row_block, union_pages, unpack_rows)
 from pallas_kernels.decode.gpu_attention_wgmma import default_ctas, paged_decode_wgmma, wgmma_decode_reason
 from pallas_kernels.common import from_byte_pairs, gpu_compute_capability, needs_byte_pairs, to_byte_pairs
 from pallas_kernels.decode.gpu_config import DEFAULT_TABLE, TILE_KERNELS, LaunchTable, pages_per_program
@@ -40,8 +40,17 @@ __all__ = ["paged_attention_gpu", "tile_kernel_choice", "resolve_tile_kernel", "
 _NEG = -1e30
 
 
-def _attn_kernel(pt_ref, pos_ref, lim_ref, ids_ref, bits_ref, q_ref, k_ref, v_ref, *rest, page, pps, scale, g_count,
-                 mode, nsplit, hg, has_scale, cdt, loop, byte_dtype=None):
+def _row_positions(qp_ref, b, r, *, m_rows, qpb, hg, nq):
+    """``[M]`` int32 positions of tile rows of row block r of request b (``common.pack_rows``' layout: row i is
+    query row ``r * qpb + i // hg``; padding rows -1), gathered from ``qp_ref`` ``[B, Qp]`` (``pad_positions``)."""
+    i = jax.lax.broadcasted_iota(jnp.int32, (m_rows,), 0)
+    row = r * qpb + i // hg
+    ok = (i < qpb * hg) & (row < nq)
+    return pltriton.load(qp_ref.at[b, jnp.where(ok, row, 0)], mask=ok, other=-1)
+
+
+def _attn_kernel(pt_ref, qp_ref, lim_ref, ids_ref, bits_ref, q_ref, k_ref, v_ref, *rest, page, pps, scale, g_count,
+                 mode, nsplit, hg, qpb, nq, has_scale, cdt, loop, byte_dtype=None):
     if has_scale:
         ks_ref, vs_ref, o_ref, l_ref = rest
     else:
@@ -52,8 +61,11 @@ def _attn_kernel(pt_ref, pos_ref, lim_ref, ids_ref, bits_ref, q_ref, k_ref, v_re
     b = bg // g_count
     g = bg % g_count
     q = q_ref[b, g, r].astype(cdt)                           # [M, D]
-    qpos = pos_ref[b, r]                                     # [M]
     m_rows, d = q.shape
+    # Row positions and the dense page count from the query positions: no XLA op before the launch.
+    qpos = _row_positions(qp_ref, b, r, m_rows=m_rows, qpb=qpb, hg=hg, nq=nq)                 # [M]
+    if mode == "dense":      # pages up to the request's last row: clip(max pos // page + 1, 0, NP)
+        n_dense = jnp.clip(jnp.max(qp_ref[b, :]) // page + 1, 0, pt_ref.shape[1])
     kidx = jax.lax.broadcasted_iota(jnp.int32, (1, page), 1)
     if mode == "shared":
         # This split's slots of the union (``common.union_pages``: the pages with page % nsplit == sp).
@@ -66,8 +78,8 @@ def _attn_kernel(pt_ref, pos_ref, lim_ref, ids_ref, bits_ref, q_ref, k_ref, v_re
         """(logical page, ok, [M] row mask or None) of the split's j-th step."""
         if mode == "dense":
             idx = sp * pps + j
-            logical = idx if loop == "dynamic" else jnp.clip(idx, 0, jnp.maximum(lim_ref[b] - 1, 0))
-            return logical, idx < lim_ref[b], None
+            logical = idx if loop == "dynamic" else jnp.clip(idx, 0, jnp.maximum(n_dense - 1, 0))
+            return logical, idx < n_dense, None
         if mode == "per_row":
             logical = ids_ref[b, g, r, sp * pps + j]
             return jnp.maximum(logical, 0), logical >= 0, None
@@ -111,7 +123,7 @@ def _attn_kernel(pt_ref, pos_ref, lim_ref, ids_ref, bits_ref, q_ref, k_ref, v_re
     elif loop != "dynamic":
         n_iter = pps
     elif mode == "dense":
-        n_iter = jnp.clip(lim_ref[b] - sp * pps, 0, pps)
+        n_iter = jnp.clip(n_dense - sp * pps, 0, pps)
     elif pps == 1:
         n_iter = jnp.where(ids_ref[b, g, r, sp] >= 0, jnp.int32(1), jnp.int32(0))
     else:
@@ -261,7 +273,9 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_sc
             pages_per_split = pages_per_program(b * g * npg, default_ctas(interpret) * 8 if wgmma else 528, 64)
         pps = pages_per_split
         nsplit = -(-npg // pps)
-        lim = jnp.clip(jnp.max(q_positions, axis=1) // page + 1, 0, npg).astype(jnp.int32)
+        # pages to walk per request; the Triton kernel computes its own from the positions (no XLA op)
+        lim = (jnp.clip(jnp.max(q_positions, axis=1) // page + 1, 0, npg).astype(jnp.int32) if wgmma
+               else jnp.zeros((1,), jnp.int32))
     elif shared:
         nsplit = _shared_splits(block_ids.shape[-1], pps, b * g * rows,
                                 default_ctas(interpret) if wgmma and shared_splits == "ctas" else None)
@@ -279,14 +293,14 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_sc
         ids = block_ids.astype(jnp.int32)
         if nsplit * pps != ids.shape[-1]:
             ids = pad_rows(ids, 3, nsplit * pps, -1)
-    args = [page_table.astype(jnp.int32), pos, lim, ids, bits, qr,
+    args = [page_table.astype(jnp.int32), pad_positions(q_positions), lim, ids, bits, qr,
             k_pages.reshape(g, n_phys * page, d), v_pages.reshape(g, n_phys * page, d)]
     if k_scale is not None:
         args += [k_scale.reshape(g, n_phys * page).astype(jnp.float32),
                  v_scale.reshape(g, n_phys * page).astype(jnp.float32)]
     pairs = not wgmma and needs_byte_pairs(k_pages)    # int32 Triton offsets would overflow (common.needs_byte_pairs)
     kernel = functools.partial(_attn_kernel, page=page, pps=pps, scale=1.0 / math.sqrt(d), g_count=g,
-                               mode="dense" if dense else sparse_tile, nsplit=nsplit, hg=hg,
+                               mode="dense" if dense else sparse_tile, nsplit=nsplit, hg=hg, qpb=qpb, nq=nq,
                                has_scale=k_scale is not None, cdt=cdt, loop=loop,
                                byte_dtype=k_pages.dtype if pairs else None)
     if wgmma:

@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.common import from_byte_pairs, needs_byte_pairs, to_byte_pairs
-from pallas_kernels.decode.common import compute_dtype, dot_nt, next_pow2, pad_rows
+from pallas_kernels.decode.common import compute_dtype, dot_nt, next_pow2, pad_positions, pad_rows
 from pallas_kernels.decode.gpu_config import (DEFAULT_TABLE, EVICT, SCORE_STATIC, LaunchTable, pages_per_program,
                                               score_launch)
 
@@ -218,20 +218,13 @@ def _page_scores_raw(qi, ki_pages, page_table, q_positions, ki_scale, *, interpr
     else:
         ppp = _resolve_ppp(ppp, b, npg, unroll)
         kernel = functools.partial(_score_kernel, ppp=ppp, unroll=unroll, loop=loop, topk=topk, **page_kw)
-        grid, args = (b, -(-npg // ppp)), [page_table.astype(jnp.int32), _pad_positions(q_positions), *keys]
+        grid, args = (b, -(-npg // ppp)), [page_table.astype(jnp.int32), pad_positions(q_positions), *keys]
     return pl.pallas_call(
         kernel, grid=grid,
         out_shape=jax.ShapeDtypeStruct((b, r, width), jnp.float32),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="msa_decode_page_scores",
     )(*args)
-
-
-def _pad_positions(q_positions):
-    """``[B, Qp]`` int32 positions, Qp = next_pow2(Q), padding rows -1 (no XLA op when Q is a power of two)."""
-    nq = q_positions.shape[1]
-    pos = q_positions.astype(jnp.int32)
-    return pos if next_pow2(nq) == nq else pad_rows(pos, 1, next_pow2(nq), -1)
 
 
 def _resolve_ppp(ppp, b: int, npg: int, unroll: int) -> int:
@@ -460,7 +453,7 @@ def _select(qi, ki_pages, page_table, q_positions, ki_scale, *, page, topk, init
     raw = _page_scores_raw(qi, ki_pages, page_table, q_positions, ki_scale, interpret=interpret, topk=topk,
                            **launch)   # [B, R, W]
     nqp = next_pow2(nq)
-    ids = _select_rows(raw, _pad_positions(q_positions), n_rows=hi * nqp, page=page, topk=topk,   # row h * nqp + q
+    ids = _select_rows(raw, pad_positions(q_positions), n_rows=hi * nqp, page=page, topk=topk,   # row h * nqp + q
                        init_blocks=init_blocks, local_blocks=local_blocks, interpret=interpret,
                        splits=select_splits, nqp=nqp)
     return ids.reshape(b, hi, nqp, topk)[:, :, :nq]       # no transpose: the rows are group-major

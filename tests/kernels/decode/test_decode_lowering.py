@@ -87,6 +87,18 @@ def test_gpu_attention_tilings_lower_to_triton(dt):
                 assert f"num_warps = {8 if wide else 4} : i32" in txt, (nq, table.sparse_tile, sparse)
 
 
+@pytest.mark.parametrize("nq", [1, 3, 8])
+def test_triton_dense_attention_reads_the_query_positions_itself(nq):
+    """The Triton attention kernel takes the query positions as given: its row positions and its dense page
+    count are computed in the kernel, so no XLA reduction or position arithmetic runs before the launch (each
+    would be a kernel launch of its own on the GPU)."""
+    triton = dataclasses.replace(DEFAULT_TABLE, tile_kernel="triton")
+    txt = _cuda_text(lambda *a: paged_attention_gpu(*a, table=triton), _attn_args(jnp.bfloat16, False, nq))
+    before = txt[txt.find("func.func public @main"): txt.find("__gpu$xla.gpu.triton")]
+    assert txt.count("__gpu$xla.gpu.triton") == 1
+    assert not any(op in before for op in ("stablehlo.reduce", "stablehlo.add", "stablehlo.compare")), nq
+
+
 def test_fp8_caches_in_the_int32_offset_gap_lower_as_byte_pairs():
     """fp8 index keys of 2**31 elements (131,072 pages of 128 x 128) and fp8 K / V of 4 x 32,768 pages: the
     Triton kernels read them as uint16 byte pairs (common.needs_byte_pairs) and lower for CUDA."""

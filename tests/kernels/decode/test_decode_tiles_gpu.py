@@ -28,7 +28,9 @@ TABLES = {"shared": DEFAULT_TABLE, "legacy": LEGACY_TILES, "narrow": NARROW}
 @pytest.mark.parametrize("nq,kv_dtype,tiles", [(1, "float32", "shared"), (2, "bfloat16", "narrow"),
                                                (8, "float32", "shared"), (8, "float8_e4m3fn", "narrow"),
                                                (16, "float32", "narrow"), (16, "bfloat16", "shared"),
-                                               (8, "float32", "legacy")])
+                                               (8, "float32", "legacy"),
+                                               # Q not a power of two: positions padded in-kernel, a partial row block
+                                               (5, "bfloat16", "narrow"), (3, "float32", "shared")])
 def test_tilings_match_oracle(nq, kv_dtype, tiles):
     check_against_oracle("pallas_gpu_interpret", nq, kv_dtype, launch_table=TABLES[tiles])
 
