@@ -7,6 +7,9 @@ Kernel variants:      --indexer-kernels m3:131072 times the indexer kernels (Tri
                       kernel (bf16: rows with equal sets; fp8: recall of the bf16 selection) and ms;
                       --attn-fwd-variants m3:131072 the attention forward kernels (Triton, wgmma), each
                       checked against the first in the same run.
+Correlated selections: --index-corr c makes the timed rows' index queries an AR(1) process along the tokens
+                      (``correlated_normal``), so neighbouring tokens select overlapping blocks as in a trained
+                      model; every row reports ``tile_blocks`` (distinct blocks per tile of 1 / 4 / 8 / 16 tokens).
 Implementation:       --implementation auto (default: what the ops pick, recorded per row under "ran"),
                       pallas_gpu (Triton kernels) or pallas_hopper_gpu.
 
@@ -85,13 +88,48 @@ def _cos(a, b):
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-30))
 
 
+def correlated_normal(key, shape, axis, corr, dtype):
+    """Unit-variance normals in ``dtype``, an AR(1) process along ``axis`` and independent across the other
+    axes: ``x_0 = e_0``, ``x_t = corr * x_{t-1} + sqrt(1 - corr^2) * e_t`` (lag-j correlation ``corr^j``);
+    ``corr = 0``: plain normals. A model of index queries whose neighbouring tokens select overlapping
+    blocks, as a trained model's do (bench/selection_overlap.py), where independent normals make
+    neighbours' selections nearly disjoint. Raises ValueError unless 0 <= corr < 1."""
+    if not 0.0 <= corr < 1.0:
+        raise ValueError(f"corr must be in [0, 1), got {corr}")
+    e = jax.random.normal(key, shape, jnp.float32)
+    if corr:
+        e = jnp.moveaxis(e, axis, 0)
+        b = e.at[1:].multiply((1.0 - corr ** 2) ** 0.5)
+        a = jnp.full((e.shape[0],) + (1,) * (e.ndim - 1), corr, jnp.float32)
+        # x_t = a_t x_{t-1} + b_t as an associative scan of (a, b) pairs (log depth, not T sequential steps)
+        _, x = jax.lax.associative_scan(lambda l, r: (l[0] * r[0], r[0] * l[1] + r[1]), (a, b))
+        e = jnp.moveaxis(x, 0, axis)
+    return e.astype(dtype)
+
+
+def tile_blocks(ids, sizes=(1, 4, 8, 16)):
+    """Mean number of distinct selected blocks per tile of ``n`` consecutive query tokens (per batch row and
+    index head; tiles that select nothing left out), for each ``n`` in ``sizes``: what a query-tiled sparse
+    attention would walk per tile (n = 1: blocks per token). ids ``[B, Hi, T, K]`` int32, -1 = empty.
+    Returns ``{n: float}``."""
+    out = {}
+    b, hi, t, k = ids.shape
+    for n in sizes:
+        x = jnp.pad(ids, ((0, 0), (0, 0), (0, -t % n), (0, 0)), constant_values=-1)
+        x = jnp.sort(x.reshape(b, hi, -1, n * k), axis=-1)
+        new = (x >= 0) & jnp.concatenate([jnp.ones_like(x[..., :1], bool), x[..., 1:] != x[..., :-1]], -1)
+        count = jnp.sum(new, axis=-1)
+        out[n] = float(jnp.sum(count) / jnp.maximum(jnp.sum(count > 0), 1))
+    return out
+
+
 class Inputs:
-    def __init__(self, key, bsz, t, s, h, g, d, dtype, segments=None):
+    def __init__(self, key, bsz, t, s, h, g, d, dtype, segments=None, index_corr=0.0):
         ks = jax.random.split(key, 7)
         self.q = jax.random.normal(ks[0], (bsz, t, h, d), dtype)
         self.k = jax.random.normal(ks[1], (bsz, s, g, d), dtype)
         self.v = jax.random.normal(ks[2], (bsz, s, g, d), dtype)
-        self.qi = jax.random.normal(ks[3], (bsz, t, g, DI), dtype)
+        self.qi = correlated_normal(ks[3], (bsz, t, g, DI), 1, index_corr, dtype)
         self.ki = jax.random.normal(ks[4], (bsz, s, DI), dtype)
         self.do = jax.random.normal(ks[5], (bsz, t, h, d), dtype)
         if segments is None:
@@ -219,6 +257,7 @@ def bench_case(model, t, inp, interpret, dense_max, dense_ref, impl="auto"):
     sel = jax.jit(lambda qi, ki: msa_ops.msa_select_blocks(qi, ki, block_size=BLK, topk=TOPK,
                                                            implementation=impl, **pos))
     ids = jax.block_until_ready(sel(inp.qi, inp.ki))
+    row["tile_blocks"] = tile_blocks(ids)     # blocks a query tile of n tokens would walk (--index-corr)
 
     def attn_f(q, k, v, ids):
         return msa_ops.msa_attention(q, k, v, ids, block_size=BLK, implementation=impl, **pos)
@@ -421,7 +460,13 @@ def main():
     ap.add_argument("--check-only", action="store_true")
     ap.add_argument("--interpret", action="store_true", help="GPU kernels in interpret mode (CPU)")
     ap.add_argument("--tiny", action="store_true", help="small shapes for a CPU smoke run")
+    ap.add_argument("--index-corr", type=float, default=0.0,
+                    help="timed rows: index queries as an AR(1) process along the tokens with this lag-1 "
+                         "correlation (neighbouring tokens select overlapping blocks, as in a trained model); "
+                         "0 = independent normals")
     args = ap.parse_args()
+    if not 0.0 <= args.index_corr < 1.0:
+        ap.error(f"--index-corr takes a value in [0, 1), got {args.index_corr}")
     os.makedirs(args.out, exist_ok=True)
     start = time.time()
     dev = jax.devices()[0]
@@ -505,8 +550,9 @@ def main():
             key, sub = jax.random.split(key)
             t0 = time.time()
             try:
-                inp = Inputs(sub, 1, t, t, m["h"], m["g"], m["d"], jnp.bfloat16)
+                inp = Inputs(sub, 1, t, t, m["h"], m["g"], m["d"], jnp.bfloat16, index_corr=args.index_corr)
                 row = bench_case(model, t, inp, args.interpret, args.dense_max, dense_ref, args.implementation)
+                row["index_corr"] = args.index_corr
             except Exception as e:
                 row = {"model": model, "T": t, "error": f"{type(e).__name__}: {str(e)[:300]}"}
             row["seconds"] = time.time() - t0
