@@ -41,8 +41,7 @@ TILINGS = {"default": {}, "legacy": dict(tile_rows=64, sparse_tile="per_row"), "
            "stages4": dict(attn_stages=4), "warps4_stages3": dict(attn_warps_wide=4, attn_stages=3),
            "pps8": dict(sparse_pps=8), "pps2": dict(sparse_pps=2), "wgmma": dict(tile_kernel="wgmma"),
            "triton": dict(tile_kernel="triton"),
-           "wgmma_nopp": dict(tile_kernel="wgmma", wgmma_pingpong=False), "xla_union": dict(union="xla"),
-           "fit_ctas": dict(shared_splits="ctas")}
+           "wgmma_nopp": dict(tile_kernel="wgmma", wgmma_pingpong=False), "xla_union": dict(union="xla")}
 
 
 def tiling_tables(names, table):

@@ -141,9 +141,10 @@ def _attn_kernel(pt_ref, qp_ref, lim_ref, ids_ref, bits_ref, q_ref, k_ref, v_ref
 
 def _shared_splits(k: int, pps: int, programs: int, ctas: int | None = None) -> int:
     """Splits per (request, kv group, row block) of shared sparse tiles: ``ceil(K / pps)``, doubled while
-    below ``K`` and ``programs`` (= B * G * row blocks) times it is under 528 (enough to fill the GPU); with
-    ``ctas`` (``LaunchTable.shared_splits`` "ctas", the persistent wgmma launch) doubled only while
-    ``programs`` times the doubled count is at most ``ctas``."""
+    below ``K`` and ``programs`` (= B * G * row blocks) times it is under 528 (enough to fill the GPU, the
+    Triton tiles); with ``ctas`` (the persistent wgmma launch) doubled only while ``programs`` times the
+    doubled count is at most ``ctas``: each split its own CTA, no work-list balancing in XLA (measured
+    against filling: BENCHMARKS.md, MSA decode, session 48)."""
     n = -(-k // pps)
     while n * 2 <= k and (programs * n < 528 if ctas is None else programs * n * 2 <= ctas):
         n *= 2
@@ -217,12 +218,11 @@ def tile_kernel_choice(nq, h, g, d, cache_dtype, q_dtype, page, *, has_scale, sp
 
 @functools.partial(jax.jit, static_argnames=("interpret", "pages_per_split", "num_warps", "num_stages", "loop",
                                              "sparse_pages_per_split", "tile_rows", "sparse_tile", "wide_warps",
-                                             "tile_kernel", "wgmma_stages", "wgmma_pingpong", "union",
-                                             "shared_splits"))
+                                             "tile_kernel", "wgmma_stages", "wgmma_pingpong", "union"))
 def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_scale, block_ids, *, interpret,
                      pages_per_split, num_warps, num_stages, loop, sparse_pages_per_split=1, tile_rows=64,
                      sparse_tile="per_row", wide_warps=None, tile_kernel="auto", wgmma_stages=2,
-                     wgmma_pingpong=True, union="kernel", shared_splits="fill"):
+                     wgmma_pingpong=True, union="kernel"):
     """Split-KV paged decode attention (dense, or sparse over ``block_ids``).
 
     Args: as ``minimax_jax.ops.paged.paged_attention`` (q ``[B,Q,H,D]``, pages ``[G,P,page,D]``,
@@ -231,7 +231,7 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_sc
       num_warps / num_stages / loop: launch variant;
       sparse_pages_per_split: sparse-mode slots per program (pps, a power of two >= 1). Shared tiles:
       ``ceil(K / pps)`` splits per (request, group, row block), doubled up to K while the grid is
-      small (``_shared_splits``), the union's pages interleaved over them by page id (loop "static":
+      small (``_shared_splits``: on the wgmma kernel only while each split keeps a CTA), the union's pages interleaved over them by page id (loop "static":
       a fixed ``min(U, ceil(NP / splits))``-step loop, masked). Per-row tiles: ``block_ids`` slots per program,
       ``ceil(K / pps)`` splits, block_ids padded with -1 to a multiple of pps. pps = 1: one slot per
       split (the page is read only when the slot holds one). pps > 1: with loop "dynamic" a split
@@ -246,8 +246,7 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_sc
       Mosaic GPU kernel with ``wgmma_stages`` K/V slots, the others
       (per-row sparse tiles, fp8 caches, narrower tiles) the Triton one. union: "kernel" = shared tiles'
       page union from ``gpu_union.union_pages_gpu`` where it serves the row block (``_union_from``), else
-      (and with "xla") from ``common.union_pages``. shared_splits: "fill" | "ctas" (``_shared_splits``; "ctas"
-      for wgmma tiles only).
+      (and with "xla") from ``common.union_pages``.
     Returns: ``(o [B,Q,H,D] q.dtype, lse [B,Q,H] f32)``.
     Raises ValueError for a sparse_pages_per_split that is not a power of two >= 1.
     """
@@ -278,7 +277,7 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_sc
                else jnp.zeros((1,), jnp.int32))
     elif shared:
         nsplit = _shared_splits(block_ids.shape[-1], pps, b * g * rows,
-                                default_ctas(interpret) if wgmma and shared_splits == "ctas" else None)
+                                default_ctas(interpret) if wgmma else None)
         if _union_from(union, qpb, block_ids.shape[-1], npg) == "kernel":   # slots / starts padded (never read)
             if wgmma:       # the wgmma kernel's work items too
                 ids, bits, lim, items = union_pages_gpu(block_ids, qpb, nsplit, npg, pos, page, interpret=interpret)
@@ -333,7 +332,7 @@ def paged_attention_gpu(q, k_pages, v_pages, page_table, q_positions, k_scale=No
     """See ``_paged_attention``; launch parameters left as None come from ``table`` (None =
     ``gpu_config.DEFAULT_TABLE``): ``attn_warps`` / ``attn_warps_wide`` (an explicit ``num_warps``
     applies to every tile), ``attn_stages``, ``loop``, ``sparse_pps``, ``tile_rows``, ``sparse_tile``,
-    ``tile_kernel``, ``wgmma_stages``, ``wgmma_pingpong``, ``union``, ``shared_splits``."""
+    ``tile_kernel``, ``wgmma_stages``, ``wgmma_pingpong``, ``union``."""
     table = DEFAULT_TABLE if table is None else table
     return _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_scale, block_ids,
                             interpret=interpret, pages_per_split=pages_per_split,
@@ -344,5 +343,4 @@ def paged_attention_gpu(q, k_pages, v_pages, page_table, q_positions, k_scale=No
                                                     else sparse_pages_per_split),
                             tile_rows=table.tile_rows, sparse_tile=table.sparse_tile,
                             tile_kernel=table.tile_kernel, wgmma_stages=table.wgmma_stages,
-                            wgmma_pingpong=table.wgmma_pingpong, union=table.union,
-                            shared_splits=table.shared_splits)
+                            wgmma_pingpong=table.wgmma_pingpong, union=table.union)

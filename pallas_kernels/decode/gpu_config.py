@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import jax.numpy as jnp
 
-__all__ = ["LaunchTable", "DEFAULT_TABLE", "LEGACY_TILES", "SPARSE_TILES", "TILE_KERNELS", "UNIONS", "SHARED_SPLITS",
+__all__ = ["LaunchTable", "DEFAULT_TABLE", "LEGACY_TILES", "SPARSE_TILES", "TILE_KERNELS", "UNIONS",
            "SCORE_CLASSES", "SCORE_LAUNCH_BASE", "SCORE_STATIC", "EVICT", "score_size_class", "score_keys_label",
            "score_launch", "pages_per_program"]
 
@@ -39,7 +39,6 @@ EVICT = ("evict_normal", "evict_first", "evict_last")
 SPARSE_TILES = ("shared", "per_row")
 TILE_KERNELS = ("auto", "triton", "wgmma")
 UNIONS = ("kernel", "xla")
-SHARED_SPLITS = ("fill", "ctas")
 SCORE_STATIC = ("ppp", "num_warps", "num_stages", "loop", "unroll", "f16", "programs", "evict")
 
 
@@ -99,10 +98,6 @@ class LaunchTable:
       ``gpu_union.union_pages_gpu``, where it serves the row block and page table: pairwise at Q = 1, a page
       bitmap for wider blocks over small page tables; the XLA form otherwise) or "xla"
       (``common.union_pages``: about seven small XLA fusions, each a launch of its own).
-    shared_splits: splits of shared sparse tiles on the wgmma kernel: "fill" (doubled up to K while under
-      528 programs, as the Triton tiles) or "ctas" (doubled only while every split still gets its own CTA of
-      the persistent launch: no work-list balancing in XLA; its trade is timed by bench/msa_decode.py's
-      ``fit_ctas`` tiling). The Triton tiles always take "fill".
     """
 
     loop: str = "dynamic"
@@ -118,7 +113,6 @@ class LaunchTable:
     wgmma_stages: int = 2
     wgmma_pingpong: bool = True
     union: str = "kernel"
-    shared_splits: str = "fill"
 
     def __post_init__(self):
         object.__setattr__(self, "score", _frozen(self.score))
@@ -131,8 +125,6 @@ class LaunchTable:
             raise ValueError(f"wgmma_pingpong must be a bool, got {self.wgmma_pingpong!r}")
         if self.union not in UNIONS:
             raise ValueError(f"union must be one of {UNIONS}, got {self.union!r}")
-        if self.shared_splits not in SHARED_SPLITS:
-            raise ValueError(f"shared_splits must be one of {SHARED_SPLITS}, got {self.shared_splits!r}")
         if self.sparse_tile not in SPARSE_TILES:
             raise ValueError(f"sparse_tile must be one of {SPARSE_TILES}, got {self.sparse_tile!r}")
         t = self.tile_rows

@@ -209,11 +209,10 @@ def test_serving_cells_ragged_and_shuffled():
 
 def test_serving_tilings_are_launch_tables():
     """Every ``--serving-tilings`` name builds a valid ``LaunchTable`` over the run's table (the names the
-    device calls A/B: the XLA page union, splits fitted to the persistent launch's CTAs)."""
+    device calls A/B: the XLA page union)."""
     from pallas_kernels.decode.gpu_config import DEFAULT_TABLE
     tables = msa_decode_serving.tiling_tables(list(msa_decode_serving.TILINGS), None)
     assert tables["default"] == DEFAULT_TABLE and tables["xla_union"].union == "xla"
-    assert tables["fit_ctas"].shared_splits == "ctas" and DEFAULT_TABLE.shared_splits == "fill"
     with pytest.raises(ValueError, match="unknown tilings"):
         msa_decode_serving.tiling_tables(["fit"], None)
 

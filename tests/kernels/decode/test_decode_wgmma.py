@@ -148,28 +148,27 @@ def test_one_item_per_cta_changes_no_bit_in_the_interpreter(shared, monkeypatch)
 
 
 @needs_interpreter
-@pytest.mark.parametrize("nq,splits", [(4, "fill"), (8, "fill"), (8, "ctas")])
-def test_shared_sparse_tiles_match_reference_in_the_interpreter(nq, splits):
+@pytest.mark.parametrize("nq", [4, 8])
+def test_shared_sparse_tiles_match_reference_in_the_interpreter(nq):
     """MSA block ids (top-3 of up to 6 pages per row, the local page always): the tile walks the union of
-    its rows' pages, each row only its own; a padding row and a request of padding rows; splits sized to
-    fill the GPU or to the CTAs of the launch (here 1 split a row block instead of 2)."""
+    its rows' pages, each row only its own; a padding row and a request of padding rows; splits sized to the
+    CTAs of the launch."""
     rng = np.random.default_rng(3)
     c = _case(rng, nq, [300, 384, 70, None])
     c["pos"] = c["pos"].at[2, -1].set(-1)
     c["ids"] = _selection(rng, np.asarray(c["pos"]), 2, 3, 64)
-    _check(c, *_run(c, True, None, table=dataclasses.replace(WGMMA, shared_splits=splits)))
+    _check(c, *_run(c, True, None, table=WGMMA))
 
 
 def test_shared_splits_fill_or_fit_the_ctas():
-    """Shared tiles' splits: "fill" doubles ceil(K / pps) up to K while under 528 programs; "ctas" only while
-    each split keeps a CTA of its own (M3 decode: K = 16, pps 4, 4 kv groups, one row block per request)."""
+    """Shared tiles' splits: the Triton tiles double ceil(K / pps) up to K while under 528 programs; the wgmma
+    kernel only while each split keeps a CTA of its own (M3 decode: K = 16, pps 4, 4 kv groups, one row block
+    per request)."""
     from pallas_kernels.decode.gpu_attention import _shared_splits
     assert [_shared_splits(16, 4, 4 * b) for b in (1, 8, 32, 128)] == [16, 16, 8, 4]
     assert [_shared_splits(16, 4, 4 * b, 132) for b in (1, 8, 32, 128)] == [16, 4, 4, 4]
     assert _shared_splits(16, 4, 4 * 2, 132) == 16 and _shared_splits(16, 4, 4 * 4, 132) == 8
     assert _shared_splits(3, 4, 8, 4) == 1 and _shared_splits(3, 4, 8) == 2
-    with pytest.raises(ValueError, match="shared_splits must be one of"):
-        LaunchTable(shared_splits="auto")
 
 
 def test_reason_and_table():
