@@ -91,9 +91,9 @@ def _cos(a, b):
 def correlated_normal(key, shape, axis, corr, dtype):
     """Unit-variance normals in ``dtype``, an AR(1) process along ``axis`` and independent across the other
     axes: ``x_0 = e_0``, ``x_t = corr * x_{t-1} + sqrt(1 - corr^2) * e_t`` (lag-j correlation ``corr^j``);
-    ``corr = 0``: plain normals. A model of index queries whose neighbouring tokens select overlapping
-    blocks, as a trained model's do (bench/selection_overlap.py), where independent normals make
-    neighbours' selections nearly disjoint. Raises ValueError unless 0 <= corr < 1."""
+    ``corr = 0``: independent normals (drawn in f32, then cast). A model of index queries whose neighbouring
+    tokens select overlapping blocks, as a trained model's do (bench/selection_overlap.py), where independent
+    normals make neighbours' selections nearly disjoint. Raises ValueError unless 0 <= corr < 1."""
     if not 0.0 <= corr < 1.0:
         raise ValueError(f"corr must be in [0, 1), got {corr}")
     e = jax.random.normal(key, shape, jnp.float32)
@@ -257,7 +257,10 @@ def bench_case(model, t, inp, interpret, dense_max, dense_ref, impl="auto"):
     sel = jax.jit(lambda qi, ki: msa_ops.msa_select_blocks(qi, ki, block_size=BLK, topk=TOPK,
                                                            implementation=impl, **pos))
     ids = jax.block_until_ready(sel(inp.qi, inp.ki))
-    row["tile_blocks"] = tile_blocks(ids)     # blocks a query tile of n tokens would walk (--index-corr)
+    try:        # blocks a query tile of n tokens would walk (--index-corr); a statistic, never the row's end
+        row["tile_blocks"] = tile_blocks(ids)
+    except Exception as e:
+        row["tile_blocks_error"] = f"{type(e).__name__}: {str(e)[:200]}"
 
     def attn_f(q, k, v, ids):
         return msa_ops.msa_attention(q, k, v, ids, block_size=BLK, implementation=impl, **pos)
@@ -552,9 +555,9 @@ def main():
             try:
                 inp = Inputs(sub, 1, t, t, m["h"], m["g"], m["d"], jnp.bfloat16, index_corr=args.index_corr)
                 row = bench_case(model, t, inp, args.interpret, args.dense_max, dense_ref, args.implementation)
-                row["index_corr"] = args.index_corr
             except Exception as e:
                 row = {"model": model, "T": t, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+            row["index_corr"] = args.index_corr
             row["seconds"] = time.time() - t0
             rows.append(row)
             print("ROW", json.dumps(row), flush=True)

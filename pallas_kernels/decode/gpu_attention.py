@@ -62,7 +62,8 @@ def _attn_kernel(pt_ref, qp_ref, lim_ref, ids_ref, bits_ref, q_ref, k_ref, v_ref
     g = bg % g_count
     q = q_ref[b, g, r].astype(cdt)                           # [M, D]
     m_rows, d = q.shape
-    # Row positions and the dense page count from the query positions: no XLA op before the launch.
+    # Row positions and the dense page count from the query positions (no XLA op before the launch when Q
+    # is a power of two; else one pad). lim_ref is not read in dense mode.
     qpos = _row_positions(qp_ref, b, r, m_rows=m_rows, qpb=qpb, hg=hg, nq=nq)                 # [M]
     if mode == "dense":      # pages up to the request's last row: clip(max pos // page + 1, 0, NP)
         n_dense = jnp.clip(jnp.max(qp_ref[b, :]) // page + 1, 0, pt_ref.shape[1])
@@ -231,7 +232,8 @@ def _paged_attention(q, k_pages, v_pages, page_table, q_positions, k_scale, v_sc
       num_warps / num_stages / loop: launch variant;
       sparse_pages_per_split: sparse-mode slots per program (pps, a power of two >= 1). Shared tiles:
       ``ceil(K / pps)`` splits per (request, group, row block), doubled up to K while the grid is
-      small (``_shared_splits``: on the wgmma kernel only while each split keeps a CTA), the union's pages interleaved over them by page id (loop "static":
+      small (``_shared_splits``: on the wgmma kernel only while each split keeps a CTA), the union's pages
+      interleaved over them by page id (loop "static":
       a fixed ``min(U, ceil(NP / splits))``-step loop, masked). Per-row tiles: ``block_ids`` slots per program,
       ``ceil(K / pps)`` splits, block_ids padded with -1 to a multiple of pps. pps = 1: one slot per
       split (the page is read only when the slot holds one). pps > 1: with loop "dynamic" a split

@@ -148,15 +148,19 @@ def test_one_item_per_cta_changes_no_bit_in_the_interpreter(shared, monkeypatch)
 
 
 @needs_interpreter
-@pytest.mark.parametrize("nq", [4, 8])
-def test_shared_sparse_tiles_match_reference_in_the_interpreter(nq):
+@pytest.mark.parametrize("nq,contexts", [(4, [300, 384, 70, None]), (8, [300, 384, 70, None]), (8, [300])],
+                         ids=["q4", "q8", "q8_one_request"])
+def test_shared_sparse_tiles_match_reference_in_the_interpreter(nq, contexts):
     """MSA block ids (top-3 of up to 6 pages per row, the local page always): the tile walks the union of
     its rows' pages, each row only its own; a padding row and a request of padding rows; splits sized to the
-    CTAs of the launch."""
+    CTAs of the launch (4 when interpreted): one split per row block with four requests, two with one (the
+    page interleaving over splits and the split index of the work items)."""
+    from pallas_kernels.decode.gpu_attention import _shared_splits
     rng = np.random.default_rng(3)
-    c = _case(rng, nq, [300, 384, 70, None])
-    c["pos"] = c["pos"].at[2, -1].set(-1)
+    c = _case(rng, nq, contexts)
+    c["pos"] = c["pos"].at[len(contexts) // 2, -1].set(-1)
     c["ids"] = _selection(rng, np.asarray(c["pos"]), 2, 3, 64)
+    assert _shared_splits(3, 4, len(contexts) * 2, 4) == (2 if len(contexts) == 1 else 1)
     _check(c, *_run(c, True, None, table=WGMMA))
 
 
