@@ -144,8 +144,8 @@ def _shared_splits(k: int, pps: int, programs: int, ctas: int | None = None) -> 
     """Splits per (request, kv group, row block) of shared sparse tiles: ``ceil(K / pps)``, doubled while
     below ``K`` and ``programs`` (= B * G * row blocks) times it is under 528 (enough to fill the GPU, the
     Triton tiles); with ``ctas`` (the persistent wgmma launch) doubled only while ``programs`` times the
-    doubled count is at most ``ctas``: each split its own CTA, no work-list balancing in XLA (measured
-    against filling: BENCHMARKS.md, MSA decode, session 48)."""
+    doubled count is at most ``ctas``: each split its own CTA, no work-list balancing in XLA (faster
+    than filling there: BENCHMARKS.md, MSA decode)."""
     n = -(-k // pps)
     while n * 2 <= k and (programs * n < 528 if ctas is None else programs * n * 2 <= ctas):
         n *= 2
