@@ -5,8 +5,9 @@ CPU smoke run:        python bench/msa_prefill.py --interpret --tiny --out /tmp/
 Kernel variants:      --indexer-kernels m3:131072 times the indexer kernels (Triton, Hopper wgmma bf16,
                       Hopper wgmma fp8 index path) at one context: selection agreement with the Triton
                       kernel (bf16: rows with equal sets; fp8: recall of the bf16 selection) and ms;
-                      --attn-fwd-variants m3:131072 the attention forward kernels (Triton, wgmma), each
-                      checked against the first in the same run.
+                      --attn-fwd-variants m3:131072 the attention forward kernels (Triton, Hopper KV-outer,
+                      the Hopper per-call choice, the query-tiled Hopper kernel forced), each checked against
+                      the first in the same run (with --index-corr: on correlated selections).
 Correlated selections: --index-corr c makes the timed rows' index queries an AR(1) process along the tokens
                       (``correlated_normal``), so neighbouring tokens select overlapping blocks as in a trained
                       model; every row reports ``tile_blocks`` (distinct blocks per tile of 1 / 4 / 8 / 16 tokens).
@@ -52,6 +53,7 @@ from minimax_jax.ops import msa as msa_ops  # noqa: E402
 from minimax_jax.ops.registry import clear_implementation_report, implementation_report  # noqa: E402
 from pallas_kernels.common import gpu_compute_capability  # noqa: E402
 from pallas_kernels.msa.gpu_attention import FORWARDS  # noqa: E402
+from pallas_kernels.msa.gpu_sparse_fwd_qtile import sparse_fwd_qtile  # noqa: E402
 from pallas_kernels.msa.gpu_indexer import msa_select_blocks_gpu  # noqa: E402
 from pallas_kernels.msa.gpu_indexer_wgmma import msa_select_blocks_wgmma  # noqa: E402
 
@@ -404,17 +406,20 @@ def bench_indexer_kernels(model, t, key, interpret=False):
     return _time_variants("IDXVAR", {"model": model, "T": t}, variants, make, (inp.qi, inp.ki), index_f, check)
 
 
-def bench_attn_fwd_variants(model, t, key, interpret=False):
-    """Time the attention forward kernels (``gpu_attention.FORWARDS``: Triton, Hopper wgmma) at one context
-    on the Triton indexer's ids. Check: every kernel's o / lse against the first one's (o atol = rtol = 3e-2,
-    lse 1e-3, same -inf pattern; ``bitwise``: identical); ``check_case`` compares each with the reference."""
+def bench_attn_fwd_variants(model, t, key, interpret=False, index_corr=0.0):
+    """Time the attention forward kernels (``gpu_attention.FORWARDS``: Triton, Hopper KV-outer wgmma, the Hopper
+    per-call choice; and the query-tiled Hopper kernel forced, ``qtile``) at one context on the Triton indexer's
+    ids (index queries correlated along the tokens by ``index_corr``). Check: every kernel's o / lse against the
+    first one's (o atol = rtol = 3e-2, lse 1e-3, same -inf pattern; ``bitwise``: identical); ``check_case``
+    compares each with the reference."""
     m = MODELS[model]
-    inp = Inputs(key, 1, t, t, m["h"], m["g"], m["d"], jnp.bfloat16)
+    inp = Inputs(key, 1, t, t, m["h"], m["g"], m["d"], jnp.bfloat16, index_corr=index_corr)
     pos = inp.pos()
     _, main_f, _ = _flops(t, m["h"], m["d"], m["g"], DI, BLK, TOPK)
     ids = jax.block_until_ready(jax.jit(lambda qi, ki: msa_select_blocks_gpu(
         qi, ki, block_size=BLK, topk=TOPK, interpret=interpret, **pos))(inp.qi, inp.ki))
-    make = lambda forward: jax.jit(lambda q, k, v, ids: FORWARDS[forward](
+    kernels = dict(FORWARDS, qtile=sparse_fwd_qtile)
+    make = lambda forward: jax.jit(lambda q, k, v, ids: kernels[forward](
         q, k, v, ids, pos["q_positions"], pos["kv_positions"], pos["q_segment_ids"],
         pos["kv_segment_ids"], block_size=BLK, interpret=interpret))
     first = []
@@ -436,7 +441,8 @@ def bench_attn_fwd_variants(model, t, key, interpret=False):
         return {"o_max_diff": float(o_d), "lse_max_diff": float(l_d), "bitwise": bool(same),
                 "ok": bool(ok) and float(l_d) <= 1e-3}
 
-    return _time_variants("FWDVAR", {"model": model, "T": t}, [dict(forward=f) for f in FORWARDS], make,
+    return _time_variants("FWDVAR", {"model": model, "T": t, "index_corr": index_corr},
+                          [dict(forward=f) for f in kernels], make,
                           (inp.q, inp.k, inp.v, ids), main_f, check)
 
 
@@ -531,7 +537,7 @@ def main():
     for case in (c for c in args.attn_fwd_variants.split(",") if c):
         mo, tt = case.split(":")
         key, sub = jax.random.split(key)
-        fwd_variants += bench_attn_fwd_variants(mo, int(tt), sub, args.interpret)
+        fwd_variants += bench_attn_fwd_variants(mo, int(tt), sub, args.interpret, args.index_corr)
         save()
     save()
     caps = dict(x.split("=") for x in args.max_tokens.split(",") if x)

@@ -5,10 +5,12 @@ keys of its selected blocks (block_ids[b, r, i, :], -1 = unused slot), keeping o
 scale 1/sqrt(D); exact softmax with fp32 statistics. Outputs o [B,T,H,D] (q.dtype) and
 lse [B,T,H] f32 (natural log; -inf for a query that sees no key, whose o is 0).
 
-Forward and backward are KV-outer (each selected K/V block loaded once for all the queries that
-chose it): gpu_sparse_fwd.py (Triton) or gpu_sparse_fwd_wgmma.py (Hopper, Mosaic GPU; partial outputs
-merged by LSE) and gpu_sparse_bwd.py (Triton) or gpu_sparse_bwd_wgmma.py (Hopper; dq partials summed over
-slots, dk / dv per window). This module holds the ``custom_vjp``.
+The forward is KV-outer (each selected K/V block loaded once for all the queries that chose it):
+gpu_sparse_fwd.py (Triton) or gpu_sparse_fwd_wgmma.py (Hopper, Mosaic GPU; partial outputs merged by LSE), or
+on Hopper query-tiled where neighbouring tokens' selections overlap (gpu_sparse_fwd_qtile.py, which also holds
+the per-call choice between the two Hopper forwards, ``forward="hopper"``). The backward is KV-outer:
+gpu_sparse_bwd.py (Triton) or gpu_sparse_bwd_wgmma.py (Hopper; dq partials summed over slots, dk / dv per
+window). This module holds the ``custom_vjp``.
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ from pallas_kernels.msa import layout
 from pallas_kernels.msa.gpu_sparse_bwd import sparse_bwd_kv_outer
 from pallas_kernels.msa.gpu_sparse_bwd_wgmma import sparse_bwd_wgmma
 from pallas_kernels.msa.gpu_sparse_fwd import sparse_fwd_kv_outer
+from pallas_kernels.msa.gpu_sparse_fwd_qtile import sparse_fwd_hopper
 from pallas_kernels.msa.gpu_sparse_fwd_wgmma import sparse_fwd_wgmma
 
 __all__ = ["msa_attention_gpu", "FORWARDS", "BACKWARDS"]
 
 
-FORWARDS = {"triton": sparse_fwd_kv_outer, "wgmma": sparse_fwd_wgmma}
+FORWARDS = {"triton": sparse_fwd_kv_outer, "wgmma": sparse_fwd_wgmma, "hopper": sparse_fwd_hopper}
 BACKWARDS = {"triton": sparse_bwd_kv_outer, "wgmma": sparse_bwd_wgmma}
 
 
@@ -101,9 +104,10 @@ def msa_attention_gpu(q, k, v, block_ids, *, q_positions, kv_positions, q_segmen
       interpret: run the same kernels in Pallas interpret mode (CPU tests).
       num_warps, num_stages: Triton launch parameters of the backward kernel (the forward has
         its own tuned launch).
-      forward: "triton" (``gpu_sparse_fwd``, any CUDA GPU with Triton) or "wgmma" (the Hopper kernel of
+      forward: "triton" (``gpu_sparse_fwd``, any CUDA GPU with Triton), "wgmma" (the Hopper KV-outer kernel of
         ``gpu_sparse_fwd_wgmma``: bf16 / f16, shapes of its ``wgmma_supported``; ``interpret`` then runs the
-        Mosaic GPU interpreter).
+        Mosaic GPU interpreter) or "hopper" (``gpu_sparse_fwd_qtile.sparse_fwd_hopper``: query tiles or the
+        KV-outer kernel, chosen per call on the device; same shapes).
       backward: "triton" (``gpu_sparse_bwd``) or "wgmma" (``gpu_sparse_bwd_wgmma``: bf16 / f16, shapes of its
         ``wgmma_bwd_supported``; a query pass with a window off an 8-row boundary runs the Triton kernel).
     Returns:

@@ -18,7 +18,9 @@ Names: ``pallas_gpu`` / ``pallas_tpu`` (compiled, on their platform) and ``palla
 ``pallas_hopper_gpu``: the Hopper set (compute capability 9.x; Pallas Mosaic GPU, ``wgmma`` + TMA) where
 one is built, the ``pallas_gpu`` (Triton) kernels for the rest: the indexer (``gpu_indexer_wgmma``,
 qi and ki of one dtype, bf16 / f16, Hi dividing 64, Di a multiple of 64 up to 256, blocks of 64 / 128 /
-256), the attention forward (``gpu_sparse_fwd_wgmma``, bf16 / f16, up to 64 heads per group filling at
+256), the attention forward (``gpu_sparse_fwd_qtile.sparse_fwd_hopper``: query tiles where the call's selections
+overlap between neighbouring tokens and H/G is 8, 16, 32 or 64, else the KV-outer ``gpu_sparse_fwd_wgmma``,
+chosen on the device per call and recorded under ``"msa_attention.forward"``; bf16 / f16, up to 64 heads per group filling at
 least 3/4 of its padded head slots: 6-8, 12-16, 24-32, 48-64; D = Dv in {64, 128}, blocks of 64 / 128)
 with the backward of ``gpu_sparse_bwd_wgmma`` (bf16 / f16, D = Dv = 128, block 128; ``hopper_backward("triton")``
 selects the Triton one; the backward that was traced is recorded under ``"msa_attention.backward"``), and the
@@ -52,9 +54,10 @@ from pallas_kernels.msa.tpu_attention import msa_attention_tpu
 from pallas_kernels.msa.tpu_indexer import msa_select_blocks_tpu
 from pallas_kernels.msa.tpu_kl import indexer_kl_tpu
 
-__all__ = ["SELECT_BLOCKS", "ATTENTION", "INDEXER_KL", "hopper_backward", "BACKWARD_REPORT"]
+__all__ = ["SELECT_BLOCKS", "ATTENTION", "INDEXER_KL", "hopper_backward", "BACKWARD_REPORT", "FORWARD_REPORT"]
 
 BACKWARD_REPORT = "msa_attention.backward"
+FORWARD_REPORT = "msa_attention.forward"
 _HOPPER_BACKWARD = {"kernel": "wgmma"}
 
 
@@ -210,7 +213,13 @@ def _attention_hopper(q, k, v, block_ids, *, chunk_size, interpret, **kw):
                                                    "pass with a window off an 8-row boundary)")
         else:
             record_implementation(BACKWARD_REPORT, f"triton (the wgmma backward refused: {why})")
-    return msa_attention_gpu(q, k, v, block_ids, interpret=interpret, forward="wgmma", backward=backward, **kw)
+    if head_slot(q.shape[2] // k.shape[2]) == q.shape[2] // k.shape[2]:
+        record_implementation(FORWARD_REPORT, "hopper: query tiles where the tiles' unions of selected windows "
+                                              "are small and every window 8-row aligned, else KV-outer (chosen on "
+                                              "the device per call: gpu_sparse_fwd_qtile.use_query_tiles)")
+    else:
+        record_implementation(FORWARD_REPORT, "KV-outer (padded head slots: no query tiles)")
+    return msa_attention_gpu(q, k, v, block_ids, interpret=interpret, forward="hopper", backward=backward, **kw)
 
 
 def _attention_tpu(q, k, v, block_ids, *, chunk_size, interpret, **kw):

@@ -34,6 +34,7 @@ from pallas_kernels.msa import gpu_kl as gk
 from pallas_kernels.msa import gpu_sparse_bwd as gb
 from pallas_kernels.msa import gpu_sparse_bwd_wgmma as gbw
 from pallas_kernels.msa import gpu_sparse_fwd as gs
+from pallas_kernels.msa import gpu_sparse_fwd_qtile as gfq
 from pallas_kernels.msa import gpu_sparse_fwd_wgmma as gfw
 
 T = 1 << 20
@@ -171,13 +172,15 @@ def _fake_mosaic_kernel(body, *, out_type, **_):
 
 
 @pytest.mark.parametrize("model", sorted(SHAPES))
-@pytest.mark.parametrize("direction", ["forward", "backward"])
+@pytest.mark.parametrize("direction", ["forward", "forward_hopper", "backward"])
 def test_wgmma_temporaries_within_the_triton_ones(model, direction, fake_kernels, monkeypatch):
     """The Hopper kernels (``pallas_hopper_gpu``'s defaults) at 1M tokens, bf16 (they serve bf16 / f16 only, so
     the absolute CPU numbers carry the CPU backend's bf16 widening; compare with the Triton kernels under the
-    same conditions). Forward: at most 15 % of q more (its per-row interval tables, ~12.5 % of q at 1M). Backward:
-    at most the per-pass f32 dK / dV buffers of whole runs (2 x B*S*G*D*4 bytes) plus 5 % of q more."""
-    for mod in (gfw, gbw):
+    same conditions). Forward: at most 15 % of q more (its per-row interval tables, ~12.5 % of q at 1M).
+    ``forward_hopper`` (the per-call choice with the query-tiled kernel): at most the KV-outer forward's plus 10 %
+    of q (the tile tables: two int32 [B,G,T/nt,nt*K]). Backward: at most the per-pass f32 dK / dV buffers of
+    whole runs (2 x B*S*G*D*4 bytes) plus 5 % of q more."""
+    for mod in (gfw, gbw, gfq):
         monkeypatch.setattr(mod, "plgpu", types.SimpleNamespace(kernel=_fake_mosaic_kernel))
     h, g = SHAPES[model]
     q, k, v, ids, do, pos = _args(h, g)
@@ -185,7 +188,7 @@ def test_wgmma_temporaries_within_the_triton_ones(model, direction, fake_kernels
     q_bytes = T * h * 128 * 2
 
     def temp(kernel):
-        if direction == "forward":
+        if direction.startswith("forward"):
             f = lambda q, k, v, ids, pos: kernel(q, k, v, ids, pos, pos, None, None, block_size=BLK)
             args = (q, k, v, ids, pos)
         else:
@@ -196,6 +199,9 @@ def test_wgmma_temporaries_within_the_triton_ones(model, direction, fake_kernels
     if direction == "forward":
         wgmma, triton = temp(gfw.sparse_fwd_wgmma), temp(gs.sparse_fwd_kv_outer)
         extra = 0.15 * q_bytes
+    elif direction == "forward_hopper":
+        wgmma, triton = temp(gfq.sparse_fwd_hopper), temp(gfw.sparse_fwd_wgmma)
+        extra = 0.10 * q_bytes
     else:
         wgmma, triton = temp(gbw.sparse_bwd_wgmma), temp(gb.sparse_bwd_kv_outer)
         extra = 2 * T * g * 128 * 4 + 0.05 * q_bytes

@@ -19,7 +19,7 @@ import pytest
 
 from minimax_jax import ops
 from minimax_jax.ops import msa as msa_ops
-from minimax_jax.ops.msa.pallas import BACKWARD_REPORT, hopper_backward
+from minimax_jax.ops.msa.pallas import BACKWARD_REPORT, FORWARD_REPORT, hopper_backward
 from pallas_kernels.common import mosaic_interpreter_available as interpreter_available
 from pallas_kernels.msa.gpu_sparse_bwd_wgmma import sparse_bwd_wgmma, wgmma_bwd_supported
 from pallas_kernels.msa.gpu_sparse_fwd import sparse_fwd_kv_outer
@@ -187,8 +187,10 @@ def test_ops_layer_default_and_report():
     with hopper_backward("triton"):
         jax.eval_shape(_grad_fn(c, ids), q, k, v)
     assert ops.implementation_report()[BACKWARD_REPORT].startswith("triton (chosen with hopper_backward")
+    ops.clear_implementation_report()               # the report joins what every trace recorded
     got = jax.jit(_grad_fn(c, ids))(q, k, v)
     assert ops.implementation_report()[BACKWARD_REPORT].startswith("wgmma (default")
+    assert ops.implementation_report()[FORWARD_REPORT].startswith("hopper: query tiles")
     f32 = lambda x: x.astype(jnp.float32)
     ref = jax.grad(lambda q, k, v: jnp.sum(msa_ops.msa_attention(q, k, v, ids, block_size=BLK, implementation="xla",
                                                                  **positions(c))[0]), argnums=(0, 1, 2))(
@@ -198,6 +200,7 @@ def test_ops_layer_default_and_report():
         assert np.max(np.abs(a - b)) <= 5e-2 * np.abs(b).max() and cosine(a, b) > 0.99
     c64 = make_case(rng, bsz=1, t=128, s=128, h=16, g=2, d=64)
     x64 = [jnp.asarray(c64[n], jnp.bfloat16) for n in ("q", "k", "v")]
+    ops.clear_implementation_report()
     jax.eval_shape(_grad_fn(c64, ids), *x64)
     assert ops.implementation_report()[BACKWARD_REPORT].startswith("triton (the wgmma backward refused: head dims")
     with pytest.raises(ValueError, match="triton' or 'wgmma"):

@@ -27,11 +27,17 @@ needs_interpreter = pytest.mark.skipif(
 
 
 def _run_and_check(c, ids, blk, chunk, **kw):
+    return run_and_check(c, ids, blk, sparse_fwd_wgmma, chunk=chunk, **kw)
+
+
+def run_and_check(c, ids, blk, forward, **kw):
+    """``forward`` (a Hopper forward kernel, interpreted) on bf16 inputs of case ``c`` against the fp32 XLA
+    reference, every element: returns (finite-lse mask, o, lse)."""
     q, k, v = (jnp.asarray(c[n], jnp.bfloat16) for n in ("q", "k", "v"))
     pos = positions(c)
-    o, lse = jax.jit(lambda q, k, v, ids: sparse_fwd_wgmma(
+    o, lse = jax.jit(lambda q, k, v, ids: forward(
         q, k, v, ids, pos["q_positions"], pos["kv_positions"], pos["q_segment_ids"], pos["kv_segment_ids"],
-        block_size=blk, chunk=chunk, interpret=True, **kw))(q, k, v, jnp.asarray(ids))
+        block_size=blk, interpret=True, **kw))(q, k, v, jnp.asarray(ids))
     assert o.shape == q.shape[:3] + (v.shape[-1],) and o.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
     f32 = lambda x: x.astype(jnp.float32)
     ro, rlse = msa_ops.msa_attention(f32(q), f32(k), f32(v), jnp.asarray(ids), block_size=blk,
