@@ -493,12 +493,12 @@ def main(argv=None) -> int:
     from minimax_jax.chat import ChatFormatError
     from minimax_jax.config import ConfigError
     from minimax_jax.convert.errors import CheckpointError
-    from minimax_jax.infer.errors import (CheckpointNotFound, ContextTooLong, Fp8WeightsUnavailable, InferenceError,
-                                          TokenizerNotFound)
+    from minimax_jax.infer.errors import (CheckpointNotFound, ContextTooLong, ConversionMismatch,
+                                          Fp8WeightsUnavailable, InferenceError, TokenizerNotFound)
 
     return cli_main.run(_main, argv, prog=PROG, hard_interrupt=True,
                         usage=(ValueError, ChatFormatError, CheckpointNotFound, TokenizerNotFound, ContextTooLong,
-                               Fp8WeightsUnavailable),
+                               Fp8WeightsUnavailable, ConversionMismatch),
                         failure=(InferenceError, ConfigError, CheckpointError))
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 __all__ = ["InferenceError", "CheckpointNotFound", "CheckpointMismatch", "TokenizerNotFound",
-           "ContextTooLong", "EngineUnavailable", "Fp8WeightsUnavailable"]
+           "ContextTooLong", "EngineUnavailable", "Fp8WeightsUnavailable", "ConversionMismatch"]
 
 
 class InferenceError(RuntimeError):
@@ -36,3 +36,8 @@ class EngineUnavailable(InferenceError):
 
 class Fp8WeightsUnavailable(InferenceError):
     """``--weights_dtype fp8`` for a checkpoint without FP8 weights (the message says how to get them)."""
+
+
+class ConversionMismatch(InferenceError):
+    """``--convert_dir`` holds something other than a conversion of this checkpoint at this dtype (the message
+    names the difference; nothing is loaded or written)."""

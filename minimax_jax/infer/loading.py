@@ -225,6 +225,29 @@ def check_weights_dtype(checkpoint_dir: str, weights_dtype: str | None) -> None:
                                     "weight_scale_inv tensors); drop --weights_dtype")
 
 
+def _check_earlier_conversion(convert_dir, checkpoint_dir, dtype, weights_dtype):
+    """Raise ConversionMismatch unless ``convert_dir`` holds this tool's conversion of ``checkpoint_dir`` at
+    ``dtype`` / ``weights_dtype`` (its ``conversion.json``), so a reused folder never loads another model."""
+    import json
+
+    from minimax_jax.convert.atomic_dir import REPORT_FILE
+    from minimax_jax.infer.errors import ConversionMismatch
+
+    path = os.path.join(convert_dir, REPORT_FILE)
+    try:
+        with open(path) as f:
+            report = json.load(f)
+    except (OSError, ValueError):
+        raise ConversionMismatch(f"--convert_dir {convert_dir} exists but is not a conversion written by this tool "
+                                 f"(no readable {REPORT_FILE}); give a new --convert_dir or remove it") from None
+    want = {"source": os.path.abspath(checkpoint_dir), "dtype": dtype, "weights_dtype": weights_dtype}
+    got = {k: report.get(k, report.get("dtype") if k == "weights_dtype" else None) for k in want}
+    diff = [f"{k} {got[k]!r} (this call: {want[k]!r})" for k in want if got[k] != want[k]]
+    if diff:
+        raise ConversionMismatch(f"--convert_dir {convert_dir} holds a different conversion: {'; '.join(diff)}; "
+                                 "give a new --convert_dir or remove it")
+
+
 def _load_any(checkpoint_dir, tokenizer_path, dtype, mesh, rules, convert_dir, log, verify=True,
               weights_dtype=None) -> LoadedModel:
     checkpoint_dir = resolve_checkpoint(checkpoint_dir)
@@ -238,6 +261,7 @@ def _load_any(checkpoint_dir, tokenizer_path, dtype, mesh, rules, convert_dir, l
         conv_dtype = dtype if dtype in ("float32", "bfloat16") else "bfloat16"
         what = conv_dtype + (", FP8 layer weights kept" if weights_dtype == "fp8" else "")
         if convert_dir and os.path.isdir(convert_dir):
+            _check_earlier_conversion(convert_dir, checkpoint_dir, conv_dtype, weights_dtype or conv_dtype)
             log(f"using the earlier conversion in {convert_dir}")
             check_weights_dtype(convert_dir, weights_dtype)
             return _load_orbax(convert_dir, checkpoint_dir, tokenizer, dtype, mesh_obj, rules_obj,
