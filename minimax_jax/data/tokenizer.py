@@ -20,7 +20,10 @@ real tokenizer; use :func:`special_token_ids` to put bos/eos/pad ids into a Mode
 
 CLI::
 
-    python -m minimax_jax.data.tokenizer train --input DIR_OR_GLOB [...] --vocab_size 8192 --out DIR
+    python -m minimax_jax.data.tokenizer train --input DIR_OR_GLOB [...] --vocab_size 8192 --out DIR [--overwrite]
+
+It writes ``DIR/tokenizer.json`` atomically; an existing one is replaced only with ``--overwrite`` (exit status 2
+and one line otherwise, checked before training).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from collections.abc import Iterator, Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from minimax_jax.atomic_file import write_atomic
 from minimax_jax.data.sources import DocumentSource
 
 PAD = "]!p~["
@@ -163,12 +167,20 @@ def special_token_ids(tok: Tokenizer) -> dict[str, int]:
     return {"pad_token_id": ids[PAD], "bos_token_id": ids[BOS], "eos_token_id": ids[EOS]}
 
 
-def save_tokenizer(tok: Tokenizer, out_dir: str) -> str:
-    """Writes ``out_dir/tokenizer.json`` (creating the directory); returns the file path."""
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, TOKENIZER_FILE)
-    tok.save(path)
+def write_tokenizer(tok: Tokenizer, path: str, *, overwrite: bool = False) -> str:
+    """Writes ``tok`` to the file ``path`` atomically (temporary sibling + rename; parent folders created);
+    returns ``path``. Raises FileExistsError for an existing ``path`` without ``overwrite``."""
+    if os.path.lexists(path) and not overwrite:
+        raise FileExistsError(f"{path!r} already exists; pass --overwrite to replace it, or choose another path")
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    write_atomic(path, tok.to_str(pretty=True))
     return path
+
+
+def save_tokenizer(tok: Tokenizer, out_dir: str, *, overwrite: bool = True) -> str:
+    """Writes ``out_dir/tokenizer.json`` (creating the directory; atomically, see ``write_tokenizer``); returns
+    the file path. ``overwrite=False``: FileExistsError when the file exists."""
+    return write_tokenizer(tok, os.path.join(out_dir, TOKENIZER_FILE), overwrite=overwrite)
 
 
 def load_tokenizer(dir_or_file: str) -> Tokenizer:
@@ -200,17 +212,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     t.add_argument("--input", nargs="+", required=True, help="files, directories, globs or JSONL")
     t.add_argument("--vocab_size", type=int, required=True)
     t.add_argument("--out", required=True, help="output directory (tokenizer.json is written there)")
+    t.add_argument("--overwrite", action="store_true", help="replace an existing tokenizer.json in --out")
     t.add_argument("--field", default="text", help="JSON field of JSONL inputs")
     t.add_argument("--min_frequency", type=int, default=2)
     t.add_argument("--max_chars", type=int, default=None, help="stop reading after this many chars")
     t.add_argument("--split_digits", action="store_true",
                    help="make every digit its own token (default: BPE merges digits like other text)")
     args = parser.parse_args(argv)
-    tok = train_tokenizer_from_paths(
-        args.input, args.vocab_size, field=args.field, min_frequency=args.min_frequency,
-        max_chars=args.max_chars, split_digits=args.split_digits,
-    )
-    path = save_tokenizer(tok, args.out)
+    path = os.path.join(args.out, TOKENIZER_FILE)
+    try:
+        if os.path.exists(args.out) and not os.path.isdir(args.out):
+            raise NotADirectoryError(f"--out {args.out!r} is a file; give the folder to write {TOKENIZER_FILE} in")
+        if os.path.lexists(path) and not args.overwrite:     # before the training, which can take minutes
+            raise FileExistsError(f"--out {args.out!r} already holds {TOKENIZER_FILE}; pass --overwrite to replace "
+                                  "it, or choose another folder")
+        tok = train_tokenizer_from_paths(
+            args.input, args.vocab_size, field=args.field, min_frequency=args.min_frequency,
+            max_chars=args.max_chars, split_digits=args.split_digits,
+        )
+        path = save_tokenizer(tok, args.out, overwrite=args.overwrite)
+    except (OSError, ValueError) as e:      # bad inputs (SourceError), a vocabulary too small, the destination
+        print(f"{parser.prog} train: error: {e}", file=sys.stderr)
+        return 2
     print(f"wrote {path}: vocab {tok.get_vocab_size()}, special ids {special_token_ids(tok)}")
     return 0
 

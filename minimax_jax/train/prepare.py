@@ -5,9 +5,12 @@
 
 - sources that match no file: ``minimax_jax.data.corpus.build_corpus`` writes the corpus into the
   directory of the first source pattern (Shakespeare, stdlib code, synthetic retrieval documents;
-  ``heldout.jsonl`` beside it);
+  ``heldout.jsonl`` beside it), only when that directory is new or empty: sources that match nothing
+  in a folder with files are a mistyped ``data.sources`` (TrainConfigError, nothing written), never
+  a place to write a corpus into;
 - a missing tokenizer: a byte-level BPE tokenizer with the model's vocabulary size (one token per
-  digit) is trained on the (now existing) sources and saved where the config expects it.
+  digit) is trained on the (now existing) sources and saved at exactly the path the config names
+  (``data.tokenizer``: a ``.json`` file, or a folder that gets ``tokenizer.json``), never over an existing file.
 
 Only single-process runs prepare data (a multi-host run must find it ready on shared storage).
 """
@@ -70,10 +73,23 @@ def prepare_data(tc: TrainConfig, vocab_size: int, *, max_mb: float = 64.0, log=
     if not sources:
         raise TrainConfigError("data.sources is empty: nothing to prepare")
     made = []
+    if missing_tok:
+        from minimax_jax.data.tokenizer import TOKENIZER_FILE
+
+        if not tok:
+            raise TrainConfigError("data.tokenizer is not set")
+        tok_file = tok if tok.endswith(".json") else os.path.join(tok, TOKENIZER_FILE)
+        if os.path.lexists(tok_file):
+            raise TrainConfigError(f"data.tokenizer {tok!r}: {tok_file!r} is a broken link; --prepare_data does not "
+                                   "replace it")
     if missing_src:
         from minimax_jax.data.corpus import DEFAULT_SYNTHETIC_MAX_CHARS, build_corpus
 
         out = os.path.dirname(sources[0]) or "."
+        if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+            raise TrainConfigError(f"data.sources {sources} match no file, and --prepare_data builds a corpus only "
+                                   f"into a new or empty folder, but {out!r} holds files: fix data.sources, or build "
+                                   f"the corpus yourself (python -m minimax_jax.data.corpus --out DIR)")
         log(f"prepare_data: building the offline corpus in {out} ({max_mb} MB of text)")
         # a retrieval document longer than a training row would be cut between its needle and its
         # question; ~3 characters per token of the 4K-vocabulary BPE keeps each one inside a row
@@ -84,17 +100,14 @@ def prepare_data(tc: TrainConfig, vocab_size: int, *, max_mb: float = 64.0, log=
             raise TrainConfigError(f"the corpus built in {out} does not match data.sources {sources}")
         made.append(out)
     if missing_tok:
-        from minimax_jax.data.tokenizer import save_tokenizer, train_tokenizer_from_paths
+        from minimax_jax.data.tokenizer import train_tokenizer_from_paths, write_tokenizer
 
-        if not tok:
-            raise TrainConfigError("data.tokenizer is not set")
-        tok_dir = os.path.dirname(tok) if tok.endswith(".json") else tok
-        log(f"prepare_data: training a {vocab_size}-token BPE tokenizer into {tok_dir}")
+        log(f"prepare_data: training a {vocab_size}-token BPE tokenizer into {tok_file}")
         # BPE merges settle long before 40M characters; the cap bounds the time on big corpora.
         # One token per digit: the retrieval answers are numbers, and copying them then needs the 10
         # digit tokens only (with merged digits a 4K vocabulary holds ~1,000 rare 2-3 digit tokens,
         # each of which a small model must learn to copy separately; RESULTS.md, run 4).
-        made.append(save_tokenizer(train_tokenizer_from_paths(sources, vocab_size, field=f.get("field", "text"),
-                                                              max_chars=TOKENIZER_MAX_CHARS, split_digits=True),
-                                   tok_dir))
+        made.append(write_tokenizer(train_tokenizer_from_paths(sources, vocab_size, field=f.get("field", "text"),
+                                                               max_chars=TOKENIZER_MAX_CHARS, split_digits=True),
+                                    tok_file))
     return made
