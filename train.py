@@ -10,7 +10,10 @@ The YAML has the sections model, data, optim, schedule, checkpoint, run, mesh, m
 may repeat, e.g. ``--set optim.lr=1e-3 --set run.steps=200 --set mesh=data=2,fsdp=4``; unknown
 sections/keys are rejected with the list of valid ones. Every check that can fail (bad values,
 sequence longer than the model's max positions, a mesh larger than the devices) runs before any
-parameter is made or anything is compiled. A run directory that holds checkpoints is resumed.
+parameter is made or anything is compiled. A run directory that holds checkpoints is resumed; ``run.run_dir``
+must be new, empty or a run directory of this tool (a folder with other files is refused, exit status 2). A
+resume with another ``run.steps`` keeps the learning rates of the steps already trained, or is refused
+(``docs/CONFIG.md``, ``run.steps``).
 
 Outputs under ``run.run_dir``: ``config.yaml``, ``model_config.yaml`` (the resolved model),
 ``checkpoints/<step>/`` (orbax), ``metrics.jsonl``, ``tensorboard/`` (``tensorboard --logdir RUN_DIR``),
@@ -175,7 +178,7 @@ def _train(argv):
     from minimax_jax.interrupt import EXIT_INTERRUPTED
     from minimax_jax.train.model_init import model_configs
     from minimax_jax.train.prepare import missing_data, prepare_data
-    from minimax_jax.train.run_lock import RunDirError
+    from minimax_jax.train.run_lock import RunDirError, run_dir_problem
 
     if args.plan_gpus is not None and args.plan_for is None:
         print("train.py: error: --plan_gpus needs --plan_for", file=sys.stderr)
@@ -198,9 +201,14 @@ def _train(argv):
             unwritable = _unwritable(tc.run.run_dir)
             if unwritable:
                 print(f"# run_dir: {tc.run.run_dir}: cannot be written ({unwritable} is not writable)")
-            return 2 if (missing and not prepare) or unwritable else 0    # the real run would fail on it
+            not_a_run = run_dir_problem(tc.run.run_dir)
+            if not_a_run:
+                print(f"# run_dir: {not_a_run}")
+            return 2 if (missing and not prepare) or unwritable or not_a_run else 0    # the real run would fail on it
         cfg, _ = model_configs(tc)
         validate_against(tc, cfg, jax.device_count(), jax.process_count(), jax.default_backend())  # fail before building data
+        if problem := run_dir_problem(tc.run.run_dir):     # nothing built or written for a run that cannot start
+            raise RunDirError(problem)
         cli_main.enable_compilation_cache(args.compilation_cache, prog=PROG)    # after the one-line config errors
         if prepare:
             prepare_data(tc, cfg.vocab_size, max_mb=args.prepare_max_mb)

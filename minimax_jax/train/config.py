@@ -39,6 +39,7 @@ INIT_MODES = ("scratch", "checkpoint", "sparse_cpt")
 REMAT = ("none", "full", "dots", "dots_kernels")
 DATA_KINDS = ("grain", "synthetic", "trajectory")
 DTYPES = ("float32", "bfloat16", "float16")
+SEED_MAX = 2 ** 32 - 1          # the largest seed: the RNGs take 32-bit unsigned seeds
 
 
 class TrainConfigError(ValueError):
@@ -135,8 +136,9 @@ class RunConfig:
 
     Attributes:
       run_dir: output directory (checkpoints/, tensorboard/, metrics.jsonl, config.yaml).
-      steps: total optimizer steps.
-      seed: RNG seed (params init and the step RNG).
+      steps: total optimizer steps, spanned by the learning-rate schedule; a resume with another value must keep the
+        learning rates of the steps already trained, else it is refused (how to extend a run: README, "Train").
+      seed: RNG seed (params init and the step RNG), an integer in [0, 2^32 - 1].
       log_every: log metrics every N steps (console, TensorBoard, metrics.jsonl).
       eval_every: evaluate held-out loss every N steps (0 = never); needs ``eval_sources``.
       eval_batches: batches per evaluation.
@@ -230,7 +232,7 @@ class DataSection:
     Synthetic keys:
       seq_len: tokens per training row.
       batch_size: GLOBAL batch size (rows).
-      seed: data seed (evaluation batches use ``seed + 1000003``).
+      seed: data seed, an integer in [0, 2^32 - 1] (evaluation batches use ``seed + 1000003``).
       mean_doc_len: mean length of the random documents packed into a row (0 = ``seq_len // 2``).
     """
 
@@ -346,13 +348,6 @@ def _yaml_problem(e: Exception) -> str:
 
 
 # ----------------------------------------------------------------------------- overrides
-def _parse_value(text: str) -> Any:
-    try:
-        return _yaml_load(text)
-    except yaml.YAMLError as e:
-        raise TrainConfigError(f"cannot parse override value {text!r}: {e}") from None
-
-
 def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """Apply ``section.key=value`` (or ``mesh=...``) overrides to a raw YAML dict (a new dict).
 
@@ -364,7 +359,10 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
             raise TrainConfigError(f"override {item!r} is not section.key=value")
         path, _, text = item.partition("=")
         path = path.strip()
-        value = _parse_value(text)
+        try:
+            value = _yaml_load(text)
+        except yaml.YAMLError as e:        # one line: the problem and where, not PyYAML's multi-line report
+            raise TrainConfigError(f"override {item!r}: cannot parse {text!r} as YAML ({_yaml_problem(e)})") from None
         if path == "mesh":
             out["mesh"] = str(value)
             continue
@@ -453,6 +451,8 @@ def validate(tc: TrainConfig) -> None:
     _check(_is_int(c.keep) and c.keep >= 1, f"checkpoint.keep must be an int >= 1, got {c.keep!r}")
     _check(isinstance(r.run_dir, str) and r.run_dir, "run.run_dir must be a non-empty path")
     _check(_is_int(r.steps) and r.steps >= 1, f"run.steps must be an int >= 1, got {r.steps!r}")
+    for name, v in (("run.seed", r.seed), ("data.seed", tc.data.fields.get("seed", 0))):
+        _check(_is_int(v) and 0 <= v <= SEED_MAX, f"{name} must be an integer in [0, {SEED_MAX}], got {v!r}")
     _check(_is_int(r.log_every) and r.log_every >= 1, "run.log_every must be an int >= 1")
     _check(_is_int(r.eval_every) and r.eval_every >= 0, "run.eval_every must be an int >= 0")
     _check(r.eval_every == 0 or bool(r.eval_sources), "run.eval_every > 0 needs run.eval_sources")

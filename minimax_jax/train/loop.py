@@ -13,7 +13,10 @@
    SIGTERM a save of the step in hand before returning (``interrupt``; a second Ctrl-C aborts).
 
 The run holds ``run_dir``'s lock throughout (``run_lock``); a resume first drops the metrics /
-TensorBoard records past the restored step (``metrics_truncate``), so every step is logged once.
+TensorBoard records past the restored step (``metrics_truncate``), so every step is logged once. A resume
+with another ``run.steps`` than the checkpoint's continues on the new schedule only when the learning rates
+of the steps already trained stay the same (``optimizer.resume_schedule_check``; else TrainConfigError,
+nothing written).
 
 Multi-host (TPU pods, multi-node GPU): every process runs the same command after
 ``minimax_jax.distributed.initialize()``; each reads its own shard of the data (the pipeline uses
@@ -45,7 +48,8 @@ from minimax_jax.train.losses import mtp_weights_list
 from minimax_jax.train.metrics import MetricsWriter, peak_flops_per_device, train_flops
 from minimax_jax.train.metrics_truncate import truncate_after
 from minimax_jax.train.model_init import initial_params, model_configs
-from minimax_jax.train.optimizer import PHASE_MAIN, PHASE_WARMUP, held_router_biases, make_optimizer, path_of
+from minimax_jax.train.optimizer import (PHASE_MAIN, PHASE_WARMUP, held_router_biases, make_optimizer, path_of,
+                                        resume_schedule_check)
 from minimax_jax.train.run_lock import RunLock
 from minimax_jax.train.step import StepSpec, init_state, make_eval_step, make_train_step
 
@@ -276,6 +280,13 @@ def _train(tr: Trainer, sig: StopSignals, data_it) -> dict[str, Any]:
         state = tr.initial_state()
     dropped = {}
     idle = restored is not None and step >= tc.run.steps     # nothing to train: the run's files stay as they are
+    steps_note = None
+    if restored is not None and not idle:     # another run.steps: refused (nothing written) if it changes the LR curve
+        saved_steps = ((meta.get("train_config") or {}).get("run") or {}).get("steps")
+        check = resume_schedule_check(tc, int(saved_steps), step) if saved_steps is not None else None
+        if check is not None and not check[0]:
+            raise TrainConfigError(check[1])
+        steps_note = check[1] if check is not None else None
     if is_main and not idle:  # only now: a refused resume (another model config) leaves the run's files as they were
         _write_yaml_atomic(os.path.join(run_dir, "config.yaml"), tc.to_dict())
         _write_yaml_atomic(os.path.join(run_dir, "model_config.yaml"), tr.cfg.to_dict())  # the resolved model
@@ -288,6 +299,8 @@ def _train(tr: Trainer, sig: StopSignals, data_it) -> dict[str, Any]:
         if idle:
             writer.message(f"warning: the run is already at step {step} >= run.steps {tc.run.steps}: nothing to "
                            f"train; raise run.steps to continue it, or use a new run.run_dir for a new run")
+        if steps_note:
+            writer.message(steps_note)
         changes = settings_changes(meta.get("train_config"), tc.to_dict())
         if changes:
             writer.message("warning: resuming with training settings that differ from the checkpoint's "

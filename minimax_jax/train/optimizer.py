@@ -30,7 +30,7 @@ from minimax_jax.train.config import TrainConfig
 from minimax_jax.train.losses import mtp_weights_list
 
 __all__ = ["path_of", "leaf_paths", "decay_mask", "trainable_mask", "held_router_biases", "make_schedule",
-           "make_optimizer",
+           "make_optimizer", "resume_schedule_check",
            "PHASE_WARMUP", "PHASE_MAIN", "INDEX_PARAM_PATTERN"]
 
 PHASE_WARMUP = "indexer_warmup"
@@ -127,6 +127,48 @@ def make_schedule(tc: TrainConfig, phase: str = PHASE_MAIN) -> optax.Schedule:
     return optax.join_schedules(
         [optax.linear_schedule(0.0, lr, w), optax.constant_schedule(lr), optax.linear_schedule(lr, end, d)],
         [w, stable_end])
+
+
+def resume_schedule_check(tc: TrainConfig, saved_steps: int, step: int) -> tuple[bool, str] | None:
+    """A resume at ``step`` of a run whose checkpoint was trained with ``run.steps = saved_steps``, now
+    ``tc.run.steps``: None when ``run.steps`` is unchanged, else ``(ok, one line)``.
+
+    The main phase's schedule depends on ``run.steps`` (cosine without ``schedule.decay_steps``, WSD). ``ok``:
+    the learning rates of every step trained so far are those the new ``run.steps`` gives too (e.g. WSD still
+    in its stable phase, a constant schedule, ``schedule.decay_steps`` set): the run continues on the new
+    schedule. Otherwise the new schedule would change the curve the checkpoint's optimizer was trained on
+    (a cosine stretched or squeezed mid-run): not ok, the line says how to extend a run instead.
+    """
+    import dataclasses
+
+    import numpy as np
+
+    if saved_steps == tc.run.steps:
+        return None
+    before = dataclasses.replace(tc, run=dataclasses.replace(tc.run, steps=int(saved_steps)))
+    warm = tc.msa.indexer_warmup_steps
+    n = max(int(step) - warm, 0)             # main-phase optimizer steps trained (its count starts after the warm-up)
+    change = f"run.steps {saved_steps} -> {tc.run.steps}"
+    if n:
+        counts = jnp.arange(n)
+        old = np.asarray(jax.device_get(make_schedule(before)(counts)), np.float64)
+        new = np.asarray(jax.device_get(make_schedule(tc)(counts)), np.float64)
+        bad = np.flatnonzero(~np.isclose(old, new, rtol=1e-5, atol=1e-12))
+        if bad.size:
+            i = int(bad[0])
+            kind = tc.schedule.kind
+            total = max(saved_steps - warm, 1)         # make_schedule's decay of the checkpoint's run.steps
+            decay = max(total - min(tc.schedule.warmup_steps, total), 1)
+            fix = {"cosine": f"; to train past this schedule's end at its final learning rate, keep its cosine "
+                             f"with --set schedule.decay_steps={decay}",
+                   "wsd": "; a WSD run can be extended while it is in its stable phase, not once its decay began"
+                   }.get(kind, "")
+            return False, (f"{change} would change the learning rate of steps already trained ({kind} schedule: step "
+                           f"{warm + i + 1} was trained at {old[i]:.4g}, the new run.steps gives {new[i]:.4g}), so the "
+                           f"checkpoint's optimizer would continue on another curve; resume with run.steps="
+                           f"{saved_steps}{fix}, or start a new run from an export of this one (init.mode: checkpoint)")
+    return True, (f"{change}: the learning rates of the {step} steps trained so far are unchanged "
+                  f"({tc.schedule.kind} schedule); continuing on the schedule of {tc.run.steps} steps")
 
 
 def make_optimizer(tc: TrainConfig, params_like: Any, phase: str = PHASE_MAIN) -> tuple[optax.GradientTransformation, Any, optax.Schedule]:

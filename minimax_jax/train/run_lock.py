@@ -6,9 +6,14 @@ so a crashed run's directory is resumed without any cleanup: a lock file without
 is stale and simply taken over. The file itself is never deleted (deleting it would let two
 processes lock two different files of the same name).
 
-Errors: ``RunDirError`` (the directory cannot be created or written), ``RunDirLockedError``
-(another live process holds the lock). File systems without ``flock`` (some FUSE mounts) run
-unlocked, with a warning.
+A run directory is recognised by its lock file (``is_run_dir``; runs from before the lock by
+``model_config.yaml`` beside ``checkpoints/``). ``RunLock`` takes a new or empty directory, or a run
+directory (a resume), and refuses any other folder with files (``run_dir_problem``): a typo'd
+``run.run_dir`` must not overwrite someone's ``config.yaml`` or ``metrics.jsonl``.
+
+Errors: ``RunDirError`` (the directory cannot be created or written, or is a folder with files that is not a
+run directory), ``RunDirLockedError`` (another live process holds the lock). File systems without ``flock``
+(some FUSE mounts) run unlocked, with a warning.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import os
 import socket
 import warnings
 
-__all__ = ["LOCK_NAME", "RunDirError", "RunDirLockedError", "RunLock", "lock_holder"]
+__all__ = ["LOCK_NAME", "RunDirError", "RunDirLockedError", "RunLock", "is_run_dir", "lock_holder", "run_dir_problem"]
 
 LOCK_NAME = "train.lock"
 
@@ -32,6 +37,24 @@ class RunDirError(Exception):
 
 class RunDirLockedError(RunDirError):
     """Another live process trains in the same ``run.run_dir``."""
+
+
+def is_run_dir(path: str) -> bool:
+    """Whether ``path`` is a run directory of ``train.py``: it holds the lock file (or, written before runs took
+    a lock, ``model_config.yaml`` and ``checkpoints/``)."""
+    return (os.path.isfile(os.path.join(path, LOCK_NAME))
+            or (os.path.isfile(os.path.join(path, "model_config.yaml")) and os.path.isdir(os.path.join(path, "checkpoints"))))
+
+
+def run_dir_problem(run_dir: str) -> str | None:
+    """Why training may not write into ``run_dir`` (one line), or None: a new or empty folder and a run
+    directory (``is_run_dir``: resumed) are fine; a file, or a folder with files of something else, is not."""
+    if os.path.exists(run_dir) and not os.path.isdir(run_dir):
+        return f"run.run_dir {run_dir!r} is a file; choose a folder (train.py creates it)"
+    if not os.path.isdir(run_dir) or not os.listdir(run_dir) or is_run_dir(run_dir):
+        return None
+    return (f"run.run_dir {run_dir!r} is a folder with files that is not a train.py run directory (no {LOCK_NAME}); "
+            f"choose a new or empty run.run_dir, or the run.run_dir of a run to resume")
 
 
 def lock_holder(run_dir: str) -> dict | None:
@@ -52,6 +75,9 @@ class RunLock:
     def __init__(self, run_dir: str):
         self.run_dir = run_dir
         self.path = os.path.join(run_dir, LOCK_NAME)
+        self._fd = None
+        if problem := run_dir_problem(run_dir):
+            raise RunDirError(problem)
         try:
             os.makedirs(run_dir, exist_ok=True)
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
