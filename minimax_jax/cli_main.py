@@ -25,13 +25,15 @@ from collections.abc import Callable, Sequence
 from minimax_jax.exit_codes import FAILURE, INTERRUPTED, USAGE, UsageError
 
 __all__ = ["Parser", "run", "add_bool", "add_common", "add_mesh", "parse_args", "int_at_least", "float_in",
-           "enable_compilation_cache", "DEFAULT_CACHE", "CACHE_ENV"]
+           "enable_compilation_cache", "DEFAULT_CACHE", "CACHE_ENV", "SEED_MAX"]
 
 #: Where the persistent compilation cache lives unless told otherwise.
 DEFAULT_CACHE = os.path.join("~", ".cache", "minimax_jax", "jax_cache")
 CACHE_ENV = "MINIMAX_JAX_CACHE"
 #: Programs that compile faster than this are not cached (JAX's default, 1 s, misses most small ones).
 CACHE_MIN_COMPILE_S = 0.2
+#: Largest ``--seed``: the RNGs take 32-bit unsigned seeds.
+SEED_MAX = 2 ** 32 - 1
 #: Errors that are the user's: exit status 2 by default.
 USAGE_ERRORS = (UsageError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
 

@@ -22,6 +22,8 @@ to a physical page id; unused entries are 0 (the null page).
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +32,7 @@ from minimax_jax.config import ModelConfig
 from minimax_jax.ops.paged import dequantize
 
 __all__ = ["CacheSpec", "init_cache", "quantize", "dequantize", "write_layer", "gather_pages",
-           "KV_DTYPES", "FP8_MAX"]
+           "KV_DTYPES", "FP8_MAX", "cache_device_bytes", "available_memory"]
 
 KV_DTYPES = ("float32", "bfloat16", "float8_e4m3fn")
 FP8_MAX = 448.0
@@ -83,6 +85,62 @@ def init_cache(cfg: ModelConfig, spec: CacheSpec) -> list[dict[str, jax.Array]]:
                 c["ki_scale"] = jnp.ones((n, p), jnp.float32)
         out.append(c)
     return out
+
+
+def cache_device_bytes(abstract_cache, shardings=None) -> int:
+    """Bytes one device holds of caches shaped like ``abstract_cache`` (``jax.eval_shape`` of ``init_cache``):
+    all of them, or with ``shardings`` (one ``jax.sharding.Sharding`` per array) each array's shard."""
+    leaves = jax.tree.leaves(abstract_cache)
+    shards = [None] * len(leaves) if shardings is None else jax.tree.leaves(shardings)
+    total = 0
+    for a, sh in zip(leaves, shards):
+        shape = a.shape if sh is None else sh.shard_shape(a.shape)
+        total += math.prod(shape) * jnp.dtype(a.dtype).itemsize
+    return total
+
+
+def _host_available() -> int | None:
+    """Bytes the host can still give this process: Linux's ``MemAvailable`` (else free pages, ``os.sysconf``),
+    capped by a cgroup v2 memory limit when one is set (a container is killed at its limit, not the host's)."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    if avail is None:
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, AttributeError):
+            return None
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read().strip())
+        if limit != "max":
+            avail = min(avail, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return max(avail, 0)
+
+
+def available_memory(device) -> tuple[int, str] | None:
+    """``(bytes, what)``: the memory ``device`` can still allocate, and a name for it (host memory for a CPU
+    device, else the device's free memory from ``memory_stats``); None when the platform does not say."""
+    if device.platform == "cpu":
+        avail = _host_available()
+        return None if avail is None else (avail, "available host memory")
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # noqa: BLE001 - some platforms do not implement memory_stats
+        return None
+    if "bytes_limit" not in stats:
+        return None
+    return max(int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), 0), f"free memory of {device.device_kind}"
 
 
 def quantize(x: jax.Array, dtype: str):

@@ -46,12 +46,12 @@ import numpy as np
 from minimax_jax import sharding
 from minimax_jax.config import ModelConfig
 from minimax_jax.decode import mesh_attention
-from minimax_jax.decode.cache import CacheSpec, init_cache
+from minimax_jax.decode.cache import CacheSpec, available_memory, cache_device_bytes, init_cache
 from minimax_jax.decode.pages import NULL_PAGE, PagePool, chain_hashes
 from minimax_jax.decode.loops import DeviceLoops
 from minimax_jax.decode.step import PREFILL_IMPLEMENTATIONS, model_step
 
-__all__ = ["DecodeEngine", "SequenceState", "DEFAULT_PAGE_SIZE", "MAX_QUERY_ROWS", "PREFILL_WIDTHS"]
+__all__ = ["DecodeEngine", "SequenceState", "CacheTooLarge", "DEFAULT_PAGE_SIZE", "MAX_QUERY_ROWS", "PREFILL_WIDTHS"]
 
 DEFAULT_PAGE_SIZE = 64
 MAX_QUERY_ROWS = 16
@@ -72,6 +72,47 @@ class SequenceState:
 
 
 _PAGE_AXIS = {"k": 1, "v": 1, "k_scale": 1, "v_scale": 1, "ki": 0, "ki_scale": 0}
+
+
+class CacheTooLarge(ValueError):
+    """The engine's caches would not fit in the memory available; raised before anything is allocated.
+    ``needed`` / ``available``: bytes (per device; a CPU's devices share the host's memory)."""
+
+    def __init__(self, message: str, needed: int, available: int):
+        super().__init__(message)
+        self.needed, self.available = needed, available
+
+
+def _gib(n: int) -> str:
+    return f"{n:,} bytes ({n / 2 ** 30:.2f} GiB)"
+
+
+def check_cache_memory(cfg: ModelConfig, spec: CacheSpec, params, max_seqs: int, max_len: int) -> None:
+    """Raise CacheTooLarge when the caches ``_new_cache`` would make do not fit in the memory their devices
+    have left (``cache.available_memory``; nothing is checked where the platform does not say)."""
+    make = functools.partial(init_cache, cfg, spec)
+    abstract = jax.eval_shape(make)
+    ctx = sharding.current()
+    if ctx is not None:
+        shardings = mesh_attention.cache_shardings(cfg, abstract, *ctx)
+        devices = list(ctx[0].devices.flat)
+    else:
+        shardings = None
+        devices = sorted({d for a in jax.tree.leaves(params) if isinstance(a, jax.Array) and a.committed
+                          for d in a.devices()}, key=lambda d: d.id)[:1] or jax.devices()[:1]
+    per_device = cache_device_bytes(abstract, shardings)
+    if devices[0].platform == "cpu":             # CPU devices share the host's memory
+        needed, found = per_device * len(devices), available_memory(devices[0])
+    else:
+        needed, found = per_device, min((m for m in map(available_memory, devices) if m is not None),
+                                         default=None, key=lambda m: m[0])
+    if found is None or needed <= found[0]:
+        return
+    where = f" per device ({len(devices)} devices)" if len(devices) > 1 and devices[0].platform != "cpu" else ""
+    raise CacheTooLarge(
+        f"the paged KV cache for {max_seqs} sequence(s) of up to {max_len:,} tokens needs {_gib(needed)}{where} "
+        f"({spec.num_pages:,} pages of {spec.page_size} tokens, {spec.kv_dtype}), more than the {_gib(found[0])} "
+        f"of {found[1]}", needed, found[0])
 
 
 def _new_cache(cfg: ModelConfig, spec: CacheSpec, params):
@@ -143,7 +184,8 @@ class DecodeEngine(DeviceLoops):
     axes and each prefill chunk's tokens split over the sequence axes (``minimax_jax.decode.mesh_attention``).
     Device loops, many steps per host round trip: ``decode_greedy``, ``decode_speculative_greedy``
     (``minimax_jax.decode.loops``).
-    Raises: ValueError for inconsistent sizes.
+    Raises: ValueError for inconsistent sizes; CacheTooLarge (before allocating) when the caches would not fit in
+    the memory left on their devices (``check_cache_memory``).
     """
 
     def __init__(self, params, cfg: ModelConfig, max_seqs: int, max_len: int, page_size: int | None = None,
@@ -181,6 +223,7 @@ class DecodeEngine(DeviceLoops):
         if query_rows is not None and not 1 <= query_rows <= MAX_QUERY_ROWS:
             raise ValueError(f"query_rows must be in [1, {MAX_QUERY_ROWS}], got {query_rows}")
         self.query_rows = query_rows
+        check_cache_memory(cfg, self.spec, params, max_seqs, max_len)     # before anything is allocated
         self.pool = PagePool(num_pages)
         self.cache = _new_cache(cfg, self.spec, params)
         self.tables = np.zeros((max_seqs, pages_per_seq), np.int32)

@@ -11,7 +11,8 @@ and tool calls as JSON after ``--- parsed output (JSON) ---``), or with ``--json
 acceptance rate) go to stderr. Exit status (``minimax_jax.exit_codes``), each error one
 ``infer.py: error: ...`` line (``--debug`` adds the traceback): 0 ok; 1 a runtime failure (checkpoint
 content, engine); 2 a usage error or bad input (flags, missing / malformed prompt, chat or checkpoint
-files, a prompt too long for the context); 130 interrupted (Ctrl-C: generation stops between steps, the
+files, a prompt too long for the context, a KV cache for the longest prompt + --max_new_tokens x --batch_size
+larger than the memory left: checked before it is allocated); 130 interrupted (Ctrl-C: generation stops between steps, the
 records finished so far are written, one line says so; a second Ctrl-C aborts at once).
 """
 
@@ -73,9 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                                               'off).')
     p.add_argument("--min_p", type=cli_main.float_in(0.0), default=0.0, help='Drop tokens below min_p x the top '
                                                                              'probability (0 = off).')
-    p.add_argument("--seed", type=int, default=0, help='Random seed; the same seed and inputs give the same '
-                                                       'output (sample j of a prompt draws the same whatever else '
-                                                       'is in the batch).')
+    p.add_argument("--seed", type=cli_main.int_at_least(0, cli_main.SEED_MAX), default=0,
+                   help=f'Random seed in [0, {cli_main.SEED_MAX}]; the same seed and inputs give the same output '
+                        '(sample j of a prompt draws the same whatever else is in the batch).')
     p.add_argument("--n", type=cli_main.int_at_least(1), default=1, help='Samples per prompt.')
     p.add_argument("--repetition_penalty", type=cli_main.float_in(0.0), default=1.0, help='Repetition penalty '
                                                                                           '(Hugging Face / CTRL): '
@@ -413,6 +414,7 @@ def _generate_all(gen, model, items, prompts, config, chunk, out) -> int:
 
     from tqdm.auto import tqdm
 
+    from minimax_jax.decode.engine import CacheTooLarge
     from minimax_jax.interrupt import InterruptFlag
     from minimax_jax.infer.metrics import combine_stats
 
@@ -429,8 +431,12 @@ def _generate_all(gen, model, items, prompts, config, chunk, out) -> int:
     stats, reasons = [], {}
     with ctx, InterruptFlag() as stop:
         # The engine (and its one "engine:" line) before any progress bar, sized for every batch.
-        gen.reserve(min(batch, len(rows)), max(len(prompts[i]) + m for (i, _), m in zip(rows, limit)) + extra,
-                    config.speculative is not None)
+        try:
+            gen.reserve(min(batch, len(rows)), max(len(prompts[i]) + m for (i, _), m in zip(rows, limit)) + extra,
+                        config.speculative is not None)
+        except CacheTooLarge as e:    # checked before the cache is allocated
+            raise UsageError(f"{e}; lower --max_new_tokens (or \"max_new_tokens\" in --prompts_file), --batch_size "
+                             "or the prompt") from None
         for b in range(0, len(rows), batch):
             part = rows[b:b + batch]
             ps = [prompts[i] for i, _ in part]

@@ -2,7 +2,9 @@
 ``main(argv)`` is the entry point for other launchers (``python infer.py serve ...`` passes the rest).
 
 With no ``--checkpoint`` it serves the shipped demo checkpoint (as ``infer.py``). Exit status as the
-other tools (``minimax_jax.cli_main``): 2 for bad flags / checkpoints, 1 for runtime failures.
+other tools (``minimax_jax.cli_main``): 2 for bad flags / checkpoints (a ``--max_len`` past the model's context,
+an engine whose KV cache would not fit in the memory left: checked before it is allocated), 1 for runtime
+failures.
 """
 
 from __future__ import annotations
@@ -90,10 +92,14 @@ def _main(argv, prog: str = PROG) -> int:
         parser.error(str(e))
     if why := _address_problem(flags.host, flags.port):    # before the model loads (minutes for a large one)
         raise UsageError(why)
-    if flags.num_draft is not None:                          # likewise: the config says how many drafts there can be
-        from minimax_jax.infer.loading import peek_config, resolve_checkpoint
+    from minimax_jax.infer.loading import peek_config, resolve_checkpoint
 
-        have = min(peek_config(resolve_checkpoint(flags.checkpoint)).num_mtp_modules, 15)
+    cfg = peek_config(resolve_checkpoint(flags.checkpoint))     # likewise: the config's limits, before loading
+    if flags.max_len > cfg.max_position_embeddings:
+        raise UsageError(f"--max_len {flags.max_len} is longer than the model's context of "
+                         f"{cfg.max_position_embeddings} tokens (max_position_embeddings); give at most that")
+    if flags.num_draft is not None:                          # the config says how many drafts there can be
+        have = min(cfg.num_mtp_modules, 15)
         if flags.num_draft > have:
             raise UsageError(f"--num_draft {flags.num_draft}: this model has {have} MTP modules, so at most {have} "
                              "drafts per step")
@@ -108,13 +114,18 @@ def _main(argv, prog: str = PROG) -> int:
             log(line)
     if flags.warmup:
         log("warming up: compiling the engine's steps before listening")
-    server = build(model, max_batch=flags.max_batch, max_len=flags.max_len, max_queue=flags.max_queue,
-                   prefill_chunk=flags.prefill_chunk, model_name=flags.served_model_name,
-                   default_max_tokens=flags.default_max_tokens, prefix_cache=flags.prefix_cache,
-                   token_budget=flags.token_budget, num_draft=flags.num_draft,
-                   mtp_window=64 if flags.mtp_window is None else flags.mtp_window,
-                   speculative=None if flags.speculative == "none" else flags.speculative,
-                   decode_loop=flags.decode_loop, warmup=flags.warmup)
+    from minimax_jax.decode.engine import CacheTooLarge
+
+    try:
+        server = build(model, max_batch=flags.max_batch, max_len=flags.max_len, max_queue=flags.max_queue,
+                       prefill_chunk=flags.prefill_chunk, model_name=flags.served_model_name,
+                       default_max_tokens=flags.default_max_tokens, prefix_cache=flags.prefix_cache,
+                       token_budget=flags.token_budget, num_draft=flags.num_draft,
+                       mtp_window=64 if flags.mtp_window is None else flags.mtp_window,
+                       speculative=None if flags.speculative == "none" else flags.speculative,
+                       decode_loop=flags.decode_loop, warmup=flags.warmup)
+    except CacheTooLarge as e:       # checked before the engine allocates its cache
+        raise UsageError(f"{e}; lower --max_len or --max_batch") from None
     print(f"serving {server.model_name} on http://{flags.host}:{flags.port}/v1 ({server.scheduler.max_batch} "
           f"slots, max_len {server.scheduler.max_len})", file=sys.stderr, flush=True)
     try:

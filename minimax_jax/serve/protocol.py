@@ -12,21 +12,31 @@ position, which the chunked prefill does not produce). Fields we do not implemen
 ``ignore_eos`` (keep generating past stop tokens up to ``max_tokens``, as vLLM's; for load tests) are
 extensions (pass them in ``extra_body`` with the ``openai`` client). Errors are
 ``{"error": {"message", "type", "param", "code"}}`` (``ApiError.body``).
+
+Unknown fields (a misspelt ``temprature``, another server's extension) are refused with 400 naming them
+(code ``unknown_parameter``, with the nearest known name), not ignored. Accepted and ignored: ``user``, and
+on chat completions the OpenAI fields that change no output of this server (``IGNORED_FIELDS``: ``metadata``,
+``store``, ``service_tier``, ``parallel_tool_calls``, ``prompt_cache_key``, ``safety_identifier``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+import difflib
+from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-__all__ = ["ApiError", "ChatCompletionRequest", "CompletionRequest", "MAX_LOGIT_BIAS", "MAX_N", "MAX_STOP",
-           "MAX_TOP_LOGPROBS", "StreamOptions"]
+__all__ = ["ApiError", "ChatCompletionRequest", "CompletionRequest", "IGNORED_FIELDS", "MAX_LOGIT_BIAS", "MAX_N",
+           "MAX_STOP", "MAX_TOP_LOGPROBS", "StreamOptions"]
 
 MAX_N = 16
 MAX_STOP = 4
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
+#: Fields of OpenAI's chat API accepted and ignored (bookkeeping and routing: no effect on what this server
+#: generates).
+IGNORED_FIELDS = frozenset({"metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+                            "safety_identifier"})
 
 
 class ApiError(Exception):
@@ -53,6 +63,8 @@ class _Common(BaseModel):
 
     # allow_inf_nan=False: NaN / inf numbers are refused as "not finite", not compared with the bounds
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    #: OpenAI fields accepted and ignored by this endpoint (``unsupported`` refuses any other unknown field).
+    ignored_fields: ClassVar[frozenset] = frozenset()
 
     model: str
     max_tokens: Optional[int] = Field(None, ge=1)
@@ -94,7 +106,18 @@ class _Common(BaseModel):
         return v
 
     def unsupported(self) -> None:
-        """Raise ApiError(400) for accepted-but-unimplemented fields set to non-defaults."""
+        """Raise ApiError(400) for unknown fields (module docstring) and accepted-but-unimplemented fields set to
+        non-defaults."""
+        unknown = sorted(set(self.model_extra or {}) - self.ignored_fields)
+        if unknown:
+            known = sorted(set(type(self).model_fields) | self.ignored_fields)
+
+            def name(f: str) -> str:
+                near = difflib.get_close_matches(f, known, n=1)
+                return repr(f) + (f" (did you mean {near[0]!r}?)" if near else "")
+            raise ApiError(400, f"unrecognized request argument{'s' if len(unknown) > 1 else ''} supplied: "
+                                f"{', '.join(map(name, unknown))}; this endpoint takes {', '.join(known)}",
+                           unknown[0], "unknown_parameter")
 
     def logit_bias_arrays(self, vocab_size: int) -> tuple[list[int], list[float]] | None:
         """``logit_bias`` as (token ids, biases), None when empty. Raises ApiError(400) naming a key
@@ -143,6 +166,8 @@ class CompletionRequest(_Common):
 
 class ChatCompletionRequest(_Common):
     """``POST /v1/chat/completions``: messages (system/user/assistant/tool) and optional tools."""
+
+    ignored_fields: ClassVar[frozenset] = IGNORED_FIELDS
 
     messages: list[dict[str, Any]]
     tools: Optional[list[dict[str, Any]]] = None
