@@ -3,6 +3,9 @@
     python -m minimax_jax.convert --src HF_DIR --dst OUT_DIR [--dtype bfloat16|float32] [--weights_dtype fp8]
     python -m minimax_jax.convert --export --src OUT_DIR --dst HF_DIR [--fp8] [--max_shard_mb 5120]
 
+``--fp8``, ``--max_shard_mb`` and ``--[no_]verify`` only apply with ``--export``; given without it they are a
+usage error (exit status 2), not ignored.
+
 Exit status (``minimax_jax.exit_codes``): 0 on success, 2 for bad arguments or the wrong kind of source
 (a missing --src, or one without a valid config.json / config.yaml, a field of the wrong type; --weights_dtype
 fp8 on a source without FP8 weights; a --dst that exists without --overwrite, overlaps --src, sits under a
@@ -28,6 +31,8 @@ RENAMED = {"--max-shard-gb": ("--max_shard_mb", lambda v: float(v) * 1024), "--n
 
 __all__ = ["main", "build_parser"]
 
+DEFAULT_MAX_SHARD_MB = 2048.0
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = cli_main.Parser(
@@ -47,11 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--export", action="store_true", help="orbax -> HF safetensors instead of HF -> orbax")
     p.add_argument("--fp8", action="store_true", help="with --export: re-quantise layer weights to FP8 e4m3 + "
                                                       "128x128 weight_scale_inv (the M2 hub format)")
-    p.add_argument("--max_shard_mb", type=cli_main.float_in(1e-9), default=2048.0,
-                   help="with --export: shard size limit in MiB (default: 2048)")
+    p.add_argument("--max_shard_mb", type=cli_main.float_in(1e-9), default=None,
+                   help=f"with --export: shard size limit in MiB (default: {DEFAULT_MAX_SHARD_MB:g})")
     p.add_argument("--overwrite", action="store_true",
                    help="replace --dst if it exists and was written by this tool (after success only)")
-    cli_main.add_bool(p, "verify", True, "with --export: check --src against its checksum manifest")
+    cli_main.add_bool(p, "verify", None, "with --export: check --src against its checksum manifest (default: on)")
     p.add_argument("--in_flight", type=cli_main.int_at_least(1), default=2,
                    help="layer units (one layer of one leaf) assembled/written at once; peak memory grows with it")
     p.add_argument("--chunk_mb", type=cli_main.int_at_least(1), default=128,
@@ -73,7 +78,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    args = cli_main.parse_args(build_parser(), argv)
+    parser = build_parser()
+    args = cli_main.parse_args(parser, argv)
+    if not args.export:
+        given = (["--fp8"] if args.fp8 else []) + (["--max_shard_mb"] if args.max_shard_mb is not None else []) + (
+            [] if args.verify is None else ["--verify" if args.verify else "--no_verify"])
+        if given:
+            parser.error(f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} with --export (orbax -> "
+                         f"HF safetensors); add --export or drop {'it' if len(given) == 1 else 'them'}")
+    max_shard_mb = DEFAULT_MAX_SHARD_MB if args.max_shard_mb is None else args.max_shard_mb
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     from minimax_jax.convert.atomic_dir import check_destination
     from minimax_jax.convert.errors import DestinationError, DestinationExistsError
@@ -100,8 +113,8 @@ def _main(argv: list[str] | None) -> int:
         from minimax_jax.convert.export import export_orbax_to_hf
 
         out = export_orbax_to_hf(args.src, args.dst, fp8=args.fp8, overwrite=args.overwrite,
-                                 max_shard_bytes=int(args.max_shard_mb * 1024 ** 2),
-                                 progress=args.progress, verify=args.verify)
+                                 max_shard_bytes=int(max_shard_mb * 1024 ** 2),
+                                 progress=args.progress, verify=args.verify is not False)
         print(f"wrote {out['tensors']} tensors ({out['bytes'] / 1e9:.3f} GB) in {out['shards']} shard(s) to {args.dst}")
     else:
         from minimax_jax.convert.hf_to_orbax import convert_hf_to_orbax
