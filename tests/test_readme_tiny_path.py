@@ -13,21 +13,26 @@ import pytest
 
 from minimax_jax.data.tokenizer import load_tokenizer
 from tests.paths import REPO_ROOT
+from tests.xla_flags import running_xla_flags
 
 TOKENIZER = os.path.join(REPO_ROOT, "configs", "tiny-data", "tokenizer.json")
 VOCAB = 512
 
 
-def _run(*argv, timeout=600):
-    r = subprocess.run([sys.executable, *argv], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
+def _run(*argv, timeout=600, env=None):
+    r = subprocess.run([sys.executable, *argv], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
+                       env=env)
     assert r.returncode == 0, (argv, r.stderr[-3000:])
     return r
 
 
 def _readme_path(tmp_path, *train_sets) -> list[float]:
-    """Train (README command + ``train_sets``), export, infer; returns the LM loss per step."""
+    """Train (README command + ``train_sets``), export, infer; returns the LM loss per step. The training run's
+    time is its steps more than its compile: -O1 code (tests/xla_flags.py) runs them ~5x faster than the suite's
+    -O0 for a few seconds more of compiling."""
     run, ckpt = tmp_path / "run", tmp_path / "ckpt"
-    _run("train.py", "--config", "configs/train/tiny-m3.yaml", *train_sets, "--set", f"run.run_dir={run}")
+    _run("train.py", "--config", "configs/train/tiny-m3.yaml", *train_sets, "--set", f"run.run_dir={run}",
+         env=dict(os.environ, XLA_FLAGS=running_xla_flags(1)))
     with open(run / "metrics.jsonl") as f:
         lm = [json.loads(line)["lm_loss"] for line in f]
     r = _run("-m", "minimax_jax.train.export", "--run_dir", str(run), "--dst", str(ckpt))

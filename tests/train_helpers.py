@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 __all__ = ["MICRO_MODEL", "MICRO_MSA_MODEL", "micro_train_dict", "write_yaml", "stdlib_corpus", "subprocess_env",
-           "run_train_cli", "REPO"]
+           "run_train_cli", "train_script_main", "REPO"]
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -80,6 +80,17 @@ def subprocess_env(cache_dir: str | None = None, devices: int | None = None) -> 
     if devices:
         env["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
     return env
+
+
+def train_script_main():
+    """``train.py``'s ``main(argv) -> exit status``, loaded in this process: for the checks that end before any
+    compile (usage errors, ``--check_only``), without an interpreter start-up per case."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_script", os.path.join(REPO, "train.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.main
 
 
 def run_train_cli(config_path: str, *overrides: str, env: dict | None = None, timeout: float = 600,

@@ -61,9 +61,19 @@ def test_moe_timing_rows(tmp_path):
     ("moe_timing.py", ["--variants=bogus"], "--variants"),
     ("moe_timing.py", ["--tokens=0"], "--tokens"),
 ])
-def test_bad_flags_are_usage_errors(script, args, flag):
-    r = _run(script, "--tiny", *args, timeout=120)
-    assert r.returncode == 2 and flag in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+def test_bad_flags_are_usage_errors(script, args, flag, monkeypatch, capsys):
+    """The script's ``main`` in this process (argparse refuses before any JAX work; no interpreter start-up per
+    case, as tests/bench/test_bench_moe_ep.py imports bench/moe.py)."""
+    import importlib
+
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    mod = importlib.import_module(script[:-len(".py")])
+    monkeypatch.setattr(sys, "argv", [os.path.join(ROOT, "bench", script), "--tiny", *args])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        mod.main()
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and flag in err and "Traceback" not in err, err[-2000:]
 
 
 def test_tgmm_ws_probe_flags_and_cpu_run(tmp_path):

@@ -3,7 +3,6 @@ same-run checks pass, and it writes its JSON (bench/msa_chunked_prefill.py also 
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import subprocess
@@ -57,23 +56,31 @@ def test_probe_checks_pass(tmp_path, script, out, keys, cases):
     (("--variants", "chunk=abc"), "variant item 'chunk=abc' is not name=integer"),
     (("--cases", "m9:4096"), "case 'm9:4096' is not model:T"),
     (("--tiny", "--cases", "m3:4096"), "--cases is not timed with --tiny")])
-def test_probe_flags_refused_before_any_work(tmp_path, args, message):
+def test_probe_flags_refused_before_any_work(tmp_path, args, message, monkeypatch, capsys):
     """A bad --variants / --cases ends the probe with argparse's exit 2 before the checks run (and write
-    nothing); --help lists --no-checks / --no-bench."""
-    env = dict(os.environ, PYTHONPATH=REPO_ROOT, JAX_PLATFORMS="cpu")
-    cmd = [sys.executable, os.path.join(REPO_ROOT, "bench", "msa_bwd_probe.py"), f"--out={tmp_path}"]
-    r = subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=300, env=env, cwd=REPO_ROOT)
-    assert r.returncode == 2 and message in r.stderr and "CHECK" not in r.stdout, (r.stdout[-2000:], r.stderr[-2000:])
+    nothing); --help lists --no-checks / --no-bench. The probe's ``main`` in this process (argparse refuses before
+    any JAX work; no interpreter start-up per case)."""
+    probe = _bwd_probe(monkeypatch)
+    code, out, err = _probe_main(probe, monkeypatch, capsys, f"--out={tmp_path}", *args)
+    assert code == 2 and message in err and "CHECK" not in out, (out[-2000:], err[-2000:])
     assert not os.listdir(tmp_path)
-    code, out = _probe_help()
+    code, out, _ = _probe_main(probe, monkeypatch, capsys, "--help")
     assert code == 0 and "--no-checks" in out and "--no-bench" in out
 
 
-@functools.lru_cache(maxsize=None)
-def _probe_help() -> tuple[int, str]:
-    """``(exit code, stdout)`` of ``msa_bwd_probe.py --help``: one run per test process, the same for every case
-    above."""
-    env = dict(os.environ, PYTHONPATH=REPO_ROOT, JAX_PLATFORMS="cpu")
-    h = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "bench", "msa_bwd_probe.py"), "--help"],
-                       capture_output=True, text=True, timeout=300, env=env, cwd=REPO_ROOT)
-    return h.returncode, h.stdout
+def _bwd_probe(monkeypatch):
+    """bench/msa_bwd_probe.py imported here (it puts the repository root on sys.path itself)."""
+    import importlib
+
+    monkeypatch.syspath_prepend(os.path.join(REPO_ROOT, "bench"))
+    return importlib.import_module("msa_bwd_probe")
+
+
+def _probe_main(probe, monkeypatch, capsys, *argv) -> tuple[int, str, str]:
+    """``(exit status, stdout, stderr)`` of the probe's ``main`` given ``argv`` (it ends in SystemExit here)."""
+    monkeypatch.setattr(sys, "argv", [os.path.join(REPO_ROOT, "bench", "msa_bwd_probe.py"), *argv])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        probe.main()
+    out, err = capsys.readouterr()
+    return e.value.code, out, err

@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 ROOT = REPO_ROOT
 SCRIPT = os.path.join(ROOT, "bench", "train_step.py")
 LINE = re.compile(r"^\[train_step +\d+\.\ds\] ")
@@ -123,13 +125,21 @@ def test_sigterm_reports_where_it_was(tmp_path):
     assert saved["errors"][0]["interrupted"] == "SIGTERM" and saved["errors"][0]["where"] == "msa@256: compile start"
 
 
-def test_gpu_target_usage_errors(tmp_path):
-    """``--gpu-target``: an unknown target, or with ``--lower-for``, is a one-line usage error (exit 2)."""
+def test_gpu_target_usage_errors(tmp_path, monkeypatch, capsys):
+    """``--gpu-target``: an unknown target, or with ``--lower-for``, is a one-line usage error (exit 2). The
+    script's ``main(argv)`` in this process: argparse refuses before any JAX work (no interpreter start-up)."""
+    import importlib
+
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    train_step = importlib.import_module("train_step")
     for extra, msg in ((["--gpu-target", "b300"], "'b300' is neither a file nor one of ['h200']"),
                        (["--gpu-target", "h200", "--lower-for", "cuda"], "leave out --lower-for")):
-        r = subprocess.run([sys.executable, SCRIPT, f"--out={tmp_path}", "--tiny", *extra], capture_output=True,
-                           text=True, timeout=120, env=_env(), cwd=ROOT)
-        assert r.returncode == 2 and msg in r.stderr.splitlines()[-1], (r.stdout[-2000:], r.stderr[-2000:])
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            train_step.main([f"--out={tmp_path / 'out'}", "--tiny", *extra])
+        out, err = capsys.readouterr()
+        assert e.value.code == 2 and msg in err.splitlines()[-1], (out[-2000:], err[-2000:])
+    assert not (tmp_path / "out").exists()
 
 
 def test_gpu_target_compiles_the_step_for_an_h200(tmp_path):

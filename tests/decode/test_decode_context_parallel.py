@@ -5,7 +5,7 @@ sharded by kv head).
 A subprocess (``--xla_force_host_platform_device_count=8``) runs the same engine work once without a mesh
 and once per mesh: a 300-token prompt in 64-token chunks (five chunks over a growing cached prefix), then
 two prompts in one chunk step (one sharing 200 tokens with the first: a prefix-cache hit), then three
-greedy decode steps of both, then a prompt whose last position's logits alone are computed. Every prompt
+greedy decode steps of both, then a prompt (one chunk) whose last position's logits alone are computed. Every prompt
 position's logits and every decode logit must equal the single-device run (fp32, 1e-5). Spies on the step's
 prefill attention ops check that every call traced T / n local queries (a whole-chunk call sneaking back
 fails); every device's shard of the K cache holds G / tensor kv heads; the jaxpr has no Pallas kernel
@@ -134,7 +134,7 @@ def _worker(model: str, meshes: list[str], impl: str) -> None:
     p1 = rng.integers(3, cfg.vocab_size, 300).tolist()
     p2 = p1[:200] + rng.integers(3, cfg.vocab_size, 90).tolist()
     p3 = rng.integers(3, cfg.vocab_size, 40).tolist()
-    p4 = rng.integers(3, cfg.vocab_size, 150).tolist()
+    p4 = rng.integers(3, cfg.vocab_size, 60).tolist()    # one chunk: one compiled logit-rows step
 
     def run(mesh_spec):
         eng = DecodeEngine(params, cfg, max_seqs=3, max_len=512, prefill_chunk=CHUNK, implementation="xla",

@@ -1,6 +1,7 @@
 """``python infer.py`` in a subprocess: chat rendering -> paged engine -> streamed text -> tool calls as
 JSON (or nothing but JSON with ``--json``), malformed tool-call output reported, Ctrl-C, the cheap error
-paths (exit status 1 or 2, one message); the throughput numbers with compilation apart."""
+paths (exit status 1 or 2, one message; all but one through ``minimax_jax.infer.cli.main`` in this process, which
+is all infer.py runs); the throughput numbers with compilation apart."""
 
 from tests.paths import REPO_ROOT
 import json
@@ -24,6 +25,19 @@ def _run(*args, timeout=120):
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     return subprocess.run([sys.executable, os.path.join(ROOT, "infer.py"), *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT)
+
+
+def _in_process(capsys, *args) -> tuple[int, str]:
+    """``infer.py ARGS`` run in this process (``minimax_jax.infer.cli.main``, all that infer.py calls; no
+    interpreter start-up): ``(exit status, stderr)``. For the error paths that fail before generating."""
+    from minimax_jax.infer import cli
+
+    capsys.readouterr()
+    try:
+        code = cli.main(list(args))
+    except SystemExit as e:          # argparse's usage errors (exit status 2) pass through cli_main.run
+        code = e.code
+    return code, capsys.readouterr().err
 
 
 def _parsed(stdout: str) -> dict:
@@ -121,7 +135,8 @@ def test_malformed_tool_call_is_reported_not_fatal(tmp_path, chat_file):
     assert "engine: recompute" in r.stderr
 
 
-def test_bad_input_exits_2_with_one_line(tmp_path, good_ckpt):
+def test_bad_input_exits_2_with_one_line(tmp_path, good_ckpt, capsys):
+    """The first case through ``python infer.py`` (the script's exit status), the others in this process."""
     ckpt = str(tmp_path / "ckpt")
     shutil.copytree(good_ckpt, ckpt)
     os.remove(os.path.join(ckpt, "tokenizer.json"))
@@ -129,44 +144,46 @@ def test_bad_input_exits_2_with_one_line(tmp_path, good_ckpt):
     assert r.returncode == 2
     assert f"error: no tokenizer: looked for {os.path.join(ckpt, 'tokenizer.json')}" in r.stderr
 
-    r = _run(f"--checkpoint={tmp_path / 'nowhere'}", "--prompt=hi")
-    assert r.returncode == 2 and "does not exist" in r.stderr
+    code, err = _in_process(capsys, f"--checkpoint={tmp_path / 'nowhere'}", "--prompt=hi")
+    assert code == 2 and "does not exist" in err
 
-    r = _run(f"--checkpoint={ckpt}")
-    assert r.returncode == 2
-    assert "give exactly one of --prompt, --prompt_file, --chat_file, --prompts_file" in r.stderr
+    code, err = _in_process(capsys, f"--checkpoint={ckpt}")
+    assert code == 2
+    assert "give exactly one of --prompt, --prompt_file, --chat_file, --prompts_file" in err
 
 
-def test_num_draft_beyond_the_models_mtp_modules_is_a_usage_error():
+def test_num_draft_beyond_the_models_mtp_modules_is_a_usage_error(capsys):
     """The shipped demo has one MTP module: --num_draft 2 is bad input (exit 2, one line), found once the
     checkpoint's config is known."""
-    r = _run("--prompt=hi", "--speculative=mtp", "--num_draft=2", "--temperature=0", "--max_new_tokens=2")
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert "error: --num_draft 2: this model has 1 MTP modules, so 1..1 drafts per step" in r.stderr
+    code, err = _in_process(capsys, "--prompt=hi", "--speculative=mtp", "--num_draft=2", "--temperature=0",
+                            "--max_new_tokens=2")
+    assert code == 2, err[-2000:]
+    assert "error: --num_draft 2: this model has 1 MTP modules, so 1..1 drafts per step" in err
 
 
-def test_context_too_long_fails_before_loading(tmp_path, good_ckpt):
+def test_context_too_long_fails_before_loading(tmp_path, good_ckpt, capsys):
     ckpt = good_ckpt
     ctx = tmp_path / "book.txt"
     ctx.write_text("The weather in Paris is mild. " * 400)
-    r = _run(f"--checkpoint={ckpt}", f"--context_file={ctx}", "--prompt=Where?", "--max_new_tokens=100")
-    assert r.returncode == 2
-    assert "> the model's context of 2048 tokens" in r.stderr
-    assert "model:" not in r.stderr    # parameters were never loaded
+    code, err = _in_process(capsys, f"--checkpoint={ckpt}", f"--context_file={ctx}", "--prompt=Where?",
+                            "--max_new_tokens=100")
+    assert code == 2
+    assert "> the model's context of 2048 tokens" in err
+    assert "model:" not in err    # parameters were never loaded
 
 
-def test_bad_dtype_and_unreadable_chat_file_are_flag_errors(tmp_path):
+def test_bad_dtype_and_unreadable_chat_file_are_flag_errors(tmp_path, capsys):
     """--dtype takes only the dtypes loading supports (a clean flag error, no traceback); a missing
-    --chat_file is named like a missing --prompt_file."""
+    --chat_file is named like a missing --prompt_file. (In this process: argparse's and cli_main's messages.)"""
     for bad in ("foo", "float8_e4m3fn", "float16"):
-        r = _run(f"--dtype={bad}", "--prompt=hi", timeout=60)
-        assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
-        assert r.returncode == 2 and f"argument --dtype: invalid choice: '{bad}'" in r.stderr
-        assert "kv_dtype" not in r.stderr
+        code, err = _in_process(capsys, f"--dtype={bad}", "--prompt=hi")
+        assert code != 0 and "Traceback" not in err, err[-2000:]
+        assert code == 2 and f"argument --dtype: invalid choice: '{bad}'" in err
+        assert "kv_dtype" not in err
     missing = str(tmp_path / "missing.json")
-    r = _run(f"--chat_file={missing}", timeout=60)
-    assert r.returncode == 2
-    assert r.stderr.strip().splitlines()[-1] == f"infer.py: error: cannot read --chat_file {missing!r}: No such file or directory"
+    code, err = _in_process(capsys, f"--chat_file={missing}")
+    assert code == 2
+    assert err.strip().splitlines()[-1] == f"infer.py: error: cannot read --chat_file {missing!r}: No such file or directory"
 
 
 def test_flag_combinations_that_cannot_work_exit_2(capsys):

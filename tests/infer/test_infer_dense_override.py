@@ -6,11 +6,6 @@ both when segments keep their boundaries and when two segments merge; unknown mo
 clear error (API, loader before any work, CLI flag); the flag is in ``infer.py --help``.
 """
 
-from tests.paths import REPO_ROOT
-import os
-import subprocess
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,7 +17,6 @@ from minimax_jax.infer.attention_mode import (ATTENTION_MODES, INDEX_PARAM_NAMES
 from minimax_jax.model import abstract_params
 from minimax_jax.model.transformer import forward, mtp_forward
 
-ROOT = REPO_ROOT
 T = 64          # tokens; 4 blocks of 16
 
 
@@ -129,15 +123,23 @@ def test_unknown_mode_is_a_clear_error():
     assert ATTENTION_MODES == ("as_trained", "dense")
 
 
-def _infer(*args):
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-    return subprocess.run([sys.executable, os.path.join(ROOT, "infer.py"), *args], capture_output=True, text=True,
-                          timeout=120, env=env, cwd=ROOT)
+def _infer(capsys, *args) -> tuple[int, str, str]:
+    """``infer.py ARGS`` in this process (``minimax_jax.infer.cli.main``, all that infer.py calls; argparse's
+    --help and refusals end in SystemExit): ``(exit status, stdout, stderr)``."""
+    from minimax_jax.infer import cli
+
+    capsys.readouterr()
+    try:
+        code = cli.main(list(args))
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
-def test_cli_flag_in_help_and_bad_value_rejected():
-    r = _infer("--help")
-    assert r.returncode == 0 and "--attention {as_trained,dense}" in r.stdout
-    r = _infer("--prompt=x", "--attention=sparse")
-    assert r.returncode != 0
-    assert r.returncode == 2 and "argument --attention: invalid choice: 'sparse'" in r.stderr
+def test_cli_flag_in_help_and_bad_value_rejected(capsys):
+    code, out, _ = _infer(capsys, "--help")
+    assert code == 0 and "--attention {as_trained,dense}" in out
+    code, _, err = _infer(capsys, "--prompt=x", "--attention=sparse")
+    assert code != 0
+    assert code == 2 and "argument --attention: invalid choice: 'sparse'" in err

@@ -57,15 +57,36 @@ def _check(results: list[dict], meshes: list[str], msa: bool, kernels: bool = Fa
         assert r["pallas_outside"] == 0, r
 
 
-@pytest.mark.parametrize("meshes", [["sequence=2,tensor=2,fsdp=2"],
+def _m3_kernels(meshes: list[str]) -> list[dict]:
+    return _run_worker("configs/tiny-m3.yaml", meshes, msa_impl="pallas_gpu_interpret",
+                       attention_impl="pallas_masked_gpu_interpret")
+
+
+# The default run's meshes of the two tests below: one worker computes both (one start-up, one compile of the
+# one-device reference, which the two tests share: same model, batch and kernels).
+SEQ_MESH, ROWS_MESH = "sequence=2,tensor=2,fsdp=2", "data=2,expert=2,tensor=2"
+
+
+@pytest.fixture(scope="module")
+def default_meshes() -> dict[str, dict]:
+    return {r["mesh"]: r for r in _m3_kernels([SEQ_MESH, ROWS_MESH])}
+
+
+def _m3_kernel_results(meshes: list[str], request) -> list[dict]:
+    """The worker's results for ``meshes``: the default run's mesh from the shared worker, others (slow) alone."""
+    if meshes in ([SEQ_MESH], [ROWS_MESH]):
+        return [request.getfixturevalue("default_meshes")[meshes[0]]]
+    return _m3_kernels(meshes)
+
+
+@pytest.mark.parametrize("meshes", [[SEQ_MESH],
                                     pytest.param(["sequence=4,data=2"], marks=pytest.mark.slow, id="seq4")],
                          ids=lambda m: "+".join(m))
-def test_m3_msa_kernels_sequence_parallel_equal_one_device(meshes):
+def test_m3_msa_kernels_sequence_parallel_equal_one_device(meshes, request):
     """Tiny M3 (dense first layer and MTP layer with the interpreted masked GPU kernel: local queries
     against the gathered keys; MSA layers with the interpreted GPU kernels, sparse KL): sequence=2 with
     tensor and fsdp; slow: sequence=4 (x data=2)."""
-    results = _run_worker("configs/tiny-m3.yaml", meshes, msa_impl="pallas_gpu_interpret",
-                          attention_impl="pallas_masked_gpu_interpret")
+    results = _m3_kernel_results(meshes, request)
     _check(results, meshes, msa=True, kernels=True)
     assert all(r["attention_ran"] == "pallas_masked_gpu_interpret" for r in results), results
 
@@ -76,10 +97,10 @@ _LOCAL_ROWS_CASES = {"data=2,tensor=4": (2, "-"), "data=2,expert=2,tensor=2": (1
 
 
 @pytest.mark.parametrize("meshes", [
-    ["data=2,expert=2,tensor=2"],
+    [ROWS_MESH],
     pytest.param(["data=2,tensor=4", "data=4,tensor=2"], marks=pytest.mark.slow, id="data2_tensor4+data4_tensor2")],
     ids=lambda m: "+".join(m))
-def test_kernels_run_on_local_rows_without_a_sequence_axis(meshes):
+def test_kernels_run_on_local_rows_without_a_sequence_axis(meshes, request):
     """Data / fsdp / expert / tensor meshes without a ``sequence`` axis: the attention and MSA kernels still run
     in shard_map on each device's rows (and heads), never on the global batch (a Pallas kernel or cuDNN call
     left to GSPMD makes every device gather the whole batch and run the whole kernel), and the loss and every
@@ -87,8 +108,7 @@ def test_kernels_run_on_local_rows_without_a_sequence_axis(meshes):
     row and one kv head per device); slow: data=2 x tensor=4 (heads unsplit: two kv heads do not split 4 ways; two
     rows per device, as tests/sharding/test_tree_rows_mesh.py's data=2 x tensor=2 with the MSA kernels) and
     data=4 x tensor=2."""
-    results = _run_worker("configs/tiny-m3.yaml", meshes, msa_impl="pallas_gpu_interpret",
-                          attention_impl="pallas_masked_gpu_interpret")
+    results = _m3_kernel_results(meshes, request)
     assert [r["mesh"] for r in results] == meshes
     for r in results:
         local_rows, heads = _LOCAL_ROWS_CASES[r["mesh"]]

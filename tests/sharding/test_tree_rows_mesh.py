@@ -21,21 +21,37 @@ TOL = 1e-5
 ROWS = {"data=4": 1, "data=2,tensor=2": 2}          # mesh -> rows per device
 
 
+def _run_worker(groups: list[tuple[str, list[str]]]) -> list[dict]:
+    """One worker process for ``groups`` of (way, meshes): its result lines (each naming its way and mesh)."""
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4",
+               JAX_PLATFORMS="cpu", PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), *(f"{w}:{';'.join(m)}" for w, m in groups)],
+                          env=env, capture_output=True, text=True, timeout=900, cwd=REPO_ROOT)
+    assert proc.returncode == 0, (proc.stdout[-4000:], proc.stderr[-8000:])
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+# The default run's cases: one worker process for both (one interpreter and JAX start-up).
+DEFAULT_CASES = [("ops_xla", ["data=4", "data=2,tensor=2"]), ("keys_pallas", ["data=2,tensor=2"])]
+
+
+@pytest.fixture(scope="module")
+def default_cases() -> list[dict]:
+    return _run_worker(DEFAULT_CASES)
+
+
 @pytest.mark.parametrize("way,meshes", [
-    ("ops_xla", ["data=4", "data=2,tensor=2"]),
-    ("keys_pallas", ["data=2,tensor=2"]),
+    *DEFAULT_CASES,
     pytest.param("keys_pallas", ["data=4"], marks=pytest.mark.slow, id="keys_pallas-data=4")],
     ids=lambda v: "+".join(v) if isinstance(v, list) else v)
-def test_tree_rows_split_over_the_batch_axes_equal_one_device(way, meshes):
+def test_tree_rows_split_over_the_batch_axes_equal_one_device(way, meshes, request):
     """Both meshes with the XLA ops; the interpreted kernels (~20 s a mesh) on data=2 x tensor=2 (two rows per
     device), on data=4 (one row per device, as tests/sharding/test_context_parallel.py's local-rows case with
     the kernels) only in the slow run."""
-    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4",
-               JAX_PLATFORMS="cpu", PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), way, ";".join(meshes)], env=env,
-                          capture_output=True, text=True, timeout=900, cwd=REPO_ROOT)
-    assert proc.returncode == 0, (proc.stdout[-4000:], proc.stderr[-8000:])
-    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    if (way, meshes) in DEFAULT_CASES:
+        results = [r for r in request.getfixturevalue("default_cases") if r["way"] == way]
+    else:
+        results = _run_worker([(way, meshes)])
     assert [r["mesh"] for r in results] == meshes
     for r in results:
         rows = ROWS[r["mesh"]]
@@ -102,12 +118,14 @@ def _worker(way: str, meshes: list[str]) -> None:
                             {"loss": l_ref, "kl": m_ref["indexer_kl"], "grads": g_ref},
                             {"loss": l_got, "kl": m_got["indexer_kl"], "grads": g_got})
         flat, _ = jax.tree_util.tree_flatten_with_path(errs)
-        print(json.dumps({"mesh": mesh_spec, "max_abs_err": max(v for _, v in flat),
+        print(json.dumps({"way": way, "mesh": mesh_spec, "max_abs_err": max(v for _, v in flat),
                           "bad_leaves": [jax.tree_util.keystr(k) for k, v in flat if not v <= TOL],
                           "kl": float(m_got["indexer_kl"]), "rows_seen": sorted(set(seen)),
                           "cp": {k: v for k, v in report.items() if k.startswith("context_parallel")},
                           **_pallas_calls(jaxpr)}), flush=True)
 
 
-if __name__ == "__main__":
-    _worker(sys.argv[1], sys.argv[2].split(";"))
+if __name__ == "__main__":      # arguments: WAY:MESH;MESH ... (one group after the other)
+    for group in sys.argv[1:]:
+        way, meshes = group.split(":", 1)
+        _worker(way, meshes.split(";"))

