@@ -103,12 +103,18 @@ def build_parser() -> argparse.ArgumentParser:
 BUILD_HINT = "build it (python -m minimax_jax.data.corpus / .tokenizer) or pass --prepare_data"
 
 
-def missing_data_action(item: str, prepare: bool) -> str:
-    """What ``--check_only`` says about a missing data item (``sources ...`` / ``tokenizer ...``)."""
+def missing_data_action(item: str, prepare: bool, sources: list[str] | None = None) -> str:
+    """What ``--check_only`` says about a missing data item (``sources ...`` / ``tokenizer ...``); ``sources``: the
+    config's data.sources (where ``--prepare_data`` would build the corpus)."""
     if not prepare:
         return f"missing: {BUILD_HINT}"
     if not item.startswith("sources"):
         return "missing, would be trained on the corpus first"
+    from minimax_jax.train.prepare import corpus_destination_problem
+
+    problem = corpus_destination_problem(list(sources)) if sources else None
+    if problem:
+        return f"missing, and {problem}"
     from minimax_jax.data.prose import MissingDataError, shakespeare_dir
 
     try:
@@ -196,15 +202,18 @@ def _train(argv):
             print(yaml.safe_dump(tc.to_dict(), sort_keys=False))
             print(f"# model: {cfg.param_counts()['total']:,} params; mesh {spec}; devices {jax.device_count()}")
             missing = missing_data(tc)
-            for item in missing:
-                print(f"# data: {item}: {missing_data_action(item, prepare)}")
+            actions = [missing_data_action(item, prepare, tc.data.fields.get("sources")) for item in missing]
+            for item, action in zip(missing, actions):
+                print(f"# data: {item}: {action}")
+            refused = any(a.startswith("missing, and ") for a in actions)      # --prepare_data would refuse
             unwritable = _unwritable(tc.run.run_dir)
             if unwritable:
                 print(f"# run_dir: {tc.run.run_dir}: cannot be written ({unwritable} is not writable)")
             not_a_run = run_dir_problem(tc.run.run_dir)
             if not_a_run:
                 print(f"# run_dir: {not_a_run}")
-            return 2 if (missing and not prepare) or unwritable or not_a_run else 0    # the real run would fail on it
+            # the real run would fail on any of these
+            return 2 if (missing and not prepare) or refused or unwritable or not_a_run else 0
         cfg, _ = model_configs(tc)
         validate_against(tc, cfg, jax.device_count(), jax.process_count(), jax.default_backend())  # fail before building data
         if problem := run_dir_problem(tc.run.run_dir):     # nothing built or written for a run that cannot start

@@ -21,7 +21,7 @@ import os
 
 from minimax_jax.train.config import TrainConfig, TrainConfigError
 
-__all__ = ["missing_data", "prepare_data"]
+__all__ = ["missing_data", "prepare_data", "corpus_destination_problem"]
 
 
 def _resolves(paths) -> bool:
@@ -49,6 +49,16 @@ def missing_data(tc: TrainConfig) -> list[str]:
 
 
 TOKENIZER_MAX_CHARS = 40_000_000
+
+
+def corpus_destination_problem(sources: list[str]) -> str | None:
+    """Why ``prepare_data`` would not build the corpus of ``sources`` (glob patterns; the first one's folder is the
+    destination): it builds only into a new or empty folder. None when it would."""
+    out = (os.path.dirname(sources[0]) or ".") if sources else "."
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        return (f"--prepare_data builds a corpus only into a new or empty folder, but {out!r} holds files: fix "
+                f"data.sources, or build the corpus yourself (python -m minimax_jax.data.corpus --out DIR)")
+    return None
 
 
 def prepare_data(tc: TrainConfig, vocab_size: int, *, max_mb: float = 64.0, log=print) -> list[str]:
@@ -86,10 +96,9 @@ def prepare_data(tc: TrainConfig, vocab_size: int, *, max_mb: float = 64.0, log=
         from minimax_jax.data.corpus import DEFAULT_SYNTHETIC_MAX_CHARS, build_corpus
 
         out = os.path.dirname(sources[0]) or "."
-        if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-            raise TrainConfigError(f"data.sources {sources} match no file, and --prepare_data builds a corpus only "
-                                   f"into a new or empty folder, but {out!r} holds files: fix data.sources, or build "
-                                   f"the corpus yourself (python -m minimax_jax.data.corpus --out DIR)")
+        problem = corpus_destination_problem(sources)
+        if problem:
+            raise TrainConfigError(f"data.sources {sources} match no file, and {problem}")
         log(f"prepare_data: building the offline corpus in {out} ({max_mb} MB of text)")
         # a retrieval document longer than a training row would be cut between its needle and its
         # question; ~3 characters per token of the 4K-vocabulary BPE keeps each one inside a row

