@@ -26,8 +26,8 @@ CLI: ``python -m minimax_jax.data.corpus --out DIR [--max_mb N] [--seed S] [--sy
 
 Destination: a new or empty folder, or one holding a corpus this module wrote (its ``manifest.json``), which
 is replaced; any other folder with files is refused (:class:`CorpusDestinationError`, nothing written) unless
-``overwrite`` (``--overwrite``: the corpus files ``train-*.jsonl``, ``heldout.jsonl``, ``manifest.json`` are
-replaced, other files left alone). The files are written into a hidden temporary sibling folder first and
+``overwrite`` (``--overwrite``: ``heldout.jsonl`` and ``manifest.json`` are replaced, other files left alone;
+refused while the folder holds ``train-*.jsonl`` files this tool did not write, which a corpus glob would read). The files are written into a hidden temporary sibling folder first and
 moved into place when complete (a new folder: one rename), the manifest last.
 """
 
@@ -81,7 +81,14 @@ def destination_problem(out_dir: str, *, overwrite: bool = False) -> str | None:
     """Why the corpus may not be written at ``out_dir`` (one line), or None (module docstring, "Destination")."""
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         return f"--out {out_dir!r} is a file, not a folder"
-    if not os.path.isdir(out_dir) or not os.listdir(out_dir) or overwrite or _manifest(out_dir) is not None:
+    if not os.path.isdir(out_dir) or not os.listdir(out_dir) or _manifest(out_dir) is not None:
+        return None
+    if overwrite:
+        foreign = sorted(f for f in os.listdir(out_dir) if f.startswith("train-") and f.endswith(".jsonl"))
+        if foreign:     # never deleted (this tool did not write them), and a train-*.jsonl glob would read them
+            return (f"--out {out_dir!r} holds train-*.jsonl files this tool did not write ({', '.join(foreign[:3])}"
+                    f"{', ...' if len(foreign) > 3 else ''}): they would be read as part of the corpus; move them "
+                    f"away or choose another folder")
         return None
     return (f"--out {out_dir!r} is a folder with files and no corpus of this tool in it (no {MANIFEST_FILE} written "
             f"by minimax_jax.data.corpus); choose a new or empty folder, or pass --overwrite to write the corpus "
@@ -259,7 +266,7 @@ def _write_corpus(out_dir: str, shards: dict[str, list[dict]], heldout: list[dic
             os.replace(tmp, out)             # a new (or empty) folder: one rename
             return
         old = _manifest(out)
-        listed = set(map(str, old["train_shards"])) if old is not None else set(os.listdir(out))
+        listed = set(map(str, old["train_shards"])) if old is not None else set()    # only shards it wrote
         stale = {f for f in listed if f.startswith("train-") and f.endswith(".jsonl") and os.sep not in f} - set(shards)
         for name in [*shards, HELDOUT_FILE]:
             os.replace(os.path.join(tmp, name), os.path.join(out, name))

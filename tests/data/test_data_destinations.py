@@ -65,6 +65,19 @@ def test_corpus_overwrite_writes_into_a_foreign_folder(tmp_path):
     assert set(os.listdir(d)) == {*m["train_shards"], "heldout.jsonl", "manifest.json", "keep.txt"}
 
 
+def test_corpus_overwrite_never_deletes_train_files_it_did_not_write(tmp_path):
+    """--overwrite into a folder holding the user's own train-*.jsonl: refused before any work (they would be
+    read as part of the corpus, and this tool does not delete what it did not write); nothing changes."""
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "train-data.jsonl").write_text("a\n")
+    (d / "train-00007.jsonl").write_text("b\n")
+    before = _tree(d)
+    with pytest.raises(CorpusDestinationError, match="train-00007.jsonl, train-data.jsonl"):
+        build_corpus(str(d), overwrite=True, **SMALL)
+    assert _tree(d) == before
+
+
 def test_corpus_failure_leaves_the_destination_as_it_was(tmp_path, monkeypatch):
     out = tmp_path / "c"
     build_corpus(str(out), seed=0, **SMALL)
