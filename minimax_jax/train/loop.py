@@ -41,7 +41,7 @@ from minimax_jax.model import abstract_params, params_shardings
 from minimax_jax.ops.registry import implementation_report
 from minimax_jax.sharding import load_rules, make_mesh, replicated, use_mesh, batch_sharding
 from minimax_jax.train.checkpointing import Checkpointer
-from minimax_jax.train.config import TrainConfig, TrainConfigError, validate_against
+from minimax_jax.train.config import TrainConfig, TrainConfigError, from_dict, validate_against
 from minimax_jax.train.data import decode_state, encode_state, make_iterator, to_global
 from minimax_jax.interrupt import StopSignals
 from minimax_jax.train.losses import mtp_weights_list
@@ -219,6 +219,16 @@ def settings_changes(saved: dict[str, Any] | None, now: dict[str, Any]) -> list[
             if k.split(".")[0] not in ("run", "checkpoint") and a.get(k) != b.get(k)]
 
 
+def _saved_config(raw: dict[str, Any]) -> TrainConfig | None:
+    """The checkpoint's training config (its ``train_config`` metadata), or None when it no longer parses (a
+    config key renamed since): the resume check then rebuilds the trained curve from today's settings, and the
+    generic "settings differ" lines of the resume say what changed."""
+    try:
+        return from_dict(raw)
+    except (TrainConfigError, TypeError, ValueError):
+        return None
+
+
 def _write_yaml_atomic(path: str, obj: Any) -> None:
     """Write ``obj`` as YAML to ``path`` via a temporary sibling renamed into place (never half-written)."""
     write_atomic(path, yaml.safe_dump(obj, sort_keys=False).encode())
@@ -282,8 +292,10 @@ def _train(tr: Trainer, sig: StopSignals, data_it) -> dict[str, Any]:
     idle = restored is not None and step >= tc.run.steps     # nothing to train: the run's files stay as they are
     steps_note = None
     if restored is not None and not idle:     # another run.steps: refused (nothing written) if it changes the LR curve
-        saved_steps = ((meta.get("train_config") or {}).get("run") or {}).get("steps")
-        check = resume_schedule_check(tc, int(saved_steps), step) if saved_steps is not None else None
+        saved_raw = meta.get("train_config") or {}
+        saved_steps = (saved_raw.get("run") or {}).get("steps")
+        check = (resume_schedule_check(tc, int(saved_steps), step, _saved_config(saved_raw))
+                 if saved_steps is not None else None)
         if check is not None and not check[0]:
             raise TrainConfigError(check[1])
         steps_note = check[1] if check is not None else None

@@ -129,9 +129,11 @@ def make_schedule(tc: TrainConfig, phase: str = PHASE_MAIN) -> optax.Schedule:
         [w, stable_end])
 
 
-def resume_schedule_check(tc: TrainConfig, saved_steps: int, step: int) -> tuple[bool, str] | None:
+def resume_schedule_check(tc: TrainConfig, saved_steps: int, step: int,
+                          saved: TrainConfig | None = None) -> tuple[bool, str] | None:
     """A resume at ``step`` of a run whose checkpoint was trained with ``run.steps = saved_steps``, now
-    ``tc.run.steps``: None when ``run.steps`` is unchanged, else ``(ok, one line)``.
+    ``tc.run.steps``: None when ``run.steps`` is unchanged, else ``(ok, one line)``. ``saved``: the checkpoint's
+    training config (its schedule and learning rate are the curve trained so far; None: ``tc``'s).
 
     The main phase's schedule depends on ``run.steps`` (cosine without ``schedule.decay_steps``, WSD). ``ok``:
     the learning rates of every step trained so far are those the new ``run.steps`` gives too (e.g. WSD still
@@ -145,7 +147,8 @@ def resume_schedule_check(tc: TrainConfig, saved_steps: int, step: int) -> tuple
 
     if saved_steps == tc.run.steps:
         return None
-    before = dataclasses.replace(tc, run=dataclasses.replace(tc.run, steps=int(saved_steps)))
+    ref = tc if saved is None else dataclasses.replace(tc, schedule=saved.schedule, optim=saved.optim, msa=saved.msa)
+    before = dataclasses.replace(ref, run=dataclasses.replace(tc.run, steps=int(saved_steps)))
     warm = tc.msa.indexer_warmup_steps
     n = max(int(step) - warm, 0)             # main-phase optimizer steps trained (its count starts after the warm-up)
     change = f"run.steps {saved_steps} -> {tc.run.steps}"
@@ -157,10 +160,13 @@ def resume_schedule_check(tc: TrainConfig, saved_steps: int, step: int) -> tuple
         if bad.size:
             i = int(bad[0])
             kind = tc.schedule.kind
-            total = max(saved_steps - warm, 1)         # make_schedule's decay of the checkpoint's run.steps
-            decay = max(total - min(tc.schedule.warmup_steps, total), 1)
+            total = max(saved_steps - warm, 1)         # make_schedule's warm-up and decay of the checkpoint's run
+            w_old = min(before.schedule.warmup_steps, total)
+            decay = before.schedule.decay_steps or max(total - w_old, 1)
+            w_new = min(tc.schedule.warmup_steps, max(tc.run.steps - warm, 1))
+            keep_w = f" schedule.warmup_steps={w_old}" if w_old != w_new else ""   # a warm-up clipped to run.steps
             fix = {"cosine": f"; to train past this schedule's end at its final learning rate, keep its cosine "
-                             f"with --set schedule.decay_steps={decay}",
+                             f"with --set schedule.decay_steps={decay}{keep_w}",
                    "wsd": "; a WSD run can be extended while it is in its stable phase, not once its decay began"
                    }.get(kind, "")
             return False, (f"{change} would change the learning rate of steps already trained ({kind} schedule: step "

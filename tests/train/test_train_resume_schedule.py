@@ -37,6 +37,20 @@ def test_check_compares_the_learning_rates_of_the_trained_steps():
     assert resume_schedule_check(_tc("cosine", 200), 100, 5)[0]                  # still warming up: same rates
 
 
+def test_check_uses_the_checkpoints_schedule_and_a_clipped_warm_up():
+    """The trained curve comes from the checkpoint's own config (not today's settings); when its warm-up was
+    clipped to a short run.steps, the advice keeps that warm-up too, and following it is accepted."""
+    short = _tc("cosine", 4)                                                     # warm-up 10 clipped to 4
+    ok, line = resume_schedule_check(_tc("cosine", 6), 4, 4, saved=short)
+    assert not ok and "--set schedule.decay_steps=1 schedule.warmup_steps=4" in line, line
+    assert resume_schedule_check(_tc("cosine", 6, decay_steps=1, warmup_steps=4), 4, 4, saved=short)[0]
+    # a run extended once (decay_steps=40 after 50 steps), then again without it: the advice is the saved 40
+    ext = _tc("cosine", 60, decay_steps=40)
+    ok, line = resume_schedule_check(_tc("cosine", 100), 60, 60, saved=ext)
+    assert not ok and "--set schedule.decay_steps=40" in line and "warmup_steps" not in line, line
+    assert resume_schedule_check(_tc("cosine", 100, decay_steps=40), 60, 60, saved=ext)[0]
+
+
 def test_train_refuses_a_stretched_cosine_and_writes_nothing(tmp_path, capsys):
     run_dir = str(tmp_path / "run")
     base = micro_train_dict(run_dir, data={"kind": "synthetic", "seq_len": 16, "batch_size": 2},
