@@ -127,9 +127,9 @@ def check_destination(dst: str | os.PathLike, *, sources=(), overwrite: bool = F
     ``kind`` ("orbax" | "hf"): what will be written; an existing ``dst`` holding the other kind, or entries
     such outputs never hold, is refused up front (replacing it would fail only after the writing).
     Raises (nothing touched): DestinationError when the parent of ``dst`` is not a directory, ``dst`` is,
-      contains or lies inside one of ``sources`` (paths compared after resolving symlinks), or exists with
-      ``overwrite`` but was not written by this tool or holds another kind of output or a user's entries;
-      DestinationExistsError (a FileExistsError) when it exists and not ``overwrite``.
+      contains or lies inside one of ``sources`` (paths compared after resolving symlinks), or exists but was
+      not written by this tool, or exists with ``overwrite`` but holds another kind of output or a user's
+      entries; DestinationExistsError (a FileExistsError) when it is ours and not ``overwrite``.
     """
     dst = os.path.abspath(os.fspath(dst))
     _check_parent(dst)
@@ -143,12 +143,12 @@ def check_destination(dst: str | os.PathLike, *, sources=(), overwrite: bool = F
             raise DestinationError(f"destination {dst} {how} the source {src}; "
                                    "nothing was written: choose a destination outside the source", dst)
     if os.path.lexists(dst):
-        if not overwrite:
-            raise DestinationExistsError(f"destination {dst} already exists (pass overwrite=True to replace it)", dst)
-        if not _ours(dst):
+        if not _ours(dst):      # said first: overwrite would not replace it either
             raise DestinationError(f"destination {dst} exists and was not written by minimax-jax (no {MANIFEST_FILE} "
                                    "in it: not ours, or from a version before manifests); nothing was replaced: "
                                    "remove it yourself or choose another destination", dst)
+        if not overwrite:
+            raise DestinationExistsError(f"destination {dst} already exists (pass overwrite=True to replace it)", dst)
         other = _other_kind(dst, kind) if kind is not None and os.path.isdir(dst) else None
         if other is not None:
             names = {"orbax": "an orbax checkpoint", "hf": "a Hugging Face export"}

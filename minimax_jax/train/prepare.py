@@ -17,6 +17,7 @@ Only single-process runs prepare data (a multi-host run must find it ready on sh
 
 from __future__ import annotations
 
+import fnmatch
 import os
 
 from minimax_jax.train.config import TrainConfig, TrainConfigError
@@ -40,12 +41,18 @@ def missing_data(tc: TrainConfig) -> list[str]:
         return []
     f = tc.data.fields
     out = []
-    if not _resolves(list(f.get("sources") or [])):
-        out.append(f"sources {list(f.get('sources') or [])}")
+    sources = list(f.get("sources") or [])
+    if not _resolves(sources):
+        out.append(f"sources {sources}" + _relative_note(sources))
     tok = f.get("tokenizer")
     if not tok or not os.path.exists(tok):
-        out.append(f"tokenizer {tok}")
+        out.append(f"tokenizer {tok}" + _relative_note([tok] if tok else []))
     return out
+
+
+def _relative_note(paths: list[str]) -> str:
+    """Where relative data paths are read from (the current directory, not the config's folder)."""
+    return f" (relative to the current directory {os.getcwd()})" if any(not os.path.isabs(p) for p in paths) else ""
 
 
 TOKENIZER_MAX_CHARS = 40_000_000
@@ -53,11 +60,14 @@ TOKENIZER_MAX_CHARS = 40_000_000
 
 def corpus_destination_problem(sources: list[str]) -> str | None:
     """Why ``prepare_data`` would not build the corpus of ``sources`` (glob patterns; the first one's folder is the
-    destination): it builds only into a new or empty folder. None when it would."""
+    destination): it builds train-NNNNN.jsonl files, only into a new or empty folder. None when it would."""
     out = (os.path.dirname(sources[0]) or ".") if sources else "."
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         return (f"--prepare_data builds a corpus only into a new or empty folder, but {out!r} holds files: fix "
                 f"data.sources, or build the corpus yourself (python -m minimax_jax.data.corpus --out DIR)")
+    if sources and not fnmatch.fnmatch("train-00000.jsonl", os.path.basename(sources[0])):
+        return (f"--prepare_data builds a corpus of train-NNNNN.jsonl files, which {sources[0]!r} would not read: "
+                f"set data.sources to {os.path.join(out, 'train-*.jsonl')!r}, or build your data yourself")
     return None
 
 

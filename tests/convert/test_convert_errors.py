@@ -160,8 +160,10 @@ def test_existing_destination_is_refused_and_kept(tmp_path, capsys):
     dst = tmp_path / "out"
     dst.mkdir()
     (dst / "keep.txt").write_text("x")
+    # not written by the converter: said at once (no advice to pass --overwrite, which would not replace it)
     assert main(["--src", src, "--dst", str(dst), "--no_progress"]) == 2        # a usage error
-    assert "already exists" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "was not written by minimax-jax" in err and "--overwrite" not in err, err
     assert os.listdir(dst) == ["keep.txt"]
     # --overwrite replaces only a directory the converter wrote: this one is not
     assert main(["--src", src, "--dst", str(dst), "--no_progress", "--overwrite"]) == 2
