@@ -212,8 +212,14 @@ def _train(argv):
             not_a_run = run_dir_problem(tc.run.run_dir)
             if not_a_run:
                 print(f"# run_dir: {not_a_run}")
+            from minimax_jax.train.loop import resume_refusal
+
+            refused_resume = None if not_a_run else resume_refusal(tc)
+            if refused_resume:
+                print(f"# resume: {refused_resume}")
             # the real run would fail on any of these
-            return 2 if (missing and not prepare) or refused or unwritable or not_a_run else 0
+            failing = (missing and not prepare) or refused or unwritable or not_a_run or refused_resume
+            return 2 if failing else 0
         cfg, _ = model_configs(tc)
         validate_against(tc, cfg, jax.device_count(), jax.process_count(), jax.default_backend())  # fail before building data
         if problem := run_dir_problem(tc.run.run_dir):     # nothing built or written for a run that cannot start

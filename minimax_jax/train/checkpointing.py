@@ -80,6 +80,17 @@ class Checkpointer:
         self.manager.wait_until_finished()
         self.manager.close()
 
+    def latest_meta(self) -> tuple[int, dict[str, Any]] | None:
+        """(step, meta) of the newest checkpoint whose metadata reads (nothing else restored), or None."""
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            with _quiet():
+                try:
+                    got = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+                    return step, got["meta"]
+                except Exception:  # noqa: BLE001 - an unreadable step: the next older one (as restore_latest)
+                    continue
+        return None
+
     def restore_latest(self, abstract_state_for: Callable[[dict[str, Any]], Any], *,
                        warn: Callable[[str], None] | None = None):
         """Restore the newest readable checkpoint.

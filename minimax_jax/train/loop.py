@@ -53,7 +53,7 @@ from minimax_jax.train.optimizer import (PHASE_MAIN, PHASE_WARMUP, held_router_b
 from minimax_jax.train.run_lock import RunLock
 from minimax_jax.train.step import StepSpec, init_state, make_eval_step, make_train_step
 
-__all__ = ["train", "Trainer"]
+__all__ = ["train", "Trainer", "resume_refusal"]
 
 
 class Trainer:
@@ -229,6 +229,33 @@ def _saved_config(raw: dict[str, Any]) -> TrainConfig | None:
         return None
 
 
+def _schedule_check(tc: TrainConfig, step: int, meta: dict[str, Any]) -> tuple[bool, str] | None:
+    """``optimizer.resume_schedule_check`` of a resume at ``step`` from a checkpoint with ``meta``."""
+    saved_raw = meta.get("train_config") or {}
+    saved_steps = (saved_raw.get("run") or {}).get("steps")
+    if saved_steps is None:
+        return None
+    return resume_schedule_check(tc, int(saved_steps), step, _saved_config(saved_raw))
+
+
+def resume_refusal(tc: TrainConfig) -> str | None:
+    """The one line a resume in ``tc.run.run_dir`` would be refused with because ``run.steps`` changes the
+    learning rates already trained (``train`` raises TrainConfigError with it), or None. Reads only the newest
+    checkpoint's metadata; writes nothing (``train.py --check_only``)."""
+    directory = os.path.join(tc.run.run_dir, "checkpoints")
+    if not tc.checkpoint.resume or not os.path.isdir(directory):
+        return None
+    ck = Checkpointer(directory, keep=None, async_save=False)
+    try:
+        got = ck.latest_meta()
+    finally:
+        ck.close()
+    if got is None or got[0] >= tc.run.steps:
+        return None
+    check = _schedule_check(tc, got[0], got[1])
+    return check[1] if check is not None and not check[0] else None
+
+
 def _write_yaml_atomic(path: str, obj: Any) -> None:
     """Write ``obj`` as YAML to ``path`` via a temporary sibling renamed into place (never half-written)."""
     write_atomic(path, yaml.safe_dump(obj, sort_keys=False).encode())
@@ -292,10 +319,7 @@ def _train(tr: Trainer, sig: StopSignals, data_it) -> dict[str, Any]:
     idle = restored is not None and step >= tc.run.steps     # nothing to train: the run's files stay as they are
     steps_note = None
     if restored is not None and not idle:     # another run.steps: refused (nothing written) if it changes the LR curve
-        saved_raw = meta.get("train_config") or {}
-        saved_steps = (saved_raw.get("run") or {}).get("steps")
-        check = (resume_schedule_check(tc, int(saved_steps), step, _saved_config(saved_raw))
-                 if saved_steps is not None else None)
+        check = _schedule_check(tc, step, meta)
         if check is not None and not check[0]:
             raise TrainConfigError(check[1])
         steps_note = check[1] if check is not None else None

@@ -63,6 +63,13 @@ def test_train_refuses_a_stretched_cosine_and_writes_nothing(tmp_path, capsys):
                                                r"schedule.decay_steps=5"):
         train(from_dict(longer))
     assert {f: open(os.path.join(run_dir, f), "rb").read() for f in files} == files
+    # train.py --check_only says the same (exit 2), reading only the checkpoint's metadata
+    from minimax_jax.train.loop import resume_refusal
+
+    refusal = resume_refusal(from_dict(longer))
+    assert refusal is not None and "run.steps 6 -> 12 would change" in refusal
+    assert resume_refusal(from_dict(base)) is None
+    assert {f: open(os.path.join(run_dir, f), "rb").read() for f in files} == files
     capsys.readouterr()
     kept = {**longer, "schedule": {**base["schedule"], "decay_steps": 5}}         # the advice: accepted
     assert train(from_dict(kept))["step"] == 4
