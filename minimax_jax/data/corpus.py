@@ -319,9 +319,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help=f"budget split over {list(SOURCES)}, e.g. prose=0.3,code=0.3,synthetic=0.4 (default {DEFAULT_SHARES})")
     p.add_argument("--shard_mb", type=float, default=16.0)
     p.add_argument("--overwrite", action="store_true",
-                   help="write into a folder with files that holds no corpus of this tool (its train-*.jsonl, "
-                        "heldout.jsonl and manifest.json are replaced; a corpus of this tool is replaced without it)")
+                   help="write into a folder with files that holds no corpus of this tool (other files are left "
+                        "alone; refused while it holds train-*.jsonl files this tool did not write; a corpus of this "
+                        "tool is replaced without it)")
     a = p.parse_args(argv)
+    if not a.out.strip():
+        p.error("--out is empty: give the folder to write the corpus into")
+    if a.workers < 1:
+        p.error(f"--workers must be at least 1, got {a.workers}")
     try:
         m = build_corpus(a.out, max_mb=a.max_mb, seed=a.seed, heldout_works=a.heldout_works,
                          heldout_fraction=a.heldout_fraction, synthetic_min_chars=a.synthetic_min_chars,

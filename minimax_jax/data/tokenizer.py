@@ -223,6 +223,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if os.path.exists(args.out) and not os.path.isdir(args.out):
             raise NotADirectoryError(f"--out {args.out!r} is a file; give the folder to write {TOKENIZER_FILE} in")
+        if not os.path.exists(args.out) and args.out.endswith(".json"):     # would become a folder of that name
+            raise ValueError(f"--out {args.out!r} names a file; give the folder to write {TOKENIZER_FILE} in "
+                             f"(e.g. {os.path.dirname(args.out) or '.'!r})")
         if os.path.lexists(path) and not args.overwrite:     # before the training, which can take minutes
             raise FileExistsError(f"--out {args.out!r} already holds {TOKENIZER_FILE}; pass --overwrite to replace "
                                   "it, or choose another folder")

@@ -68,6 +68,9 @@ def corpus_destination_problem(sources: list[str]) -> str | None:
     if sources and not fnmatch.fnmatch("train-00000.jsonl", os.path.basename(sources[0])):
         return (f"--prepare_data builds a corpus of train-NNNNN.jsonl files, which {sources[0]!r} would not read: "
                 f"set data.sources to {os.path.join(out, 'train-*.jsonl')!r}, or build your data yourself")
+    if sources and fnmatch.fnmatch("heldout.jsonl", os.path.basename(sources[0])):
+        return (f"--prepare_data writes the corpus's held-out text to heldout.jsonl, which {sources[0]!r} would "
+                f"train on: set data.sources to {os.path.join(out, 'train-*.jsonl')!r}")
     return None
 
 

@@ -111,6 +111,11 @@ def test_tokenizer_cli_replaces_tokenizer_json_only_with_overwrite(tmp_path, cap
     assert tokenizer.main(["train", "--input", str(tmp_path / "nope"), "--vocab_size", "300", "--out",
                            str(tmp_path / "o2")]) == 2        # a bad input: one line too, not a traceback
     _one_error_line(capsys)
+    # --out naming a new .json file (it is the folder): refused before training, nothing created
+    assert tokenizer.main(["train", "--input", str(src), "--vocab_size", "300", "--out",
+                           str(tmp_path / "o3" / "tokenizer.json")]) == 2
+    _one_error_line(capsys, "names a file; give the folder")
+    assert not (tmp_path / "o3").exists()
 
 
 def test_prepare_data_never_writes_into_a_folder_of_other_files(tmp_path):
@@ -132,3 +137,14 @@ def test_prepare_data_never_writes_into_a_folder_of_other_files(tmp_path):
     assert prepare_data(from_dict(ok), 300, max_mb=0.05, log=lambda _: None) == [str(d / "tokenizr.json")]
     assert (d / "tokenizer.json").read_text() == "the shipped one"
     assert tokenizer.load_tokenizer(str(d / "tokenizr.json")).get_vocab_size() <= 300
+
+
+def test_corpus_cli_refuses_an_empty_out_and_no_workers(tmp_path, capsys, monkeypatch):
+    """``--out ""`` (it would mean the current folder) and ``--workers 0``: one-line usage errors (exit 2)."""
+    monkeypatch.chdir(tmp_path)
+    for args, needle in ((["--out", ""], "--out is empty"), (["--out", "c", "--workers", "0"], "--workers must be")):
+        with pytest.raises(SystemExit) as e:
+            corpus.main(args)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and needle in err[-1], err
+    assert os.listdir(tmp_path) == []

@@ -83,6 +83,8 @@ def test_check_only_install_hint_only_when_the_package_is_missing(tmp_path, monk
     # a pattern the built corpus would not match: refused up front (not after building 64 MB of text)
     said = train.missing_data_action("sources [x]", True, [f"{tmp_path}/new/mydata.jsonl"])
     assert said.startswith("missing, and --prepare_data builds a corpus of train-NNNNN.jsonl files"), said
+    said = train.missing_data_action("sources [x]", True, [f"{tmp_path}/new/*.jsonl"])     # would read heldout.jsonl
+    assert said.startswith("missing, and --prepare_data writes the corpus's held-out text"), said
 
 
 def test_missing_data_without_prepare_fails_clearly(tmp_path, _check_only):
