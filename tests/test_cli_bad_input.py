@@ -2,7 +2,6 @@
 traceback only with --debug; asking for help exits 0; renamed flags still work with one warning line;
 the compilation cache is on."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -19,7 +18,7 @@ from minimax_jax.eval import cli as eval_cli
 from minimax_jax.eval import recall
 from minimax_jax.train import train
 from minimax_jax.train.config import TrainConfigError, from_dict, load_train_config
-from tests.train_helpers import REPO, micro_train_dict, subprocess_env
+from tests.train_helpers import REPO, micro_train_dict, subprocess_env, train_script_main
 
 
 def _never(*a, **k):
@@ -100,18 +99,12 @@ def test_recall_bad_input(tmp_path, capsys):
         assert needle in err and err.count("\n") == 1 and err.startswith(recall.PROG + ": error: "), (argv, err)
 
 
-def _train_main():
-    spec = importlib.util.spec_from_file_location("train_script", os.path.join(REPO, "train.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.main
-
 
 def _cases(tmp):
     """(name, main, argv of a missing input file, argv of a bad value) per CLI."""
     nope = str(tmp / "nope")
     return [
-        ("train", _train_main(), ["--config", nope + ".yaml"], ["--prepare_max_mb", "0"]),
+        ("train", train_script_main(), ["--config", nope + ".yaml"], ["--prepare_max_mb", "0"]),
         ("infer", infer_cli.main, ["--prompt_file", nope], ["--prompt=x", "--top_k", "-1"]),
         ("convert", convert_cli.main, ["--src", nope, "--dst", str(tmp / "out")],
          ["--src", nope, "--dst", str(tmp / "out"), "--max_shard_mb", "lots"]),
@@ -249,7 +242,7 @@ def test_bad_trajectory_data_exits_2_before_the_run_dir_is_made(tmp_path, monkey
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"tokens": [1, 2, 3]}\n{"tokens": [1, 2, 99999]}\n')
     run = tmp_path / "run"
-    rc = _train_main()(["--config", "configs/train/agent-tree.yaml", "--set", f"run.run_dir={run}",
+    rc = train_script_main()(["--config", "configs/train/agent-tree.yaml", "--set", f"run.run_dir={run}",
                         "--set", f"data.sources=[{bad}]", "--set", "data.seq_len=64", "--set", "run.steps=1"])
     err = capsys.readouterr().err
     assert rc == 2 and f"{bad} line 2: token id 99999 is not below the model's vocab_size" in err, err

@@ -2,14 +2,12 @@
 train.py), convert's export-only flags without --export, a --set value that is not YAML. Each is one line and
 exit status 2."""
 
-import importlib.util
-import os
 
 import pytest
 
 from minimax_jax.convert import cli as convert_cli
 from minimax_jax.infer import cli as infer_cli
-from tests.train_helpers import REPO, micro_train_dict, write_yaml
+from tests.train_helpers import micro_train_dict, train_script_main, write_yaml
 
 
 def _status(main, argv):
@@ -25,12 +23,6 @@ def _one_line(capsys, *needles):
     return err[0]
 
 
-def _train_main():
-    spec = importlib.util.spec_from_file_location("train_script_usage", os.path.join(REPO, "train.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.main
-
 
 @pytest.mark.parametrize("seed", ["-1", "4294967296"])
 def test_infer_seed_out_of_range(seed, capsys):
@@ -44,7 +36,7 @@ def test_infer_largest_seed_parses():
 
 def test_train_seeds_and_unparsable_set_values(tmp_path, capsys):
     cfg = write_yaml(micro_train_dict(str(tmp_path / "run")), str(tmp_path / "c.yaml"))
-    main = _train_main()
+    main = train_script_main()
     for override, needle in (("run.seed=-1", "run.seed must be an integer in [0, 4294967295], got -1"),
                              ("run.seed=4294967296", "run.seed must be an integer in [0, 4294967295]"),
                              ("data.seed=-3", "data.seed must be an integer in [0, 4294967295], got -3"),

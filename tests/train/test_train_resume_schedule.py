@@ -74,3 +74,13 @@ def test_train_refuses_a_stretched_cosine_and_writes_nothing(tmp_path, capsys):
     kept = {**longer, "schedule": {**base["schedule"], "decay_steps": 5}}         # the advice: accepted
     assert train(from_dict(kept))["step"] == 4
     assert "run.steps 6 -> 12: the learning rates of the 3 steps trained so far are unchanged" in capsys.readouterr().out
+
+
+def test_a_checkpoint_config_that_no_longer_parses_is_said():
+    """When the checkpoint's train_config does not parse, the check uses today's schedule and its line says so."""
+    from minimax_jax.train.loop import _schedule_check
+
+    meta = {"train_config": {"run": {"steps": 100}, "no_such_section": {}}}
+    ok, line = _schedule_check(_tc("cosine", 200), 50, meta)
+    assert not ok and line.endswith("(the checkpoint's training config no longer parses: its curve was rebuilt "
+                                    "from today's schedule settings)"), line

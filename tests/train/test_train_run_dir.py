@@ -2,24 +2,14 @@
 line, exit status 2, nothing written, before any data is prepared or anything compiled), in ``RunLock`` and in
 ``train.py`` (and ``--check_only`` says so)."""
 
-import importlib.util
 import os
 
 import pytest
 
 from minimax_jax.train.run_lock import LOCK_NAME, RunDirError, RunLock, is_run_dir, run_dir_problem
-from tests.train_helpers import REPO, micro_train_dict, write_yaml
+from tests.checkpoint_helpers import snapshot
+from tests.train_helpers import micro_train_dict, train_script_main, write_yaml
 
-
-def _train_main():
-    spec = importlib.util.spec_from_file_location("train_script_run_dir", os.path.join(REPO, "train.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.main
-
-
-def _listing(d):
-    return {f: open(os.path.join(d, f), "rb").read() for f in sorted(os.listdir(d))}
 
 
 def test_run_lock_takes_new_empty_and_run_folders_only(tmp_path):
@@ -49,12 +39,12 @@ def test_train_py_refuses_a_folder_of_other_files(tmp_path, capsys):
     run.mkdir()
     (run / "config.yaml").write_text("someone's config")
     (run / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
-    before = _listing(run)
+    before = snapshot(run)
     cfg = write_yaml(micro_train_dict(str(run), run={"steps": 1}), str(tmp_path / "c.yaml"))
-    main = _train_main()
+    main = train_script_main()
     assert main(["--config", cfg]) == 2
     err = [x for x in capsys.readouterr().err.splitlines() if "compilation cache" not in x]
     assert len(err) == 1 and f"run.run_dir {str(run)!r} is a folder with files that is not a train.py run" in err[0]
-    assert _listing(run) == before
+    assert snapshot(run) == before
     assert main(["--config", cfg, "--check_only"]) == 2
-    assert "# run_dir: run.run_dir" in capsys.readouterr().out and _listing(run) == before
+    assert "# run_dir: run.run_dir" in capsys.readouterr().out and snapshot(run) == before
