@@ -48,7 +48,7 @@ __all__ = ["sparse_fwd_qtile", "sparse_fwd_hopper", "tile_tables", "use_query_ti
 
 ROWS = 64                 # rows per compute warpgroup: one wgmma M
 STAGES = 2                # K/V ring slots (three do not fit SMEM beside the q tiles at D = 128)
-UNION_PER_TOKEN = 3.2     # dispatch bound: mean union windows per tile / (mean selections per token * nt / 8)
+UNION_PER_TOKEN = 3.05    # dispatch bound: mean union windows per tile / (mean selections per token * nt / 8)
 _BIG = 2 ** 30
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -154,10 +154,16 @@ def _body(u_ref, bits_ref, cnt_ref, tok_ref, q_ref, k_ref, v_ref, o_ref, l_ref, 
             l_i = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             acc = plgpu.layout_cast(jnp.full((ROWS, dv), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
+            full_bits = (1 << tpw) - 1
+            # per-token bounds that do not depend on the window: first / last storage index it may see
+            his = [jnp.minimum(lasts[jt], j1s[jt]) for jt in range(tpw)]
+            lo_all = functools.reduce(jnp.maximum, j0s)          # a window at or after every token's segment start
+            hi_all = functools.reduce(jnp.minimum, his)          # ... and ending at or before every token's last key
+
             def step(j, carry):
                 slot = lax.rem(j, STAGES)
                 w0 = tab_smem[0, j]
-                mine = lax.shift_right_logical(tab_smem[1, j], wg * tpw) & ((1 << tpw) - 1)
+                mine = lax.shift_right_logical(tab_smem[1, j], wg * tpw) & full_bits
                 plgpu.barrier_wait(k_rdy.at[slot])
 
                 def compute(carry):
@@ -168,19 +174,23 @@ def _body(u_ref, bits_ref, cnt_ref, tok_ref, q_ref, k_ref, v_ref, o_ref, l_ref, 
                         return acc_ref[...]
                     s = pl.run_scoped(qk, plgpu.ACC((ROWS, blk), jnp.float32))
                     plgpu.barrier_arrive(k_free.at[slot])
-                    # visible columns of each token's rows (none where it did not select the window)
-                    lo = hi = None
-                    for jt in reversed(range(tpw)):
-                        lo_j = jnp.maximum(j0s[jt] - w0, 0)
-                        hi_j = jnp.where(((mine >> jt) & 1) == 1,
-                                         jnp.minimum(jnp.minimum(lasts[jt], j1s[jt]) - w0, blk - 1), -1)
-                        lo = lo_j if lo is None else jnp.where(row_tok == jt, lo_j, lo)
-                        hi = hi_j if hi is None else jnp.where(row_tok == jt, hi_j, hi)
-                    s = jnp.where((col >= lo) & (col <= hi), s * scale, -jnp.inf)
-                    m_ij = jnp.maximum(m_i, jnp.max(s, axis=1))
+
+                    def masked(s):
+                        # visible columns of each token's rows (none where it did not select the window)
+                        lo = hi = None
+                        for jt in reversed(range(tpw)):
+                            lo_j = jnp.maximum(j0s[jt] - w0, 0)
+                            hi_j = jnp.where(((mine >> jt) & 1) == 1, jnp.minimum(his[jt] - w0, blk - 1), -1)
+                            lo = lo_j if lo is None else jnp.where(row_tok == jt, lo_j, lo)
+                            hi = hi_j if hi is None else jnp.where(row_tok == jt, hi_j, hi)
+                        return jnp.where((col >= lo) & (col <= hi), s, -jnp.inf)
+                    # every row chose the window and sees all of it: no mask
+                    whole = (mine == full_bits) & (w0 >= lo_all) & (w0 + blk - 1 <= hi_all)
+                    s = lax.cond(whole, lambda s: s, masked, s)
+                    m_ij = jnp.maximum(m_i, jnp.max(s, axis=1) * scale)      # the scale folded into exp2's FMA
                     m_safe = jnp.where(m_ij == -jnp.inf, 0.0, m_ij)
+                    p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_safe, (ROWS, blk), [0]))
                     alpha = jnp.exp2(m_i - m_safe)
-                    p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, (ROWS, blk), [0]))
                     l_i = l_i * alpha + jnp.sum(p, axis=1)
                     acc = acc * lax.broadcast_in_dim(alpha, (ROWS, dv), [0])
                     p16 = p.astype(dtype)
@@ -192,8 +202,13 @@ def _body(u_ref, bits_ref, cnt_ref, tok_ref, q_ref, k_ref, v_ref, o_ref, l_ref, 
 
                     def pv(acc_ref):
                         plgpu.wgmma(acc_ref, p16 if p_smem is None else p_ref, v_smem.at[slot])
-                        return acc_ref[...]
-                    acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, dv), jnp.float32))
+                    if p_smem is None:      # accumulate in place (the interpreter cannot lower ACC.init)
+                        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                    else:
+                        def pv_new(acc_ref):
+                            pv(acc_ref)
+                            return acc_ref[...]
+                        acc = acc + pl.run_scoped(pv_new, plgpu.ACC((ROWS, dv), jnp.float32))
                     plgpu.barrier_arrive(v_free.at[slot])
                     return acc, m_ij, l_i
 
