@@ -75,6 +75,8 @@ def _assert_found(results, length, n):
         assert got > length - 64 and all(a in text for a in answers), (answers, text)
 
 
+# slow: the default run finds a needle through the MSA path in test_shipped_checkpoint_finds_a_needle_at_8k_through_msa
+@pytest.mark.slow
 def test_shipped_checkpoint_finds_needles_through_msa(demo):
     """1K tokens, two prompts (RESULTS.md: 1.00 at 4K-32K for this model)."""
     _assert_found(_needle_results(demo, 1024, 2), 1024, 2)

@@ -39,16 +39,22 @@ def test_local_program_plan_matches_the_mesh_plan():
     assert abs(temps[1] - temps[0]) <= 0.05 * temps[0] + 0.02, temps
 
 
-def test_gpu_target_plan_for_compile_only_h200s():
+def test_gpu_target_plan_for_compile_only_h200s(monkeypatch, capsys):
     """``--gpu-target h200``: the GPU compiler's plan for 8 compile-only H200s (needs jax's CUDA plugin, no GPU;
-    skipped without it); an unknown target is a one-line usage error either way."""
+    skipped without it); an unknown target is a one-line usage error either way (the script's ``main(argv)`` in
+    this process: refused before anything compiles)."""
+    import importlib
+
     import pytest
     from tests.test_aot import HAS_CUDA_PLUGIN
     env = dict(os.environ, PYTHONPATH=REPO_ROOT, JAX_PLATFORMS="cpu")
     script = os.path.join(REPO_ROOT, "bench", "cp_memory.py")
-    r = subprocess.run([sys.executable, script, "--gpu-target", "b300"], capture_output=True, text=True, timeout=120,
-                       env=env, cwd=REPO_ROOT)
-    assert r.returncode == 2 and "neither a file nor one of ['h200']" in r.stderr.splitlines()[-1], r.stderr[-2000:]
+    monkeypatch.syspath_prepend(os.path.join(REPO_ROOT, "bench"))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module("cp_memory").main(["--gpu-target", "b300"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "neither a file nor one of ['h200']" in err.splitlines()[-1], err[-2000:]
     if not HAS_CUDA_PLUGIN:
         pytest.skip("needs jax's CUDA plugin (jax[cuda13]); no GPU needed")
     r = subprocess.run([sys.executable, script, "--tokens", "8192", "--sequence", "1,8", "--impl", "pallas_gpu",

@@ -21,6 +21,25 @@ def _run(script, *args, timeout=300):
                           text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
+def _refused(script, argv, needle):
+    """``script``'s ``main(argv)`` in this process exits 2 naming ``needle`` (argparse refuses before any JAX work: no
+    interpreter start-up)."""
+    import importlib
+    from contextlib import redirect_stderr
+    from io import StringIO
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        mod = importlib.import_module(script[:-len(".py")])
+    finally:
+        sys.path.pop(0)
+    err = StringIO()
+    with redirect_stderr(err), pytest.raises(SystemExit) as e:
+        mod.main(argv)
+    assert e.value.code == 2 and needle in err.getvalue() and "Traceback" not in err.getvalue(), err.getvalue()
+    return True
+
+
 def test_moe_rounds_rows(tmp_path):
     r = _run("moe.py", f"--out={tmp_path}", "--tiny", "--no-sweep", "--models=m2", "--tokens=64", "--reps=1",
              "--rounds=2", "--variants=pallas_gpu_gmm,dense_matmul")
@@ -82,12 +101,12 @@ def test_tgmm_ws_probe_flags_and_cpu_run(tmp_path):
     small) and runs the gmm-level comparison with it; without one, --cpu is refused naming the jax version."""
     from pallas_kernels.common import mosaic_interpreter_available as interpreter_available
 
-    r = _run("tgmm_ws_probe.py", "--rounds=0")
-    assert r.returncode == 2 and "--rounds" in r.stderr
-    r = _run("tgmm_ws_probe.py", "--cpu", "--rounds=1", "--reps=1", f"--out={tmp_path}", timeout=600)
+    assert _refused("tgmm_ws_probe.py", ["--rounds=0"], "--rounds")
+    cpu_run = ["--cpu", "--rounds=1", "--reps=1", f"--out={tmp_path}"]
     if not interpreter_available():
-        assert r.returncode == 2 and "jax >= 0.11" in r.stderr
+        assert _refused("tgmm_ws_probe.py", cpu_run, "jax >= 0.11")
         return
+    r = _run("tgmm_ws_probe.py", *cpu_run, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     with open(os.path.join(tmp_path, "tgmm_ws_probe.json")) as f:
         rows = json.load(f)
@@ -114,5 +133,4 @@ def test_moe_fp8_tiny(tmp_path):
     bf16 = {x["tokens"]: x["weight_bytes"] for x in res["rows"] if x["variant"] == "bf16_auto"}
     assert all(fp8[t] < 0.6 * bf16[t] for t in fp8)          # e4m3 + f32 block scales vs bf16
     assert "| fp8_kernel vs bf16_auto |" in r.stdout or "fp8_kernel vs bf16_auto" in r.stdout
-    bad = _run("moe_fp8.py", f"--out={tmp_path}", "--tiny", "--variants=fp16")
-    assert bad.returncode == 2 and "unknown variants" in bad.stderr
+    assert _refused("moe_fp8.py", [f"--out={tmp_path}", "--tiny", "--variants=fp16"], "unknown variants")

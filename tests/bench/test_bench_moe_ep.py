@@ -63,8 +63,21 @@ def test_ep_timing_two_cpu_devices(tmp_path):
     assert "EP timing: mesh expert=2" in stdout and "ragged_all_to_all not run" in stdout
 
 
-def test_ep_timing_needs_two_devices(tmp_path):
-    res, stdout = _run(str(tmp_path), 1)
+def test_ep_timing_needs_two_devices(tmp_path, monkeypatch, capsys):
+    """bench/moe.py's ``main`` in this process (one CPU device here too; no interpreter start-up)."""
+    import importlib
+
+    import jax
+
+    assert jax.device_count() == 1
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    monkeypatch.setattr(sys, "argv", [SCRIPT, f"--out={tmp_path}", "--tiny", "--ep-timing", "--variants=none",
+                                      "--tokens=64", "--reps=2"])
+    capsys.readouterr()
+    importlib.import_module("moe").main()
+    stdout = capsys.readouterr().out
+    with open(os.path.join(tmp_path, "moe.json")) as f:
+        res = json.load(f)
     why = "EP timing needs >= 2 devices; 1 visible (cpu)"
     assert res["info"]["ep_timing"] == {"skipped": why}
     assert res["skipped"] == [f"ep_timing: {why}"]

@@ -72,12 +72,18 @@ def test_budget_skips_and_kills_cleanly(tiny_msa_ckpt, tmp_path):
     assert rows[1]["status"] == "skipped" and "left" in rows[1]["reason"]
 
 
-def test_bad_arguments_are_clear_errors(tmp_path):
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+def test_bad_arguments_are_clear_errors(tmp_path, monkeypatch, capsys):
+    """The script's ``main(argv)`` in this process (argparse refuses before any work; no interpreter start-up)."""
+    import importlib
+
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    main = importlib.import_module("long_context_infer").main
     for bad, msg in (("--contexts=1000", "powers of two"), ("--attentions=sparse", "attention mode must be one of")):
-        r = subprocess.run([sys.executable, SCRIPT, f"--out={tmp_path}", bad], capture_output=True, text=True,
-                           timeout=60, env=env, cwd=ROOT)
-        assert r.returncode == 2 and msg in r.stderr, r.stderr
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            main([f"--out={tmp_path}", bad])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and msg in err, err
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")

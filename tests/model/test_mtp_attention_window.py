@@ -22,7 +22,7 @@ def model():
                                          mtp_attention_window=W)
     params = init_params(cfg, jax.random.PRNGKey(3))
     tokens = jnp.asarray(np.random.default_rng(0).integers(3, cfg.vocab_size, (1, T)), jnp.int32)
-    hidden = forward(params, cfg, tokens, return_hidden=True).hidden
+    hidden = jax.jit(lambda p, t: forward(p, cfg, t, return_hidden=True).hidden)(params, tokens)   # one compile
     return cfg, params, tokens, hidden
 
 
@@ -39,29 +39,31 @@ def test_depth_d_sees_exactly_its_last_d_windows(model, depth):
     those (positions kept), its logits are equal; without the window (the layer's own attention over all
     positions) they differ."""
     cfg, params, tokens, hidden = model
+    mtp = jax.jit(mtp_forward, static_argnums=1)     # one compile per call, not the model's ops one by one
     d = depth
     keep = d * (W - 1) + 1
     n = T - d                     # the last position with a real shifted token
     pos = jnp.arange(T, dtype=jnp.int32)[None]
-    full = mtp_forward(params, cfg, hidden[:, :n + d], tokens[:, :n + d], positions=pos[:, :n + d])[d - 1]
+    full = mtp(params, cfg, hidden[:, :n + d], tokens[:, :n + d], positions=pos[:, :n + d])[d - 1]
     a = n - keep
-    cut = mtp_forward(params, cfg, hidden[:, a:n + d], tokens[:, a:n + d], positions=pos[:, a:n + d])[d - 1]
+    cut = mtp(params, cfg, hidden[:, a:n + d], tokens[:, a:n + d], positions=pos[:, a:n + d])[d - 1]
     np.testing.assert_allclose(np.asarray(cut[0, keep - 1]), np.asarray(full[0, n - 1]), rtol=1e-5, atol=1e-5)
-    own = mtp_forward(params, cfg.replace(mtp_attention_window=None), hidden[:, :n + d], tokens[:, :n + d],
-                      positions=pos[:, :n + d])[d - 1]
+    own = mtp(params, cfg.replace(mtp_attention_window=None), hidden[:, :n + d], tokens[:, :n + d],
+              positions=pos[:, :n + d])[d - 1]
     assert np.max(np.abs(np.asarray(own[0, n - 1]) - np.asarray(full[0, n - 1]))) > 1e-4
 
 
 def test_drafting_depths_equal_the_trained_computation(model):
     """``mtp_depth`` (the drafter's and the device loop's form) computes what ``mtp_forward`` trains."""
     cfg, params, tokens, hidden = model
-    ref = mtp_forward(params, cfg, hidden, tokens)
+    ref = jax.jit(mtp_forward, static_argnums=1)(params, cfg, hidden, tokens)
+    depth = jax.jit(lambda d, h, nxt, pos, seg: mtp_depth(params, cfg, d, h, nxt, pos, seg, mtp=stack_mtp(params)))
     pos = jnp.arange(T, dtype=jnp.int32)[None]
     seg = jnp.zeros((1, T), jnp.int32)
     h = hidden
     for d in range(1, cfg.num_mtp_modules + 1):
         nxt = jnp.pad(tokens[:, d:], ((0, 0), (0, d)))
-        h, logits = mtp_depth(params, cfg, jnp.int32(d), h, nxt, pos, seg, mtp=stack_mtp(params))
+        h, logits = depth(jnp.int32(d), h, nxt, pos, seg)
         np.testing.assert_allclose(np.asarray(logits), np.asarray(ref[d - 1]), rtol=1e-5, atol=1e-5)
 
 

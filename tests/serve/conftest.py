@@ -1,10 +1,11 @@
 """Fixtures of the server tests: the shipped demo model (loaded once) and the reference generation loop
-over it (``minimax_jax.infer.Generator``, plain decoding; one engine for every reference)."""
+over it (``minimax_jax.infer.Generator``, plain decoding, ``PREFILL_CHUNK``; one engine for every reference)."""
 
 import pytest
 
 from minimax_jax.infer.generation import Generator
 from minimax_jax.infer.loading import load_model
+from tests.serve.serving import PREFILL_CHUNK
 
 
 @pytest.fixture(scope="session")
@@ -14,6 +15,6 @@ def demo():
 
 @pytest.fixture(scope="session")
 def gen(demo):
-    g = Generator(demo.cfg, demo.params, demo.tokenizer)
+    g = Generator(demo.cfg, demo.params, demo.tokenizer, engine_options={"prefill_chunk": PREFILL_CHUNK})
     g.reserve(2, 512)
     return g

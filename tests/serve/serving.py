@@ -10,7 +10,12 @@ import openai
 
 from minimax_jax.serve.server import build, free_port, in_thread
 
-__all__ = ["Running", "free_port", "running"]
+__all__ = ["PREFILL_CHUNK", "Running", "free_port", "running"]
+
+#: The prefill chunk of the tests' servers and reference loops. A prefill call computes a whole chunk, so the
+#: default 256 makes every short prompt cost a 256-token forward; prompts over 64 tokens still take several
+#: chunks. The default chunk is served by tests/serve/test_serve_cli.py.
+PREFILL_CHUNK = 64
 
 
 class Running:

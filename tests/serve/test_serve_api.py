@@ -16,14 +16,14 @@ import pytest
 from minimax_jax.chat import render_chat
 from minimax_jax.infer.generation import GenerationConfig, Generator
 from minimax_jax.infer.sampler import SamplingParams
-from tests.serve.serving import running
+from tests.serve.serving import PREFILL_CHUNK, running
 
 MODEL = "demo"
 
 
 @pytest.fixture(scope="module")
 def srv(demo):
-    with running(demo, max_batch=8, max_len=512) as r:
+    with running(demo, max_batch=8, max_len=512, prefill_chunk=PREFILL_CHUNK) as r:
         yield r
 
 
@@ -46,8 +46,8 @@ def test_greedy_completion_equals_the_generation_loop(srv, gen):
 
 @pytest.fixture(scope="module")
 def gen8(demo):
-    """The generation loop with the server's engine shape (8 slots of 512 tokens)."""
-    g = Generator(demo.cfg, demo.params, demo.tokenizer)
+    """The generation loop with the server's engine shape (8 slots of 512 tokens, its prefill chunk)."""
+    g = Generator(demo.cfg, demo.params, demo.tokenizer, engine_options={"prefill_chunk": PREFILL_CHUNK})
     g.reserve(8, 512)
     return g
 

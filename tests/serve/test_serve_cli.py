@@ -49,20 +49,27 @@ def test_the_window_bound_is_the_drafters():
     assert MAX_MTP_WINDOW == 8192
 
 
-def test_infer_py_serve_is_the_server_cli():
-    """``python infer.py serve ...`` runs ``minimax_jax.serve.cli`` with the arguments after ``serve``."""
+def test_infer_py_serve_is_the_server_cli(monkeypatch, capsys):
+    """``python infer.py serve ...`` runs ``minimax_jax.serve.cli`` with the arguments after ``serve`` (infer.py run
+    as ``__main__`` in this process: its imports are loaded already, no interpreter start-up)."""
     import os
-    import subprocess
+    import runpy
     import sys
 
     from tests.paths import REPO_ROOT
-    env = dict(os.environ, PYTHONPATH=REPO_ROOT, JAX_PLATFORMS="cpu")
-    ok = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "infer.py"), "serve", "--help"],
-                        capture_output=True, text=True, timeout=120, env=env)
-    assert ok.returncode == 0 and "--max_batch" in ok.stdout and ok.stdout.startswith("usage: infer.py serve")
-    bad = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "infer.py"), "serve", "--bogus"],
-                         capture_output=True, text=True, timeout=120, env=env)
-    assert bad.returncode == 2 and "infer.py serve: error: unrecognized arguments: --bogus" in bad.stderr
+
+    def infer_py(*args):
+        monkeypatch.setattr(sys, "argv", [os.path.join(REPO_ROOT, "infer.py"), *args])
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            runpy.run_path(os.path.join(REPO_ROOT, "infer.py"), run_name="__main__")
+        out, err = capsys.readouterr()
+        return e.value.code, out, err
+
+    code, out, _ = infer_py("serve", "--help")
+    assert code == 0 and "--max_batch" in out and out.startswith("usage: infer.py serve")
+    code, _, err = infer_py("serve", "--bogus")
+    assert code == 2 and "infer.py serve: error: unrecognized arguments: --bogus" in err
 
 
 def _serve(tmp_path, *flags, devices=1, **cfg_kw):

@@ -13,7 +13,7 @@ import pytest
 from minimax_jax.infer.generation import GenerationConfig
 from minimax_jax.infer.sampler import SamplingParams
 from minimax_jax.serve.scheduler import Sequence
-from tests.serve.serving import running
+from tests.serve.serving import PREFILL_CHUNK, running
 
 MODEL = "demo"
 PROMPT = "ROMEO:"          # the demo model repeats "1222222, 122200, ..." greedily: penalties change it
@@ -22,7 +22,7 @@ E = 77                     # the token "e"
 
 @pytest.fixture(scope="module")
 def srv(demo):
-    with running(demo, max_batch=8, max_len=512) as r:
+    with running(demo, max_batch=8, max_len=512, prefill_chunk=PREFILL_CHUNK) as r:
         yield r
 
 

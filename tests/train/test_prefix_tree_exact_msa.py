@@ -69,16 +69,23 @@ def references() -> dict:
     return {}
 
 
+def _case_trajectories(name: str) -> tuple[list, list]:
+    """Case ``name``'s ``(token lists, trajectories)`` (seeded by the name)."""
+    rng = np.random.default_rng(len(name) + 3)
+    tokens = [t for s in CASES[name][0] for t in _tree(rng, s)]
+    if name == "several_trees_per_row":   # a prefix of another trajectory and a duplicate
+        tokens += [tokens[0][:30], list(tokens[1])]
+    return tokens, _trajs(rng, tokens)
+
+
 @pytest.mark.parametrize("name,way", WAYS)
 def test_msa_merged_loss_kl_and_grads_equal_unmerged(model, references, name, way):
     cfg, params = model
     specs, seq_len, rows, kl_mode = CASES[name]
-    rng = np.random.default_rng(len(name) + 3)
-    tokens = [t for s in specs for t in _tree(rng, s)]
-    if name == "several_trees_per_row":   # a prefix of another trajectory and a duplicate
-        tokens += [tokens[0][:30], list(tokens[1])]
-    trajs = _trajs(rng, tokens)
-    packed, stats = pack_trajectories(trajs, seq_len, rows, key_len=None if way == "ops_xla" else 4 * seq_len)
+    tokens, trajs = _case_trajectories(name)
+    # key_len 2 * seq_len: every case's unmerged trajectories fit, with padding left in each row (the
+    # interpreted kernels' time grows with the key length)
+    packed, stats = pack_trajectories(trajs, seq_len, rows, key_len=None if way == "ops_xla" else 2 * seq_len)
     assert stats.tokens_after < stats.tokens_before or len(tokens) == 1
     assert max(t.tokens.size for t in trajs) > cfg.index_topk * cfg.index_block_size   # really sparse
     if name not in references:
@@ -98,15 +105,19 @@ def test_msa_merged_loss_kl_and_grads_equal_unmerged(model, references, name, wa
     assert idx is None or np.abs(np.asarray(idx)).max() > 0     # the KL really trains the indexer
 
 
-def test_msa_without_tree_visibility_or_weights_differs(model):
+def test_msa_without_tree_visibility_or_weights_differs(model, references):
     """The tree inputs matter: dropping ``subtree_end`` (siblings leak into MSA scores and attention) or
-    ``input_weight`` (shared prefixes counted once in the KL) changes the result."""
+    ``input_weight`` (shared prefixes counted once in the KL) changes the result. The "inside_block" case's
+    trees (its merged and unmerged programs, and its reference, shared with that case's test above)."""
     cfg, params = model
-    rng = np.random.default_rng(11)
-    trajs = _trajs(rng, _tree(rng, (40, [(50, []), (45, [])])))
-    packed, _ = pack_trajectories(trajs, 144, 1)
-    l_tree, kl_tree, _ = _run(cfg, params, packed, "sparse")
-    l_ref, kl_ref, _ = _run(cfg, params, _unmerged(trajs), "sparse")
+    name = "inside_block"
+    specs, seq_len, rows, kl_mode = CASES[name]
+    _, trajs = _case_trajectories(name)
+    packed, _ = pack_trajectories(trajs, seq_len, rows)
+    l_tree, kl_tree, _ = _run(cfg, params, packed, kl_mode)
+    if name not in references:
+        references[name] = _run(cfg, params, _unmerged(trajs), kl_mode)
+    l_ref, kl_ref, _ = references[name]
     np.testing.assert_allclose(kl_tree, kl_ref, rtol=1e-5)
     blind = {k: v for k, v in packed.items() if k != "subtree_end"}
     assert abs(_run(cfg, params, blind, "sparse")[0] - l_ref) > 1e-4 * abs(l_ref)

@@ -7,7 +7,7 @@ import pytest
 
 from minimax_jax.train.config import TrainConfigError, apply_overrides, from_dict, load_train_config, validate_against
 from minimax_jax.train.model_init import model_configs
-from tests.train_helpers import REPO, micro_train_dict, run_train_cli, subprocess_env, write_yaml
+from tests.train_helpers import REPO, micro_train_dict, train_script_main, write_yaml
 
 
 def test_repo_yamls_load():
@@ -124,12 +124,16 @@ def test_train_fails_before_compiling(tmp_path):
     assert time.perf_counter() - t < 5 and not run_dir.exists()
 
 
-def test_cli_reports_config_errors(tmp_path):
+def test_cli_reports_config_errors(tmp_path, capsys):
+    """train.py's ``main`` in this process (the checks end before any compile; the script's exit status 2 from a
+    subprocess: tests/train/test_train_check_only.py::test_missing_data_without_prepare_fails_clearly)."""
+    main = train_script_main()
     p = write_yaml(micro_train_dict(str(tmp_path / "r")), str(tmp_path / "c.yaml"))
-    out = run_train_cli(p, "optim.lr=-1", env=subprocess_env(), timeout=120)
-    assert out.returncode == 2 and "optim.lr must be a positive number" in out.stderr
-    out = run_train_cli(p, "mesh=data=64", env=subprocess_env(), timeout=120)
-    assert out.returncode == 2 and "needs 64 devices" in out.stderr
+    capsys.readouterr()
+    assert main(["--config", p, "--set", "optim.lr=-1"]) == 2
+    assert "optim.lr must be a positive number" in capsys.readouterr().err
+    assert main(["--config", p, "--set", "mesh=data=64"]) == 2
+    assert "needs 64 devices" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
 
 

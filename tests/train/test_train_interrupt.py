@@ -2,20 +2,20 @@
 traceback; the same command resumes to the end with every step logged once and the losses of an
 uninterrupted run; a second Ctrl-C aborts at once (130, nothing saved).
 
-``train.py`` runs in subprocesses (micro model, synthetic data) with SIGINT at its default.
+``train.py`` runs in subprocesses (micro model, synthetic data) with SIGINT at its default; the resume and the
+uninterrupted reference run train.py's ``main`` in this process.
 """
 
 import os
 import re
 import signal
-import subprocess
 import time
 
 import numpy as np
 import pytest
 
-from tests.train_helpers import REPO, micro_train_dict, subprocess_env, write_yaml
-from tests.train_run_helpers import OutputReader, loss_steps, popen_train, rows, saved_steps, train_cmd, wait_for_step
+from tests.train_helpers import micro_train_dict, subprocess_env, train_script_main, write_yaml
+from tests.train_run_helpers import OutputReader, loss_steps, popen_train, rows, saved_steps, wait_for_step
 from tests.train_run_helpers import no_leftover_runs  # noqa: F401  (autouse fixture)
 
 
@@ -26,7 +26,7 @@ def setup(tmp_path_factory):
     return tmp, write_yaml(d, str(tmp / "train.yaml"))
 
 
-def test_sigint_saves_then_resume_logs_every_step_once(setup):
+def test_sigint_saves_then_resume_logs_every_step_once(setup, capsys):
     tmp, cfg = setup
     env = subprocess_env()
     run_dir = str(tmp / "int")
@@ -45,17 +45,20 @@ def test_sigint_saves_then_resume_logs_every_step_once(setup):
     assert saved_steps(run_dir) == [stop]           # checkpoint.every=0: only the interrupt's save
     assert loss_steps(run_dir) == list(range(1, stop + 1))
 
+    # the resume and the uninterrupted reference: train.py's ``main`` in this process (no interpreter start-up)
+    main = train_script_main()
     end = stop + 3
-    resumed = subprocess.run(train_cmd(cfg, f"run.run_dir={run_dir}", f"run.steps={end}"), env=env, cwd=REPO,
-                             capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert f"resumed from step {stop}" in resumed.stdout
+    capsys.readouterr()
+    code = main(["--config", cfg, "--set", f"run.run_dir={run_dir}", "--set", f"run.steps={end}"])
+    out, err = capsys.readouterr()
+    assert code == 0, out[-3000:] + err[-3000:]
+    assert f"resumed from step {stop}" in out
     assert loss_steps(run_dir) == list(range(1, end + 1))   # every step exactly once
 
     ref_dir = str(tmp / "ref")
-    ref = subprocess.run(train_cmd(cfg, f"run.run_dir={ref_dir}", f"run.steps={end}"), env=env, cwd=REPO,
-                         capture_output=True, text=True, timeout=300)
-    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    code = main(["--config", cfg, "--set", f"run.run_dir={ref_dir}", "--set", f"run.steps={end}"])
+    out, err = capsys.readouterr()
+    assert code == 0, out[-3000:] + err[-3000:]
     got = {r["step"]: r["loss"] for r in rows(run_dir) if "loss" in r}
     want = {r["step"]: r["loss"] for r in rows(ref_dir) if "loss" in r}
     np.testing.assert_array_equal([got[s] for s in range(1, end + 1)], [want[s] for s in range(1, end + 1)])

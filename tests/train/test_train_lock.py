@@ -5,14 +5,13 @@ leaves a stale lock that does not stop the resume."""
 import os
 import signal
 import socket
-import subprocess
 import time
 
 import pytest
 
 from minimax_jax.train.run_lock import LOCK_NAME, RunDirLockedError, RunLock, lock_holder
-from tests.train_helpers import REPO, micro_train_dict, subprocess_env, write_yaml
-from tests.train_run_helpers import loss_steps, popen_train, saved_steps, train_cmd, wait_for_step
+from tests.train_helpers import micro_train_dict, subprocess_env, train_script_main, write_yaml
+from tests.train_run_helpers import loss_steps, popen_train, saved_steps, wait_for_step
 from tests.train_run_helpers import no_leftover_runs  # noqa: F401  (autouse fixture)
 
 
@@ -33,15 +32,18 @@ def test_lock_is_exclusive_and_names_its_holder(tmp_path):
         pass
 
 
-def test_second_process_exits_2_and_first_finishes(setup):
+def test_second_process_exits_2_and_first_finishes(setup, capsys):
+    """The second ``train.py`` is this process (train.py's ``main``: the lock is taken before any compile; no
+    interpreter start-up while the first one trains on)."""
     tmp, cfg, env = setup
     run_dir = str(tmp / "busy")
     first = popen_train(cfg, f"run.run_dir={run_dir}", "run.steps=100000", "checkpoint.every=0", env=env)
     wait_for_step(run_dir, 2, first)
-    second = subprocess.run(train_cmd(cfg, f"run.run_dir={run_dir}", "run.steps=5"), env=env, cwd=REPO,
-                            capture_output=True, text=True, timeout=300)
-    assert second.returncode == 2, second.stdout[-3000:] + second.stderr[-3000:]
-    err = [x for x in second.stderr.strip().splitlines() if "compilation cache:" not in x]   # an info line
+    capsys.readouterr()
+    code = train_script_main()(["--config", cfg, "--set", f"run.run_dir={run_dir}", "--set", "run.steps=5"])
+    out, stderr = capsys.readouterr()
+    assert code == 2, out[-3000:] + stderr[-3000:]
+    err = [x for x in stderr.strip().splitlines() if "compilation cache:" not in x]   # an info line
     assert len(err) == 1 and f"in use by another training process (pid {first.pid} on host" in err[0], err
     assert first.poll() is None                      # the first one trains on, undisturbed
     first.send_signal(signal.SIGTERM)
